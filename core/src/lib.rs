@@ -1,0 +1,12 @@
+//! `shardscope-core`: read, understand, convert and verify sharded PyTorch (FSDP, DCP) checkpoints
+//! without Python or torch.
+//!
+//! Levels: `formats::*` turns bytes into raw records; `model::*` holds the canonical types the rest
+//! of the code uses; `layout` computes FSDP layouts exactly as PyTorch does. This crate does no file
+//! I/O at its centre and builds for `wasm32-unknown-unknown`.
+
+pub mod dtype;
+pub mod layout;
+pub mod model;
+
+pub use dtype::DType;

@@ -1,0 +1,9 @@
+//! Canonical types shared by layouts, transforms, the CLI and the viewer.
+//!
+//! Format quirks (wrapper prefixes, pickle classes, DCP flattening) are resolved before data reaches
+//! this module; code that uses these types never sees them.
+
+pub mod description;
+pub mod fqn;
+
+pub use description::{DescriptionError, ModelDescription, ParamSpec};

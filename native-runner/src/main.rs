@@ -1,0 +1,35 @@
+//! `shardscope`: look inside, convert and verify sharded PyTorch checkpoints without torch.
+
+mod cli;
+
+use std::process::ExitCode;
+
+use clap::{Parser, Subcommand};
+
+/// Understand, convert and verify sharded PyTorch (FSDP, DCP) checkpoints, without Python or torch.
+#[derive(Debug, Parser)]
+#[command(name = "shardscope", version, about, long_about = None)]
+struct Cli {
+    #[command(subcommand)]
+    command: Command,
+}
+
+#[derive(Debug, Subcommand)]
+enum Command {
+    /// Show which elements of which parameter every rank holds under an FSDP configuration.
+    Layout(cli::layout::LayoutArgs),
+}
+
+fn main() -> ExitCode {
+    let cli = Cli::parse();
+    let result = match cli.command {
+        Command::Layout(args) => cli::layout::run(&args),
+    };
+    match result {
+        Ok(code) => code,
+        Err(err) => {
+            cli::report_error(&err);
+            ExitCode::from(2)
+        }
+    }
+}

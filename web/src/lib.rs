@@ -1,0 +1,3 @@
+//! WebAssembly entry of the shardscope viewer (filled by the viewer issue).
+
+pub use shardscope_viewer as viewer;
