@@ -1,0 +1,460 @@
+//! The whole viewer as one `ui` function over its state; the native binary and the web entry wrap
+//! it in an `eframe::App`.
+
+use egui::{RichText, Ui};
+use shardscope_core::layout::{self, LayoutConfig};
+use shardscope_core::model::ModelDescription;
+
+use crate::docs::{Document, Loader};
+use crate::format::{bytes as fmt_bytes, count, ranks as fmt_ranks, shape as fmt_shape};
+use crate::panels::{chunk_map, controls::Controls, fqn_map, ranks, shard_map, tensor_tree, timeline};
+use crate::theme::Theme;
+use crate::trace::Trace;
+use crate::view::LayoutView;
+use crate::Selection;
+
+/// The bundled example model (also what the web page shows before a file is opened).
+pub const EXAMPLE_MODEL: &[u8] = include_bytes!("../../examples/tiny_model.json");
+/// The bundled example trace.
+pub const EXAMPLE_TRACE: &[u8] = include_bytes!("../../examples/viewer/gather_trace.json");
+
+/// Inputs handed over from outside the frame loop (browser drops, `WebHandle::open_bytes`).
+pub type Inbox = std::sync::Arc<std::sync::Mutex<Vec<(String, Result<Vec<u8>, String>)>>>;
+
+/// The central tabs.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
+pub enum Tab {
+    #[default]
+    ShardMap,
+    FqnMap,
+    Ranks,
+    Trace,
+}
+
+/// The loaded model description.
+#[derive(Debug, Clone)]
+pub struct LoadedModel {
+    pub name: String,
+    pub model: ModelDescription,
+}
+
+/// All viewer state.
+#[derive(Debug, Default)]
+pub struct Viewer {
+    pub theme: Theme,
+    applied_theme: Option<Theme>,
+    pub controls: Controls,
+    pub model: Option<LoadedModel>,
+    /// The view of the current layout, `None` when no model is loaded or the layout is invalid.
+    pub view: Option<LayoutView>,
+    /// Why the current controls give no layout.
+    pub layout_error: Option<String>,
+    /// The configuration `view` was computed for.
+    pub applied_config: Option<LayoutConfig>,
+    pub trace: Option<Trace>,
+    pub selection: Selection,
+    pub tab: Tab,
+    pub shard_map: shard_map::ShardMapState,
+    pub fqn_map: fqn_map::FqnMapState,
+    pub tree: tensor_tree::TreeState,
+    pub timeline: timeline::TimelineState,
+    pub loader: Loader,
+    /// Errors and notices, newest last.
+    pub messages: Vec<String>,
+    inbox: Inbox,
+    #[cfg(not(target_arch = "wasm32"))]
+    dialog: Option<std::sync::mpsc::Receiver<Vec<std::path::PathBuf>>>,
+}
+
+impl Viewer {
+    pub fn new() -> Self {
+        Self::default()
+    }
+
+    /// A viewer showing the bundled example model and trace.
+    pub fn with_example() -> Self {
+        let mut v = Self::new();
+        v.open_document(crate::docs::parse("examples/tiny_model.json", EXAMPLE_MODEL));
+        v.open_document(crate::docs::parse("examples/viewer/gather_trace.json", EXAMPLE_TRACE));
+        v.tab = Tab::ShardMap;
+        v
+    }
+
+    /// Queues bytes for parsing (browser drops, the file picker, tests).
+    pub fn open_bytes(&mut self, name: impl Into<String>, bytes: Vec<u8>) {
+        self.loader.open_bytes(name.into(), bytes);
+    }
+
+    /// Queues a file or folder for parsing.
+    #[cfg(not(target_arch = "wasm32"))]
+    pub fn open_path(&mut self, path: std::path::PathBuf) {
+        self.loader.open_path(path);
+    }
+
+    /// Applies a parsed document.
+    pub fn open_document(&mut self, doc: Result<Document, crate::docs::OpenError>) {
+        match doc {
+            Ok(Document::Model { name, model }) => {
+                self.messages.push(format!("opened model {name} ({} parameters)", model.params.len()));
+                self.model = Some(LoadedModel { name, model });
+                self.applied_config = None;
+                self.recompute();
+                if self.tab == Tab::Trace {
+                    self.tab = Tab::ShardMap;
+                }
+            }
+            Ok(Document::Trace(trace)) => {
+                self.messages.push(format!(
+                    "opened trace {} ({} spans on {} lanes)",
+                    trace.name,
+                    trace.spans.len(),
+                    trace.lanes.len()
+                ));
+                self.trace = Some(trace);
+                self.timeline = timeline::TimelineState::default();
+                self.tab = Tab::Trace;
+            }
+            Err(e) => self.messages.push(format!("error: {e}")),
+        }
+    }
+
+    /// Recomputes the layout if the controls or the model changed.
+    pub fn recompute(&mut self) {
+        let config = self.controls.config();
+        if self.applied_config.as_ref() == Some(&config) {
+            return;
+        }
+        self.applied_config = Some(config.clone());
+        let Some(loaded) = &self.model else {
+            self.view = None;
+            return;
+        };
+        match layout::compute(&loaded.model, &config) {
+            Ok(l) => {
+                self.view = Some(LayoutView::new(&loaded.model, &l));
+                self.layout_error = None;
+            }
+            Err(e) => {
+                self.view = None;
+                self.layout_error = Some(e.to_string());
+            }
+        }
+    }
+
+    /// Finishes pending loads (tests: call until it returns 0).
+    pub fn poll_loader(&mut self) -> usize {
+        for doc in self.loader.poll() {
+            self.open_document(doc);
+        }
+        self.loader.pending()
+    }
+
+    /// One line describing the state, mirrored into the web page for scripts and screen readers.
+    pub fn status_line(&self) -> String {
+        let model = self.model.as_ref().map_or("no model".to_owned(), |m| m.name.clone());
+        let layout = match (&self.view, &self.layout_error) {
+            (Some(v), _) => format!(
+                "{} {} x{} · {} units · {} chunks",
+                v.api_label,
+                v.strategy_label,
+                v.world_size,
+                v.units.len(),
+                v.chunk_count()
+            ),
+            (None, Some(e)) => format!("layout error: {e}"),
+            (None, None) => "no layout".to_owned(),
+        };
+        let selected = self.selection.fqn.as_deref().unwrap_or("none");
+        format!("{model} · {layout} · selected: {selected}")
+    }
+
+    /// Draws the whole viewer.
+    pub fn ui(&mut self, ui: &mut Ui) {
+        let ctx = ui.ctx().clone();
+        if self.applied_theme != Some(self.theme) {
+            ctx.set_visuals(self.theme.visuals());
+            self.applied_theme = Some(self.theme);
+        }
+        if self.poll_loader() > 0 {
+            ctx.request_repaint();
+        }
+        self.take_dropped_files(&ctx);
+        #[cfg(not(target_arch = "wasm32"))]
+        self.poll_dialog();
+
+        egui::Panel::top("menu").show(ui, |ui| self.menu_bar(ui));
+        egui::Panel::bottom("status").show(ui, |ui| self.status_bar(ui));
+        egui::Panel::left("controls")
+            .resizable(true)
+            .default_size(310.0)
+            .show(ui, |ui| self.left_panel(ui));
+        egui::Panel::right("inspector")
+            .resizable(true)
+            .default_size(340.0)
+            .show(ui, |ui| self.inspector(ui));
+        egui::CentralPanel::default().show(ui, |ui| self.central(ui));
+
+        if self.selection.changed {
+            self.selection.changed = false;
+            self.shard_map.reveal_selection = true;
+            self.fqn_map.reveal_selection = true;
+            ctx.request_repaint();
+        }
+    }
+
+    fn take_dropped_files(&mut self, ctx: &egui::Context) {
+        let dropped = ctx.input_mut(|i| std::mem::take(&mut i.raw.dropped_files));
+        for file in dropped {
+            #[cfg(not(target_arch = "wasm32"))]
+            self.open_path(file.path().to_path_buf());
+            #[cfg(target_arch = "wasm32")]
+            {
+                // Browsers read files asynchronously: the bytes arrive in the inbox later.
+                let inbox = self.inbox.clone();
+                let ctx = ctx.clone();
+                wasm_bindgen_futures::spawn_local(async move {
+                    let name = file.path().display().to_string();
+                    let result = file.bytes_async().await;
+                    if let Ok(mut q) = inbox.lock() {
+                        q.push((name, result));
+                    }
+                    ctx.request_repaint();
+                });
+            }
+        }
+        let arrived = self.inbox.lock().map(|mut q| std::mem::take(&mut *q)).unwrap_or_default();
+        for (name, result) in arrived {
+            match result {
+                Ok(bytes) => self.open_bytes(name, bytes),
+                Err(e) => self.messages.push(format!("error: cannot read {name}: {e}")),
+            }
+        }
+    }
+
+    /// A queue other threads or JavaScript can push `(name, bytes)` into; the viewer opens them on
+    /// its next frame.
+    pub fn inbox(&self) -> Inbox {
+        self.inbox.clone()
+    }
+
+    #[cfg(not(target_arch = "wasm32"))]
+    fn poll_dialog(&mut self) {
+        if let Some(rx) = &self.dialog
+            && let Ok(paths) = rx.try_recv()
+        {
+            self.dialog = None;
+            for p in paths {
+                self.open_path(p);
+            }
+        }
+    }
+
+    #[cfg(not(target_arch = "wasm32"))]
+    fn open_dialog(&mut self, folder: bool) {
+        let (tx, rx) = std::sync::mpsc::channel();
+        // The dialog runs on its own thread so the UI keeps drawing while it is open.
+        let spawned = std::thread::Builder::new().name("file-dialog".to_owned()).spawn(move || {
+            let dialog = rfd::FileDialog::new();
+            let picked = if folder {
+                dialog.pick_folder().map(|p| vec![p])
+            } else {
+                dialog.add_filter("JSON", &["json"]).pick_files()
+            };
+            if let Some(paths) = picked {
+                let _ = tx.send(paths);
+            }
+        });
+        match spawned {
+            Ok(_) => self.dialog = Some(rx),
+            Err(e) => self.messages.push(format!("error: cannot open a file dialog: {e}")),
+        }
+    }
+
+    fn menu_bar(&mut self, ui: &mut Ui) {
+        ui.horizontal(|ui| {
+            ui.heading("shardscope");
+            ui.separator();
+            #[cfg(not(target_arch = "wasm32"))]
+            {
+                if ui.button("Open files…").clicked() {
+                    self.open_dialog(false);
+                }
+                if ui.button("Open folder…").clicked() {
+                    self.open_dialog(true);
+                }
+            }
+            if ui.button("Example").on_hover_text("The bundled tiny model and gather trace").clicked() {
+                self.open_bytes("examples/tiny_model.json", EXAMPLE_MODEL.to_vec());
+                self.open_bytes("examples/viewer/gather_trace.json", EXAMPLE_TRACE.to_vec());
+            }
+            ui.separator();
+            let dark = self.theme.is_dark();
+            if ui
+                .button(if dark { "☀ Light" } else { "🌙 Dark" })
+                .on_hover_text("Switch theme")
+                .clicked()
+            {
+                self.theme = if dark { Theme::Light } else { Theme::Dark };
+            }
+            if self.loader.pending() > 0 {
+                ui.spinner();
+                ui.label(format!("parsing {} input(s)…", self.loader.pending()));
+            }
+            ui.with_layout(egui::Layout::right_to_left(egui::Align::Center), |ui| {
+                ui.weak("drop model descriptions or runner traces anywhere");
+            });
+        });
+    }
+
+    fn status_bar(&mut self, ui: &mut Ui) {
+        ui.horizontal(|ui| {
+            match self.selection.fqn.clone() {
+                Some(f) => {
+                    ui.label("Selected:");
+                    ui.strong(&f);
+                    if ui.small_button("✖").on_hover_text("Clear selection").clicked() {
+                        self.selection.fqn = None;
+                    }
+                }
+                None => {
+                    ui.weak("Nothing selected: click a slice, a row or a tree leaf");
+                }
+            }
+            if let Some(m) = self.messages.last() {
+                ui.separator();
+                if m.starts_with("error") {
+                    ui.colored_label(ui.visuals().error_fg_color, m);
+                } else {
+                    ui.weak(m);
+                }
+            }
+        });
+    }
+
+    fn left_panel(&mut self, ui: &mut Ui) {
+        ui.add_space(4.0);
+        ui.strong("Layout");
+        if let Some(m) = &self.model {
+            ui.weak(format!("model: {}", m.name));
+        } else {
+            ui.weak("no model loaded");
+        }
+        if self.controls.ui(ui) {
+            self.recompute();
+        }
+        if let Some(e) = &self.layout_error {
+            ui.colored_label(ui.visuals().error_fg_color, e);
+        }
+        if let Some(v) = &self.view {
+            for note in &v.notes {
+                ui.colored_label(ui.visuals().warn_fg_color, note);
+            }
+        }
+        ui.separator();
+        ui.strong("Tensors");
+        if let Some(view) = &self.view {
+            tensor_tree::ui(ui, view, &mut self.tree, &mut self.selection, self.theme);
+        }
+    }
+
+    fn inspector(&mut self, ui: &mut Ui) {
+        ui.add_space(4.0);
+        ui.strong("Selection");
+        let Some(view) = &self.view else {
+            return;
+        };
+        let Some(p) = self.selection.fqn.as_deref().and_then(|f| view.param(f)) else {
+            ui.weak("Select a parameter to see where it lives.");
+            return;
+        };
+        egui::ScrollArea::vertical().id_salt("inspector_scroll").show(ui, |ui| {
+            ui.label(RichText::new(&p.fqn).monospace().strong());
+            egui::Grid::new("inspector_grid").num_columns(2).striped(true).show(ui, |ui| {
+                let mut row = |k: &str, v: String| {
+                    ui.weak(k);
+                    ui.label(v);
+                    ui.end_row();
+                };
+                row("raw name", p.raw_name.clone());
+                row("status", p.status.label().to_owned());
+                if let Some(prim) = &p.shared_with {
+                    row("tied to", prim.clone());
+                }
+                row("unit", p.unit.as_deref().map_or("(none)".to_owned(), |u| if u.is_empty() { "(root)".to_owned() } else { u.to_owned() }));
+                if let Some(f) = &p.flat_param {
+                    row("flat parameter", f.clone());
+                }
+                if let Some((a, b)) = p.flat_range {
+                    row("flat range", format!("[{a}, {b})"));
+                }
+                row("shape", fmt_shape(&p.shape));
+                row("dtype", p.dtype.name().to_owned());
+                row("numel", count(p.numel));
+                row("bytes", fmt_bytes(p.bytes()));
+                row("ranks", fmt_ranks(&p.ranks));
+            });
+            ui.separator();
+            ui.strong("Chunk map");
+            chunk_map::ui(ui, p, self.theme);
+        });
+    }
+
+    fn central(&mut self, ui: &mut Ui) {
+        ui.horizontal(|ui| {
+            ui.selectable_value(&mut self.tab, Tab::ShardMap, "Shard map");
+            ui.selectable_value(&mut self.tab, Tab::FqnMap, "FQN map");
+            ui.selectable_value(&mut self.tab, Tab::Ranks, "Ranks");
+            ui.add_enabled_ui(self.trace.is_some(), |ui| {
+                ui.selectable_value(&mut self.tab, Tab::Trace, "Trace");
+            });
+            if let Some(v) = &self.view {
+                ui.separator();
+                ui.weak(format!(
+                    "{} · {} · world {} · {} parameters",
+                    v.api_label,
+                    v.strategy_label,
+                    v.world_size,
+                    v.params.len()
+                ));
+            }
+        });
+        ui.separator();
+        match self.tab {
+            Tab::Trace => match &self.trace {
+                Some(t) => timeline::ui(ui, t, &mut self.timeline, &mut self.selection, self.theme),
+                None => {
+                    ui.label("Open a runner trace (Chrome trace JSON) to see the timeline.");
+                }
+            },
+            tab => {
+                let Some(view) = &self.view else {
+                    empty_state(ui, self.layout_error.as_deref());
+                    return;
+                };
+                match tab {
+                    Tab::ShardMap => shard_map::ui(ui, view, &mut self.shard_map, &mut self.selection, self.theme),
+                    Tab::FqnMap => fqn_map::ui(ui, view, &mut self.fqn_map, &mut self.selection),
+                    _ => ranks::ui(ui, view, self.theme),
+                }
+            }
+        }
+    }
+}
+
+fn empty_state(ui: &mut Ui, error: Option<&str>) {
+    ui.vertical_centered(|ui| {
+        ui.add_space(40.0);
+        if let Some(e) = error {
+            ui.colored_label(ui.visuals().error_fg_color, e);
+        } else {
+            ui.heading("Open a model description or a runner trace");
+            ui.label("Drop a .json file here, or press Example.");
+        }
+    });
+}
+
+impl eframe::App for Viewer {
+    fn ui(&mut self, ui: &mut Ui, _frame: &mut eframe::Frame) {
+        Viewer::ui(self, ui);
+    }
+}

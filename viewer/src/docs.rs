@@ -1,0 +1,244 @@
+//! Opening inputs: classify bytes by content, parse them off the UI thread (a worker thread on
+//! native, one file per frame on the web), and hand finished documents to the app.
+
+use std::collections::VecDeque;
+
+use shardscope_core::model::ModelDescription;
+
+use crate::trace::Trace;
+
+/// A parsed input.
+#[derive(Debug, Clone)]
+pub enum Document {
+    /// A model description (`shardscope layout --model`).
+    Model { name: String, model: ModelDescription },
+    /// A Chrome trace of the gather runner (or any Chrome trace JSON).
+    Trace(Trace),
+}
+
+/// Why an input cannot be opened.
+#[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
+pub enum OpenError {
+    /// The model description is invalid.
+    #[error("{0}")]
+    Model(#[from] shardscope_core::model::DescriptionError),
+    /// The trace is invalid.
+    #[error("{0}")]
+    Trace(#[from] crate::trace::TraceError),
+    /// JSON that is neither a model description nor a trace.
+    #[error("{name}: JSON, but neither a model description (`params`) nor a Chrome trace (`traceEvents`)")]
+    UnknownJson { name: String },
+    /// Not JSON at all.
+    #[error("{name}: unsupported input ({size_bytes} bytes); the viewer opens model descriptions (.json) and runner traces (.json)")]
+    Unsupported { name: String, size_bytes: usize },
+    /// Reading a file failed (native only).
+    #[error("cannot read {path}: {message}")]
+    Io { path: String, message: String },
+}
+
+/// Largest input the viewer parses (model descriptions and traces are metadata, never tensors).
+pub const MAX_INPUT_BYTES: usize = 512 << 20;
+
+/// Classifies and parses one input.
+pub fn parse(name: &str, bytes: &[u8]) -> Result<Document, OpenError> {
+    let head = bytes
+        .iter()
+        .copied()
+        .find(|b| !b.is_ascii_whitespace())
+        .unwrap_or(0);
+    if bytes.len() > MAX_INPUT_BYTES || !(head == b'{' || head == b'[') {
+        return Err(OpenError::Unsupported {
+            name: name.to_owned(),
+            size_bytes: bytes.len(),
+        });
+    }
+    // Cheap sniffing on the first kilobytes before a full parse.
+    let window = &bytes[..bytes.len().min(64 << 10)];
+    let has = |needle: &[u8]| window.windows(needle.len()).any(|w| w == needle);
+    if head == b'[' || has(b"\"traceEvents\"") {
+        return Ok(Document::Trace(Trace::from_json_bytes(bytes, name)?));
+    }
+    if has(b"\"params\"") {
+        let model = ModelDescription::from_json_bytes(bytes, name)?;
+        return Ok(Document::Model {
+            name: name.to_owned(),
+            model,
+        });
+    }
+    Err(OpenError::UnknownJson {
+        name: name.to_owned(),
+    })
+}
+
+/// Work waiting to be parsed.
+#[derive(Debug)]
+enum Job {
+    Bytes { name: String, bytes: Vec<u8> },
+    #[cfg(not(target_arch = "wasm32"))]
+    Path(std::path::PathBuf),
+}
+
+type Finished = Result<Document, OpenError>;
+
+/// Parses inputs without blocking the UI.
+#[derive(Debug, Default)]
+pub struct Loader {
+    queue: VecDeque<Job>,
+    #[cfg(not(target_arch = "wasm32"))]
+    worker: Option<std::sync::mpsc::Receiver<Finished>>,
+    /// Parse synchronously (tests and benchmarks).
+    pub synchronous: bool,
+}
+
+impl Loader {
+    pub fn open_bytes(&mut self, name: String, bytes: Vec<u8>) {
+        self.queue.push_back(Job::Bytes { name, bytes });
+    }
+
+    /// Opens a file, or every file of a folder (native only).
+    #[cfg(not(target_arch = "wasm32"))]
+    pub fn open_path(&mut self, path: std::path::PathBuf) {
+        self.queue.push_back(Job::Path(path));
+    }
+
+    /// Inputs queued or being parsed.
+    pub fn pending(&self) -> usize {
+        #[cfg(not(target_arch = "wasm32"))]
+        {
+            self.queue.len() + usize::from(self.worker.is_some())
+        }
+        #[cfg(target_arch = "wasm32")]
+        {
+            self.queue.len()
+        }
+    }
+
+    /// Advances the work; returns what finished. Call once per frame.
+    pub fn poll(&mut self) -> Vec<Finished> {
+        let mut done = Vec::new();
+        if self.synchronous {
+            while let Some(job) = self.queue.pop_front() {
+                done.extend(run_job(job));
+            }
+            return done;
+        }
+        #[cfg(not(target_arch = "wasm32"))]
+        {
+            if let Some(rx) = &self.worker {
+                loop {
+                    match rx.try_recv() {
+                        Ok(result) => done.push(result),
+                        Err(std::sync::mpsc::TryRecvError::Empty) => break,
+                        Err(std::sync::mpsc::TryRecvError::Disconnected) => {
+                            self.worker = None;
+                            break;
+                        }
+                    }
+                }
+            }
+            if !self.queue.is_empty() && self.worker.is_none() {
+                let jobs: Vec<Job> = self.queue.drain(..).collect();
+                let (tx, rx) = std::sync::mpsc::channel();
+                let spawned = std::thread::Builder::new()
+                    .name("shardscope-loader".to_owned())
+                    .spawn(move || {
+                        for job in jobs {
+                            for result in run_job(job) {
+                                if tx.send(result).is_err() {
+                                    return;
+                                }
+                            }
+                        }
+                    });
+                match spawned {
+                    Ok(_) => self.worker = Some(rx),
+                    Err(e) => done.push(Err(OpenError::Io {
+                        path: "(loader thread)".to_owned(),
+                        message: e.to_string(),
+                    })),
+                }
+            }
+        }
+        #[cfg(target_arch = "wasm32")]
+        {
+            // One input per frame keeps the page responsive while a batch of files is parsed.
+            if let Some(job) = self.queue.pop_front() {
+                done.extend(run_job(job));
+            }
+        }
+        done
+    }
+}
+
+fn run_job(job: Job) -> Vec<Finished> {
+    match job {
+        Job::Bytes { name, bytes } => vec![parse(&name, &bytes)],
+        #[cfg(not(target_arch = "wasm32"))]
+        Job::Path(path) => read_path(&path),
+    }
+}
+
+#[cfg(not(target_arch = "wasm32"))]
+fn read_path(path: &std::path::Path) -> Vec<Finished> {
+    let io = |e: std::io::Error| OpenError::Io {
+        path: path.display().to_string(),
+        message: e.to_string(),
+    };
+    if path.is_dir() {
+        let mut entries: Vec<std::path::PathBuf> = match std::fs::read_dir(path) {
+            Ok(rd) => rd.filter_map(Result::ok).map(|e| e.path()).collect(),
+            Err(e) => return vec![Err(io(e))],
+        };
+        entries.sort();
+        return entries
+            .into_iter()
+            .filter(|p| p.extension().is_some_and(|e| e == "json"))
+            .flat_map(|p| read_path(&p))
+            .collect();
+    }
+    let name = path.display().to_string();
+    match std::fs::metadata(path) {
+        Ok(m) if m.len() > MAX_INPUT_BYTES as u64 => {
+            return vec![Err(OpenError::Unsupported {
+                name,
+                size_bytes: usize::try_from(m.len()).unwrap_or(usize::MAX),
+            })];
+        }
+        Ok(_) => {}
+        Err(e) => return vec![Err(io(e))],
+    }
+    match std::fs::read(path) {
+        Ok(bytes) => vec![parse(&name, &bytes)],
+        Err(e) => vec![Err(io(e))],
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    #![allow(clippy::unwrap_used)]
+    use super::*;
+
+    #[test]
+    fn sniffs_models_and_traces() {
+        let model = parse(
+            "m.json",
+            br#"{"params": [{"fqn": "w", "shape": [2], "dtype": "float32"}]}"#,
+        )
+        .unwrap();
+        assert!(matches!(model, Document::Model { .. }));
+        let trace = parse(
+            "t.json",
+            br#"[{"ph": "X", "name": "a", "pid": 0, "ts": 0, "dur": 1}]"#,
+        )
+        .unwrap();
+        assert!(matches!(trace, Document::Trace(_)));
+        assert!(matches!(
+            parse("x.bin", b"PK\x03\x04"),
+            Err(OpenError::Unsupported { .. })
+        ));
+        assert!(matches!(
+            parse("x.json", b"{\"a\": 1}"),
+            Err(OpenError::UnknownJson { .. })
+        ));
+    }
+}

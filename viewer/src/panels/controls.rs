@@ -1,0 +1,130 @@
+//! Live layout controls: API, world size, shard-group size, `use_orig_params`, strategy, compute
+//! dtype. Any change yields a new [`LayoutConfig`]; the app recomputes the layout at once.
+
+use egui::Ui;
+use shardscope_core::DType;
+use shardscope_core::layout::{Api, LayoutConfig, Strategy};
+
+/// The controls' values.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct Controls {
+    pub api: Api,
+    pub world_size: u64,
+    /// Ranks per shard group; used by hybrid strategies only.
+    pub shard_group_size: u64,
+    pub use_orig_params: bool,
+    pub strategy: Strategy,
+    /// `None`: the parameters' own dtype.
+    pub param_dtype: Option<DType>,
+}
+
+impl Default for Controls {
+    fn default() -> Self {
+        Self {
+            api: Api::Fsdp1,
+            world_size: 4,
+            shard_group_size: 2,
+            use_orig_params: true,
+            strategy: Strategy::FullShard,
+            param_dtype: None,
+        }
+    }
+}
+
+const FSDP1_STRATEGIES: [Strategy; 5] = [
+    Strategy::FullShard,
+    Strategy::ShardGradOp,
+    Strategy::NoShard,
+    Strategy::HybridShard,
+    Strategy::HybridShardZero2,
+];
+const FSDP2_STRATEGIES: [Strategy; 3] = [Strategy::FullShard, Strategy::ShardGradOp, Strategy::HybridShard];
+const DTYPES: [DType; 4] = [DType::Float32, DType::BFloat16, DType::Float16, DType::Float64];
+
+impl Controls {
+    /// The layout configuration these controls describe.
+    pub fn config(&self) -> LayoutConfig {
+        LayoutConfig {
+            api: self.api,
+            world_size: self.world_size,
+            shard_group_size: self.strategy.is_hybrid().then_some(self.shard_group_size),
+            use_orig_params: self.use_orig_params,
+            strategy: self.strategy,
+            param_dtype: self.param_dtype,
+        }
+    }
+
+    fn strategy_label(&self, s: Strategy) -> &'static str {
+        match (self.api, s) {
+            (Api::Fsdp2, Strategy::HybridShard) => "HSDP (replicate x shard)",
+            (Api::Fsdp2, Strategy::ShardGradOp) => "shard_grad_op (reshard_after_forward=False)",
+            (Api::Fsdp2, Strategy::FullShard) => "full_shard",
+            _ => s.name(),
+        }
+    }
+
+    /// Draws the controls; returns true when a value changed.
+    pub fn ui(&mut self, ui: &mut Ui) -> bool {
+        let before = self.clone();
+        egui::Grid::new("layout_controls").num_columns(2).spacing([8.0, 6.0]).show(ui, |ui| {
+            ui.label("API");
+            ui.horizontal(|ui| {
+                ui.selectable_value(&mut self.api, Api::Fsdp1, "FSDP1");
+                ui.selectable_value(&mut self.api, Api::Fsdp2, "FSDP2");
+            });
+            ui.end_row();
+
+            ui.label("World size");
+            ui.add(egui::DragValue::new(&mut self.world_size).range(1..=65_536).speed(0.1));
+            ui.end_row();
+
+            ui.label("Strategy");
+            let strategies: &[Strategy] = match self.api {
+                Api::Fsdp1 => &FSDP1_STRATEGIES,
+                Api::Fsdp2 => &FSDP2_STRATEGIES,
+            };
+            egui::ComboBox::from_id_salt("strategy")
+                .selected_text(self.strategy_label(self.strategy))
+                .show_ui(ui, |ui| {
+                    for &s in strategies {
+                        let label = self.strategy_label(s);
+                        ui.selectable_value(&mut self.strategy, s, label);
+                    }
+                });
+            ui.end_row();
+
+            ui.label("Shard group");
+            ui.add_enabled(
+                self.strategy.is_hybrid(),
+                egui::DragValue::new(&mut self.shard_group_size)
+                    .range(1..=self.world_size.max(1))
+                    .speed(0.1)
+                    .suffix(" ranks"),
+            )
+            .on_disabled_hover_text("Only hybrid strategies shard over groups smaller than the world");
+            ui.end_row();
+
+            ui.label("use_orig_params");
+            ui.add_enabled(self.api == Api::Fsdp1, egui::Checkbox::without_text(&mut self.use_orig_params))
+                .on_hover_text("FSDP1: pad every parameter to 16 bytes of the compute dtype");
+            ui.end_row();
+
+            ui.label("Compute dtype");
+            egui::ComboBox::from_id_salt("param_dtype")
+                .selected_text(self.param_dtype.map_or("same as params", DType::name))
+                .show_ui(ui, |ui| {
+                    ui.selectable_value(&mut self.param_dtype, None, "same as params");
+                    for d in DTYPES {
+                        ui.selectable_value(&mut self.param_dtype, Some(d), d.name());
+                    }
+                });
+            ui.end_row();
+        });
+        // Keep the values coherent: FSDP2 has no no_shard; a group never exceeds the world.
+        if self.api == Api::Fsdp2 && !FSDP2_STRATEGIES.contains(&self.strategy) {
+            self.strategy = Strategy::FullShard;
+        }
+        self.shard_group_size = self.shard_group_size.clamp(1, self.world_size.max(1));
+        *self != before
+    }
+}

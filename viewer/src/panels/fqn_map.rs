@@ -1,0 +1,176 @@
+//! The FQN map: raw (wrapped) name ⇄ clean FQN ⇄ flat parameter and offset range, searchable and
+//! sortable. Rows are virtualised, so 100 000 parameters scroll as smoothly as ten.
+
+use egui::{Sense, Ui};
+use egui_extras::{Column, TableBuilder};
+
+use crate::Selection;
+use crate::format::{count, ranks as fmt_ranks, shape as fmt_shape};
+use crate::view::{LayoutView, ParamRow};
+
+/// Sortable columns.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
+pub enum SortKey {
+    /// Registration order.
+    #[default]
+    Order,
+    Fqn,
+    Raw,
+    Flat,
+    Numel,
+}
+
+/// Search text and sort order.
+#[derive(Debug, Clone, Default, PartialEq, Eq)]
+pub struct FqnMapState {
+    pub filter: String,
+    pub sort: SortKey,
+    pub descending: bool,
+    /// Scroll to the selected row on the next frame.
+    pub reveal_selection: bool,
+}
+
+/// Whether `p` matches a case-insensitive search over its names.
+pub fn matches(p: &ParamRow, needle_lower: &str) -> bool {
+    needle_lower.is_empty()
+        || p.fqn.to_lowercase().contains(needle_lower)
+        || p.raw_name.to_lowercase().contains(needle_lower)
+        || p.flat_param
+            .as_deref()
+            .is_some_and(|f| f.to_lowercase().contains(needle_lower))
+}
+
+/// The rows shown, in order.
+pub fn rows(view: &LayoutView, st: &FqnMapState) -> Vec<usize> {
+    let needle = st.filter.to_lowercase();
+    let mut rows: Vec<usize> = (0..view.params.len())
+        .filter(|&i| matches(&view.params[i], &needle))
+        .collect();
+    let key = |i: &usize| &view.params[*i];
+    match st.sort {
+        SortKey::Order => {}
+        SortKey::Fqn => rows.sort_by(|a, b| key(a).fqn.cmp(&key(b).fqn)),
+        SortKey::Raw => rows.sort_by(|a, b| key(a).raw_name.cmp(&key(b).raw_name)),
+        SortKey::Flat => rows.sort_by(|a, b| {
+            (key(a).flat_param.as_deref(), key(a).flat_range)
+                .cmp(&(key(b).flat_param.as_deref(), key(b).flat_range))
+        }),
+        SortKey::Numel => rows.sort_by_key(|i| view.params[*i].numel),
+    }
+    if st.descending {
+        rows.reverse();
+    }
+    rows
+}
+
+fn sort_button(ui: &mut Ui, st: &mut FqnMapState, key: SortKey, label: &str) {
+    let arrow = if st.sort == key {
+        if st.descending { " ⏷" } else { " ⏶" }
+    } else {
+        ""
+    };
+    if ui.button(format!("{label}{arrow}")).clicked() {
+        if st.sort == key {
+            st.descending = !st.descending;
+        } else {
+            st.sort = key;
+            st.descending = false;
+        }
+    }
+}
+
+/// Draws the FQN map.
+pub fn ui(ui: &mut Ui, view: &LayoutView, st: &mut FqnMapState, selection: &mut Selection) {
+    let shown = rows(view, st);
+    ui.horizontal(|ui| {
+        ui.label("Search");
+        ui.add(egui::TextEdit::singleline(&mut st.filter).hint_text("name, raw name or flat parameter").id_salt("fqn_map_search"));
+        if ui.button("Clear").clicked() {
+            st.filter.clear();
+        }
+        ui.label(format!("{} of {} parameters", shown.len(), view.params.len()));
+    });
+    let selected_row = selection
+        .fqn
+        .as_deref()
+        .and_then(|f| shown.iter().position(|&i| view.params[i].fqn == f));
+    let mut table = TableBuilder::new(ui)
+        .id_salt("fqn_map_table")
+        .striped(true)
+        .resizable(true)
+        .sense(Sense::click())
+        .column(Column::initial(220.0).at_least(80.0).clip(true))
+        .column(Column::initial(300.0).at_least(80.0).clip(true))
+        .column(Column::initial(240.0).at_least(80.0).clip(true))
+        .column(Column::initial(110.0))
+        .column(Column::initial(80.0))
+        .column(Column::initial(70.0))
+        .column(Column::initial(80.0))
+        .column(Column::remainder().clip(true));
+    if st.reveal_selection {
+        st.reveal_selection = false;
+        if let Some(r) = selected_row {
+            table = table.scroll_to_row(r, Some(egui::Align::Center));
+        }
+    }
+    table
+        .header(22.0, |mut header| {
+            header.col(|ui| sort_button(ui, st, SortKey::Fqn, "Clean FQN"));
+            header.col(|ui| sort_button(ui, st, SortKey::Raw, "Raw (wrapped) name"));
+            header.col(|ui| sort_button(ui, st, SortKey::Flat, "Flat parameter"));
+            header.col(|ui| {
+                ui.strong("Flat range");
+            });
+            header.col(|ui| {
+                ui.strong("Shape");
+            });
+            header.col(|ui| {
+                ui.strong("dtype");
+            });
+            header.col(|ui| sort_button(ui, st, SortKey::Numel, "numel"));
+            header.col(|ui| {
+                ui.strong("Ranks");
+            });
+        })
+        .body(|body| {
+            body.rows(20.0, shown.len(), |mut row| {
+                let p = &view.params[shown[row.index()]];
+                row.set_selected(selection.fqn.as_deref() == Some(p.fqn.as_str()));
+                row.col(|ui| {
+                    ui.add(egui::Label::new(&p.fqn).selectable(false));
+                });
+                row.col(|ui| {
+                    ui.add(egui::Label::new(&p.raw_name).selectable(false));
+                });
+                row.col(|ui| {
+                    let text = match (&p.flat_param, &p.shared_with) {
+                        (Some(f), None) => f.clone(),
+                        (Some(f), Some(prim)) => format!("{f} (tied to {prim})"),
+                        (None, Some(prim)) => format!("tied to {prim}"),
+                        (None, None) => p.status.label().to_owned(),
+                    };
+                    ui.add(egui::Label::new(text).selectable(false));
+                });
+                row.col(|ui| {
+                    if let Some((a, b)) = p.flat_range {
+                        ui.add(egui::Label::new(format!("[{a}, {b})")).selectable(false));
+                    }
+                });
+                row.col(|ui| {
+                    ui.add(egui::Label::new(fmt_shape(&p.shape)).selectable(false));
+                });
+                row.col(|ui| {
+                    ui.add(egui::Label::new(p.dtype.name()).selectable(false));
+                });
+                row.col(|ui| {
+                    ui.add(egui::Label::new(count(p.numel)).selectable(false));
+                });
+                row.col(|ui| {
+                    ui.add(egui::Label::new(fmt_ranks(&p.ranks)).selectable(false));
+                });
+                if row.response().clicked() {
+                    selection.select(p.fqn.clone());
+                }
+            });
+        });
+}
