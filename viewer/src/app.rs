@@ -179,6 +179,8 @@ impl Viewer {
             ctx.request_repaint();
         }
         self.take_dropped_files(&ctx);
+        // Controls changed by any means (widgets, scripts, tests) take effect this frame.
+        self.recompute();
         #[cfg(not(target_arch = "wasm32"))]
         self.poll_dialog();
 
@@ -276,10 +278,10 @@ impl Viewer {
             ui.separator();
             #[cfg(not(target_arch = "wasm32"))]
             {
-                if ui.button("Open files…").clicked() {
+                if ui.button("Open files...").clicked() {
                     self.open_dialog(false);
                 }
-                if ui.button("Open folder…").clicked() {
+                if ui.button("Open folder...").clicked() {
                     self.open_dialog(true);
                 }
             }
@@ -290,7 +292,7 @@ impl Viewer {
             ui.separator();
             let dark = self.theme.is_dark();
             if ui
-                .button(if dark { "☀ Light" } else { "🌙 Dark" })
+                .button(if dark { "Light theme" } else { "Dark theme" })
                 .on_hover_text("Switch theme")
                 .clicked()
             {
@@ -298,7 +300,7 @@ impl Viewer {
             }
             if self.loader.pending() > 0 {
                 ui.spinner();
-                ui.label(format!("parsing {} input(s)…", self.loader.pending()));
+                ui.label(format!("parsing {} input(s)...", self.loader.pending()));
             }
             ui.with_layout(egui::Layout::right_to_left(egui::Align::Center), |ui| {
                 ui.weak("drop model descriptions or runner traces anywhere");
@@ -312,7 +314,7 @@ impl Viewer {
                 Some(f) => {
                     ui.label("Selected:");
                     ui.strong(&f);
-                    if ui.small_button("✖").on_hover_text("Clear selection").clicked() {
+                    if ui.small_button("x").on_hover_text("Clear selection").clicked() {
                         self.selection.fqn = None;
                     }
                 }

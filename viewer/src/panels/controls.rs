@@ -74,11 +74,12 @@ impl Controls {
             });
             ui.end_row();
 
-            ui.label("World size");
-            ui.add(egui::DragValue::new(&mut self.world_size).range(1..=65_536).speed(0.1));
+            let label = ui.label("World size");
+            ui.add(egui::DragValue::new(&mut self.world_size).range(1..=65_536).speed(0.1))
+                .labelled_by(label.id);
             ui.end_row();
 
-            ui.label("Strategy");
+            let label = ui.label("Strategy");
             let strategies: &[Strategy] = match self.api {
                 Api::Fsdp1 => &FSDP1_STRATEGIES,
                 Api::Fsdp2 => &FSDP2_STRATEGIES,
@@ -90,10 +91,12 @@ impl Controls {
                         let label = self.strategy_label(s);
                         ui.selectable_value(&mut self.strategy, s, label);
                     }
-                });
+                })
+                .response
+                .labelled_by(label.id);
             ui.end_row();
 
-            ui.label("Shard group");
+            let label = ui.label("Shard group");
             ui.add_enabled(
                 self.strategy.is_hybrid(),
                 egui::DragValue::new(&mut self.shard_group_size)
@@ -101,15 +104,17 @@ impl Controls {
                     .speed(0.1)
                     .suffix(" ranks"),
             )
+            .labelled_by(label.id)
             .on_disabled_hover_text("Only hybrid strategies shard over groups smaller than the world");
             ui.end_row();
 
-            ui.label("use_orig_params");
+            let label = ui.label("use_orig_params");
             ui.add_enabled(self.api == Api::Fsdp1, egui::Checkbox::without_text(&mut self.use_orig_params))
+                .labelled_by(label.id)
                 .on_hover_text("FSDP1: pad every parameter to 16 bytes of the compute dtype");
             ui.end_row();
 
-            ui.label("Compute dtype");
+            let label = ui.label("Compute dtype");
             egui::ComboBox::from_id_salt("param_dtype")
                 .selected_text(self.param_dtype.map_or("same as params", DType::name))
                 .show_ui(ui, |ui| {
@@ -117,7 +122,9 @@ impl Controls {
                     for d in DTYPES {
                         ui.selectable_value(&mut self.param_dtype, Some(d), d.name());
                     }
-                });
+                })
+                .response
+                .labelled_by(label.id);
             ui.end_row();
         });
         // Keep the values coherent: FSDP2 has no no_shard; a group never exceeds the world.

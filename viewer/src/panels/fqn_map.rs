@@ -65,7 +65,7 @@ pub fn rows(view: &LayoutView, st: &FqnMapState) -> Vec<usize> {
 
 fn sort_button(ui: &mut Ui, st: &mut FqnMapState, key: SortKey, label: &str) {
     let arrow = if st.sort == key {
-        if st.descending { " ⏷" } else { " ⏶" }
+        if st.descending { " (desc)" } else { " (asc)" }
     } else {
         ""
     };
@@ -83,8 +83,13 @@ fn sort_button(ui: &mut Ui, st: &mut FqnMapState, key: SortKey, label: &str) {
 pub fn ui(ui: &mut Ui, view: &LayoutView, st: &mut FqnMapState, selection: &mut Selection) {
     let shown = rows(view, st);
     ui.horizontal(|ui| {
-        ui.label("Search");
-        ui.add(egui::TextEdit::singleline(&mut st.filter).hint_text("name, raw name or flat parameter").id_salt("fqn_map_search"));
+        let label = ui.label("Search");
+        ui.add(
+            egui::TextEdit::singleline(&mut st.filter)
+                .hint_text("name, raw name or flat parameter")
+                .id_salt("fqn_map_search"),
+        )
+        .labelled_by(label.id);
         if ui.button("Clear").clicked() {
             st.filter.clear();
         }

@@ -31,6 +31,8 @@ pub struct ShardMapState {
     pub row_height: f32,
     /// Scroll to the selected parameter on the next frame.
     pub reveal_selection: bool,
+    /// Where the map was last drawn (tests and benchmarks aim pointer events with it).
+    pub last_canvas: Option<Rect>,
 }
 
 impl Default for ShardMapState {
@@ -41,6 +43,7 @@ impl Default for ShardMapState {
             scroll_y: 0.0,
             row_height: 16.0,
             reveal_selection: false,
+            last_canvas: None,
         }
     }
 }
@@ -179,7 +182,7 @@ fn toolbar(ui: &mut Ui, view: &LayoutView, st: &mut ShardMapState) {
             count(view.chunk_count() as u64)
         ));
         ui.separator();
-        if ui.button("−").on_hover_text("Zoom out").clicked() {
+        if ui.button("-").on_hover_text("Zoom out").clicked() {
             st.zoom_at(0.5, 0.5);
         }
         ui.label(format!("zoom {:.1}x", st.zoom));
@@ -191,8 +194,9 @@ fn toolbar(ui: &mut Ui, view: &LayoutView, st: &mut ShardMapState) {
             st.pan = 0.0;
         }
         ui.separator();
-        ui.label("row");
-        ui.add(egui::Slider::new(&mut st.row_height, 3.0..=32.0).show_value(false));
+        let label = ui.label("row height");
+        ui.add(egui::Slider::new(&mut st.row_height, 3.0..=32.0).show_value(false))
+            .labelled_by(label.id);
     });
 }
 
@@ -250,6 +254,7 @@ pub fn legend(ui: &mut Ui, theme: Theme) {
 fn canvas(ui: &mut Ui, view: &LayoutView, st: &mut ShardMapState, selection: &mut Selection, theme: Theme) {
     let size = ui.available_size().max(Vec2::new(200.0, 120.0));
     let (rect, response) = ui.allocate_exact_size(size, Sense::click_and_drag());
+    st.last_canvas = Some(rect);
     let geo = Geometry::new(view, st.row_height);
     let area = bar_area(rect);
 

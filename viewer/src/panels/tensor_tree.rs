@@ -52,13 +52,14 @@ pub fn build(view: &LayoutView, filter: &str) -> Node {
 /// Draws the tree.
 pub fn ui(ui: &mut Ui, view: &LayoutView, st: &mut TreeState, selection: &mut Selection, theme: Theme) {
     ui.horizontal(|ui| {
-        ui.label("Filter");
+        let label = ui.label("Filter");
         ui.add(
             egui::TextEdit::singleline(&mut st.filter)
                 .hint_text("part of an FQN")
                 .id_salt("tree_filter")
                 .desired_width(f32::INFINITY),
-        );
+        )
+        .labelled_by(label.id);
     });
     let root = build(view, &st.filter);
     ui.label(format!(
