@@ -59,6 +59,8 @@ pub struct Viewer {
     pub tree: tensor_tree::TreeState,
     pub timeline: timeline::TimelineState,
     pub loader: Loader,
+    /// Keep the current tab when a trace opens (the example opens both).
+    pub stay_on_tab: bool,
     /// Errors and notices, newest last.
     pub messages: Vec<String>,
     inbox: Inbox,
@@ -77,6 +79,7 @@ impl Viewer {
         v.open_document(crate::docs::parse("examples/tiny_model.json", EXAMPLE_MODEL));
         v.open_document(crate::docs::parse("examples/viewer/gather_trace.json", EXAMPLE_TRACE));
         v.tab = Tab::ShardMap;
+        v.stay_on_tab = true;
         v
     }
 
@@ -112,7 +115,9 @@ impl Viewer {
                 ));
                 self.trace = Some(trace);
                 self.timeline = timeline::TimelineState::default();
-                self.tab = Tab::Trace;
+                if !self.stay_on_tab {
+                    self.tab = Tab::Trace;
+                }
             }
             Err(e) => self.messages.push(format!("error: {e}")),
         }
@@ -143,10 +148,28 @@ impl Viewer {
 
     /// Finishes pending loads (tests: call until it returns 0).
     pub fn poll_loader(&mut self) -> usize {
-        for doc in self.loader.poll() {
+        let docs = self.loader.poll();
+        let opened = !docs.is_empty();
+        for doc in docs {
             self.open_document(doc);
         }
-        self.loader.pending()
+        let pending = self.loader.pending();
+        if opened && pending == 0 {
+            // A batch (e.g. the example's model and trace) is done: later traces switch tabs.
+            self.stay_on_tab = false;
+        }
+        pending
+    }
+
+    /// Screen position (points) of the centre of `fqn`'s first slice in the shard map as last
+    /// drawn, if it is on screen. Browser tests aim real mouse clicks with it.
+    pub fn slice_center(&self, fqn: &str) -> Option<egui::Pos2> {
+        let view = self.view.as_ref()?;
+        let canvas = self.shard_map.last_canvas?;
+        let &param = view.by_fqn.get(fqn)?;
+        let (_, _, rect) = shard_map::slice_rect(view, &self.shard_map, canvas, param)?;
+        let rect = rect.intersect(shard_map::bar_area(canvas));
+        (rect.is_positive() && canvas.contains(rect.center())).then(|| rect.center())
     }
 
     /// One line describing the state, mirrored into the web page for scripts and screen readers.
@@ -231,6 +254,11 @@ impl Viewer {
                 Err(e) => self.messages.push(format!("error: cannot read {name}: {e}")),
             }
         }
+    }
+
+    /// Replaces the inbox (the web handle creates it before the viewer exists).
+    pub fn set_inbox(&mut self, inbox: Inbox) {
+        self.inbox = inbox;
     }
 
     /// A queue other threads or JavaScript can push `(name, bytes)` into; the viewer opens them on

@@ -1,9 +1,65 @@
-//! `shardscope-viewer [FILE_OR_FOLDER ...]`: the desktop viewer. Without arguments it shows the
-//! bundled example model and trace.
+//! `shardscope-viewer [OPTIONS] [FILE_OR_FOLDER ...]`: the desktop viewer. Without files it shows
+//! the bundled example model and trace.
+//!
+//! Options (all optional): `--api fsdp1|fsdp2`, `--world-size N`, `--shard-group-size K`,
+//! `--strategy NAME`, `--no-orig-params`, `--select FQN`, `--light`.
 
 #[cfg(not(target_arch = "wasm32"))]
-fn main() -> eframe::Result {
-    let paths: Vec<std::path::PathBuf> = std::env::args_os().skip(1).map(Into::into).collect();
+fn main() -> std::process::ExitCode {
+    match run() {
+        Ok(()) => std::process::ExitCode::SUCCESS,
+        Err(e) => {
+            eprintln!("error: {e}");
+            eprintln!("hint: shardscope-viewer [--api fsdp1|fsdp2] [--world-size N] [--shard-group-size K] [--strategy NAME] [--no-orig-params] [--select FQN] [--light] [FILE_OR_FOLDER ...]");
+            std::process::ExitCode::from(2)
+        }
+    }
+}
+
+#[cfg(not(target_arch = "wasm32"))]
+fn run() -> Result<(), String> {
+    use shardscope_viewer::Viewer;
+
+    let mut viewer = Viewer::new();
+    let mut paths: Vec<std::path::PathBuf> = Vec::new();
+    let mut args = std::env::args_os().skip(1);
+    while let Some(arg) = args.next() {
+        let text = arg.to_string_lossy().into_owned();
+        let mut value = |name: &str| -> Result<String, String> {
+            args.next()
+                .map(|v| v.to_string_lossy().into_owned())
+                .ok_or_else(|| format!("{name} needs a value"))
+        };
+        let number = |name: &str, v: String| -> Result<u64, String> {
+            v.parse().map_err(|_| format!("{name}: `{v}` is not a positive integer"))
+        };
+        match text.as_str() {
+            "--api" => viewer.controls.api = value("--api")?.parse().map_err(|e| format!("{e}"))?,
+            "--world-size" => viewer.controls.world_size = number("--world-size", value("--world-size")?)?,
+            "--shard-group-size" => {
+                viewer.controls.shard_group_size = number("--shard-group-size", value("--shard-group-size")?)?;
+            }
+            "--strategy" => viewer.controls.strategy = value("--strategy")?.parse().map_err(|e| format!("{e}"))?,
+            "--no-orig-params" => viewer.controls.use_orig_params = false,
+            "--select" => viewer.selection.select(value("--select")?),
+            "--light" => viewer.theme = shardscope_viewer::theme::Theme::Light,
+            "-h" | "--help" => {
+                println!("shardscope-viewer [--api fsdp1|fsdp2] [--world-size N] [--shard-group-size K] [--strategy NAME] [--no-orig-params] [--select FQN] [--light] [FILE_OR_FOLDER ...]");
+                return Ok(());
+            }
+            flag if flag.starts_with("--") => return Err(format!("unknown option {flag}")),
+            _ => paths.push(arg.into()),
+        }
+    }
+    if paths.is_empty() {
+        viewer.open_bytes("examples/tiny_model.json", shardscope_viewer::app::EXAMPLE_MODEL.to_vec());
+        viewer.open_bytes("examples/viewer/gather_trace.json", shardscope_viewer::app::EXAMPLE_TRACE.to_vec());
+        viewer.tab = shardscope_viewer::Tab::ShardMap;
+        viewer.stay_on_tab = true;
+    }
+    for p in paths {
+        viewer.open_path(p);
+    }
     let options = eframe::NativeOptions {
         viewport: egui::ViewportBuilder::default()
             .with_title("shardscope")
@@ -11,22 +67,8 @@ fn main() -> eframe::Result {
             .with_drag_and_drop(true),
         ..Default::default()
     };
-    eframe::run_native(
-        "shardscope",
-        options,
-        Box::new(move |_cc| {
-            let viewer = if paths.is_empty() {
-                shardscope_viewer::Viewer::with_example()
-            } else {
-                let mut v = shardscope_viewer::Viewer::new();
-                for p in paths {
-                    v.open_path(p);
-                }
-                v
-            };
-            Ok(Box::new(viewer))
-        }),
-    )
+    eframe::run_native("shardscope", options, Box::new(move |_cc| Ok(Box::new(viewer))))
+        .map_err(|e| e.to_string())
 }
 
 #[cfg(target_arch = "wasm32")]

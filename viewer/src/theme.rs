@@ -30,7 +30,8 @@ impl Theme {
         } else {
             (0.60, 0.80)
         };
-        // Alternate the value a little so hues that land close still separate.
+        // Vary saturation and value with the slot too, so hues that land close still separate.
+        let s = s + [0.0, 0.2, -0.15][(slot / 2) % 3];
         let v = if slot % 2 == 0 { v } else { v - 0.12 };
         Hsva::new(hue, s, v, 1.0).into()
     }

@@ -1,3 +1,180 @@
-//! WebAssembly entry of the shardscope viewer (filled by the viewer issue).
+//! WebAssembly entry of the shardscope viewer: a [`WebHandle`] the page creates, starts on a canvas
+//! and feeds with files (`open_bytes`). Everything else is the same `shardscope-viewer` code the
+//! desktop binary runs.
 
 pub use shardscope_viewer as viewer;
+
+#[cfg(target_arch = "wasm32")]
+mod handle {
+    use std::sync::{Arc, Mutex};
+
+    use shardscope_viewer::Viewer;
+    use wasm_bindgen::prelude::*;
+
+    /// What the page reads back between frames.
+    #[derive(Debug, Default)]
+    struct Shared {
+        status: String,
+        selected: Option<String>,
+        select_request: Option<Option<String>>,
+        example: bool,
+        probe: Option<String>,
+        probe_result: Option<(f32, f32)>,
+    }
+
+    /// The app the runner drives: the viewer plus the shared state.
+    struct WebApp {
+        viewer: Viewer,
+        shared: Arc<Mutex<Shared>>,
+    }
+
+    impl eframe::App for WebApp {
+        fn ui(&mut self, ui: &mut egui::Ui, _frame: &mut eframe::Frame) {
+            if let Ok(mut s) = self.shared.lock() {
+                if let Some(request) = s.select_request.take() {
+                    match request {
+                        Some(fqn) => self.viewer.selection.select(fqn),
+                        None => self.viewer.selection.fqn = None,
+                    }
+                }
+                if std::mem::take(&mut s.example) {
+                    self.viewer.stay_on_tab = true;
+                    self.viewer.open_bytes("examples/tiny_model.json", shardscope_viewer::app::EXAMPLE_MODEL.to_vec());
+                    self.viewer.open_bytes(
+                        "examples/viewer/gather_trace.json",
+                        shardscope_viewer::app::EXAMPLE_TRACE.to_vec(),
+                    );
+                }
+            }
+            self.viewer.ui(ui);
+            if let Ok(mut s) = self.shared.lock() {
+                s.status = self.viewer.status_line();
+                s.selected.clone_from(&self.viewer.selection.fqn);
+                s.probe_result = s
+                    .probe
+                    .as_deref()
+                    .and_then(|f| self.viewer.slice_center(f))
+                    .map(|p| (p.x, p.y));
+            }
+        }
+    }
+
+    /// The handle the page holds.
+    #[wasm_bindgen]
+    pub struct WebHandle {
+        runner: eframe::WebRunner,
+        inbox: shardscope_viewer::app::Inbox,
+        shared: Arc<Mutex<Shared>>,
+        ctx: Arc<Mutex<Option<egui::Context>>>,
+    }
+
+    #[wasm_bindgen]
+    impl WebHandle {
+        #[wasm_bindgen(constructor)]
+        #[allow(clippy::new_without_default)]
+        pub fn new() -> Self {
+            eframe::WebLogger::init(log::LevelFilter::Warn).ok();
+            let viewer = Viewer::new();
+            let inbox = viewer.inbox();
+            Self {
+                runner: eframe::WebRunner::new(),
+                inbox,
+                shared: Arc::new(Mutex::new(Shared::default())),
+                ctx: Arc::new(Mutex::new(None)),
+            }
+        }
+
+        /// Starts the viewer on `canvas`. With `example` it opens the bundled example.
+        pub async fn start(&self, canvas: web_sys::HtmlCanvasElement, example: bool) -> Result<(), JsValue> {
+            let mut viewer = Viewer::new();
+            // Share the inbox created in `new`, so files opened before `start` are kept.
+            viewer.set_inbox(self.inbox.clone());
+            if let Ok(mut s) = self.shared.lock() {
+                s.example = example;
+            }
+            let shared = self.shared.clone();
+            let ctx_slot = self.ctx.clone();
+            self.runner
+                .start(
+                    canvas,
+                    eframe::WebOptions::default(),
+                    Box::new(move |cc| {
+                        if let Ok(mut slot) = ctx_slot.lock() {
+                            *slot = Some(cc.egui_ctx.clone());
+                        }
+                        Ok(Box::new(WebApp { viewer, shared }))
+                    }),
+                )
+                .await
+        }
+
+        /// Opens a file's bytes (the page's file picker, scripts). Parsing happens on the
+        /// following frames, one file per frame.
+        pub fn open_bytes(&self, name: String, bytes: Vec<u8>) {
+            if let Ok(mut q) = self.inbox.lock() {
+                q.push((name, Ok(bytes)));
+            }
+            self.repaint();
+        }
+
+        /// Selects a parameter by clean FQN (an empty string clears the selection).
+        pub fn select(&self, fqn: String) {
+            if let Ok(mut s) = self.shared.lock() {
+                s.select_request = Some((!fqn.is_empty()).then_some(fqn));
+            }
+            self.repaint();
+        }
+
+        /// One line describing what is shown (model, layout, selection).
+        pub fn status(&self) -> String {
+            self.shared.lock().map(|s| s.status.clone()).unwrap_or_default()
+        }
+
+        /// The selected parameter's clean FQN, or an empty string.
+        pub fn selected_fqn(&self) -> String {
+            self.shared
+                .lock()
+                .ok()
+                .and_then(|s| s.selected.clone())
+                .unwrap_or_default()
+        }
+
+        /// Asks where `fqn`'s first slice is drawn in the shard map; read it with `probe_result`
+        /// after the next frame.
+        pub fn probe(&self, fqn: String) {
+            if let Ok(mut s) = self.shared.lock() {
+                s.probe = Some(fqn);
+            }
+            self.repaint();
+        }
+
+        /// `[x, y]` in CSS pixels relative to the canvas, or an empty array when not on screen.
+        pub fn probe_result(&self) -> Vec<f32> {
+            self.shared
+                .lock()
+                .ok()
+                .and_then(|s| s.probe_result)
+                .map(|(x, y)| vec![x, y])
+                .unwrap_or_default()
+        }
+
+        pub fn has_panicked(&self) -> bool {
+            self.runner.has_panicked()
+        }
+
+        pub fn destroy(&self) {
+            self.runner.destroy();
+        }
+
+        fn repaint(&self) {
+            if let Ok(slot) = self.ctx.lock()
+                && let Some(ctx) = slot.as_ref()
+            {
+                ctx.request_repaint();
+            }
+        }
+    }
+}
+
+#[cfg(target_arch = "wasm32")]
+pub use handle::WebHandle;

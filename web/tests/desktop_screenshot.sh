@@ -1,0 +1,34 @@
+#!/usr/bin/env bash
+# Starts the desktop viewer under Xvfb on the bundled example and takes a screenshot.
+#   web/tests/desktop_screenshot.sh [OUT_PNG] [VIEWER_BINARY]
+# Defaults: docs/img/desktop.png, target/debug/shardscope-viewer (built if missing).
+# Fails if the window never appears or the screenshot is blank.
+set -euo pipefail
+cd "$(dirname "$0")/../.."
+OUT=${1:-docs/img/desktop.png}
+BIN=${2:-}
+if [ -z "$BIN" ]; then
+  cargo build -q -p shardscope-viewer --bin shardscope-viewer
+  BIN="$(cargo metadata --format-version 1 --no-deps | python3 -c 'import json,sys; print(json.load(sys.stdin)["target_directory"])')/debug/shardscope-viewer"
+fi
+mkdir -p "$(dirname "$OUT")"
+DISPLAY_NUM=${DISPLAY_NUM:-:97}
+Xvfb "$DISPLAY_NUM" -screen 0 1400x860x24 -nolisten tcp >/dev/null 2>&1 &
+XVFB=$!
+cleanup() { kill "$APP" 2>/dev/null || true; kill "$XVFB" 2>/dev/null || true; }
+APP=""
+trap cleanup EXIT
+sleep 1
+# The glow backend renders through Mesa's software GL (llvmpipe) under Xvfb.
+DISPLAY="$DISPLAY_NUM" LIBGL_ALWAYS_SOFTWARE=1 "$BIN" "${@:3}" >/tmp/shardscope-viewer-xvfb.log 2>&1 &
+APP=$!
+for _ in $(seq 1 60); do
+  if DISPLAY="$DISPLAY_NUM" xwininfo -root -tree 2>/dev/null | grep -q '"shardscope"'; then break; fi
+  kill -0 "$APP" 2>/dev/null || { cat /tmp/shardscope-viewer-xvfb.log >&2; echo "error: the viewer exited" >&2; exit 1; }
+  sleep 0.5
+done
+sleep 3
+DISPLAY="$DISPLAY_NUM" import -window root "$OUT"
+colours=$(convert "$OUT" -format '%k' info:)
+echo "desktop screenshot: $OUT ($colours colours)"
+if [ "$colours" -lt 50 ]; then echo "error: the screenshot looks blank" >&2; exit 1; fi
