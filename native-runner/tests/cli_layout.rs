@@ -6,6 +6,8 @@ use std::process::{Command, Output};
 
 use serde_json::{Value, json};
 
+static NEXT: std::sync::atomic::AtomicUsize = std::sync::atomic::AtomicUsize::new(0);
+
 fn shardscope(args: &[&str]) -> Output {
     Command::new(env!("CARGO_BIN_EXE_shardscope"))
         .args(args)
@@ -17,7 +19,6 @@ fn write_model(name: &str, json: &Value) -> PathBuf {
     let dir = std::env::temp_dir().join(format!("shardscope-cli-layout-{}", std::process::id()));
     std::fs::create_dir_all(&dir).unwrap();
     // Tests run in parallel: every call gets its own file.
-    static NEXT: std::sync::atomic::AtomicUsize = std::sync::atomic::AtomicUsize::new(0);
     let n = NEXT.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
     let path = dir.join(format!("{n}-{name}"));
     std::fs::write(&path, serde_json::to_vec(json).unwrap()).unwrap();
