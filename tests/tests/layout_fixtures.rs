@@ -38,7 +38,7 @@ fn case_dirs() -> Vec<PathBuf> {
 struct Case {
     name: String,
     dir: PathBuf,
-    case: Value,
+    settings: Value,
     model: ModelDescription,
     config: LayoutConfig,
 }
@@ -69,7 +69,7 @@ fn load_case(dir: &Path) -> Case {
     Case {
         name,
         dir: dir.to_owned(),
-        case,
+        settings: case,
         model,
         config,
     }
@@ -338,7 +338,7 @@ fn layout_equals_torch_for_every_fixture_case() {
     let mut checked = 0;
     for dir in case_dirs() {
         let case = load_case(&dir);
-        if case.case.get("expected_error").is_some() {
+        if case.settings.get("expected_error").is_some() {
             continue;
         }
         let layout = layout::compute(&case.model, &case.config)
@@ -357,7 +357,7 @@ fn torch_rejections_are_our_rejections() {
     let mut checked = 0;
     for dir in case_dirs() {
         let case = load_case(&dir);
-        let Some(err) = case.case.get("expected_error") else {
+        let Some(err) = case.settings.get("expected_error") else {
             continue;
         };
         let torch_message = err["message"].as_str().unwrap();
@@ -407,7 +407,7 @@ fn cli_args(case: &Case) -> Vec<String> {
         "--world-size".to_owned(),
         c.world_size.to_string(),
         "--api".to_owned(),
-        case.case["api"].as_str().unwrap().to_owned(),
+        case.settings["api"].as_str().unwrap().to_owned(),
         "--strategy".to_owned(),
         c.strategy.name().to_owned(),
     ];
@@ -458,7 +458,7 @@ fn the_cli_exits_2_with_torchs_message_on_a_rejected_model() {
         String::from_utf8_lossy(&out.stderr)
     );
     let stderr = String::from_utf8_lossy(&out.stderr);
-    let torch = case.case["expected_error"]["message"].as_str().unwrap();
+    let torch = case.settings["expected_error"]["message"].as_str().unwrap();
     assert!(stderr.contains(torch), "stderr {stderr:?} lacks {torch:?}");
     assert!(out.stdout.is_empty(), "data on stdout despite the error");
 }
@@ -474,8 +474,8 @@ fn forty_two(dtype: DType) -> Vec<u8> {
         DType::Float64 => 42f64.to_le_bytes().to_vec(),
         // bfloat16 is the upper half of the float32 bit pattern (exact for 42).
         DType::BFloat16 => ((42f32.to_bits() >> 16) as u16).to_le_bytes().to_vec(),
-        // float16 42.0 = sign 0, exponent 5 + 15 = 20, mantissa 0.3125 * 1024 = 320.
-        DType::Float16 => ((20u16 << 10) | 320).to_le_bytes().to_vec(),
+        // float16 42.0 = sign 0, exponent 5 + 15 = 20, mantissa 0.3125 * 1024 = 0x140.
+        DType::Float16 => ((20u16 << 10) | 0x140).to_le_bytes().to_vec(),
         other => panic!("no padding value for {other}"),
     }
 }
@@ -584,7 +584,7 @@ fn torchs_local_shards_rebuild_from_full_values_and_our_layout() {
     let mut checked = 0;
     for dir in case_dirs() {
         let case = load_case(&dir);
-        if case.case.get("expected_error").is_some() {
+        if case.settings.get("expected_error").is_some() {
             continue;
         }
         let bytes = std::fs::read(dir.join("values.safetensors")).unwrap();
@@ -606,7 +606,7 @@ fn torchs_local_shards_rebuild_from_full_values_and_our_layout() {
 fn every_fixture_records_the_torch_version() {
     for dir in case_dirs() {
         let case = load_case(&dir);
-        let version = case.case["torch_version"].as_str().unwrap_or("");
+        let version = case.settings["torch_version"].as_str().unwrap_or("");
         assert!(
             version.starts_with("2.15"),
             "{}: torch_version {version:?}",

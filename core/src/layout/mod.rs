@@ -258,7 +258,7 @@ impl LayoutConfig {
                 && self.shard_group_size.is_some_and(|k| k != self.world_size));
         let shard_size = match (hybrid, self.shard_group_size) {
             (true, Some(k)) => {
-                if k == 0 || k > self.world_size || self.world_size % k != 0 {
+                if k == 0 || k > self.world_size || !self.world_size.is_multiple_of(k) {
                     return Err(LayoutError::BadShardGroupSize {
                         world_size: self.world_size,
                         shard_group_size: k,
