@@ -225,3 +225,70 @@ fn post_order_cmp(a: &str, b: &str, position: &HashMap<&str, usize>) -> Ordering
         position.get(a).cmp(&position.get(b))
     }
 }
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::layout::Api;
+
+    fn group_fqns(json: &str) -> Vec<Vec<String>> {
+        let model = ModelDescription::from_json_bytes(json.as_bytes(), "model.json").unwrap();
+        let config = LayoutConfig {
+            api: Api::Fsdp2,
+            world_size: 2,
+            ..LayoutConfig::default()
+        };
+        compute(&model, &config)
+            .unwrap()
+            .units
+            .iter()
+            .map(|u| u.params.iter().map(|p| p.fqn.clone()).collect())
+            .collect()
+    }
+
+    #[test]
+    fn group_order_is_module_post_order() {
+        // torch 2.15 (fixture fsdp2_nested_ws2): BlockB `block1` = weight, bias_module0 (own unit),
+        // bias_module1 -> the group holds bias_module1.bias before block1.weight.
+        let got = group_fqns(
+            r#"{"params": [
+                {"fqn": "block1.weight", "shape": [3, 7], "dtype": "float32"},
+                {"fqn": "block1.bias_module0.bias", "shape": [7], "dtype": "float32"},
+                {"fqn": "block1.bias_module1.bias", "shape": [7], "dtype": "float32"}],
+              "units": ["block1.bias_module0", "block1"]}"#,
+        );
+        assert_eq!(
+            got,
+            [
+                vec!["block1.bias_module1.bias", "block1.weight"],
+                vec!["block1.bias_module0.bias"]
+            ]
+        );
+    }
+
+    #[test]
+    fn a_tied_tensor_sits_where_post_order_first_meets_it() {
+        // torch 2.15 (fixture fsdp2_mixed_ws2): the root's own parameters come last; the tied
+        // tensor keeps its first name and the position of the first name met in post-order.
+        let got = group_fqns(
+            r#"{"params": [
+                {"fqn": "scale", "shape": [2], "dtype": "float32"},
+                {"fqn": "embed.weight", "shape": [7, 5], "dtype": "float32"},
+                {"fqn": "head.weight", "shape": [7, 5], "dtype": "float32", "shared_with": "embed.weight"},
+                {"fqn": "head.bias", "shape": [7], "dtype": "float32"}],
+              "units": [""]}"#,
+        );
+        assert_eq!(got, [vec!["embed.weight", "head.bias", "scale"]]);
+        // The alias is met first in post-order: the root owns `w`, child `sub` (registered before
+        // child `a`) holds the alias. torch 2.15 gives the group [w, a.b] (checked with fully_shard
+        // on this module tree); ignoring the alias would give [a.b, w].
+        let got = group_fqns(
+            r#"{"params": [
+                {"fqn": "w", "shape": [4], "dtype": "float32"},
+                {"fqn": "sub.w", "shape": [4], "dtype": "float32", "shared_with": "w"},
+                {"fqn": "a.b", "shape": [3], "dtype": "float32"}],
+              "units": [""]}"#,
+        );
+        assert_eq!(got, [vec!["w", "a.b"]]);
+    }
+}
