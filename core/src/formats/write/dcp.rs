@@ -479,12 +479,14 @@ impl<'p, W: Write> DcpFileWriter<'p, W> {
             };
             let archive = match value {
                 BytesValue::TorchSave(bytes) => std::borrow::Cow::Borrowed(bytes.as_slice()),
-                BytesValue::Value(v) => std::borrow::Cow::Owned(
-                    torch_save_to_vec(v, &[]).map_err(|source| DcpWriteError::TorchSave {
-                        fqn: e.fqn.clone(),
-                        source,
-                    })?,
-                ),
+                BytesValue::Value(v) => {
+                    std::borrow::Cow::Owned(torch_save_to_vec(v, &[]).map_err(|source| {
+                        DcpWriteError::TorchSave {
+                            fqn: e.fqn.clone(),
+                            source,
+                        }
+                    })?)
+                }
             };
             writer.append(DcpItemRef::Bytes { entry }, &archive)?;
         }
@@ -661,7 +663,11 @@ pub fn metadata_pickle(
                             vec![PyValue::str("torch.strided")],
                         ),
                         PyValue::Bool(false),
-                        PyValue::call(METADATA_MODULE, "_MEM_FORMAT_ENCODING", vec![PyValue::Int(0)]),
+                        PyValue::call(
+                            METADATA_MODULE,
+                            "_MEM_FORMAT_ENCODING",
+                            vec![PyValue::Int(0)],
+                        ),
                         PyValue::Bool(false),
                         PyValue::int_tuple(&contiguous_strides(size)),
                     ])),
@@ -867,9 +873,19 @@ mod tests {
         let chunks = chunk_dim0(DType::Float32, &[5, 2], 4, EmptyRanks::Omit).unwrap();
         let got: Vec<_> = chunks
             .iter()
-            .map(|c| (c.rank, c.chunk.offsets[0], c.chunk.sizes[0], c.bytes.clone()))
+            .map(|c| {
+                (
+                    c.rank,
+                    c.chunk.offsets[0],
+                    c.chunk.sizes[0],
+                    c.bytes.clone(),
+                )
+            })
             .collect();
-        assert_eq!(got, [(0, 0, 2, 0..16), (1, 2, 2, 16..32), (2, 4, 1, 32..40)]);
+        assert_eq!(
+            got,
+            [(0, 0, 2, 0..16), (1, 2, 2, 16..32), (2, 4, 1, 32..40)]
+        );
         // DTensor: the empty rank 3 holds a [0, 2] chunk at offset 5.
         let chunks = chunk_dim0(DType::Float32, &[5, 2], 4, EmptyRanks::ZeroSize).unwrap();
         assert_eq!(chunks[3].chunk, chunk(&[5, 0], &[0, 2], 3));
@@ -921,10 +937,7 @@ mod tests {
             outside,
             Err(DcpWriteError::ChunkOutOfBounds { .. })
         ));
-        let bad_rank = DcpPlan::new(
-            1,
-            vec![tensor_entry("w", &[1], vec![chunk(&[0], &[1], 1)])],
-        );
+        let bad_rank = DcpPlan::new(1, vec![tensor_entry("w", &[1], vec![chunk(&[0], &[1], 1)])]);
         assert!(matches!(
             bad_rank,
             Err(DcpWriteError::RankOutOfRange { .. })
@@ -967,7 +980,14 @@ mod tests {
             Err(DcpWriteError::NoMoreChunks { .. })
         ));
         let (_, record) = w.finish().unwrap();
-        assert!(metadata_pickle(&plan, &[record.clone()], &DcpMetadataOptions::default()).is_ok());
+        assert!(
+            metadata_pickle(
+                &plan,
+                std::slice::from_ref(&record),
+                &DcpMetadataOptions::default()
+            )
+            .is_ok()
+        );
         assert!(matches!(
             metadata_pickle(&plan, &[], &DcpMetadataOptions::default()),
             Err(DcpWriteError::Records { .. })

@@ -269,11 +269,9 @@ pub fn typed_storage_name(dtype: DType) -> Option<&'static str> {
         DType::Float64 => "DoubleStorage",
         DType::Complex64 => "ComplexFloatStorage",
         DType::Complex128 => "ComplexDoubleStorage",
-        DType::UInt16
-        | DType::UInt32
-        | DType::UInt64
-        | DType::Float8E4M3Fn
-        | DType::Float8E5M2 => return None,
+        DType::UInt16 | DType::UInt32 | DType::UInt64 | DType::Float8E4M3Fn | DType::Float8E5M2 => {
+            return None;
+        }
     })
 }
 
@@ -560,7 +558,10 @@ mod tests {
             (PyValue::None, "80024e2e"),
             (PyValue::Tuple(vec![]), "8002292e"),
             // Python memoizes the tuple (`q\x00` after `t`); we write no memo, the rest is identical.
-            (PyValue::int_tuple(&[1, 2, 3, 4]), "8002284b014b024b034b04742e"),
+            (
+                PyValue::int_tuple(&[1, 2, 3, 4]),
+                "8002284b014b024b034b04742e",
+            ),
         ];
         for (value, expected) in cases {
             assert_eq!(hex(&to_pickle(&value).unwrap()), expected, "{value:?}");
@@ -568,7 +569,11 @@ mod tests {
     }
 
     fn hex(bytes: &[u8]) -> String {
-        bytes.iter().map(|b| format!("{b:02x}")).collect()
+        use std::fmt::Write as _;
+        bytes.iter().fold(String::new(), |mut s, b| {
+            let _ = write!(s, "{b:02x}");
+            s
+        })
     }
 
     #[test]

@@ -226,7 +226,10 @@ impl<W: Write> SafetensorsWriter<W> {
             header.push_str("\",\"shape\":");
             header.push_str(&json(&spec.shape));
             header.push_str(",\"data_offsets\":[");
-            header.push_str(&format!("{offset},{end}]}}"));
+            header.push_str(&offset.to_string());
+            header.push(',');
+            header.push_str(&end.to_string());
+            header.push_str("]}");
             order.push(Planned {
                 name: spec.name.clone(),
                 nbytes,
@@ -460,7 +463,10 @@ mod tests {
             SafetensorsWriter::new(Vec::new(), &[spec("c", DType::Complex128, &[1])], None),
             Err(SafetensorsWriteError::UnsupportedDType { .. })
         ));
-        let dup = [spec("x", DType::Float32, &[1]), spec("x", DType::Int8, &[1])];
+        let dup = [
+            spec("x", DType::Float32, &[1]),
+            spec("x", DType::Int8, &[1]),
+        ];
         assert!(matches!(
             SafetensorsWriter::new(Vec::new(), &dup, None),
             Err(SafetensorsWriteError::DuplicateName { .. })
@@ -498,6 +504,10 @@ mod tests {
         assert_eq!(single.files.len(), 1);
         assert!(!single.needs_index());
         assert_eq!(single.files[0].file_name, "model.safetensors");
-        assert!(plan_shards(&[], None, "model").unwrap().files[0].tensors.is_empty());
+        assert!(
+            plan_shards(&[], None, "model").unwrap().files[0]
+                .tensors
+                .is_empty()
+        );
     }
 }

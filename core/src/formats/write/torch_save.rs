@@ -115,7 +115,11 @@ impl<W: Write> TorchSaveWriter<W> {
         }
         check_globals(root)?;
         for (storage, spec) in storages.iter().enumerate() {
-            if spec.numel.checked_mul(spec.dtype.size_bytes() as u64).is_none() {
+            if spec
+                .numel
+                .checked_mul(spec.dtype.size_bytes() as u64)
+                .is_none()
+            {
                 return Err(TorchSaveError::StorageTooLarge {
                     storage,
                     numel: spec.numel,

@@ -128,7 +128,8 @@ impl<W: Write> ZipWriter<W> {
             put_u64(&mut extra, size);
         }
         // Padding field: 4 header bytes + `pad` filler bytes, so that the data lands aligned.
-        let before_padding = offset + LOCAL_HEADER_BYTES + name.len() as u64 + extra.len() as u64 + 4;
+        let before_padding =
+            offset + LOCAL_HEADER_BYTES + name.len() as u64 + extra.len() as u64 + 4;
         let pad = (DATA_ALIGNMENT - before_padding % DATA_ALIGNMENT) % DATA_ALIGNMENT;
         put_u16(&mut extra, PADDING_EXTRA_TAG);
         put_u16(&mut extra, pad as u16);
@@ -136,7 +137,10 @@ impl<W: Write> ZipWriter<W> {
 
         let mut header = Vec::with_capacity(LOCAL_HEADER_BYTES as usize + name.len() + extra.len());
         put_u32(&mut header, LOCAL_HEADER_SIG);
-        put_u16(&mut header, if zip64 { VERSION_ZIP64 } else { VERSION_PLAIN });
+        put_u16(
+            &mut header,
+            if zip64 { VERSION_ZIP64 } else { VERSION_PLAIN },
+        );
         put_u16(&mut header, FLAG_UTF8);
         put_u16(&mut header, 0); // stored
         put_u16(&mut header, 0); // time
