@@ -94,7 +94,7 @@ fn tensor_bytes(k: u64, dtype: DType, shape: &[u64]) -> Vec<u8> {
                 out.extend(f64::from(f).to_le_bytes());
                 out.extend((-f64::from(f)).to_le_bytes());
             }
-            DType::Bool => out.push(u8::from(base % 3 == 0)),
+            DType::Bool => out.push(u8::from(base.is_multiple_of(3))),
             DType::UInt8 | DType::Float8E4M3Fn | DType::Float8E5M2 => out.push(base as u8),
             DType::Int8 => out.extend((base as i8).to_le_bytes()),
             DType::Int16 => out.extend((base as i16).to_le_bytes()),
@@ -161,22 +161,22 @@ fn write_manifest(dir: &Path, manifest: &serde_json::Value) {
 /// Python with torch, or `None` (then the caller skips). A `SHARDSCOPE_PYTHON` without torch is an
 /// error: CI sets it and must not skip silently.
 fn python() -> Option<PathBuf> {
-    let (python, explicit) = match std::env::var_os("SHARDSCOPE_PYTHON") {
-        Some(p) => (PathBuf::from(p), true),
-        None => {
-            let p = PathBuf::from(std::env::var_os("HOME")?).join("torch-venv/bin/python");
-            if !p.exists() {
-                return None;
-            }
-            (p, false)
+    let explicit = std::env::var_os("SHARDSCOPE_PYTHON");
+    let python = if let Some(p) = &explicit {
+        PathBuf::from(p)
+    } else {
+        let p = PathBuf::from(std::env::var_os("HOME")?).join("torch-venv/bin/python");
+        if !p.exists() {
+            return None;
         }
+        p
     };
     let ok = Command::new(&python)
         .args(["-c", "import torch, safetensors"])
         .status()
         .is_ok_and(|s| s.success());
     assert!(
-        ok || !explicit,
+        ok || explicit.is_none(),
         "SHARDSCOPE_PYTHON={} cannot import torch and safetensors",
         python.display()
     );
