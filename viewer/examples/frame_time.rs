@@ -11,9 +11,9 @@
 use std::time::{Duration, Instant};
 
 use egui::{Event, Modifiers, PointerButton, Pos2, RawInput, Rect, Vec2};
+use shardscope_core::DType;
 use shardscope_core::layout::{Api, Strategy};
 use shardscope_core::model::{ModelDescription, ParamSpec};
-use shardscope_core::DType;
 use shardscope_viewer::Viewer;
 
 fn synthetic_model(params: usize) -> ModelDescription {
@@ -21,12 +21,18 @@ fn synthetic_model(params: usize) -> ModelDescription {
         .map(|i| ParamSpec {
             fqn: format!("layers.{}.{}", i / 4, ["wq", "wk", "wv", "wo"][i % 4]),
             shape: vec![4096 + (i as u64 % 7) * 129, 1024],
-            dtype: if i % 3 == 0 { DType::BFloat16 } else { DType::Float32 },
+            dtype: if i % 3 == 0 {
+                DType::BFloat16
+            } else {
+                DType::Float32
+            },
             requires_grad: true,
             shared_with: None,
         })
         .collect();
-    let units = (0..params.div_ceil(4)).map(|l| format!("layers.{l}")).collect();
+    let units = (0..params.div_ceil(4))
+        .map(|l| format!("layers.{l}"))
+        .collect();
     ModelDescription::new(specs, units, Vec::new()).expect("valid synthetic model")
 }
 
@@ -51,7 +57,10 @@ fn run(viewer: &mut Viewer, frames: usize, row_height: f32, zoom: f64) -> Stats 
         let _ = ctx.tessellate(out.shapes, out.pixels_per_point);
     }
     viewer.shard_map.zoom = zoom;
-    let canvas = viewer.shard_map.last_canvas.expect("the shard map was drawn");
+    let canvas = viewer
+        .shard_map
+        .last_canvas
+        .expect("the shard map was drawn");
     let mut pos = canvas.center();
     let mut times = Vec::with_capacity(frames);
     let mut events = vec![
@@ -83,7 +92,10 @@ fn run(viewer: &mut Viewer, frames: usize, row_height: f32, zoom: f64) -> Stats 
 }
 
 fn main() {
-    let frames: usize = std::env::args().nth(1).and_then(|a| a.parse().ok()).unwrap_or(300);
+    let frames: usize = std::env::args()
+        .nth(1)
+        .and_then(|a| a.parse().ok())
+        .unwrap_or(300);
 
     let mut tiny = Viewer::with_example();
     let base = run(&mut tiny, frames, 16.0, 1.0);
@@ -112,7 +124,12 @@ fn main() {
     );
     let ms = |d: Duration| d.as_secs_f64() * 1e3;
     println!("frames: {frames} per case, 1600x1000 points, CPU (Context::run + tessellate)");
-    println!("baseline tiny example : median {:.2} ms  p95 {:.2} ms  worst {:.2} ms", ms(base.median), ms(base.p95), ms(base.worst));
+    println!(
+        "baseline tiny example : median {:.2} ms  p95 {:.2} ms  worst {:.2} ms",
+        ms(base.median),
+        ms(base.p95),
+        ms(base.worst)
+    );
     for (label, row_h, zoom) in [
         ("100k chunks, rows 16 pt, zoom 1 ", 16.0, 1.0),
         ("100k chunks, rows 3 pt, zoom 1  ", 3.0, 1.0),

@@ -5,13 +5,15 @@ use egui::{RichText, Ui};
 use shardscope_core::layout::{self, LayoutConfig};
 use shardscope_core::model::ModelDescription;
 
+use crate::Selection;
 use crate::docs::{Document, Loader};
 use crate::format::{bytes as fmt_bytes, count, ranks as fmt_ranks, shape as fmt_shape};
-use crate::panels::{chunk_map, controls::Controls, fqn_map, ranks, shard_map, tensor_tree, timeline};
+use crate::panels::{
+    chunk_map, controls::Controls, fqn_map, ranks, shard_map, tensor_tree, timeline,
+};
 use crate::theme::Theme;
 use crate::trace::Trace;
 use crate::view::LayoutView;
-use crate::Selection;
 
 /// The bundled example model (also what the web page shows before a file is opened).
 pub const EXAMPLE_MODEL: &[u8] = include_bytes!("../../examples/tiny_model.json");
@@ -76,8 +78,14 @@ impl Viewer {
     /// A viewer showing the bundled example model and trace.
     pub fn with_example() -> Self {
         let mut v = Self::new();
-        v.open_document(crate::docs::parse("examples/tiny_model.json", EXAMPLE_MODEL));
-        v.open_document(crate::docs::parse("examples/viewer/gather_trace.json", EXAMPLE_TRACE));
+        v.open_document(crate::docs::parse(
+            "examples/tiny_model.json",
+            EXAMPLE_MODEL,
+        ));
+        v.open_document(crate::docs::parse(
+            "examples/viewer/gather_trace.json",
+            EXAMPLE_TRACE,
+        ));
         v.tab = Tab::ShardMap;
         v.stay_on_tab = true;
         v
@@ -98,7 +106,10 @@ impl Viewer {
     pub fn open_document(&mut self, doc: Result<Document, crate::docs::OpenError>) {
         match doc {
             Ok(Document::Model { name, model }) => {
-                self.messages.push(format!("opened model {name} ({} parameters)", model.params.len()));
+                self.messages.push(format!(
+                    "opened model {name} ({} parameters)",
+                    model.params.len()
+                ));
                 self.model = Some(LoadedModel { name, model });
                 self.applied_config = None;
                 self.recompute();
@@ -174,7 +185,10 @@ impl Viewer {
 
     /// One line describing the state, mirrored into the web page for scripts and screen readers.
     pub fn status_line(&self) -> String {
-        let model = self.model.as_ref().map_or("no model".to_owned(), |m| m.name.clone());
+        let model = self
+            .model
+            .as_ref()
+            .map_or("no model".to_owned(), |m| m.name.clone());
         let layout = match (&self.view, &self.layout_error) {
             (Some(v), _) => format!(
                 "{} {} x{} · {} units · {} chunks",
@@ -247,11 +261,17 @@ impl Viewer {
                 });
             }
         }
-        let arrived = self.inbox.lock().map(|mut q| std::mem::take(&mut *q)).unwrap_or_default();
+        let arrived = self
+            .inbox
+            .lock()
+            .map(|mut q| std::mem::take(&mut *q))
+            .unwrap_or_default();
         for (name, result) in arrived {
             match result {
                 Ok(bytes) => self.open_bytes(name, bytes),
-                Err(e) => self.messages.push(format!("error: cannot read {name}: {e}")),
+                Err(e) => self
+                    .messages
+                    .push(format!("error: cannot read {name}: {e}")),
             }
         }
     }
@@ -283,20 +303,24 @@ impl Viewer {
     fn open_dialog(&mut self, folder: bool) {
         let (tx, rx) = std::sync::mpsc::channel();
         // The dialog runs on its own thread so the UI keeps drawing while it is open.
-        let spawned = std::thread::Builder::new().name("file-dialog".to_owned()).spawn(move || {
-            let dialog = rfd::FileDialog::new();
-            let picked = if folder {
-                dialog.pick_folder().map(|p| vec![p])
-            } else {
-                dialog.add_filter("JSON", &["json"]).pick_files()
-            };
-            if let Some(paths) = picked {
-                let _ = tx.send(paths);
-            }
-        });
+        let spawned = std::thread::Builder::new()
+            .name("file-dialog".to_owned())
+            .spawn(move || {
+                let dialog = rfd::FileDialog::new();
+                let picked = if folder {
+                    dialog.pick_folder().map(|p| vec![p])
+                } else {
+                    dialog.add_filter("JSON", &["json"]).pick_files()
+                };
+                if let Some(paths) = picked {
+                    let _ = tx.send(paths);
+                }
+            });
         match spawned {
             Ok(_) => self.dialog = Some(rx),
-            Err(e) => self.messages.push(format!("error: cannot open a file dialog: {e}")),
+            Err(e) => self
+                .messages
+                .push(format!("error: cannot open a file dialog: {e}")),
         }
     }
 
@@ -313,7 +337,11 @@ impl Viewer {
                     self.open_dialog(true);
                 }
             }
-            if ui.button("Example").on_hover_text("The bundled tiny model and gather trace").clicked() {
+            if ui
+                .button("Example")
+                .on_hover_text("The bundled tiny model and gather trace")
+                .clicked()
+            {
                 self.open_bytes("examples/tiny_model.json", EXAMPLE_MODEL.to_vec());
                 self.open_bytes("examples/viewer/gather_trace.json", EXAMPLE_TRACE.to_vec());
             }
@@ -342,7 +370,11 @@ impl Viewer {
                 Some(f) => {
                     ui.label("Selected:");
                     ui.strong(&f);
-                    if ui.small_button("x").on_hover_text("Clear selection").clicked() {
+                    if ui
+                        .small_button("x")
+                        .on_hover_text("Clear selection")
+                        .clicked()
+                    {
                         self.selection.fqn = None;
                     }
                 }
@@ -397,36 +429,50 @@ impl Viewer {
             ui.weak("Select a parameter to see where it lives.");
             return;
         };
-        egui::ScrollArea::vertical().id_salt("inspector_scroll").show(ui, |ui| {
-            ui.label(RichText::new(&p.fqn).monospace().strong());
-            egui::Grid::new("inspector_grid").num_columns(2).striped(true).show(ui, |ui| {
-                let mut row = |k: &str, v: String| {
-                    ui.weak(k);
-                    ui.label(v);
-                    ui.end_row();
-                };
-                row("raw name", p.raw_name.clone());
-                row("status", p.status.label().to_owned());
-                if let Some(prim) = &p.shared_with {
-                    row("tied to", prim.clone());
-                }
-                row("unit", p.unit.as_deref().map_or("(none)".to_owned(), |u| if u.is_empty() { "(root)".to_owned() } else { u.to_owned() }));
-                if let Some(f) = &p.flat_param {
-                    row("flat parameter", f.clone());
-                }
-                if let Some((a, b)) = p.flat_range {
-                    row("flat range", format!("[{a}, {b})"));
-                }
-                row("shape", fmt_shape(&p.shape));
-                row("dtype", p.dtype.name().to_owned());
-                row("numel", count(p.numel));
-                row("bytes", fmt_bytes(p.bytes()));
-                row("ranks", fmt_ranks(&p.ranks));
+        egui::ScrollArea::vertical()
+            .id_salt("inspector_scroll")
+            .show(ui, |ui| {
+                ui.label(RichText::new(&p.fqn).monospace().strong());
+                egui::Grid::new("inspector_grid")
+                    .num_columns(2)
+                    .striped(true)
+                    .show(ui, |ui| {
+                        let mut row = |k: &str, v: String| {
+                            ui.weak(k);
+                            ui.label(v);
+                            ui.end_row();
+                        };
+                        row("raw name", p.raw_name.clone());
+                        row("status", p.status.label().to_owned());
+                        if let Some(prim) = &p.shared_with {
+                            row("tied to", prim.clone());
+                        }
+                        row(
+                            "unit",
+                            p.unit.as_deref().map_or("(none)".to_owned(), |u| {
+                                if u.is_empty() {
+                                    "(root)".to_owned()
+                                } else {
+                                    u.to_owned()
+                                }
+                            }),
+                        );
+                        if let Some(f) = &p.flat_param {
+                            row("flat parameter", f.clone());
+                        }
+                        if let Some((a, b)) = p.flat_range {
+                            row("flat range", format!("[{a}, {b})"));
+                        }
+                        row("shape", fmt_shape(&p.shape));
+                        row("dtype", p.dtype.name().to_owned());
+                        row("numel", count(p.numel));
+                        row("bytes", fmt_bytes(p.bytes()));
+                        row("ranks", fmt_ranks(&p.ranks));
+                    });
+                ui.separator();
+                ui.strong("Chunk map");
+                chunk_map::ui(ui, p, self.theme);
             });
-            ui.separator();
-            ui.strong("Chunk map");
-            chunk_map::ui(ui, p, self.theme);
-        });
     }
 
     fn central(&mut self, ui: &mut Ui) {
@@ -462,7 +508,13 @@ impl Viewer {
                     return;
                 };
                 match tab {
-                    Tab::ShardMap => shard_map::ui(ui, view, &mut self.shard_map, &mut self.selection, self.theme),
+                    Tab::ShardMap => shard_map::ui(
+                        ui,
+                        view,
+                        &mut self.shard_map,
+                        &mut self.selection,
+                        self.theme,
+                    ),
                     Tab::FqnMap => fqn_map::ui(ui, view, &mut self.fqn_map, &mut self.selection),
                     _ => ranks::ui(ui, view, self.theme),
                 }

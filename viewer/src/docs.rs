@@ -11,7 +11,10 @@ use crate::trace::Trace;
 #[derive(Debug, Clone)]
 pub enum Document {
     /// A model description (`shardscope layout --model`).
-    Model { name: String, model: ModelDescription },
+    Model {
+        name: String,
+        model: ModelDescription,
+    },
     /// A Chrome trace of the gather runner (or any Chrome trace JSON).
     Trace(Trace),
 }
@@ -26,10 +29,14 @@ pub enum OpenError {
     #[error("{0}")]
     Trace(#[from] crate::trace::TraceError),
     /// JSON that is neither a model description nor a trace.
-    #[error("{name}: JSON, but neither a model description (`params`) nor a Chrome trace (`traceEvents`)")]
+    #[error(
+        "{name}: JSON, but neither a model description (`params`) nor a Chrome trace (`traceEvents`)"
+    )]
     UnknownJson { name: String },
     /// Not JSON at all.
-    #[error("{name}: unsupported input ({size_bytes} bytes); the viewer opens model descriptions (.json) and runner traces (.json)")]
+    #[error(
+        "{name}: unsupported input ({size_bytes} bytes); the viewer opens model descriptions (.json) and runner traces (.json)"
+    )]
     Unsupported { name: String, size_bytes: usize },
     /// Reading a file failed (native only).
     #[error("cannot read {path}: {message}")]
@@ -73,7 +80,10 @@ pub fn parse(name: &str, bytes: &[u8]) -> Result<Document, OpenError> {
 /// Work waiting to be parsed.
 #[derive(Debug)]
 enum Job {
-    Bytes { name: String, bytes: Vec<u8> },
+    Bytes {
+        name: String,
+        bytes: Vec<u8>,
+    },
     #[cfg(not(target_arch = "wasm32"))]
     Path(std::path::PathBuf),
 }

@@ -1,11 +1,12 @@
 //! Human-readable numbers.
 
+use std::fmt::Write as _;
 /// `1234567` -> `1 234 567` (thin grouping that reads the same in every locale).
 pub fn count(n: u64) -> String {
     let digits = n.to_string();
     let mut out = String::with_capacity(digits.len() + digits.len() / 3);
     for (i, c) in digits.chars().enumerate() {
-        if i > 0 && (digits.len() - i) % 3 == 0 {
+        if i > 0 && (digits.len() - i).is_multiple_of(3) {
             out.push(' ');
         }
         out.push(c);
@@ -63,11 +64,15 @@ pub fn ranks(ranks: &[u64]) -> String {
         if end == start {
             out.push_str(&start.to_string());
         } else {
-            out.push_str(&format!("{start}-{end}"));
+            let _ = write!(out, "{start}-{end}");
         }
         i += 1;
     }
-    if out.is_empty() { "none".to_owned() } else { out }
+    if out.is_empty() {
+        "none".to_owned()
+    } else {
+        out
+    }
 }
 
 /// A shape as torch prints it: `[7, 5]`, `[]` for a scalar.

@@ -10,7 +10,9 @@ fn main() -> std::process::ExitCode {
         Ok(()) => std::process::ExitCode::SUCCESS,
         Err(e) => {
             eprintln!("error: {e}");
-            eprintln!("hint: shardscope-viewer [--api fsdp1|fsdp2] [--world-size N] [--shard-group-size K] [--strategy NAME] [--no-orig-params] [--select FQN] [--light] [FILE_OR_FOLDER ...]");
+            eprintln!(
+                "hint: shardscope-viewer [--api fsdp1|fsdp2] [--world-size N] [--shard-group-size K] [--strategy NAME] [--no-orig-params] [--select FQN] [--light] [FILE_OR_FOLDER ...]"
+            );
             std::process::ExitCode::from(2)
         }
     }
@@ -31,20 +33,29 @@ fn run() -> Result<(), String> {
                 .ok_or_else(|| format!("{name} needs a value"))
         };
         let number = |name: &str, v: String| -> Result<u64, String> {
-            v.parse().map_err(|_| format!("{name}: `{v}` is not a positive integer"))
+            v.parse()
+                .map_err(|_| format!("{name}: `{v}` is not a positive integer"))
         };
         match text.as_str() {
             "--api" => viewer.controls.api = value("--api")?.parse().map_err(|e| format!("{e}"))?,
-            "--world-size" => viewer.controls.world_size = number("--world-size", value("--world-size")?)?,
-            "--shard-group-size" => {
-                viewer.controls.shard_group_size = number("--shard-group-size", value("--shard-group-size")?)?;
+            "--world-size" => {
+                viewer.controls.world_size = number("--world-size", value("--world-size")?)?;
             }
-            "--strategy" => viewer.controls.strategy = value("--strategy")?.parse().map_err(|e| format!("{e}"))?,
+            "--shard-group-size" => {
+                viewer.controls.shard_group_size =
+                    number("--shard-group-size", value("--shard-group-size")?)?;
+            }
+            "--strategy" => {
+                viewer.controls.strategy =
+                    value("--strategy")?.parse().map_err(|e| format!("{e}"))?;
+            }
             "--no-orig-params" => viewer.controls.use_orig_params = false,
             "--select" => viewer.selection.select(value("--select")?),
             "--light" => viewer.theme = shardscope_viewer::theme::Theme::Light,
             "-h" | "--help" => {
-                println!("shardscope-viewer [--api fsdp1|fsdp2] [--world-size N] [--shard-group-size K] [--strategy NAME] [--no-orig-params] [--select FQN] [--light] [FILE_OR_FOLDER ...]");
+                println!(
+                    "shardscope-viewer [--api fsdp1|fsdp2] [--world-size N] [--shard-group-size K] [--strategy NAME] [--no-orig-params] [--select FQN] [--light] [FILE_OR_FOLDER ...]"
+                );
                 return Ok(());
             }
             flag if flag.starts_with("--") => return Err(format!("unknown option {flag}")),
@@ -52,8 +63,14 @@ fn run() -> Result<(), String> {
         }
     }
     if paths.is_empty() {
-        viewer.open_bytes("examples/tiny_model.json", shardscope_viewer::app::EXAMPLE_MODEL.to_vec());
-        viewer.open_bytes("examples/viewer/gather_trace.json", shardscope_viewer::app::EXAMPLE_TRACE.to_vec());
+        viewer.open_bytes(
+            "examples/tiny_model.json",
+            shardscope_viewer::app::EXAMPLE_MODEL.to_vec(),
+        );
+        viewer.open_bytes(
+            "examples/viewer/gather_trace.json",
+            shardscope_viewer::app::EXAMPLE_TRACE.to_vec(),
+        );
         viewer.tab = shardscope_viewer::Tab::ShardMap;
         viewer.stay_on_tab = true;
     }
@@ -67,8 +84,12 @@ fn run() -> Result<(), String> {
             .with_drag_and_drop(true),
         ..Default::default()
     };
-    eframe::run_native("shardscope", options, Box::new(move |_cc| Ok(Box::new(viewer))))
-        .map_err(|e| e.to_string())
+    eframe::run_native(
+        "shardscope",
+        options,
+        Box::new(move |_cc| Ok(Box::new(viewer))),
+    )
+    .map_err(|e| e.to_string())
 }
 
 #[cfg(target_arch = "wasm32")]

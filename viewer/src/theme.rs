@@ -32,7 +32,7 @@ impl Theme {
         };
         // Vary saturation and value with the slot too, so hues that land close still separate.
         let s = s + [0.0, 0.2, -0.15][(slot / 2) % 3];
-        let v = if slot % 2 == 0 { v } else { v - 0.12 };
+        let v = if slot.is_multiple_of(2) { v } else { v - 0.12 };
         Hsva::new(hue, s, v, 1.0).into()
     }
 
@@ -121,7 +121,14 @@ pub enum Hatch {
 }
 
 /// Fills `rect` and draws diagonal lines spaced `spacing` px apart, clipped to `rect`.
-pub fn hatch(painter: &Painter, rect: Rect, fill: Color32, line: Color32, dir: Hatch, spacing: f32) {
+pub fn hatch(
+    painter: &Painter,
+    rect: Rect,
+    fill: Color32,
+    line: Color32,
+    dir: Hatch,
+    spacing: f32,
+) {
     painter.rect_filled(rect, 0.0, fill);
     if rect.width() < 2.0 || rect.height() < 2.0 {
         return;

@@ -12,10 +12,14 @@ pub enum TraceError {
     #[error("{name}: not JSON: {message}")]
     Json { name: String, message: String },
     /// JSON, but neither an event array nor an object with `traceEvents`.
-    #[error("{name}: not a Chrome trace (expected an array of events or an object with `traceEvents`)")]
+    #[error(
+        "{name}: not a Chrome trace (expected an array of events or an object with `traceEvents`)"
+    )]
     NotATrace { name: String },
     /// A trace without a single complete (`ph: "X"`) span.
-    #[error("{name}: no complete spans (`ph: \"X\"` events with `ts` and `dur`) in {events} events")]
+    #[error(
+        "{name}: no complete spans (`ph: \"X\"` events with `ts` and `dur`) in {events} events"
+    )]
     NoSpans { name: String, events: usize },
 }
 
@@ -200,8 +204,14 @@ impl Trace {
             })
             .collect();
         spans.sort_by(|a, b| a.lane.cmp(&b.lane).then(a.start_us.total_cmp(&b.start_us)));
-        let start_us = spans.iter().map(|s| s.start_us).fold(f64::INFINITY, f64::min);
-        let end_us = spans.iter().map(Span::end_us).fold(f64::NEG_INFINITY, f64::max);
+        let start_us = spans
+            .iter()
+            .map(|s| s.start_us)
+            .fold(f64::INFINITY, f64::min);
+        let end_us = spans
+            .iter()
+            .map(Span::end_us)
+            .fold(f64::NEG_INFINITY, f64::max);
         Ok(Self {
             name: name.to_owned(),
             lanes,
@@ -232,8 +242,10 @@ impl Trace {
                 continue;
             };
             let rate = b as f64 / s.duration_us; // bytes per µs
-            let first = (((s.start_us - self.start_us) / width).floor().max(0.0) as usize).min(bins - 1);
-            let last = (((s.end_us() - self.start_us) / width).floor().max(0.0) as usize).min(bins - 1);
+            let first =
+                (((s.start_us - self.start_us) / width).floor().max(0.0) as usize).min(bins - 1);
+            let last =
+                (((s.end_us() - self.start_us) / width).floor().max(0.0) as usize).min(bins - 1);
             for (i, slot) in bytes.iter_mut().enumerate().take(last + 1).skip(first) {
                 let lo = self.start_us + i as f64 * width;
                 let hi = lo + width;
@@ -281,7 +293,10 @@ mod tests {
         assert_eq!(t.lanes[0].label, "rank 0");
         assert_eq!(t.spans.len(), 2);
         assert_eq!(t.spans[0].name, "read");
-        assert_eq!(t.spans[1].args, vec![("unit".to_owned(), "block1".to_owned())]);
+        assert_eq!(
+            t.spans[1].args,
+            vec![("unit".to_owned(), "block1".to_owned())]
+        );
         // 1000 bytes in 10 µs = 1e8 B/s.
         assert!((t.spans[1].bandwidth_bytes_per_sec().unwrap() - 1e8).abs() < 1.0);
         // Two bins of 10 µs: bin 0 holds 2000 B of `read`; bin 1 holds 2000 + 1000 B.

@@ -385,7 +385,11 @@ fn totals(units: &[UnitView], shard_group_size: u64, replicated: u64) -> Vec<Ran
 }
 
 fn from_fsdp1(model: &ModelDescription, layout: &Fsdp1Layout) -> LayoutView {
-    let mut b = Builder::new(model, shardscope_core::layout::Api::Fsdp1, layout.world_size);
+    let mut b = Builder::new(
+        model,
+        shardscope_core::layout::Api::Fsdp1,
+        layout.world_size,
+    );
     let mut units = Vec::with_capacity(layout.flat_params.len());
     for flat in &layout.flat_params {
         let itemsize = flat.dtype.size_bytes() as u64;
@@ -491,7 +495,11 @@ fn from_fsdp1(model: &ModelDescription, layout: &Fsdp1Layout) -> LayoutView {
 }
 
 fn from_fsdp2(model: &ModelDescription, layout: &Fsdp2Layout) -> LayoutView {
-    let mut b = Builder::new(model, shardscope_core::layout::Api::Fsdp2, layout.world_size);
+    let mut b = Builder::new(
+        model,
+        shardscope_core::layout::Api::Fsdp2,
+        layout.world_size,
+    );
     let n = layout.shard_group_size;
     let mut units = Vec::with_capacity(layout.units.len());
     for unit in &layout.units {
@@ -569,7 +577,10 @@ fn from_fsdp2(model: &ModelDescription, layout: &Fsdp2Layout) -> LayoutView {
     b.resolve_aliases();
     let rank_totals = totals(&units, n, replicated_bytes(&b.params));
     let strategy_label = if layout.mesh_shape.len() == 2 {
-        format!("HSDP mesh {}x{}", layout.mesh_shape[0], layout.mesh_shape[1])
+        format!(
+            "HSDP mesh {}x{}",
+            layout.mesh_shape[0], layout.mesh_shape[1]
+        )
     } else {
         "Shard(0)".to_owned()
     };
@@ -593,12 +604,19 @@ mod tests {
 
     #[test]
     fn raw_names_insert_the_wrapper_after_every_unit() {
-        let units = vec![String::new(), "block1".to_owned(), "block1.inner".to_owned()];
+        let units = vec![
+            String::new(),
+            "block1".to_owned(),
+            "block1.inner".to_owned(),
+        ];
         assert_eq!(
             fsdp1_raw_name("block1.inner.w", &units),
             "_fsdp_wrapped_module.block1._fsdp_wrapped_module.inner._fsdp_wrapped_module.w"
         );
-        assert_eq!(fsdp1_raw_name("scale", &units), "_fsdp_wrapped_module.scale");
+        assert_eq!(
+            fsdp1_raw_name("scale", &units),
+            "_fsdp_wrapped_module.scale"
+        );
         assert_eq!(
             fsdp1_flat_param_raw_name("block1", &units),
             "_fsdp_wrapped_module.block1._fsdp_wrapped_module._flat_param"

@@ -101,10 +101,14 @@ fn selection_is_shared_between_tree_fqn_map_and_status_bar() {
     // Search in the FQN map narrows the rows.
     h.get_by_role_and_label(Role::TextInput, "Search").focus();
     h.run();
-    h.get_by_role_and_label(Role::TextInput, "Search").type_text("b");
+    h.get_by_role_and_label(Role::TextInput, "Search")
+        .type_text("b");
     h.run();
     assert_eq!(h.state().fqn_map.filter, "b");
-    assert_eq!(label_texts(&h, "of 2 parameters"), vec!["1 of 2 parameters".to_owned()]);
+    assert_eq!(
+        label_texts(&h, "of 2 parameters"),
+        vec!["1 of 2 parameters".to_owned()]
+    );
 }
 
 #[test]
@@ -119,7 +123,8 @@ fn clicking_a_slice_in_the_shard_map_selects_its_parameter() {
     let view = h.state().view.clone().unwrap();
     let b = view.by_fqn["b"];
     let (_, rank_index, rect) =
-        shardscope_viewer::panels::shard_map::slice_rect(&view, &h.state().shard_map, canvas, b).unwrap();
+        shardscope_viewer::panels::shard_map::slice_rect(&view, &h.state().shard_map, canvas, b)
+            .unwrap();
     // b's first slice is on rank 1 (elements [0, 1) at offset 2 of rank 1's shard).
     assert_eq!(view.units[0].ranks[rank_index].rank, 1);
     let pos = rect.center();
@@ -151,7 +156,11 @@ fn world_size_and_strategy_changes_recompute_at_once() {
     h.state_mut().controls.world_size = 4;
     h.state_mut().controls.shard_group_size = 3;
     h.run();
-    assert!(h.get_all_by_label_contains("does not divide world size 4").count() >= 1);
+    assert!(
+        h.get_all_by_label_contains("does not divide world size 4")
+            .count()
+            >= 1
+    );
 }
 
 #[test]

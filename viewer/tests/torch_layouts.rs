@@ -95,9 +95,14 @@ fn torch_facts(expected: &Value, group_size: u64) -> TorchFacts {
             for unit in units {
                 for p in unit["params"].as_array().unwrap() {
                     let size = itemsize(p["dtype"].as_str().unwrap());
-                    let numel = |k: &str| -> u64 { p[k].as_array().unwrap().iter().map(u).product() };
-                    f.tail_pad_bytes += (numel("padded_sharded_shape") - numel("local_shape")) * size;
-                    let entry = f.ranks.entry(p["fqn"].as_str().unwrap().to_owned()).or_default();
+                    let numel =
+                        |k: &str| -> u64 { p[k].as_array().unwrap().iter().map(u).product() };
+                    f.tail_pad_bytes +=
+                        (numel("padded_sharded_shape") - numel("local_shape")) * size;
+                    let entry = f
+                        .ranks
+                        .entry(p["fqn"].as_str().unwrap().to_owned())
+                        .or_default();
                     if numel("local_shape") > 0 {
                         entry.insert(rank);
                     }
@@ -121,10 +126,15 @@ fn viewer_matches_torch_on_every_layout_fixture() {
         .filter(|p| p.join("case.json").exists())
         .collect();
     cases.sort();
-    assert!(cases.len() >= 20, "layout fixtures missing: {}", fixtures().display());
+    assert!(
+        cases.len() >= 20,
+        "layout fixtures missing: {}",
+        fixtures().display()
+    );
     for dir in cases {
         let name = dir.file_name().unwrap().to_string_lossy().into_owned();
-        let case: Value = serde_json::from_slice(&std::fs::read(dir.join("case.json")).unwrap()).unwrap();
+        let case: Value =
+            serde_json::from_slice(&std::fs::read(dir.join("case.json")).unwrap()).unwrap();
         let model = std::fs::read(dir.join("model.json")).unwrap();
 
         let mut v = Viewer::new();
@@ -141,19 +151,27 @@ fn viewer_matches_torch_on_every_layout_fixture() {
         v.poll_loader();
 
         if case.get("expected_error").is_some() {
-            assert!(v.view.is_none(), "{name}: torch rejects this layout, the viewer drew one");
+            assert!(
+                v.view.is_none(),
+                "{name}: torch rejects this layout, the viewer drew one"
+            );
             assert!(v.layout_error.is_some(), "{name}: no error shown");
             checked += 1;
             continue;
         }
         let expected: Value =
             serde_json::from_slice(&std::fs::read(dir.join("expected.json")).unwrap()).unwrap();
-        let view = v.view.clone().unwrap_or_else(|| panic!("{name}: {:?}", v.layout_error));
+        let view = v
+            .view
+            .clone()
+            .unwrap_or_else(|| panic!("{name}: {:?}", v.layout_error));
         let facts = torch_facts(&expected, view.shard_group_size);
 
         // Which ranks hold each parameter.
         for (fqn, ranks) in &facts.ranks {
-            let row = view.param(fqn).unwrap_or_else(|| panic!("{name}: {fqn} not shown"));
+            let row = view
+                .param(fqn)
+                .unwrap_or_else(|| panic!("{name}: {fqn} not shown"));
             let shown: BTreeSet<u64> = row.ranks.iter().copied().collect();
             assert_eq!(&shown, ranks, "{name}: ranks holding {fqn}");
         }
@@ -162,10 +180,17 @@ fn viewer_matches_torch_on_every_layout_fixture() {
         if view.api_label == "FSDP1" && !v.controls.use_orig_params {
             for unit in &view.units {
                 let flat = unit.flat_param.as_ref().unwrap();
-                assert!(facts.wrapped_names.contains(flat), "{name}: flat parameter {flat} not in torch's names");
+                assert!(
+                    facts.wrapped_names.contains(flat),
+                    "{name}: flat parameter {flat} not in torch's names"
+                );
             }
         } else {
-            for row in view.params.iter().filter(|p| p.status == shardscope_viewer::view::ParamStatus::Sharded) {
+            for row in view
+                .params
+                .iter()
+                .filter(|p| p.status == shardscope_viewer::view::ParamStatus::Sharded)
+            {
                 assert!(
                     facts.wrapped_names.contains(&row.raw_name),
                     "{name}: raw name {} not in torch's {:?}",

@@ -39,7 +39,10 @@ mod handle {
                 }
                 if std::mem::take(&mut s.example) {
                     self.viewer.stay_on_tab = true;
-                    self.viewer.open_bytes("examples/tiny_model.json", shardscope_viewer::app::EXAMPLE_MODEL.to_vec());
+                    self.viewer.open_bytes(
+                        "examples/tiny_model.json",
+                        shardscope_viewer::app::EXAMPLE_MODEL.to_vec(),
+                    );
                     self.viewer.open_bytes(
                         "examples/viewer/gather_trace.json",
                         shardscope_viewer::app::EXAMPLE_TRACE.to_vec(),
@@ -68,6 +71,12 @@ mod handle {
         ctx: Arc<Mutex<Option<egui::Context>>>,
     }
 
+    impl std::fmt::Debug for WebHandle {
+        fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+            f.debug_struct("WebHandle").finish_non_exhaustive()
+        }
+    }
+
     #[wasm_bindgen]
     impl WebHandle {
         #[wasm_bindgen(constructor)]
@@ -85,7 +94,11 @@ mod handle {
         }
 
         /// Starts the viewer on `canvas`. With `example` it opens the bundled example.
-        pub async fn start(&self, canvas: web_sys::HtmlCanvasElement, example: bool) -> Result<(), JsValue> {
+        pub async fn start(
+            &self,
+            canvas: web_sys::HtmlCanvasElement,
+            example: bool,
+        ) -> Result<(), JsValue> {
             let mut viewer = Viewer::new();
             // Share the inbox created in `new`, so files opened before `start` are kept.
             viewer.set_inbox(self.inbox.clone());
@@ -127,7 +140,10 @@ mod handle {
 
         /// One line describing what is shown (model, layout, selection).
         pub fn status(&self) -> String {
-            self.shared.lock().map(|s| s.status.clone()).unwrap_or_default()
+            self.shared
+                .lock()
+                .map(|s| s.status.clone())
+                .unwrap_or_default()
         }
 
         /// The selected parameter's clean FQN, or an empty string.

@@ -3,6 +3,7 @@
 //! FSDP1 chunks are runs of the flattened parameter and may cut rows.
 
 use egui::{Align2, Color32, FontId, Pos2, Rect, Sense, Stroke, Ui, Vec2, ecolor::Hsva};
+use std::fmt::Write as _;
 
 use crate::format::{count, ranks as fmt_ranks, shape as fmt_shape};
 use crate::theme::{Hatch, Theme, hatch};
@@ -77,7 +78,12 @@ pub fn ui(ui: &mut Ui, param: &ParamRow, theme: Theme) {
         let color = rank_color(theme, chunk.rank);
         for r in &rects {
             painter.rect_filled(*r, 0.0, color);
-            painter.rect_stroke(*r, 0.0, Stroke::new(1.0, Color32::from_black_alpha(120)), egui::StrokeKind::Inside);
+            painter.rect_stroke(
+                *r,
+                0.0,
+                Stroke::new(1.0, Color32::from_black_alpha(120)),
+                egui::StrokeKind::Inside,
+            );
             if response.hover_pos().is_some_and(|p| r.contains(p)) {
                 hovered = Some(*chunk);
             }
@@ -86,28 +92,36 @@ pub fn ui(ui: &mut Ui, param: &ParamRow, theme: Theme) {
             && big.width() > 22.0
             && big.height() > 11.0
         {
-            painter.text(big.center(), Align2::CENTER_CENTER, format!("r{}", chunk.rank), font.clone(), Color32::BLACK);
+            painter.text(
+                big.center(),
+                Align2::CENTER_CENTER,
+                format!("r{}", chunk.rank),
+                font.clone(),
+                Color32::BLACK,
+            );
         }
     }
     if let Some(c) = hovered {
         response.on_hover_ui_at_pointer(|ui| {
             let mut text = format!(
                 "rank {}\nelements [{}, {}) of {}",
-                c.rank,
-                c.start,
-                c.end,
-                param.fqn
+                c.rank, c.start, c.end, param.fqn
             );
             if param.shape.len() >= 2 {
-                text.push_str(&format!(
+                let _ = write!(
+                    text,
                     "\nrows {}..{} of {}",
                     c.start / cols,
                     c.end.div_ceil(cols),
                     rows
-                ));
+                );
             }
             if c.padding_numel > 0 {
-                text.push_str(&format!("\n+{} padding elements in the local tensor", c.padding_numel));
+                let _ = write!(
+                    text,
+                    "\n+{} padding elements in the local tensor",
+                    c.padding_numel
+                );
             }
             ui.label(text);
         });
@@ -121,15 +135,31 @@ pub fn ui(ui: &mut Ui, param: &ParamRow, theme: Theme) {
         ));
         let strip_h = 12.0;
         let shown: Vec<_> = param.chunks.iter().take(64).collect();
-        let (rect, _) = ui.allocate_exact_size(Vec2::new(width, strip_h * shown.len() as f32), Sense::hover());
+        let (rect, _) = ui.allocate_exact_size(
+            Vec2::new(width, strip_h * shown.len() as f32),
+            Sense::hover(),
+        );
         let p = ui.painter_at(rect);
         for (i, c) in shown.iter().enumerate() {
             let y = rect.top() + i as f32 * strip_h;
             let total = (c.end - c.start + c.padding_numel).max(1) as f32;
             let real_w = (rect.width() - 40.0) * (c.end - c.start) as f32 / total;
-            let row = Rect::from_min_size(Pos2::new(rect.left() + 40.0, y), Vec2::new(rect.width() - 40.0, strip_h - 2.0));
-            p.text(Pos2::new(rect.left(), y), Align2::LEFT_TOP, format!("r{}", c.rank), FontId::monospace(10.0), ui.visuals().text_color());
-            p.rect_filled(Rect::from_min_size(row.min, Vec2::new(real_w, row.height())), 0.0, rank_color(theme, c.rank));
+            let row = Rect::from_min_size(
+                Pos2::new(rect.left() + 40.0, y),
+                Vec2::new(rect.width() - 40.0, strip_h - 2.0),
+            );
+            p.text(
+                Pos2::new(rect.left(), y),
+                Align2::LEFT_TOP,
+                format!("r{}", c.rank),
+                FontId::monospace(10.0),
+                ui.visuals().text_color(),
+            );
+            p.rect_filled(
+                Rect::from_min_size(row.min, Vec2::new(real_w, row.height())),
+                0.0,
+                rank_color(theme, c.rank),
+            );
             if c.padding_numel > 0 {
                 hatch(
                     &p,
@@ -142,26 +172,32 @@ pub fn ui(ui: &mut Ui, param: &ParamRow, theme: Theme) {
             }
         }
         if param.chunks.len() > shown.len() {
-            ui.weak(format!("(first {} of {} ranks)", shown.len(), param.chunks.len()));
+            ui.weak(format!(
+                "(first {} of {} ranks)",
+                shown.len(),
+                param.chunks.len()
+            ));
         }
     }
 
     ui.add_space(4.0);
     ui.label(format!("held by ranks {}", fmt_ranks(&param.ranks)));
-    egui::Grid::new(("chunks", &param.fqn)).striped(true).show(ui, |ui| {
-        ui.strong("rank");
-        ui.strong("elements");
-        ui.strong("numel");
-        ui.strong("padding");
-        ui.end_row();
-        for c in param.chunks.iter().take(256) {
-            ui.label(c.rank.to_string());
-            ui.label(format!("[{}, {})", c.start, c.end));
-            ui.label(count(c.end - c.start));
-            ui.label(count(c.padding_numel));
+    egui::Grid::new(("chunks", &param.fqn))
+        .striped(true)
+        .show(ui, |ui| {
+            ui.strong("rank");
+            ui.strong("elements");
+            ui.strong("numel");
+            ui.strong("padding");
             ui.end_row();
-        }
-    });
+            for c in param.chunks.iter().take(256) {
+                ui.label(c.rank.to_string());
+                ui.label(format!("[{}, {})", c.start, c.end));
+                ui.label(count(c.end - c.start));
+                ui.label(count(c.padding_numel));
+                ui.end_row();
+            }
+        });
     if param.chunks.len() > 256 {
         ui.weak(format!("(first 256 of {} chunks)", param.chunks.len()));
     }

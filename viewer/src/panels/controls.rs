@@ -38,8 +38,17 @@ const FSDP1_STRATEGIES: [Strategy; 5] = [
     Strategy::HybridShard,
     Strategy::HybridShardZero2,
 ];
-const FSDP2_STRATEGIES: [Strategy; 3] = [Strategy::FullShard, Strategy::ShardGradOp, Strategy::HybridShard];
-const DTYPES: [DType; 4] = [DType::Float32, DType::BFloat16, DType::Float16, DType::Float64];
+const FSDP2_STRATEGIES: [Strategy; 3] = [
+    Strategy::FullShard,
+    Strategy::ShardGradOp,
+    Strategy::HybridShard,
+];
+const DTYPES: [DType; 4] = [
+    DType::Float32,
+    DType::BFloat16,
+    DType::Float16,
+    DType::Float64,
+];
 
 impl Controls {
     /// The layout configuration these controls describe.
@@ -66,67 +75,79 @@ impl Controls {
     /// Draws the controls; returns true when a value changed.
     pub fn ui(&mut self, ui: &mut Ui) -> bool {
         let before = self.clone();
-        egui::Grid::new("layout_controls").num_columns(2).spacing([8.0, 6.0]).show(ui, |ui| {
-            ui.label("API");
-            ui.horizontal(|ui| {
-                ui.selectable_value(&mut self.api, Api::Fsdp1, "FSDP1");
-                ui.selectable_value(&mut self.api, Api::Fsdp2, "FSDP2");
-            });
-            ui.end_row();
+        egui::Grid::new("layout_controls")
+            .num_columns(2)
+            .spacing([8.0, 6.0])
+            .show(ui, |ui| {
+                ui.label("API");
+                ui.horizontal(|ui| {
+                    ui.selectable_value(&mut self.api, Api::Fsdp1, "FSDP1");
+                    ui.selectable_value(&mut self.api, Api::Fsdp2, "FSDP2");
+                });
+                ui.end_row();
 
-            let label = ui.label("World size");
-            ui.add(egui::DragValue::new(&mut self.world_size).range(1..=65_536).speed(0.1))
+                let label = ui.label("World size");
+                ui.add(
+                    egui::DragValue::new(&mut self.world_size)
+                        .range(1..=65_536)
+                        .speed(0.1),
+                )
                 .labelled_by(label.id);
-            ui.end_row();
+                ui.end_row();
 
-            let label = ui.label("Strategy");
-            let strategies: &[Strategy] = match self.api {
-                Api::Fsdp1 => &FSDP1_STRATEGIES,
-                Api::Fsdp2 => &FSDP2_STRATEGIES,
-            };
-            egui::ComboBox::from_id_salt("strategy")
-                .selected_text(self.strategy_label(self.strategy))
-                .show_ui(ui, |ui| {
-                    for &s in strategies {
-                        let label = self.strategy_label(s);
-                        ui.selectable_value(&mut self.strategy, s, label);
-                    }
-                })
-                .response
-                .labelled_by(label.id);
-            ui.end_row();
+                let label = ui.label("Strategy");
+                let strategies: &[Strategy] = match self.api {
+                    Api::Fsdp1 => &FSDP1_STRATEGIES,
+                    Api::Fsdp2 => &FSDP2_STRATEGIES,
+                };
+                egui::ComboBox::from_id_salt("strategy")
+                    .selected_text(self.strategy_label(self.strategy))
+                    .show_ui(ui, |ui| {
+                        for &s in strategies {
+                            let label = self.strategy_label(s);
+                            ui.selectable_value(&mut self.strategy, s, label);
+                        }
+                    })
+                    .response
+                    .labelled_by(label.id);
+                ui.end_row();
 
-            let label = ui.label("Shard group");
-            ui.add_enabled(
-                self.strategy.is_hybrid(),
-                egui::DragValue::new(&mut self.shard_group_size)
-                    .range(1..=self.world_size.max(1))
-                    .speed(0.1)
-                    .suffix(" ranks"),
-            )
-            .labelled_by(label.id)
-            .on_disabled_hover_text("Only hybrid strategies shard over groups smaller than the world");
-            ui.end_row();
+                let label = ui.label("Shard group");
+                ui.add_enabled(
+                    self.strategy.is_hybrid(),
+                    egui::DragValue::new(&mut self.shard_group_size)
+                        .range(1..=self.world_size.max(1))
+                        .speed(0.1)
+                        .suffix(" ranks"),
+                )
+                .labelled_by(label.id)
+                .on_disabled_hover_text(
+                    "Only hybrid strategies shard over groups smaller than the world",
+                );
+                ui.end_row();
 
-            let label = ui.label("use_orig_params");
-            ui.add_enabled(self.api == Api::Fsdp1, egui::Checkbox::without_text(&mut self.use_orig_params))
+                let label = ui.label("use_orig_params");
+                ui.add_enabled(
+                    self.api == Api::Fsdp1,
+                    egui::Checkbox::without_text(&mut self.use_orig_params),
+                )
                 .labelled_by(label.id)
                 .on_hover_text("FSDP1: pad every parameter to 16 bytes of the compute dtype");
-            ui.end_row();
+                ui.end_row();
 
-            let label = ui.label("Compute dtype");
-            egui::ComboBox::from_id_salt("param_dtype")
-                .selected_text(self.param_dtype.map_or("same as params", DType::name))
-                .show_ui(ui, |ui| {
-                    ui.selectable_value(&mut self.param_dtype, None, "same as params");
-                    for d in DTYPES {
-                        ui.selectable_value(&mut self.param_dtype, Some(d), d.name());
-                    }
-                })
-                .response
-                .labelled_by(label.id);
-            ui.end_row();
-        });
+                let label = ui.label("Compute dtype");
+                egui::ComboBox::from_id_salt("param_dtype")
+                    .selected_text(self.param_dtype.map_or("same as params", DType::name))
+                    .show_ui(ui, |ui| {
+                        ui.selectable_value(&mut self.param_dtype, None, "same as params");
+                        for d in DTYPES {
+                            ui.selectable_value(&mut self.param_dtype, Some(d), d.name());
+                        }
+                    })
+                    .response
+                    .labelled_by(label.id);
+                ui.end_row();
+            });
         // Keep the values coherent: FSDP2 has no no_shard; a group never exceeds the world.
         if self.api == Api::Fsdp2 && !FSDP2_STRATEGIES.contains(&self.strategy) {
             self.strategy = Strategy::FullShard;

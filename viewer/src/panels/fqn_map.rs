@@ -93,7 +93,11 @@ pub fn ui(ui: &mut Ui, view: &LayoutView, st: &mut FqnMapState, selection: &mut 
         if ui.button("Clear").clicked() {
             st.filter.clear();
         }
-        ui.label(format!("{} of {} parameters", shown.len(), view.params.len()));
+        ui.label(format!(
+            "{} of {} parameters",
+            shown.len(),
+            view.params.len()
+        ));
     });
     let selected_row = selection
         .fqn

@@ -46,7 +46,14 @@ pub fn ui(ui: &mut Ui, view: &LayoutView, theme: Theme) {
         .column(Column::initial(90.0))
         .column(Column::remainder().at_least(120.0))
         .header(20.0, |mut h| {
-            for title in ["rank", "params", "align pad", "tail pad", "replicated", "share of the largest rank"] {
+            for title in [
+                "rank",
+                "params",
+                "align pad",
+                "tail pad",
+                "replicated",
+                "share of the largest rank",
+            ] {
                 h.col(|ui| {
                     ui.strong(title);
                 });
@@ -78,7 +85,10 @@ pub fn ui(ui: &mut Ui, view: &LayoutView, theme: Theme) {
                     let mut part = |bytes: u64, draw: &dyn Fn(Rect)| {
                         let wpx = bytes as f32 * scale;
                         if wpx > 0.0 {
-                            draw(Rect::from_min_size(Pos2::new(x, rect.top()), Vec2::new(wpx, rect.height())));
+                            draw(Rect::from_min_size(
+                                Pos2::new(x, rect.top()),
+                                Vec2::new(wpx, rect.height()),
+                            ));
                         }
                         x += wpx;
                     };
@@ -90,10 +100,24 @@ pub fn ui(ui: &mut Ui, view: &LayoutView, theme: Theme) {
                         p.rect_filled(r, 0.0, theme.dense_fill());
                     });
                     part(t.align_pad_bytes, &|r| {
-                        hatch(p, r, theme.align_pad_fill(), theme.align_pad_line(), Hatch::Forward, 5.0);
+                        hatch(
+                            p,
+                            r,
+                            theme.align_pad_fill(),
+                            theme.align_pad_line(),
+                            Hatch::Forward,
+                            5.0,
+                        );
                     });
                     part(t.tail_pad_bytes, &|r| {
-                        hatch(p, r, theme.tail_pad_fill(), theme.tail_pad_line(), Hatch::Backward, 5.0);
+                        hatch(
+                            p,
+                            r,
+                            theme.tail_pad_fill(),
+                            theme.tail_pad_line(),
+                            Hatch::Backward,
+                            5.0,
+                        );
                     });
                 });
             });

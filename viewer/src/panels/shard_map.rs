@@ -7,6 +7,7 @@
 //! O(visible rows x (visible wide slices + pixels)), whatever the number of chunks.
 
 use egui::{Align2, Color32, FontId, Pos2, Rect, Sense, Stroke, Ui, Vec2};
+use std::fmt::Write as _;
 
 use crate::Selection;
 use crate::format::{bytes as fmt_bytes, count};
@@ -117,13 +118,20 @@ impl Geometry {
 pub fn bar_area(canvas: Rect) -> Rect {
     Rect::from_min_max(
         Pos2::new(canvas.left() + RANK_GUTTER, canvas.top()),
-        Pos2::new((canvas.right() - TOTALS_GUTTER).max(canvas.left() + RANK_GUTTER + 40.0), canvas.bottom()),
+        Pos2::new(
+            (canvas.right() - TOTALS_GUTTER).max(canvas.left() + RANK_GUTTER + 40.0),
+            canvas.bottom(),
+        ),
     )
 }
 
 /// Screen x of a byte position in a bar of `bar_bytes`.
 fn x_of(bytes: f64, bar_bytes: f64, area: Rect, st: &ShardMapState) -> f32 {
-    let frac = if bar_bytes > 0.0 { bytes / bar_bytes } else { 0.0 };
+    let frac = if bar_bytes > 0.0 {
+        bytes / bar_bytes
+    } else {
+        0.0
+    };
     area.left() + ((frac - st.pan) * st.zoom * f64::from(area.width())) as f32
 }
 
@@ -144,7 +152,10 @@ pub fn slice_rect(
                     let bb = unit.bar_bytes as f64;
                     let x0 = x_of(seg.x_bytes as f64, bb, area, st);
                     let x1 = x_of((seg.x_bytes + seg.len_bytes) as f64, bb, area, st);
-                    let rect = Rect::from_min_max(Pos2::new(x0, top), Pos2::new(x1, top + st.row_height - 1.0));
+                    let rect = Rect::from_min_max(
+                        Pos2::new(x0, top),
+                        Pos2::new(x1, top + st.row_height - 1.0),
+                    );
                     return Some((ui_idx, ri, rect));
                 }
             }
@@ -161,7 +172,13 @@ fn seg_param(seg: &Seg) -> Option<usize> {
 }
 
 /// Draws the toolbar, legend and the map.
-pub fn ui(ui: &mut Ui, view: &LayoutView, st: &mut ShardMapState, selection: &mut Selection, theme: Theme) {
+pub fn ui(
+    ui: &mut Ui,
+    view: &LayoutView,
+    st: &mut ShardMapState,
+    selection: &mut Selection,
+    theme: Theme,
+) {
     toolbar(ui, view, st);
     legend(ui, theme);
     ui.separator();
@@ -186,7 +203,11 @@ fn toolbar(ui: &mut Ui, view: &LayoutView, st: &mut ShardMapState) {
             st.zoom_at(0.5, 0.5);
         }
         ui.label(format!("zoom {:.1}x", st.zoom));
-        if ui.button("+").on_hover_text("Zoom in (or Ctrl + wheel)").clicked() {
+        if ui
+            .button("+")
+            .on_hover_text("Zoom in (or Ctrl + wheel)")
+            .clicked()
+        {
             st.zoom_at(2.0, 0.5);
         }
         if ui.button("Fit").clicked() {
@@ -225,12 +246,30 @@ pub fn legend(ui: &mut Ui, theme: Theme) {
         );
         swatch(
             ui,
-            &|p, r| hatch(p, r, theme.align_pad_fill(), theme.align_pad_line(), Hatch::Forward, 5.0),
+            &|p, r| {
+                hatch(
+                    p,
+                    r,
+                    theme.align_pad_fill(),
+                    theme.align_pad_line(),
+                    Hatch::Forward,
+                    5.0,
+                );
+            },
             "alignment padding (inside the flat parameter)",
         );
         swatch(
             ui,
-            &|p, r| hatch(p, r, theme.tail_pad_fill(), theme.tail_pad_line(), Hatch::Backward, 5.0),
+            &|p, r| {
+                hatch(
+                    p,
+                    r,
+                    theme.tail_pad_fill(),
+                    theme.tail_pad_line(),
+                    Hatch::Backward,
+                    5.0,
+                );
+            },
             "shard-tail padding (zeros to equal shard size)",
         );
         swatch(
@@ -244,14 +283,25 @@ pub fn legend(ui: &mut Ui, theme: Theme) {
             ui,
             &|p, r| {
                 p.rect_filled(r, 0.0, theme.param_color(4));
-                p.rect_stroke(r, 0.0, Stroke::new(2.0, theme.selection()), egui::StrokeKind::Inside);
+                p.rect_stroke(
+                    r,
+                    0.0,
+                    Stroke::new(2.0, theme.selection()),
+                    egui::StrokeKind::Inside,
+                );
             },
             "selected parameter",
         );
     });
 }
 
-fn canvas(ui: &mut Ui, view: &LayoutView, st: &mut ShardMapState, selection: &mut Selection, theme: Theme) {
+fn canvas(
+    ui: &mut Ui,
+    view: &LayoutView,
+    st: &mut ShardMapState,
+    selection: &mut Selection,
+    theme: Theme,
+) {
     let size = ui.available_size().max(Vec2::new(200.0, 120.0));
     let (rect, response) = ui.allocate_exact_size(size, Sense::click_and_drag());
     st.last_canvas = Some(rect);
@@ -261,7 +311,12 @@ fn canvas(ui: &mut Ui, view: &LayoutView, st: &mut ShardMapState, selection: &mu
     // Reveal the selection: scroll to its first row and make its slice visible.
     if st.reveal_selection {
         st.reveal_selection = false;
-        if let Some(param) = selection.fqn.as_deref().and_then(|f| view.by_fqn.get(f)).copied() {
+        if let Some(param) = selection
+            .fqn
+            .as_deref()
+            .and_then(|f| view.by_fqn.get(f))
+            .copied()
+        {
             let param = view.params[param]
                 .shared_with
                 .as_deref()
@@ -269,7 +324,8 @@ fn canvas(ui: &mut Ui, view: &LayoutView, st: &mut ShardMapState, selection: &mu
                 .unwrap_or(param);
             if let Some((u, ri, _)) = slice_rect(view, st, rect, param) {
                 let row_top = geo.row_top(u, ri);
-                let visible = row_top >= st.scroll_y && row_top + geo.row_h <= st.scroll_y + rect.height();
+                let visible =
+                    row_top >= st.scroll_y && row_top + geo.row_h <= st.scroll_y + rect.height();
                 if !visible {
                     st.scroll_y = row_top - HEADER_H - 4.0;
                 }
@@ -328,11 +384,21 @@ fn canvas(ui: &mut Ui, view: &LayoutView, st: &mut ShardMapState, selection: &mu
                 Some(flat) => format!("{}   {}", unit.display_name(), flat),
                 None => unit.display_name().to_owned(),
             };
-            painter.text(Pos2::new(rect.left() + 4.0, hy + 3.0), Align2::LEFT_TOP, name, font.clone(), text_color);
+            painter.text(
+                Pos2::new(rect.left() + 4.0, hy + 3.0),
+                Align2::LEFT_TOP,
+                name,
+                font.clone(),
+                text_color,
+            );
             painter.text(
                 Pos2::new(rect.left() + 4.0, hy + 18.0),
                 Align2::LEFT_TOP,
-                format!("{}   imbalance {:.1}%", unit.summary, unit.imbalance() * 100.0),
+                format!(
+                    "{}   imbalance {:.1}%",
+                    unit.summary,
+                    unit.imbalance() * 100.0
+                ),
                 small.clone(),
                 weak,
             );
@@ -340,10 +406,15 @@ fn canvas(ui: &mut Ui, view: &LayoutView, st: &mut ShardMapState, selection: &mu
         // Visible rows of this unit.
         let rows_top = top + HEADER_H;
         let first = (((view_top - rows_top) / geo.row_h).floor().max(0.0)) as usize;
-        let last = ((((view_bottom - rows_top) / geo.row_h).ceil()).max(0.0) as usize).min(unit.ranks.len());
+        let last = ((((view_bottom - rows_top) / geo.row_h).ceil()).max(0.0) as usize)
+            .min(unit.ranks.len());
         for ri in first..last {
             let y = rect.top() + rows_top + ri as f32 * geo.row_h - st.scroll_y;
-            let h = if geo.row_h >= 6.0 { geo.row_h - 1.0 } else { geo.row_h };
+            let h = if geo.row_h >= 6.0 {
+                geo.row_h - 1.0
+            } else {
+                geo.row_h
+            };
             draw_row(&painter, view, unit, ri, y, h, area, st, theme, selected);
             let bar = &unit.ranks[ri];
             if geo.row_h >= 10.0 {
@@ -419,7 +490,10 @@ pub fn hit_test(view: &LayoutView, st: &ShardMapState, canvas: Rect, pos: Pos2) 
 /// The hover text of a slice.
 pub fn describe(view: &LayoutView, unit: &UnitView, rank: u64, seg: &Seg) -> String {
     let group = if view.replica_groups() > 1 {
-        format!(" (and its replicas in {} shard groups)", view.replica_groups())
+        format!(
+            " (and its replicas in {} shard groups)",
+            view.replica_groups()
+        )
     } else {
         String::new()
     };
@@ -439,7 +513,7 @@ pub fn describe(view: &LayoutView, unit: &UnitView, rank: u64, seg: &Seg) -> Str
                 fmt_bytes(seg.len_bytes)
             );
             if let (Some(flat), Some((a, b))) = (&p.flat_param, p.flat_range) {
-                s.push_str(&format!("\n{flat} [{a}, {b})"));
+                let _ = write!(s, "\n{flat} [{a}, {b})");
             }
             s
         }
@@ -521,7 +595,10 @@ fn draw_row(
                 }
             }
             if selected.is_some() && seg_param(seg) == selected {
-                selected_rects.push(Rect::from_min_max(Pos2::new(x0, y), Pos2::new(x0 + 2.0, y + h)));
+                selected_rects.push(Rect::from_min_max(
+                    Pos2::new(x0, y),
+                    Pos2::new(x0 + 2.0, y + h),
+                ));
             }
             continue;
         }
@@ -544,25 +621,47 @@ fn draw_row(
             }
             SegKind::AlignPad => {
                 if hatch_ok {
-                    hatch(painter, r, theme.align_pad_fill(), theme.align_pad_line(), Hatch::Forward, 6.0);
+                    hatch(
+                        painter,
+                        r,
+                        theme.align_pad_fill(),
+                        theme.align_pad_line(),
+                        Hatch::Forward,
+                        6.0,
+                    );
                 } else {
                     painter.rect_filled(r, 0.0, theme.align_pad_line());
                 }
             }
             SegKind::TailPad { .. } => {
                 if hatch_ok {
-                    hatch(painter, r, theme.tail_pad_fill(), theme.tail_pad_line(), Hatch::Backward, 6.0);
+                    hatch(
+                        painter,
+                        r,
+                        theme.tail_pad_fill(),
+                        theme.tail_pad_line(),
+                        Hatch::Backward,
+                        6.0,
+                    );
                 } else {
                     painter.rect_filled(r, 0.0, theme.tail_pad_line());
                 }
             }
         }
-        if selected.is_some() && seg_param(seg) == selected && matches!(seg.kind, SegKind::Param { .. }) {
+        if selected.is_some()
+            && seg_param(seg) == selected
+            && matches!(seg.kind, SegKind::Param { .. })
+        {
             selected_rects.push(r);
         }
     }
     flush(&mut dense);
     for r in selected_rects {
-        painter.rect_stroke(r, 0.0, Stroke::new(2.0, theme.selection()), egui::StrokeKind::Inside);
+        painter.rect_stroke(
+            r,
+            0.0,
+            Stroke::new(2.0, theme.selection()),
+            egui::StrokeKind::Inside,
+        );
     }
 }

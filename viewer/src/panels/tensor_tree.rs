@@ -50,7 +50,13 @@ pub fn build(view: &LayoutView, filter: &str) -> Node {
 }
 
 /// Draws the tree.
-pub fn ui(ui: &mut Ui, view: &LayoutView, st: &mut TreeState, selection: &mut Selection, theme: Theme) {
+pub fn ui(
+    ui: &mut Ui,
+    view: &LayoutView,
+    st: &mut TreeState,
+    selection: &mut Selection,
+    theme: Theme,
+) {
     ui.horizontal(|ui| {
         let label = ui.label("Filter");
         ui.add(
@@ -67,7 +73,11 @@ pub fn ui(ui: &mut Ui, view: &LayoutView, st: &mut TreeState, selection: &mut Se
         root.params,
         fmt_bytes(root.bytes)
     ));
-    let open = if st.filter.is_empty() { None } else { Some(true) };
+    let open = if st.filter.is_empty() {
+        None
+    } else {
+        Some(true)
+    };
     egui::ScrollArea::vertical()
         .id_salt("tree_scroll")
         .auto_shrink([false, false])
@@ -96,18 +106,25 @@ fn node_ui(
             .fqn
             .as_deref()
             .is_some_and(|f| f.starts_with(&child_path) && f[child_path.len()..].starts_with('.'));
-        CollapsingHeader::new(format!("{name}  ({}, {})", child.params, fmt_bytes(child.bytes)))
-            .id_salt(("tree", &child_path))
-            .open(open.or(holds_selection.then_some(true)))
-            .default_open(path.is_empty() && node.children.len() <= 8)
-            .show(ui, |ui| node_ui(ui, view, child, &child_path, open, selection, theme));
+        CollapsingHeader::new(format!(
+            "{name}  ({}, {})",
+            child.params,
+            fmt_bytes(child.bytes)
+        ))
+        .id_salt(("tree", &child_path))
+        .open(open.or(holds_selection.then_some(true)))
+        .default_open(path.is_empty() && node.children.len() <= 8)
+        .show(ui, |ui| {
+            node_ui(ui, view, child, &child_path, open, selection, theme);
+        });
     }
     for (leaf, i) in &node.leaves {
         let p = &view.params[*i];
         let selected = selection.fqn.as_deref() == Some(p.fqn.as_str());
         ui.horizontal(|ui| {
             let (swatch, _) = ui.allocate_exact_size(egui::Vec2::splat(10.0), egui::Sense::hover());
-            ui.painter().rect_filled(swatch, 2.0, theme.param_color(p.color_slot));
+            ui.painter()
+                .rect_filled(swatch, 2.0, theme.param_color(p.color_slot));
             let text = RichText::new(leaf).monospace();
             let response = ui.selectable_label(selected, text).on_hover_text(format!(
                 "{}\n{} {}  {}\n{}\nranks {}",

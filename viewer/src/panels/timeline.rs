@@ -3,6 +3,7 @@
 
 use egui::{Align2, FontId, Pos2, Rect, Sense, Stroke, Ui, Vec2};
 use egui_plot::{Line, Plot, PlotPoints};
+use std::fmt::Write as _;
 
 use crate::Selection;
 use crate::format::{bandwidth, bytes as fmt_bytes};
@@ -43,19 +44,25 @@ pub fn describe(trace: &Trace, span: &Span) -> String {
         span.duration_us
     );
     if let Some(b) = span.bytes {
-        s.push_str(&format!("\n{} ({b} bytes)", fmt_bytes(b)));
+        let _ = write!(s, "\n{} ({b} bytes)", fmt_bytes(b));
     }
     if let Some(bw) = span.bandwidth_bytes_per_sec() {
-        s.push_str(&format!("\nbandwidth {}", bandwidth(bw)));
+        let _ = write!(s, "\nbandwidth {}", bandwidth(bw));
     }
     for (k, v) in &span.args {
-        s.push_str(&format!("\n{k} = {v}"));
+        let _ = write!(s, "\n{k} = {v}");
     }
     s
 }
 
 /// Draws the timeline and the bandwidth plot.
-pub fn ui(ui: &mut Ui, trace: &Trace, st: &mut TimelineState, selection: &mut Selection, theme: Theme) {
+pub fn ui(
+    ui: &mut Ui,
+    trace: &Trace,
+    st: &mut TimelineState,
+    selection: &mut Selection,
+    theme: Theme,
+) {
     let total_bytes: u64 = trace.spans.iter().filter_map(|s| s.bytes).sum();
     let duration = (trace.end_us - trace.start_us).max(1e-9);
     ui.horizontal(|ui| {
@@ -75,14 +82,21 @@ pub fn ui(ui: &mut Ui, trace: &Trace, st: &mut TimelineState, selection: &mut Se
     ui.horizontal_wrapped(|ui| {
         for (i, cat) in trace.categories.iter().enumerate() {
             let (r, _) = ui.allocate_exact_size(Vec2::new(14.0, 12.0), Sense::hover());
-            ui.painter().rect_filled(r, 2.0, theme.param_color(i * 3 + 1));
+            ui.painter()
+                .rect_filled(r, 2.0, theme.param_color(i * 3 + 1));
             ui.label(cat);
         }
     });
     let plot_h = 150.0;
     let lanes_h = (ui.available_height() - plot_h - 12.0).max(80.0);
-    let (rect, response) = ui.allocate_exact_size(Vec2::new(ui.available_width(), lanes_h), Sense::click_and_drag());
-    let area = Rect::from_min_max(Pos2::new(rect.left() + LANE_GUTTER, rect.top() + 14.0), rect.max);
+    let (rect, response) = ui.allocate_exact_size(
+        Vec2::new(ui.available_width(), lanes_h),
+        Sense::click_and_drag(),
+    );
+    let area = Rect::from_min_max(
+        Pos2::new(rect.left() + LANE_GUTTER, rect.top() + 14.0),
+        rect.max,
+    );
     let content_h = trace.lanes.len() as f32 * st.lane_height;
 
     if response.dragged() {
@@ -94,7 +108,9 @@ pub fn ui(ui: &mut Ui, trace: &Trace, st: &mut TimelineState, selection: &mut Se
         let (scroll, zoom_delta, pointer) =
             ui.input(|i| (i.smooth_scroll_delta, i.zoom_delta(), i.pointer.hover_pos()));
         if (zoom_delta - 1.0).abs() > f32::EPSILON {
-            let anchor = pointer.map_or(0.5, |p| f64::from((p.x - area.left()) / area.width())).clamp(0.0, 1.0);
+            let anchor = pointer
+                .map_or(0.5, |p| f64::from((p.x - area.left()) / area.width()))
+                .clamp(0.0, 1.0);
             let frac = st.pan + anchor / st.zoom;
             st.zoom = (st.zoom * f64::from(zoom_delta)).clamp(1.0, 1e7);
             st.pan = frac - anchor / st.zoom;
@@ -107,7 +123,9 @@ pub fn ui(ui: &mut Ui, trace: &Trace, st: &mut TimelineState, selection: &mut Se
 
     let painter = ui.painter_at(rect);
     let x_of = |t: f64| -> f32 {
-        area.left() + (((t - trace.start_us) / duration - st.pan) * st.zoom * f64::from(area.width())) as f32
+        area.left()
+            + (((t - trace.start_us) / duration - st.pan) * st.zoom * f64::from(area.width()))
+                as f32
     };
     // Time axis ticks.
     let weak = ui.visuals().weak_text_color();
@@ -121,7 +139,10 @@ pub fn ui(ui: &mut Ui, trace: &Trace, st: &mut TimelineState, selection: &mut Se
             FontId::monospace(10.0),
             weak,
         );
-        painter.line_segment([Pos2::new(x, area.top()), Pos2::new(x, area.bottom())], Stroke::new(1.0, weak.gamma_multiply(0.3)));
+        painter.line_segment(
+            [Pos2::new(x, area.top()), Pos2::new(x, area.bottom())],
+            Stroke::new(1.0, weak.gamma_multiply(0.3)),
+        );
     }
     let t_lo = trace.start_us + st.pan * duration;
     let t_hi = t_lo + duration / st.zoom;
@@ -149,7 +170,10 @@ pub fn ui(ui: &mut Ui, trace: &Trace, st: &mut TimelineState, selection: &mut Se
             }
             let x0 = x_of(span.start_us).max(area.left());
             let x1 = x_of(span.end_us()).min(area.right()).max(x0 + 1.0);
-            let r = Rect::from_min_max(Pos2::new(x0, y + 2.0), Pos2::new(x1, y + st.lane_height - 2.0));
+            let r = Rect::from_min_max(
+                Pos2::new(x0, y + 2.0),
+                Pos2::new(x1, y + st.lane_height - 2.0),
+            );
             let mut color = theme.param_color(trace.category_index(span) * 3 + 1);
             let linked = span_fqn(span);
             if selection.fqn.is_some() && linked.is_some() && linked != selection.fqn.as_deref() {
@@ -157,7 +181,13 @@ pub fn ui(ui: &mut Ui, trace: &Trace, st: &mut TimelineState, selection: &mut Se
             }
             painter.rect_filled(r, 2.0, color);
             if r.width() > 40.0 {
-                painter.text(r.left_center() + Vec2::new(3.0, 0.0), Align2::LEFT_CENTER, &span.name, FontId::proportional(10.5), egui::Color32::BLACK);
+                painter.text(
+                    r.left_center() + Vec2::new(3.0, 0.0),
+                    Align2::LEFT_CENTER,
+                    &span.name,
+                    FontId::proportional(10.5),
+                    egui::Color32::BLACK,
+                );
             }
             if pointer.is_some_and(|p| r.contains(p)) {
                 hovered = Some(span);
