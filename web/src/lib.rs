@@ -16,7 +16,8 @@ mod handle {
     struct Shared {
         status: String,
         selected: Option<String>,
-        select_request: Option<Option<String>>,
+        /// `Some("")` clears the selection.
+        select_request: Option<String>,
         example: bool,
         probe: Option<String>,
         probe_result: Option<(f32, f32)>,
@@ -31,10 +32,11 @@ mod handle {
     impl eframe::App for WebApp {
         fn ui(&mut self, ui: &mut egui::Ui, _frame: &mut eframe::Frame) {
             if let Ok(mut s) = self.shared.lock() {
-                if let Some(request) = s.select_request.take() {
-                    match request {
-                        Some(fqn) => self.viewer.selection.select(fqn),
-                        None => self.viewer.selection.fqn = None,
+                if let Some(fqn) = s.select_request.take() {
+                    if fqn.is_empty() {
+                        self.viewer.selection.fqn = None;
+                    } else {
+                        self.viewer.selection.select(fqn);
                     }
                 }
                 if std::mem::take(&mut s.example) {
@@ -133,7 +135,7 @@ mod handle {
         /// Selects a parameter by clean FQN (an empty string clears the selection).
         pub fn select(&self, fqn: String) {
             if let Ok(mut s) = self.shared.lock() {
-                s.select_request = Some((!fqn.is_empty()).then_some(fqn));
+                s.select_request = Some(fqn);
             }
             self.repaint();
         }
