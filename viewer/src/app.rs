@@ -23,6 +23,9 @@ pub const EXAMPLE_TRACE: &[u8] = include_bytes!("../../examples/viewer/gather_tr
 /// Inputs handed over from outside the frame loop (browser drops, `WebHandle::open_bytes`).
 pub type Inbox = std::sync::Arc<std::sync::Mutex<Vec<(String, Result<Vec<u8>, String>)>>>;
 
+/// The bundled example verification report (schema in `docs/viewer.md`).
+pub const EXAMPLE_REPORT: &[u8] = include_bytes!("../../examples/viewer/verify_report.json");
+
 /// The central tabs.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
 pub enum Tab {
@@ -31,6 +34,7 @@ pub enum Tab {
     FqnMap,
     Ranks,
     Trace,
+    Verify,
 }
 
 /// The loaded model description.
@@ -54,6 +58,8 @@ pub struct Viewer {
     /// The configuration `view` was computed for.
     pub applied_config: Option<LayoutConfig>,
     pub trace: Option<Trace>,
+    pub report: Option<crate::report::Report>,
+    pub verify: crate::panels::verify::VerifyState,
     pub selection: Selection,
     pub tab: Tab,
     pub shard_map: shard_map::ShardMapState,
@@ -128,6 +134,18 @@ impl Viewer {
                 self.timeline = timeline::TimelineState::default();
                 if !self.stay_on_tab {
                     self.tab = Tab::Trace;
+                }
+            }
+            Ok(Document::Report(report)) => {
+                self.messages.push(format!(
+                    "opened report {}: {}",
+                    report.name,
+                    report.summary()
+                ));
+                self.verify.only_problems = report.entries.iter().any(|e| e.status.is_problem());
+                self.report = Some(report);
+                if !self.stay_on_tab {
+                    self.tab = Tab::Verify;
                 }
             }
             Err(e) => self.messages.push(format!("error: {e}")),
@@ -344,6 +362,11 @@ impl Viewer {
             {
                 self.open_bytes("examples/tiny_model.json", EXAMPLE_MODEL.to_vec());
                 self.open_bytes("examples/viewer/gather_trace.json", EXAMPLE_TRACE.to_vec());
+                self.open_bytes(
+                    "examples/viewer/verify_report.json",
+                    EXAMPLE_REPORT.to_vec(),
+                );
+                self.stay_on_tab = true;
             }
             ui.separator();
             let dark = self.theme.is_dark();
@@ -483,6 +506,9 @@ impl Viewer {
             ui.add_enabled_ui(self.trace.is_some(), |ui| {
                 ui.selectable_value(&mut self.tab, Tab::Trace, "Trace");
             });
+            ui.add_enabled_ui(self.report.is_some(), |ui| {
+                ui.selectable_value(&mut self.tab, Tab::Verify, "Verify");
+            });
             if let Some(v) = &self.view {
                 ui.separator();
                 ui.weak(format!(
@@ -500,6 +526,18 @@ impl Viewer {
                 Some(t) => timeline::ui(ui, t, &mut self.timeline, &mut self.selection, self.theme),
                 None => {
                     ui.label("Open a runner trace (Chrome trace JSON) to see the timeline.");
+                }
+            },
+            Tab::Verify => match &self.report {
+                Some(r) => {
+                    let view = self.view.as_ref();
+                    let known = |fqn: &str| view.is_some_and(|v| v.by_fqn.contains_key(fqn));
+                    crate::panels::verify::ui(ui, r, &mut self.verify, &mut self.selection, &known);
+                }
+                None => {
+                    ui.label(
+                        "Open a verification report (shardscope verify --json) to list mismatches.",
+                    );
                 }
             },
             tab => {

@@ -17,6 +17,8 @@ pub enum Document {
     },
     /// A Chrome trace of the gather runner (or any Chrome trace JSON).
     Trace(Trace),
+    /// A `diff`/`verify` report.
+    Report(crate::report::Report),
 }
 
 /// Why an input cannot be opened.
@@ -28,9 +30,12 @@ pub enum OpenError {
     /// The trace is invalid.
     #[error("{0}")]
     Trace(#[from] crate::trace::TraceError),
+    /// The verification report is invalid.
+    #[error("{0}")]
+    Report(#[from] crate::report::ReportError),
     /// JSON that is neither a model description nor a trace.
     #[error(
-        "{name}: JSON, but neither a model description (`params`) nor a Chrome trace (`traceEvents`)"
+        "{name}: JSON, but not a model description (`params`), a Chrome trace (`traceEvents`) or a verification report (`kind: shardscope.verify`)"
     )]
     UnknownJson { name: String },
     /// Not JSON at all.
@@ -64,6 +69,11 @@ pub fn parse(name: &str, bytes: &[u8]) -> Result<Document, OpenError> {
     let has = |needle: &[u8]| window.windows(needle.len()).any(|w| w == needle);
     if head == b'[' || has(b"\"traceEvents\"") {
         return Ok(Document::Trace(Trace::from_json_bytes(bytes, name)?));
+    }
+    if has(b"\"shardscope.verify\"") {
+        return Ok(Document::Report(crate::report::Report::from_json_bytes(
+            bytes, name,
+        )?));
     }
     if has(b"\"params\"") {
         let model = ModelDescription::from_json_bytes(bytes, name)?;

@@ -6,6 +6,7 @@ pub mod app;
 pub mod docs;
 pub mod format;
 pub mod panels;
+pub mod report;
 pub mod theme;
 pub mod trace;
 pub mod view;

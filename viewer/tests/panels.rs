@@ -193,3 +193,41 @@ fn theme_toggle_and_bad_input_message() {
     assert!(!h.state().theme.is_dark());
     h.get_by_label("Dark theme");
 }
+
+#[test]
+fn verify_tab_lists_problems_and_links_them_to_the_layout() {
+    let mut v = Viewer::new();
+    v.loader.synchronous = true;
+    v.open_bytes(
+        "tiny_model.json",
+        include_bytes!("../../examples/tiny_model.json").to_vec(),
+    );
+    v.open_bytes(
+        "verify_report.json",
+        include_bytes!("../../examples/viewer/verify_report.json").to_vec(),
+    );
+    v.poll_loader();
+    let mut h = harness(v);
+    h.run();
+    assert_eq!(h.state().tab, Tab::Verify);
+    // The example report has 8 entries: 6 match, 1 mismatch, 1 missing; problems only by default.
+    h.get_by_label("8 tensors: 6 match, 1 mismatch, 1 missing");
+    assert!(
+        h.query_by_label("match").is_none(),
+        "matching entries are hidden at first"
+    );
+    h.get_by_label("mismatch");
+    h.get_by_label("missing");
+    h.get_by_label("block1.lin.weight").click();
+    h.run();
+    assert_eq!(
+        h.state().selection.fqn.as_deref(),
+        Some("block1.lin.weight")
+    );
+    // The inspector shows where the mismatching tensor lives: FSDP1, 4 ranks, use_orig_params.
+    h.get_by_label("_fsdp_wrapped_module.block1._fsdp_wrapped_module._flat_param");
+    // Show all entries.
+    h.get_by_label("only problems").click();
+    h.run();
+    assert_eq!(h.query_all_by_label("match").count(), 6);
+}

@@ -49,6 +49,10 @@ mod handle {
                         "examples/viewer/gather_trace.json",
                         shardscope_viewer::app::EXAMPLE_TRACE.to_vec(),
                     );
+                    self.viewer.open_bytes(
+                        "examples/viewer/verify_report.json",
+                        shardscope_viewer::app::EXAMPLE_REPORT.to_vec(),
+                    );
                 }
             }
             self.viewer.ui(ui);

@@ -7,3 +7,4 @@ pub mod ranks;
 pub mod shard_map;
 pub mod tensor_tree;
 pub mod timeline;
+pub mod verify;
