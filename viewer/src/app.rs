@@ -67,6 +67,8 @@ pub struct Viewer {
     pub tree: tensor_tree::TreeState,
     pub timeline: timeline::TimelineState,
     pub loader: Loader,
+    /// Counts layout rebuilds (see [`LayoutView::generation`]).
+    generation: u64,
     /// Keep the current tab when a trace opens (the example opens both).
     pub stay_on_tab: bool,
     /// Errors and notices, newest last.
@@ -165,7 +167,10 @@ impl Viewer {
         };
         match layout::compute(&loaded.model, &config) {
             Ok(l) => {
-                self.view = Some(LayoutView::new(&loaded.model, &l));
+                self.generation += 1;
+                let mut view = LayoutView::new(&loaded.model, &l);
+                view.generation = self.generation;
+                self.view = Some(view);
                 self.layout_error = None;
             }
             Err(e) => {

@@ -193,6 +193,8 @@ pub fn imbalance(values: impl Iterator<Item = u64>) -> f64 {
 /// Everything the panels draw for one layout.
 #[derive(Debug, Clone)]
 pub struct LayoutView {
+    /// Changes whenever the view is rebuilt (panels key their caches on it).
+    pub generation: u64,
     /// `"FSDP1"` or `"FSDP2"`.
     pub api_label: &'static str,
     pub world_size: u64,
@@ -482,6 +484,7 @@ fn from_fsdp1(model: &ModelDescription, layout: &Fsdp1Layout) -> LayoutView {
     b.resolve_aliases();
     let rank_totals = totals(&units, layout.shard_group_size, replicated_bytes(&b.params));
     LayoutView {
+        generation: 0,
         api_label: "FSDP1",
         world_size: layout.world_size,
         shard_group_size: layout.shard_group_size,
@@ -585,6 +588,7 @@ fn from_fsdp2(model: &ModelDescription, layout: &Fsdp2Layout) -> LayoutView {
         "Shard(0)".to_owned()
     };
     LayoutView {
+        generation: 0,
         api_label: "FSDP2",
         world_size: layout.world_size,
         shard_group_size: n,

@@ -28,6 +28,8 @@ pub struct FqnMapState {
     pub descending: bool,
     /// Scroll to the selected row on the next frame.
     pub reveal_selection: bool,
+    /// `(view generation, filter, sort, descending, rows)`: recomputed only when one changes.
+    cache: Option<(u64, String, SortKey, bool, Vec<usize>)>,
 }
 
 /// Whether `p` matches a case-insensitive search over its names.
@@ -81,7 +83,20 @@ fn sort_button(ui: &mut Ui, st: &mut FqnMapState, key: SortKey, label: &str) {
 
 /// Draws the FQN map.
 pub fn ui(ui: &mut Ui, view: &LayoutView, st: &mut FqnMapState, selection: &mut Selection) {
-    let shown = rows(view, st);
+    let fresh = st.cache.as_ref().is_some_and(|(g, f, k, d, _)| {
+        *g == view.generation && *f == st.filter && *k == st.sort && *d == st.descending
+    });
+    if !fresh {
+        let r = rows(view, st);
+        st.cache = Some((
+            view.generation,
+            st.filter.clone(),
+            st.sort,
+            st.descending,
+            r,
+        ));
+    }
+    let shown = st.cache.as_ref().map(|c| c.4.clone()).unwrap_or_default();
     ui.horizontal(|ui| {
         let label = ui.label("Search");
         ui.add(

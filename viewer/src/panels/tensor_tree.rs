@@ -10,10 +10,12 @@ use crate::format::{bytes as fmt_bytes, ranks as fmt_ranks, shape as fmt_shape};
 use crate::theme::Theme;
 use crate::view::LayoutView;
 
-/// Filter text.
-#[derive(Debug, Clone, Default, PartialEq, Eq)]
+/// Filter text and the tree built for it.
+#[derive(Debug, Default)]
 pub struct TreeState {
     pub filter: String,
+    /// `(view generation, filter, tree)`: rebuilt only when either changes.
+    cache: Option<(u64, String, Node)>,
 }
 
 /// A module in the tree: children modules and parameter leaves (indices into the view's params).
@@ -67,7 +69,16 @@ pub fn ui(
         )
         .labelled_by(label.id);
     });
-    let root = build(view, &st.filter);
+    let fresh = st
+        .cache
+        .as_ref()
+        .is_some_and(|(g, f, _)| *g == view.generation && *f == st.filter);
+    if !fresh {
+        st.cache = Some((view.generation, st.filter.clone(), build(view, &st.filter)));
+    }
+    let Some((_, _, root)) = &st.cache else {
+        return;
+    };
     ui.label(format!(
         "{} parameters, {}",
         root.params,
@@ -82,7 +93,7 @@ pub fn ui(
         .id_salt("tree_scroll")
         .auto_shrink([false, false])
         .show(ui, |ui| {
-            node_ui(ui, view, &root, "", open, selection, theme);
+            node_ui(ui, view, root, "", open, selection, theme);
         });
 }
 
