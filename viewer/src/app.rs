@@ -467,7 +467,7 @@ impl Viewer {
                     .show(ui, |ui| {
                         let mut row = |k: &str, v: String| {
                             ui.weak(k);
-                            ui.label(v);
+                            ui.add(egui::Label::new(v).truncate());
                             ui.end_row();
                         };
                         row("raw name", p.raw_name.clone());

@@ -13,6 +13,7 @@ step "system packages (Xvfb, Mesa software GL, ImageMagick, Chromium)"
 need=()
 command -v Xvfb >/dev/null || need+=(xvfb)
 command -v xwininfo >/dev/null || need+=(x11-utils)
+command -v xdotool >/dev/null || need+=(xdotool)
 command -v import >/dev/null || need+=(imagemagick)
 command -v chromium >/dev/null || need+=(chromium)
 [ -e /usr/lib/x86_64-linux-gnu/dri/swrast_dri.so ] || need+=(libgl1-mesa-dri)
