@@ -35,13 +35,49 @@ pub fn range_rects(start: u64, end: u64, cols: u64, origin: Pos2, cell: Vec2) ->
         out.push(rect(r0, c0, r0 + 1, c1 + 1));
         return out;
     }
-    // Partial first row, full middle rows, partial last row.
-    out.push(rect(r0, c0, r0 + 1, cols));
-    if r1 > r0 + 1 {
-        out.push(rect(r0 + 1, 0, r1, cols));
+    // Partial first row, full middle rows, partial last row (full edge rows join the middle).
+    let middle_start = if c0 == 0 { r0 } else { r0 + 1 };
+    let middle_end = if c1 == cols - 1 { r1 + 1 } else { r1 };
+    if c0 != 0 {
+        out.push(rect(r0, c0, r0 + 1, cols));
     }
-    out.push(rect(r1, 0, r1 + 1, c1 + 1));
+    if middle_end > middle_start {
+        out.push(rect(middle_start, 0, middle_end, cols));
+    }
+    if c1 != cols - 1 {
+        out.push(rect(r1, 0, r1 + 1, c1 + 1));
+    }
     out
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn ranges_become_at_most_three_rects() {
+        let cell = Vec2::new(1.0, 1.0);
+        // Whole rows 0-1 of a 3x2 grid: one rect.
+        let r = range_rects(0, 4, 2, Pos2::ZERO, cell);
+        assert_eq!(r, vec![Rect::from_min_max(Pos2::ZERO, Pos2::new(2.0, 2.0))]);
+        // Elements [3, 8) of a 3-column grid: tail of row 1, all of row 2 (..9 would be full).
+        let r = range_rects(3, 8, 3, Pos2::ZERO, cell);
+        assert_eq!(
+            r,
+            vec![
+                Rect::from_min_max(Pos2::new(0.0, 1.0), Pos2::new(3.0, 2.0)),
+                Rect::from_min_max(Pos2::new(0.0, 2.0), Pos2::new(2.0, 3.0)),
+            ]
+        );
+        // [1, 8) of 3 columns: partial first row, full row 1, partial row 2.
+        assert_eq!(range_rects(1, 8, 3, Pos2::ZERO, cell).len(), 3);
+        // Inside one row.
+        assert_eq!(
+            range_rects(4, 5, 3, Pos2::ZERO, cell),
+            vec![Rect::from_min_max(Pos2::new(1.0, 1.0), Pos2::new(2.0, 2.0))]
+        );
+        assert!(range_rects(5, 5, 3, Pos2::ZERO, cell).is_empty());
+    }
 }
 
 /// Draws the chunk map of `param` and its per-rank table.
