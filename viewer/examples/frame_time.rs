@@ -16,7 +16,7 @@ use shardscope_core::layout::{Api, Strategy};
 use shardscope_core::model::{ModelDescription, ParamSpec};
 use shardscope_viewer::Viewer;
 
-fn synthetic_model(params: usize) -> ModelDescription {
+fn synthetic_model(params: usize, one_unit: bool) -> ModelDescription {
     let specs = (0..params)
         .map(|i| ParamSpec {
             fqn: format!("layers.{}.{}", i / 4, ["wq", "wk", "wv", "wo"][i % 4]),
@@ -30,9 +30,13 @@ fn synthetic_model(params: usize) -> ModelDescription {
             shared_with: None,
         })
         .collect();
-    let units = (0..params.div_ceil(4))
-        .map(|l| format!("layers.{l}"))
-        .collect();
+    let units = if one_unit {
+        vec![String::new()]
+    } else {
+        (0..params.div_ceil(4))
+            .map(|l| format!("layers.{l}"))
+            .collect()
+    };
     ModelDescription::new(specs, units, Vec::new()).expect("valid synthetic model")
 }
 
@@ -40,6 +44,10 @@ struct Stats {
     median: Duration,
     p95: Duration,
     worst: Duration,
+    /// Triangles' vertices in the last frame (how much was drawn).
+    vertices: usize,
+    /// How far the drag moved the view (points), proof the frames panned.
+    scrolled: f32,
 }
 
 fn run(viewer: &mut Viewer, frames: usize, row_height: f32, zoom: f64) -> Stats {
@@ -63,6 +71,9 @@ fn run(viewer: &mut Viewer, frames: usize, row_height: f32, zoom: f64) -> Stats 
         .expect("the shard map was drawn");
     let mut pos = canvas.center();
     let mut times = Vec::with_capacity(frames);
+    let mut vertices = 0;
+    let scroll_before = viewer.shard_map.scroll_y;
+    let mut scrolled = 0.0f32;
     let mut events = vec![
         Event::PointerMoved(pos),
         Event::PointerButton {
@@ -81,13 +92,22 @@ fn run(viewer: &mut Viewer, frames: usize, row_height: f32, zoom: f64) -> Stats 
         let out = ctx.run_ui(input(std::mem::take(&mut events)), |ui| viewer.ui(ui));
         let prims = ctx.tessellate(out.shapes, out.pixels_per_point);
         times.push(t.elapsed());
-        std::hint::black_box(prims);
+        vertices = prims
+            .iter()
+            .map(|p| match &p.primitive {
+                egui::epaint::Primitive::Mesh(m) => m.vertices.len(),
+                egui::epaint::Primitive::Callback(_) => 0,
+            })
+            .sum();
+        scrolled = scrolled.max((viewer.shard_map.scroll_y - scroll_before).abs());
     }
     times.sort();
     Stats {
         median: times[times.len() / 2],
         p95: times[times.len() * 95 / 100],
         worst: times[times.len() - 1],
+        vertices,
+        scrolled,
     }
 }
 
@@ -100,48 +120,56 @@ fn main() {
     let mut tiny = Viewer::with_example();
     let base = run(&mut tiny, frames, 16.0, 1.0);
 
-    let model = synthetic_model(98);
-    let mut big = Viewer::new();
-    big.controls.api = Api::Fsdp2;
-    big.controls.strategy = Strategy::FullShard;
-    big.controls.world_size = 1024;
-    let t = Instant::now();
-    big.model = Some(shardscope_viewer::app::LoadedModel {
-        name: "synthetic".to_owned(),
-        model,
-    });
-    big.recompute();
-    let build = t.elapsed();
-    let view = big.view.as_ref().expect("layout");
-    let chunks = view.chunk_count();
-    println!(
-        "synthetic FSDP2: {} params x {} ranks = {} chunks in {} units; layout + view built in {:.1} ms",
-        view.params.len(),
-        view.shard_group_size,
-        chunks,
-        view.units.len(),
-        build.as_secs_f64() * 1e3
-    );
     let ms = |d: Duration| d.as_secs_f64() * 1e3;
     println!("frames: {frames} per case, 1600x1000 points, CPU (Context::run + tessellate)");
     println!(
-        "baseline tiny example : median {:.2} ms  p95 {:.2} ms  worst {:.2} ms",
+        "baseline tiny example : median {:.2} ms  p95 {:.2} ms  worst {:.2} ms  ({} vertices/frame)",
         ms(base.median),
         ms(base.p95),
-        ms(base.worst)
+        ms(base.worst),
+        base.vertices
     );
-    for (label, row_h, zoom) in [
-        ("100k chunks, rows 16 pt, zoom 1 ", 16.0, 1.0),
-        ("100k chunks, rows 3 pt, zoom 1  ", 3.0, 1.0),
-        ("100k chunks, rows 16 pt, zoom 8 ", 16.0, 8.0),
-    ] {
-        let s = run(&mut big, frames, row_h, zoom);
+    // 25 units of 4 parameters (a transformer-like wrapping), then every parameter in one unit
+    // (98 slices in every rank's bar: the most drawn per row).
+    for one_unit in [false, true] {
+        let model = synthetic_model(98, one_unit);
+        let mut big = Viewer::new();
+        big.controls.api = Api::Fsdp2;
+        big.controls.strategy = Strategy::FullShard;
+        big.controls.world_size = 1024;
+        let t = Instant::now();
+        big.model = Some(shardscope_viewer::app::LoadedModel {
+            name: "synthetic".to_owned(),
+            model,
+        });
+        big.recompute();
+        let build = t.elapsed();
+        let view = big.view.as_ref().expect("layout");
         println!(
-            "{label}: median {:.2} ms  p95 {:.2} ms  worst {:.2} ms  (median {:.1}x baseline)",
-            ms(s.median),
-            ms(s.p95),
-            ms(s.worst),
-            s.median.as_secs_f64() / base.median.as_secs_f64().max(1e-9)
+            "synthetic FSDP2: {} params x {} ranks = {} chunks in {} units; layout + view built in {:.1} ms",
+            view.params.len(),
+            view.shard_group_size,
+            view.chunk_count(),
+            view.units.len(),
+            build.as_secs_f64() * 1e3
         );
+        for (label, row_h, zoom) in [
+            ("  rows 16 pt, zoom 1", 16.0, 1.0),
+            ("  rows 3 pt, zoom 1 ", 3.0, 1.0),
+            ("  rows 16 pt, zoom 8", 16.0, 8.0),
+        ] {
+            big.shard_map.scroll_y = 0.0;
+            big.shard_map.pan = 0.0;
+            let s = run(&mut big, frames, row_h, zoom);
+            println!(
+                "{label}: median {:.2} ms  p95 {:.2} ms  worst {:.2} ms  (median {:.1}x baseline; {} vertices/frame, panned {:.0} pt)",
+                ms(s.median),
+                ms(s.p95),
+                ms(s.worst),
+                s.median.as_secs_f64() / base.median.as_secs_f64().max(1e-9),
+                s.vertices,
+                s.scrolled
+            );
+        }
     }
 }

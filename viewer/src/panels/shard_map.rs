@@ -371,6 +371,11 @@ fn canvas(
 
     let view_top = st.scroll_y;
     let view_bottom = st.scroll_y + rect.height();
+    // Every fill goes into one mesh (4 vertices a rect, no per-shape tessellation), painted
+    // below the hatching, text and outlines added after this slot.
+    let mesh_slot = painter.add(egui::Shape::Noop);
+    let mut mesh = egui::Mesh::default();
+    let mut outlines: Vec<Rect> = Vec::new();
     for (ui_idx, unit) in view.units.iter().enumerate() {
         let top = geo.unit_tops[ui_idx];
         let bottom = top + HEADER_H + unit.ranks.len() as f32 * geo.row_h;
@@ -415,7 +420,20 @@ fn canvas(
             } else {
                 geo.row_h
             };
-            draw_row(&painter, view, unit, ri, y, h, area, st, theme, selected);
+            draw_row(
+                &painter,
+                &mut mesh,
+                &mut outlines,
+                view,
+                unit,
+                ri,
+                y,
+                h,
+                area,
+                st,
+                theme,
+                selected,
+            );
             let bar = &unit.ranks[ri];
             if geo.row_h >= 10.0 {
                 painter.text(
@@ -439,6 +457,16 @@ fn canvas(
                 );
             }
         }
+    }
+
+    painter.set(mesh_slot, egui::Shape::mesh(mesh));
+    for r in outlines {
+        painter.rect_stroke(
+            r,
+            0.0,
+            Stroke::new(2.0, theme.selection()),
+            egui::StrokeKind::Inside,
+        );
     }
 
     // Hover and click.
@@ -542,6 +570,8 @@ pub fn describe(view: &LayoutView, unit: &UnitView, rank: u64, seg: &Seg) -> Str
 #[allow(clippy::too_many_arguments)]
 fn draw_row(
     painter: &egui::Painter,
+    mesh: &mut egui::Mesh,
+    outlines: &mut Vec<Rect>,
     view: &LayoutView,
     unit: &UnitView,
     ri: usize,
@@ -558,9 +588,8 @@ fn draw_row(
     if x_end_bar <= x_start_bar {
         return;
     }
-    painter.rect_filled(
+    mesh.add_colored_rect(
         Rect::from_min_max(Pos2::new(x_start_bar, y), Pos2::new(x_end_bar, y + h)),
-        0.0,
         theme.bar_bg(),
     );
     let segs = &unit.ranks[ri].segs;
@@ -570,12 +599,11 @@ fn draw_row(
     let start = segs.partition_point(|s| ((s.x_bytes + s.len_bytes) as f64) <= lo);
     let hatch_ok = h >= 6.0;
     let mut dense: Option<(f32, f32)> = None;
-    let mut selected_rects: Vec<Rect> = Vec::new();
-    let flush = |dense: &mut Option<(f32, f32)>| {
+    let selected_rects = outlines;
+    let flush = |dense: &mut Option<(f32, f32)>, mesh: &mut egui::Mesh| {
         if let Some((a, b)) = dense.take() {
-            painter.rect_filled(
+            mesh.add_colored_rect(
                 Rect::from_min_max(Pos2::new(a, y), Pos2::new(b.max(a + 1.0), y + h)),
-                0.0,
                 theme.dense_fill(),
             );
         }
@@ -590,7 +618,7 @@ fn draw_row(
             match &mut dense {
                 Some((_, b)) if x0 - *b < 1.0 => *b = x1,
                 _ => {
-                    flush(&mut dense);
+                    flush(&mut dense, mesh);
                     dense = Some((x0, x1));
                 }
             }
@@ -602,7 +630,7 @@ fn draw_row(
             }
             continue;
         }
-        flush(&mut dense);
+        flush(&mut dense, mesh);
         let r = Rect::from_min_max(Pos2::new(x0, y), Pos2::new(x1, y + h));
         match seg.kind {
             SegKind::Param { param, .. } => {
@@ -611,11 +639,12 @@ fn draw_row(
                 if selected.is_some() && selected != Some(param) {
                     c = theme.dim(c);
                 }
-                painter.rect_filled(r, 0.0, c);
+                mesh.add_colored_rect(r, c);
                 if x1 - x0 > 3.0 {
-                    painter.line_segment(
-                        [Pos2::new(x1, y), Pos2::new(x1, y + h)],
-                        Stroke::new(1.0, Color32::from_black_alpha(90)),
+                    // A 1-pt separator at the slice's right edge.
+                    mesh.add_colored_rect(
+                        Rect::from_min_max(Pos2::new(x1 - 1.0, y), Pos2::new(x1, y + h)),
+                        Color32::from_black_alpha(90),
                     );
                 }
             }
@@ -630,7 +659,7 @@ fn draw_row(
                         6.0,
                     );
                 } else {
-                    painter.rect_filled(r, 0.0, theme.align_pad_line());
+                    mesh.add_colored_rect(r, theme.align_pad_line());
                 }
             }
             SegKind::TailPad { .. } => {
@@ -644,7 +673,7 @@ fn draw_row(
                         6.0,
                     );
                 } else {
-                    painter.rect_filled(r, 0.0, theme.tail_pad_line());
+                    mesh.add_colored_rect(r, theme.tail_pad_line());
                 }
             }
         }
@@ -655,13 +684,5 @@ fn draw_row(
             selected_rects.push(r);
         }
     }
-    flush(&mut dense);
-    for r in selected_rects {
-        painter.rect_stroke(
-            r,
-            0.0,
-            Stroke::new(2.0, theme.selection()),
-            egui::StrokeKind::Inside,
-        );
-    }
+    flush(&mut dense, mesh);
 }
