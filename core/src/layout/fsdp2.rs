@@ -64,7 +64,10 @@ impl Fsdp2Param {
 }
 
 /// Computes the FSDP2 layout.
-pub fn compute(model: &ModelDescription, config: &LayoutConfig) -> Result<Fsdp2Layout, LayoutError> {
+pub fn compute(
+    model: &ModelDescription,
+    config: &LayoutConfig,
+) -> Result<Fsdp2Layout, LayoutError> {
     let groups = config.groups()?;
     let assignment = assign_units(model)?;
     let hsdp = groups.shard_size != groups.world_size;

@@ -127,25 +127,44 @@ pub enum LayoutError {
     #[error("unknown FSDP API `{0}` (expected fsdp1 or fsdp2)")]
     UnknownApi(String),
     /// `--strategy` is not a `ShardingStrategy` name.
-    #[error("unknown sharding strategy `{0}` (expected full_shard, shard_grad_op, no_shard or hybrid_shard)")]
+    #[error(
+        "unknown sharding strategy `{0}` (expected full_shard, shard_grad_op, no_shard or hybrid_shard)"
+    )]
     UnknownStrategy(String),
     /// World size 0.
     #[error("world size must be at least 1")]
     ZeroWorldSize,
     /// Shard-group size 0, larger than the world, or not a divisor of it.
-    #[error("shard group size {shard_group_size} does not divide world size {world_size} (hybrid sharding replicates whole groups of consecutive ranks)")]
-    BadShardGroupSize { world_size: u64, shard_group_size: u64 },
+    #[error(
+        "shard group size {shard_group_size} does not divide world size {world_size} (hybrid sharding replicates whole groups of consecutive ranks)"
+    )]
+    BadShardGroupSize {
+        world_size: u64,
+        shard_group_size: u64,
+    },
     /// A shard-group size was given for a strategy that shards over the whole world.
-    #[error("--shard-group-size {shard_group_size} only applies to hybrid_shard (FSDP1) or HSDP (FSDP2); {strategy} shards over all {world_size} ranks")]
-    ShardGroupWithoutHybrid { strategy: Strategy, world_size: u64, shard_group_size: u64 },
+    #[error(
+        "--shard-group-size {shard_group_size} only applies to hybrid_shard (FSDP1) or HSDP (FSDP2); {strategy} shards over all {world_size} ranks"
+    )]
+    ShardGroupWithoutHybrid {
+        strategy: Strategy,
+        world_size: u64,
+        shard_group_size: u64,
+    },
     /// A hybrid strategy without an explicit group size.
-    #[error("{strategy} needs --shard-group-size (ranks per shard group, e.g. GPUs per node); without an explicit 2-D mesh torch silently degrades on CPU")]
+    #[error(
+        "{strategy} needs --shard-group-size (ranks per shard group, e.g. GPUs per node); without an explicit 2-D mesh torch silently degrades on CPU"
+    )]
     HybridWithoutGroupSize { strategy: Strategy },
     /// FSDP2 has no NO_SHARD strategy.
-    #[error("FSDP2 (fully_shard) has no no_shard strategy; use --api fsdp1 or a 1-rank shard group")]
+    #[error(
+        "FSDP2 (fully_shard) has no no_shard strategy; use --api fsdp1 or a 1-rank shard group"
+    )]
     Fsdp2NoShard,
     /// Two units own the two names of one tied weight.
-    #[error("parameter `{alias}` is tied to `{primary}` but they belong to different FSDP units (`{alias_unit}` and `{primary_unit}`); FSDP requires tied weights to live in the same unit")]
+    #[error(
+        "parameter `{alias}` is tied to `{primary}` but they belong to different FSDP units (`{alias_unit}` and `{primary_unit}`); FSDP requires tied weights to live in the same unit"
+    )]
     SharedAcrossUnits {
         alias: String,
         primary: String,
@@ -153,16 +172,36 @@ pub enum LayoutError {
         primary_unit: String,
     },
     /// torch: "Cannot flatten integer dtype tensors".
-    #[error("unit `{unit}`: parameter `{fqn}` has dtype {dtype}: Cannot flatten integer dtype tensors")]
-    IntegerFlatten { unit: String, fqn: String, dtype: DType },
+    #[error(
+        "unit `{unit}`: parameter `{fqn}` has dtype {dtype}: Cannot flatten integer dtype tensors"
+    )]
+    IntegerFlatten {
+        unit: String,
+        fqn: String,
+        dtype: DType,
+    },
     /// torch: "Must flatten tensors with uniform dtype but got ... and ...".
     #[error("unit `{unit}`: parameter `{fqn}`: Must flatten tensors with uniform dtype but got {} and {}", .expected.torch_name(), .found.torch_name())]
-    MixedDTypes { unit: String, fqn: String, expected: DType, found: DType },
+    MixedDTypes {
+        unit: String,
+        fqn: String,
+        expected: DType,
+        found: DType,
+    },
     /// torch: "Must flatten tensors with uniform `requires_grad` when `use_orig_params=False`".
-    #[error("unit `{unit}`: parameter `{fqn}` (requires_grad={found}) after parameters with requires_grad={expected}: Must flatten tensors with uniform `requires_grad` when `use_orig_params=False`")]
-    MixedRequiresGrad { unit: String, fqn: String, expected: bool, found: bool },
+    #[error(
+        "unit `{unit}`: parameter `{fqn}` (requires_grad={found}) after parameters with requires_grad={expected}: Must flatten tensors with uniform `requires_grad` when `use_orig_params=False`"
+    )]
+    MixedRequiresGrad {
+        unit: String,
+        fqn: String,
+        expected: bool,
+        found: bool,
+    },
     /// FSDP2 cannot chunk a 0-dim parameter on dim 0.
-    #[error("unit `{unit}`: FSDP2 cannot shard 0-dim parameter `{fqn}` on dim 0 (torch.chunk expects at least a 1-dimensional tensor)")]
+    #[error(
+        "unit `{unit}`: FSDP2 cannot shard 0-dim parameter `{fqn}` on dim 0 (torch.chunk expects at least a 1-dimensional tensor)"
+    )]
     ZeroDimShard { unit: String, fqn: String },
     /// A count overflowed 64 bits.
     #[error("unit `{unit}`: element count overflows 64 bits")]
@@ -200,7 +239,7 @@ impl LayoutConfig {
                 && self.shard_group_size.is_some_and(|k| k != self.world_size));
         let shard_size = match (hybrid, self.shard_group_size) {
             (true, Some(k)) => {
-                if k == 0 || k > self.world_size || self.world_size % k != 0 {
+                if k == 0 || k > self.world_size || !self.world_size.is_multiple_of(k) {
                     return Err(LayoutError::BadShardGroupSize {
                         world_size: self.world_size,
                         shard_group_size: k,
