@@ -2,6 +2,7 @@
 //! real or synthetic data, verify it and trace it.
 
 use std::collections::BTreeMap;
+use std::fmt::Write as _;
 use std::io::IsTerminal;
 use std::path::{Path, PathBuf};
 use std::process::ExitCode;
@@ -305,26 +306,25 @@ pub fn run(args: &GatherArgs) -> anyhow::Result<ExitCode> {
         let mut text = outcome.summary.render();
         if let Some(v) = &outcome.verify {
             if v.is_ok() {
-                text.push_str(&format!(
-                    "verify: OK, {} parameter checks on {} ranks, {} compared bit for bit\n",
+                let _ = writeln!(
+                    text,
+                    "verify: OK, {} parameter checks on {} ranks, {} compared bit for bit",
                     v.checks,
                     plan.world_size,
                     output::human_bytes(v.bytes_compared)
-                ));
+                );
             } else {
-                text.push_str(&format!("verify: {} MISMATCHES\n", v.mismatches.len()));
+                let _ = writeln!(text, "verify: {} MISMATCHES", v.mismatches.len());
                 for m in v.mismatches.iter().take(20) {
-                    text.push_str(&format!(
-                        "  rank {}: {}: {} elements differ, first at byte {}\n",
+                    let _ = writeln!(
+                        text,
+                        "  rank {}: {}: {} elements differ, first at byte {}",
                         m.rank, m.fqn, m.elements, m.first_byte
-                    ));
+                    );
                 }
             }
             if !v.unchecked.is_empty() {
-                text.push_str(&format!(
-                    "verify: no reference for {}\n",
-                    v.unchecked.join(", ")
-                ));
+                let _ = writeln!(text, "verify: no reference for {}", v.unchecked.join(", "));
             }
         }
         print_stdout(&text)?;

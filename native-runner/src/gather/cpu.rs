@@ -104,7 +104,7 @@ pub(crate) fn load_shard(
     let source_err = |source| GatherError::Source {
         rank,
         unit: unit.display_name().to_owned(),
-        source,
+        source: Box::new(source),
     };
     match source {
         Source::Full(full) => {
@@ -174,7 +174,7 @@ pub(crate) fn reference(
     let source_err = |source| GatherError::Source {
         rank,
         unit: unit.display_name().to_owned(),
-        source,
+        source: Box::new(source),
     };
     let mut want = vec![0u8; usize_of(param.bytes, unit)?];
     match source {
@@ -553,7 +553,7 @@ fn copy_out_and_check(
                     .map_err(|source| GatherError::Source {
                         rank,
                         unit: unit.display_name().to_owned(),
-                        source,
+                        source: Box::new(source),
                     })?;
                 result.verify.checks += 1;
                 compared += unit.params[i].bytes;

@@ -44,7 +44,7 @@ pub enum GatherError {
         rank: u64,
         unit: String,
         #[source]
-        source: SourceError,
+        source: Box<SourceError>,
     },
     /// A rank-local tensor has neither the padded nor the unpadded size the layout expects.
     #[error(

@@ -166,7 +166,7 @@ pub fn serve_on(
     payload: &[u8],
     timeout: Duration,
 ) -> Result<(), RendezvousError> {
-    let port = listener.local_addr().map(|a| a.port()).unwrap_or(0);
+    let port = listener.local_addr().map_or(0, |a| a.port());
     listener
         .set_nonblocking(true)
         .map_err(io_err("listener", port, "set_nonblocking"))?;

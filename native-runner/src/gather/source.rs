@@ -235,7 +235,10 @@ impl FullSource for SyntheticSource {
         let es = dtype.size_bytes() as u64;
         let size = numel.saturating_mul(es);
         let len = dst.len() as u64;
-        if byte_offset % es != 0 || len % es != 0 || byte_offset.saturating_add(len) > size {
+        if !byte_offset.is_multiple_of(es)
+            || !len.is_multiple_of(es)
+            || byte_offset.saturating_add(len) > size
+        {
             return Err(SourceError::OutOfRange {
                 source_name: self.name(),
                 key: fqn.to_owned(),
