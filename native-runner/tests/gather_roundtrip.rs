@@ -150,7 +150,7 @@ fn fsdp1_shards(
         let mut flat: Vec<u8> = Vec::new();
         for (i, p) in params.iter().enumerate() {
             let total = flat.len() / es;
-            if use_orig_params && i > 0 && total % align != 0 {
+            if use_orig_params && i > 0 && !total.is_multiple_of(align) {
                 for _ in 0..align - total % align {
                     flat.extend(forty_two(dtype));
                 }
@@ -159,7 +159,7 @@ fn fsdp1_shards(
         }
         if use_orig_params {
             let total = flat.len() / es;
-            if total % n != 0 {
+            if !total.is_multiple_of(n) {
                 for _ in 0..n - total % n {
                     flat.extend(forty_two(dtype));
                 }
@@ -539,6 +539,7 @@ fn verify_reports_a_differing_parameter_with_rank_and_position() {
 }
 
 #[test]
+#[allow(clippy::many_single_char_names)]
 fn synthetic_data_is_deterministic_and_follows_aliases() {
     use shardscope_runner::gather::source::SyntheticSource;
     let desc = description(MODEL, UNITS);
