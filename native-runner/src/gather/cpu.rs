@@ -379,6 +379,23 @@ pub fn run(
     })
 }
 
+/// A rank's buffers, reused from unit to unit (every byte of them is rewritten before it is read,
+/// so they are never cleared; reuse avoids paying page faults on every unit).
+#[derive(Default)]
+struct Scratch {
+    shards: Vec<Vec<u8>>,
+    output: Vec<u8>,
+    params: Vec<Vec<u8>>,
+}
+
+/// The first `len` bytes of `buf`, growing it when needed.
+fn take(buf: &mut Vec<u8>, len: usize) -> &mut [u8] {
+    if buf.len() < len {
+        buf.resize(len, 0);
+    }
+    &mut buf[..len]
+}
+
 fn rank_main(shared: &Shared<'_>, rank: u64) -> RankResult {
     let plan = shared.plan;
     let n = plan.group_size;
@@ -387,59 +404,56 @@ fn rank_main(shared: &Shared<'_>, rank: u64) -> RankResult {
     let mut timer = Timer::new(shared.origin, rank);
     let mut result = RankResult::default();
     let mut error: Option<GatherError> = None;
+    let mut scratch = Scratch::default();
 
     for (unit_index, unit) in plan.units.iter().enumerate() {
-        // 1. read + copy-in, then publish the input in this rank's slot.
-        if error.is_none() {
-            match load_and_copy_in(shared, unit, rank, group_rank, &mut timer) {
-                Ok(input) => {
-                    let mut slot = shared.slots[rank as usize]
-                        .write()
-                        .unwrap_or_else(std::sync::PoisonError::into_inner);
-                    *slot = input;
-                }
-                Err(e) => error = Some(e),
-            }
+        // 1. read + copy-in, straight into this rank's published slot.
+        if error.is_none()
+            && let Err(e) = load_and_copy_in(shared, unit, rank, group_rank, &mut scratch, &mut timer)
+        {
+            error = Some(e);
         }
         if shared.barrier.wait(error.is_some()) {
             break;
         }
         // 2. all-gather: receive every peer's input into this rank's own output.
-        let output = match usize_of(unit.output_bytes(n), unit) {
-            Ok(out_len) => timer.time(names::ALL_GATHER, unit, unit.output_bytes(n), || {
-                let mut output = vec![0u8; out_len];
+        let out_len = match usize_of(unit.output_bytes(n), unit) {
+            Ok(len) => len,
+            Err(e) => {
+                error = Some(e);
+                0
+            }
+        };
+        let output = take(&mut scratch.output, out_len);
+        if error.is_none() {
+            timer.time(names::ALL_GATHER, unit, unit.output_bytes(n), || {
                 let in_len = unit.input_bytes as usize;
                 for peer in 0..n {
                     let slot = shared.slots[(group_base + peer) as usize]
                         .read()
                         .unwrap_or_else(std::sync::PoisonError::into_inner);
                     let at = peer as usize * in_len;
-                    output[at..at + in_len].copy_from_slice(&slot);
+                    output[at..at + in_len].copy_from_slice(&slot[..in_len]);
                 }
-                output
-            }),
-            Err(e) => {
-                error = Some(e);
-                Vec::new()
-            }
-        };
+            });
+        }
         if shared.barrier.wait(error.is_some()) {
             break;
         }
-        shared.observer.all_gather_output(rank, unit, &output);
+        shared.observer.all_gather_output(rank, unit, output);
         // 3. copy-out, verify, keep.
         if let Err(e) = copy_out_and_check(
             shared,
             unit,
             rank,
             group_base,
-            &output,
+            &scratch.output[..out_len],
+            &mut scratch.params,
             &mut timer,
             &mut result,
         ) {
             error = Some(e);
         }
-        drop(output);
         shared.observer.unit_done(rank, unit_index);
     }
     result.spans = timer.spans;
@@ -452,17 +466,34 @@ fn load_and_copy_in(
     unit: &UnitPlan,
     rank: u64,
     group_rank: u64,
+    scratch: &mut Scratch,
     timer: &mut Timer,
-) -> Result<Vec<u8>, GatherError> {
-    // read: every padded shard this rank holds for the unit, into its own buffers.
+) -> Result<(), GatherError> {
+    let flat = is_flat(shared.plan);
+    let input_len = usize_of(unit.input_bytes, unit)?;
+    let mut slot = shared.slots[rank as usize]
+        .write()
+        .unwrap_or_else(std::sync::PoisonError::into_inner);
+    let input = take(&mut slot, input_len);
+    // read: every padded shard this rank holds for the unit. FSDP1's flat shard is the all-gather
+    // input itself, so it is loaded in place.
     let start = timer.now_us();
     let mut read_bytes = 0u64;
-    let mut shards = Vec::with_capacity(unit.shards.len());
-    for shard in &unit.shards {
-        let mut buf = vec![0u8; usize_of(shard.padded_bytes, unit)?];
-        read_bytes += load_shard(shared.source, unit, shard, rank, group_rank, &mut buf)?;
-        shared.observer.shard(rank, unit, shard, &buf);
-        shards.push(buf);
+    if flat {
+        for shard in &unit.shards {
+            let dst = &mut input[range(shard.input_offset, shard.padded_bytes)];
+            read_bytes += load_shard(shared.source, unit, shard, rank, group_rank, dst)?;
+            shared.observer.shard(rank, unit, shard, dst);
+        }
+    } else {
+        if scratch.shards.len() < unit.shards.len() {
+            scratch.shards.resize_with(unit.shards.len(), Vec::new);
+        }
+        for (shard, buf) in unit.shards.iter().zip(scratch.shards.iter_mut()) {
+            let dst = take(buf, usize_of(shard.padded_bytes, unit)?);
+            read_bytes += load_shard(shared.source, unit, shard, rank, group_rank, dst)?;
+            shared.observer.shard(rank, unit, shard, dst);
+        }
     }
     let end = timer.now_us();
     timer.push(
@@ -474,26 +505,18 @@ fn load_and_copy_in(
         read_bytes,
         unit.dtype_label(),
     );
-
-    // copy-in: FSDP1's flat shard is the all-gather input as is; FSDP2 copies the padded shards of
-    // the group into one input buffer (`all_gather_copy_in`).
-    let input = if unit.shards.len() == 1
-        && unit.shards[0].padded_bytes == unit.input_bytes
-        && is_flat(shared.plan)
-    {
-        shards.pop().unwrap_or_default()
-    } else {
-        let len = usize_of(unit.input_bytes, unit)?;
+    // copy-in (FSDP2's `all_gather_copy_in`): the padded shards of the group, in order, into one
+    // input buffer.
+    if !flat {
         timer.time(names::COPY_IN, unit, unit.input_bytes, || {
-            let mut input = vec![0u8; len];
-            for (shard, buf) in unit.shards.iter().zip(&shards) {
-                input[range(shard.input_offset, shard.padded_bytes)].copy_from_slice(buf);
+            for (shard, buf) in unit.shards.iter().zip(&scratch.shards) {
+                input[range(shard.input_offset, shard.padded_bytes)]
+                    .copy_from_slice(&buf[..shard.padded_bytes as usize]);
             }
-            input
-        })
-    };
-    shared.observer.all_gather_input(rank, unit, &input);
-    Ok(input)
+        });
+    }
+    shared.observer.all_gather_input(rank, unit, input);
+    Ok(())
 }
 
 fn is_flat(plan: &GatherPlan) -> bool {
@@ -506,12 +529,16 @@ fn copy_out_and_check(
     rank: u64,
     group_base: u64,
     output: &[u8],
+    scratch: &mut Vec<Vec<u8>>,
     timer: &mut Timer,
     result: &mut RankResult,
 ) -> Result<(), GatherError> {
-    let mut params: Vec<Vec<u8>> = Vec::with_capacity(unit.params.len());
-    for p in &unit.params {
-        params.push(vec![0u8; usize_of(p.bytes, unit)?]);
+    if scratch.len() < unit.params.len() {
+        scratch.resize_with(unit.params.len(), Vec::new);
+    }
+    let mut params: Vec<&mut [u8]> = Vec::with_capacity(unit.params.len());
+    for (p, buf) in unit.params.iter().zip(scratch.iter_mut()) {
+        params.push(take(buf, usize_of(p.bytes, unit)?));
     }
     timer.time(names::COPY_OUT, unit, unit.param_bytes(), || {
         for (p, buf) in unit.params.iter().zip(params.iter_mut()) {
@@ -586,10 +613,10 @@ fn copy_out_and_check(
                 if primary == &p.fqn {
                     result
                         .params
-                        .insert(alias.clone(), gathered(p, buf.clone()));
+                        .insert(alias.clone(), gathered(p, buf.to_vec()));
                 }
             }
-            result.params.insert(p.fqn.clone(), gathered(p, buf));
+            result.params.insert(p.fqn.clone(), gathered(p, buf.to_vec()));
         }
     }
     Ok(())
