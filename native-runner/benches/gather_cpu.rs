@@ -5,9 +5,10 @@
 //! The gather path of one rank per unit copies `input` bytes in (FSDP2 only: FSDP1's flat shard is
 //! the all-gather input), receives `n × input` bytes in the all-gather and copies `params` bytes out.
 //! The baseline runs `n` threads that each memcpy exactly those byte counts between preallocated
-//! buffers, unit by unit, with the same barriers between units. Both are medians over the runs.
-//! Reported: the gather-path time (sum over units of the slowest rank's copy-in + all-gather +
-//! copy-out spans) and the whole run's wall time (which also includes loading the shards).
+//! buffers, unit by unit, with a barrier between units. Both sides are measured the same way: per unit
+//! the slowest rank's copy time (gather: copy-in + all-gather + copy-out spans), summed over units;
+//! medians over the runs. The whole run's wall time (which also includes loading the shards and the
+//! barriers) is shown too.
 #![allow(clippy::unwrap_used, clippy::expect_used)]
 
 use std::sync::Barrier;
@@ -51,35 +52,37 @@ fn median(mut v: Vec<f64>) -> f64 {
 }
 
 /// `n` threads, each copying `per_unit[u]` byte counts unit by unit between its own buffers
-/// (touched beforehand); timed from the first barrier to the last.
+/// (touched beforehand), with a barrier between units. Measured like the gather path: for every
+/// unit the slowest thread's copy time, summed over units.
 fn memcpy_baseline(n: usize, per_unit: &[Vec<usize>]) -> f64 {
     let largest = per_unit.iter().flatten().copied().max().unwrap_or(0);
     let barrier = Barrier::new(n);
-    std::thread::scope(|s| {
+    let per_thread: Vec<Vec<f64>> = std::thread::scope(|s| {
         let handles: Vec<_> = (0..n)
             .map(|_| {
                 s.spawn(|| {
                     let src = vec![1u8; largest];
                     let mut dst = vec![0u8; largest];
                     dst.copy_from_slice(&src);
-                    barrier.wait();
-                    let start = Instant::now();
+                    let mut times = Vec::with_capacity(per_unit.len());
                     for copies in per_unit {
+                        barrier.wait();
+                        let start = Instant::now();
                         for &len in copies {
                             dst[..len].copy_from_slice(&src[..len]);
                         }
-                        barrier.wait();
+                        times.push(start.elapsed().as_secs_f64());
                     }
                     std::hint::black_box(&dst);
-                    start.elapsed().as_secs_f64()
+                    times
                 })
             })
             .collect();
-        handles
-            .into_iter()
-            .map(|h| h.join().unwrap())
-            .fold(0.0, f64::max)
-    })
+        handles.into_iter().map(|h| h.join().unwrap()).collect()
+    });
+    (0..per_unit.len())
+        .map(|u| per_thread.iter().map(|t| t[u]).fold(0.0, f64::max))
+        .sum()
 }
 
 fn main() {

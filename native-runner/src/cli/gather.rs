@@ -271,6 +271,15 @@ pub fn run(args: &GatherArgs) -> anyhow::Result<ExitCode> {
         Backend::Cuda => run_cuda(&plan, &prepared.source, options)?,
     };
 
+    if !outcome.writes_outputs {
+        // cuda ranks other than 0: rank 0 prints and writes for everyone.
+        let failed = outcome.verify.as_ref().is_some_and(|v| !v.is_ok());
+        return Ok(if failed {
+            ExitCode::from(1)
+        } else {
+            ExitCode::SUCCESS
+        });
+    }
     if let Some(out) = &args.output
         && let Some(mut params) = outcome.params.take()
     {

@@ -376,6 +376,7 @@ pub fn run(
         summary,
         verify: options.verify.then_some(verify),
         params,
+        writes_outputs: true,
     })
 }
 
@@ -409,7 +410,8 @@ fn rank_main(shared: &Shared<'_>, rank: u64) -> RankResult {
     for (unit_index, unit) in plan.units.iter().enumerate() {
         // 1. read + copy-in, straight into this rank's published slot.
         if error.is_none()
-            && let Err(e) = load_and_copy_in(shared, unit, rank, group_rank, &mut scratch, &mut timer)
+            && let Err(e) =
+                load_and_copy_in(shared, unit, rank, group_rank, &mut scratch, &mut timer)
         {
             error = Some(e);
         }
@@ -616,7 +618,9 @@ fn copy_out_and_check(
                         .insert(alias.clone(), gathered(p, buf.to_vec()));
                 }
             }
-            result.params.insert(p.fqn.clone(), gathered(p, buf.to_vec()));
+            result
+                .params
+                .insert(p.fqn.clone(), gathered(p, buf.to_vec()));
         }
     }
     Ok(())

@@ -182,4 +182,6 @@ pub struct GatherOutcome {
     pub verify: Option<VerifyReport>,
     /// Rank 0's gathered parameters by FQN, tied aliases included (with `keep_params`).
     pub params: Option<BTreeMap<String, GatheredParam>>,
+    /// True in the process that prints and writes outputs (always for `cpu`; rank 0 for `cuda`).
+    pub writes_outputs: bool,
 }

@@ -66,6 +66,9 @@ pub struct Summary {
     pub total: UnitSummary,
     /// Wall time of the whole run, seconds.
     pub wall_secs: f64,
+    /// GPU runs: the device's own device-to-device copy bandwidth measured in the same run (the
+    /// baseline for copy-in and copy-out), GB/s.
+    pub device_copy_gbps: Option<f64>,
 }
 
 fn slowest(trace: &Trace, name: &str, unit: &str) -> f64 {
@@ -141,6 +144,7 @@ impl Summary {
             units,
             total,
             wall_secs,
+            device_copy_gbps: None,
         }
     }
 
@@ -182,6 +186,15 @@ impl Summary {
                     "-".to_owned()
                 },
                 u.copy_out_gbps
+            );
+        }
+        if let Some(d2d) = self.device_copy_gbps {
+            let pct = |x: f64| if d2d > 0.0 { 100.0 * x / d2d } else { 0.0 };
+            let _ = writeln!(
+                out,
+                "device-to-device copy (same run): {d2d:.1} GB/s; copy-in {:.0}% and copy-out {:.0}% of it",
+                pct(self.total.copy_in_gbps),
+                pct(self.total.copy_out_gbps)
             );
         }
         let _ = writeln!(
