@@ -202,8 +202,7 @@ fn prepare(args: &GatherArgs) -> anyhow::Result<Prepared> {
                 ));
                 file.describe("")?
             };
-            let full = SafetensorsFull::new(file, "");
-            full.check(&model)?;
+            let full = SafetensorsFull::for_model(file, "", &model)?;
             Ok(Prepared {
                 model,
                 source: Source::Full(Box::new(full)),

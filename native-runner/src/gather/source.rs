@@ -417,6 +417,8 @@ impl SafetensorsFile {
 pub struct SafetensorsFull {
     file: Arc<SafetensorsFile>,
     prefix: String,
+    /// Tied names the file does not store, and the name it stores their tensor under.
+    aliases: BTreeMap<String, String>,
 }
 
 impl SafetensorsFull {
@@ -424,7 +426,36 @@ impl SafetensorsFull {
         Self {
             file,
             prefix: prefix.to_owned(),
+            aliases: BTreeMap::new(),
         }
+    }
+
+    /// A source for `model`: checks that every parameter the gather needs is present with the right
+    /// dtype and shape. A tied name the file does not store (torch saves a tied tensor once, under its
+    /// first name) is read from its primary.
+    pub fn for_model(
+        file: Arc<SafetensorsFile>,
+        prefix: &str,
+        model: &ModelDescription,
+    ) -> Result<Self, SourceError> {
+        let mut source = Self::new(file, prefix);
+        source.check(model)?;
+        for p in &model.params {
+            if let Some(primary) = &p.shared_with
+                && !source
+                    .file
+                    .tensors
+                    .contains_key(&format!("{prefix}{}", p.fqn))
+            {
+                source.aliases.insert(p.fqn.clone(), primary.clone());
+            }
+        }
+        Ok(source)
+    }
+
+    fn key(&self, fqn: &str) -> String {
+        let stored = self.aliases.get(fqn).map_or(fqn, String::as_str);
+        format!("{}{stored}", self.prefix)
     }
 
     /// Checks that every parameter of `model` the gather needs is present with the right dtype and
@@ -468,13 +499,11 @@ impl FullSource for SafetensorsFull {
     }
 
     fn contains(&self, fqn: &str) -> bool {
-        self.file
-            .tensors
-            .contains_key(&format!("{}{fqn}", self.prefix))
+        self.file.tensors.contains_key(&self.key(fqn))
     }
 
     fn read_full(&self, fqn: &str, byte_offset: u64, dst: &mut [u8]) -> Result<(), SourceError> {
-        let key = format!("{}{fqn}", self.prefix);
+        let key = self.key(fqn);
         let Some(data) = self.file.data(&key) else {
             return Err(SourceError::Missing {
                 source_name: self.name(),
