@@ -525,6 +525,7 @@ fn is_flat(plan: &GatherPlan) -> bool {
     plan.api == shardscope_core::layout::Api::Fsdp1
 }
 
+#[allow(clippy::too_many_arguments)] // one rank's whole per-unit state
 fn copy_out_and_check(
     shared: &Shared<'_>,
     unit: &UnitPlan,
@@ -590,7 +591,7 @@ fn copy_out_and_check(
                     rank,
                     alias,
                     unit.params[i].dtype.size_bytes(),
-                    &params[i],
+                    params[i],
                     &want,
                 ) {
                     result.verify.mismatches.push(m);
