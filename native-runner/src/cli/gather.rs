@@ -393,7 +393,10 @@ fn write_output(
 ) -> anyhow::Result<()> {
     let origin = std::time::Instant::now();
     let bytes = output::safetensors_bytes(params, path)?;
-    output::write_atomic(path, &bytes)?;
+    crate::atomic::write_file(path, |w| {
+        std::io::Write::write_all(w, &bytes)
+            .with_context(|| format!("cannot write {}", path.display()))
+    })?;
     let dur = origin.elapsed().as_secs_f64() * 1e6;
     let start = outcome.summary.wall_secs * 1e6;
     outcome.trace.spans.push(Span {

@@ -1,11 +1,10 @@
 //! Writing the consolidated parameters (`-o FULL.safetensors`).
 //!
-//! The file is written with the `safetensors` crate's serializer into a temporary file in the target
-//! folder, synced, then renamed over the target: a reader never sees a half-written file.
+//! The bytes come from the `safetensors` crate's serializer; the CLI writes them atomically
+//! (`atomic::write_file`: temporary file, fsync, rename).
 
 use std::borrow::Cow;
 use std::collections::BTreeMap;
-use std::io::Write;
 use std::path::{Path, PathBuf};
 
 use crate::gather::GatheredParam;
@@ -20,13 +19,6 @@ pub enum OutputError {
     /// The serializer rejected the tensors.
     #[error("cannot serialize safetensors for {}: {message}", path.display())]
     Serialize { path: PathBuf, message: String },
-    /// Creating, writing or renaming the file failed.
-    #[error("cannot write {}", path.display())]
-    Io {
-        path: PathBuf,
-        #[source]
-        source: std::io::Error,
-    },
 }
 
 struct View<'a> {
@@ -74,23 +66,6 @@ pub fn safetensors_bytes(
         path: path.to_owned(),
         message: e.to_string(),
     })
-}
-
-/// Writes `bytes` to `path` atomically (temporary file in the same folder, fsync, rename).
-pub fn write_atomic(path: &Path, bytes: &[u8]) -> Result<(), OutputError> {
-    let io = |source| OutputError::Io {
-        path: path.to_owned(),
-        source,
-    };
-    let dir = match path.parent() {
-        Some(p) if !p.as_os_str().is_empty() => p,
-        _ => Path::new("."),
-    };
-    let mut tmp = tempfile::NamedTempFile::new_in(dir).map_err(io)?;
-    tmp.write_all(bytes).map_err(io)?;
-    tmp.as_file().sync_all().map_err(io)?;
-    tmp.persist(path).map_err(|e| io(e.error))?;
-    Ok(())
 }
 
 /// Formats a byte count for people (`1.5 MiB`).
