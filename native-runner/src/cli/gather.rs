@@ -28,6 +28,7 @@ pub enum Backend {
     /// Every rank a thread of this process (no GPU needed).
     Cpu,
     /// One process per GPU under torchrun or srun: candle tensors and NCCL (build with `--features cuda`).
+    /// Rank 0 hands out the NCCL id on port MASTER_PORT+1 (or SHARDSCOPE_RDZV_PORT).
     Cuda,
 }
 

@@ -34,7 +34,10 @@ use crate::gather::{
 };
 use crate::trace::{Clock, Span, Trace, names};
 
-const RENDEZVOUS_TIMEOUT: Duration = Duration::from_secs(300);
+const RENDEZVOUS_TIMEOUT: Duration = Duration::from_mins(5);
+
+/// Rank 0's rendezvous server thread.
+type Server = std::thread::JoinHandle<Result<(), GatherError>>;
 
 fn dev_err(what: &str) -> impl FnOnce(candle_core::Error) -> GatherError + '_ {
     move |e| GatherError::Device(format!("{what}: {e}"))
@@ -136,9 +139,7 @@ fn static_name(name: &str) -> &'static str {
     .unwrap_or("other")
 }
 
-fn nccl_id(
-    env: &LaunchEnv,
-) -> Result<(Id, Option<std::thread::JoinHandle<Result<(), GatherError>>>), GatherError> {
+fn nccl_id(env: &LaunchEnv) -> Result<(Id, Option<Server>), GatherError> {
     if env.rank == 0 {
         let id = Id::new().map_err(drv_err("ncclGetUniqueId"))?;
         let bytes: Vec<u8> = id.internal().iter().map(|&c| c as u8).collect();
