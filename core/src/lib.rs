@@ -8,5 +8,6 @@
 pub mod dtype;
 pub mod layout;
 pub mod model;
+pub mod transform;
 
 pub use dtype::DType;
