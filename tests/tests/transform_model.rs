@@ -6,14 +6,14 @@ mod transform_support;
 
 use std::collections::HashMap;
 
-use shardscope_core::model::tree::{DistKind, DistTensor, Dict, Node, Tensor};
+use shardscope_core::model::tree::{Dict, DistKind, DistTensor, Node, Tensor};
+use shardscope_core::transform::Fsdp1Model;
 use shardscope_core::transform::chunk::{full_from_sharded_chunks, sharded_chunk_from_full};
 use shardscope_core::transform::model_state::{
-    TORCH_PADDING_FILL, model_full_from_local, model_local_from_full, model_sharded_from_full,
-    shard_of_local_entry,
+    TORCH_PADDING_FILL, fsdp2_sharded_from_full, model_full_from_local, model_local_from_full,
+    model_sharded_from_full, shard_of_local_entry,
 };
 use shardscope_core::transform::reshard::{FullParamSource, reshard_flat_params};
-use shardscope_core::transform::Fsdp1Model;
 use transform_support::{SCENARIOS, Scenario, assert_same, load};
 
 fn sharded_scenarios() -> Vec<Scenario> {
@@ -34,7 +34,11 @@ fn full_state_dict_from_local_shards_matches_torch() {
             .map(|r| s.dict(r, "model_local"))
             .collect();
         let got = model_full_from_local(&model, &locals).unwrap();
-        assert_same(&Node::Dict(got), s.get(0, "model_full"), &format!("{}/model_full", s.name));
+        assert_same(
+            &Node::Dict(got),
+            s.get(0, "model_full"),
+            &format!("{}/model_full", s.name),
+        );
     }
 }
 
@@ -84,7 +88,11 @@ fn sharded_state_dict_matches_torch_both_ways() {
                 })
                 .collect();
             let got = full_from_sharded_chunks(&pieces, &k.to_string()).unwrap();
-            assert_same(&Node::Tensor(got), full.get(k).unwrap(), &format!("{}/{k}", s.name));
+            assert_same(
+                &Node::Tensor(got),
+                full.get(k).unwrap(),
+                &format!("{}/{k}", s.name),
+            );
         }
     }
 }
@@ -112,9 +120,9 @@ fn dtensor_chunks_have_torch_offsets() {
     );
 }
 
-fn flat_shards<'a>(
+fn flat_shards(
     model: &Fsdp1Model<'_>,
-    s: &'a Scenario,
+    s: &Scenario,
     name: &str,
 ) -> (Vec<Vec<Tensor>>, HashMap<String, Tensor>) {
     let ws = s.world_size() as usize;
@@ -125,8 +133,11 @@ fn flat_shards<'a>(
         .map(|flat| {
             (0..ws)
                 .map(|r| {
-                    shard_of_local_entry(flat, s.dict(r, name).get_str(&flat.flat_param_fqn).unwrap())
-                        .unwrap()
+                    shard_of_local_entry(
+                        flat,
+                        s.dict(r, name).get_str(&flat.flat_param_fqn).unwrap(),
+                    )
+                    .unwrap()
                 })
                 .collect()
         })
@@ -157,10 +168,18 @@ fn local_reshard_matches_torch() {
         let alt_desc = s2.description("alt_description");
         let alt_layout = s2.layout(&alt_desc);
         let alt = Fsdp1Model::new(&alt_desc, &alt_layout).unwrap();
+        let other = load(if uop == "uop0" {
+            "nested_ws4_uop1"
+        } else {
+            "nested_ws4_uop0"
+        });
+        let other_layout = other.layout(&desc);
+        let other_model = Fsdp1Model::new(&desc, &other_layout).unwrap();
 
         for (src_s, src_model, dst, expected) in [
             (&s4, &model4, &model2, "halve_model_local"),
             (&s2, &model2, &alt, "alt_model_local"),
+            (&other, &other_model, &model2, "cross_model_local"),
         ] {
             let (shards, plain) = flat_shards(src_model, src_s, "model_local");
             let refs: Vec<Vec<&Tensor>> = shards.iter().map(|v| v.iter().collect()).collect();
@@ -170,8 +189,7 @@ fn local_reshard_matches_torch() {
                 plain: &plain,
             };
             for r in 0..2u64 {
-                let got =
-                    reshard_flat_params(&source, dst, r, TORCH_PADDING_FILL, false).unwrap();
+                let got = reshard_flat_params(&source, dst, r, TORCH_PADDING_FILL, false).unwrap();
                 let want = s2.dict(r as usize, expected);
                 for (key, shard) in got {
                     let Some(Node::Dist(d)) = want.get_str(&key) else {
@@ -190,4 +208,29 @@ fn local_reshard_matches_torch() {
             }
         }
     }
+}
+
+/// FSDP2 (`fully_shard`, 1-D mesh of 4): DTensor state dicts, empty trailing ranks included.
+#[test]
+fn fsdp2_dtensor_state_dict_matches_torch_both_ways() {
+    let s = load("fsdp2_ws4");
+    let desc = s.description("description");
+    let full = s.dict(0, "model_full");
+    let per_rank: Vec<&Node> = (0..4).map(|r| s.get(r, "model_dtensor")).collect();
+    for r in 0..4u64 {
+        let got = fsdp2_sharded_from_full(&desc, r, 4, full).unwrap();
+        assert_same(
+            &Node::Dict(got),
+            per_rank[r as usize],
+            &format!("fsdp2/r{r}"),
+        );
+    }
+    let gathered =
+        shardscope_core::transform::optim_state::full_from_sharded_tree(&per_rank).unwrap();
+    assert_same(&gathered, s.get(0, "model_full"), "fsdp2 gather");
+    // Some parameter really has an empty trailing rank (bias: 5 rows over 4 ranks).
+    let Node::Dist(d) = s.dict(3, "model_dtensor").get_str("bias").unwrap() else {
+        panic!()
+    };
+    assert_eq!(d.local.as_ref().unwrap().1.shape, vec![0]);
 }

@@ -4,7 +4,7 @@
 
 mod transform_support;
 
-use shardscope_core::model::tree::{DistKind, Dict, Node};
+use shardscope_core::model::tree::{Dict, DistKind, Node};
 use shardscope_core::transform::optim_state::{
     full_from_sharded_tree, full_optim_from_local, local_optim_from_full, rekey_fqns_to_ids,
     rekey_ids_to_fqns,
@@ -14,11 +14,15 @@ use shardscope_core::transform::{Fsdp1Model, ParamRef};
 use transform_support::{SCENARIOS, Scenario, assert_same, load, sort_state_entries};
 
 fn locals<'a>(s: &'a Scenario, name: &str) -> Vec<&'a Dict> {
-    (0..s.world_size() as usize).map(|r| s.dict(r, name)).collect()
+    (0..s.world_size() as usize)
+        .map(|r| s.dict(r, name))
+        .collect()
 }
 
 fn all_optim_params(s: &Scenario) -> Vec<Vec<String>> {
-    (0..s.world_size() as usize).map(|r| s.optim_params(r)).collect()
+    (0..s.world_size() as usize)
+        .map(|r| s.optim_params(r))
+        .collect()
 }
 
 #[test]
@@ -116,16 +120,15 @@ fn optim_state_dict_full_and_sharded_match_torch() {
                 continue;
             }
             let got = got.unwrap();
-            assert_same(&Node::Dict(got), s.get(r, "osd_full"), &format!("{name}/r{r}/osd_full"));
+            assert_same(
+                &Node::Dict(got),
+                s.get(r, "osd_full"),
+                &format!("{name}/r{r}/osd_full"),
+            );
             if s.has(r, "osd_sharded") {
-                let got = full_optim_from_local(
-                    &model,
-                    &raw,
-                    &params,
-                    r,
-                    Some(DistKind::ShardedTensor),
-                )
-                .unwrap();
+                let got =
+                    full_optim_from_local(&model, &raw, &params, r, Some(DistKind::ShardedTensor))
+                        .unwrap();
                 assert_same(
                     &Node::Dict(got),
                     s.get(r, "osd_sharded"),
@@ -199,6 +202,16 @@ fn other_wrapping_and_halved_world_size_match_torch() {
         let model4 = Fsdp1Model::new(&desc4, &layout4).unwrap();
         let raw4 = locals(&src4, "optim_local");
         let params4 = all_optim_params(&src4);
+        // The ws=4 run of the other `use_orig_params` value (torch loaded its full dict too).
+        let other = load(if uop == "uop0" {
+            "nested_ws4_uop1"
+        } else {
+            "nested_ws4_uop0"
+        });
+        let other_layout = other.layout(&desc4);
+        let other_model = Fsdp1Model::new(&desc4, &other_layout).unwrap();
+        let other_raw = locals(&other, "optim_local");
+        let other_params = all_optim_params(&other);
         for r in 0..2usize {
             let got =
                 local_optim_from_full(&alt, s.dict(0, "osd_full"), r as u64, &alt_ids).unwrap();
@@ -219,13 +232,33 @@ fn other_wrapping_and_halved_world_size_match_torch() {
                 &sort_state_entries(s.get(r, "halve_to_load_full")),
                 &format!("{uop}/r{r}/halve_to_load_full"),
             );
-            let got =
-                reshard_local_optim(&model4, &raw4, &params4, &model, r as u64, &s.optim_params(r))
-                    .unwrap();
+            let got = reshard_local_optim(
+                &model4,
+                &raw4,
+                &params4,
+                &model,
+                r as u64,
+                &s.optim_params(r),
+            )
+            .unwrap();
             assert_same(
                 &sort_state_entries(&Node::Dict(got)),
                 &sort_state_entries(s.get(r, "halve_to_load_full")),
                 &format!("{uop}/r{r}/reshard 4->2"),
+            );
+            let got = reshard_local_optim(
+                &other_model,
+                &other_raw,
+                &other_params,
+                &model,
+                r as u64,
+                &s.optim_params(r),
+            )
+            .unwrap();
+            assert_same(
+                &sort_state_entries(&Node::Dict(got)),
+                &sort_state_entries(s.get(r, "cross_to_load_full")),
+                &format!("{uop}/r{r}/reshard 4->2 across use_orig_params"),
             );
         }
     }
@@ -252,7 +285,11 @@ fn without_param_groups_and_custom_entries_match_torch() {
         let custom = locals(&s, "custom_optim_local");
         for r in 0..2usize {
             let got = full_optim_from_local(&model, &nopg_refs, &params, r, None).unwrap();
-            assert_same(&Node::Dict(got), s.get(r, "nopg_osd_full"), &format!("{uop}/nopg_osd"));
+            assert_same(
+                &Node::Dict(got),
+                s.get(r, "nopg_osd_full"),
+                &format!("{uop}/nopg_osd"),
+            );
             let mut full = s.dict(0, "osd_full").clone();
             full.remove(&shardscope_core::model::tree::Key::str("param_groups"));
             let got = local_optim_from_full(&model, &full, r as u64, &s.optim_params(r)).unwrap();
@@ -262,7 +299,11 @@ fn without_param_groups_and_custom_entries_match_torch() {
                 &format!("{uop}/r{r}/nopg_to_load"),
             );
             let got = full_optim_from_local(&model, &custom, &params, r, None).unwrap();
-            assert_same(&Node::Dict(got), s.get(r, "custom_osd_full"), &format!("{uop}/custom_osd"));
+            assert_same(
+                &Node::Dict(got),
+                s.get(r, "custom_osd_full"),
+                &format!("{uop}/custom_osd"),
+            );
             let got = local_optim_from_full(
                 &model,
                 s.dict(0, "custom_osd_full"),
@@ -286,7 +327,11 @@ fn rekey_matches_torch() {
     let s = load("nested_ws2_uop0");
     let names = s.strings("ref_named_parameters");
     let got = rekey_ids_to_fqns(s.dict(0, "ref_optim"), &names).unwrap();
-    assert_same(&Node::Dict(got), s.get(0, "rekey_to_names"), "rekey_to_names");
+    assert_same(
+        &Node::Dict(got),
+        s.get(0, "rekey_to_names"),
+        "rekey_to_names",
+    );
     let got = rekey_fqns_to_ids(s.dict(0, "osd_full"), &names).unwrap();
     assert_same(&Node::Dict(got), s.get(0, "rekey_to_ids"), "rekey_to_ids");
     // Already in the requested key type: unchanged.
@@ -341,17 +386,30 @@ fn error_cases_carry_torch_messages() {
     let model = Fsdp1Model::new(&desc, &layout).unwrap();
     let full = s.dict(0, "osd_full");
     let ids = s.optim_params(0);
-    let run = |d: &Dict| local_optim_from_full(&model, d, 0, &ids).unwrap_err().to_string();
+    let run = |d: &Dict| {
+        local_optim_from_full(&model, d, 0, &ids)
+            .unwrap_err()
+            .to_string()
+    };
     let check = |case: &str, ours: String, exact: bool| {
         let (_, torch) = s.error(case);
         if exact {
             assert_eq!(ours, torch, "{case}");
         } else {
             // torch embeds a tensor repr or Python set order here; compare the stable prefix.
-            let cut = torch.find(" but got").or_else(|| torch.find(", values")).unwrap();
-            assert!(ours.starts_with(&torch[..cut]), "{case}: `{ours}` vs `{torch}`");
+            let cut = torch
+                .find(" but got")
+                .or_else(|| torch.find(", values"))
+                .unwrap();
+            assert!(
+                ours.starts_with(&torch[..cut]),
+                "{case}: `{ours}` vs `{torch}`"
+            );
             let names = &torch[torch.rfind('[').unwrap()..];
-            assert!(ours.ends_with(names) || ours.contains(names), "{case}: `{ours}` vs `{torch}`");
+            assert!(
+                ours.ends_with(names) || ours.contains(names),
+                "{case}: `{ours}` vs `{torch}`"
+            );
         }
     };
     check(
@@ -361,7 +419,8 @@ fn error_cases_carry_torch_messages() {
         })),
         true,
     );
-    let step7 = Node::Tensor(Tensor::new(DType::Float32, vec![], 7f32.to_le_bytes().to_vec()).unwrap());
+    let step7 =
+        Node::Tensor(Tensor::new(DType::Float32, vec![], 7f32.to_le_bytes().to_vec()).unwrap());
     check(
         "differing_step",
         run(&mutated(full, |st| {
@@ -372,9 +431,13 @@ fn error_cases_carry_torch_messages() {
     check(
         "differing_non_tensor",
         run(&mutated(full, |st| {
-            for (i, k) in ["block2.2.weight", "block2.2.bias_module0.bias", "block2.2.bias_module1.bias"]
-                .iter()
-                .enumerate()
+            for (i, k) in [
+                "block2.2.weight",
+                "block2.2.bias_module0.bias",
+                "block2.2.bias_module1.bias",
+            ]
+            .iter()
+            .enumerate()
             {
                 entry(st, k).insert(Key::str("custom"), Node::Int(i as i64));
             }
@@ -391,8 +454,10 @@ fn error_cases_carry_torch_messages() {
     check(
         "shape_mismatch",
         run(&mutated(full, |st| {
-            entry(st, "block1.weight")
-                .insert(Key::str("exp_avg"), Node::Tensor(Tensor::zeros(DType::Float32, vec![7, 3])));
+            entry(st, "block1.weight").insert(
+                Key::str("exp_avg"),
+                Node::Tensor(Tensor::zeros(DType::Float32, vec![7, 3])),
+            );
         })),
         true,
     );
@@ -400,8 +465,10 @@ fn error_cases_carry_torch_messages() {
     check(
         "differing_dtypes",
         run(&mutated(full, |st| {
-            entry(st, "block1.weight")
-                .insert(Key::str("exp_avg"), Node::Tensor(Tensor::zeros(DType::Float64, vec![3, 7])));
+            entry(st, "block1.weight").insert(
+                Key::str("exp_avg"),
+                Node::Tensor(Tensor::zeros(DType::Float64, vec![3, 7])),
+            );
         })),
         false,
     );

@@ -53,7 +53,9 @@ pub struct Tensor {
 
 /// The bytes do not match the dtype and shape.
 #[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
-#[error("tensor of dtype {dtype} and shape {shape:?} needs {expected_bytes:?} bytes, got {actual_bytes}")]
+#[error(
+    "tensor of dtype {dtype} and shape {shape:?} needs {expected_bytes:?} bytes, got {actual_bytes}"
+)]
 pub struct TensorSizeError {
     pub dtype: DType,
     pub shape: Vec<u64>,
@@ -164,9 +166,7 @@ fn f16_bits(v: f32) -> u16 {
     let sign = ((bits >> 16) & 0x8000) as u16;
     let exp = ((bits >> 23) & 0xff) as i32 - 127 + 15;
     let frac = ((bits >> 13) & 0x3ff) as u16;
-    if v == 0.0 {
-        sign
-    } else if exp <= 0 {
+    if v == 0.0 || exp <= 0 {
         sign
     } else if exp >= 31 {
         sign | 0x7c00
@@ -370,7 +370,10 @@ mod tests {
 
     #[test]
     fn fills_are_exact() {
-        assert_eq!(fill_bytes(DType::Float32, 42.0).unwrap(), 42f32.to_le_bytes());
+        assert_eq!(
+            fill_bytes(DType::Float32, 42.0).unwrap(),
+            42f32.to_le_bytes()
+        );
         // bf16(42) = 0x4228, f16(42) = 0x5140.
         assert_eq!(fill_bytes(DType::BFloat16, 42.0).unwrap(), [0x28, 0x42]);
         assert_eq!(fill_bytes(DType::Float16, 42.0).unwrap(), [0x40, 0x51]);

@@ -68,7 +68,8 @@ impl<'a> Fsdp1Model<'a> {
         self.layout.use_orig_params
     }
 
-    pub fn world_size(&self) -> u64 {
+    /// Ranks that share one copy of the model (the FSDP process group).
+    pub fn shard_group_size(&self) -> u64 {
         self.layout.shard_group_size
     }
 

@@ -105,7 +105,9 @@ pub fn full_from_sharded_chunks(
         .ok_or_else(|| bad("no rank holds this tensor".to_owned()))?;
     let shape = first.global_shape.clone();
     if shape.is_empty() {
-        return Err(bad("a sharded tensor must have at least one dimension".to_owned()));
+        return Err(bad(
+            "a sharded tensor must have at least one dimension".to_owned()
+        ));
     }
     let row_numel = row_numel(&shape);
     let itemsize = first.dtype.size_bytes();

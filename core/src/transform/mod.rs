@@ -126,7 +126,9 @@ pub enum TransformError {
         optim_keys: String,
     },
     /// Ranks disagree on a 0-dim or non-tensor state of one parameter (torch asserts).
-    #[error("Rank {rank} has different values for {state}: {value}. Other ranks: {other} (parameter {fqn})")]
+    #[error(
+        "Rank {rank} has different values for {state}: {value}. Other ranks: {other} (parameter {fqn})"
+    )]
     RankValuesDiffer {
         rank: usize,
         state: String,

@@ -114,7 +114,12 @@ pub fn full_params_from_flat_shards(
     shards: &[&Tensor],
 ) -> Result<Vec<(String, Tensor)>, TransformError> {
     (0..flat.fqns.len())
-        .map(|i| Ok((flat.fqns[i].clone(), full_param_from_flat_shards(flat, i, shards)?)))
+        .map(|i| {
+            Ok((
+                flat.fqns[i].clone(),
+                full_param_from_flat_shards(flat, i, shards)?,
+            ))
+        })
         .collect()
 }
 
@@ -129,7 +134,8 @@ pub fn flat_shard_from_full_params<'t>(
     padded: bool,
 ) -> Result<Tensor, TransformError> {
     let itemsize = flat.dtype.size_bytes();
-    let fill_one = fill_bytes(flat.dtype, fill).ok_or(TransformError::FillDType { dtype: flat.dtype })?;
+    let fill_one =
+        fill_bytes(flat.dtype, fill).ok_or(TransformError::FillDType { dtype: flat.dtype })?;
     let len = if padded {
         flat.sharded_numel
     } else {
@@ -256,10 +262,10 @@ pub fn shard_of_local_entry(
     use crate::model::tree::Node;
     match entry {
         Node::Tensor(t) => Ok(t.clone()),
-        Node::Dist(d) => Ok(d.local.as_ref().map_or_else(
-            || Tensor::zeros(flat.dtype, vec![0]),
-            |(_, t)| t.clone(),
-        )),
+        Node::Dist(d) => Ok(d
+            .local
+            .as_ref()
+            .map_or_else(|| Tensor::zeros(flat.dtype, vec![0]), |(_, t)| t.clone())),
         other => Err(TransformError::WrongKind {
             path: flat.flat_param_fqn.clone(),
             expected: "ShardedTensor or Tensor",
@@ -414,12 +420,12 @@ pub fn model_full_from_local(
         let shards: Vec<Tensor> = locals
             .iter()
             .map(|d| {
-                let entry = d.get_str(&flat.flat_param_fqn).ok_or_else(|| {
-                    TransformError::MissingKey {
-                        path: "LOCAL state dict".to_owned(),
-                        key: flat.flat_param_fqn.clone(),
-                    }
-                })?;
+                let entry =
+                    d.get_str(&flat.flat_param_fqn)
+                        .ok_or_else(|| TransformError::MissingKey {
+                            path: "LOCAL state dict".to_owned(),
+                            key: flat.flat_param_fqn.clone(),
+                        })?;
                 shard_of_local_entry(flat, entry)
             })
             .collect::<Result<_, _>>()?;
@@ -452,9 +458,7 @@ pub fn model_full_from_local(
             continue;
         }
         if param_names.contains(name.as_str()) {
-            if !values.contains_key(&name) {
-                values.insert(name, v.clone());
-            }
+            values.entry(name).or_insert_with(|| v.clone());
         } else {
             values.insert(name.clone(), v.clone());
             buffers.push(name);
@@ -489,7 +493,10 @@ fn module_order(
         for segment in module.split('.').filter(|s| !s.is_empty()) {
             let child = fqn::join(&path, segment);
             if known.insert(child.clone()) {
-                children.entry(path.clone()).or_default().push(child.clone());
+                children
+                    .entry(path.clone())
+                    .or_default()
+                    .push(child.clone());
             }
             path = child;
         }
@@ -505,7 +512,10 @@ fn module_order(
     }
     for b in buffers {
         add_module(parent(b), &mut known);
-        own_buffers.entry(parent(b).to_owned()).or_default().push(b.clone());
+        own_buffers
+            .entry(parent(b).to_owned())
+            .or_default()
+            .push(b.clone());
     }
     let mut out = Vec::new();
     let mut stack = vec![String::new()];
@@ -533,16 +543,53 @@ pub fn model_sharded_from_full(
     kind: crate::model::tree::DistKind,
 ) -> Result<Dict, TransformError> {
     let aliases = managed_aliases(model);
-    let ws = model.world_size();
+    let ws = model.shard_group_size();
     let mut out = Dict::new();
     for (k, v) in full.iter() {
         let name = k.to_string();
         let managed = model.managed_position(&name).is_some() || aliases.contains_key(&name);
         match v {
             Node::Tensor(t) if managed => {
-                out.insert(k.clone(), Node::Dist(sharded_chunk_from_full(t, rank, ws, kind)?));
+                out.insert(
+                    k.clone(),
+                    Node::Dist(sharded_chunk_from_full(t, rank, ws, kind)?),
+                );
             }
             other => out.insert(k.clone(), other.clone()),
+        }
+    }
+    Ok(out)
+}
+
+/// FSDP2 (`fully_shard`) `model.state_dict()` on `rank` of a 1-D mesh of `world_size` ranks, from
+/// a full state dict: every parameter inside a `fully_shard` unit becomes a `Shard(0)` DTensor
+/// (ranks past the data hold an empty local tensor at offset `dim0`); buffers, ignored and
+/// unsharded parameters are copied. Key order is kept (FSDP2 does not reorder).
+pub fn fsdp2_sharded_from_full(
+    description: &crate::model::ModelDescription,
+    rank: u64,
+    world_size: u64,
+    full: &Dict,
+) -> Result<Dict, TransformError> {
+    let sharded: HashSet<&str> = description
+        .params
+        .iter()
+        .filter(|p| !description.ignored.contains(&p.fqn) && description.unit_of(&p.fqn).is_some())
+        .map(|p| p.fqn.as_str())
+        .collect();
+    let mut out = Dict::new();
+    for (k, v) in full.iter() {
+        match (v, k.as_str()) {
+            (Node::Tensor(t), Some(name)) if sharded.contains(name) => out.insert(
+                k.clone(),
+                Node::Dist(sharded_chunk_from_full(
+                    t,
+                    rank,
+                    world_size,
+                    crate::model::tree::DistKind::DTensor,
+                )?),
+            ),
+            _ => out.insert(k.clone(), v.clone()),
         }
     }
     Ok(out)

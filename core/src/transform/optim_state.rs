@@ -16,9 +16,10 @@
 //! order (random per process); here it follows the first parameter's dict.
 
 use std::collections::{BTreeMap, BTreeSet, HashMap};
+use std::fmt::Write as _;
 
 use crate::dtype::DType;
-use crate::model::tree::{DistKind, Dict, Key, Node, Tensor};
+use crate::model::tree::{Dict, DistKind, Key, Node, Tensor};
 use crate::transform::chunk::{full_from_sharded_chunks, sharded_chunk_from_full};
 use crate::transform::{Fsdp1Model, ParamRef, TransformError, pyrepr, sub};
 
@@ -33,11 +34,13 @@ impl IdMap {
         let params = names
             .iter()
             .map(|n| {
-                model.param_ref(n).ok_or_else(|| TransformError::UnknownParam {
-                    path: format!("rank {rank} optimizer"),
-                    what: "parameter",
-                    name: n.clone(),
-                })
+                model
+                    .param_ref(n)
+                    .ok_or_else(|| TransformError::UnknownParam {
+                        path: format!("rank {rank} optimizer"),
+                        what: "parameter",
+                        name: n.clone(),
+                    })
             })
             .collect::<Result<_, _>>()?;
         Ok(Self { params })
@@ -129,7 +132,7 @@ pub fn full_optim_from_local(
     target_rank: usize,
     shard: Option<DistKind>,
 ) -> Result<Dict, TransformError> {
-    let ws = model.world_size() as usize;
+    let ws = model.shard_group_size() as usize;
     if locals.len() != ws || optim_params.len() != ws {
         return Err(TransformError::RankCount {
             expected: ws,
@@ -153,7 +156,7 @@ pub fn full_optim_from_local(
         .map(|(r, osd)| state_of(osd, &format!("rank{r}")))
         .collect::<Result<_, _>>()?;
     // (fqns, is_fsdp_managed) -> id, per rank, for ids that have state.
-    let keyed: Vec<Vec<((Vec<String>, bool), i64, ParamRef)>> = maps
+    let keyed: Keyed = maps
         .iter()
         .zip(&states)
         .map(|(map, state)| {
@@ -171,7 +174,7 @@ pub fn full_optim_from_local(
                 .collect()
         })
         .collect();
-    let lookup: Vec<HashMap<(Vec<String>, bool), i64>> = keyed
+    let lookup: Lookup = keyed
         .iter()
         .map(|ks| ks.iter().map(|(k, id, _)| (k.clone(), *id)).collect())
         .collect();
@@ -243,8 +246,12 @@ pub fn full_optim_from_local(
     Ok(out)
 }
 
-type Keyed = Vec<Vec<((Vec<String>, bool), i64, ParamRef)>>;
-type Lookup = Vec<HashMap<(Vec<String>, bool), i64>>;
+/// `_OptimStateKey`: the FQNs a parameter stands for and whether FSDP manages it.
+type StateKey = (Vec<String>, bool);
+/// Per rank: the keys of ids with state, in id order, with the id and the parameter.
+type Keyed = Vec<Vec<(StateKey, i64, ParamRef)>>;
+/// Per rank: key -> id.
+type Lookup = Vec<HashMap<StateKey, i64>>;
 
 fn convert_flat_params(
     model: &Fsdp1Model<'_>,
@@ -257,17 +264,18 @@ fn convert_flat_params(
     let ws = states.len();
     // Rank 0's keys, in its id order; every rank must have them.
     let mut details = String::new();
-    for r in 1..ws {
+    for (r, rank_lookup) in lookup.iter().enumerate().skip(1) {
         let missing: Vec<String> = keyed[0]
             .iter()
-            .filter(|(k, _, _)| !lookup[r].contains_key(k))
+            .filter(|(k, _, _)| !rank_lookup.contains_key(k))
             .map(|(k, _, _)| pyrepr::str_tuple(&k.0))
             .collect();
         if !missing.is_empty() {
-            details.push_str(&format!(
+            let _ = write!(
+                details,
                 "\nRank {r} is missing states for the parameters: [{}]",
                 missing.join(", ")
-            ));
+            );
         }
     }
     if !details.is_empty() {
@@ -285,58 +293,55 @@ fn convert_flat_params(
                 })?;
             dict_at(v, &format!("rank{r}/state/{}", ids[r]))
         };
-        match param {
-            ParamRef::Flat(f) => {
-                let flat = model.flat(*f);
-                let no_shard = flat.padded_unsharded_numel.is_none() || ws == 1;
-                let target_state = value_of(target)?;
-                let mut names: Vec<&Key> = target_state.keys().collect();
-                names.sort();
-                let mut tensor_states: Vec<(Key, Tensor)> = Vec::new();
-                let mut zero_dim: Vec<(Key, Node)> = Vec::new();
-                let mut non_tensor: Vec<(Key, Node)> = Vec::new();
-                for name in names {
-                    let v = target_state.get(name).unwrap_or(&Node::None);
-                    let path = format!("rank{target}/state/{}/{name}", ids[target]);
-                    if is_pos_tensor(v) {
-                        let full = if no_shard {
-                            v.as_tensor()
-                                .cloned()
-                                .ok_or_else(|| TransformError::WrongKind {
-                                    path: path.clone(),
-                                    expected: "Tensor",
-                                    found: v.kind_name(),
-                                })?
-                        } else {
-                            gather_flat(flat, &value_of, name, ws)?
-                        };
-                        tensor_states.push((name.clone(), full));
-                    } else if is_zero_dim(v) {
-                        zero_dim.push((name.clone(), v.clone()));
+        if let ParamRef::Flat(f) = param {
+            let flat = model.flat(*f);
+            let no_shard = flat.padded_unsharded_numel.is_none() || ws == 1;
+            let target_state = value_of(target)?;
+            let mut names: Vec<&Key> = target_state.keys().collect();
+            names.sort();
+            let mut tensor_states: Vec<(Key, Tensor)> = Vec::new();
+            let mut zero_dim: Vec<(Key, Node)> = Vec::new();
+            let mut non_tensor: Vec<(Key, Node)> = Vec::new();
+            for name in names {
+                let v = target_state.get(name).unwrap_or(&Node::None);
+                let path = format!("rank{target}/state/{}/{name}", ids[target]);
+                if is_pos_tensor(v) {
+                    let full = if no_shard {
+                        v.as_tensor()
+                            .cloned()
+                            .ok_or_else(|| TransformError::WrongKind {
+                                path: path.clone(),
+                                expected: "Tensor",
+                                found: v.kind_name(),
+                            })?
                     } else {
-                        non_tensor.push((name.clone(), v.clone()));
-                    }
-                }
-                let starts = real_starts(flat);
-                for (i, fqn) in flat.fqns.iter().enumerate() {
-                    let mut d = Dict::new();
-                    for (name, full) in &tensor_states {
-                        let t = slice_elems(full, starts[i], flat.numels[i], flat.shapes[i].clone());
-                        d.insert(
-                            name.clone(),
-                            maybe_chunk(t, shard, target as u64, ws as u64)?,
-                        );
-                    }
-                    for (name, v) in zero_dim.iter().chain(&non_tensor) {
-                        d.insert(name.clone(), v.clone());
-                    }
-                    out.insert(Key::Str(fqn.clone()), Node::Dict(d));
+                        gather_flat(flat, &value_of, name, ws)?
+                    };
+                    tensor_states.push((name.clone(), full));
+                } else if is_zero_dim(v) {
+                    zero_dim.push((name.clone(), v.clone()));
+                } else {
+                    non_tensor.push((name.clone(), v.clone()));
                 }
             }
-            _ => {
-                let name = key.0.first().cloned().unwrap_or_default();
-                out.insert(Key::Str(name), Node::Dict(value_of(target)?.clone()));
+            let starts = real_starts(flat);
+            for (i, fqn) in flat.fqns.iter().enumerate() {
+                let mut d = Dict::new();
+                for (name, full) in &tensor_states {
+                    let t = slice_elems(full, starts[i], flat.numels[i], flat.shapes[i].clone());
+                    d.insert(
+                        name.clone(),
+                        maybe_chunk(t, shard, target as u64, ws as u64)?,
+                    );
+                }
+                for (name, v) in zero_dim.iter().chain(&non_tensor) {
+                    d.insert(name.clone(), v.clone());
+                }
+                out.insert(Key::Str(fqn.clone()), Node::Dict(d));
             }
+        } else {
+            let name = key.0.first().cloned().unwrap_or_default();
+            out.insert(Key::Str(name), Node::Dict(value_of(target)?.clone()));
         }
     }
     Ok(out)
@@ -356,13 +361,13 @@ fn gather_flat<'d>(
     for r in 0..ws {
         let path = format!("rank{r}/{}/{name}", flat.flat_param_fqn);
         let d = value_of(r)?;
-        let t = d
-            .get(name)
-            .and_then(Node::as_tensor)
-            .ok_or_else(|| TransformError::MissingKey {
-                path: path.clone(),
-                key: name.to_string(),
-            })?;
+        let t =
+            d.get(name)
+                .and_then(Node::as_tensor)
+                .ok_or_else(|| TransformError::MissingKey {
+                    path: path.clone(),
+                    key: name.to_string(),
+                })?;
         if t.dim() != 1 || t.numel() != c || dtype.is_some_and(|d| d != t.dtype) {
             return Err(TransformError::BadTensor {
                 path,
@@ -452,7 +457,10 @@ fn convert_orig_params(
         let no_shard = flat.padded_unsharded_numel.is_none() || ws == 1;
         if no_shard {
             for fqn in &fqns {
-                out.insert(Key::Str(fqn.clone()), Node::Dict(local(target, fqn)?.clone()));
+                out.insert(
+                    Key::Str(fqn.clone()),
+                    Node::Dict(local(target, fqn)?.clone()),
+                );
             }
             continue;
         }
@@ -513,16 +521,17 @@ fn convert_orig_params(
                 non_tensors.sort_by(|a, b| a.0.cmp(b.0));
                 scalars.sort_by(|a, b| a.0.cmp(b.0));
                 for (k, v) in non_tensors.into_iter().chain(scalars) {
-                    if let Some(prev) = d.get(k) {
-                        if prev != v && !matches!(prev, Node::None) {
-                            return Err(TransformError::RankValuesDiffer {
-                                rank: r,
-                                state: k.to_string(),
-                                value: pyrepr::node(v),
-                                other: pyrepr::node(prev),
-                                fqn: fqn.clone(),
-                            });
-                        }
+                    if let Some(prev) = d.get(k)
+                        && prev != v
+                        && !matches!(prev, Node::None)
+                    {
+                        return Err(TransformError::RankValuesDiffer {
+                            rank: r,
+                            state: k.to_string(),
+                            value: pyrepr::node(v),
+                            other: pyrepr::node(prev),
+                            fqn: fqn.clone(),
+                        });
                     }
                     d.insert(k.clone(), v.clone());
                 }
@@ -626,12 +635,12 @@ fn gather_node(nodes: &[&Node], path: &str) -> Result<Node, TransformError> {
                     .iter()
                     .enumerate()
                     .map(|(r, n)| {
-                        n.as_dict()
-                            .and_then(|d| d.get(k))
-                            .ok_or_else(|| TransformError::MissingKey {
+                        n.as_dict().and_then(|d| d.get(k)).ok_or_else(|| {
+                            TransformError::MissingKey {
                                 path: format!("rank{r}{path}"),
                                 key: k.to_string(),
-                            })
+                            }
+                        })
                     })
                     .collect::<Result<_, _>>()?;
                 out.insert(k.clone(), gather_node(&children, &p)?);
@@ -640,10 +649,10 @@ fn gather_node(nodes: &[&Node], path: &str) -> Result<Node, TransformError> {
         }
         Node::List(items) | Node::Tuple(items) => {
             let mut out = Vec::with_capacity(items.len());
-            for i in 0..items.len() {
+            for (i, item) in items.iter().enumerate() {
                 let children: Vec<&Node> = nodes
                     .iter()
-                    .map(|n| n.as_list().and_then(|l| l.get(i)).unwrap_or(&items[i]))
+                    .map(|n| n.as_list().and_then(|l| l.get(i)).unwrap_or(item))
                     .collect();
                 out.push(gather_node(&children, &sub(path, i))?);
             }
@@ -709,11 +718,13 @@ pub fn local_optim_from_full(
     let mut key_of_fqns: HashMap<Vec<String>, i64> = HashMap::new();
     let mut key_of_fqn: HashMap<String, i64> = HashMap::new();
     for (id, name) in optim_params.iter().enumerate() {
-        let p = model.param_ref(name).ok_or_else(|| TransformError::UnknownParam {
-            path: format!("rank {rank} optimizer"),
-            what: "parameter",
-            name: name.clone(),
-        })?;
+        let p = model
+            .param_ref(name)
+            .ok_or_else(|| TransformError::UnknownParam {
+                path: format!("rank {rank} optimizer"),
+                what: "parameter",
+                name: name.clone(),
+            })?;
         let fqns = model.fqns_of(&p);
         for f in &fqns {
             key_of_fqn.insert(f.clone(), id as i64);
@@ -760,11 +771,15 @@ pub fn local_optim_from_full(
                         found: n.kind_name(),
                     });
                 };
-                ids.insert(*key_of_fqn.get(n).ok_or_else(|| TransformError::UnknownParam {
-                    path: sub(&gpath, "params"),
-                    what: "parameter",
-                    name: n.clone(),
-                })?);
+                ids.insert(
+                    *key_of_fqn
+                        .get(n)
+                        .ok_or_else(|| TransformError::UnknownParam {
+                            path: sub(&gpath, "params"),
+                            what: "parameter",
+                            name: n.clone(),
+                        })?,
+                );
             }
             let mut new_group = group.clone();
             new_group.insert(
@@ -820,7 +835,12 @@ fn shard_orig_param_state(
                         ),
                     });
                 }
-                Node::Tensor(slice_elems(t, start, end - start + 1, vec![end - start + 1]))
+                Node::Tensor(slice_elems(
+                    t,
+                    start,
+                    end - start + 1,
+                    vec![end - start + 1],
+                ))
             }
             other => other.clone(),
         };
@@ -869,7 +889,10 @@ fn flatten_optim_state(
     for name in first.keys() {
         let values: Vec<Option<&Node>> = per_param
             .iter()
-            .map(|d| d.and_then(|d| d.get(name)).filter(|v| !matches!(v, Node::None)))
+            .map(|d| {
+                d.and_then(|d| d.get(name))
+                    .filter(|v| !matches!(v, Node::None))
+            })
             .collect();
         let non_none: Vec<&Node> = values.iter().flatten().copied().collect();
         if non_none.is_empty() {
@@ -893,7 +916,11 @@ fn flatten_optim_state(
         if pos {
             let tensors: Vec<Option<&Tensor>> =
                 values.iter().map(|v| v.and_then(Node::as_tensor)).collect();
-            if tensors.iter().zip(&values).any(|(t, v)| t.is_none() && v.is_some()) {
+            if tensors
+                .iter()
+                .zip(&values)
+                .any(|(t, v)| t.is_none() && v.is_some())
+            {
                 return Err(TransformError::WrongKind {
                     path: format!("state/{name}"),
                     expected: "a full Tensor (gather sharded states first)",
@@ -953,7 +980,8 @@ fn flatten_optim_state(
             for v in &values {
                 let (val, dt) = match v.and_then(|v| v.as_tensor()) {
                     Some(t) => (
-                        t.scalar_f64().map_or_else(|| "?".to_owned(), |x| scalar_repr(t.dtype, x)),
+                        t.scalar_f64()
+                            .map_or_else(|| "?".to_owned(), |x| scalar_repr(t.dtype, x)),
                         t.dtype.torch_name(),
                     ),
                     None => ("None".to_owned(), "None".to_owned()),
@@ -1082,11 +1110,13 @@ pub fn rekey_fqns_to_ids(osd: &Dict, names: &[String]) -> Result<Dict, Transform
         .map(|(i, n)| (n.as_str(), i as i64))
         .collect();
     let id_of = |name: &str, path: &str| -> Result<i64, TransformError> {
-        ids.get(name).copied().ok_or_else(|| TransformError::UnknownParam {
-            path: path.to_owned(),
-            what: "parameter",
-            name: name.to_owned(),
-        })
+        ids.get(name)
+            .copied()
+            .ok_or_else(|| TransformError::UnknownParam {
+                path: path.to_owned(),
+                what: "parameter",
+                name: name.to_owned(),
+            })
     };
     let mut new_state = Dict::new();
     for (k, v) in state.iter() {

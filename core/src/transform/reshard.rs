@@ -25,10 +25,13 @@ impl FullParamSource<'_, '_> {
     pub fn full_param(&self, fqn: &str) -> Result<Tensor, TransformError> {
         match self.model.managed_position(fqn) {
             Some((f, i)) => {
-                let shards = self.shards.get(f).ok_or_else(|| TransformError::MissingKey {
-                    path: "source flat parameters".to_owned(),
-                    key: self.model.flat(f).flat_param_fqn.clone(),
-                })?;
+                let shards = self
+                    .shards
+                    .get(f)
+                    .ok_or_else(|| TransformError::MissingKey {
+                        path: "source flat parameters".to_owned(),
+                        key: self.model.flat(f).flat_param_fqn.clone(),
+                    })?;
                 full_param_from_flat_shards(self.model.flat(f), i, shards)
             }
             None => self

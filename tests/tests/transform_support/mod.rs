@@ -9,7 +9,7 @@ use serde_json::Value;
 use shardscope_core::DType;
 use shardscope_core::layout::{self, Api, Fsdp1Layout, Layout, LayoutConfig, Strategy};
 use shardscope_core::model::ModelDescription;
-use shardscope_core::model::tree::{ChunkMeta, DistKind, DistTensor, Dict, Key, Node, Tensor};
+use shardscope_core::model::tree::{ChunkMeta, Dict, DistKind, DistTensor, Key, Node, Tensor};
 
 pub struct Scenario {
     pub name: String,
@@ -87,10 +87,22 @@ pub fn decode(v: &Value, st: &SafeTensors) -> Node {
                 "int" => Node::Int(inner.as_i64().unwrap()),
                 "float" => Node::Float(inner.as_f64().unwrap()),
                 "tensor" => Node::Tensor(tensor(inner, st)),
-                "list" => Node::List(inner.as_array().unwrap().iter().map(|x| decode(x, st)).collect()),
-                "tuple" => {
-                    Node::Tuple(inner.as_array().unwrap().iter().map(|x| decode(x, st)).collect())
-                }
+                "list" => Node::List(
+                    inner
+                        .as_array()
+                        .unwrap()
+                        .iter()
+                        .map(|x| decode(x, st))
+                        .collect(),
+                ),
+                "tuple" => Node::Tuple(
+                    inner
+                        .as_array()
+                        .unwrap()
+                        .iter()
+                        .map(|x| decode(x, st))
+                        .collect(),
+                ),
                 "dict" => Node::Dict(
                     inner
                         .as_array()
@@ -114,9 +126,9 @@ pub fn decode(v: &Value, st: &SafeTensors) -> Node {
                         kind: DistKind::ShardedTensor,
                         dtype,
                         global_shape: u64s(&inner["size"]),
-                        local: locals.first().map(|l| {
-                            (u64s(&l["offsets"]), tensor(&l["tensor"]["tensor"], st))
-                        }),
+                        local: locals
+                            .first()
+                            .map(|l| (u64s(&l["offsets"]), tensor(&l["tensor"]["tensor"], st))),
                         chunks: inner["chunks"]
                             .as_array()
                             .unwrap()
@@ -209,7 +221,12 @@ impl Scenario {
             .as_array()
             .unwrap()
             .iter()
-            .flat_map(|g| g.as_array().unwrap().iter().map(|n| n.as_str().unwrap().to_owned()))
+            .flat_map(|g| {
+                g.as_array()
+                    .unwrap()
+                    .iter()
+                    .map(|n| n.as_str().unwrap().to_owned())
+            })
             .collect()
     }
 
@@ -250,12 +267,20 @@ pub fn assert_same(actual: &Node, expected: &Node, path: &str) {
             }
         }
         (Node::Tensor(a), Node::Tensor(e)) => {
-            assert_eq!((a.dtype, &a.shape), (e.dtype, &e.shape), "{path}: dtype/shape");
+            assert_eq!(
+                (a.dtype, &a.shape),
+                (e.dtype, &e.shape),
+                "{path}: dtype/shape"
+            );
             assert!(a.data == e.data, "{path}: tensor bytes differ");
         }
         (Node::Dist(a), Node::Dist(e)) => {
             assert_eq!(a.kind, e.kind, "{path}: kind");
-            assert_eq!((a.dtype, &a.global_shape), (e.dtype, &e.global_shape), "{path}");
+            assert_eq!(
+                (a.dtype, &a.global_shape),
+                (e.dtype, &e.global_shape),
+                "{path}"
+            );
             assert_eq!(a.chunks, e.chunks, "{path}: chunk metadata");
             match (&a.local, &e.local) {
                 (None, None) => {}
@@ -273,7 +298,9 @@ pub fn assert_same(actual: &Node, expected: &Node, path: &str) {
 /// Sorts the state names inside every `state/<key>` entry (PyTorch's order there comes from a
 /// Python set and changes from process to process).
 pub fn sort_state_entries(osd: &Node) -> Node {
-    let Node::Dict(d) = osd else { return osd.clone() };
+    let Node::Dict(d) = osd else {
+        return osd.clone();
+    };
     let mut out = Dict::new();
     for (k, v) in d.iter() {
         if k.as_str() == Some("state") {
@@ -296,7 +323,8 @@ pub fn sort_state_entries(osd: &Node) -> Node {
     Node::Dict(out)
 }
 
-pub const SCENARIOS: [&str; 12] = [
+/// Every FSDP1 scenario (`fsdp2_ws4` is tested on its own).
+pub const SCENARIOS: [&str; 15] = [
     "nested_ws2_uop0",
     "nested_ws2_uop1",
     "nested_ws4_uop0",
@@ -309,4 +337,7 @@ pub const SCENARIOS: [&str; 12] = [
     "tied_ws2_uop1",
     "frozen_ws2_uop0",
     "frozen_ws2_uop1",
+    "frozenmix_ws2_uop1",
+    "unused_ws2_uop0",
+    "unused_ws2_uop1",
 ];
