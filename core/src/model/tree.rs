@@ -4,6 +4,8 @@
 //! Dictionaries keep insertion order, because PyTorch's key order carries meaning (optimizer ids
 //! follow it, `param_groups` lists follow it) and round trips must reproduce it.
 
+use std::collections::HashMap;
+
 use crate::dtype::DType;
 
 /// A dictionary key: PyTorch state dicts use strings (FQNs, state names) and integers (optimizer
@@ -206,10 +208,18 @@ pub struct DistTensor {
     pub chunks: Vec<ChunkMeta>,
 }
 
-/// An insertion-ordered dictionary.
-#[derive(Debug, Clone, PartialEq, Default)]
+/// An insertion-ordered dictionary with O(1) lookups (state dicts of large models have many
+/// thousands of keys).
+#[derive(Debug, Clone, Default)]
 pub struct Dict {
     entries: Vec<(Key, Node)>,
+    index: HashMap<Key, usize>,
+}
+
+impl PartialEq for Dict {
+    fn eq(&self, other: &Self) -> bool {
+        self.entries == other.entries
+    }
 }
 
 impl Dict {
@@ -226,39 +236,42 @@ impl Dict {
     }
 
     pub fn get(&self, key: &Key) -> Option<&Node> {
-        self.entries.iter().find(|(k, _)| k == key).map(|(_, v)| v)
+        self.index.get(key).map(|&i| &self.entries[i].1)
     }
 
     pub fn get_mut(&mut self, key: &Key) -> Option<&mut Node> {
-        self.entries
-            .iter_mut()
-            .find(|(k, _)| k == key)
-            .map(|(_, v)| v)
+        self.index.get(key).map(|&i| &mut self.entries[i].1)
     }
 
     pub fn get_str(&self, key: &str) -> Option<&Node> {
-        self.entries
-            .iter()
-            .find(|(k, _)| k.as_str() == Some(key))
-            .map(|(_, v)| v)
+        self.get(&Key::Str(key.to_owned()))
     }
 
     pub fn contains(&self, key: &Key) -> bool {
-        self.get(key).is_some()
+        self.index.contains_key(key)
     }
 
     /// Inserts at the end, or replaces the value in place (keeping the position) when the key
     /// exists, as a Python dict does.
     pub fn insert(&mut self, key: Key, value: Node) {
-        match self.get_mut(&key) {
-            Some(slot) => *slot = value,
-            None => self.entries.push((key, value)),
+        if let Some(&i) = self.index.get(&key) {
+            self.entries[i].1 = value;
+        } else {
+            self.index.insert(key.clone(), self.entries.len());
+            self.entries.push((key, value));
         }
     }
 
+    /// Removes a key (O(n): later positions shift, as in a Python dict's iteration order).
     pub fn remove(&mut self, key: &Key) -> Option<Node> {
-        let i = self.entries.iter().position(|(k, _)| k == key)?;
-        Some(self.entries.remove(i).1)
+        let i = self.index.remove(key)?;
+        let (_, value) = self.entries.remove(i);
+        for slot in self.index.values_mut() {
+            if *slot > i {
+                *slot -= 1;
+            }
+        }
+        Some(value)
     }
 
     pub fn keys(&self) -> impl Iterator<Item = &Key> {
@@ -357,8 +370,11 @@ mod tests {
         let keys: Vec<_> = d.keys().cloned().collect();
         assert_eq!(keys, [Key::Int(3), Key::str("a")]);
         assert_eq!(d.get(&Key::Int(3)), Some(&Node::Int(5)));
+        d.insert(Key::str("b"), Node::Int(6));
         assert_eq!(d.remove(&Key::Int(3)), Some(Node::Int(5)));
-        assert_eq!(d.len(), 1);
+        assert_eq!(d.len(), 2);
+        assert_eq!(d.get_str("b"), Some(&Node::Int(6)));
+        assert_eq!(d.get_str("a"), Some(&Node::Int(2)));
     }
 
     #[test]
