@@ -125,6 +125,8 @@ fn maybe_chunk(
 /// `target_rank`, from every rank's raw `optim.state_dict()`.
 ///
 /// `optim_params[r]` lists rank `r`'s optimizer parameters in id order, by wrapped or clean name.
+/// `locals` holds one shard group's ranks (for HYBRID_SHARD: one replica). Under
+/// LOCAL_STATE_DICT torch returns the SHARDED form too (spec 8.8).
 pub fn full_optim_from_local(
     model: &Fsdp1Model<'_>,
     locals: &[&Dict],
