@@ -4,7 +4,7 @@
 use serde::Serialize;
 
 use crate::dtype::DType;
-use crate::layout::{LayoutConfig, LayoutError, Strategy, assign_units, chunk};
+use crate::layout::{CrossUnitTies, LayoutConfig, LayoutError, Strategy, assign_units, chunk};
 use crate::model::{ModelDescription, ParamSpec, fqn};
 
 /// FSDP's address alignment in bytes (`_FSDP_ALIGNMENT`... the flat parameter aligns every original
@@ -145,7 +145,12 @@ pub fn compute(
     config: &LayoutConfig,
 ) -> Result<Fsdp1Layout, LayoutError> {
     let groups = config.groups()?;
-    let assignment = assign_units(model)?;
+    let ties = if config.use_orig_params {
+        CrossUnitTies::Reject
+    } else {
+        CrossUnitTies::Untie
+    };
+    let assignment = assign_units(model, ties)?;
     let mut notes = Vec::new();
     if groups.effective != config.strategy {
         notes.push(format!(

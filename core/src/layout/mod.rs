@@ -161,11 +161,25 @@ pub enum LayoutError {
         "FSDP2 (fully_shard) has no no_shard strategy; use --api fsdp1 or a 1-rank shard group"
     )]
     Fsdp2NoShard,
-    /// Two units own the two names of one tied weight.
+    /// The two names of one tied weight are in different units (or one is outside every unit), in a
+    /// configuration where torch gives no usable layout (FSDP1 `use_orig_params=True`: the forward
+    /// fails; FSDP2 with one name unmanaged: the names silently stop being tied).
     #[error(
         "parameter `{alias}` is tied to `{primary}` but they belong to different FSDP units (`{alias_unit}` and `{primary_unit}`); FSDP requires tied weights to live in the same unit"
     )]
     SharedAcrossUnits {
+        alias: String,
+        primary: String,
+        alias_unit: String,
+        primary_unit: String,
+    },
+    /// FSDP2: two units manage the two names of one tied weight; torch raises this at lazy init.
+    #[error(
+        "parameter `{alias}` (unit `{alias_unit}`) is tied to `{primary}` (unit `{primary_unit}`): Parameter '{fqn}' is shared with a parameter already managed by another FSDP group. For shared/tied parameters, use fully_shard([module_a, module_b]) to place them in the same FSDP group."
+    )]
+    Fsdp2SharedAcrossUnits {
+        /// The name torch reports: the one in the unit that comes later in pre-order.
+        fqn: String,
         alias: String,
         primary: String,
         alias_unit: String,
@@ -198,11 +212,16 @@ pub enum LayoutError {
         expected: bool,
         found: bool,
     },
-    /// FSDP2 cannot chunk a 0-dim parameter on dim 0.
+    /// FSDP2 cannot shard a 0-dim parameter (torch: "fully_shard doesn't support scalar parameters").
     #[error(
-        "unit `{unit}`: FSDP2 cannot shard 0-dim parameter `{fqn}` on dim 0 (torch.chunk expects at least a 1-dimensional tensor)"
+        "unit `{unit}`: parameter `{fqn}` is 0-dim: fully_shard doesn't support scalar parameters. Change {param_name} to a 1D tensor with numel equal to 1."
     )]
-    ZeroDimShard { unit: String, fqn: String },
+    ZeroDimShard {
+        unit: String,
+        fqn: String,
+        /// The name inside its module, as torch prints it.
+        param_name: String,
+    },
     /// A count overflowed 64 bits.
     #[error("unit `{unit}`: element count overflows 64 bits")]
     Overflow { unit: String },
@@ -282,6 +301,20 @@ pub fn compute(model: &ModelDescription, config: &LayoutConfig) -> Result<Layout
     }
 }
 
+/// What torch does when the names of one tied tensor fall in different units (or one name in a unit
+/// and another outside every unit).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub(crate) enum CrossUnitTies {
+    /// FSDP1 with `use_orig_params=False`: torch silently unties the weight. Every unit flattens its
+    /// own copy (the first of the tensor's names inside the unit is the real parameter); a name
+    /// outside every unit keeps the original tensor and is unmanaged.
+    Untie,
+    /// FSDP1 with `use_orig_params=True`: torch builds the model but its forward fails; we refuse.
+    Reject,
+    /// FSDP2: torch's lazy initialisation raises when two units manage one tensor.
+    Fsdp2,
+}
+
 /// Partition of a description's parameters into units, shared by both APIs.
 #[derive(Debug)]
 pub(crate) struct UnitAssignment<'a> {
@@ -298,11 +331,14 @@ pub(crate) struct UnitAssignment<'a> {
 pub(crate) struct AssignedUnit<'a> {
     pub prefix: &'a str,
     pub params: Vec<&'a crate::model::ParamSpec>,
-    /// `(alias fqn, primary fqn)`.
+    /// `(alias fqn, fqn of the unit's real parameter for that tensor)`.
     pub shared: Vec<(&'a str, &'a str)>,
 }
 
-pub(crate) fn assign_units(model: &ModelDescription) -> Result<UnitAssignment<'_>, LayoutError> {
+pub(crate) fn assign_units(
+    model: &ModelDescription,
+    ties: CrossUnitTies,
+) -> Result<UnitAssignment<'_>, LayoutError> {
     use std::collections::HashMap;
 
     let mut unit_index: HashMap<&str, usize> = HashMap::new();
@@ -333,6 +369,8 @@ pub(crate) fn assign_units(model: &ModelDescription) -> Result<UnitAssignment<'_
         })
         .collect();
     let mut unit_of_param: HashMap<&str, Option<&str>> = HashMap::new();
+    // (unit, first name of the tensor in the description) -> the tensor's real name in that unit.
+    let mut real_name: HashMap<(&str, &str), &str> = HashMap::new();
     let mut unmanaged = Vec::new();
     let mut ignored = Vec::new();
     for p in &model.params {
@@ -342,27 +380,68 @@ pub(crate) fn assign_units(model: &ModelDescription) -> Result<UnitAssignment<'_
         }
         let unit = model.unit_of(&p.fqn);
         unit_of_param.insert(p.fqn.as_str(), unit);
-        match (&p.shared_with, unit) {
-            (Some(primary), _) => {
-                let primary_unit = unit_of_param.get(primary.as_str()).copied().flatten();
-                if primary_unit != unit {
-                    return Err(LayoutError::SharedAcrossUnits {
-                        alias: p.fqn.clone(),
-                        primary: primary.clone(),
-                        alias_unit: unit.map_or_else(|| "(none)".to_owned(), str::to_owned),
-                        primary_unit: primary_unit
-                            .map_or_else(|| "(none)".to_owned(), str::to_owned),
-                    });
-                }
-                match unit {
-                    Some(u) => per_unit[unit_index[u]]
-                        .shared
-                        .push((p.fqn.as_str(), primary.as_str())),
-                    None => unmanaged.push(p.fqn.clone()),
-                }
+        let Some(u) = unit else {
+            unmanaged.push(p.fqn.clone());
+            continue;
+        };
+        let Some(primary) = p.shared_with.as_deref() else {
+            real_name.insert((u, p.fqn.as_str()), p.fqn.as_str());
+            per_unit[unit_index[u]].params.push(p);
+            continue;
+        };
+        if let Some(&real) = real_name.get(&(u, primary)) {
+            // An earlier name of this tensor lives in the same unit: a shared parameter.
+            per_unit[unit_index[u]].shared.push((p.fqn.as_str(), real));
+            continue;
+        }
+        let primary_unit = unit_of_param.get(primary).copied().flatten();
+        match (ties, primary_unit) {
+            (CrossUnitTies::Untie, _) => {
+                real_name.insert((u, primary), p.fqn.as_str());
+                per_unit[unit_index[u]].params.push(p);
             }
-            (None, Some(u)) => per_unit[unit_index[u]].params.push(p),
-            (None, None) => unmanaged.push(p.fqn.clone()),
+            (CrossUnitTies::Fsdp2, Some(other)) => {
+                // torch names the parameter of the unit that comes later in pre-order.
+                let alias_later = order_key[unit_index[u]] > order_key[unit_index[other]];
+                return Err(LayoutError::Fsdp2SharedAcrossUnits {
+                    fqn: if alias_later {
+                        p.fqn.clone()
+                    } else {
+                        primary.to_owned()
+                    },
+                    alias: p.fqn.clone(),
+                    primary: primary.to_owned(),
+                    alias_unit: u.to_owned(),
+                    primary_unit: other.to_owned(),
+                });
+            }
+            (CrossUnitTies::Reject | CrossUnitTies::Fsdp2, _) => {
+                return Err(LayoutError::SharedAcrossUnits {
+                    alias: p.fqn.clone(),
+                    primary: primary.to_owned(),
+                    alias_unit: u.to_owned(),
+                    primary_unit: primary_unit.map_or_else(|| "(none)".to_owned(), str::to_owned),
+                });
+            }
+        }
+    }
+    // A name outside every unit whose tensor a unit manages (the alias case above covers a unit
+    // name after an unmanaged one; this covers an unmanaged name after a managed one).
+    if ties != CrossUnitTies::Untie {
+        for p in &model.params {
+            let (Some(primary), Some(None)) =
+                (p.shared_with.as_deref(), unit_of_param.get(p.fqn.as_str()))
+            else {
+                continue;
+            };
+            if let Some(Some(primary_unit)) = unit_of_param.get(primary) {
+                return Err(LayoutError::SharedAcrossUnits {
+                    alias: p.fqn.clone(),
+                    primary: primary.to_owned(),
+                    alias_unit: "(none)".to_owned(),
+                    primary_unit: (*primary_unit).to_owned(),
+                });
+            }
         }
     }
     let mut order: Vec<usize> = (0..per_unit.len()).collect();
