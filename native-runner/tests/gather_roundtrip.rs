@@ -178,6 +178,44 @@ fn fsdp1_shards(
     out
 }
 
+/// The module path of a parameter (`""` for a root parameter).
+fn module_of(fqn: &str) -> &str {
+    fqn.rsplit_once('.').map_or("", |(m, _)| m)
+}
+
+/// Post-order walk for [`post_order`].
+fn visit(module: &str, children: &BTreeMap<String, Vec<String>>, params: &[P], out: &mut Vec<P>) {
+    for child in children.get(module).into_iter().flatten() {
+        visit(child, children, params, out);
+    }
+    out.extend(params.iter().filter(|p| module_of(p.0) == module));
+}
+
+/// FSDP2's `FSDPParamGroup` order: the unit's modules in DFS post-order (children in registration
+/// order, then the module itself), each module's own parameters in registration order.
+fn post_order(params: &[P]) -> Vec<P> {
+    // Children of every module, in order of first appearance.
+    let mut children: BTreeMap<String, Vec<String>> = BTreeMap::new();
+    for p in params {
+        let path = module_of(p.0);
+        if path.is_empty() {
+            continue;
+        }
+        let mut parent = String::new();
+        for (i, _) in path.split('.').enumerate() {
+            let child: String = path.split('.').take(i + 1).collect::<Vec<_>>().join(".");
+            let list = children.entry(parent.clone()).or_default();
+            if !list.contains(&child) {
+                list.push(child.clone());
+            }
+            parent = child;
+        }
+    }
+    let mut out = Vec::with_capacity(params.len());
+    visit("", &children, params, &mut out);
+    out
+}
+
 /// FSDP2: rank r's padded shard of every parameter, and its all-gather input per unit (spec §4.1–4.2).
 #[allow(clippy::type_complexity)]
 fn fsdp2_shards(
@@ -191,6 +229,7 @@ fn fsdp2_shards(
     let mut shards = BTreeMap::new();
     let mut inputs = BTreeMap::new();
     for (unit, params) in unit_params(model, units) {
+        let params = post_order(&params);
         for r in 0..n {
             let mut input = Vec::new();
             for p in &params {
