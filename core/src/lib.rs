@@ -9,5 +9,6 @@ pub mod dtype;
 pub mod formats;
 pub mod layout;
 pub mod model;
+pub mod transform;
 
 pub use dtype::DType;

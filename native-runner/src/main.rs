@@ -19,12 +19,15 @@ struct Cli {
 enum Command {
     /// Show which elements of which parameter every rank holds under an FSDP configuration.
     Layout(cli::layout::LayoutArgs),
+    /// Replay FSDP's unshard path (copy-in, all-gather, copy-out) on every rank; verify and trace it.
+    Gather(cli::gather::GatherArgs),
 }
 
 fn main() -> ExitCode {
     let cli = Cli::parse();
     let result = match cli.command {
         Command::Layout(args) => cli::layout::run(&args),
+        Command::Gather(args) => cli::gather::run(&args),
     };
     match result {
         Ok(code) => code,
