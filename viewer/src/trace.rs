@@ -37,6 +37,9 @@ pub struct Span {
     pub bytes: Option<u64>,
     /// The other args, `key=value` sorted by key.
     pub args: Vec<(String, String)>,
+    /// The phase it belongs to (its colour): its category, or its name when every span of the
+    /// trace has the same category (the gather runner puts the phase in the name).
+    pub phase: String,
 }
 
 impl Span {
@@ -51,10 +54,12 @@ impl Span {
     }
 }
 
-/// A lane: one process (`pid`), named `rank N` unless a `process_name` metadata event names it.
+/// A lane: one process (`pid`, a rank), or one thread of it when a rank has several (host and
+/// device clocks). Named `rank N` unless `process_name`/`thread_name` metadata events name it.
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub struct Lane {
     pub pid: i64,
+    pub tid: i64,
     pub label: String,
 }
 
@@ -111,18 +116,26 @@ impl Trace {
             }
         };
         let mut names: BTreeMap<i64, String> = BTreeMap::new();
+        let mut thread_names: BTreeMap<(i64, i64), String> = BTreeMap::new();
         let mut raw = Vec::new();
         for ev in events {
             let Value::Object(ev) = ev else { continue };
             let ph = ev.get("ph").and_then(Value::as_str).unwrap_or("");
             let pid = as_i64(ev.get("pid")).unwrap_or(0);
-            if ph == "M" && ev.get("name").and_then(Value::as_str) == Some("process_name") {
-                if let Some(n) = ev
+            let tid = as_i64(ev.get("tid")).unwrap_or(0);
+            if ph == "M" {
+                let meta_name = ev
                     .get("args")
                     .and_then(|a| a.get("name"))
-                    .and_then(Value::as_str)
-                {
-                    names.insert(pid, n.to_owned());
+                    .and_then(Value::as_str);
+                match (ev.get("name").and_then(Value::as_str), meta_name) {
+                    (Some("process_name"), Some(n)) => {
+                        names.insert(pid, n.to_owned());
+                    }
+                    (Some("thread_name"), Some(n)) => {
+                        thread_names.insert((pid, tid), n.to_owned());
+                    }
+                    _ => {}
                 }
                 continue;
             }
@@ -152,7 +165,7 @@ impl Trace {
             }
             args.sort();
             raw.push((
-                pid,
+                (pid, tid),
                 Span {
                     lane: 0,
                     name: ev
@@ -169,6 +182,7 @@ impl Trace {
                     duration_us: dur,
                     bytes,
                     args,
+                    phase: String::new(),
                 },
             ));
         }
@@ -178,27 +192,42 @@ impl Trace {
                 events: events.len(),
             });
         }
-        let mut pids: Vec<i64> = raw.iter().map(|(p, _)| *p).collect();
-        pids.sort_unstable();
-        pids.dedup();
-        let lanes: Vec<Lane> = pids
+        let mut keys: Vec<(i64, i64)> = raw.iter().map(|(k, _)| *k).collect();
+        keys.sort_unstable();
+        keys.dedup();
+        let threads_of = |pid: i64| keys.iter().filter(|(p, _)| *p == pid).count();
+        let lanes: Vec<Lane> = keys
             .iter()
-            .map(|&pid| Lane {
-                pid,
-                label: names
+            .map(|&(pid, tid)| {
+                let process = names
                     .get(&pid)
                     .cloned()
-                    .unwrap_or_else(|| format!("rank {pid}")),
+                    .unwrap_or_else(|| format!("rank {pid}"));
+                let label = if threads_of(pid) > 1 {
+                    let thread = thread_names
+                        .get(&(pid, tid))
+                        .cloned()
+                        .unwrap_or_else(|| format!("tid {tid}"));
+                    format!("{process} {thread}")
+                } else {
+                    process
+                };
+                Lane { pid, tid, label }
             })
             .collect();
+        let one_category = raw.iter().all(|(_, s)| s.category == raw[0].1.category);
         let mut categories: Vec<String> = Vec::new();
         let mut spans: Vec<Span> = raw
             .into_iter()
-            .map(|(pid, mut s)| {
-                s.lane = pids.binary_search(&pid).unwrap_or(0);
-                let cat = s.phase().to_owned();
-                if !categories.contains(&cat) {
-                    categories.push(cat);
+            .map(|(key, mut s)| {
+                s.lane = keys.binary_search(&key).unwrap_or(0);
+                s.phase = if one_category || s.category.is_empty() {
+                    s.name.clone()
+                } else {
+                    s.category.clone()
+                };
+                if !categories.contains(&s.phase) {
+                    categories.push(s.phase.clone());
                 }
                 s
             })
@@ -264,13 +293,9 @@ impl Trace {
 }
 
 impl Span {
-    /// The phase a span belongs to: its category, or its name when it has none.
+    /// The phase a span belongs to (see [`Span::phase`] the field).
     pub fn phase(&self) -> &str {
-        if self.category.is_empty() {
-            &self.name
-        } else {
-            &self.category
-        }
+        &self.phase
     }
 }
 
@@ -303,6 +328,30 @@ mod tests {
         let series = t.bandwidth_series(2);
         assert!((series[0].1 - 2000.0 / 10e-6).abs() < 1.0);
         assert!((series[1].1 - 3000.0 / 10e-6).abs() < 1.0);
+    }
+
+    #[test]
+    fn runner_traces_colour_by_name_and_split_host_and_device_lanes() {
+        // The shape `shardscope gather --trace` writes: one category, phase in the name, host
+        // (tid 0) and device (tid 1) clocks on the same rank.
+        let json = br#"{"traceEvents": [
+            {"ph": "M", "name": "process_name", "pid": 0, "tid": 0, "args": {"name": "rank 0"}},
+            {"ph": "M", "name": "thread_name", "pid": 0, "tid": 0, "args": {"name": "host"}},
+            {"ph": "M", "name": "thread_name", "pid": 0, "tid": 1, "args": {"name": "device (CUDA events)"}},
+            {"ph": "X", "name": "read", "cat": "gather", "pid": 0, "tid": 0, "ts": 0, "dur": 5, "args": {"bytes": 10}},
+            {"ph": "X", "name": "all_gather", "cat": "gather", "pid": 0, "tid": 1, "ts": 5, "dur": 5, "args": {"bytes": 40}},
+            {"ph": "X", "name": "read", "cat": "gather", "pid": 1, "tid": 0, "ts": 0, "dur": 5, "args": {"bytes": 10}}
+        ]}"#;
+        let t = Trace::from_json_bytes(json, "g.json").unwrap();
+        assert_eq!(
+            t.categories,
+            vec!["read".to_owned(), "all_gather".to_owned()]
+        );
+        let labels: Vec<&str> = t.lanes.iter().map(|l| l.label.as_str()).collect();
+        assert_eq!(
+            labels,
+            ["rank 0 host", "rank 0 device (CUDA events)", "rank 1"]
+        );
     }
 
     #[test]
