@@ -98,7 +98,7 @@ impl Report {
                 version: report.version,
             });
         }
-        report.name = name.to_owned();
+        name.clone_into(&mut report.name);
         report.entries.sort_by(|a, b| a.fqn.cmp(&b.fqn));
         Ok(report)
     }

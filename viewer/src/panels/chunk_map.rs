@@ -50,36 +50,6 @@ pub fn range_rects(start: u64, end: u64, cols: u64, origin: Pos2, cell: Vec2) ->
     out
 }
 
-#[cfg(test)]
-mod tests {
-    use super::*;
-
-    #[test]
-    fn ranges_become_at_most_three_rects() {
-        let cell = Vec2::new(1.0, 1.0);
-        // Whole rows 0-1 of a 3x2 grid: one rect.
-        let r = range_rects(0, 4, 2, Pos2::ZERO, cell);
-        assert_eq!(r, vec![Rect::from_min_max(Pos2::ZERO, Pos2::new(2.0, 2.0))]);
-        // Elements [3, 8) of a 3-column grid: tail of row 1, all of row 2 (..9 would be full).
-        let r = range_rects(3, 8, 3, Pos2::ZERO, cell);
-        assert_eq!(
-            r,
-            vec![
-                Rect::from_min_max(Pos2::new(0.0, 1.0), Pos2::new(3.0, 2.0)),
-                Rect::from_min_max(Pos2::new(0.0, 2.0), Pos2::new(2.0, 3.0)),
-            ]
-        );
-        // [1, 8) of 3 columns: partial first row, full row 1, partial row 2.
-        assert_eq!(range_rects(1, 8, 3, Pos2::ZERO, cell).len(), 3);
-        // Inside one row.
-        assert_eq!(
-            range_rects(4, 5, 3, Pos2::ZERO, cell),
-            vec![Rect::from_min_max(Pos2::new(1.0, 1.0), Pos2::new(2.0, 2.0))]
-        );
-        assert!(range_rects(5, 5, 3, Pos2::ZERO, cell).is_empty());
-    }
-}
-
 /// Draws the chunk map of `param` and its per-rank table.
 pub fn ui(ui: &mut Ui, param: &ParamRow, theme: Theme) {
     let rows = param.shape.first().copied().unwrap_or(1).max(1);
@@ -236,5 +206,35 @@ pub fn ui(ui: &mut Ui, param: &ParamRow, theme: Theme) {
         });
     if param.chunks.len() > 256 {
         ui.weak(format!("(first 256 of {} chunks)", param.chunks.len()));
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn ranges_become_at_most_three_rects() {
+        let cell = Vec2::new(1.0, 1.0);
+        // Whole rows 0-1 of a 3x2 grid: one rect.
+        let r = range_rects(0, 4, 2, Pos2::ZERO, cell);
+        assert_eq!(r, vec![Rect::from_min_max(Pos2::ZERO, Pos2::new(2.0, 2.0))]);
+        // Elements [3, 8) of a 3-column grid: tail of row 1, all of row 2 (..9 would be full).
+        let r = range_rects(3, 8, 3, Pos2::ZERO, cell);
+        assert_eq!(
+            r,
+            vec![
+                Rect::from_min_max(Pos2::new(0.0, 1.0), Pos2::new(3.0, 2.0)),
+                Rect::from_min_max(Pos2::new(0.0, 2.0), Pos2::new(2.0, 3.0)),
+            ]
+        );
+        // [1, 8) of 3 columns: partial first row, full row 1, partial row 2.
+        assert_eq!(range_rects(1, 8, 3, Pos2::ZERO, cell).len(), 3);
+        // Inside one row.
+        assert_eq!(
+            range_rects(4, 5, 3, Pos2::ZERO, cell),
+            vec![Rect::from_min_max(Pos2::new(1.0, 1.0), Pos2::new(2.0, 2.0))]
+        );
+        assert!(range_rects(5, 5, 3, Pos2::ZERO, cell).is_empty());
     }
 }
