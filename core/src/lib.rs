@@ -6,7 +6,10 @@
 //! I/O at its centre and builds for `wasm32-unknown-unknown`.
 
 pub mod dtype;
+pub mod formats;
 pub mod layout;
 pub mod model;
+pub mod source;
 
 pub use dtype::DType;
+pub use source::{MemorySource, Source, SourceError};

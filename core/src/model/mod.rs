@@ -5,5 +5,6 @@
 
 pub mod description;
 pub mod fqn;
+pub mod index;
 
 pub use description::{DescriptionError, ModelDescription, ParamSpec};
