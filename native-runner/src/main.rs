@@ -1,6 +1,7 @@
 //! `shardscope`: look inside, convert and verify sharded PyTorch checkpoints without torch.
 
 mod cli;
+mod file_source;
 
 use std::process::ExitCode;
 
@@ -18,12 +19,15 @@ struct Cli {
 enum Command {
     /// Show which elements of which parameter every rank holds under an FSDP configuration.
     Layout(cli::layout::LayoutArgs),
+    /// List what a checkpoint holds (keys, dtypes, shapes, chunks, ranks) and check its chunks.
+    Inspect(cli::inspect::InspectArgs),
 }
 
 fn main() -> ExitCode {
     let cli = Cli::parse();
     let result = match cli.command {
         Command::Layout(args) => cli::layout::run(&args),
+        Command::Inspect(args) => cli::inspect::run(&args),
     };
     match result {
         Ok(code) => code,

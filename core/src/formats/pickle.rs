@@ -1219,7 +1219,9 @@ fn recognise(obj: PyObject) -> Result<PyValue, PickleError> {
     let Some(class) = obj.class().cloned() else {
         return Ok(PyValue::Object(Box::new(obj)));
     };
-    if class.is("collections", "OrderedDict") && obj.args.is_empty() && obj.state.is_none() {
+    // `state_dict()` returns an OrderedDict with a `_metadata` attribute (set by BUILD): the
+    // attribute only holds module versions and is dropped.
+    if class.is("collections", "OrderedDict") && obj.args.is_empty() {
         return Ok(PyValue::Dict(obj.dict_items));
     }
     if class.is("torch", "Size") {
@@ -1464,10 +1466,18 @@ fn placement(v: &PyValue) -> Placement {
 fn mesh_shape(mesh: &PyValue) -> Option<Vec<u64>> {
     // torch >= 2.9: `_layout` (a _MeshLayout whose `axes` is a _FlatLayout with `shape`).
     if let Some(layout) = obj_attr(mesh, "_layout") {
-        if let Some(axes) = obj_attr(layout, "axes")
-            && let Some(shape) = obj_attr(axes, "shape").and_then(PyValue::as_dims)
-        {
-            return Some(shape);
+        if let Some(axes) = obj_attr(layout, "axes") {
+            if let Some(shape) = obj_attr(axes, "shape").and_then(PyValue::as_dims) {
+                return Some(shape);
+            }
+            // A tuple of per-dimension flat layouts: concatenate their shapes.
+            if let Some(parts) = axes.as_seq() {
+                let mut shape = Vec::new();
+                for p in parts {
+                    shape.extend(obj_attr(p, "shape").and_then(PyValue::as_dims)?);
+                }
+                return Some(shape);
+            }
         }
         if let Some(shape) = obj_attr(layout, "shape").and_then(PyValue::as_dims) {
             return Some(shape);

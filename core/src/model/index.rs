@@ -647,7 +647,8 @@ pub fn index_torch_files(source: &dyn Source, files: &[String]) -> Result<Checkp
                 }
                 PyValue::DTensor(d) => {
                     saw_dtensor = true;
-                    let mesh = d.mesh_shape.clone().unwrap_or_else(|| vec![1; d.placements.len()]);
+                    // Without a readable mesh, a 1-D mesh over the given rank files.
+                    let mesh = d.mesh_shape.clone().unwrap_or_else(|| vec![files.len() as u64; d.placements.len()]);
                     let coord = d
                         .mesh_coordinate
                         .clone()
@@ -729,6 +730,19 @@ pub fn index_torch_files(source: &dyn Source, files: &[String]) -> Result<Checkp
         })
         .collect();
     let has_optimizer_state = assign_roles(&mut entries);
+    // Raw `optim.state_dict()` files (state keyed by int ids) from several ranks of an FSDP job hold
+    // each rank's own piece, even when the pieces happen to have equal shapes (padded flat shards).
+    if many {
+        for e in &mut entries {
+            if e.kind == EntryKind::Tensor
+                && e.fsdp.is_none()
+                && matches!(e.role, Some(Role::OptimizerState { param: PathSeg::Index(_), .. }))
+            {
+                e.shape = None;
+                rank_local = true;
+            }
+        }
+    }
     let all_plain_replicated = entries
         .iter()
         .filter(|e| e.kind == EntryKind::Tensor)
@@ -857,7 +871,7 @@ fn index_safetensors(source: &dyn Source, names: &[String]) -> Result<Checkpoint
     }
     let mut by_key: BTreeMap<String, IndexEntry> = BTreeMap::new();
     let mut file_infos = BTreeMap::new();
-    let mut sharding_info = false;
+    let mut sharding_info = false; // DCP_SHARDING_INFO seen (HF writer); pieces only if offsets say so
     for file in &files {
         let bytes = source.read_all(file)?;
         let header = st::read_header(&bytes).map_err(|source| IndexError::Safetensors {
@@ -919,7 +933,7 @@ fn index_safetensors(source: &dyn Source, names: &[String]) -> Result<Checkpoint
     }
     Ok(CheckpointIndex {
         format: Format::Safetensors,
-        kind: if sharding_info {
+        kind: if sharding_info && by_key.values().any(|e| e.chunks.len() > 1 || e.chunks.iter().any(|c| c.offsets.iter().any(|&o| o > 0))) {
             CheckpointKind::HfDistributedSafetensors
         } else {
             CheckpointKind::HfSafetensors
