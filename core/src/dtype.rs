@@ -29,7 +29,9 @@ pub enum DType {
 
 /// A dtype name that PyTorch does not have (or that shardscope does not know).
 #[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
-#[error("unknown dtype `{name}` (expected a torch dtype name such as float32, bfloat16, float16, int64)")]
+#[error(
+    "unknown dtype `{name}` (expected a torch dtype name such as float32, bfloat16, float16, int64)"
+)]
 pub struct UnknownDType {
     pub name: String,
 }
@@ -141,9 +143,7 @@ impl FromStr for DType {
             "float8_e4m3fn" => DType::Float8E4M3Fn,
             "float8_e5m2" => DType::Float8E5M2,
             _ => {
-                return Err(UnknownDType {
-                    name: s.to_owned(),
-                });
+                return Err(UnknownDType { name: s.to_owned() });
             }
         };
         Ok(dtype)

@@ -1,5 +1,6 @@
 //! `shardscope`: look inside, convert and verify sharded PyTorch checkpoints without torch.
 
+mod atomic;
 mod cli;
 mod file_source;
 

@@ -21,7 +21,7 @@ pub fn chunk_range(len: u64, n: u64, k: u64) -> (u64, u64) {
 /// current size `len`: `(local_size, global_offset)`. An empty shard reports offset `len`, as
 /// `Shard.local_shard_size_and_offset` does.
 pub fn shard_size_and_offset(len: u64, n: u64, k: u64) -> (u64, u64) {
-    if len % n == 0 {
+    if len.is_multiple_of(n) {
         let size = len / n;
         return (size, size * k);
     }

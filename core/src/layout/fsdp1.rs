@@ -4,7 +4,7 @@
 use serde::Serialize;
 
 use crate::dtype::DType;
-use crate::layout::{LayoutConfig, LayoutError, Strategy, assign_units, chunk};
+use crate::layout::{CrossUnitTies, LayoutConfig, LayoutError, Strategy, assign_units, chunk};
 use crate::model::{ModelDescription, ParamSpec, fqn};
 
 /// FSDP's address alignment in bytes (`_FSDP_ALIGNMENT`... the flat parameter aligns every original
@@ -140,9 +140,17 @@ fn compute_dtype_align(dtype: DType) -> u64 {
 }
 
 /// Computes the FSDP1 layout.
-pub fn compute(model: &ModelDescription, config: &LayoutConfig) -> Result<Fsdp1Layout, LayoutError> {
+pub fn compute(
+    model: &ModelDescription,
+    config: &LayoutConfig,
+) -> Result<Fsdp1Layout, LayoutError> {
     let groups = config.groups()?;
-    let assignment = assign_units(model)?;
+    let ties = if config.use_orig_params {
+        CrossUnitTies::Reject
+    } else {
+        CrossUnitTies::Untie
+    };
+    let assignment = assign_units(model, ties)?;
     let mut notes = Vec::new();
     if groups.effective != config.strategy {
         notes.push(format!(
@@ -188,7 +196,11 @@ pub fn compute(model: &ModelDescription, config: &LayoutConfig) -> Result<Fsdp1L
     })
 }
 
-fn validate(unit: &str, params: &[&ParamSpec], use_orig_params: bool) -> Result<(DType, bool), LayoutError> {
+fn validate(
+    unit: &str,
+    params: &[&ParamSpec],
+    use_orig_params: bool,
+) -> Result<(DType, bool), LayoutError> {
     let first = params[0];
     if !first.dtype.is_floating_point() {
         return Err(LayoutError::IntegerFlatten {
@@ -335,7 +347,13 @@ fn flat_param(
 
 /// `_get_shard_metadata` for one real segment `[seg_start, seg_start + numel - 1]` against the
 /// inclusive window `[window_start, window_end]` of a shard of `shard_numel` elements.
-fn window_info(seg_start: u64, numel: u64, window_start: u64, window_end: u64, shard_numel: u64) -> ShardParamInfo {
+fn window_info(
+    seg_start: u64,
+    numel: u64,
+    window_start: u64,
+    window_end: u64,
+    shard_numel: u64,
+) -> ShardParamInfo {
     if numel == 0 || shard_numel == 0 {
         return ShardParamInfo::NOT_IN_SHARD;
     }
@@ -426,8 +444,11 @@ impl FlatParamLayout {
 
     /// Real (non-padding) elements rank `rank` holds.
     pub fn rank_real_numel(&self, rank: u64) -> u64 {
-        self.ranks
-            .get(rank as usize)
-            .map_or(0, |r| r.shard_param_infos.iter().filter_map(|i| i.numel_in_shard).sum())
+        self.ranks.get(rank as usize).map_or(0, |r| {
+            r.shard_param_infos
+                .iter()
+                .filter_map(|i| i.numel_in_shard)
+                .sum()
+        })
     }
 }

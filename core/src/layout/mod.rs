@@ -127,43 +127,101 @@ pub enum LayoutError {
     #[error("unknown FSDP API `{0}` (expected fsdp1 or fsdp2)")]
     UnknownApi(String),
     /// `--strategy` is not a `ShardingStrategy` name.
-    #[error("unknown sharding strategy `{0}` (expected full_shard, shard_grad_op, no_shard or hybrid_shard)")]
+    #[error(
+        "unknown sharding strategy `{0}` (expected full_shard, shard_grad_op, no_shard or hybrid_shard)"
+    )]
     UnknownStrategy(String),
     /// World size 0.
     #[error("world size must be at least 1")]
     ZeroWorldSize,
     /// Shard-group size 0, larger than the world, or not a divisor of it.
-    #[error("shard group size {shard_group_size} does not divide world size {world_size} (hybrid sharding replicates whole groups of consecutive ranks)")]
-    BadShardGroupSize { world_size: u64, shard_group_size: u64 },
+    #[error(
+        "shard group size {shard_group_size} does not divide world size {world_size} (hybrid sharding replicates whole groups of consecutive ranks)"
+    )]
+    BadShardGroupSize {
+        world_size: u64,
+        shard_group_size: u64,
+    },
     /// A shard-group size was given for a strategy that shards over the whole world.
-    #[error("--shard-group-size {shard_group_size} only applies to hybrid_shard (FSDP1) or HSDP (FSDP2); {strategy} shards over all {world_size} ranks")]
-    ShardGroupWithoutHybrid { strategy: Strategy, world_size: u64, shard_group_size: u64 },
+    #[error(
+        "--shard-group-size {shard_group_size} only applies to hybrid_shard (FSDP1) or HSDP (FSDP2); {strategy} shards over all {world_size} ranks"
+    )]
+    ShardGroupWithoutHybrid {
+        strategy: Strategy,
+        world_size: u64,
+        shard_group_size: u64,
+    },
     /// A hybrid strategy without an explicit group size.
-    #[error("{strategy} needs --shard-group-size (ranks per shard group, e.g. GPUs per node); without an explicit 2-D mesh torch silently degrades on CPU")]
+    #[error(
+        "{strategy} needs --shard-group-size (ranks per shard group, e.g. GPUs per node); without an explicit 2-D mesh torch silently degrades on CPU"
+    )]
     HybridWithoutGroupSize { strategy: Strategy },
     /// FSDP2 has no NO_SHARD strategy.
-    #[error("FSDP2 (fully_shard) has no no_shard strategy; use --api fsdp1 or a 1-rank shard group")]
+    #[error(
+        "FSDP2 (fully_shard) has no no_shard strategy; use --api fsdp1 or a 1-rank shard group"
+    )]
     Fsdp2NoShard,
-    /// Two units own the two names of one tied weight.
-    #[error("parameter `{alias}` is tied to `{primary}` but they belong to different FSDP units (`{alias_unit}` and `{primary_unit}`); FSDP requires tied weights to live in the same unit")]
+    /// The two names of one tied weight are in different units (or one is outside every unit), in a
+    /// configuration where torch gives no usable layout (FSDP1 `use_orig_params=True`: the forward
+    /// fails; FSDP2 with one name unmanaged: the names silently stop being tied).
+    #[error(
+        "parameter `{alias}` is tied to `{primary}` but they belong to different FSDP units (`{alias_unit}` and `{primary_unit}`); FSDP requires tied weights to live in the same unit"
+    )]
     SharedAcrossUnits {
         alias: String,
         primary: String,
         alias_unit: String,
         primary_unit: String,
     },
+    /// FSDP2: two units manage the two names of one tied weight; torch raises this at lazy init.
+    #[error(
+        "parameter `{alias}` (unit `{alias_unit}`) is tied to `{primary}` (unit `{primary_unit}`): Parameter '{fqn}' is shared with a parameter already managed by another FSDP group. For shared/tied parameters, use fully_shard([module_a, module_b]) to place them in the same FSDP group."
+    )]
+    Fsdp2SharedAcrossUnits {
+        /// The name torch reports: the one in the unit that comes later in pre-order.
+        fqn: String,
+        alias: String,
+        primary: String,
+        alias_unit: String,
+        primary_unit: String,
+    },
     /// torch: "Cannot flatten integer dtype tensors".
-    #[error("unit `{unit}`: parameter `{fqn}` has dtype {dtype}: Cannot flatten integer dtype tensors")]
-    IntegerFlatten { unit: String, fqn: String, dtype: DType },
+    #[error(
+        "unit `{unit}`: parameter `{fqn}` has dtype {dtype}: Cannot flatten integer dtype tensors"
+    )]
+    IntegerFlatten {
+        unit: String,
+        fqn: String,
+        dtype: DType,
+    },
     /// torch: "Must flatten tensors with uniform dtype but got ... and ...".
     #[error("unit `{unit}`: parameter `{fqn}`: Must flatten tensors with uniform dtype but got {} and {}", .expected.torch_name(), .found.torch_name())]
-    MixedDTypes { unit: String, fqn: String, expected: DType, found: DType },
+    MixedDTypes {
+        unit: String,
+        fqn: String,
+        expected: DType,
+        found: DType,
+    },
     /// torch: "Must flatten tensors with uniform `requires_grad` when `use_orig_params=False`".
-    #[error("unit `{unit}`: parameter `{fqn}` (requires_grad={found}) after parameters with requires_grad={expected}: Must flatten tensors with uniform `requires_grad` when `use_orig_params=False`")]
-    MixedRequiresGrad { unit: String, fqn: String, expected: bool, found: bool },
-    /// FSDP2 cannot chunk a 0-dim parameter on dim 0.
-    #[error("unit `{unit}`: FSDP2 cannot shard 0-dim parameter `{fqn}` on dim 0 (torch.chunk expects at least a 1-dimensional tensor)")]
-    ZeroDimShard { unit: String, fqn: String },
+    #[error(
+        "unit `{unit}`: parameter `{fqn}` (requires_grad={found}) after parameters with requires_grad={expected}: Must flatten tensors with uniform `requires_grad` when `use_orig_params=False`"
+    )]
+    MixedRequiresGrad {
+        unit: String,
+        fqn: String,
+        expected: bool,
+        found: bool,
+    },
+    /// FSDP2 cannot shard a 0-dim parameter (torch: "fully_shard doesn't support scalar parameters").
+    #[error(
+        "unit `{unit}`: parameter `{fqn}` is 0-dim: fully_shard doesn't support scalar parameters. Change {param_name} to a 1D tensor with numel equal to 1."
+    )]
+    ZeroDimShard {
+        unit: String,
+        fqn: String,
+        /// The name inside its module, as torch prints it.
+        param_name: String,
+    },
     /// A count overflowed 64 bits.
     #[error("unit `{unit}`: element count overflows 64 bits")]
     Overflow { unit: String },
@@ -200,7 +258,7 @@ impl LayoutConfig {
                 && self.shard_group_size.is_some_and(|k| k != self.world_size));
         let shard_size = match (hybrid, self.shard_group_size) {
             (true, Some(k)) => {
-                if k == 0 || k > self.world_size || self.world_size % k != 0 {
+                if k == 0 || k > self.world_size || !self.world_size.is_multiple_of(k) {
                     return Err(LayoutError::BadShardGroupSize {
                         world_size: self.world_size,
                         shard_group_size: k,
@@ -243,6 +301,20 @@ pub fn compute(model: &ModelDescription, config: &LayoutConfig) -> Result<Layout
     }
 }
 
+/// What torch does when the names of one tied tensor fall in different units (or one name in a unit
+/// and another outside every unit).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub(crate) enum CrossUnitTies {
+    /// FSDP1 with `use_orig_params=False`: torch silently unties the weight. Every unit flattens its
+    /// own copy (the first of the tensor's names inside the unit is the real parameter); a name
+    /// outside every unit keeps the original tensor and is unmanaged.
+    Untie,
+    /// FSDP1 with `use_orig_params=True`: torch builds the model but its forward fails; we refuse.
+    Reject,
+    /// FSDP2: torch's lazy initialisation raises when two units manage one tensor.
+    Fsdp2,
+}
+
 /// Partition of a description's parameters into units, shared by both APIs.
 #[derive(Debug)]
 pub(crate) struct UnitAssignment<'a> {
@@ -259,11 +331,14 @@ pub(crate) struct UnitAssignment<'a> {
 pub(crate) struct AssignedUnit<'a> {
     pub prefix: &'a str,
     pub params: Vec<&'a crate::model::ParamSpec>,
-    /// `(alias fqn, primary fqn)`.
+    /// `(alias fqn, fqn of the unit's real parameter for that tensor)`.
     pub shared: Vec<(&'a str, &'a str)>,
 }
 
-pub(crate) fn assign_units(model: &ModelDescription) -> Result<UnitAssignment<'_>, LayoutError> {
+pub(crate) fn assign_units(
+    model: &ModelDescription,
+    ties: CrossUnitTies,
+) -> Result<UnitAssignment<'_>, LayoutError> {
     use std::collections::HashMap;
 
     let mut unit_index: HashMap<&str, usize> = HashMap::new();
@@ -294,6 +369,8 @@ pub(crate) fn assign_units(model: &ModelDescription) -> Result<UnitAssignment<'_
         })
         .collect();
     let mut unit_of_param: HashMap<&str, Option<&str>> = HashMap::new();
+    // (unit, first name of the tensor in the description) -> the tensor's real name in that unit.
+    let mut real_name: HashMap<(&str, &str), &str> = HashMap::new();
     let mut unmanaged = Vec::new();
     let mut ignored = Vec::new();
     for p in &model.params {
@@ -303,27 +380,68 @@ pub(crate) fn assign_units(model: &ModelDescription) -> Result<UnitAssignment<'_
         }
         let unit = model.unit_of(&p.fqn);
         unit_of_param.insert(p.fqn.as_str(), unit);
-        match (&p.shared_with, unit) {
-            (Some(primary), _) => {
-                let primary_unit = unit_of_param.get(primary.as_str()).copied().flatten();
-                if primary_unit != unit {
-                    return Err(LayoutError::SharedAcrossUnits {
-                        alias: p.fqn.clone(),
-                        primary: primary.clone(),
-                        alias_unit: unit.map_or_else(|| "(none)".to_owned(), str::to_owned),
-                        primary_unit: primary_unit
-                            .map_or_else(|| "(none)".to_owned(), str::to_owned),
-                    });
-                }
-                match unit {
-                    Some(u) => per_unit[unit_index[u]]
-                        .shared
-                        .push((p.fqn.as_str(), primary.as_str())),
-                    None => unmanaged.push(p.fqn.clone()),
-                }
+        let Some(u) = unit else {
+            unmanaged.push(p.fqn.clone());
+            continue;
+        };
+        let Some(primary) = p.shared_with.as_deref() else {
+            real_name.insert((u, p.fqn.as_str()), p.fqn.as_str());
+            per_unit[unit_index[u]].params.push(p);
+            continue;
+        };
+        if let Some(&real) = real_name.get(&(u, primary)) {
+            // An earlier name of this tensor lives in the same unit: a shared parameter.
+            per_unit[unit_index[u]].shared.push((p.fqn.as_str(), real));
+            continue;
+        }
+        let primary_unit = unit_of_param.get(primary).copied().flatten();
+        match (ties, primary_unit) {
+            (CrossUnitTies::Untie, _) => {
+                real_name.insert((u, primary), p.fqn.as_str());
+                per_unit[unit_index[u]].params.push(p);
             }
-            (None, Some(u)) => per_unit[unit_index[u]].params.push(p),
-            (None, None) => unmanaged.push(p.fqn.clone()),
+            (CrossUnitTies::Fsdp2, Some(other)) => {
+                // torch names the parameter of the unit that comes later in pre-order.
+                let alias_later = order_key[unit_index[u]] > order_key[unit_index[other]];
+                return Err(LayoutError::Fsdp2SharedAcrossUnits {
+                    fqn: if alias_later {
+                        p.fqn.clone()
+                    } else {
+                        primary.to_owned()
+                    },
+                    alias: p.fqn.clone(),
+                    primary: primary.to_owned(),
+                    alias_unit: u.to_owned(),
+                    primary_unit: other.to_owned(),
+                });
+            }
+            (CrossUnitTies::Reject | CrossUnitTies::Fsdp2, _) => {
+                return Err(LayoutError::SharedAcrossUnits {
+                    alias: p.fqn.clone(),
+                    primary: primary.to_owned(),
+                    alias_unit: u.to_owned(),
+                    primary_unit: primary_unit.map_or_else(|| "(none)".to_owned(), str::to_owned),
+                });
+            }
+        }
+    }
+    // A name outside every unit whose tensor a unit manages (the alias case above covers a unit
+    // name after an unmanaged one; this covers an unmanaged name after a managed one).
+    if ties != CrossUnitTies::Untie {
+        for p in &model.params {
+            let (Some(primary), Some(None)) =
+                (p.shared_with.as_deref(), unit_of_param.get(p.fqn.as_str()))
+            else {
+                continue;
+            };
+            if let Some(Some(primary_unit)) = unit_of_param.get(primary) {
+                return Err(LayoutError::SharedAcrossUnits {
+                    alias: p.fqn.clone(),
+                    primary: primary.to_owned(),
+                    alias_unit: "(none)".to_owned(),
+                    primary_unit: (*primary_unit).to_owned(),
+                });
+            }
         }
     }
     let mut order: Vec<usize> = (0..per_unit.len()).collect();

@@ -50,24 +50,39 @@ pub struct ModelDescription {
 pub enum DescriptionError {
     /// The bytes are not JSON of the expected shape (unknown field, wrong type, missing `params`).
     #[error("{source_name}: not a valid model description: {message}")]
-    Syntax { source_name: String, message: String },
+    Syntax {
+        source_name: String,
+        message: String,
+    },
     /// A parameter FQN is empty or has an empty dotted segment (`a..b`, `.a`).
     #[error("parameter #{index} `{fqn}`: invalid FQN (empty name or empty dotted segment)")]
     BadFqn { index: usize, fqn: String },
     /// The same FQN is listed twice.
-    #[error("parameter `{fqn}` is listed twice (entries #{first} and #{second}); list a tied weight once per name and mark later names with `shared_with`")]
-    DuplicateParam { fqn: String, first: usize, second: usize },
+    #[error(
+        "parameter `{fqn}` is listed twice (entries #{first} and #{second}); list a tied weight once per name and mark later names with `shared_with`"
+    )]
+    DuplicateParam {
+        fqn: String,
+        first: usize,
+        second: usize,
+    },
     /// `dtype` is not a torch dtype name.
-    #[error("parameter `{fqn}`: unknown dtype `{dtype}` (expected a torch dtype name such as float32 or bfloat16)")]
+    #[error(
+        "parameter `{fqn}`: unknown dtype `{dtype}` (expected a torch dtype name such as float32 or bfloat16)"
+    )]
     UnknownDType { fqn: String, dtype: String },
     /// The product of the shape overflows 64 bits.
     #[error("parameter `{fqn}`: shape {shape:?} has more elements than fit in 64 bits")]
     NumelOverflow { fqn: String, shape: Vec<u64> },
     /// `shared_with` names no earlier parameter.
-    #[error("parameter `{fqn}`: `shared_with` names `{target}`, which is not an earlier parameter of the description")]
+    #[error(
+        "parameter `{fqn}`: `shared_with` names `{target}`, which is not an earlier parameter of the description"
+    )]
     UnknownSharedTarget { fqn: String, target: String },
     /// A tied weight disagrees with the parameter it aliases.
-    #[error("parameter `{fqn}` is tied to `{target}` but its {what} differs ({alias_value} vs {target_value}); tied weights are one tensor")]
+    #[error(
+        "parameter `{fqn}` is tied to `{target}` but its {what} differs ({alias_value} vs {target_value}); tied weights are one tensor"
+    )]
     SharedMismatch {
         fqn: String,
         target: String,
@@ -170,7 +185,11 @@ impl ModelDescription {
                     second: i,
                 });
             }
-            if p.shape.iter().try_fold(1u64, |acc, &d| acc.checked_mul(d)).is_none() {
+            if p.shape
+                .iter()
+                .try_fold(1u64, |acc, &d| acc.checked_mul(d))
+                .is_none()
+            {
                 return Err(DescriptionError::NumelOverflow {
                     fqn: p.fqn.clone(),
                     shape: p.shape.clone(),
@@ -190,7 +209,11 @@ impl ModelDescription {
                 };
                 let primary = &params[primary_index];
                 let checks: [(&'static str, String, String); 3] = [
-                    ("shape", format!("{:?}", p.shape), format!("{:?}", primary.shape)),
+                    (
+                        "shape",
+                        format!("{:?}", p.shape),
+                        format!("{:?}", primary.shape),
+                    ),
                     ("dtype", p.dtype.to_string(), primary.dtype.to_string()),
                     (
                         "requires_grad",

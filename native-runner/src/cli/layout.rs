@@ -55,7 +55,8 @@ fn parse_strategy(s: &str) -> Result<Strategy, String> {
 }
 
 fn parse_dtype(s: &str) -> Result<DType, String> {
-    s.parse().map_err(|e: shardscope_core::dtype::UnknownDType| e.to_string())
+    s.parse()
+        .map_err(|e: shardscope_core::dtype::UnknownDType| e.to_string())
 }
 
 pub fn run(args: &LayoutArgs) -> anyhow::Result<ExitCode> {
@@ -115,7 +116,10 @@ impl RankTotals {
     }
 
     fn render(&self, out: &mut String, ranks: &[u64]) {
-        let _ = writeln!(out, "\nper-rank totals (one shard group; other groups hold replicas):");
+        let _ = writeln!(
+            out,
+            "\nper-rank totals (one shard group; other groups hold replicas):"
+        );
         let _ = writeln!(
             out,
             "  {:>6}  {:>14}  {:>14}  {:>14}  {:>12}",
@@ -143,7 +147,11 @@ impl RankTotals {
         let min_real = self.real.iter().copied().min().unwrap_or(0);
         let total_elems: u64 = self.elements.iter().sum();
         let mean = total_real as f64 / self.real.len().max(1) as f64;
-        let imbalance = if mean > 0.0 { max_real as f64 / mean } else { 1.0 };
+        let imbalance = if mean > 0.0 {
+            max_real as f64 / mean
+        } else {
+            1.0
+        };
         let _ = writeln!(
             out,
             "  real elements per rank: min {min_real}, max {max_real}, imbalance (max/mean) {imbalance:.3}"
@@ -172,7 +180,10 @@ fn render_fsdp1(l: &Fsdp1Layout, ranks: &[u64]) -> String {
     for note in &l.notes {
         let _ = writeln!(out, "note: {note}");
     }
-    let n_ranks = l.flat_params.first().map_or(l.shard_group_size, |f| f.ranks.len() as u64);
+    let n_ranks = l
+        .flat_params
+        .first()
+        .map_or(l.shard_group_size, |f| f.ranks.len() as u64);
     let mut totals = RankTotals::new(n_ranks);
     for flat in &l.flat_params {
         render_flat_param(&mut out, flat, ranks);
@@ -184,7 +195,12 @@ fn render_fsdp1(l: &Fsdp1Layout, ranks: &[u64]) -> String {
         }
     }
     totals.render(&mut out, ranks);
-    render_lists(&mut out, &l.unmanaged_params, &l.ignored_params, &l.units_without_params);
+    render_lists(
+        &mut out,
+        &l.unmanaged_params,
+        &l.ignored_params,
+        &l.units_without_params,
+    );
     out
 }
 
@@ -208,13 +224,21 @@ fn render_flat_param(out: &mut String, flat: &FlatParamLayout, ranks: &[u64]) {
         if is_pad {
             segs.push(format!("pad {n}"));
         } else {
-            segs.push(format!("{} {}", flat.fqns[param], shape_str(&flat.shapes[param])));
+            segs.push(format!(
+                "{} {}",
+                flat.fqns[param],
+                shape_str(&flat.shapes[param])
+            ));
             param += 1;
         }
     }
     let _ = writeln!(out, "  flat: {}", segs.join(" | "));
     for shared in &flat.shared_params {
-        let _ = writeln!(out, "  tied: {} -> {} (no space of its own)", shared.fqn, shared.prim_fqn);
+        let _ = writeln!(
+            out,
+            "  tied: {} -> {} (no space of its own)",
+            shared.fqn, shared.prim_fqn
+        );
     }
     for rank in &flat.ranks {
         if !shown(ranks, rank.rank) {
@@ -238,7 +262,11 @@ fn render_flat_param(out: &mut String, flat: &FlatParamLayout, ranks: &[u64]) {
             out,
             "  rank {:>4}: {}",
             rank.rank,
-            if pieces.is_empty() { "(empty)".to_owned() } else { pieces.join(" ") }
+            if pieces.is_empty() {
+                "(empty)".to_owned()
+            } else {
+                pieces.join(" ")
+            }
         );
     }
 }
@@ -299,19 +327,37 @@ fn render_fsdp2(l: &Fsdp2Layout, ranks: &[u64]) -> String {
                     r.rank,
                     shape_str(&r.local_shape),
                     rows,
-                    if local < padded { format!(", tail({})", padded - local) } else { String::new() }
+                    if local < padded {
+                        format!(", tail({})", padded - local)
+                    } else {
+                        String::new()
+                    }
                 );
             }
         }
     }
     totals.render(&mut out, ranks);
-    render_lists(&mut out, &l.unmanaged_params, &l.ignored_params, &l.units_without_params);
+    render_lists(
+        &mut out,
+        &l.unmanaged_params,
+        &l.ignored_params,
+        &l.units_without_params,
+    );
     out
 }
 
-fn render_lists(out: &mut String, unmanaged: &[String], ignored: &[String], empty_units: &[String]) {
+fn render_lists(
+    out: &mut String,
+    unmanaged: &[String],
+    ignored: &[String],
+    empty_units: &[String],
+) {
     if !unmanaged.is_empty() {
-        let _ = writeln!(out, "\nunmanaged (replicated, not sharded): {}", unmanaged.join(", "));
+        let _ = writeln!(
+            out,
+            "\nunmanaged (replicated, not sharded): {}",
+            unmanaged.join(", ")
+        );
     }
     if !ignored.is_empty() {
         let _ = writeln!(out, "ignored: {}", ignored.join(", "));

@@ -1,0 +1,195 @@
+//! Writers for the checkpoint formats PyTorch loads: safetensors (single file or HF-sharded with an
+//! index), `torch.save` zip archives, and `torch.distributed.checkpoint` (DCP) directories.
+//!
+//! # Design: streaming, one tensor at a time
+//!
+//! Every writer writes to any [`std::io::Write`] (no `Seek`, no file system: `core` does no I/O of its
+//! own; the native runner hands in a temp file that it renames into place, see
+//! `native-runner/src/atomic.rs`). Each format needs all tensor *metadata* before the first data byte
+//! (the safetensors header, the pickle `data.pkl`, the DCP item table), but no tensor *data*: a writer is
+//! created from the metadata, then the caller feeds the data of one tensor at a time in the order the
+//! writer asks for, and calls `finish`. Peak memory is therefore the largest tensor the caller holds, plus
+//! small metadata. Output bytes depend only on the input (no clocks, no random ids): writing twice gives
+//! identical files.
+//!
+//! | module | entry points | output |
+//! |---|---|---|
+//! | [`pickle`] | [`pickle::PyValue`], [`pickle::to_pickle`] | pickle protocol 2 of a nested Python value, tensors as `torch._utils._rebuild_tensor_v2` + persistent storage ids |
+//! | [`zip`] | [`zip::ZipWriter`] | stored (uncompressed) zip, 64-byte aligned members, ZIP64 end records, as `torch.save` writes |
+//! | [`torch_save`] | [`torch_save::TorchSaveWriter`], [`torch_save::torch_save_to_vec`] | a `torch.save` archive that `torch.load(weights_only=True)` accepts |
+//! | [`safetensors`] | [`safetensors::SafetensorsWriter`], [`safetensors::plan_shards`], [`safetensors::index_json`] | `.safetensors` files byte-identical to `safetensors.torch.save`, HF shard names and `model.safetensors.index.json` |
+//! | [`dcp`] | [`dcp::DcpPlan`], [`dcp::DcpFileWriter`], [`dcp::metadata_pickle`], [`dcp::chunk_dim0`] | `__{rank}_0.distcp` files and `.metadata` that `torch.distributed.checkpoint.load` accepts |
+//!
+//! Tensor data is always little-endian and C-contiguous; a [`TensorRef`] borrows it.
+//!
+//! ```
+//! use shardscope_core::DType;
+//! use shardscope_core::formats::write::TensorRef;
+//! use shardscope_core::formats::write::safetensors::{SafetensorsWriter, TensorSpec};
+//!
+//! let data: Vec<u8> = [1.0f32, 2.0, 3.0].iter().flat_map(|v| v.to_le_bytes()).collect();
+//! let tensor = TensorRef::new(DType::Float32, &[3], &data).unwrap();
+//! let specs = [TensorSpec::from_tensor("w", &tensor)];
+//! let mut writer = SafetensorsWriter::new(Vec::new(), &specs, None).unwrap();
+//! writer.write_tensor("w", tensor.data).unwrap();
+//! let bytes = writer.finish().unwrap();
+//! assert_eq!(&bytes[8..9], b"{");
+//! ```
+
+pub mod dcp;
+pub mod pickle;
+pub mod safetensors;
+pub mod torch_save;
+pub mod zip;
+
+use std::io::{self, Write};
+
+use crate::DType;
+
+/// A borrowed, C-contiguous, little-endian tensor: what every writer takes as data.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct TensorRef<'a> {
+    /// Element type.
+    pub dtype: DType,
+    /// Shape; empty for a 0-dim (scalar) tensor.
+    pub shape: &'a [u64],
+    /// `numel * dtype.size_bytes()` bytes, little-endian, row-major.
+    pub data: &'a [u8],
+}
+
+/// A [`TensorRef`] whose data length does not match its shape and dtype.
+#[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
+pub enum TensorRefError {
+    /// The product of the shape (times the element size) does not fit in 64 bits.
+    #[error("shape {shape:?} of {dtype} overflows 64-bit byte counts")]
+    ShapeOverflow {
+        /// The shape given.
+        shape: Vec<u64>,
+        /// The dtype given.
+        dtype: DType,
+    },
+    /// The data is shorter or longer than `numel * itemsize`.
+    #[error("shape {shape:?} of {dtype} needs {expected_bytes} bytes, got {actual_bytes}")]
+    DataLength {
+        /// The shape given.
+        shape: Vec<u64>,
+        /// The dtype given.
+        dtype: DType,
+        /// `numel * itemsize`.
+        expected_bytes: u64,
+        /// `data.len()`.
+        actual_bytes: u64,
+    },
+}
+
+impl<'a> TensorRef<'a> {
+    /// Checks that `data` holds exactly `numel(shape) * dtype.size_bytes()` bytes.
+    pub fn new(dtype: DType, shape: &'a [u64], data: &'a [u8]) -> Result<Self, TensorRefError> {
+        let expected_bytes = nbytes(dtype, shape).ok_or_else(|| TensorRefError::ShapeOverflow {
+            shape: shape.to_vec(),
+            dtype,
+        })?;
+        if expected_bytes != data.len() as u64 {
+            return Err(TensorRefError::DataLength {
+                shape: shape.to_vec(),
+                dtype,
+                expected_bytes,
+                actual_bytes: data.len() as u64,
+            });
+        }
+        Ok(Self { dtype, shape, data })
+    }
+
+    /// Number of elements (1 for a 0-dim tensor).
+    pub fn numel(&self) -> u64 {
+        // `new` checked that this does not overflow; a struct built by hand saturates.
+        numel(self.shape).unwrap_or(u64::MAX)
+    }
+}
+
+/// Number of elements of `shape` (1 for `[]`), `None` on overflow.
+pub fn numel(shape: &[u64]) -> Option<u64> {
+    shape.iter().try_fold(1u64, |acc, &d| acc.checked_mul(d))
+}
+
+/// Bytes of a contiguous tensor of `shape` and `dtype`, `None` on overflow.
+pub fn nbytes(dtype: DType, shape: &[u64]) -> Option<u64> {
+    numel(shape)?.checked_mul(dtype.size_bytes() as u64)
+}
+
+/// C-contiguous strides as torch computes them: `stride[i] = stride[i + 1] * max(shape[i + 1], 1)`.
+pub fn contiguous_strides(shape: &[u64]) -> Vec<u64> {
+    let mut strides = vec![1u64; shape.len()];
+    for i in (0..shape.len().saturating_sub(1)).rev() {
+        strides[i] = strides[i + 1].saturating_mul(shape[i + 1].max(1));
+    }
+    strides
+}
+
+/// A `Write` adapter that counts the bytes written through it (writers need offsets, not `Seek`).
+#[derive(Debug)]
+pub(crate) struct CountingWriter<W> {
+    inner: W,
+    position: u64,
+}
+
+impl<W: Write> CountingWriter<W> {
+    pub(crate) fn new(inner: W) -> Self {
+        Self { inner, position: 0 }
+    }
+
+    /// Bytes written so far.
+    pub(crate) fn position(&self) -> u64 {
+        self.position
+    }
+
+    pub(crate) fn into_inner(self) -> W {
+        self.inner
+    }
+}
+
+impl<W: Write> Write for CountingWriter<W> {
+    fn write(&mut self, buf: &[u8]) -> io::Result<usize> {
+        let n = self.inner.write(buf)?;
+        self.position += n as u64;
+        Ok(n)
+    }
+
+    fn flush(&mut self) -> io::Result<()> {
+        self.inner.flush()
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn tensor_ref_checks_length() {
+        assert!(TensorRef::new(DType::Float32, &[2, 3], &[0; 24]).is_ok());
+        assert!(TensorRef::new(DType::Float32, &[], &[0; 4]).is_ok());
+        assert!(TensorRef::new(DType::Float32, &[0, 5], &[]).is_ok());
+        assert!(matches!(
+            TensorRef::new(DType::BFloat16, &[3], &[0; 4]),
+            Err(TensorRefError::DataLength {
+                expected_bytes: 6,
+                actual_bytes: 4,
+                ..
+            })
+        ));
+        assert!(matches!(
+            TensorRef::new(DType::Float64, &[u64::MAX, 2], &[]),
+            Err(TensorRefError::ShapeOverflow { .. })
+        ));
+    }
+
+    #[test]
+    fn strides_match_torch() {
+        // torch.zeros(2, 3, 4).stride() == (12, 4, 1); torch.zeros(0, 3).stride() == (3, 1);
+        // torch.zeros(3, 0, 2).stride() == (2, 2, 1).
+        assert_eq!(contiguous_strides(&[2, 3, 4]), [12, 4, 1]);
+        assert_eq!(contiguous_strides(&[0, 3]), [3, 1]);
+        assert_eq!(contiguous_strides(&[3, 0, 2]), [2, 2, 1]);
+        assert_eq!(contiguous_strides(&[]), Vec::<u64>::new());
+    }
+}

@@ -1,0 +1,314 @@
+//! Atomic outputs: a destination appears complete or not at all.
+//!
+//! [`write_file`] writes into a temporary file in the destination's directory (same file system, so
+//! the final rename is atomic), flushes and `fsync`s it, renames it over the destination and `fsync`s
+//! the directory. [`write_dir`] does the same for a directory output such as a DCP checkpoint: the
+//! closure fills a temporary directory next to the destination, every file in it is `fsync`ed, and the
+//! directory is renamed into place. On any error (or panic) the temporary file or directory is removed
+//! and an existing destination is left untouched.
+//!
+//! The core writers (`shardscope_core::formats::write`) take any `Write`; pass them the `BufWriter`
+//! given to the closure.
+
+// `convert` and `reshard` (next issues) are the callers; until they land only the tests use this.
+#![cfg_attr(not(test), allow(dead_code))]
+
+use std::fs::{self, File, OpenOptions};
+use std::io::BufWriter;
+use std::path::{Path, PathBuf};
+use std::sync::atomic::{AtomicU64, Ordering};
+
+use anyhow::{Context, Result, bail};
+
+static COUNTER: AtomicU64 = AtomicU64::new(0);
+
+/// Writes `dest` atomically: `write` fills a buffered temporary file next to it.
+pub fn write_file<T>(
+    dest: &Path,
+    write: impl FnOnce(&mut BufWriter<File>) -> Result<T>,
+) -> Result<T> {
+    let tmp = temp_path(dest)?;
+    let file = OpenOptions::new()
+        .write(true)
+        .create_new(true)
+        .open(&tmp)
+        .with_context(|| format!("cannot create temporary file {}", tmp.display()))?;
+    let guard = Cleanup::file(tmp.clone());
+    let mut out = BufWriter::new(file);
+    let value = write(&mut out)?;
+    let file = out
+        .into_inner()
+        .map_err(std::io::IntoInnerError::into_error)
+        .with_context(|| format!("cannot write {}", tmp.display()))?;
+    file.sync_all()
+        .with_context(|| format!("cannot sync {}", tmp.display()))?;
+    drop(file);
+    fs::rename(&tmp, dest).with_context(|| {
+        format!(
+            "cannot move the finished output into place: {}",
+            dest.display()
+        )
+    })?;
+    guard.disarm();
+    sync_dir(&parent_dir(dest));
+    Ok(value)
+}
+
+/// Creates the directory `dest` atomically: `write` fills a temporary directory next to it (the path
+/// it is given). `dest` must not exist, or be an empty directory.
+pub fn write_dir<T>(dest: &Path, write: impl FnOnce(&Path) -> Result<T>) -> Result<T> {
+    let replace_empty = match fs::read_dir(dest) {
+        Ok(mut entries) => {
+            if entries.next().is_some() {
+                bail!(
+                    "output directory already exists and is not empty: {}",
+                    dest.display()
+                );
+            }
+            true
+        }
+        Err(e) if e.kind() == std::io::ErrorKind::NotFound => false,
+        Err(e) if dest.exists() => {
+            return Err(e).with_context(|| {
+                format!(
+                    "output path exists and is not a readable directory: {}",
+                    dest.display()
+                )
+            });
+        }
+        Err(e) => return Err(e).with_context(|| format!("cannot inspect {}", dest.display())),
+    };
+    let tmp = temp_path(dest)?;
+    fs::create_dir(&tmp)
+        .with_context(|| format!("cannot create temporary directory {}", tmp.display()))?;
+    let guard = Cleanup::dir(tmp.clone());
+    let value = write(&tmp)?;
+    sync_tree(&tmp)?;
+    if replace_empty {
+        fs::remove_dir(dest)
+            .with_context(|| format!("cannot replace empty directory {}", dest.display()))?;
+    }
+    fs::rename(&tmp, dest).with_context(|| {
+        format!(
+            "cannot move the finished directory into place: {}",
+            dest.display()
+        )
+    })?;
+    guard.disarm();
+    sync_dir(&parent_dir(dest));
+    Ok(value)
+}
+
+fn parent_dir(dest: &Path) -> PathBuf {
+    match dest.parent() {
+        Some(p) if !p.as_os_str().is_empty() => p.to_path_buf(),
+        _ => PathBuf::from("."),
+    }
+}
+
+/// `.{name}.shardscope-tmp-{pid}-{n}` in the destination's directory (hidden, unique per process).
+fn temp_path(dest: &Path) -> Result<PathBuf> {
+    let name = dest
+        .file_name()
+        .with_context(|| format!("output path has no file name: {}", dest.display()))?;
+    let n = COUNTER.fetch_add(1, Ordering::Relaxed);
+    Ok(parent_dir(dest).join(format!(
+        ".{}.shardscope-tmp-{}-{n}",
+        name.to_string_lossy(),
+        std::process::id()
+    )))
+}
+
+/// `fsync` every regular file below `dir`, then the directories themselves.
+fn sync_tree(dir: &Path) -> Result<()> {
+    for entry in fs::read_dir(dir).with_context(|| format!("cannot list {}", dir.display()))? {
+        let entry = entry.with_context(|| format!("cannot list {}", dir.display()))?;
+        let path = entry.path();
+        let kind = entry
+            .file_type()
+            .with_context(|| format!("cannot stat {}", path.display()))?;
+        if kind.is_dir() {
+            sync_tree(&path)?;
+        } else if kind.is_file() {
+            File::open(&path)
+                .and_then(|f| f.sync_all())
+                .with_context(|| format!("cannot sync {}", path.display()))?;
+        }
+    }
+    sync_dir(dir);
+    Ok(())
+}
+
+/// Best effort: some file systems do not allow opening or syncing a directory.
+fn sync_dir(dir: &Path) {
+    if let Ok(d) = File::open(dir) {
+        let _ = d.sync_all();
+    }
+}
+
+/// Removes the temporary output unless disarmed (also on panic).
+struct Cleanup {
+    path: Option<PathBuf>,
+    is_dir: bool,
+}
+
+impl Cleanup {
+    fn file(path: PathBuf) -> Self {
+        Self {
+            path: Some(path),
+            is_dir: false,
+        }
+    }
+
+    fn dir(path: PathBuf) -> Self {
+        Self {
+            path: Some(path),
+            is_dir: true,
+        }
+    }
+
+    fn disarm(mut self) {
+        self.path = None;
+    }
+}
+
+impl Drop for Cleanup {
+    fn drop(&mut self) {
+        if let Some(path) = self.path.take() {
+            let _ = if self.is_dir {
+                fs::remove_dir_all(&path)
+            } else {
+                fs::remove_file(&path)
+            };
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use shardscope_core::DType;
+    use shardscope_core::formats::write::pickle::{PyValue, StorageSpec, TensorPickle};
+    use shardscope_core::formats::write::torch_save::TorchSaveWriter;
+    use std::io::Write;
+
+    /// A `Write` that accepts `left` bytes, then fails: a disk filling up mid-write.
+    struct FailAfter<'a, W: Write> {
+        inner: &'a mut W,
+        left: usize,
+    }
+
+    impl<W: Write> Write for FailAfter<'_, W> {
+        fn write(&mut self, buf: &[u8]) -> std::io::Result<usize> {
+            if self.left == 0 {
+                return Err(std::io::Error::other("disk full (simulated)"));
+            }
+            let n = buf.len().min(self.left);
+            self.left -= n;
+            self.inner.write(&buf[..n])
+        }
+
+        fn flush(&mut self) -> std::io::Result<()> {
+            self.inner.flush()
+        }
+    }
+
+    fn names(dir: &Path) -> Vec<String> {
+        let mut v: Vec<String> = fs::read_dir(dir)
+            .unwrap()
+            .map(|e| e.unwrap().file_name().to_string_lossy().into_owned())
+            .collect();
+        v.sort();
+        v
+    }
+
+    /// Streams a 1 MiB tensor through the torch.save writer into `out`.
+    fn save_big_tensor(out: impl Write) -> Result<()> {
+        let numel = 256 * 1024;
+        let root = PyValue::Tensor(TensorPickle::contiguous(0, DType::Float32, &[numel]));
+        let spec = StorageSpec {
+            dtype: DType::Float32,
+            numel,
+        };
+        let mut w = TorchSaveWriter::new(out, "archive", &root, vec![spec])?;
+        w.write_storage(&vec![0u8; numel as usize * 4])?;
+        w.finish()?;
+        Ok(())
+    }
+
+    #[test]
+    fn complete_file_appears_and_no_temp_is_left() {
+        let dir = tempfile::tempdir().unwrap();
+        let dest = dir.path().join("out.pt");
+        write_file(&dest, |w| save_big_tensor(w)).unwrap();
+        assert!(fs::metadata(&dest).unwrap().len() > 1024 * 1024);
+        assert_eq!(names(dir.path()), ["out.pt"]);
+    }
+
+    #[test]
+    fn failing_write_leaves_no_partial_file_and_keeps_the_old_one() {
+        let dir = tempfile::tempdir().unwrap();
+        let dest = dir.path().join("out.pt");
+        let err = write_file(&dest, |w| {
+            save_big_tensor(FailAfter {
+                inner: w,
+                left: 100_000,
+            })
+        })
+        .unwrap_err();
+        assert!(format!("{err:#}").contains("disk full"), "{err:#}");
+        assert!(names(dir.path()).is_empty(), "{:?}", names(dir.path()));
+
+        fs::write(&dest, b"previous").unwrap();
+        let _ = write_file(&dest, |w| {
+            save_big_tensor(FailAfter {
+                inner: w,
+                left: 100_000,
+            })
+        })
+        .unwrap_err();
+        assert_eq!(fs::read(&dest).unwrap(), b"previous");
+        assert_eq!(names(dir.path()), ["out.pt"]);
+
+        // A panic inside the closure also cleans up.
+        let result = std::panic::catch_unwind(|| {
+            write_file(&dir.path().join("p.pt"), |w| -> Result<()> {
+                w.write_all(b"abc")?;
+                panic!("boom");
+            })
+        });
+        assert!(result.is_err());
+        assert_eq!(names(dir.path()), ["out.pt"]);
+    }
+
+    #[test]
+    fn directory_output_appears_whole_or_not_at_all() {
+        let dir = tempfile::tempdir().unwrap();
+        let dest = dir.path().join("ckpt");
+        let err = write_dir(&dest, |tmp| -> Result<()> {
+            fs::write(tmp.join("__0_0.distcp"), b"data")?;
+            bail!("rank 1 failed")
+        })
+        .unwrap_err();
+        assert!(err.to_string().contains("rank 1 failed"));
+        assert!(names(dir.path()).is_empty());
+
+        write_dir(&dest, |tmp| {
+            fs::write(tmp.join("__0_0.distcp"), b"data")?;
+            fs::write(tmp.join(".metadata"), b"meta")?;
+            Ok(())
+        })
+        .unwrap();
+        assert_eq!(names(&dest), [".metadata", "__0_0.distcp"]);
+        assert_eq!(names(dir.path()), ["ckpt"]);
+
+        // A non-empty destination is refused and kept; an empty one is replaced.
+        let err = write_dir(&dest, |_| Ok(())).unwrap_err();
+        assert!(err.to_string().contains("not empty"), "{err}");
+        assert_eq!(names(&dest), [".metadata", "__0_0.distcp"]);
+        let empty = dir.path().join("empty");
+        fs::create_dir(&empty).unwrap();
+        write_dir(&empty, |tmp| Ok(fs::write(tmp.join("f"), b"x")?)).unwrap();
+        assert_eq!(names(&empty), ["f"]);
+    }
+}
