@@ -50,7 +50,12 @@ pub trait Source {
 }
 
 /// Checks a range against a file size and returns it as `usize` bounds.
-pub fn checked_range(name: &str, offset: u64, len: u64, size: u64) -> Result<(usize, usize), SourceError> {
+pub fn checked_range(
+    name: &str,
+    offset: u64,
+    len: u64,
+    size: u64,
+) -> Result<(usize, usize), SourceError> {
     let out = || SourceError::OutOfRange {
         name: name.to_owned(),
         offset,
@@ -109,14 +114,15 @@ impl Source for MemorySource {
         self.files
             .get(name)
             .map(|b| b.len() as u64)
-            .ok_or_else(|| SourceError::NotFound { name: name.to_owned() })
+            .ok_or_else(|| SourceError::NotFound {
+                name: name.to_owned(),
+            })
     }
 
     fn read_range(&self, name: &str, offset: u64, len: u64) -> Result<Cow<'_, [u8]>, SourceError> {
-        let bytes = self
-            .files
-            .get(name)
-            .ok_or_else(|| SourceError::NotFound { name: name.to_owned() })?;
+        let bytes = self.files.get(name).ok_or_else(|| SourceError::NotFound {
+            name: name.to_owned(),
+        })?;
         let (start, end) = checked_range(name, offset, len, bytes.len() as u64)?;
         Ok(Cow::Borrowed(&bytes[start..end]))
     }
@@ -142,7 +148,10 @@ mod tests {
     fn ranges_are_checked() {
         let s = MemorySource::new().with("a", vec![1, 2, 3]);
         assert_eq!(&*s.read_range("a", 1, 2).unwrap(), &[2, 3]);
-        assert!(matches!(s.read_range("a", 2, 2), Err(SourceError::OutOfRange { .. })));
+        assert!(matches!(
+            s.read_range("a", 2, 2),
+            Err(SourceError::OutOfRange { .. })
+        ));
         assert!(matches!(
             s.read_range("a", u64::MAX, 2),
             Err(SourceError::OutOfRange { .. })

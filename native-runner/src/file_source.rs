@@ -52,7 +52,8 @@ fn map_file(path: &Path) -> anyhow::Result<Mapped> {
     // inputs. Another process truncating the file while we read it could fault, as with any
     // mmap-based reader (safetensors, candle); the inputs are checkpoints at rest.
     #[allow(unsafe_code)]
-    let map = unsafe { Mmap::map(&file) }.with_context(|| format!("cannot map {}", path.display()))?;
+    let map =
+        unsafe { Mmap::map(&file) }.with_context(|| format!("cannot map {}", path.display()))?;
     Ok(Mapped::Map(map))
 }
 
@@ -103,8 +104,14 @@ impl FileSource {
     }
 }
 
-fn walk(dir: &Path, prefix: &str, depth: usize, out: &mut BTreeMap<String, Mapped>) -> anyhow::Result<()> {
-    let entries = std::fs::read_dir(dir).with_context(|| format!("cannot list {}", dir.display()))?;
+fn walk(
+    dir: &Path,
+    prefix: &str,
+    depth: usize,
+    out: &mut BTreeMap<String, Mapped>,
+) -> anyhow::Result<()> {
+    let entries =
+        std::fs::read_dir(dir).with_context(|| format!("cannot list {}", dir.display()))?;
     for entry in entries {
         let entry = entry.with_context(|| format!("cannot list {}", dir.display()))?;
         let Some(name) = entry.file_name().to_str().map(str::to_owned) else {
@@ -119,7 +126,11 @@ fn walk(dir: &Path, prefix: &str, depth: usize, out: &mut BTreeMap<String, Mappe
             if depth < 2 && !name.starts_with('.') {
                 walk(&path, &format!("{rel}/"), depth + 1, out)?;
             }
-        } else if kind.is_file() && !name.ends_with(".tmp") {
+        } else if kind.is_file()
+            && !Path::new(&name)
+                .extension()
+                .is_some_and(|e| e.eq_ignore_ascii_case("tmp"))
+        {
             out.insert(rel, map_file(&path)?);
         }
     }

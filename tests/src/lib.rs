@@ -10,14 +10,16 @@ pub fn fixtures_dir() -> PathBuf {
 /// The `shardscope` binary of this workspace, built on demand (`cargo build -p shardscope-runner`).
 pub fn shardscope_bin() -> PathBuf {
     let root = PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("..");
-    let target = std::env::var_os("CARGO_TARGET_DIR").map_or_else(|| root.join("target"), PathBuf::from);
+    let target =
+        std::env::var_os("CARGO_TARGET_DIR").map_or_else(|| root.join("target"), PathBuf::from);
     let bin = target.join("debug").join("shardscope");
     if !bin.exists() {
-        let status = std::process::Command::new(std::env::var_os("CARGO").unwrap_or_else(|| "cargo".into()))
-            .args(["build", "-q", "-p", "shardscope-runner"])
-            .current_dir(&root)
-            .status()
-            .expect("cannot run cargo to build shardscope");
+        let status =
+            std::process::Command::new(std::env::var_os("CARGO").unwrap_or_else(|| "cargo".into()))
+                .args(["build", "-q", "-p", "shardscope-runner"])
+                .current_dir(&root)
+                .status()
+                .expect("cannot run cargo to build shardscope");
         assert!(status.success(), "building shardscope failed");
     }
     bin
@@ -33,7 +35,10 @@ pub fn memory_source(dir: &std::path::Path) -> shardscope_core::MemorySource {
             .collect();
         entries.sort();
         for p in entries {
-            let name = format!("{prefix}{}", p.file_name().and_then(|n| n.to_str()).expect("utf-8 name"));
+            let name = format!(
+                "{prefix}{}",
+                p.file_name().and_then(|n| n.to_str()).expect("utf-8 name")
+            );
             if p.is_dir() {
                 walk(&p, &format!("{name}/"), out);
             } else {

@@ -8,10 +8,10 @@ use std::collections::BTreeMap;
 use std::path::{Path, PathBuf};
 
 use serde_json::Value;
-use shardscope_core::model::index::{
-    self, ChunkEncoding, CheckpointIndex, CheckpointKind, EntryKind, FsdpInfo, IndexEntry, Role,
-};
 use shardscope_core::MemorySource;
+use shardscope_core::model::index::{
+    self, CheckpointIndex, CheckpointKind, ChunkEncoding, EntryKind, FsdpInfo, IndexEntry, Role,
+};
 use shardscope_tests::{fixtures_dir, memory_source};
 
 fn formats() -> PathBuf {
@@ -20,7 +20,12 @@ fn formats() -> PathBuf {
 
 /// `expected/<name>.safetensors`: tensor name -> (dtype name, shape, bytes).
 fn expected_tensors(name: &str) -> BTreeMap<String, (String, Vec<u64>, Vec<u8>)> {
-    let bytes = std::fs::read(formats().join("expected").join(format!("{name}.safetensors"))).unwrap();
+    let bytes = std::fs::read(
+        formats()
+            .join("expected")
+            .join(format!("{name}.safetensors")),
+    )
+    .unwrap();
     let st = safetensors::SafeTensors::deserialize(&bytes).unwrap();
     st.tensors()
         .into_iter()
@@ -38,7 +43,8 @@ fn expected_tensors(name: &str) -> BTreeMap<String, (String, Vec<u64>, Vec<u8>)>
 }
 
 fn expected_json(name: &str) -> Value {
-    let text = std::fs::read_to_string(formats().join("expected").join(format!("{name}.json"))).unwrap();
+    let text =
+        std::fs::read_to_string(formats().join("expected").join(format!("{name}.json"))).unwrap();
     serde_json::from_str(&text).unwrap()
 }
 
@@ -59,7 +65,11 @@ fn st_dtype(d: shardscope_core::DType) -> &'static str {
 }
 
 fn slash_path(e: &IndexEntry) -> String {
-    e.path.iter().map(ToString::to_string).collect::<Vec<_>>().join("/")
+    e.path
+        .iter()
+        .map(ToString::to_string)
+        .collect::<Vec<_>>()
+        .join("/")
 }
 
 fn one_file(rel: &str) -> (MemorySource, CheckpointIndex) {
@@ -76,7 +86,8 @@ fn check_torch_file(rel: &str) -> CheckpointIndex {
     let exp_name = rel.replace('/', "__").trim_end_matches(".pt").to_owned();
     let tensors = expected_tensors(&exp_name);
     let facts = expected_json(&exp_name);
-    let by_path: BTreeMap<String, &IndexEntry> = idx.entries.iter().map(|e| (slash_path(e), e)).collect();
+    let by_path: BTreeMap<String, &IndexEntry> =
+        idx.entries.iter().map(|e| (slash_path(e), e)).collect();
     let entries = facts["entries"].as_object().unwrap();
     assert_eq!(
         by_path.keys().cloned().collect::<Vec<_>>(),
@@ -93,10 +104,18 @@ fn check_torch_file(rel: &str) -> CheckpointIndex {
                 let shape: Vec<u64> = serde_json::from_value(fact["shape"].clone()).unwrap();
                 assert_eq!(e.shape.as_ref(), Some(&shape), "{rel} {path}");
                 assert_eq!(e.chunks.len(), 1);
-                let ChunkEncoding::Raw { storage_offset, strides } = &e.chunks[0].encoding else {
+                let ChunkEncoding::Raw {
+                    storage_offset,
+                    strides,
+                } = &e.chunks[0].encoding
+                else {
                     panic!("{rel} {path}: not a raw chunk");
                 };
-                assert_eq!(*storage_offset, fact["storage_offset"].as_u64().unwrap(), "{rel} {path}");
+                assert_eq!(
+                    *storage_offset,
+                    fact["storage_offset"].as_u64().unwrap(),
+                    "{rel} {path}"
+                );
                 let stride: Vec<u64> = serde_json::from_value(fact["stride"].clone()).unwrap();
                 assert_eq!(strides, &stride, "{rel} {path}");
                 let data = idx.read_chunk(&src, e, &e.chunks[0]).unwrap();
@@ -107,7 +126,8 @@ fn check_torch_file(rel: &str) -> CheckpointIndex {
                 compared += 1;
             }
             "sharded_tensor" => {
-                let global: Vec<u64> = serde_json::from_value(fact["global_shape"].clone()).unwrap();
+                let global: Vec<u64> =
+                    serde_json::from_value(fact["global_shape"].clone()).unwrap();
                 assert_eq!(e.shape.as_ref(), Some(&global), "{rel} {path}");
                 let Some(FsdpInfo::ShardedTensor { shards }) = &e.fsdp else {
                     panic!("{rel} {path}: no ShardedTensor info")
@@ -124,18 +144,34 @@ fn check_torch_file(rel: &str) -> CheckpointIndex {
                 for (i, (c, l)) in e.chunks.iter().zip(local).enumerate() {
                     assert_eq!(serde_json::to_value(&c.offsets).unwrap(), l["offsets"]);
                     let data = idx.read_chunk(&src, e, c).unwrap();
-                    assert_eq!(&data.bytes, &tensors[&format!("{path}#{i}")].2, "{rel} {path}#{i}");
+                    assert_eq!(
+                        &data.bytes,
+                        &tensors[&format!("{path}#{i}")].2,
+                        "{rel} {path}#{i}"
+                    );
                     compared += 1;
                 }
             }
             "dtensor" => {
-                let global: Vec<u64> = serde_json::from_value(fact["global_shape"].clone()).unwrap();
+                let global: Vec<u64> =
+                    serde_json::from_value(fact["global_shape"].clone()).unwrap();
                 assert_eq!(e.shape.as_ref(), Some(&global), "{rel} {path}");
-                let Some(FsdpInfo::DTensor { placements, mesh_shape }) = &e.fsdp else {
+                let Some(FsdpInfo::DTensor {
+                    placements,
+                    mesh_shape,
+                }) = &e.fsdp
+                else {
                     panic!("{rel} {path}: no DTensor info")
                 };
-                assert_eq!(serde_json::to_value(placements).unwrap(), fact["placements"], "{rel} {path}");
-                assert_eq!(serde_json::to_value(mesh_shape.as_ref().unwrap()).unwrap(), fact["mesh_shape"]);
+                assert_eq!(
+                    serde_json::to_value(placements).unwrap(),
+                    fact["placements"],
+                    "{rel} {path}"
+                );
+                assert_eq!(
+                    serde_json::to_value(mesh_shape.as_ref().unwrap()).unwrap(),
+                    fact["mesh_shape"]
+                );
                 let c = &e.chunks[0];
                 assert_eq!(serde_json::to_value(&c.sizes).unwrap(), fact["local_shape"]);
                 let data = idx.read_chunk(&src, e, c).unwrap();
@@ -149,7 +185,11 @@ fn check_torch_file(rel: &str) -> CheckpointIndex {
             other => panic!("unknown kind {other}"),
         }
     }
-    assert_eq!(compared, tensors.len(), "{rel}: not every expected tensor was compared");
+    assert_eq!(
+        compared,
+        tensors.len(),
+        "{rel}: not every expected tensor was compared"
+    );
     idx
 }
 
@@ -168,7 +208,14 @@ fn plain_torch_save_with_views_offsets_and_dtypes() {
 fn fsdp1_per_rank_files_match_torch() {
     for orig in [0, 1] {
         for rank in [0, 1] {
-            for kind in ["full", "sharded", "local", "optim_raw", "optim_full", "optim_sharded"] {
+            for kind in [
+                "full",
+                "sharded",
+                "local",
+                "optim_raw",
+                "optim_full",
+                "optim_sharded",
+            ] {
                 check_torch_file(&format!("fsdp1_orig{orig}/rank{rank}_{kind}.pt"));
             }
         }
@@ -189,7 +236,10 @@ fn group(dir: &str, kind: &str) -> (MemorySource, CheckpointIndex) {
     let mut names = Vec::new();
     for r in [0, 1] {
         let name = format!("rank{r}_{kind}.pt");
-        src.insert(name.clone(), std::fs::read(formats().join(dir).join(&name)).unwrap());
+        src.insert(
+            name.clone(),
+            std::fs::read(formats().join(dir).join(&name)).unwrap(),
+        );
         names.push(name);
     }
     let idx = index::index_source(&src).unwrap();
@@ -237,7 +287,12 @@ fn sharded_groups_assemble_to_torch_full_values() {
     assert!(idx.check().is_empty(), "{:?}", idx.check());
     let hf = expected_tensors("hf_sharded");
     for e in &idx.entries {
-        assert_eq!(idx.read_tensor(&src, e).unwrap().bytes, hf[&e.key].2, "fsdp2 {}", e.key);
+        assert_eq!(
+            idx.read_tensor(&src, e).unwrap().bytes,
+            hf[&e.key].2,
+            "fsdp2 {}",
+            e.key
+        );
     }
 }
 
@@ -257,17 +312,33 @@ fn check_dcp(dir: &str, kind: CheckpointKind) {
         .as_array()
         .unwrap()
         .iter()
-        .map(|s| ((s["fqn"].as_str().unwrap().to_owned(), s["offset"].to_string()), s))
+        .map(|s| {
+            (
+                (
+                    s["fqn"].as_str().unwrap().to_owned(),
+                    s["offset"].to_string(),
+                ),
+                s,
+            )
+        })
         .collect();
     for e in &idx.entries {
         let item = &items[&e.key];
         // Nesting from planner_data, exactly.
-        assert_eq!(serde_json::to_value(&e.path).unwrap(), meta["planner_data"][&e.key], "{}", e.key);
+        assert_eq!(
+            serde_json::to_value(&e.path).unwrap(),
+            meta["planner_data"][&e.key],
+            "{}",
+            e.key
+        );
         let p = slash_path(e);
         match e.kind {
             EntryKind::Tensor => {
                 assert_eq!(e.dtype.unwrap().name(), item["dtype"]);
-                assert_eq!(serde_json::to_value(e.shape.as_ref().unwrap()).unwrap(), item["size"]);
+                assert_eq!(
+                    serde_json::to_value(e.shape.as_ref().unwrap()).unwrap(),
+                    item["size"]
+                );
                 let chunks: Vec<Value> = e
                     .chunks
                     .iter()
@@ -317,7 +388,11 @@ fn hf_safetensors_folders_match_torch() {
     let full = expected_tensors("hf_sharded");
     for (dir, kind, pieces) in [
         ("hf_sharded", CheckpointKind::HfSafetensors, false),
-        ("hf_distributed", CheckpointKind::HfDistributedSafetensors, true),
+        (
+            "hf_distributed",
+            CheckpointKind::HfDistributedSafetensors,
+            true,
+        ),
     ] {
         let src = memory_source(&formats().join(dir));
         let idx = index::index_source(&src).unwrap();
@@ -334,7 +409,10 @@ fn hf_safetensors_folders_match_torch() {
     let mut src = memory_source(&formats().join("hf_sharded"));
     src.remove("model-00002-of-00002.safetensors");
     let err = index::index_source(&src).unwrap_err().to_string();
-    assert!(err.contains("model-00002-of-00002.safetensors") && err.contains("missing"), "{err}");
+    assert!(
+        err.contains("model-00002-of-00002.safetensors") && err.contains("missing"),
+        "{err}"
+    );
 }
 
 #[test]
@@ -348,7 +426,11 @@ fn value_statistics_match_an_independent_count() {
     // [nan, inf, -inf, -0.0]
     assert_eq!((s.count, s.nan, s.inf), (4, 1, 2));
     assert_eq!(s.min, Some(0.0));
-    let i = idx.read_tensor(&src, idx.entry("i64").unwrap()).unwrap().stats().unwrap();
+    let i = idx
+        .read_tensor(&src, idx.entry("i64").unwrap())
+        .unwrap()
+        .stats()
+        .unwrap();
     // torch.arange(-3, 3)
     assert_eq!((i.min, i.max, i.mean), (Some(-3.0), Some(2.0), Some(-0.5)));
 }
@@ -372,7 +454,14 @@ fn p(path: &Path) -> &str {
 #[test]
 fn cli_inspect_json_has_the_canonical_fields() {
     let dir = formats().join("dcp_torch_save");
-    let (code, out, err) = run_cli(&["inspect", p(&dir), "--json", "--values", "--filter", "^(model\\.embed|extra\\.meta\\.betas)"]);
+    let (code, out, err) = run_cli(&[
+        "inspect",
+        p(&dir),
+        "--json",
+        "--values",
+        "--filter",
+        "^(model\\.embed|extra\\.meta\\.betas)",
+    ]);
     assert_eq!(code, 0, "{err}");
     let v: Value = serde_json::from_str(&out).unwrap();
     assert_eq!(v["format"], "dcp");
@@ -389,13 +478,27 @@ fn cli_inspect_json_has_the_canonical_fields() {
     assert_eq!(e["dtype"], "float32");
     assert_eq!(e["shape"], serde_json::json!([7, 5]));
     let c0 = &e["chunks"][0];
-    for field in ["offsets", "sizes", "file", "byte_offset", "byte_length", "rank"] {
+    for field in [
+        "offsets",
+        "sizes",
+        "file",
+        "byte_offset",
+        "byte_length",
+        "rank",
+    ] {
         assert!(c0.get(field).is_some(), "missing {field}");
     }
     assert_eq!(c0["sizes"], serde_json::json!([4, 5]));
     assert!(e["stats"]["min"].is_number());
     // Deterministic: the same input gives the same bytes.
-    let (_, again, _) = run_cli(&["inspect", p(&dir), "--json", "--values", "--filter", "^(model\\.embed|extra\\.meta\\.betas)"]);
+    let (_, again, _) = run_cli(&[
+        "inspect",
+        p(&dir),
+        "--json",
+        "--values",
+        "--filter",
+        "^(model\\.embed|extra\\.meta\\.betas)",
+    ]);
     assert_eq!(out, again);
 }
 

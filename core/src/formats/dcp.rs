@@ -94,7 +94,10 @@ fn class_name(o: &PyObject) -> &str {
 fn as_object<'a>(v: &'a PyValue, expected: &str) -> Result<&'a PyObject, DcpError> {
     match v {
         PyValue::Object(o) if class_name(o) == expected => Ok(o),
-        other => Err(malformed(format!("expected {expected}, found {}", other.type_name()))),
+        other => Err(malformed(format!(
+            "expected {expected}, found {}",
+            other.type_name()
+        ))),
     }
 }
 
@@ -114,7 +117,13 @@ fn string_of(v: &PyValue) -> Option<String> {
                 parts
                     .iter()
                     .enumerate()
-                    .map(|(i, p)| if i == 0 { (*p).to_owned() } else { p.trim_start_matches('/').to_owned() })
+                    .map(|(i, p)| {
+                        if i == 0 {
+                            (*p).to_owned()
+                        } else {
+                            p.trim_start_matches('/').to_owned()
+                        }
+                    })
                     .collect::<Vec<_>>()
                     .join("/")
                     .replace("//", "/"),
@@ -127,8 +136,12 @@ fn string_of(v: &PyValue) -> Option<String> {
 /// Parses the bytes of a `.metadata` file.
 pub fn read_metadata(bytes: &[u8]) -> Result<DcpMetadata, DcpError> {
     let root = pickle::parse(bytes).map_err(|source| DcpError::Pickle { source })?;
-    let meta = as_object(&root, "Metadata")
-        .map_err(|_| malformed(format!("the pickle holds a {}, not a DCP Metadata object", root.type_name())))?;
+    let meta = as_object(&root, "Metadata").map_err(|_| {
+        malformed(format!(
+            "the pickle holds a {}, not a DCP Metadata object",
+            root.type_name()
+        ))
+    })?;
     let sdm = meta
         .attr("state_dict_metadata")
         .ok_or_else(|| malformed("Metadata has no state_dict_metadata"))?;
@@ -182,13 +195,23 @@ pub fn read_metadata(bytes: &[u8]) -> Result<DcpMetadata, DcpError> {
             }
         }
         Some(PyValue::None) | None => {}
-        Some(other) => return Err(malformed(format!("storage_data is a {}", other.type_name()))),
+        Some(other) => {
+            return Err(malformed(format!(
+                "storage_data is a {}",
+                other.type_name()
+            )));
+        }
     }
-    let version = meta.attr("version").and_then(PyValue::as_str).map(str::to_owned);
+    let version = meta
+        .attr("version")
+        .and_then(PyValue::as_str)
+        .map(str::to_owned);
     let (checkpoint_id, save_id) = match meta.attr("storage_meta") {
         Some(PyValue::Object(sm)) => (
             sm.attr("checkpoint_id").and_then(string_of),
-            sm.attr("save_id").and_then(PyValue::as_str).map(str::to_owned),
+            sm.attr("save_id")
+                .and_then(PyValue::as_str)
+                .map(str::to_owned),
         ),
         _ => (None, None),
     };
@@ -242,7 +265,11 @@ fn tensor_meta(key: &str, o: &PyObject) -> Result<ItemMeta, DcpError> {
         }
         chunks.push(ChunkMeta { offsets, sizes });
     }
-    Ok(ItemMeta::Tensor { dtype, size, chunks })
+    Ok(ItemMeta::Tensor {
+        dtype,
+        size,
+        chunks,
+    })
 }
 
 fn storage_index(v: &PyValue) -> Result<StorageIndex, DcpError> {
@@ -254,10 +281,9 @@ fn storage_index(v: &PyValue) -> Result<StorageIndex, DcpError> {
         .to_owned();
     let offset = match o.attr("offset") {
         None | Some(PyValue::None) => None,
-        Some(x) => Some(
-            x.as_dims()
-                .ok_or_else(|| malformed(format!("MetadataIndex({fqn}).offset is not a torch.Size")))?,
-        ),
+        Some(x) => Some(x.as_dims().ok_or_else(|| {
+            malformed(format!("MetadataIndex({fqn}).offset is not a torch.Size"))
+        })?),
     };
     let index = match o.attr("index") {
         None | Some(PyValue::None) => None,

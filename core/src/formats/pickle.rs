@@ -70,7 +70,9 @@ pub enum PickleError {
     #[error("pickle has invalid text at byte {offset}: {what}")]
     BadText { offset: usize, what: String },
     /// A limit of [`PickleLimits`] was reached.
-    #[error("pickle exceeds the limit on {what} ({limit}); the file is malformed or hostile (memo bomb?)")]
+    #[error(
+        "pickle exceeds the limit on {what} ({limit}); the file is malformed or hostile (memo bomb?)"
+    )]
     Limit { what: &'static str, limit: usize },
     /// The stack did not hold exactly one value at `STOP`.
     #[error("pickle ended with {len} values on the stack (expected 1)")]
@@ -282,7 +284,9 @@ pub struct TensorRef {
 impl TensorRef {
     /// Number of elements of the view.
     pub fn numel(&self) -> Option<u64> {
-        self.shape.iter().try_fold(1u64, |acc, &d| acc.checked_mul(d))
+        self.shape
+            .iter()
+            .try_fold(1u64, |acc, &d| acc.checked_mul(d))
     }
 
     /// True when the view is row-major contiguous (strides of size-1 dims do not matter).
@@ -341,12 +345,21 @@ pub struct ShardedTensorRecord {
 /// A DTensor placement on one mesh dimension.
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub enum Placement {
-    Shard { dim: i64 },
-    StridedShard { dim: i64, split_factor: i64 },
+    Shard {
+        dim: i64,
+    },
+    StridedShard {
+        dim: i64,
+        split_factor: i64,
+    },
     Replicate,
-    Partial { reduce_op: String },
+    Partial {
+        reduce_op: String,
+    },
     /// A placement class this reader does not know.
-    Other { class: String },
+    Other {
+        class: String,
+    },
 }
 
 impl std::fmt::Display for Placement {
@@ -574,10 +587,10 @@ impl<'a> Machine<'a> {
     }
 
     fn memo_get(&mut self, index: u64, at: usize) -> Result<(), PickleError> {
-        let v = *self.memo.get(&index).ok_or(PickleError::MissingMemo {
-            index,
-            offset: at,
-        })?;
+        let v = *self
+            .memo
+            .get(&index)
+            .ok_or(PickleError::MissingMemo { index, offset: at })?;
         self.push(v)
     }
 
@@ -619,7 +632,12 @@ impl<'a> Machine<'a> {
         }
     }
 
-    fn add_list_items(&mut self, target: Val, items: Vec<Val>, at: usize) -> Result<(), PickleError> {
+    fn add_list_items(
+        &mut self,
+        target: Val,
+        items: Vec<Val>,
+        at: usize,
+    ) -> Result<(), PickleError> {
         match self.container_mut(target, at)? {
             Node::List(v) | Node::Set(v) => v.extend(items),
             Node::Object { list_items, .. } => list_items.extend(items),
@@ -634,7 +652,7 @@ impl<'a> Machine<'a> {
     }
 
     fn add_dict_items(&mut self, target: Val, items: &[Val], at: usize) -> Result<(), PickleError> {
-        if items.len() % 2 != 0 {
+        if !items.len().is_multiple_of(2) {
             return Err(PickleError::WrongType {
                 offset: at,
                 what: "SETITEMS with an odd number of values".into(),
@@ -654,7 +672,12 @@ impl<'a> Machine<'a> {
         Ok(())
     }
 
-    fn object(&mut self, callable: Val, args: Val, kwargs: Option<Val>) -> Result<Val, PickleError> {
+    fn object(
+        &mut self,
+        callable: Val,
+        args: Val,
+        kwargs: Option<Val>,
+    ) -> Result<Val, PickleError> {
         self.alloc(Node::Object {
             callable,
             args,
@@ -851,7 +874,8 @@ impl<'a> Machine<'a> {
                     let target = self.top(op, at)?;
                     self.add_list_items(target, vec![item], at)?;
                 }
-                b'e' => {
+                // APPENDS, ADDITEMS
+                b'e' | 0x90 => {
                     let items = self.pop_mark(at)?;
                     let target = self.top(op, at)?;
                     self.add_list_items(target, items, at)?;
@@ -863,7 +887,7 @@ impl<'a> Machine<'a> {
                 }
                 b'd' => {
                     let items = self.pop_mark(at)?;
-                    if items.len() % 2 != 0 {
+                    if !items.len().is_multiple_of(2) {
                         return Err(PickleError::WrongType {
                             offset: at,
                             what: "DICT with an odd number of values".into(),
@@ -889,11 +913,6 @@ impl<'a> Machine<'a> {
                     let v = self.alloc(Node::Set(Vec::new()))?;
                     self.push(v)?;
                 }
-                0x90 => {
-                    let items = self.pop_mark(at)?;
-                    let target = self.top(op, at)?;
-                    self.add_list_items(target, items, at)?;
-                }
                 0x91 => {
                     let items = self.pop_mark(at)?;
                     let v = self.alloc(Node::Set(items))?;
@@ -909,7 +928,8 @@ impl<'a> Machine<'a> {
                 0x93 => {
                     let name = self.pop(op, at)?;
                     let module = self.pop(op, at)?;
-                    let (Some(module), Some(name)) = (self.str_of(module), self.str_of(name)) else {
+                    let (Some(module), Some(name)) = (self.str_of(module), self.str_of(name))
+                    else {
                         return Err(PickleError::WrongType {
                             offset: at,
                             what: "STACK_GLOBAL needs two strings".into(),
@@ -919,16 +939,10 @@ impl<'a> Machine<'a> {
                     self.push(v)?;
                 }
                 // REDUCE, NEWOBJ, NEWOBJ_EX
-                b'R' => {
+                b'R' | 0x81 => {
                     let args = self.pop(op, at)?;
                     let callable = self.pop(op, at)?;
                     let v = self.object(callable, args, None)?;
-                    self.push(v)?;
-                }
-                0x81 => {
-                    let args = self.pop(op, at)?;
-                    let cls = self.pop(op, at)?;
-                    let v = self.object(cls, args, None)?;
                     self.push(v)?;
                 }
                 0x92 => {
@@ -1007,7 +1021,10 @@ impl<'a> Machine<'a> {
                     self.memo_get(index, at)?;
                 }
                 _ => {
-                    return Err(PickleError::UnsupportedOpcode { opcode: op, offset: at });
+                    return Err(PickleError::UnsupportedOpcode {
+                        opcode: op,
+                        offset: at,
+                    });
                 }
             }
         }
@@ -1064,7 +1081,11 @@ impl Converter<'_> {
         vals.iter().map(|&v| self.value(v, depth)).collect()
     }
 
-    fn pairs(&mut self, vals: &[(Val, Val)], depth: usize) -> Result<Vec<(PyValue, PyValue)>, PickleError> {
+    fn pairs(
+        &mut self,
+        vals: &[(Val, Val)],
+        depth: usize,
+    ) -> Result<Vec<(PyValue, PyValue)>, PickleError> {
         vals.iter()
             .map(|&(k, v)| Ok((self.value(k, depth)?, self.value(v, depth)?)))
             .collect()
@@ -1184,11 +1205,17 @@ pub fn dtype_of_storage_class(name: &str) -> Option<DType> {
 
 fn storage_from_pid(pid: &PyValue) -> Result<PyValue, PickleError> {
     const CLASS: &str = "persistent storage id";
-    let items = pid
-        .as_seq()
-        .ok_or_else(|| bad(CLASS, format!("expected a tuple, found {}", pid.type_name())))?;
+    let items = pid.as_seq().ok_or_else(|| {
+        bad(
+            CLASS,
+            format!("expected a tuple, found {}", pid.type_name()),
+        )
+    })?;
     if items.first().and_then(PyValue::as_str) != Some("storage") || items.len() < 5 {
-        return Err(bad(CLASS, "expected (\"storage\", type, key, location, numel)"));
+        return Err(bad(
+            CLASS,
+            "expected (\"storage\", type, key, location, numel)",
+        ));
     }
     let dtype = match &items[1] {
         PyValue::Global(g) if g.module == "torch" || g.module == "torch.storage" => {
@@ -1196,7 +1223,12 @@ fn storage_from_pid(pid: &PyValue) -> Result<PyValue, PickleError> {
                 .ok_or_else(|| bad(CLASS, format!("unknown storage type {g}")))?
         }
         PyValue::DType(d) => *d,
-        other => return Err(bad(CLASS, format!("unknown storage type {}", other.type_name()))),
+        other => {
+            return Err(bad(
+                CLASS,
+                format!("unknown storage type {}", other.type_name()),
+            ));
+        }
     };
     let key = items[2]
         .as_str()
@@ -1235,7 +1267,10 @@ fn recognise(obj: PyObject) -> Result<PyValue, PickleError> {
     if class.module == "torch._utils" {
         match class.name.as_str() {
             "_rebuild_tensor_v2" | "_rebuild_tensor" | "_rebuild_tensor_v3" => {
-                return Ok(PyValue::Tensor(Box::new(tensor_from_args(&class.name, &obj.args)?)));
+                return Ok(PyValue::Tensor(Box::new(tensor_from_args(
+                    &class.name,
+                    &obj.args,
+                )?)));
             }
             "_rebuild_parameter" | "_rebuild_parameter_with_state" => {
                 let Some(PyValue::Tensor(t)) = obj.args.first() else {
@@ -1257,10 +1292,16 @@ fn recognise(obj: PyObject) -> Result<PyValue, PickleError> {
 
 fn tensor_from_args(name: &str, args: &[PyValue]) -> Result<TensorRef, PickleError> {
     if args.len() < 4 {
-        return Err(bad(name, format!("expected at least 4 arguments, found {}", args.len())));
+        return Err(bad(
+            name,
+            format!("expected at least 4 arguments, found {}", args.len()),
+        ));
     }
     let PyValue::Storage(storage) = &args[0] else {
-        return Err(bad(name, format!("argument 0 is a {}, not a storage", args[0].type_name())));
+        return Err(bad(
+            name,
+            format!("argument 0 is a {}, not a storage", args[0].type_name()),
+        ));
     };
     let storage_offset = args[1]
         .as_i64()
@@ -1275,7 +1316,11 @@ fn tensor_from_args(name: &str, args: &[PyValue]) -> Result<TensorRef, PickleErr
     if shape.len() != stride.len() {
         return Err(bad(
             name,
-            format!("size has {} dims but stride has {}", shape.len(), stride.len()),
+            format!(
+                "size has {} dims but stride has {}",
+                shape.len(),
+                stride.len()
+            ),
         ));
     }
     let requires_grad = args.get(4).and_then(PyValue::as_i64) == Some(1);
@@ -1293,7 +1338,8 @@ fn tensor_from_args(name: &str, args: &[PyValue]) -> Result<TensorRef, PickleErr
 fn rebuild_from_type(obj: PyObject) -> Result<PyValue, PickleError> {
     const NAME: &str = "_rebuild_from_type_v2";
     let mut args = obj.args.into_iter();
-    let (Some(func), Some(new_type), Some(inner_args)) = (args.next(), args.next(), args.next()) else {
+    let (Some(func), Some(new_type), Some(inner_args)) = (args.next(), args.next(), args.next())
+    else {
         return Err(bad(NAME, "expected (func, new_type, args, state)"));
     };
     let state = args.next().unwrap_or(PyValue::None);
@@ -1305,7 +1351,9 @@ fn rebuild_from_type(obj: PyObject) -> Result<PyValue, PickleError> {
     match &func {
         PyValue::Global(g) if g.is("torch._utils", "_rebuild_wrapper_subclass") => {
             if type_name.ends_with(".ShardedTensor") {
-                return Ok(PyValue::ShardedTensor(Box::new(sharded_tensor(&inner, &state)?)));
+                return Ok(PyValue::ShardedTensor(Box::new(sharded_tensor(
+                    &inner, &state,
+                )?)));
             }
             if type_name.ends_with(".DTensor") {
                 return Ok(PyValue::DTensor(Box::new(dtensor(&inner, &state)?)));
@@ -1343,7 +1391,10 @@ fn rebuild_from_type(obj: PyObject) -> Result<PyValue, PickleError> {
 }
 
 /// The wrapper-subclass arguments `(cls, dtype, size, stride, storage_offset, layout, device, rg)`.
-fn wrapper_dtype_and_size(class: &str, inner: &[PyValue]) -> Result<(DType, Vec<u64>), PickleError> {
+fn wrapper_dtype_and_size(
+    class: &str,
+    inner: &[PyValue],
+) -> Result<(DType, Vec<u64>), PickleError> {
     let dtype = match inner.get(1) {
         Some(PyValue::DType(d)) => *d,
         _ => return Err(bad(class, "no dtype in the wrapper arguments")),
@@ -1367,7 +1418,12 @@ fn placement_string(v: &PyValue) -> Option<String> {
     // `_remote_device` state: {_worker_name, _rank, _device: torch.device('cpu')}.
     let rank = obj_attr(v, "_rank").and_then(PyValue::as_i64)?;
     let device = match obj_attr(v, "_device") {
-        Some(PyValue::Object(o)) => o.args.first().and_then(PyValue::as_str).unwrap_or("").to_owned(),
+        Some(PyValue::Object(o)) => o
+            .args
+            .first()
+            .and_then(PyValue::as_str)
+            .unwrap_or("")
+            .to_owned(),
         Some(PyValue::Str(s)) => s.clone(),
         _ => String::new(),
     };
@@ -1409,7 +1465,8 @@ fn sharded_tensor(inner: &[PyValue], state: &PyValue) -> Result<ShardedTensorRec
             return Err(bad(CLASS, "a local shard has no tensor"));
         };
         let meta = shard_meta(
-            obj_attr(shard, "metadata").ok_or_else(|| bad(CLASS, "a local shard has no metadata"))?,
+            obj_attr(shard, "metadata")
+                .ok_or_else(|| bad(CLASS, "a local shard has no metadata"))?,
         )?;
         local_shards.push(LocalShard {
             tensor: (**t).clone(),
@@ -1439,7 +1496,9 @@ fn sharded_tensor(inner: &[PyValue], state: &PyValue) -> Result<ShardedTensorRec
 
 fn placement(v: &PyValue) -> Placement {
     let PyValue::Object(o) = v else {
-        return Placement::Other { class: v.type_name() };
+        return Placement::Other {
+            class: v.type_name(),
+        };
     };
     let class = o.class().map(|g| g.name.clone()).unwrap_or_default();
     let dim = o.attr("dim").and_then(PyValue::as_i64).unwrap_or(0);
@@ -1447,7 +1506,10 @@ fn placement(v: &PyValue) -> Placement {
         "Shard" => Placement::Shard { dim },
         "_StridedShard" => Placement::StridedShard {
             dim,
-            split_factor: o.attr("split_factor").and_then(PyValue::as_i64).unwrap_or(1),
+            split_factor: o
+                .attr("split_factor")
+                .and_then(PyValue::as_i64)
+                .unwrap_or(1),
         },
         "Replicate" => Placement::Replicate,
         "Partial" | "_Partial" => Placement::Partial {
@@ -1552,18 +1614,20 @@ mod tests {
             ])
         );
         // `_codecs.encode` is never run: it stays an object node.
-        let PyValue::Tuple(t) = &items[1].1 else { panic!() };
+        let PyValue::Tuple(t) = &items[1].1 else {
+            panic!()
+        };
         assert!(matches!(&t[0], PyValue::Object(o) if o.class().unwrap().name == "encode"));
     }
 
     #[test]
     fn memo_bomb_hits_the_node_limit() {
         // l0 = []; l_{i+1} = [l_i, l_i]: 2^40 nodes when expanded.
-        let mut p = vec![0x80, 2, b']', b'q', 0];
+        let mut p = vec![0x80, 2, b']', b'q', 0, b'0'];
         for i in 0..40u8 {
-            p.extend([b'h', i, b'h', i, 0x86, b'q', i + 1]);
+            p.extend([b'h', i, b'h', i, 0x86, b'q', i + 1, b'0']);
         }
-        p.push(b'.');
+        p.extend([b'h', 40, b'.']);
         let err = parse(&p).unwrap_err();
         assert!(matches!(err, PickleError::Limit { .. }), "{err}");
     }
@@ -1573,13 +1637,27 @@ mod tests {
         // l = []; l.append(l)
         let p = [0x80, 2, b']', b'q', 0, b'h', 0, b'a', b'.'];
         let err = parse(&p).unwrap_err();
-        assert!(matches!(err, PickleError::Limit { what: "nesting depth", .. }), "{err}");
+        assert!(
+            matches!(
+                err,
+                PickleError::Limit {
+                    what: "nesting depth",
+                    ..
+                }
+            ),
+            "{err}"
+        );
     }
 
     #[test]
     fn huge_length_is_truncation_not_allocation() {
-        let p = [0x80, 4, 0x8d, 0xff, 0xff, 0xff, 0xff, 0xff, 0xff, 0xff, 0x7f];
-        assert!(matches!(parse(&p).unwrap_err(), PickleError::Truncated { .. }));
+        let p = [
+            0x80, 4, 0x8d, 0xff, 0xff, 0xff, 0xff, 0xff, 0xff, 0xff, 0x7f,
+        ];
+        assert!(matches!(
+            parse(&p).unwrap_err(),
+            PickleError::Truncated { .. }
+        ));
     }
 
     #[test]

@@ -74,7 +74,9 @@ pub fn dtype_from_safetensors(d: Dtype) -> Option<DType> {
 /// The total length (8 + header + data) of the safetensors blob starting at `bytes[0]`, read from
 /// its header alone. Used to find a blob embedded in a longer file (DCP's SAFETENSORS format).
 pub fn blob_len(bytes: &[u8]) -> Result<u64, SafetensorsError> {
-    let invalid = |m: &str| SafetensorsError::Invalid { message: m.to_owned() };
+    let invalid = |m: &str| SafetensorsError::Invalid {
+        message: m.to_owned(),
+    };
     let n = bytes
         .get(..8)
         .map(|b| u64::from_le_bytes([b[0], b[1], b[2], b[3], b[4], b[5], b[6], b[7]]))
@@ -83,9 +85,13 @@ pub fn blob_len(bytes: &[u8]) -> Result<u64, SafetensorsError> {
         return Err(invalid("header longer than 100 MB"));
     }
     let end = 8 + n as usize;
-    let header = bytes.get(8..end).ok_or_else(|| invalid("header runs past the end of the data"))?;
+    let header = bytes
+        .get(8..end)
+        .ok_or_else(|| invalid("header runs past the end of the data"))?;
     let value: serde_json::Value =
-        serde_json::from_slice(header).map_err(|e| SafetensorsError::Invalid { message: e.to_string() })?;
+        serde_json::from_slice(header).map_err(|e| SafetensorsError::Invalid {
+            message: e.to_string(),
+        })?;
     let mut data_end = 0u64;
     if let Some(obj) = value.as_object() {
         for (k, v) in obj {
@@ -119,25 +125,33 @@ pub fn read_header(bytes: &[u8]) -> Result<SafetensorsHeader, SafetensorsError> 
         .unwrap_or_default();
     let sharding = match metadata.get("DCP_SHARDING_INFO") {
         Some(json) => Some(
-            serde_json::from_str::<serde_json::Value>(json).map_err(|e| SafetensorsError::ShardingInfo {
-                name: "*".into(),
-                message: e.to_string(),
+            serde_json::from_str::<serde_json::Value>(json).map_err(|e| {
+                SafetensorsError::ShardingInfo {
+                    name: "*".into(),
+                    message: e.to_string(),
+                }
             })?,
         ),
         None => None,
     };
     let mut tensors = Vec::new();
     for (name, info) in meta.tensors() {
-        let dtype = dtype_from_safetensors(info.dtype).ok_or_else(|| SafetensorsError::UnsupportedDtype {
-            name: name.clone(),
-            dtype: format!("{:?}", info.dtype),
+        let dtype = dtype_from_safetensors(info.dtype).ok_or_else(|| {
+            SafetensorsError::UnsupportedDtype {
+                name: name.clone(),
+                dtype: format!("{:?}", info.dtype),
+            }
         })?;
         let saved_offsets = match sharding.as_ref().and_then(|s| s.get(&name)) {
             Some(entry) => {
                 let offs = entry
                     .get("saved_offsets")
                     .and_then(serde_json::Value::as_array)
-                    .and_then(|a| a.iter().map(serde_json::Value::as_u64).collect::<Option<Vec<u64>>>())
+                    .and_then(|a| {
+                        a.iter()
+                            .map(serde_json::Value::as_u64)
+                            .collect::<Option<Vec<u64>>>()
+                    })
                     .ok_or_else(|| SafetensorsError::ShardingInfo {
                         name: name.clone(),
                         message: "saved_offsets is not a list of non-negative ints".into(),
@@ -145,7 +159,11 @@ pub fn read_header(bytes: &[u8]) -> Result<SafetensorsHeader, SafetensorsError> 
                 if offs.len() != info.shape.len() {
                     return Err(SafetensorsError::ShardingInfo {
                         name: name.clone(),
-                        message: format!("{} offsets for a {}-dim tensor", offs.len(), info.shape.len()),
+                        message: format!(
+                            "{} offsets for a {}-dim tensor",
+                            offs.len(),
+                            info.shape.len()
+                        ),
                     });
                 }
                 Some(offs)
@@ -192,7 +210,9 @@ pub fn read_index(bytes: &[u8]) -> Result<SafetensorsIndex, SafetensorsError> {
             .as_str()
             .ok_or_else(|| err(format!("weight_map[{k:?}] is not a file name")))?;
         if f.contains("..") || f.starts_with('/') {
-            return Err(err(format!("weight_map[{k:?}] = {f:?} leaves the checkpoint folder")));
+            return Err(err(format!(
+                "weight_map[{k:?}] = {f:?} leaves the checkpoint folder"
+            )));
         }
         weight_map.insert(k.clone(), f.to_owned());
     }
@@ -200,5 +220,8 @@ pub fn read_index(bytes: &[u8]) -> Result<SafetensorsIndex, SafetensorsError> {
         .get("metadata")
         .and_then(|m| m.get("total_size"))
         .and_then(serde_json::Value::as_u64);
-    Ok(SafetensorsIndex { weight_map, total_size })
+    Ok(SafetensorsIndex {
+        weight_map,
+        total_size,
+    })
 }

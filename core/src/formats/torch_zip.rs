@@ -14,7 +14,9 @@ use crate::formats::pickle::{self, PickleError, PyValue, TensorRef};
 #[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
 pub enum TorchZipError {
     /// The bytes do not start like a zip archive (legacy pre-1.6 `torch.save` files are not read).
-    #[error("not a torch.save zip archive (first bytes {head:02x?}); legacy torch.save files are not supported")]
+    #[error(
+        "not a torch.save zip archive (first bytes {head:02x?}); legacy torch.save files are not supported"
+    )]
     NotZip { head: Vec<u8> },
     /// The zip structure itself is broken (truncated, bad central directory).
     #[error("broken zip archive: {message}")]
@@ -23,7 +25,9 @@ pub enum TorchZipError {
     #[error("the archive has no data.pkl member")]
     NoPickle,
     /// A member that must be read (data.pkl, a storage) is compressed.
-    #[error("member `{member}` is compressed ({method}); torch archives store members uncompressed")]
+    #[error(
+        "member `{member}` is compressed ({method}); torch archives store members uncompressed"
+    )]
     Compressed { member: String, method: String },
     /// A member's byte range lies outside the archive.
     #[error("member `{member}` claims bytes {start}..{end} but the archive has {len} bytes")]
@@ -55,7 +59,9 @@ pub enum TorchZipError {
         needed: u64,
     },
     /// A tensor view reaches past the end of its storage.
-    #[error("tensor view (offset {storage_offset}, shape {shape:?}, stride {stride:?}) reaches element {extent} of storage `{key}`, which has {numel}")]
+    #[error(
+        "tensor view (offset {storage_offset}, shape {shape:?}, stride {stride:?}) reaches element {extent} of storage `{key}`, which has {numel}"
+    )]
     ViewOutOfBounds {
         key: String,
         storage_offset: u64,
@@ -111,7 +117,7 @@ pub fn read_archive(bytes: &[u8]) -> Result<TorchArchive, TorchZipError> {
             message: format!("member `{name}` has no data offset"),
         })?;
         let len = file.compressed_size();
-        let end = start.checked_add(len).unwrap_or(u64::MAX);
+        let end = start.saturating_add(len);
         if end > total {
             return Err(TorchZipError::MemberOutOfBounds {
                 member: name,
@@ -120,7 +126,10 @@ pub fn read_archive(bytes: &[u8]) -> Result<TorchArchive, TorchZipError> {
                 len: total,
             });
         }
-        members.insert(name, (MemberRange { offset: start, len }, file.compression()));
+        members.insert(
+            name,
+            (MemberRange { offset: start, len }, file.compression()),
+        );
     }
     // The pickle is `<prefix>/data.pkl` where prefix has no further `/`.
     let (pkl_name, pkl) = members
@@ -296,7 +305,10 @@ pub fn gather_view(storage: &[u8], t: &TensorRef) -> Result<Vec<u8>, TorchZipErr
         numel: (storage.len() / item.max(1)) as u64,
     };
     let extent = t.storage_extent().ok_or_else(too_short)?;
-    if extent.checked_mul(item as u64).is_none_or(|b| b > storage.len() as u64) {
+    if extent
+        .checked_mul(item as u64)
+        .is_none_or(|b| b > storage.len() as u64)
+    {
         return Err(too_short());
     }
     let numel = t.numel().ok_or_else(too_short)? as usize;
@@ -312,10 +324,7 @@ pub fn gather_view(storage: &[u8], t: &TensorRef) -> Result<Vec<u8>, TorchZipErr
     let ndim = t.shape.len();
     let mut index = vec![0u64; ndim];
     for _ in 0..numel {
-        let mut pos = t.storage_offset;
-        for d in 0..ndim {
-            pos += index[d] * t.stride[d];
-        }
+        let pos = t.storage_offset + index.iter().zip(&t.stride).map(|(i, s)| i * s).sum::<u64>();
         let start = pos as usize * item;
         out.extend_from_slice(&storage[start..start + item]);
         for d in (0..ndim).rev() {

@@ -112,14 +112,20 @@ impl CheckpointKind {
     pub fn describe(self) -> &'static str {
         match self {
             CheckpointKind::DcpTorchSave => "DCP (torch.distributed.checkpoint, torch.save items)",
-            CheckpointKind::DcpSafetensors => "DCP (torch.distributed.checkpoint, SAFETENSORS serialization)",
+            CheckpointKind::DcpSafetensors => {
+                "DCP (torch.distributed.checkpoint, SAFETENSORS serialization)"
+            }
             CheckpointKind::HfSafetensors => "HF safetensors",
-            CheckpointKind::HfDistributedSafetensors => "HF safetensors pieces with DCP sharding info",
+            CheckpointKind::HfDistributedSafetensors => {
+                "HF safetensors pieces with DCP sharding info"
+            }
             CheckpointKind::Fsdp1Full => "FSDP1 FULL_STATE_DICT (full tensors on every rank)",
             CheckpointKind::Fsdp1Sharded => "FSDP1 SHARDED_STATE_DICT (ShardedTensor)",
             CheckpointKind::Fsdp1Local => "FSDP1 LOCAL_STATE_DICT (flat parameters)",
             CheckpointKind::Fsdp2 => "FSDP2 (DTensor)",
-            CheckpointKind::RankLocal => "per-rank local state (no global metadata, e.g. raw FSDP1 optimizer state)",
+            CheckpointKind::RankLocal => {
+                "per-rank local state (no global metadata, e.g. raw FSDP1 optimizer state)"
+            }
             CheckpointKind::Plain => "plain torch.save state dict",
         }
     }
@@ -159,7 +165,10 @@ pub enum EntryKind {
 pub enum ChunkEncoding {
     /// Raw little-endian elements: the byte range is a storage; the chunk is the view
     /// `storage[storage_offset + Σ i_d·strides_d]` (in elements).
-    Raw { storage_offset: u64, strides: Vec<u64> },
+    Raw {
+        storage_offset: u64,
+        strides: Vec<u64>,
+    },
     /// The byte range is a complete `torch.save` archive holding the chunk (DCP default items).
     TorchSaveItem,
 }
@@ -258,8 +267,7 @@ impl IndexEntry {
 
     /// Bytes of the global tensor.
     pub fn nbytes(&self) -> Option<u64> {
-        self.numel()?
-            .checked_mul(self.dtype?.size_bytes() as u64)
+        self.numel()?.checked_mul(self.dtype?.size_bytes() as u64)
     }
 
     /// The distinct ranks holding chunks.
@@ -332,7 +340,11 @@ impl std::fmt::Display for Problem {
 // Building.
 
 fn file_ext(name: &str) -> &str {
-    name.rsplit('/').next().unwrap_or(name).rsplit_once('.').map_or("", |(_, e)| e)
+    name.rsplit('/')
+        .next()
+        .unwrap_or(name)
+        .rsplit_once('.')
+        .map_or("", |(_, e)| e)
 }
 
 fn is_torch_file(name: &str) -> bool {
@@ -355,12 +367,16 @@ pub fn rank_from_name(name: &str) -> (Option<u32>, String) {
     let bytes = base.as_bytes();
     let find_digits = |from: usize| -> Option<(usize, usize)> {
         let start = (from..bytes.len()).find(|&i| bytes[i].is_ascii_digit())?;
-        let end = (start..bytes.len()).find(|&i| !bytes[i].is_ascii_digit()).unwrap_or(bytes.len());
+        let end = (start..bytes.len())
+            .find(|&i| !bytes[i].is_ascii_digit())
+            .unwrap_or(bytes.len());
         Some((start, end))
     };
     let span = match pos {
         Some(p) => {
-            let skip = (p..bytes.len()).find(|&i| bytes[i] != b'_' && bytes[i] != b'-').unwrap_or(p);
+            let skip = (p..bytes.len())
+                .find(|&i| bytes[i] != b'_' && bytes[i] != b'-')
+                .unwrap_or(p);
             if bytes.get(skip).is_some_and(u8::is_ascii_digit) {
                 find_digits(skip)
             } else {
@@ -381,7 +397,10 @@ pub fn rank_from_name(name: &str) -> (Option<u32>, String) {
 /// Indexes whatever checkpoint the source holds.
 pub fn index_source(source: &dyn Source) -> Result<CheckpointIndex, IndexError> {
     let names = source.names();
-    if names.iter().any(|n| n == ".metadata" || n.ends_with("/.metadata")) {
+    if names
+        .iter()
+        .any(|n| n == ".metadata" || n.ends_with("/.metadata"))
+    {
         let meta = names
             .iter()
             .find(|n| n.as_str() == ".metadata")
@@ -390,7 +409,10 @@ pub fn index_source(source: &dyn Source) -> Result<CheckpointIndex, IndexError> 
             .unwrap_or_default();
         return index_dcp(source, &meta);
     }
-    let safetensors: Vec<&String> = names.iter().filter(|n| file_ext(n) == "safetensors").collect();
+    let safetensors: Vec<&String> = names
+        .iter()
+        .filter(|n| file_ext(n) == "safetensors")
+        .collect();
     let torch: Vec<&String> = names.iter().filter(|n| is_torch_file(n)).collect();
     if !safetensors.is_empty() && torch.is_empty() {
         return index_safetensors(source, &names);
@@ -442,7 +464,10 @@ fn path_seg_of_key(k: &PyValue) -> Option<PathSeg> {
 }
 
 fn is_tensorish(v: &PyValue) -> bool {
-    matches!(v, PyValue::Tensor(_) | PyValue::ShardedTensor(_) | PyValue::DTensor(_))
+    matches!(
+        v,
+        PyValue::Tensor(_) | PyValue::ShardedTensor(_) | PyValue::DTensor(_)
+    )
 }
 
 /// DCP's traversal: mappings are always descended; a list/tuple is descended when it holds a
@@ -459,9 +484,10 @@ fn flatten<'a>(v: &'a PyValue, path: &mut Vec<PathSeg>, out: &mut Vec<Leaf<'a>>)
             }
         }
         PyValue::List(items) | PyValue::Tuple(items)
-            if items
-                .iter()
-                .any(|i| is_tensorish(i) || matches!(i, PyValue::Dict(_) | PyValue::List(_) | PyValue::Tuple(_))) =>
+            if items.iter().any(|i| {
+                is_tensorish(i)
+                    || matches!(i, PyValue::Dict(_) | PyValue::List(_) | PyValue::Tuple(_))
+            }) =>
         {
             for (i, val) in items.iter().enumerate() {
                 path.push(PathSeg::Index(i as i64));
@@ -477,13 +503,20 @@ fn flatten<'a>(v: &'a PyValue, path: &mut Vec<PathSeg>, out: &mut Vec<Leaf<'a>>)
 }
 
 fn join_path(path: &[PathSeg]) -> String {
-    path.iter().map(ToString::to_string).collect::<Vec<_>>().join(".")
+    path.iter()
+        .map(ToString::to_string)
+        .collect::<Vec<_>>()
+        .join(".")
 }
 
 fn clean_path(path: &[PathSeg]) -> Vec<PathSeg> {
     path.iter()
         .map(|s| match s {
-            PathSeg::Key(k) => PathSeg::Key(clean_tensor_name(&format!("{k}.")).trim_end_matches('.').to_owned()),
+            PathSeg::Key(k) => PathSeg::Key(
+                clean_tensor_name(&format!("{k}."))
+                    .trim_end_matches('.')
+                    .to_owned(),
+            ),
             PathSeg::Index(i) => PathSeg::Index(*i),
         })
         .collect()
@@ -497,20 +530,31 @@ pub fn json_of(v: &PyValue) -> serde_json::Value {
         PyValue::Bool(b) => J::Bool(*b),
         PyValue::Int(i) => J::from(*i),
         PyValue::BigInt(b) => J::String(format!("<int of {} bytes>", b.len())),
-        PyValue::Float(f) => serde_json::Number::from_f64(*f).map_or_else(|| J::String(f.to_string()), J::Number),
+        PyValue::Float(f) => {
+            serde_json::Number::from_f64(*f).map_or_else(|| J::String(f.to_string()), J::Number)
+        }
         PyValue::Str(s) => J::String(s.clone()),
         PyValue::Bytes(b) => J::String(format!("<{} bytes>", b.len())),
-        PyValue::Tuple(items) | PyValue::List(items) | PyValue::Set(items) => J::Array(items.iter().map(json_of).collect()),
+        PyValue::Tuple(items) | PyValue::List(items) | PyValue::Set(items) => {
+            J::Array(items.iter().map(json_of).collect())
+        }
         PyValue::Dict(items) => {
             if items.iter().all(|(k, _)| path_seg_of_key(k).is_some()) {
                 J::Object(
                     items
                         .iter()
-                        .filter_map(|(k, v)| path_seg_of_key(k).map(|s| (s.to_string(), json_of(v))))
+                        .filter_map(|(k, v)| {
+                            path_seg_of_key(k).map(|s| (s.to_string(), json_of(v)))
+                        })
                         .collect(),
                 )
             } else {
-                J::Array(items.iter().map(|(k, v)| J::Array(vec![json_of(k), json_of(v)])).collect())
+                J::Array(
+                    items
+                        .iter()
+                        .map(|(k, v)| J::Array(vec![json_of(k), json_of(v)]))
+                        .collect(),
+                )
             }
         }
         PyValue::Global(g) => J::String(g.to_string()),
@@ -535,10 +579,12 @@ fn raw_chunk(
     t: &TensorRef,
     offsets: Vec<u64>,
 ) -> Result<Chunk, IndexError> {
-    let range = archive.storage_range(t).map_err(|source| IndexError::TorchZip {
-        file: file.to_owned(),
-        source,
-    })?;
+    let range = archive
+        .storage_range(t)
+        .map_err(|source| IndexError::TorchZip {
+            file: file.to_owned(),
+            source,
+        })?;
     Ok(Chunk {
         offsets,
         sizes: t.shape.clone(),
@@ -566,22 +612,31 @@ fn dtensor_offsets(
         match p {
             Placement::Replicate | Placement::Partial { .. } => {}
             Placement::Shard { dim } => {
-                let d = usize::try_from(if *dim < 0 { *dim + global.len() as i64 } else { *dim }).ok()?;
-                let n = *mesh.get(i)?;
-                let k = *coord.get(i)?;
-                let l = *local.get(d)?;
-                if n == 0 {
+                let tensor_dim = usize::try_from(if *dim < 0 {
+                    *dim + global.len() as i64
+                } else {
+                    *dim
+                })
+                .ok()?;
+                let mesh_size = *mesh.get(i)?;
+                let coordinate = *coord.get(i)?;
+                let current = *local.get(tensor_dim)?;
+                if mesh_size == 0 {
                     return None;
                 }
-                let (size, off) = if l % n == 0 {
-                    (l / n, k * (l / n))
+                let (size, offset) = if current % mesh_size == 0 {
+                    (current / mesh_size, coordinate * (current / mesh_size))
                 } else {
-                    let f = l.div_ceil(n);
-                    let start = f * k;
-                    if start >= l { (0, l) } else { ((l).min(start + f) - start, start) }
+                    let full_chunk = current.div_ceil(mesh_size);
+                    let start = full_chunk * coordinate;
+                    if start >= current {
+                        (0, current)
+                    } else {
+                        (current.min(start + full_chunk) - start, start)
+                    }
                 };
-                local[d] = size;
-                offsets[d] += off;
+                local[tensor_dim] = size;
+                offsets[tensor_dim] += offset;
             }
             Placement::StridedShard { .. } | Placement::Other { .. } => return None,
         }
@@ -596,7 +651,10 @@ struct Partial {
 }
 
 /// Indexes one or more per-rank `torch.save` files of the same checkpoint.
-pub fn index_torch_files(source: &dyn Source, files: &[String]) -> Result<CheckpointIndex, IndexError> {
+pub fn index_torch_files(
+    source: &dyn Source,
+    files: &[String],
+) -> Result<CheckpointIndex, IndexError> {
     let mut merged: BTreeMap<String, Partial> = BTreeMap::new();
     let mut file_infos = BTreeMap::new();
     let mut saw_sharded = false;
@@ -624,13 +682,25 @@ pub fn index_torch_files(source: &dyn Source, files: &[String]) -> Result<Checkp
                 PyValue::Tensor(t) => {
                     chunks.push(raw_chunk(file, rank, &archive, t, vec![0; t.shape.len()])?);
                     plain_shape = Some(t.shape.clone());
-                    (EntryKind::Tensor, Some(t.storage.dtype), Some(t.shape.clone()), None, None)
+                    (
+                        EntryKind::Tensor,
+                        Some(t.storage.dtype),
+                        Some(t.shape.clone()),
+                        None,
+                        None,
+                    )
                 }
                 PyValue::ShardedTensor(s) => {
                     saw_sharded = true;
                     saw_flat |= flat_param;
                     for ls in &s.local_shards {
-                        chunks.push(raw_chunk(file, rank, &archive, &ls.tensor, ls.offsets.clone())?);
+                        chunks.push(raw_chunk(
+                            file,
+                            rank,
+                            &archive,
+                            &ls.tensor,
+                            ls.offsets.clone(),
+                        )?);
                     }
                     let info = FsdpInfo::ShardedTensor {
                         shards: s
@@ -643,12 +713,21 @@ pub fn index_torch_files(source: &dyn Source, files: &[String]) -> Result<Checkp
                             })
                             .collect(),
                     };
-                    (EntryKind::Tensor, Some(s.dtype), Some(s.global_shape.clone()), Some(info), None)
+                    (
+                        EntryKind::Tensor,
+                        Some(s.dtype),
+                        Some(s.global_shape.clone()),
+                        Some(info),
+                        None,
+                    )
                 }
                 PyValue::DTensor(d) => {
                     saw_dtensor = true;
                     // Without a readable mesh, a 1-D mesh over the given rank files.
-                    let mesh = d.mesh_shape.clone().unwrap_or_else(|| vec![files.len() as u64; d.placements.len()]);
+                    let mesh = d
+                        .mesh_shape
+                        .clone()
+                        .unwrap_or_else(|| vec![files.len() as u64; d.placements.len()]);
                     let coord = d
                         .mesh_coordinate
                         .clone()
@@ -668,7 +747,13 @@ pub fn index_torch_files(source: &dyn Source, files: &[String]) -> Result<Checkp
                         placements: d.placements.iter().map(ToString::to_string).collect(),
                         mesh_shape: d.mesh_shape.clone(),
                     };
-                    (EntryKind::Tensor, Some(d.dtype), Some(d.global_shape.clone()), Some(info), None)
+                    (
+                        EntryKind::Tensor,
+                        Some(d.dtype),
+                        Some(d.global_shape.clone()),
+                        Some(info),
+                        None,
+                    )
                 }
                 other => (EntryKind::Scalar, None, None, None, Some(json_of(other))),
             };
@@ -691,7 +776,9 @@ pub fn index_torch_files(source: &dyn Source, files: &[String]) -> Result<Checkp
             if p.entry.kind != kind || p.entry.dtype != dtype {
                 return Err(IndexError::Inconsistent {
                     file: file.clone(),
-                    what: format!("{key}: kind or dtype differs from the same key in another rank's file"),
+                    what: format!(
+                        "{key}: kind or dtype differs from the same key in another rank's file"
+                    ),
                 });
             }
             if kind == EntryKind::Scalar && p.entry.value != value {
@@ -702,7 +789,10 @@ pub fn index_torch_files(source: &dyn Source, files: &[String]) -> Result<Checkp
             } else if p.entry.shape != shape {
                 return Err(IndexError::Inconsistent {
                     file: file.clone(),
-                    what: format!("{key}: global shape {shape:?} differs from another rank's {:?}", p.entry.shape),
+                    what: format!(
+                        "{key}: global shape {shape:?} differs from another rank's {:?}",
+                        p.entry.shape
+                    ),
                 });
             }
             p.entry.chunks.extend(chunks);
@@ -721,7 +811,8 @@ pub fn index_torch_files(source: &dyn Source, files: &[String]) -> Result<Checkp
     let mut entries: Vec<IndexEntry> = merged
         .into_values()
         .map(|mut p| {
-            if !p.plain_shapes.is_empty() && p.plain_shapes.iter().any(|s| *s != p.plain_shapes[0]) {
+            if !p.plain_shapes.is_empty() && p.plain_shapes.iter().any(|s| *s != p.plain_shapes[0])
+            {
                 // Plain tensors whose shapes differ across ranks: rank-local pieces, no global shape.
                 p.entry.shape = None;
                 rank_local = true;
@@ -736,7 +827,13 @@ pub fn index_torch_files(source: &dyn Source, files: &[String]) -> Result<Checkp
         for e in &mut entries {
             if e.kind == EntryKind::Tensor
                 && e.fsdp.is_none()
-                && matches!(e.role, Some(Role::OptimizerState { param: PathSeg::Index(_), .. }))
+                && matches!(
+                    e.role,
+                    Some(Role::OptimizerState {
+                        param: PathSeg::Index(_),
+                        ..
+                    })
+                )
             {
                 e.shape = None;
                 rank_local = true;
@@ -774,7 +871,9 @@ pub fn index_torch_files(source: &dyn Source, files: &[String]) -> Result<Checkp
 fn unreferenced_bytes(archive: &torch_zip::TorchArchive) -> u64 {
     let mut used: BTreeMap<&str, Vec<(u64, u64)>> = BTreeMap::new();
     for t in archive.tensors() {
-        let Some(extent) = t.storage_extent() else { continue };
+        let Some(extent) = t.storage_extent() else {
+            continue;
+        };
         if extent > t.storage_offset {
             used.entry(t.storage.key.as_str())
                 .or_default()
@@ -850,15 +949,28 @@ fn assign_roles(entries: &mut [IndexEntry]) -> bool {
 // ----- safetensors ------------------------------------------------------------------------------
 
 fn index_safetensors(source: &dyn Source, names: &[String]) -> Result<CheckpointIndex, IndexError> {
-    let mut files: Vec<String> = names.iter().filter(|n| file_ext(n) == "safetensors").cloned().collect();
-    if let Some(index_name) = names.iter().find(|n| n.ends_with(".safetensors.index.json")) {
+    let mut files: Vec<String> = names
+        .iter()
+        .filter(|n| file_ext(n) == "safetensors")
+        .cloned()
+        .collect();
+    if let Some(index_name) = names
+        .iter()
+        .find(|n| n.ends_with(".safetensors.index.json"))
+    {
         let bytes = source.read_all(index_name)?;
         let index = st::read_index(&bytes).map_err(|source| IndexError::Safetensors {
             file: index_name.clone(),
             source,
         })?;
-        let dir = index_name.rsplit_once('/').map_or(String::new(), |(d, _)| format!("{d}/"));
-        let referenced: BTreeSet<String> = index.weight_map.values().map(|f| format!("{dir}{f}")).collect();
+        let dir = index_name
+            .rsplit_once('/')
+            .map_or(String::new(), |(d, _)| format!("{d}/"));
+        let referenced: BTreeSet<String> = index
+            .weight_map
+            .values()
+            .map(|f| format!("{dir}{f}"))
+            .collect();
         for f in &referenced {
             if !source.contains(f) {
                 return Err(IndexError::Inconsistent {
@@ -881,7 +993,10 @@ fn index_safetensors(source: &dyn Source, names: &[String]) -> Result<Checkpoint
         let (rank, _) = rank_from_name(file);
         for t in header.tensors {
             sharding_info |= t.saved_offsets.is_some();
-            let offsets = t.saved_offsets.clone().unwrap_or_else(|| vec![0; t.shape.len()]);
+            let offsets = t
+                .saved_offsets
+                .clone()
+                .unwrap_or_else(|| vec![0; t.shape.len()]);
             let chunk = Chunk {
                 offsets,
                 sizes: t.shape.clone(),
@@ -911,7 +1026,10 @@ fn index_safetensors(source: &dyn Source, names: &[String]) -> Result<Checkpoint
             if e.dtype != Some(t.dtype) || e.shape.as_ref().map(Vec::len) != Some(t.shape.len()) {
                 return Err(IndexError::Inconsistent {
                     file: file.clone(),
-                    what: format!("{}: dtype or rank differs from another file's piece", t.name),
+                    what: format!(
+                        "{}: dtype or rank differs from another file's piece",
+                        t.name
+                    ),
                 });
             }
             // Global size = max(offset + size) per dim, as HuggingFaceStorageReader does.
@@ -933,7 +1051,10 @@ fn index_safetensors(source: &dyn Source, names: &[String]) -> Result<Checkpoint
     }
     Ok(CheckpointIndex {
         format: Format::Safetensors,
-        kind: if sharding_info && by_key.values().any(|e| e.chunks.len() > 1 || e.chunks.iter().any(|c| c.offsets.iter().any(|&o| o > 0))) {
+        kind: if sharding_info
+            && by_key.values().any(|e| {
+                e.chunks.len() > 1 || e.chunks.iter().any(|c| c.offsets.iter().any(|&o| o > 0))
+            }) {
             CheckpointKind::HfDistributedSafetensors
         } else {
             CheckpointKind::HfSafetensors
@@ -959,8 +1080,11 @@ pub fn index_dcp(source: &dyn Source, metadata_name: &str) -> Result<CheckpointI
         file: metadata_name.to_owned(),
         source,
     })?;
-    let dir = metadata_name.rsplit_once('/').map_or(String::new(), |(d, _)| format!("{d}/"));
-    let mut where_: HashMap<(&str, Option<&[u64]>), &dcp::StorageInfo> = HashMap::with_capacity(meta.storage.len());
+    let dir = metadata_name
+        .rsplit_once('/')
+        .map_or(String::new(), |(d, _)| format!("{d}/"));
+    let mut where_: HashMap<(&str, Option<&[u64]>), &dcp::StorageInfo> =
+        HashMap::with_capacity(meta.storage.len());
     for (idx, info) in &meta.storage {
         where_.insert((idx.fqn.as_str(), idx.offset.as_deref()), info);
     }
@@ -983,10 +1107,15 @@ pub fn index_dcp(source: &dyn Source, metadata_name: &str) -> Result<CheckpointI
         let clean_path_v = clean_path(&path);
         let mut chunks = Vec::new();
         let lookup = |offsets: Option<&[u64]>| -> Result<&dcp::StorageInfo, IndexError> {
-            where_.get(&(key.as_str(), offsets)).copied().ok_or_else(|| IndexError::Inconsistent {
-                file: metadata_name.to_owned(),
-                what: format!("{key}: no storage_data record for the chunk at offsets {offsets:?}"),
-            })
+            where_
+                .get(&(key.as_str(), offsets))
+                .copied()
+                .ok_or_else(|| IndexError::Inconsistent {
+                    file: metadata_name.to_owned(),
+                    what: format!(
+                        "{key}: no storage_data record for the chunk at offsets {offsets:?}"
+                    ),
+                })
         };
         let (kind, dtype, shape) = match item {
             ItemMeta::Bytes => {
@@ -1002,7 +1131,11 @@ pub fn index_dcp(source: &dyn Source, metadata_name: &str) -> Result<CheckpointI
                 });
                 (EntryKind::Bytes, None, None)
             }
-            ItemMeta::Tensor { dtype, size, chunks: metas } => {
+            ItemMeta::Tensor {
+                dtype,
+                size,
+                chunks: metas,
+            } => {
                 for c in metas {
                     let info = lookup(Some(&c.offsets))?;
                     let file = format!("{dir}{}", info.relative_path);
@@ -1025,17 +1158,30 @@ pub fn index_dcp(source: &dyn Source, metadata_name: &str) -> Result<CheckpointI
                     if info.has_transforms {
                         return Err(IndexError::Inconsistent {
                             file: file.clone(),
-                            what: format!("{key}: items with transform extensions (compression) are not supported"),
+                            what: format!(
+                                "{key}: items with transform extensions (compression) are not supported"
+                            ),
                         });
                     }
                     let blob_key = (file.clone(), info.offset);
+                    if !blobs.contains_key(&blob_key) && info.offset >= file_sizes[&file] {
+                        // Past the end: `check` reports it with the key; nothing to peek at.
+                        blobs.insert(blob_key.clone(), HashMap::new());
+                    }
                     if !blobs.contains_key(&blob_key) {
-                        let head = source.read_range(&file, info.offset, 4.min(file_sizes[&file].saturating_sub(info.offset)))?;
+                        let head = source.read_range(
+                            &file,
+                            info.offset,
+                            4.min(file_sizes[&file].saturating_sub(info.offset)),
+                        )?;
                         if torch_zip::looks_like_zip(&head) || info.length == 0 && head.is_empty() {
                             blobs.insert(blob_key.clone(), HashMap::new());
                         } else {
                             safetensors_serialization = true;
-                            blobs.insert(blob_key.clone(), read_blob(source, &file, info.offset, file_sizes[&file])?);
+                            blobs.insert(
+                                blob_key.clone(),
+                                read_blob(source, &file, info.offset, file_sizes[&file])?,
+                            );
                         }
                     }
                     if let Some((off, len)) = blobs[&blob_key].get(key.as_str()) {
@@ -1048,7 +1194,10 @@ pub fn index_dcp(source: &dyn Source, metadata_name: &str) -> Result<CheckpointI
                     } else if !blobs[&blob_key].is_empty() {
                         return Err(IndexError::Inconsistent {
                             file: file.clone(),
-                            what: format!("{key}: the safetensors blob at byte {} has no tensor of this name", info.offset),
+                            what: format!(
+                                "{key}: the safetensors blob at byte {} has no tensor of this name",
+                                info.offset
+                            ),
                         });
                     }
                     chunks.push(chunk);
@@ -1091,7 +1240,14 @@ pub fn index_dcp(source: &dyn Source, metadata_name: &str) -> Result<CheckpointI
         .into_iter()
         .map(|(f, size)| {
             let rank = dcp_rank(&f);
-            (f, FileInfo { size, rank, unreferenced_bytes: 0 })
+            (
+                f,
+                FileInfo {
+                    size,
+                    rank,
+                    unreferenced_bytes: 0,
+                },
+            )
         })
         .collect();
     files.insert(
@@ -1106,7 +1262,14 @@ pub fn index_dcp(source: &dyn Source, metadata_name: &str) -> Result<CheckpointI
     for n in source.names() {
         if n.starts_with(&dir) && n.ends_with(".distcp") && !files.contains_key(&n) {
             let size = source.size(&n)?;
-            files.insert(n.clone(), FileInfo { size, rank: dcp_rank(&n), unreferenced_bytes: 0 });
+            files.insert(
+                n.clone(),
+                FileInfo {
+                    size,
+                    rank: dcp_rank(&n),
+                    unreferenced_bytes: 0,
+                },
+            );
         }
     }
     Ok(CheckpointIndex {
@@ -1128,25 +1291,37 @@ pub fn index_dcp(source: &dyn Source, metadata_name: &str) -> Result<CheckpointI
 }
 
 /// Reads the header of the safetensors blob at `offset` of `file`: name -> absolute byte range.
-fn read_blob(source: &dyn Source, file: &str, offset: u64, size: u64) -> Result<HashMap<String, (u64, u64)>, IndexError> {
+fn read_blob(
+    source: &dyn Source,
+    file: &str,
+    offset: u64,
+    size: u64,
+) -> Result<HashMap<String, (u64, u64)>, IndexError> {
     let st_err = |source| IndexError::Safetensors {
         file: file.to_owned(),
         source,
     };
     let head = source.read_range(file, offset, 8.min(size.saturating_sub(offset)))?;
-    let n = match head.as_ref() {
-        [a, b, c, d, e, f, g, h] => u64::from_le_bytes([*a, *b, *c, *d, *e, *f, *g, *h]),
-        _ => {
+    let n = match <[u8; 8]>::try_from(head.as_ref()) {
+        Ok(len) => u64::from_le_bytes(len),
+        Err(_) => {
             return Err(st_err(SafetensorsError::Invalid {
-                message: format!("item at byte {offset} is neither a torch.save archive nor a safetensors blob"),
+                message: format!(
+                    "item at byte {offset} is neither a torch.save archive nor a safetensors blob"
+                ),
             }));
         }
     };
-    let header_end = n.checked_add(8).filter(|&e| e <= size.saturating_sub(offset)).ok_or_else(|| {
-        st_err(SafetensorsError::Invalid {
-            message: format!("safetensors header at byte {offset} claims {n} bytes, past the end of the file"),
-        })
-    })?;
+    let header_end = n
+        .checked_add(8)
+        .filter(|&e| e <= size.saturating_sub(offset))
+        .ok_or_else(|| {
+            st_err(SafetensorsError::Invalid {
+                message: format!(
+                    "safetensors header at byte {offset} claims {n} bytes, past the end of the file"
+                ),
+            })
+        })?;
     let header = source.read_range(file, offset, header_end)?;
     let len = st::blob_len(&header).map_err(st_err)?;
     let end = offset.checked_add(len).filter(|&e| e <= size).ok_or_else(|| {
@@ -1189,14 +1364,23 @@ impl CheckpointIndex {
                     _ => problems.push(Problem {
                         key: e.key.clone(),
                         file: Some(c.file.clone()),
-                        byte_range: Some((c.byte_offset, c.byte_offset.saturating_add(c.byte_length))),
-                        what: format!("byte range lies outside the file ({} bytes)", size.unwrap_or(0)),
+                        byte_range: Some((
+                            c.byte_offset,
+                            c.byte_offset.saturating_add(c.byte_length),
+                        )),
+                        what: format!(
+                            "byte range lies outside the file ({} bytes)",
+                            size.unwrap_or(0)
+                        ),
                     }),
                 }
                 if let (Some(dtype), Some(numel)) = (e.dtype, c.numel()) {
                     let item = dtype.size_bytes() as u64;
                     let needed = match &c.encoding {
-                        ChunkEncoding::Raw { storage_offset, strides } => {
+                        ChunkEncoding::Raw {
+                            storage_offset,
+                            strides,
+                        } => {
                             let view = TensorRef {
                                 storage: StorageRef {
                                     key: String::new(),
@@ -1222,7 +1406,10 @@ impl CheckpointIndex {
                         problems.push(Problem {
                             key: e.key.clone(),
                             file: Some(c.file.clone()),
-                            byte_range: Some((c.byte_offset, c.byte_offset.saturating_add(c.byte_length))),
+                            byte_range: Some((
+                                c.byte_offset,
+                                c.byte_offset.saturating_add(c.byte_length),
+                            )),
                             what: format!(
                                 "{} bytes cannot hold a {:?} chunk of {dtype}",
                                 c.byte_length, c.sizes
@@ -1239,6 +1426,9 @@ impl CheckpointIndex {
     }
 }
 
+/// A chunk's `(offsets, sizes)`.
+type ChunkBox<'a> = (&'a [u64], &'a [u64]);
+
 fn check_tiling(e: &IndexEntry, shape: &[u64], problems: &mut Vec<Problem>) {
     let problem = |c: Option<&Chunk>, what: String| Problem {
         key: e.key.clone(),
@@ -1252,10 +1442,16 @@ fn check_tiling(e: &IndexEntry, shape: &[u64], problems: &mut Vec<Problem>) {
     };
     // Distinct boxes; identical boxes on different ranks are replicas.
     let mut boxes: Vec<&Chunk> = Vec::with_capacity(e.chunks.len());
-    let mut seen: HashMap<(&[u64], &[u64]), BTreeSet<Option<u32>>> = HashMap::new();
+    let mut seen: HashMap<ChunkBox<'_>, BTreeSet<Option<u32>>> = HashMap::new();
     for c in &e.chunks {
         if c.offsets.len() != shape.len() || c.sizes.len() != shape.len() {
-            problems.push(problem(Some(c), format!("chunk offsets {:?} / sizes {:?} do not match shape {shape:?}", c.offsets, c.sizes)));
+            problems.push(problem(
+                Some(c),
+                format!(
+                    "chunk offsets {:?} / sizes {:?} do not match shape {shape:?}",
+                    c.offsets, c.sizes
+                ),
+            ));
             return;
         }
         let out_of_bounds = c
@@ -1265,14 +1461,23 @@ fn check_tiling(e: &IndexEntry, shape: &[u64], problems: &mut Vec<Problem>) {
             .zip(shape)
             .any(|((&o, &s), &d)| o.checked_add(s).is_none_or(|end| end > d));
         if out_of_bounds {
-            problems.push(problem(Some(c), format!("chunk at {:?} of size {:?} lies outside shape {shape:?}", c.offsets, c.sizes)));
+            problems.push(problem(
+                Some(c),
+                format!(
+                    "chunk at {:?} of size {:?} lies outside shape {shape:?}",
+                    c.offsets, c.sizes
+                ),
+            ));
             return;
         }
         let ranks = seen.entry((&c.offsets, &c.sizes)).or_default();
         if ranks.is_empty() {
             boxes.push(c);
         } else if ranks.contains(&c.rank) || c.rank.is_none() {
-            problems.push(problem(Some(c), format!("chunk at {:?} is stored twice", c.offsets)));
+            problems.push(problem(
+                Some(c),
+                format!("chunk at {:?} is stored twice", c.offsets),
+            ));
         }
         ranks.insert(c.rank);
     }
@@ -1282,7 +1487,11 @@ fn check_tiling(e: &IndexEntry, shape: &[u64], problems: &mut Vec<Problem>) {
     }
     // Overlap: sweep on dim 0 (a compare budget keeps hostile inputs linear-ish).
     let nonempty: Vec<&Chunk> = {
-        let mut v: Vec<&Chunk> = boxes.iter().copied().filter(|c| c.numel() != Some(0)).collect();
+        let mut v: Vec<&Chunk> = boxes
+            .iter()
+            .copied()
+            .filter(|c| c.numel() != Some(0))
+            .collect();
         v.sort_by(|a, b| a.offsets.cmp(&b.offsets));
         v
     };
@@ -1305,7 +1514,10 @@ fn check_tiling(e: &IndexEntry, shape: &[u64], problems: &mut Vec<Problem>) {
             if overlap {
                 problems.push(problem(
                     Some(b),
-                    format!("chunk at {:?} (size {:?}) overlaps the chunk at {:?} (size {:?}) in {}", b.offsets, b.sizes, a.offsets, a.sizes, a.file),
+                    format!(
+                        "chunk at {:?} (size {:?}) overlaps the chunk at {:?} (size {:?}) in {}",
+                        b.offsets, b.sizes, a.offsets, a.sizes, a.file
+                    ),
                 ));
                 return;
             }
@@ -1332,7 +1544,12 @@ pub struct TensorData {
 
 impl CheckpointIndex {
     /// The chunk's values, contiguous little-endian, of shape `chunk.sizes`.
-    pub fn read_chunk(&self, source: &dyn Source, entry: &IndexEntry, chunk: &Chunk) -> Result<TensorData, IndexError> {
+    pub fn read_chunk(
+        &self,
+        source: &dyn Source,
+        entry: &IndexEntry,
+        chunk: &Chunk,
+    ) -> Result<TensorData, IndexError> {
         let dtype = entry.dtype.ok_or_else(|| IndexError::NotReadable {
             key: entry.key.clone(),
             what: "not a tensor".into(),
@@ -1346,7 +1563,10 @@ impl CheckpointIndex {
         };
         let bytes = source.read_range(&chunk.file, chunk.byte_offset, chunk.byte_length)?;
         let data = match &chunk.encoding {
-            ChunkEncoding::Raw { storage_offset, strides } => {
+            ChunkEncoding::Raw {
+                storage_offset,
+                strides,
+            } => {
                 let item = dtype.size_bytes() as u64;
                 let view = TensorRef {
                     storage: StorageRef {
@@ -1369,7 +1589,10 @@ impl CheckpointIndex {
             ChunkEncoding::TorchSaveItem => {
                 let archive = torch_zip::read_archive(&bytes).map_err(|e| bad(e.to_string()))?;
                 let PyValue::Tensor(t) = &archive.root else {
-                    return Err(bad(format!("the item holds a {}, not a tensor", archive.root.type_name())));
+                    return Err(bad(format!(
+                        "the item holds a {}, not a tensor",
+                        archive.root.type_name()
+                    )));
                 };
                 if t.storage.dtype != dtype || t.shape != chunk.sizes {
                     return Err(bad(format!(
@@ -1390,16 +1613,19 @@ impl CheckpointIndex {
     }
 
     /// The whole tensor, assembled from its chunks (replicas are read once).
-    pub fn read_tensor(&self, source: &dyn Source, entry: &IndexEntry) -> Result<TensorData, IndexError> {
+    pub fn read_tensor(
+        &self,
+        source: &dyn Source,
+        entry: &IndexEntry,
+    ) -> Result<TensorData, IndexError> {
         let not = |what: &str| IndexError::NotReadable {
             key: entry.key.clone(),
             what: what.into(),
         };
         let dtype = entry.dtype.ok_or_else(|| not("not a tensor"))?;
-        let shape = entry
-            .shape
-            .clone()
-            .ok_or_else(|| not("rank-local pieces with no global shape: read each chunk instead"))?;
+        let shape = entry.shape.clone().ok_or_else(|| {
+            not("rank-local pieces with no global shape: read each chunk instead")
+        })?;
         let item = dtype.size_bytes();
         let nbytes = entry.nbytes().ok_or_else(|| not("size overflows"))?;
         // Never allocate more than the files holding the chunks could fill.
@@ -1409,7 +1635,9 @@ impl CheckpointIndex {
             .map(|f| self.files.get(*f).map_or(0, |i| i.size))
             .fold(0, u64::saturating_add);
         if nbytes > available {
-            return Err(not("the tensor is larger than the files holding its chunks"));
+            return Err(not(
+                "the tensor is larger than the files holding its chunks",
+            ));
         }
         let problems: Vec<Problem> = {
             let mut p = Vec::new();
@@ -1429,11 +1657,19 @@ impl CheckpointIndex {
             let data = self.read_chunk(source, entry, c)?;
             copy_box(&mut out, &strides, &c.offsets, &c.sizes, &data.bytes, item);
         }
-        Ok(TensorData { dtype, shape, bytes: out })
+        Ok(TensorData {
+            dtype,
+            shape,
+            bytes: out,
+        })
     }
 
     /// Decodes a bytes item (DCP) into JSON.
-    pub fn read_bytes_value(&self, source: &dyn Source, entry: &IndexEntry) -> Result<serde_json::Value, IndexError> {
+    pub fn read_bytes_value(
+        &self,
+        source: &dyn Source,
+        entry: &IndexEntry,
+    ) -> Result<serde_json::Value, IndexError> {
         if entry.kind == EntryKind::Scalar {
             return Ok(entry.value.clone().unwrap_or(serde_json::Value::Null));
         }
@@ -1472,7 +1708,14 @@ impl CheckpointIndex {
 }
 
 /// Copies a contiguous box of `sizes` into `out` (contiguous with `strides`) at `offsets`.
-fn copy_box(out: &mut [u8], strides: &[u64], offsets: &[u64], sizes: &[u64], src: &[u8], item: usize) {
+fn copy_box(
+    out: &mut [u8],
+    strides: &[u64],
+    offsets: &[u64],
+    sizes: &[u64],
+    src: &[u8],
+    item: usize,
+) {
     let numel: u64 = sizes.iter().product();
     if numel == 0 {
         return;
@@ -1522,23 +1765,43 @@ impl TensorData {
         Some(match self.dtype {
             DType::Bool | DType::UInt8 => it.map(|c| f64::from(c[0])).collect(),
             DType::Int8 => it.map(|c| f64::from(c[0] as i8)).collect(),
-            DType::Int16 => it.map(|c| f64::from(i16::from_le_bytes([c[0], c[1]]))).collect(),
-            DType::UInt16 => it.map(|c| f64::from(u16::from_le_bytes([c[0], c[1]]))).collect(),
-            DType::Int32 => it.map(|c| f64::from(i32::from_le_bytes([c[0], c[1], c[2], c[3]]))).collect(),
-            DType::UInt32 => it.map(|c| f64::from(u32::from_le_bytes([c[0], c[1], c[2], c[3]]))).collect(),
+            DType::Int16 => it
+                .map(|c| f64::from(i16::from_le_bytes([c[0], c[1]])))
+                .collect(),
+            DType::UInt16 => it
+                .map(|c| f64::from(u16::from_le_bytes([c[0], c[1]])))
+                .collect(),
+            DType::Int32 => it
+                .map(|c| f64::from(i32::from_le_bytes([c[0], c[1], c[2], c[3]])))
+                .collect(),
+            DType::UInt32 => it
+                .map(|c| f64::from(u32::from_le_bytes([c[0], c[1], c[2], c[3]])))
+                .collect(),
             DType::Int64 => it
-                .map(|c| i64::from_le_bytes([c[0], c[1], c[2], c[3], c[4], c[5], c[6], c[7]]) as f64)
+                .map(|c| {
+                    i64::from_le_bytes([c[0], c[1], c[2], c[3], c[4], c[5], c[6], c[7]]) as f64
+                })
                 .collect(),
             DType::UInt64 => it
-                .map(|c| u64::from_le_bytes([c[0], c[1], c[2], c[3], c[4], c[5], c[6], c[7]]) as f64)
+                .map(|c| {
+                    u64::from_le_bytes([c[0], c[1], c[2], c[3], c[4], c[5], c[6], c[7]]) as f64
+                })
                 .collect(),
-            DType::Float16 => it.map(|c| half::f16::from_le_bytes([c[0], c[1]]).to_f64()).collect(),
-            DType::BFloat16 => it.map(|c| half::bf16::from_le_bytes([c[0], c[1]]).to_f64()).collect(),
-            DType::Float32 => it.map(|c| f64::from(f32::from_le_bytes([c[0], c[1], c[2], c[3]]))).collect(),
+            DType::Float16 => it
+                .map(|c| half::f16::from_le_bytes([c[0], c[1]]).to_f64())
+                .collect(),
+            DType::BFloat16 => it
+                .map(|c| half::bf16::from_le_bytes([c[0], c[1]]).to_f64())
+                .collect(),
+            DType::Float32 => it
+                .map(|c| f64::from(f32::from_le_bytes([c[0], c[1], c[2], c[3]])))
+                .collect(),
             DType::Float64 => it
                 .map(|c| f64::from_le_bytes([c[0], c[1], c[2], c[3], c[4], c[5], c[6], c[7]]))
                 .collect(),
-            DType::Complex64 | DType::Complex128 | DType::Float8E4M3Fn | DType::Float8E5M2 => return None,
+            DType::Complex64 | DType::Complex128 | DType::Float8E4M3Fn | DType::Float8E5M2 => {
+                return None;
+            }
         })
     }
 
@@ -1580,8 +1843,14 @@ mod tests {
 
     #[test]
     fn ranks_from_names() {
-        assert_eq!(rank_from_name("rank1_full.pt"), (Some(1), "rank{R}_full.pt".into()));
-        assert_eq!(rank_from_name("dir/model_rank_12.pt"), (Some(12), "model_rank_{R}.pt".into()));
+        assert_eq!(
+            rank_from_name("rank1_full.pt"),
+            (Some(1), "rank{R}_full.pt".into())
+        );
+        assert_eq!(
+            rank_from_name("dir/model_rank_12.pt"),
+            (Some(12), "model_rank_{R}.pt".into())
+        );
         assert_eq!(
             rank_from_name("shard-00002-model-00001-of-00001.safetensors"),
             (Some(1), "shard-{R}-model-00001-of-00001.safetensors".into())
@@ -1599,7 +1868,10 @@ mod tests {
         assert_eq!(got, vec![0, 2, 4, 5]);
         // HSDP (Replicate, Shard(0)) on a (2, 2) mesh.
         let p = [Placement::Replicate, Placement::Shard { dim: 0 }];
-        assert_eq!(dtensor_offsets(&[5], &p, &[2, 2], &[1, 1]).unwrap(), vec![3]);
+        assert_eq!(
+            dtensor_offsets(&[5], &p, &[2, 2], &[1, 1]).unwrap(),
+            vec![3]
+        );
     }
 
     #[test]

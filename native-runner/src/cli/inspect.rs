@@ -58,12 +58,10 @@ fn ranks_text(entry: &IndexEntry) -> String {
         while j + 1 < ranks.len() && ranks[j + 1] == ranks[j] + 1 {
             j += 1;
         }
-        parts.push(if j > i + 1 {
-            format!("{}-{}", ranks[i], ranks[j])
-        } else if j == i + 1 {
-            format!("{},{}", ranks[i], ranks[j])
-        } else {
-            ranks[i].to_string()
+        parts.push(match j - i {
+            0 => ranks[i].to_string(),
+            1 => format!("{},{}", ranks[i], ranks[j]),
+            _ => format!("{}-{}", ranks[i], ranks[j]),
         });
         i = j + 1;
     }
@@ -72,13 +70,25 @@ fn ranks_text(entry: &IndexEntry) -> String {
 
 fn shape_text(entry: &IndexEntry) -> String {
     match (&entry.shape, entry.kind) {
-        (Some(s), _) => format!("[{}]", s.iter().map(ToString::to_string).collect::<Vec<_>>().join(", ")),
+        (Some(s), _) => format!(
+            "[{}]",
+            s.iter()
+                .map(ToString::to_string)
+                .collect::<Vec<_>>()
+                .join(", ")
+        ),
         (None, EntryKind::Tensor) => {
             // Rank-local pieces: show each rank's local shape.
             let mut per: Vec<String> = entry
                 .chunks
                 .iter()
-                .map(|c| format!("r{}:{:?}", c.rank.map_or("?".into(), |r| r.to_string()), c.sizes))
+                .map(|c| {
+                    format!(
+                        "r{}:{:?}",
+                        c.rank.map_or("?".into(), |r| r.to_string()),
+                        c.sizes
+                    )
+                })
                 .collect();
             per.dedup();
             format!("local {}", per.join(" "))
@@ -129,9 +139,16 @@ pub fn run(args: &InspectArgs) -> anyhow::Result<ExitCode> {
     let summary = Summary::of(&idx);
     if args.json {
         let mut value = serde_json::to_value(&idx)?;
-        if let Some(entries) = value.get_mut("entries").and_then(serde_json::Value::as_array_mut) {
+        if let Some(entries) = value
+            .get_mut("entries")
+            .and_then(serde_json::Value::as_array_mut)
+        {
             for e in entries {
-                let key = e.get("key").and_then(|k| k.as_str()).unwrap_or("").to_owned();
+                let key = e
+                    .get("key")
+                    .and_then(|k| k.as_str())
+                    .unwrap_or("")
+                    .to_owned();
                 if let Some(s) = stats.get(&key) {
                     e["stats"] = serde_json::to_value(s)?;
                 }
@@ -158,7 +175,11 @@ pub fn run(args: &InspectArgs) -> anyhow::Result<ExitCode> {
     Ok(ExitCode::from(2))
 }
 
-fn tensor_stats(idx: &CheckpointIndex, source: &dyn Source, e: &IndexEntry) -> anyhow::Result<Option<ValueStats>> {
+fn tensor_stats(
+    idx: &CheckpointIndex,
+    source: &dyn Source,
+    e: &IndexEntry,
+) -> anyhow::Result<Option<ValueStats>> {
     if e.shape.is_some() {
         let data = idx
             .read_tensor(source, e)
@@ -224,7 +245,12 @@ impl Summary {
             let mean = per_rank.values().sum::<u64>() as f64 / per_rank.len() as f64;
             if mean > 0.0 { max / mean } else { 1.0 }
         });
-        let ranks = idx.files.values().filter_map(|f| f.rank).collect::<std::collections::BTreeSet<_>>().len();
+        let ranks = idx
+            .files
+            .values()
+            .filter_map(|f| f.rank)
+            .collect::<std::collections::BTreeSet<_>>()
+            .len();
         let mut looks_like = idx.kind.describe().to_owned();
         if ranks > 1 {
             let _ = write!(looks_like, ", {ranks} ranks");
@@ -245,9 +271,16 @@ impl Summary {
     }
 }
 
-fn render(idx: &CheckpointIndex, stats: &BTreeMap<String, ValueStats>, summary: &Summary, values: bool) -> String {
+fn render(
+    idx: &CheckpointIndex,
+    stats: &BTreeMap<String, ValueStats>,
+    summary: &Summary,
+    values: bool,
+) -> String {
     let mut rows: Vec<Vec<String>> = Vec::with_capacity(idx.entries.len() + 1);
-    let mut header = vec!["KEY", "KIND", "DTYPE", "SHAPE", "NUMEL", "BYTES", "CHUNKS", "RANKS"];
+    let mut header = vec![
+        "KEY", "KIND", "DTYPE", "SHAPE", "NUMEL", "BYTES", "CHUNKS", "RANKS",
+    ];
     if values {
         header.extend(["MIN", "MAX", "MEAN", "NAN", "INF", "VALUE"]);
     }
