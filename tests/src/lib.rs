@@ -7,13 +7,14 @@ pub fn fixtures_dir() -> PathBuf {
     PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("fixtures")
 }
 
-/// The `shardscope` binary of this workspace, built on demand (`cargo build -p shardscope-runner`).
+/// The `shardscope` binary of this workspace, brought up to date with `cargo build -p shardscope-runner`.
 pub fn shardscope_bin() -> PathBuf {
     let root = PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("..");
     let target =
         std::env::var_os("CARGO_TARGET_DIR").map_or_else(|| root.join("target"), PathBuf::from);
     let bin = target.join("debug").join("shardscope");
-    if !bin.exists() {
+    // Always ask cargo: a stale binary would test old code (a no-op when up to date).
+    {
         let status =
             std::process::Command::new(std::env::var_os("CARGO").unwrap_or_else(|| "cargo".into()))
                 .args(["build", "-q", "-p", "shardscope-runner"])

@@ -9,8 +9,6 @@
 //! `OrderedDict`, `ShardedTensor`, `DTensor`) into typed records. Anything else stays an
 //! [`PyObject`] with its class name, arguments and state, to be read (or ignored) by the caller.
 
-use std::collections::HashMap;
-
 use crate::dtype::DType;
 
 /// Limits on what one pickle may make the machine do. Every one has an explicit error.
@@ -118,13 +116,13 @@ pub enum PyValue {
     Dict(Vec<(PyValue, PyValue)>),
     Set(Vec<PyValue>),
     /// A global used as a value (a class, a function), never called.
-    Global(Global),
+    Global(Box<Global>),
     /// `torch.float32` and friends.
     DType(DType),
     /// `torch.Size`.
     Size(Vec<u64>),
     /// A storage persistent id `("storage", torch.FloatStorage, key, location, numel)`.
-    Storage(StorageRef),
+    Storage(Box<StorageRef>),
     /// `_rebuild_tensor_v2` (possibly wrapped as a `Parameter` or by `_rebuild_from_type_v2`).
     Tensor(Box<TensorRef>),
     /// A `ShardedTensor` (FSDP1 SHARDED/LOCAL state dicts).
@@ -427,16 +425,20 @@ enum Node {
     List(Vec<Val>),
     Dict(Vec<(Val, Val)>),
     Set(Vec<Val>),
-    Global(Global),
+    Global(Box<Global>),
     PersId(Val),
-    Object {
-        callable: Val,
-        args: Val,
-        kwargs: Option<Val>,
-        state: Option<Val>,
-        list_items: Vec<Val>,
-        dict_items: Vec<(Val, Val)>,
-    },
+    /// Boxed: objects are a minority of nodes and the largest variant.
+    Object(Box<ObjNode>),
+}
+
+#[derive(Debug)]
+struct ObjNode {
+    callable: Val,
+    args: Val,
+    kwargs: Option<Val>,
+    state: Option<Val>,
+    list_items: Vec<Val>,
+    dict_items: Vec<(Val, Val)>,
 }
 
 #[derive(Debug, Clone, Copy)]
@@ -451,7 +453,9 @@ struct Machine<'a> {
     limits: PickleLimits,
     arena: Vec<Node>,
     stack: Vec<Slot>,
-    memo: HashMap<u64, Val>,
+    /// Memo slots by index (torch and Python number them densely from 0).
+    memo: Vec<Option<Val>>,
+    memo_len: usize,
 }
 
 impl<'a> Machine<'a> {
@@ -462,7 +466,8 @@ impl<'a> Machine<'a> {
             limits,
             arena: Vec::new(),
             stack: Vec::new(),
-            memo: HashMap::new(),
+            memo: Vec::new(),
+            memo_len: 0,
         }
     }
 
@@ -576,20 +581,29 @@ impl<'a> Machine<'a> {
     }
 
     fn memo_put(&mut self, index: u64, v: Val) -> Result<(), PickleError> {
-        if self.memo.len() >= self.limits.max_memo && !self.memo.contains_key(&index) {
-            return Err(PickleError::Limit {
+        // Indices are dense in real pickles; an index beyond the limit would need a memo larger
+        // than the input justifies.
+        let slot = usize::try_from(index)
+            .ok()
+            .filter(|&i| i < self.limits.max_memo)
+            .ok_or(PickleError::Limit {
                 what: "memo entries",
                 limit: self.limits.max_memo,
-            });
+            })?;
+        if slot >= self.memo.len() {
+            self.memo.resize(slot + 1, None);
         }
-        self.memo.insert(index, v);
+        if self.memo[slot].is_none() {
+            self.memo_len += 1;
+        }
+        self.memo[slot] = Some(v);
         Ok(())
     }
 
     fn memo_get(&mut self, index: u64, at: usize) -> Result<(), PickleError> {
-        let v = *self
-            .memo
-            .get(&index)
+        let v = usize::try_from(index)
+            .ok()
+            .and_then(|i| self.memo.get(i).copied().flatten())
             .ok_or(PickleError::MissingMemo { index, offset: at })?;
         self.push(v)
     }
@@ -640,7 +654,7 @@ impl<'a> Machine<'a> {
     ) -> Result<(), PickleError> {
         match self.container_mut(target, at)? {
             Node::List(v) | Node::Set(v) => v.extend(items),
-            Node::Object { list_items, .. } => list_items.extend(items),
+            Node::Object(o) => o.list_items.extend(items),
             _ => {
                 return Err(PickleError::WrongType {
                     offset: at,
@@ -661,7 +675,7 @@ impl<'a> Machine<'a> {
         let pairs = items.chunks_exact(2).map(|c| (c[0], c[1]));
         match self.container_mut(target, at)? {
             Node::Dict(d) => d.extend(pairs),
-            Node::Object { dict_items, .. } => dict_items.extend(pairs),
+            Node::Object(o) => o.dict_items.extend(pairs),
             _ => {
                 return Err(PickleError::WrongType {
                     offset: at,
@@ -678,14 +692,14 @@ impl<'a> Machine<'a> {
         args: Val,
         kwargs: Option<Val>,
     ) -> Result<Val, PickleError> {
-        self.alloc(Node::Object {
+        self.alloc(Node::Object(Box::new(ObjNode {
             callable,
             args,
             kwargs,
             state: None,
             list_items: Vec::new(),
             dict_items: Vec::new(),
-        })
+        })))
     }
 
     fn run(mut self) -> Result<(Vec<Node>, Val), PickleError> {
@@ -922,7 +936,7 @@ impl<'a> Machine<'a> {
                 b'c' => {
                     let module = self.line()?.to_owned();
                     let name = self.line()?.to_owned();
-                    let v = self.alloc(Node::Global(Global { module, name }))?;
+                    let v = self.alloc(Node::Global(Box::new(Global { module, name })))?;
                     self.push(v)?;
                 }
                 0x93 => {
@@ -935,7 +949,7 @@ impl<'a> Machine<'a> {
                             what: "STACK_GLOBAL needs two strings".into(),
                         });
                     };
-                    let v = self.alloc(Node::Global(Global { module, name }))?;
+                    let v = self.alloc(Node::Global(Box::new(Global { module, name })))?;
                     self.push(v)?;
                 }
                 // REDUCE, NEWOBJ, NEWOBJ_EX
@@ -957,7 +971,7 @@ impl<'a> Machine<'a> {
                     let state = self.pop(op, at)?;
                     let target = self.top(op, at)?;
                     match self.container_mut(target, at)? {
-                        Node::Object { state: s, .. } => *s = Some(state),
+                        Node::Object(o) => o.state = Some(state),
                         _ => {
                             return Err(PickleError::WrongType {
                                 offset: at,
@@ -981,7 +995,7 @@ impl<'a> Machine<'a> {
                 // MEMOIZE, BINPUT, LONG_BINPUT, PUT
                 0x94 => {
                     let v = self.top(op, at)?;
-                    let index = self.memo.len() as u64;
+                    let index = self.memo_len as u64;
                     self.memo_put(index, v)?;
                 }
                 b'q' => {
@@ -1130,14 +1144,15 @@ impl Converter<'_> {
                     let pid = self.value(*pid, d)?;
                     storage_from_pid(&pid)?
                 }
-                Node::Object {
-                    callable,
-                    args,
-                    kwargs,
-                    state,
-                    list_items,
-                    dict_items,
-                } => {
+                Node::Object(o) => {
+                    let ObjNode {
+                        callable,
+                        args,
+                        kwargs,
+                        state,
+                        list_items,
+                        dict_items,
+                    } = &**o;
                     let callable = self.value(*callable, d)?;
                     let args = match self.value(*args, d)? {
                         PyValue::Tuple(a) => a,
@@ -1176,7 +1191,7 @@ fn global_value(g: &Global) -> PyValue {
     {
         return PyValue::DType(dtype);
     }
-    PyValue::Global(g.clone())
+    PyValue::Global(Box::new(g.clone()))
 }
 
 /// The dtype of a typed storage class name (`FloatStorage` -> float32).
@@ -1239,12 +1254,12 @@ fn storage_from_pid(pid: &PyValue) -> Result<PyValue, PickleError> {
         .as_i64()
         .and_then(|n| u64::try_from(n).ok())
         .ok_or_else(|| bad(CLASS, "storage size is not a non-negative int"))?;
-    Ok(PyValue::Storage(StorageRef {
+    Ok(PyValue::Storage(Box::new(StorageRef {
         key,
         dtype,
         location,
         numel,
-    }))
+    })))
 }
 
 fn recognise(obj: PyObject) -> Result<PyValue, PickleError> {
@@ -1325,7 +1340,7 @@ fn tensor_from_args(name: &str, args: &[PyValue]) -> Result<TensorRef, PickleErr
     }
     let requires_grad = args.get(4).and_then(PyValue::as_i64) == Some(1);
     Ok(TensorRef {
-        storage: storage.clone(),
+        storage: (**storage).clone(),
         storage_offset,
         shape,
         stride,
@@ -1378,10 +1393,10 @@ fn rebuild_from_type(obj: PyObject) -> Result<PyValue, PickleError> {
         return Ok(PyValue::Tensor(t));
     }
     Ok(PyValue::Object(Box::new(PyObject {
-        callable: PyValue::Global(Global {
+        callable: PyValue::Global(Box::new(Global {
             module: "torch._tensor".into(),
             name: NAME.into(),
-        }),
+        })),
         args: vec![func, new_type, PyValue::Tuple(inner), state],
         kwargs: Vec::new(),
         state: None,

@@ -1092,6 +1092,7 @@ pub fn index_dcp(source: &dyn Source, metadata_name: &str) -> Result<CheckpointI
     let mut file_sizes: BTreeMap<String, u64> = BTreeMap::new();
     let mut blobs: HashMap<(String, u64), HashMap<String, (u64, u64)>> = HashMap::new();
     let mut safetensors_serialization = false;
+    let mut zip_files: HashMap<String, bool> = HashMap::new();
     let mut entries = Vec::with_capacity(meta.items.len());
     for (key, item) in &meta.items {
         let path: Vec<PathSeg> = match meta.planner_data.get(key) {
@@ -1163,42 +1164,45 @@ pub fn index_dcp(source: &dyn Source, metadata_name: &str) -> Result<CheckpointI
                             ),
                         });
                     }
-                    let blob_key = (file.clone(), info.offset);
-                    if !blobs.contains_key(&blob_key) && info.offset >= file_sizes[&file] {
-                        // Past the end: `check` reports it with the key; nothing to peek at.
-                        blobs.insert(blob_key.clone(), HashMap::new());
-                    }
-                    if !blobs.contains_key(&blob_key) {
-                        let head = source.read_range(
-                            &file,
-                            info.offset,
-                            4.min(file_sizes[&file].saturating_sub(info.offset)),
-                        )?;
-                        if torch_zip::looks_like_zip(&head) || info.length == 0 && head.is_empty() {
-                            blobs.insert(blob_key.clone(), HashMap::new());
-                        } else {
-                            safetensors_serialization = true;
-                            blobs.insert(
-                                blob_key.clone(),
-                                read_blob(source, &file, info.offset, file_sizes[&file])?,
-                            );
+                    // The serialization is decided once per file, from its first tensor item:
+                    // a torch.save archive (default) or a safetensors blob (SAFETENSORS). Only
+                    // that item's first bytes are read, never tensor data.
+                    let file_size = file_sizes[&file];
+                    let zip_file = match zip_files.get(&file) {
+                        Some(z) => *z,
+                        None => {
+                            let is_zip = if info.offset >= file_size {
+                                true // past the end: `check` reports it with the key
+                            } else {
+                                let head =
+                                    source.read_range(&file, info.offset, 4.min(file_size - info.offset))?;
+                                torch_zip::looks_like_zip(&head)
+                            };
+                            zip_files.insert(file.clone(), is_zip);
+                            is_zip
                         }
-                    }
-                    if let Some((off, len)) = blobs[&blob_key].get(key.as_str()) {
+                    };
+                    if !zip_file {
+                        safetensors_serialization = true;
+                        let blob_key = (file.clone(), info.offset);
+                        if !blobs.contains_key(&blob_key) {
+                            blobs.insert(blob_key.clone(), read_blob(source, &file, info.offset, file_size)?);
+                        }
+                        let Some((off, len)) = blobs[&blob_key].get(key.as_str()) else {
+                            return Err(IndexError::Inconsistent {
+                                file: file.clone(),
+                                what: format!(
+                                    "{key}: the safetensors blob at byte {} has no tensor of this name",
+                                    info.offset
+                                ),
+                            });
+                        };
                         chunk.byte_offset = *off;
                         chunk.byte_length = *len;
                         chunk.encoding = ChunkEncoding::Raw {
                             storage_offset: 0,
                             strides: contiguous_strides(&c.sizes),
                         };
-                    } else if !blobs[&blob_key].is_empty() {
-                        return Err(IndexError::Inconsistent {
-                            file: file.clone(),
-                            what: format!(
-                                "{key}: the safetensors blob at byte {} has no tensor of this name",
-                                info.offset
-                            ),
-                        });
                     }
                     chunks.push(chunk);
                 }

@@ -207,12 +207,19 @@ fn tensor_stats(
 }
 
 #[derive(Debug, serde::Serialize)]
+struct RankBytes {
+    /// `None` when the file does not say which rank wrote it.
+    rank: Option<u32>,
+    bytes: u64,
+}
+
+#[derive(Debug, serde::Serialize)]
 struct Summary {
     looks_like: String,
     entries: usize,
     tensors: usize,
     total_bytes: u64,
-    bytes_per_rank: BTreeMap<String, u64>,
+    bytes_per_rank: Vec<RankBytes>,
     /// max / mean of bytes per rank (1.0 = perfectly balanced).
     imbalance: Option<f64>,
     unreferenced_storage_bytes: u64,
@@ -221,7 +228,7 @@ struct Summary {
 
 impl Summary {
     fn of(idx: &CheckpointIndex) -> Summary {
-        let mut per_rank: BTreeMap<String, u64> = BTreeMap::new();
+        let mut per_rank: BTreeMap<Option<u32>, u64> = BTreeMap::new();
         let mut total = 0u64;
         let mut tensors = 0;
         for e in &idx.entries {
@@ -236,8 +243,7 @@ impl Summary {
                     c.byte_length
                 };
                 total = total.saturating_add(bytes);
-                let rank = c.rank.map_or("?".into(), |r| r.to_string());
-                *per_rank.entry(rank).or_default() += bytes;
+                *per_rank.entry(c.rank).or_default() += bytes;
             }
         }
         let imbalance = (per_rank.len() > 1).then(|| {
@@ -263,7 +269,10 @@ impl Summary {
             entries: idx.entries.len(),
             tensors,
             total_bytes: total,
-            bytes_per_rank: per_rank,
+            bytes_per_rank: per_rank
+                .into_iter()
+                .map(|(rank, bytes)| RankBytes { rank, bytes })
+                .collect(),
             imbalance,
             unreferenced_storage_bytes: idx.files.values().map(|f| f.unreferenced_bytes).sum(),
             files: idx.files.len(),
@@ -338,11 +347,28 @@ fn render(
         summary.files
     );
     if !summary.bytes_per_rank.is_empty() {
-        let per: Vec<String> = summary
-            .bytes_per_rank
-            .iter()
-            .map(|(r, b)| format!("rank {r}: {}", human_bytes(*b)))
-            .collect();
+        let name = |r: &RankBytes| r.rank.map_or("?".into(), |r| r.to_string());
+        let per: Vec<String> = if summary.bytes_per_rank.len() <= 8 {
+            summary
+                .bytes_per_rank
+                .iter()
+                .map(|r| format!("rank {}: {}", name(r), human_bytes(r.bytes)))
+                .collect()
+        } else {
+            let min = summary.bytes_per_rank.iter().min_by_key(|r| r.bytes);
+            let max = summary.bytes_per_rank.iter().max_by_key(|r| r.bytes);
+            let total: u64 = summary.bytes_per_rank.iter().map(|r| r.bytes).sum();
+            let mut v = vec![format!(
+                "{} ranks, mean {}",
+                summary.bytes_per_rank.len(),
+                human_bytes(total / summary.bytes_per_rank.len() as u64)
+            )];
+            if let (Some(min), Some(max)) = (min, max) {
+                v.push(format!("min {} (rank {})", human_bytes(min.bytes), name(min)));
+                v.push(format!("max {} (rank {})", human_bytes(max.bytes), name(max)));
+            }
+            v
+        };
         let _ = write!(out, "bytes per rank: {}", per.join(", "));
         if let Some(i) = summary.imbalance {
             let _ = write!(out, " (imbalance max/mean {i:.3})");
