@@ -22,6 +22,8 @@ enum Command {
     Layout(cli::layout::LayoutArgs),
     /// List what a checkpoint holds (keys, dtypes, shapes, chunks, ranks) and check its chunks.
     Inspect(cli::inspect::InspectArgs),
+    /// Replay FSDP's unshard path (copy-in, all-gather, copy-out) on every rank; verify and trace it.
+    Gather(cli::gather::GatherArgs),
 }
 
 fn main() -> ExitCode {
@@ -29,6 +31,7 @@ fn main() -> ExitCode {
     let result = match cli.command {
         Command::Layout(args) => cli::layout::run(&args),
         Command::Inspect(args) => cli::inspect::run(&args),
+        Command::Gather(args) => cli::gather::run(&args),
     };
     match result {
         Ok(code) => code,

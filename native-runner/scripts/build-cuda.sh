@@ -1,0 +1,60 @@
+#!/usr/bin/env bash
+# Builds `shardscope` with the `cuda` feature on a machine without a GPU (or with one).
+#
+# The CUDA toolkit comes from PyPI wheels in a venv (no system CUDA needed); `libcuda` (the driver),
+# which no wheel ships, is replaced at link time by a stub generated from the symbols cudarc needs. The
+# resulting binary needs the real driver and libnccl.so.2 at run time (a GPU machine has both; NCCL
+# comes from the nvidia-nccl-cu13 wheel, whose lib folder this script prints).
+#
+#   native-runner/scripts/build-cuda.sh            # release build into target/cuda/release/shardscope
+#   CUDA_VENV=/path/venv native-runner/scripts/build-cuda.sh
+#
+# Takes about 6-10 minutes cold on 2 cores (candle's CUDA kernels are compiled by nvcc).
+# Not part of the default CI run.
+set -euo pipefail
+cd "$(dirname "$0")/../.."
+VENV="${CUDA_VENV:-$HOME/.cache/shardscope-cuda/venv}"
+COMPUTE_CAP="${CUDA_COMPUTE_CAP:-90}"
+PROFILE="${PROFILE:-release}"
+
+if [ ! -x "$VENV/bin/python" ]; then
+  python3 -m venv "$VENV"
+fi
+if ! "$VENV/bin/python" -c 'import nvidia.cu13, nvidia.nccl' 2>/dev/null; then
+  "$VENV/bin/pip" install -q --disable-pip-version-check \
+    "cuda-toolkit[nvcc,crt,nvvm,curand,cudart,cublas,nvrtc,cccl]==13.2.2" nvidia-nccl-cu13
+fi
+SITE="$("$VENV/bin/python" -c 'import sysconfig; print(sysconfig.get_paths()["purelib"])')"
+CU="$SITE/nvidia/cu13"
+NCCL_LIB="$SITE/nvidia/nccl/lib"
+
+# Unversioned links the linker looks for.
+for lib in cublas cublasLt cudart nvrtc curand; do
+  real="$(ls "$CU/lib/lib$lib.so."* 2>/dev/null | sort | head -n1 || true)"
+  [ -n "$real" ] && [ ! -e "$CU/lib/lib$lib.so" ] && ln -s "$(basename "$real")" "$CU/lib/lib$lib.so"
+done
+real="$(ls "$NCCL_LIB"/libnccl.so.* | sort | head -n1)"
+[ -e "$NCCL_LIB/libnccl.so" ] || ln -s "$(basename "$real")" "$NCCL_LIB/libnccl.so"
+
+export PATH="$CU/bin:$PATH" CUDA_HOME="$CU" CUDA_PATH="$CU" CUDA_COMPUTE_CAP="$COMPUTE_CAP"
+export CARGO_TARGET_DIR="${CARGO_TARGET_DIR:-target/cuda}"
+export LIBRARY_PATH="$CU/lib/stubs:$CU/lib:$NCCL_LIB${LIBRARY_PATH:+:$LIBRARY_PATH}"
+export RUSTFLAGS="${RUSTFLAGS:-} -L $CU/lib/stubs -L $CU/lib -L $NCCL_LIB"
+unset RUST_BACKTRACE
+
+build() { cargo build --profile "$PROFILE" -p shardscope-runner --features cuda --bin shardscope; }
+
+if [ ! -e "$CU/lib/stubs/libcuda.so" ]; then
+  # First build: compile everything; the final link fails without libcuda. Then generate the stub
+  # from the cu* symbols cudarc leaves undefined, and link again.
+  build || true
+  mkdir -p "$CU/lib/stubs"
+  rlibs=$(ls "$CARGO_TARGET_DIR/$PROFILE/deps/"libcudarc-*.rlib)
+  stub_c="$(mktemp --suffix=.c)"
+  nm -u --format=just-symbols $rlibs 2>/dev/null | grep -E '^cu[A-Z]' | sort -u \
+    | sed 's/.*/void &(void) {}/' > "$stub_c"
+  gcc -shared -fPIC -Wl,-soname,libcuda.so.1 -o "$CU/lib/stubs/libcuda.so" "$stub_c"
+  rm -f "$stub_c"
+fi
+build
+echo "built $CARGO_TARGET_DIR/$PROFILE/shardscope (needs the NVIDIA driver and $NCCL_LIB on LD_LIBRARY_PATH at run time)"

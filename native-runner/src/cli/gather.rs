@@ -1,0 +1,439 @@
+//! `shardscope gather`: replay FSDP's unshard path (load shards, copy-in, all-gather, copy-out) on
+//! real or synthetic data, verify it and trace it.
+
+use std::collections::BTreeMap;
+use std::fmt::Write as _;
+use std::io::IsTerminal;
+use std::path::{Path, PathBuf};
+use std::process::ExitCode;
+use std::sync::Arc;
+
+use anyhow::{Context, bail};
+use clap::{Args, ValueEnum};
+use shardscope_core::DType;
+use shardscope_core::layout::{self, Api, LayoutConfig, Strategy};
+use shardscope_core::model::ModelDescription;
+use shardscope_runner::gather::source::{
+    RankPrefixedSafetensors, SafetensorsFile, SafetensorsFull, SyntheticSource,
+};
+use shardscope_runner::gather::{
+    self, GatherOptions, GatherOutcome, GatherPlan, GatheredParam, Observer, Source, output,
+};
+use shardscope_runner::trace::{Clock, Span, names};
+
+use super::print_stdout;
+
+#[derive(Debug, Clone, Copy, PartialEq, Eq, ValueEnum)]
+pub enum Backend {
+    /// Every rank a thread of this process (no GPU needed).
+    Cpu,
+    /// One process per GPU under torchrun or srun: candle tensors and NCCL (build with `--features cuda`).
+    /// Rank 0 hands out the NCCL id on port MASTER_PORT+1 (or SHARDSCOPE_RDZV_PORT).
+    Cuda,
+}
+
+#[derive(Debug, Clone, Copy, PartialEq, Eq, ValueEnum)]
+pub enum From {
+    /// Decide from the file: keys `rank<r>/...` are rank-local tensors, anything else full parameters.
+    Auto,
+    /// A full (consolidated) checkpoint: every rank cuts its shards with the layout.
+    Full,
+    /// Rank-local tensors under `rank<r>/<flat_param_fqn or fqn>` (the layout fixtures' convention).
+    RankPrefixed,
+}
+
+#[derive(Debug, Args)]
+pub struct GatherArgs {
+    /// The checkpoint: a safetensors file of full parameters, or of rank-local shards (`rank<r>/...`).
+    #[arg(value_name = "CKPT", required_unless_present = "synthetic")]
+    pub checkpoint: Option<PathBuf>,
+    /// Generate deterministic data for the model instead of reading a checkpoint (needs --model).
+    #[arg(long, conflicts_with = "checkpoint", requires = "model")]
+    pub synthetic: bool,
+    /// Seed of the synthetic data.
+    #[arg(long, default_value_t = 0, requires = "synthetic")]
+    pub seed: u64,
+    /// Model description (JSON). Without it, a full checkpoint is one root unit in file order.
+    #[arg(long, value_name = "MODEL.json")]
+    pub model: Option<PathBuf>,
+    /// How to read CKPT.
+    #[arg(long = "from", value_enum, default_value = "auto")]
+    pub from: From,
+    /// Number of ranks (inferred from rank-local checkpoints; default 1 otherwise).
+    #[arg(long, value_name = "N")]
+    pub world_size: Option<u64>,
+    /// FSDP implementation: fsdp1 (flat parameters) or fsdp2 (fully_shard).
+    #[arg(long, default_value = "fsdp1", value_parser = parse_api)]
+    pub api: Api,
+    /// FSDP1 `use_orig_params=True` (alignment and world-size padding).
+    #[arg(long)]
+    pub use_orig_params: bool,
+    /// FSDP1 sharding strategy: full_shard, shard_grad_op, no_shard, hybrid_shard.
+    #[arg(long, default_value = "full_shard", value_parser = parse_strategy)]
+    pub strategy: Strategy,
+    /// Ranks per shard group (hybrid_shard / HSDP).
+    #[arg(long, value_name = "K")]
+    pub shard_group_size: Option<u64>,
+    /// Mixed-precision compute dtype (sets FSDP1's alignment unit).
+    #[arg(long, value_name = "DTYPE", value_parser = parse_dtype)]
+    pub param_dtype: Option<DType>,
+    /// Where the copies and the all-gather run.
+    #[arg(long, value_enum, default_value = "cpu")]
+    pub backend: Backend,
+    /// Write a Chrome trace (Perfetto, chrome://tracing) of every rank's steps.
+    #[arg(long, value_name = "OUT.json")]
+    pub trace: Option<PathBuf>,
+    /// Compare every gathered parameter on every rank with the checkpoint, bit for bit (exit 1 if any
+    /// differs).
+    #[arg(long)]
+    pub verify: bool,
+    /// Write rank 0's gathered parameters (and tied aliases) as one safetensors file.
+    #[arg(short = 'o', long = "output", value_name = "FULL.safetensors")]
+    pub output: Option<PathBuf>,
+    /// Print the summary (and verify report) as JSON.
+    #[arg(long)]
+    pub json: bool,
+    /// No progress bar.
+    #[arg(long, short = 'q')]
+    pub quiet: bool,
+}
+
+fn parse_api(s: &str) -> Result<Api, String> {
+    s.parse().map_err(|e: layout::LayoutError| e.to_string())
+}
+
+fn parse_strategy(s: &str) -> Result<Strategy, String> {
+    s.parse().map_err(|e: layout::LayoutError| e.to_string())
+}
+
+fn parse_dtype(s: &str) -> Result<DType, String> {
+    s.parse()
+        .map_err(|e: shardscope_core::dtype::UnknownDType| e.to_string())
+}
+
+fn read_model(path: &Path) -> anyhow::Result<ModelDescription> {
+    let bytes = std::fs::read(path)
+        .with_context(|| format!("cannot read model description {}", path.display()))?;
+    Ok(ModelDescription::from_json_bytes(
+        &bytes,
+        &path.display().to_string(),
+    )?)
+}
+
+/// Largest `r` with keys `rank<r>/...`, plus one.
+fn ranks_in(file: &SafetensorsFile) -> Option<u64> {
+    file.tensors
+        .keys()
+        .filter_map(|k| {
+            k.strip_prefix("rank")?
+                .split_once('/')?
+                .0
+                .parse::<u64>()
+                .ok()
+        })
+        .max()
+        .map(|r| r + 1)
+}
+
+struct Prepared {
+    model: ModelDescription,
+    source: Source,
+    world_size: u64,
+    notes: Vec<String>,
+}
+
+fn prepare(args: &GatherArgs) -> anyhow::Result<Prepared> {
+    let model = args.model.as_deref().map(read_model).transpose()?;
+    let mut notes = Vec::new();
+    if args.synthetic {
+        let Some(model) = model else {
+            bail!("--synthetic needs --model MODEL.json");
+        };
+        let source = Source::Full(Box::new(SyntheticSource::new(&model, args.seed)));
+        return Ok(Prepared {
+            model,
+            source,
+            world_size: args.world_size.unwrap_or(1),
+            notes,
+        });
+    }
+    let Some(path) = args.checkpoint.as_deref() else {
+        bail!("give a checkpoint, or --synthetic with --model");
+    };
+    if path.is_dir() {
+        bail!(
+            "{}: reading DCP or per-rank checkpoint directories is not supported by this build of `gather` yet\nhint: consolidate it first, or pass a full safetensors checkpoint with --model and the layout flags",
+            path.display()
+        );
+    }
+    let file = Arc::new(SafetensorsFile::read(path)?);
+    let rank_count = ranks_in(&file);
+    let from = match args.from {
+        From::Auto if rank_count.is_some() => From::RankPrefixed,
+        From::Auto => From::Full,
+        other => other,
+    };
+    match from {
+        From::RankPrefixed => {
+            let Some(model) = model else {
+                bail!(
+                    "{}: rank-local shards do not say which parameters they hold\nhint: pass --model MODEL.json",
+                    path.display()
+                );
+            };
+            let found = rank_count.unwrap_or(0);
+            let world_size = args.world_size.unwrap_or(found);
+            if world_size == 0 {
+                bail!("{}: no `rank<r>/...` tensors found", path.display());
+            }
+            Ok(Prepared {
+                model,
+                source: Source::PerRank(Box::new(RankPrefixedSafetensors::new(file))),
+                world_size,
+                notes,
+            })
+        }
+        From::Full | From::Auto => {
+            let model = if let Some(m) = model {
+                m
+            } else {
+                notes.push(format!(
+                    "no --model: one root unit with the tensors of {} in file order (torch flattens in registration order)",
+                    path.display()
+                ));
+                file.describe("")?
+            };
+            let full = SafetensorsFull::for_model(file, "", &model)?;
+            Ok(Prepared {
+                model,
+                source: Source::Full(Box::new(full)),
+                world_size: args.world_size.unwrap_or(1),
+                notes,
+            })
+        }
+    }
+}
+
+/// Drives a progress bar from rank 0's unit completions.
+struct Progress {
+    bar: Option<indicatif::ProgressBar>,
+}
+
+impl Observer for Progress {
+    fn unit_done(&self, rank: u64, _unit_index: usize) {
+        if rank == 0
+            && let Some(bar) = &self.bar
+        {
+            bar.inc(1);
+        }
+    }
+}
+
+pub fn run(args: &GatherArgs) -> anyhow::Result<ExitCode> {
+    let prepared = prepare(args)?;
+    let config = LayoutConfig {
+        api: args.api,
+        world_size: prepared.world_size,
+        shard_group_size: args.shard_group_size,
+        use_orig_params: args.use_orig_params,
+        strategy: args.strategy,
+        param_dtype: args.param_dtype,
+    };
+    let layout = layout::compute(&prepared.model, &config)?;
+    let plan = GatherPlan::from_layout(&layout)?;
+    for note in &prepared.notes {
+        eprintln!("note: {note}");
+    }
+    let options = GatherOptions {
+        verify: args.verify,
+        keep_params: args.output.is_some(),
+    };
+    let mut outcome = match args.backend {
+        Backend::Cpu => {
+            let show = !args.quiet && std::io::stderr().is_terminal() && !plan.units.is_empty();
+            let progress = Progress {
+                bar: show.then(|| {
+                    let bar = indicatif::ProgressBar::new(plan.units.len() as u64);
+                    if let Ok(style) = indicatif::ProgressStyle::with_template(
+                        "{bar:40} {pos}/{len} units {elapsed}",
+                    ) {
+                        bar.set_style(style);
+                    }
+                    bar
+                }),
+            };
+            let outcome = gather::cpu::run(&plan, &prepared.source, options, &progress);
+            if let Some(bar) = &progress.bar {
+                bar.finish_and_clear();
+            }
+            outcome?
+        }
+        Backend::Cuda => run_cuda(&plan, &prepared.source, options)?,
+    };
+
+    if !outcome.writes_outputs {
+        // cuda ranks other than 0: rank 0 prints and writes for everyone.
+        let failed = outcome.verify.as_ref().is_some_and(|v| !v.is_ok());
+        return Ok(if failed {
+            ExitCode::from(1)
+        } else {
+            ExitCode::SUCCESS
+        });
+    }
+    if let Some(out) = &args.output
+        && let Some(mut params) = outcome.params.take()
+    {
+        add_unmanaged(&prepared, &plan, &mut params)?;
+        write_output(out, &params, &mut outcome)?;
+    }
+    if let Some(trace_path) = &args.trace {
+        outcome
+            .trace
+            .metadata
+            .push(("api".to_owned(), outcome.summary.api.clone()));
+        outcome
+            .trace
+            .metadata
+            .push(("world_size".to_owned(), plan.world_size.to_string()));
+        outcome
+            .trace
+            .write_chrome_json(trace_path)
+            .with_context(|| "writing the trace")?;
+        eprintln!(
+            "trace: {} (open in https://ui.perfetto.dev or chrome://tracing)",
+            trace_path.display()
+        );
+    }
+
+    let verify_failed = outcome.verify.as_ref().is_some_and(|v| !v.is_ok());
+    if args.json {
+        let value = serde_json::json!({"summary": outcome.summary, "verify": outcome.verify});
+        let mut text = serde_json::to_string_pretty(&value)?;
+        text.push('\n');
+        print_stdout(&text)?;
+    } else {
+        let mut text = outcome.summary.render();
+        if let Some(v) = &outcome.verify {
+            if v.is_ok() {
+                let _ = writeln!(
+                    text,
+                    "verify: OK, {} parameter checks on {} ranks, {} compared bit for bit",
+                    v.checks,
+                    plan.world_size,
+                    output::human_bytes(v.bytes_compared)
+                );
+            } else {
+                let _ = writeln!(text, "verify: {} MISMATCHES", v.mismatches.len());
+                for m in v.mismatches.iter().take(20) {
+                    let _ = writeln!(
+                        text,
+                        "  rank {}: {}: {} elements differ, first at byte {}",
+                        m.rank, m.fqn, m.elements, m.first_byte
+                    );
+                }
+            }
+            if !v.unchecked.is_empty() {
+                let _ = writeln!(text, "verify: no reference for {}", v.unchecked.join(", "));
+            }
+        }
+        print_stdout(&text)?;
+    }
+    Ok(if verify_failed {
+        ExitCode::from(1)
+    } else {
+        ExitCode::SUCCESS
+    })
+}
+
+fn add_unmanaged(
+    prepared: &Prepared,
+    plan: &GatherPlan,
+    params: &mut BTreeMap<String, GatheredParam>,
+) -> anyhow::Result<()> {
+    if plan.unmanaged.is_empty() {
+        return Ok(());
+    }
+    let Source::Full(full) = &prepared.source else {
+        eprintln!(
+            "note: {} parameters no FSDP unit manages are not in the output (rank-local source): {}",
+            plan.unmanaged.len(),
+            plan.unmanaged.join(", ")
+        );
+        return Ok(());
+    };
+    for fqn in &plan.unmanaged {
+        let Some(spec) = prepared.model.params.iter().find(|p| &p.fqn == fqn) else {
+            continue;
+        };
+        let primary = spec.shared_with.as_deref().unwrap_or(fqn);
+        if let Some(p) = params.get(primary) {
+            let p = p.clone();
+            params.insert(fqn.clone(), p);
+            continue;
+        }
+        let len = usize::try_from(spec.numel().saturating_mul(spec.dtype.size_bytes() as u64))
+            .context("parameter too large for this machine")?;
+        let mut bytes = vec![0u8; len];
+        full.read_full(primary, 0, &mut bytes)?;
+        params.insert(
+            fqn.clone(),
+            GatheredParam {
+                dtype: spec.dtype,
+                shape: spec.shape.clone(),
+                bytes,
+            },
+        );
+    }
+    Ok(())
+}
+
+fn write_output(
+    path: &Path,
+    params: &BTreeMap<String, GatheredParam>,
+    outcome: &mut GatherOutcome,
+) -> anyhow::Result<()> {
+    let origin = std::time::Instant::now();
+    let bytes = output::safetensors_bytes(params, path)?;
+    crate::atomic::write_file(path, |w| {
+        std::io::Write::write_all(w, &bytes)
+            .with_context(|| format!("cannot write {}", path.display()))
+    })?;
+    let dur = origin.elapsed().as_secs_f64() * 1e6;
+    let start = outcome.summary.wall_secs * 1e6;
+    outcome.trace.spans.push(Span {
+        rank: 0,
+        name: names::WRITE,
+        clock: Clock::Host,
+        start_us: start,
+        dur_us: dur,
+        unit: path.display().to_string(),
+        bytes: bytes.len() as u64,
+        dtype: "safetensors".to_owned(),
+    });
+    eprintln!(
+        "wrote {} ({})",
+        path.display(),
+        output::human_bytes(bytes.len() as u64)
+    );
+    Ok(())
+}
+
+#[cfg(feature = "cuda")]
+fn run_cuda(
+    plan: &GatherPlan,
+    source: &Source,
+    options: GatherOptions,
+) -> anyhow::Result<GatherOutcome> {
+    Ok(gather::cuda::run_from_env(plan, source, options)?)
+}
+
+#[cfg(not(feature = "cuda"))]
+fn run_cuda(
+    _plan: &GatherPlan,
+    _source: &Source,
+    _options: GatherOptions,
+) -> anyhow::Result<GatherOutcome> {
+    bail!(
+        "this shardscope was built without the `cuda` feature\nhint: build it with `cargo build --release -p shardscope-runner --features cuda` (needs the CUDA toolkit; see native-runner/scripts/build-cuda.sh), then launch one process per GPU with torchrun or srun"
+    )
+}

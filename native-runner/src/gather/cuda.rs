@@ -1,0 +1,557 @@
+//! The `cuda` backend: one process per GPU, launched like training (`torchrun` or `srun`).
+//!
+//! Per unit, each rank loads its padded shards on the host (`read`), uploads them
+//! (`host-to-device`), concatenates them into its all-gather input with candle (`copy-in`, FSDP2;
+//! FSDP1's flat shard is the input), all-gathers with NCCL (`all-gather`), splits the output back into
+//! the parameters with candle narrows/concatenations (`copy-out`), downloads them (`device-to-host`)
+//! and verifies them on the host. Device spans are timed with CUDA events on the rank's stream.
+//!
+//! NCCL's unique id goes from rank 0 to the others through [`rendezvous`] (port `MASTER_PORT + 1`, or
+//! `SHARDSCOPE_RDZV_PORT`). At the end every rank's spans and verify results are all-gathered over
+//! NCCL, so rank 0 writes one trace with every rank's lane; only rank 0 writes outputs.
+//!
+//! The binary links `libcuda` and `libnccl` dynamically (candle forces cudarc's dynamic linking): a
+//! machine without them fails at start with the loader's message.
+
+use std::collections::BTreeMap;
+use std::sync::Arc;
+use std::time::{Duration, Instant};
+
+use candle_core::cuda_backend::cudarc::driver::sys::CUevent_flags;
+use candle_core::cuda_backend::cudarc::driver::{CudaEvent, CudaSlice, CudaStream};
+use candle_core::cuda_backend::cudarc::nccl::safe::{Comm, Id};
+use candle_core::op::BackpropOp;
+use candle_core::{CudaDevice, CudaStorage, Device, Storage, Tensor};
+use serde::{Deserialize, Serialize};
+
+use crate::gather::cpu::{Timer, load_shard, reference};
+use crate::gather::plan::{GatherPlan, UnitPlan};
+use crate::gather::rendezvous::{self, LaunchEnv};
+use crate::gather::source::Source;
+use crate::gather::{
+    GatherError, GatherOptions, GatherOutcome, GatheredParam, Mismatch, Summary, VerifyReport,
+    compare,
+};
+use crate::trace::{Clock, Span, Trace, names};
+
+const RENDEZVOUS_TIMEOUT: Duration = Duration::from_mins(5);
+
+/// Rank 0's rendezvous server thread.
+type Server = std::thread::JoinHandle<Result<(), GatherError>>;
+
+fn dev_err(what: &str) -> impl FnOnce(candle_core::Error) -> GatherError + '_ {
+    move |e| GatherError::Device(format!("{what}: {e}"))
+}
+
+fn drv_err<E: std::fmt::Debug>(what: &str) -> impl FnOnce(E) -> GatherError + '_ {
+    move |e| GatherError::Device(format!("{what}: {e:?}"))
+}
+
+/// A device span waiting for its events to complete.
+struct Pending {
+    name: &'static str,
+    start: CudaEvent,
+    end: CudaEvent,
+    unit: String,
+    bytes: u64,
+    dtype: String,
+}
+
+struct Events {
+    stream: Arc<CudaStream>,
+    origin: CudaEvent,
+    origin_us: f64,
+    pending: Vec<Pending>,
+}
+
+impl Events {
+    fn record(&self) -> Result<CudaEvent, GatherError> {
+        self.stream
+            .record_event(Some(CUevent_flags::CU_EVENT_DEFAULT))
+            .map_err(drv_err("record CUDA event"))
+    }
+
+    fn span(
+        &mut self,
+        name: &'static str,
+        start: CudaEvent,
+        unit: &UnitPlan,
+        bytes: u64,
+    ) -> Result<(), GatherError> {
+        let end = self.record()?;
+        self.pending.push(Pending {
+            name,
+            start,
+            end,
+            unit: unit.display_name().to_owned(),
+            bytes,
+            dtype: unit.dtype_label(),
+        });
+        Ok(())
+    }
+
+    /// Resolves the pending spans into `timer` (waits for their events).
+    fn flush(&mut self, timer: &mut Timer) -> Result<(), GatherError> {
+        for p in self.pending.drain(..) {
+            let start_ms = self
+                .origin
+                .elapsed_ms(&p.start)
+                .map_err(drv_err("event time"))?;
+            let dur_ms = p.start.elapsed_ms(&p.end).map_err(drv_err("event time"))?;
+            timer.push(
+                p.name,
+                Clock::Device,
+                self.origin_us + f64::from(start_ms) * 1e3,
+                f64::from(dur_ms) * 1e3,
+                &p.unit,
+                p.bytes,
+                p.dtype,
+            );
+        }
+        Ok(())
+    }
+}
+
+/// What every rank sends to rank 0 at the end.
+#[derive(Serialize, Deserialize, Default)]
+struct Report {
+    spans: Vec<(String, bool, f64, f64, String, u64, String)>,
+    checks: u64,
+    bytes_compared: u64,
+    mismatches: Vec<(String, u64, u64)>,
+    unchecked: Vec<String>,
+    error: Option<String>,
+}
+
+fn static_name(name: &str) -> &'static str {
+    [
+        names::READ,
+        names::HOST_TO_DEVICE,
+        names::COPY_IN,
+        names::ALL_GATHER,
+        names::COPY_OUT,
+        names::DEVICE_TO_HOST,
+        names::VERIFY,
+        names::WRITE,
+    ]
+    .into_iter()
+    .find(|n| *n == name)
+    .unwrap_or("other")
+}
+
+fn nccl_id(env: &LaunchEnv) -> Result<(Id, Option<Server>), GatherError> {
+    if env.rank == 0 {
+        let id = Id::new().map_err(drv_err("ncclGetUniqueId"))?;
+        let bytes: Vec<u8> = id.internal().iter().map(|&c| c as u8).collect();
+        let (port, world_size) = (env.rendezvous_port, env.world_size);
+        let server = std::thread::spawn(move || {
+            rendezvous::serve(port, world_size, &bytes, RENDEZVOUS_TIMEOUT)
+                .map_err(|e| GatherError::Device(e.to_string()))
+        });
+        Ok((id, Some(server)))
+    } else {
+        let bytes = rendezvous::fetch(
+            &env.master_addr,
+            env.rendezvous_port,
+            env.rank,
+            RENDEZVOUS_TIMEOUT,
+        )
+        .map_err(|e| GatherError::Device(e.to_string()))?;
+        let mut internal = [0 as std::ffi::c_char; 128];
+        if bytes.len() != internal.len() {
+            return Err(GatherError::Device(format!(
+                "rendezvous: NCCL id of {} bytes, expected 128",
+                bytes.len()
+            )));
+        }
+        for (d, s) in internal.iter_mut().zip(&bytes) {
+            *d = *s as std::ffi::c_char;
+        }
+        Ok((Id::uninit(internal), None))
+    }
+}
+
+/// The raw device bytes of a contiguous `u8` tensor.
+fn with_slice<T>(
+    t: &Tensor,
+    f: impl FnOnce(&CudaSlice<u8>, usize, usize) -> Result<T, GatherError>,
+) -> Result<T, GatherError> {
+    let (storage, layout) = t.storage_and_layout();
+    let Storage::Cuda(cs) = &*storage else {
+        return Err(GatherError::Device("tensor is not on the GPU".to_owned()));
+    };
+    if !layout.is_contiguous() {
+        return Err(GatherError::Device(
+            "all-gather input is not contiguous".to_owned(),
+        ));
+    }
+    let slice = cs.as_cuda_slice::<u8>().map_err(dev_err("u8 view"))?;
+    f(slice, layout.start_offset(), t.elem_count())
+}
+
+/// Runs this process's rank of the gather (rank and world from the launcher's environment).
+pub fn run_from_env(
+    plan: &GatherPlan,
+    source: &Source,
+    options: GatherOptions,
+) -> Result<GatherOutcome, GatherError> {
+    let env = LaunchEnv::from_vars(|k| std::env::var(k).ok())
+        .map_err(|e| GatherError::Device(e.to_string()))?;
+    if env.world_size != plan.world_size {
+        return Err(GatherError::Device(format!(
+            "the launcher says WORLD_SIZE={}, the layout has {} ranks (--world-size)",
+            env.world_size, plan.world_size
+        )));
+    }
+    if plan.group_size != plan.world_size && plan.group_size != 1 {
+        return Err(GatherError::Device(
+            "the cuda backend all-gathers over the whole world; hybrid shard groups run on the cpu backend".to_owned(),
+        ));
+    }
+    let device =
+        CudaDevice::new_with_stream(env.local_rank as usize).map_err(dev_err("open GPU"))?;
+    let stream = device.cuda_stream();
+    let (id, server) = nccl_id(&env)?;
+    let comm = Comm::from_rank(
+        stream.clone(),
+        env.rank as usize,
+        env.world_size as usize,
+        id,
+    )
+    .map_err(drv_err("ncclCommInitRank"))?;
+    if let Some(server) = server {
+        server
+            .join()
+            .map_err(|_| GatherError::Device("rendezvous thread panicked".to_owned()))??;
+    }
+    let dev = Device::Cuda(device.clone());
+    let rank = env.rank;
+    let n = plan.group_size;
+    let group_rank = rank % n;
+    let group_base = rank - group_rank;
+
+    // A common origin: the comm init is a barrier; one more tiny all-gather lines the clocks up.
+    let warm = stream.alloc_zeros::<u8>(1).map_err(drv_err("alloc"))?;
+    let mut warm_out = stream
+        .alloc_zeros::<u8>(env.world_size as usize)
+        .map_err(drv_err("alloc"))?;
+    comm.all_gather(&warm, &mut warm_out)
+        .map_err(drv_err("ncclAllGather"))?;
+    stream.synchronize().map_err(drv_err("synchronize"))?;
+    let origin_instant = Instant::now();
+    let mut timer = Timer::new(origin_instant, rank);
+    let mut events = Events {
+        origin: stream
+            .record_event(Some(CUevent_flags::CU_EVENT_DEFAULT))
+            .map_err(drv_err("record CUDA event"))?,
+        stream: stream.clone(),
+        origin_us: 0.0,
+        pending: Vec::new(),
+    };
+    stream.synchronize().map_err(drv_err("synchronize"))?;
+    events.origin_us = timer.now_us();
+
+    let mut verify = VerifyReport::default();
+    let mut kept: BTreeMap<String, GatheredParam> = BTreeMap::new();
+    let flat = plan.api == shardscope_core::layout::Api::Fsdp1;
+    for unit in &plan.units {
+        // read (host)
+        let start = timer.now_us();
+        let mut host_shards = Vec::with_capacity(unit.shards.len());
+        let mut read_bytes = 0;
+        for shard in &unit.shards {
+            let mut buf = vec![0u8; shard.padded_bytes as usize];
+            read_bytes += load_shard(source, unit, shard, rank, group_rank, &mut buf)?;
+            host_shards.push(buf);
+        }
+        let end = timer.now_us();
+        timer.push(
+            names::READ,
+            Clock::Host,
+            start,
+            end - start,
+            unit.display_name(),
+            read_bytes,
+            unit.dtype_label(),
+        );
+
+        // host-to-device
+        let ev = events.record()?;
+        let shards: Vec<Tensor> = host_shards
+            .iter()
+            .map(|h| Tensor::from_slice(h, h.len(), &dev))
+            .collect::<Result<_, _>>()
+            .map_err(dev_err("upload shard"))?;
+        events.span(names::HOST_TO_DEVICE, ev, unit, unit.input_bytes)?;
+
+        // copy-in (FSDP2): the padded shards into one all-gather input
+        let input = if flat {
+            shards[0].clone()
+        } else {
+            let ev = events.record()?;
+            let input = Tensor::cat(&shards, 0).map_err(dev_err("copy-in"))?;
+            events.span(names::COPY_IN, ev, unit, unit.input_bytes)?;
+            input
+        };
+
+        // all-gather (NCCL)
+        let out_len = unit.output_bytes(n) as usize;
+        let mut output = stream
+            .alloc_zeros::<u8>(out_len)
+            .map_err(drv_err("alloc all-gather output"))?;
+        let ev = events.record()?;
+        with_slice(&input, |slice, offset, len| {
+            let view = slice.slice(offset..offset + len);
+            comm.all_gather(&view, &mut output)
+                .map_err(drv_err("ncclAllGather"))?;
+            Ok(())
+        })?;
+        events.span(names::ALL_GATHER, ev, unit, unit.output_bytes(n))?;
+
+        // copy-out: narrow the output into every parameter
+        let out_t = Tensor::from_storage(
+            Storage::Cuda(CudaStorage::wrap_cuda_slice(output, device.clone())),
+            out_len,
+            BackpropOp::none(),
+            false,
+        );
+        let ev = events.record()?;
+        let mut params = Vec::with_capacity(unit.params.len());
+        for p in &unit.params {
+            let pieces: Vec<Tensor> = p
+                .copy_out
+                .iter()
+                .map(|c| out_t.narrow(0, c.src_offset as usize, c.len as usize))
+                .collect::<Result<_, _>>()
+                .map_err(dev_err("copy-out"))?;
+            let t = match pieces.len() {
+                0 => Tensor::zeros(0, candle_core::DType::U8, &dev),
+                1 => pieces[0].copy(),
+                _ => Tensor::cat(&pieces, 0),
+            }
+            .map_err(dev_err("copy-out"))?;
+            params.push(t);
+        }
+        events.span(names::COPY_OUT, ev, unit, unit.param_bytes())?;
+
+        // device-to-host
+        let ev = events.record()?;
+        let host: Vec<Vec<u8>> = params
+            .iter()
+            .map(Tensor::to_vec1::<u8>)
+            .collect::<Result<_, _>>()
+            .map_err(dev_err("download"))?;
+        events.span(names::DEVICE_TO_HOST, ev, unit, unit.param_bytes())?;
+        events.flush(&mut timer)?;
+
+        // verify (host)
+        if options.verify {
+            let start = timer.now_us();
+            let mut compared = 0;
+            for (p, got) in unit.params.iter().zip(&host) {
+                match reference(source, unit, p, rank, group_base)? {
+                    Some(want) => {
+                        verify.checks += 1;
+                        compared += p.bytes;
+                        if let Some(m) = compare(rank, &p.fqn, p.dtype.size_bytes(), got, &want) {
+                            verify.mismatches.push(m);
+                        }
+                    }
+                    None => verify.unchecked.push(p.fqn.clone()),
+                }
+            }
+            verify.bytes_compared += compared;
+            let end = timer.now_us();
+            timer.push(
+                names::VERIFY,
+                Clock::Host,
+                start,
+                end - start,
+                unit.display_name(),
+                compared,
+                unit.dtype_label(),
+            );
+        }
+        if options.keep_params && rank == 0 {
+            for (p, bytes) in unit.params.iter().zip(host) {
+                for (alias, primary) in &plan.aliases {
+                    if primary == &p.fqn {
+                        kept.insert(
+                            alias.clone(),
+                            GatheredParam {
+                                dtype: p.dtype,
+                                shape: p.shape.clone(),
+                                bytes: bytes.clone(),
+                            },
+                        );
+                    }
+                }
+                kept.insert(
+                    p.fqn.clone(),
+                    GatheredParam {
+                        dtype: p.dtype,
+                        shape: p.shape.clone(),
+                        bytes,
+                    },
+                );
+            }
+        }
+    }
+    let wall_secs = origin_instant.elapsed().as_secs_f64();
+
+    // The device's own device-to-device copy bandwidth, same run: the baseline for copy-in/out.
+    let d2d_gbps = device_copy_gbps(&stream, plan, n)?;
+
+    // Every rank's spans and verify results to every rank (rank 0 writes them).
+    let report = Report {
+        spans: timer
+            .spans
+            .iter()
+            .map(|s| {
+                (
+                    s.name.to_owned(),
+                    s.clock == Clock::Device,
+                    s.start_us,
+                    s.dur_us,
+                    s.unit.clone(),
+                    s.bytes,
+                    s.dtype.clone(),
+                )
+            })
+            .collect(),
+        checks: verify.checks,
+        bytes_compared: verify.bytes_compared,
+        mismatches: verify
+            .mismatches
+            .iter()
+            .map(|m| (m.fqn.clone(), m.first_byte, m.elements))
+            .collect(),
+        unchecked: verify.unchecked.clone(),
+        error: None,
+    };
+    let reports = exchange_reports(&comm, &stream, &report, env.world_size)?;
+    let mut trace = Trace {
+        world_size: plan.world_size,
+        spans: Vec::new(),
+        metadata: vec![
+            ("backend".to_owned(), "cuda".to_owned()),
+            ("source".to_owned(), source.name()),
+            ("launcher".to_owned(), env.launcher.to_owned()),
+            (
+                "device_to_device_copy_gbps".to_owned(),
+                format!("{d2d_gbps:.2}"),
+            ),
+        ],
+    };
+    let mut all_verify = VerifyReport::default();
+    for (r, rep) in reports.into_iter().enumerate() {
+        for (name, device, start_us, dur_us, unit, bytes, dtype) in rep.spans {
+            trace.spans.push(Span {
+                rank: r as u64,
+                name: static_name(&name),
+                clock: if device { Clock::Device } else { Clock::Host },
+                start_us,
+                dur_us,
+                unit,
+                bytes,
+                dtype,
+            });
+        }
+        all_verify.checks += rep.checks;
+        all_verify.bytes_compared += rep.bytes_compared;
+        all_verify.mismatches.extend(rep.mismatches.into_iter().map(
+            |(fqn, first_byte, elements)| Mismatch {
+                rank: r as u64,
+                fqn,
+                first_byte,
+                elements,
+            },
+        ));
+        for u in rep.unchecked {
+            if !all_verify.unchecked.contains(&u) {
+                all_verify.unchecked.push(u);
+            }
+        }
+    }
+    trace.sort();
+    let mut summary = Summary::from_trace(plan, &trace, "cuda", wall_secs);
+    summary.device_copy_gbps = Some(d2d_gbps);
+    Ok(GatherOutcome {
+        trace,
+        summary,
+        verify: options.verify.then_some(all_verify),
+        params: (rank == 0 && options.keep_params).then_some(kept),
+        writes_outputs: rank == 0,
+    })
+}
+
+/// Best of 5 device-to-device copies of the largest all-gather output, timed with CUDA events.
+fn device_copy_gbps(
+    stream: &Arc<CudaStream>,
+    plan: &GatherPlan,
+    n: u64,
+) -> Result<f64, GatherError> {
+    let len = plan
+        .units
+        .iter()
+        .map(|u| u.output_bytes(n))
+        .max()
+        .unwrap_or(0)
+        .max(1 << 20) as usize;
+    let src = stream.alloc_zeros::<u8>(len).map_err(drv_err("alloc"))?;
+    let mut dst = stream.alloc_zeros::<u8>(len).map_err(drv_err("alloc"))?;
+    let mut best = f64::MAX;
+    for _ in 0..5 {
+        let a = stream
+            .record_event(Some(CUevent_flags::CU_EVENT_DEFAULT))
+            .map_err(drv_err("event"))?;
+        stream
+            .memcpy_dtod(&src, &mut dst)
+            .map_err(drv_err("memcpy_dtod"))?;
+        let b = stream
+            .record_event(Some(CUevent_flags::CU_EVENT_DEFAULT))
+            .map_err(drv_err("event"))?;
+        let ms = f64::from(a.elapsed_ms(&b).map_err(drv_err("event time"))?);
+        best = best.min(ms);
+    }
+    // A copy reads and writes `len` bytes; like copy-in/copy-out bandwidths, count the bytes copied.
+    Ok(len as f64 / (best / 1e3) / 1e9)
+}
+
+fn exchange_reports(
+    comm: &Comm,
+    stream: &Arc<CudaStream>,
+    report: &Report,
+    world_size: u64,
+) -> Result<Vec<Report>, GatherError> {
+    let bytes = serde_json::to_vec(report).map_err(|e| GatherError::Device(e.to_string()))?;
+    let ws = world_size as usize;
+    let len_dev = stream
+        .clone_htod(&(bytes.len() as u64).to_le_bytes())
+        .map_err(drv_err("upload"))?;
+    let mut lens_dev = stream.alloc_zeros::<u8>(8 * ws).map_err(drv_err("alloc"))?;
+    comm.all_gather(&len_dev, &mut lens_dev)
+        .map_err(drv_err("ncclAllGather"))?;
+    let lens_host = stream.clone_dtoh(&lens_dev).map_err(drv_err("download"))?;
+    let lens: Vec<usize> = lens_host
+        .chunks_exact(8)
+        .map(|c| u64::from_le_bytes(c.try_into().unwrap_or([0; 8])) as usize)
+        .collect();
+    let max = lens.iter().copied().max().unwrap_or(0).max(1);
+    let mut padded = bytes;
+    padded.resize(max, b' ');
+    let mine = stream.clone_htod(&padded).map_err(drv_err("upload"))?;
+    let mut all = stream
+        .alloc_zeros::<u8>(max * ws)
+        .map_err(drv_err("alloc"))?;
+    comm.all_gather(&mine, &mut all)
+        .map_err(drv_err("ncclAllGather"))?;
+    let host = stream.clone_dtoh(&all).map_err(drv_err("download"))?;
+    host.chunks_exact(max)
+        .zip(lens)
+        .map(|(c, len)| {
+            serde_json::from_slice(&c[..len])
+                .map_err(|e| GatherError::Device(format!("rank report: {e}")))
+        })
+        .collect()
+}
