@@ -86,7 +86,11 @@ fn gaps_bounds_and_out_of_file_ranges_are_reported() {
         "{p:?}"
     );
     let p = problems_of("dcp_overflow.metadata");
-    assert!(p.iter().any(|p| p.starts_with("model.embed.weight: shape") && p.contains("overflows")), "{p:?}");
+    assert!(
+        p.iter()
+            .any(|p| p.starts_with("model.embed.weight: shape") && p.contains("overflows")),
+        "{p:?}"
+    );
 }
 
 #[test]

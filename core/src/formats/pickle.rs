@@ -1105,7 +1105,7 @@ impl Converter<'_> {
             .collect()
     }
 
-    fn value(&mut self, v: Val, depth: usize) -> Result<PyValue, PickleError> {
+    fn value(&mut self, val: Val, depth: usize) -> Result<PyValue, PickleError> {
         self.charge(1, 0)?;
         if depth > self.limits.max_depth {
             return Err(PickleError::Limit {
@@ -1113,8 +1113,8 @@ impl Converter<'_> {
                 limit: self.limits.max_depth,
             });
         }
-        let d = depth + 1;
-        Ok(match v {
+        let next = depth + 1;
+        Ok(match val {
             Val::None => PyValue::None,
             Val::Bool(b) => PyValue::Bool(b),
             Val::Int(i) => PyValue::Int(i),
@@ -1132,16 +1132,16 @@ impl Converter<'_> {
                     self.charge(0, b.len())?;
                     PyValue::BigInt(b.clone())
                 }
-                Node::Tuple(items) => PyValue::Tuple(self.values(items, d)?),
-                Node::List(items) => PyValue::List(self.values(items, d)?),
-                Node::Set(items) => PyValue::Set(self.values(items, d)?),
-                Node::Dict(items) => PyValue::Dict(self.pairs(items, d)?),
+                Node::Tuple(items) => PyValue::Tuple(self.values(items, next)?),
+                Node::List(items) => PyValue::List(self.values(items, next)?),
+                Node::Set(items) => PyValue::Set(self.values(items, next)?),
+                Node::Dict(items) => PyValue::Dict(self.pairs(items, next)?),
                 Node::Global(g) => {
                     self.charge(0, g.module.len() + g.name.len())?;
                     global_value(g)
                 }
                 Node::PersId(pid) => {
-                    let pid = self.value(*pid, d)?;
+                    let pid = self.value(*pid, next)?;
                     storage_from_pid(&pid)?
                 }
                 Node::Object(o) => {
@@ -1153,20 +1153,20 @@ impl Converter<'_> {
                         list_items,
                         dict_items,
                     } = &**o;
-                    let callable = self.value(*callable, d)?;
-                    let args = match self.value(*args, d)? {
+                    let callable = self.value(*callable, next)?;
+                    let args = match self.value(*args, next)? {
                         PyValue::Tuple(a) => a,
                         other => vec![other],
                     };
                     let kwargs = match kwargs {
-                        Some(k) => match self.value(*k, d)? {
+                        Some(k) => match self.value(*k, next)? {
                             PyValue::Dict(items) => items,
                             _ => Vec::new(),
                         },
                         None => Vec::new(),
                     };
                     let state = match state {
-                        Some(s) => Some(self.value(*s, d)?),
+                        Some(s) => Some(self.value(*s, next)?),
                         None => None,
                     };
                     let obj = PyObject {
@@ -1174,8 +1174,8 @@ impl Converter<'_> {
                         args,
                         kwargs,
                         state,
-                        list_items: self.values(list_items, d)?,
-                        dict_items: self.pairs(dict_items, d)?,
+                        list_items: self.values(list_items, next)?,
+                        dict_items: self.pairs(dict_items, next)?,
                     };
                     recognise(obj)?
                 }

@@ -1168,25 +1168,30 @@ pub fn index_dcp(source: &dyn Source, metadata_name: &str) -> Result<CheckpointI
                     // a torch.save archive (default) or a safetensors blob (SAFETENSORS). Only
                     // that item's first bytes are read, never tensor data.
                     let file_size = file_sizes[&file];
-                    let zip_file = match zip_files.get(&file) {
-                        Some(z) => *z,
-                        None => {
-                            let is_zip = if info.offset >= file_size {
-                                true // past the end: `check` reports it with the key
-                            } else {
-                                let head =
-                                    source.read_range(&file, info.offset, 4.min(file_size - info.offset))?;
-                                torch_zip::looks_like_zip(&head)
-                            };
-                            zip_files.insert(file.clone(), is_zip);
-                            is_zip
-                        }
+                    let zip_file = if let Some(z) = zip_files.get(&file) {
+                        *z
+                    } else {
+                        let is_zip = if info.offset >= file_size {
+                            true // past the end: `check` reports it with the key
+                        } else {
+                            let head = source.read_range(
+                                &file,
+                                info.offset,
+                                4.min(file_size - info.offset),
+                            )?;
+                            torch_zip::looks_like_zip(&head)
+                        };
+                        zip_files.insert(file.clone(), is_zip);
+                        is_zip
                     };
                     if !zip_file {
                         safetensors_serialization = true;
                         let blob_key = (file.clone(), info.offset);
                         if !blobs.contains_key(&blob_key) {
-                            blobs.insert(blob_key.clone(), read_blob(source, &file, info.offset, file_size)?);
+                            blobs.insert(
+                                blob_key.clone(),
+                                read_blob(source, &file, info.offset, file_size)?,
+                            );
                         }
                         let Some((off, len)) = blobs[&blob_key].get(key.as_str()) else {
                             return Err(IndexError::Inconsistent {

@@ -364,8 +364,16 @@ fn render(
                 human_bytes(total / summary.bytes_per_rank.len() as u64)
             )];
             if let (Some(min), Some(max)) = (min, max) {
-                v.push(format!("min {} (rank {})", human_bytes(min.bytes), name(min)));
-                v.push(format!("max {} (rank {})", human_bytes(max.bytes), name(max)));
+                v.push(format!(
+                    "min {} (rank {})",
+                    human_bytes(min.bytes),
+                    name(min)
+                ));
+                v.push(format!(
+                    "max {} (rank {})",
+                    human_bytes(max.bytes),
+                    name(max)
+                ));
             }
             v
         };
