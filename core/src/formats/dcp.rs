@@ -5,7 +5,7 @@
 use std::collections::BTreeMap;
 
 use crate::dtype::DType;
-use crate::formats::pickle::{self, PickleError, PyObject, PyValue, dict_get};
+use crate::formats::pickle::{self, ObjRef, PickleError, PyRef};
 
 /// What went wrong while reading DCP metadata.
 #[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
@@ -87,56 +87,62 @@ pub struct DcpMetadata {
     pub save_id: Option<String>,
 }
 
-fn class_name(o: &PyObject) -> &str {
-    o.class().map_or("", |g| g.name.as_str())
-}
-
-fn as_object<'a>(v: &'a PyValue, expected: &str) -> Result<&'a PyObject, DcpError> {
-    match v {
-        PyValue::Object(o) if class_name(o) == expected => Ok(o),
-        other => Err(malformed(format!(
+fn as_object<'a>(v: PyRef<'a>, expected: &str) -> Result<ObjRef<'a>, DcpError> {
+    match v.object() {
+        Some(o) if o.class().is_some_and(|g| g.name == expected) => Ok(o),
+        _ => Err(malformed(format!(
             "expected {expected}, found {}",
-            other.type_name()
+            v.type_name()
         ))),
     }
 }
 
-fn u64_of(v: Option<&PyValue>, what: &str) -> Result<u64, DcpError> {
-    v.and_then(PyValue::as_i64)
+fn is_class(v: PyRef<'_>, name: &str) -> bool {
+    v.object()
+        .and_then(|o| o.class())
+        .is_some_and(|g| g.name == name)
+}
+
+fn u64_of(v: Option<PyRef<'_>>, what: &str) -> Result<u64, DcpError> {
+    v.and_then(|v| v.as_i64())
         .and_then(|i| u64::try_from(i).ok())
         .ok_or_else(|| malformed(format!("{what} is not a non-negative int")))
 }
 
-fn string_of(v: &PyValue) -> Option<String> {
-    match v {
-        PyValue::Str(s) => Some(s.clone()),
-        // `pathlib.PosixPath('/a/b')` pickles as REDUCE(PosixPath, ('/', 'a', 'b')) or with parts.
-        PyValue::Object(o) if class_name(o).ends_with("Path") => {
-            let parts: Vec<&str> = o.args.iter().filter_map(PyValue::as_str).collect();
-            Some(
-                parts
-                    .iter()
-                    .enumerate()
-                    .map(|(i, p)| {
-                        if i == 0 {
-                            (*p).to_owned()
-                        } else {
-                            p.trim_start_matches('/').to_owned()
-                        }
-                    })
-                    .collect::<Vec<_>>()
-                    .join("/")
-                    .replace("//", "/"),
-            )
-        }
-        _ => None,
+fn string_of(v: PyRef<'_>) -> Option<String> {
+    if let Some(s) = v.as_str() {
+        return Some(s.to_owned());
     }
+    // `pathlib.PosixPath('/a/b')` pickles as REDUCE(PosixPath, ('/a/b',)) or with its parts.
+    let o = v.object()?;
+    if !o.class()?.name.ends_with("Path") {
+        return None;
+    }
+    let parts: Vec<&str> = o.arg_items()?.filter_map(|p| p.as_str()).collect();
+    Some(
+        parts
+            .iter()
+            .enumerate()
+            .map(|(i, p)| {
+                if i == 0 {
+                    (*p).to_owned()
+                } else {
+                    p.trim_start_matches('/').to_owned()
+                }
+            })
+            .collect::<Vec<_>>()
+            .join("/")
+            .replace("//", "/"),
+    )
 }
 
-/// Parses the bytes of a `.metadata` file.
+/// Parses the bytes of a `.metadata` file. The pickle is read as a node arena and DCP's classes
+/// are taken from it directly (no intermediate value tree: `.metadata` files of large jobs hold
+/// hundreds of thousands of objects).
 pub fn read_metadata(bytes: &[u8]) -> Result<DcpMetadata, DcpError> {
-    let root = pickle::parse(bytes).map_err(|source| DcpError::Pickle { source })?;
-    let meta = as_object(&root, "Metadata").map_err(|_| {
+    let arena = pickle::parse_arena(bytes).map_err(|source| DcpError::Pickle { source })?;
+    let root = arena.root();
+    let meta = as_object(root, "Metadata").map_err(|_| {
         malformed(format!(
             "the pickle holds a {}, not a DCP Metadata object",
             root.type_name()
@@ -145,42 +151,45 @@ pub fn read_metadata(bytes: &[u8]) -> Result<DcpMetadata, DcpError> {
     let sdm = meta
         .attr("state_dict_metadata")
         .ok_or_else(|| malformed("Metadata has no state_dict_metadata"))?;
-    let PyValue::Dict(sdm) = sdm else {
-        return Err(malformed("state_dict_metadata is not a dict"));
-    };
+    let sdm = sdm
+        .dict_items()
+        .ok_or_else(|| malformed("state_dict_metadata is not a dict"))?;
     let mut items = Vec::with_capacity(sdm.len());
     for (k, v) in sdm {
         let key = k
             .as_str()
             .ok_or_else(|| malformed("a state_dict_metadata key is not a string"))?
             .to_owned();
-        let item = match v {
-            PyValue::Object(o) if class_name(o) == "BytesStorageMetadata" => ItemMeta::Bytes,
-            PyValue::Object(o) if class_name(o) == "TensorStorageMetadata" => tensor_meta(&key, o)?,
-            other => {
-                return Err(malformed(format!(
-                    "state_dict_metadata[{key:?}] is a {}, not tensor or bytes metadata",
-                    other.type_name()
-                )));
-            }
+        let item = if is_class(v, "BytesStorageMetadata") {
+            ItemMeta::Bytes
+        } else if let Ok(o) = as_object(v, "TensorStorageMetadata") {
+            tensor_meta(&key, o)?
+        } else {
+            return Err(malformed(format!(
+                "state_dict_metadata[{key:?}] is a {}, not tensor or bytes metadata",
+                v.type_name()
+            )));
         };
         items.push((key, item));
     }
     let mut planner_data = BTreeMap::new();
-    if let Some(PyValue::Dict(pd)) = meta.attr("planner_data") {
+    if let Some(pd) = meta.attr("planner_data").and_then(PyRef::dict_items) {
         for (k, v) in pd {
-            let (Some(key), Some(path)) = (k.as_str(), v.as_seq()) else {
+            let (Some(key), Some(path)) = (k.as_str(), v.items()) else {
                 return Err(malformed("planner_data is not a dict of str -> tuple"));
             };
             let steps = path
-                .iter()
-                .map(|s| match s {
-                    PyValue::Str(s) => Ok(PlannerStep::Key(s.clone())),
-                    PyValue::Int(i) => Ok(PlannerStep::Index(*i)),
-                    other => Err(malformed(format!(
-                        "planner_data[{key:?}] has a {} step",
-                        other.type_name()
-                    ))),
+                .map(|s| {
+                    if let Some(k) = s.as_str() {
+                        Ok(PlannerStep::Key(k.to_owned()))
+                    } else if let (Some(i), None) = (s.as_i64(), s.object()) {
+                        Ok(PlannerStep::Index(i))
+                    } else {
+                        Err(malformed(format!(
+                            "planner_data[{key:?}] has a {} step",
+                            s.type_name()
+                        )))
+                    }
                 })
                 .collect::<Result<Vec<_>, _>>()?;
             planner_data.insert(key.to_owned(), steps);
@@ -188,13 +197,14 @@ pub fn read_metadata(bytes: &[u8]) -> Result<DcpMetadata, DcpError> {
     }
     let mut storage = Vec::new();
     match meta.attr("storage_data") {
-        Some(PyValue::Dict(sd)) => {
-            storage.reserve(sd.len());
+        Some(sd) if sd.dict_items().is_some() => {
+            let sd = sd.dict_items().into_iter().flatten();
             for (k, v) in sd {
                 storage.push((storage_index(k)?, storage_info(v)?));
             }
         }
-        Some(PyValue::None) | None => {}
+        Some(sd) if sd.is_none() => {}
+        None => {}
         Some(other) => {
             return Err(malformed(format!(
                 "storage_data is a {}",
@@ -204,16 +214,16 @@ pub fn read_metadata(bytes: &[u8]) -> Result<DcpMetadata, DcpError> {
     }
     let version = meta
         .attr("version")
-        .and_then(PyValue::as_str)
+        .and_then(|v| v.as_str())
         .map(str::to_owned);
-    let (checkpoint_id, save_id) = match meta.attr("storage_meta") {
-        Some(PyValue::Object(sm)) => (
+    let (checkpoint_id, save_id) = match meta.attr("storage_meta").and_then(|v| v.object()) {
+        Some(sm) => (
             sm.attr("checkpoint_id").and_then(string_of),
             sm.attr("save_id")
-                .and_then(PyValue::as_str)
+                .and_then(|v| v.as_str())
                 .map(str::to_owned),
         ),
-        _ => (None, None),
+        None => (None, None),
     };
     Ok(DcpMetadata {
         items,
@@ -225,32 +235,31 @@ pub fn read_metadata(bytes: &[u8]) -> Result<DcpMetadata, DcpError> {
     })
 }
 
-fn dims(v: Option<&PyValue>, what: &str) -> Result<Vec<u64>, DcpError> {
-    v.and_then(PyValue::as_dims)
+fn dims(v: Option<PyRef<'_>>, what: &str) -> Result<Vec<u64>, DcpError> {
+    v.and_then(|v| v.as_dims())
         .ok_or_else(|| malformed(format!("{what} is not a torch.Size")))
 }
 
-fn tensor_meta(key: &str, o: &PyObject) -> Result<ItemMeta, DcpError> {
+fn tensor_meta(key: &str, o: ObjRef<'_>) -> Result<ItemMeta, DcpError> {
     let props = o
         .attr("properties")
         .ok_or_else(|| malformed(format!("{key}: no properties")))?;
     // TensorProperties pickles its state as a tuple whose first element is the dtype; older
     // releases used a dict state.
-    let dtype = match props {
-        PyValue::Object(p) => match &p.state {
-            Some(PyValue::Tuple(t)) => t.first().cloned(),
-            Some(PyValue::Dict(d)) => dict_get(d, "dtype").cloned(),
-            _ => None,
-        },
-        _ => None,
-    };
-    let Some(PyValue::DType(dtype)) = dtype else {
+    let dtype = props.object().and_then(|p| {
+        let state = p.state()?;
+        match state.items() {
+            Some(mut it) => it.next()?.dtype(),
+            None => p.attr("dtype")?.dtype(),
+        }
+    });
+    let Some(dtype) = dtype else {
         return Err(malformed(format!("{key}: properties hold no torch dtype")));
     };
     let size = dims(o.attr("size"), &format!("{key}: size"))?;
     let chunk_list = o
         .attr("chunks")
-        .and_then(PyValue::as_seq)
+        .and_then(PyRef::items)
         .ok_or_else(|| malformed(format!("{key}: no chunk list")))?;
     let mut chunks = Vec::with_capacity(chunk_list.len());
     for c in chunk_list {
@@ -272,31 +281,33 @@ fn tensor_meta(key: &str, o: &PyObject) -> Result<ItemMeta, DcpError> {
     })
 }
 
-fn storage_index(v: &PyValue) -> Result<StorageIndex, DcpError> {
+fn storage_index(v: PyRef<'_>) -> Result<StorageIndex, DcpError> {
     let o = as_object(v, "MetadataIndex")?;
     let fqn = o
         .attr("fqn")
-        .and_then(PyValue::as_str)
+        .and_then(|f| f.as_str())
         .ok_or_else(|| malformed("MetadataIndex without fqn"))?
         .to_owned();
     let offset = match o.attr("offset") {
-        None | Some(PyValue::None) => None,
+        None => None,
+        Some(x) if x.is_none() => None,
         Some(x) => Some(x.as_dims().ok_or_else(|| {
             malformed(format!("MetadataIndex({fqn}).offset is not a torch.Size"))
         })?),
     };
     let index = match o.attr("index") {
-        None | Some(PyValue::None) => None,
+        None => None,
+        Some(x) if x.is_none() => None,
         Some(x) => Some(u64_of(Some(x), "MetadataIndex.index")?),
     };
     Ok(StorageIndex { fqn, offset, index })
 }
 
-fn storage_info(v: &PyValue) -> Result<StorageInfo, DcpError> {
+fn storage_info(v: PyRef<'_>) -> Result<StorageInfo, DcpError> {
     let o = as_object(v, "_StorageInfo")?;
     let relative_path = o
         .attr("relative_path")
-        .and_then(PyValue::as_str)
+        .and_then(|p| p.as_str())
         .ok_or_else(|| malformed("_StorageInfo without relative_path"))?
         .to_owned();
     if relative_path.contains("..") || relative_path.starts_with('/') || relative_path.is_empty() {
@@ -307,7 +318,9 @@ fn storage_info(v: &PyValue) -> Result<StorageInfo, DcpError> {
     Ok(StorageInfo {
         offset: u64_of(o.attr("offset"), "_StorageInfo.offset")?,
         length: u64_of(o.attr("length"), "_StorageInfo.length")?,
-        has_transforms: !matches!(o.attr("transform_descriptors"), None | Some(PyValue::None)),
+        has_transforms: o
+            .attr("transform_descriptors")
+            .is_some_and(|t| !t.is_none()),
         relative_path,
     })
 }

@@ -404,6 +404,230 @@ pub fn parse_with_limits(data: &[u8], limits: PickleLimits) -> Result<PyValue, P
     conv.value(root, 0)
 }
 
+/// The result of pass 1 only: the node arena and its root, read through [`Node`]-free views
+/// ([`PyRef`]). Readers of large, regular pickles (DCP `.metadata` with 100 000 chunks) walk it
+/// directly instead of building the owned [`PyValue`] tree.
+#[derive(Debug)]
+pub struct PickleArena {
+    nodes: Vec<Node>,
+    root: Val,
+    limits: PickleLimits,
+}
+
+/// Runs pass 1 only.
+pub fn parse_arena(data: &[u8]) -> Result<PickleArena, PickleError> {
+    let limits = PickleLimits::for_len(data.len());
+    let (nodes, root) = Machine::new(data, limits).run()?;
+    Ok(PickleArena {
+        nodes,
+        root,
+        limits,
+    })
+}
+
+impl PickleArena {
+    /// A view of the root value.
+    pub fn root(&self) -> PyRef<'_> {
+        PyRef {
+            arena: self,
+            val: self.root,
+        }
+    }
+}
+
+/// A borrowed view of one value in a [`PickleArena`]. Nothing is copied or executed.
+#[derive(Debug, Clone, Copy)]
+pub struct PyRef<'a> {
+    arena: &'a PickleArena,
+    val: Val,
+}
+
+/// A view of a generic object node.
+#[derive(Debug, Clone, Copy)]
+pub struct ObjRef<'a> {
+    arena: &'a PickleArena,
+    node: &'a ObjNode,
+}
+
+impl<'a> PyRef<'a> {
+    fn node(&self) -> Option<&'a Node> {
+        match self.val {
+            Val::Ref(i) => self.arena.nodes.get(i),
+            _ => None,
+        }
+    }
+
+    fn at(&self, val: Val) -> PyRef<'a> {
+        PyRef {
+            arena: self.arena,
+            val,
+        }
+    }
+
+    /// True for Python `None`.
+    pub fn is_none(&self) -> bool {
+        matches!(self.val, Val::None)
+    }
+
+    /// The string, if this is one.
+    pub fn as_str(&self) -> Option<&'a str> {
+        match self.node()? {
+            Node::Str(s) => Some(s),
+            _ => None,
+        }
+    }
+
+    /// The integer (or bool), if this is one.
+    pub fn as_i64(&self) -> Option<i64> {
+        match self.val {
+            Val::Int(i) => Some(i),
+            Val::Bool(b) => Some(i64::from(b)),
+            _ => None,
+        }
+    }
+
+    /// Items of a tuple or list.
+    pub fn items(self) -> Option<impl ExactSizeIterator<Item = PyRef<'a>> + 'a> {
+        let this = self;
+        match self.node()? {
+            Node::Tuple(v) | Node::List(v) => Some(v.iter().map(move |&x| this.at(x))),
+            _ => None,
+        }
+    }
+
+    /// Items of a dict (or of an `OrderedDict` object).
+    pub fn dict_items(self) -> Option<impl ExactSizeIterator<Item = (PyRef<'a>, PyRef<'a>)> + 'a> {
+        let this = self;
+        let pairs: &'a [(Val, Val)] = match self.node()? {
+            Node::Dict(d) => d,
+            Node::Object(o) => &o.dict_items,
+            _ => return None,
+        };
+        Some(pairs.iter().map(move |&(k, v)| (this.at(k), this.at(v))))
+    }
+
+    /// The global, if this is one.
+    pub fn global(&self) -> Option<&'a Global> {
+        match self.node()? {
+            Node::Global(g) => Some(g),
+            _ => None,
+        }
+    }
+
+    /// The dtype, if this is a `torch.<dtype>` global.
+    pub fn dtype(&self) -> Option<DType> {
+        match global_value(self.global()?) {
+            PyValue::DType(d) => Some(d),
+            _ => None,
+        }
+    }
+
+    /// The object, if this is a `REDUCE`/`NEWOBJ` node.
+    pub fn object(&self) -> Option<ObjRef<'a>> {
+        match self.node()? {
+            Node::Object(o) => Some(ObjRef {
+                arena: self.arena,
+                node: o,
+            }),
+            _ => None,
+        }
+    }
+
+    /// A shape: `torch.Size((...))` or a tuple/list of non-negative ints.
+    pub fn as_dims(&self) -> Option<Vec<u64>> {
+        if let Some(o) = self.object() {
+            if o.class().is_some_and(|g| g.is("torch", "Size")) {
+                return o.arg(0)?.as_dims();
+            }
+            return None;
+        }
+        self.items()?
+            .map(|x| x.as_i64().and_then(|i| u64::try_from(i).ok()))
+            .collect()
+    }
+
+    /// Converts this value (and everything under it) into an owned [`PyValue`], with the
+    /// arena's limits.
+    pub fn to_value(&self) -> Result<PyValue, PickleError> {
+        let mut conv = Converter {
+            arena: &self.arena.nodes,
+            limits: self.arena.limits,
+            nodes: 0,
+            bytes: 0,
+        };
+        conv.value(self.val, 0)
+    }
+
+    /// A short description for error messages.
+    pub fn type_name(&self) -> String {
+        match self.node() {
+            None => match self.val {
+                Val::None => "None".into(),
+                Val::Bool(_) => "bool".into(),
+                Val::Int(_) => "int".into(),
+                _ => "float".into(),
+            },
+            Some(Node::Str(_)) => "str".into(),
+            Some(Node::Bytes(_)) => "bytes".into(),
+            Some(Node::BigInt(_)) => "int".into(),
+            Some(Node::Tuple(_)) => "tuple".into(),
+            Some(Node::List(_)) => "list".into(),
+            Some(Node::Dict(_)) => "dict".into(),
+            Some(Node::Set(_)) => "set".into(),
+            Some(Node::Global(g)) => format!("global {g}"),
+            Some(Node::PersId(_)) => "persistent id".into(),
+            Some(Node::Object(o)) => match self.at(o.callable).global() {
+                Some(g) => format!("object {g}"),
+                None => "object".into(),
+            },
+        }
+    }
+}
+
+impl<'a> ObjRef<'a> {
+    fn at(&self, val: Val) -> PyRef<'a> {
+        PyRef {
+            arena: self.arena,
+            val,
+        }
+    }
+
+    /// The class or function called, when a global.
+    pub fn class(&self) -> Option<&'a Global> {
+        self.at(self.node.callable).global()
+    }
+
+    /// The `i`-th argument of the call.
+    pub fn arg(&self, i: usize) -> Option<PyRef<'a>> {
+        let args = self.at(self.node.args);
+        args.items()?.nth(i)
+    }
+
+    /// The call's arguments, when they are a tuple.
+    pub fn arg_items(self) -> Option<impl ExactSizeIterator<Item = PyRef<'a>> + 'a> {
+        self.at(self.node.args).items()
+    }
+
+    /// The `BUILD` state.
+    pub fn state(&self) -> Option<PyRef<'a>> {
+        self.node.state.map(|s| self.at(s))
+    }
+
+    /// `name` in a dict state or the slot dict of a `(dict, slots)` state.
+    pub fn attr(&self, name: &str) -> Option<PyRef<'a>> {
+        let state = self.state()?;
+        let find = |d: PyRef<'a>| {
+            d.dict_items()?
+                .find(|(k, _)| k.as_str() == Some(name))
+                .map(|(_, v)| v)
+        };
+        if let Some(v) = find(state) {
+            return Some(v);
+        }
+        state.items()?.find_map(find)
+    }
+}
+
 // ---------------------------------------------------------------------------------------------
 // Pass 1: the machine.
 
