@@ -9,6 +9,8 @@ pub mod dtype;
 pub mod formats;
 pub mod layout;
 pub mod model;
+pub mod source;
 pub mod transform;
 
 pub use dtype::DType;
+pub use source::{MemorySource, Source, SourceError};

@@ -2,6 +2,7 @@
 
 mod atomic;
 mod cli;
+mod file_source;
 
 use std::process::ExitCode;
 
@@ -19,6 +20,8 @@ struct Cli {
 enum Command {
     /// Show which elements of which parameter every rank holds under an FSDP configuration.
     Layout(cli::layout::LayoutArgs),
+    /// List what a checkpoint holds (keys, dtypes, shapes, chunks, ranks) and check its chunks.
+    Inspect(cli::inspect::InspectArgs),
     /// Replay FSDP's unshard path (copy-in, all-gather, copy-out) on every rank; verify and trace it.
     Gather(cli::gather::GatherArgs),
 }
@@ -27,6 +30,7 @@ fn main() -> ExitCode {
     let cli = Cli::parse();
     let result = match cli.command {
         Command::Layout(args) => cli::layout::run(&args),
+        Command::Inspect(args) => cli::inspect::run(&args),
         Command::Gather(args) => cli::gather::run(&args),
     };
     match result {

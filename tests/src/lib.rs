@@ -6,3 +6,48 @@ use std::path::PathBuf;
 pub fn fixtures_dir() -> PathBuf {
     PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("fixtures")
 }
+
+/// The `shardscope` binary of this workspace, brought up to date with `cargo build -p shardscope-runner`.
+pub fn shardscope_bin() -> PathBuf {
+    let root = PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("..");
+    let target =
+        std::env::var_os("CARGO_TARGET_DIR").map_or_else(|| root.join("target"), PathBuf::from);
+    let bin = target.join("debug").join("shardscope");
+    // Always ask cargo: a stale binary would test old code (a no-op when up to date).
+    {
+        let status =
+            std::process::Command::new(std::env::var_os("CARGO").unwrap_or_else(|| "cargo".into()))
+                .args(["build", "-q", "-p", "shardscope-runner"])
+                .current_dir(&root)
+                .status()
+                .expect("cannot run cargo to build shardscope");
+        assert!(status.success(), "building shardscope failed");
+    }
+    bin
+}
+
+/// Loads every file under `dir` (recursively) into a [`shardscope_core::MemorySource`], with
+/// names relative to `dir`.
+pub fn memory_source(dir: &std::path::Path) -> shardscope_core::MemorySource {
+    fn walk(dir: &std::path::Path, prefix: &str, out: &mut shardscope_core::MemorySource) {
+        let mut entries: Vec<_> = std::fs::read_dir(dir)
+            .unwrap_or_else(|e| panic!("cannot list {}: {e}", dir.display()))
+            .map(|e| e.expect("dir entry").path())
+            .collect();
+        entries.sort();
+        for p in entries {
+            let name = format!(
+                "{prefix}{}",
+                p.file_name().and_then(|n| n.to_str()).expect("utf-8 name")
+            );
+            if p.is_dir() {
+                walk(&p, &format!("{name}/"), out);
+            } else {
+                out.insert(name, std::fs::read(&p).expect("read fixture"));
+            }
+        }
+    }
+    let mut out = shardscope_core::MemorySource::new();
+    walk(dir, "", &mut out);
+    out
+}

@@ -5,6 +5,7 @@
 
 pub mod description;
 pub mod fqn;
+pub mod index;
 pub mod tree;
 
 pub use description::{DescriptionError, ModelDescription, ParamSpec};

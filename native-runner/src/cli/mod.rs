@@ -1,6 +1,7 @@
 //! Subcommands. Data goes to stdout; errors, hints and progress go to stderr.
 
 pub mod gather;
+pub mod inspect;
 pub mod layout;
 
 use std::io::Write;

@@ -1,0 +1,326 @@
+//! `torch.distributed.checkpoint` directories: the `.metadata` pickle and the items of the
+//! `__{rank}_{k}.distcp` files (each a standalone `torch.save` archive, or, in the SAFETENSORS
+//! serialization, one safetensors blob per file).
+
+use std::collections::BTreeMap;
+
+use crate::dtype::DType;
+use crate::formats::pickle::{self, ObjRef, PickleError, PyRef};
+
+/// What went wrong while reading DCP metadata.
+#[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
+pub enum DcpError {
+    /// `.metadata` is not a readable pickle.
+    #[error(".metadata: {source}")]
+    Pickle {
+        #[source]
+        source: PickleError,
+    },
+    /// The pickle is not a `Metadata` object or a field has the wrong shape.
+    #[error(".metadata: {what}")]
+    Malformed { what: String },
+}
+
+fn malformed(what: impl Into<String>) -> DcpError {
+    DcpError::Malformed { what: what.into() }
+}
+
+/// One step of a `planner_data` path: a dict key or a list index.
+#[derive(Debug, Clone, PartialEq, Eq, PartialOrd, Ord)]
+pub enum PlannerStep {
+    Key(String),
+    Index(i64),
+}
+
+/// One saved chunk of a tensor (`ChunkStorageMetadata`).
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct ChunkMeta {
+    pub offsets: Vec<u64>,
+    pub sizes: Vec<u64>,
+}
+
+/// `state_dict_metadata[key]`.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum ItemMeta {
+    /// `TensorStorageMetadata`.
+    Tensor {
+        dtype: DType,
+        size: Vec<u64>,
+        chunks: Vec<ChunkMeta>,
+    },
+    /// `BytesStorageMetadata`: a non-tensor value saved with `torch.save`.
+    Bytes,
+}
+
+/// A key of `storage_data` (`MetadataIndex`).
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct StorageIndex {
+    pub fqn: String,
+    /// Chunk offsets for tensors, `None` for bytes items.
+    pub offset: Option<Vec<u64>>,
+    /// Lookup hint: the position in `chunks`.
+    pub index: Option<u64>,
+}
+
+/// Where an item lives (`_StorageInfo`).
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct StorageInfo {
+    pub relative_path: String,
+    pub offset: u64,
+    pub length: u64,
+    /// True when transform descriptors (compression extensions) were recorded.
+    pub has_transforms: bool,
+}
+
+/// The `.metadata` file.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct DcpMetadata {
+    /// `state_dict_metadata`, in file order.
+    pub items: Vec<(String, ItemMeta)>,
+    /// `planner_data`: flattened key -> original path.
+    pub planner_data: BTreeMap<String, Vec<PlannerStep>>,
+    /// `storage_data`, in file order.
+    pub storage: Vec<(StorageIndex, StorageInfo)>,
+    pub version: Option<String>,
+    /// `storage_meta.checkpoint_id` (the absolute path it was saved to).
+    pub checkpoint_id: Option<String>,
+    pub save_id: Option<String>,
+}
+
+fn as_object<'a>(v: PyRef<'a>, expected: &str) -> Result<ObjRef<'a>, DcpError> {
+    match v.object() {
+        Some(o) if o.class().is_some_and(|g| g.name == expected) => Ok(o),
+        _ => Err(malformed(format!(
+            "expected {expected}, found {}",
+            v.type_name()
+        ))),
+    }
+}
+
+fn is_class(v: PyRef<'_>, name: &str) -> bool {
+    v.object()
+        .and_then(|o| o.class())
+        .is_some_and(|g| g.name == name)
+}
+
+fn u64_of(v: Option<PyRef<'_>>, what: &str) -> Result<u64, DcpError> {
+    v.and_then(|v| v.as_i64())
+        .and_then(|i| u64::try_from(i).ok())
+        .ok_or_else(|| malformed(format!("{what} is not a non-negative int")))
+}
+
+fn string_of(v: PyRef<'_>) -> Option<String> {
+    if let Some(s) = v.as_str() {
+        return Some(s.to_owned());
+    }
+    // `pathlib.PosixPath('/a/b')` pickles as REDUCE(PosixPath, ('/a/b',)) or with its parts.
+    let o = v.object()?;
+    if !o.class()?.name.ends_with("Path") {
+        return None;
+    }
+    let parts: Vec<&str> = o.arg_items()?.filter_map(|p| p.as_str()).collect();
+    Some(
+        parts
+            .iter()
+            .enumerate()
+            .map(|(i, p)| {
+                if i == 0 {
+                    (*p).to_owned()
+                } else {
+                    p.trim_start_matches('/').to_owned()
+                }
+            })
+            .collect::<Vec<_>>()
+            .join("/")
+            .replace("//", "/"),
+    )
+}
+
+/// Parses the bytes of a `.metadata` file. The pickle is read as a node arena and DCP's classes
+/// are taken from it directly (no intermediate value tree: `.metadata` files of large jobs hold
+/// hundreds of thousands of objects).
+pub fn read_metadata(bytes: &[u8]) -> Result<DcpMetadata, DcpError> {
+    let arena = pickle::parse_arena(bytes).map_err(|source| DcpError::Pickle { source })?;
+    let root = arena.root();
+    let meta = as_object(root, "Metadata").map_err(|_| {
+        malformed(format!(
+            "the pickle holds a {}, not a DCP Metadata object",
+            root.type_name()
+        ))
+    })?;
+    let sdm = meta
+        .attr("state_dict_metadata")
+        .ok_or_else(|| malformed("Metadata has no state_dict_metadata"))?;
+    let sdm = sdm
+        .dict_items()
+        .ok_or_else(|| malformed("state_dict_metadata is not a dict"))?;
+    let mut items = Vec::with_capacity(sdm.len());
+    for (k, v) in sdm {
+        let key = k
+            .as_str()
+            .ok_or_else(|| malformed("a state_dict_metadata key is not a string"))?
+            .to_owned();
+        let item = if is_class(v, "BytesStorageMetadata") {
+            ItemMeta::Bytes
+        } else if let Ok(o) = as_object(v, "TensorStorageMetadata") {
+            tensor_meta(&key, o)?
+        } else {
+            return Err(malformed(format!(
+                "state_dict_metadata[{key:?}] is a {}, not tensor or bytes metadata",
+                v.type_name()
+            )));
+        };
+        items.push((key, item));
+    }
+    let mut planner_data = BTreeMap::new();
+    if let Some(pd) = meta.attr("planner_data").and_then(PyRef::dict_items) {
+        for (k, v) in pd {
+            let (Some(key), Some(path)) = (k.as_str(), v.items()) else {
+                return Err(malformed("planner_data is not a dict of str -> tuple"));
+            };
+            let steps = path
+                .map(|s| {
+                    if let Some(k) = s.as_str() {
+                        Ok(PlannerStep::Key(k.to_owned()))
+                    } else if let (Some(i), None) = (s.as_i64(), s.object()) {
+                        Ok(PlannerStep::Index(i))
+                    } else {
+                        Err(malformed(format!(
+                            "planner_data[{key:?}] has a {} step",
+                            s.type_name()
+                        )))
+                    }
+                })
+                .collect::<Result<Vec<_>, _>>()?;
+            planner_data.insert(key.to_owned(), steps);
+        }
+    }
+    let mut storage = Vec::new();
+    match meta.attr("storage_data") {
+        Some(sd) if sd.dict_items().is_some() => {
+            let sd = sd.dict_items().into_iter().flatten();
+            for (k, v) in sd {
+                storage.push((storage_index(k)?, storage_info(v)?));
+            }
+        }
+        Some(sd) if sd.is_none() => {}
+        None => {}
+        Some(other) => {
+            return Err(malformed(format!(
+                "storage_data is a {}",
+                other.type_name()
+            )));
+        }
+    }
+    let version = meta
+        .attr("version")
+        .and_then(|v| v.as_str())
+        .map(str::to_owned);
+    let (checkpoint_id, save_id) = match meta.attr("storage_meta").and_then(|v| v.object()) {
+        Some(sm) => (
+            sm.attr("checkpoint_id").and_then(string_of),
+            sm.attr("save_id")
+                .and_then(|v| v.as_str())
+                .map(str::to_owned),
+        ),
+        None => (None, None),
+    };
+    Ok(DcpMetadata {
+        items,
+        planner_data,
+        storage,
+        version,
+        checkpoint_id,
+        save_id,
+    })
+}
+
+fn dims(v: Option<PyRef<'_>>, what: &str) -> Result<Vec<u64>, DcpError> {
+    v.and_then(|v| v.as_dims())
+        .ok_or_else(|| malformed(format!("{what} is not a torch.Size")))
+}
+
+fn tensor_meta(key: &str, o: ObjRef<'_>) -> Result<ItemMeta, DcpError> {
+    let props = o
+        .attr("properties")
+        .ok_or_else(|| malformed(format!("{key}: no properties")))?;
+    // TensorProperties pickles its state as a tuple whose first element is the dtype; older
+    // releases used a dict state.
+    let dtype = props.object().and_then(|p| {
+        let state = p.state()?;
+        match state.items() {
+            Some(mut it) => it.next()?.dtype(),
+            None => p.attr("dtype")?.dtype(),
+        }
+    });
+    let Some(dtype) = dtype else {
+        return Err(malformed(format!("{key}: properties hold no torch dtype")));
+    };
+    let size = dims(o.attr("size"), &format!("{key}: size"))?;
+    let chunk_list = o
+        .attr("chunks")
+        .and_then(PyRef::items)
+        .ok_or_else(|| malformed(format!("{key}: no chunk list")))?;
+    let mut chunks = Vec::with_capacity(chunk_list.len());
+    for c in chunk_list {
+        let c = as_object(c, "ChunkStorageMetadata")?;
+        let offsets = dims(c.attr("offsets"), &format!("{key}: chunk offsets"))?;
+        let sizes = dims(c.attr("sizes"), &format!("{key}: chunk sizes"))?;
+        if offsets.len() != size.len() || sizes.len() != size.len() {
+            return Err(malformed(format!(
+                "{key}: chunk offsets {offsets:?} / sizes {sizes:?} do not match the {}-dim size",
+                size.len()
+            )));
+        }
+        chunks.push(ChunkMeta { offsets, sizes });
+    }
+    Ok(ItemMeta::Tensor {
+        dtype,
+        size,
+        chunks,
+    })
+}
+
+fn storage_index(v: PyRef<'_>) -> Result<StorageIndex, DcpError> {
+    let o = as_object(v, "MetadataIndex")?;
+    let fqn = o
+        .attr("fqn")
+        .and_then(|f| f.as_str())
+        .ok_or_else(|| malformed("MetadataIndex without fqn"))?
+        .to_owned();
+    let offset = match o.attr("offset") {
+        None => None,
+        Some(x) if x.is_none() => None,
+        Some(x) => Some(x.as_dims().ok_or_else(|| {
+            malformed(format!("MetadataIndex({fqn}).offset is not a torch.Size"))
+        })?),
+    };
+    let index = match o.attr("index") {
+        None => None,
+        Some(x) if x.is_none() => None,
+        Some(x) => Some(u64_of(Some(x), "MetadataIndex.index")?),
+    };
+    Ok(StorageIndex { fqn, offset, index })
+}
+
+fn storage_info(v: PyRef<'_>) -> Result<StorageInfo, DcpError> {
+    let o = as_object(v, "_StorageInfo")?;
+    let relative_path = o
+        .attr("relative_path")
+        .and_then(|p| p.as_str())
+        .ok_or_else(|| malformed("_StorageInfo without relative_path"))?
+        .to_owned();
+    if relative_path.contains("..") || relative_path.starts_with('/') || relative_path.is_empty() {
+        return Err(malformed(format!(
+            "_StorageInfo.relative_path {relative_path:?} leaves the checkpoint folder"
+        )));
+    }
+    Ok(StorageInfo {
+        offset: u64_of(o.attr("offset"), "_StorageInfo.offset")?,
+        length: u64_of(o.attr("length"), "_StorageInfo.length")?,
+        has_transforms: o
+            .attr("transform_descriptors")
+            .is_some_and(|t| !t.is_none()),
+        relative_path,
+    })
+}

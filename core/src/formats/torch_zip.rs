@@ -1,0 +1,339 @@
+//! `torch.save` zip archives (`.pt`, `.bin`, `.pth`, and every DCP `.distcp` item).
+//!
+//! An archive holds `<prefix>/data.pkl` (the pickled object), `<prefix>/byteorder` and one member
+//! `<prefix>/data/<key>` per storage. Members are stored uncompressed; this reader locates each
+//! storage's byte range from the central directory (local headers carry zero sizes) and never
+//! reads tensor bytes: [`read_archive`] touches the directory, `data.pkl` and `byteorder` only.
+
+use std::collections::BTreeMap;
+use std::io::Cursor;
+
+use crate::formats::pickle::{self, PickleError, PyValue, TensorRef};
+
+/// What went wrong while reading a torch archive.
+#[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
+pub enum TorchZipError {
+    /// The bytes do not start like a zip archive (legacy pre-1.6 `torch.save` files are not read).
+    #[error(
+        "not a torch.save zip archive (first bytes {head:02x?}); legacy torch.save files are not supported"
+    )]
+    NotZip { head: Vec<u8> },
+    /// The zip structure itself is broken (truncated, bad central directory).
+    #[error("broken zip archive: {message}")]
+    Zip { message: String },
+    /// No `data.pkl` member.
+    #[error("the archive has no data.pkl member")]
+    NoPickle,
+    /// A member that must be read (data.pkl, a storage) is compressed.
+    #[error(
+        "member `{member}` is compressed ({method}); torch archives store members uncompressed"
+    )]
+    Compressed { member: String, method: String },
+    /// A member's byte range lies outside the archive.
+    #[error("member `{member}` claims bytes {start}..{end} but the archive has {len} bytes")]
+    MemberOutOfBounds {
+        member: String,
+        start: u64,
+        end: u64,
+        len: u64,
+    },
+    /// The archive says its storages are big-endian or something unknown.
+    #[error("unsupported byte order `{order}` (only little-endian archives are read)")]
+    ByteOrder { order: String },
+    /// `data.pkl` could not be read.
+    #[error("data.pkl: {source}")]
+    Pickle {
+        #[source]
+        source: PickleError,
+    },
+    /// A tensor refers to a storage with no `data/<key>` member.
+    #[error("tensor refers to storage `{key}` but the archive has no member data/{key}")]
+    MissingStorage { key: String },
+    /// A storage member is shorter than its pickled element count says.
+    #[error("storage `{key}` holds {len} bytes but {numel} elements of {dtype} need {needed}")]
+    StorageTooShort {
+        key: String,
+        dtype: String,
+        numel: u64,
+        len: u64,
+        needed: u64,
+    },
+    /// A tensor view reaches past the end of its storage.
+    #[error(
+        "tensor view (offset {storage_offset}, shape {shape:?}, stride {stride:?}) reaches element {extent} of storage `{key}`, which has {numel}"
+    )]
+    ViewOutOfBounds {
+        key: String,
+        storage_offset: u64,
+        shape: Vec<u64>,
+        stride: Vec<u64>,
+        extent: u64,
+        numel: u64,
+    },
+}
+
+/// The byte range of one storage member, relative to the start of the archive bytes.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct MemberRange {
+    pub offset: u64,
+    pub len: u64,
+}
+
+/// An opened archive: the pickled object and where each storage lives. No tensor bytes are read.
+#[derive(Debug, Clone, PartialEq)]
+pub struct TorchArchive {
+    /// The folder all members live in (`archive`, or the file stem).
+    pub prefix: String,
+    /// The pickled object (a state dict, an optimizer state dict, a tensor, a Python value).
+    pub root: PyValue,
+    /// Storage key -> byte range of `data/<key>`.
+    pub storages: BTreeMap<String, MemberRange>,
+    /// The pickle protocol of `data.pkl`.
+    pub pickle_protocol: u8,
+}
+
+/// True when the bytes start with a zip local-file header.
+pub fn looks_like_zip(bytes: &[u8]) -> bool {
+    bytes.starts_with(b"PK\x03\x04") || bytes.starts_with(b"PK\x05\x06")
+}
+
+/// Opens a torch archive held in `bytes` (a whole file, or one DCP item).
+pub fn read_archive(bytes: &[u8]) -> Result<TorchArchive, TorchZipError> {
+    if !looks_like_zip(bytes) {
+        return Err(TorchZipError::NotZip {
+            head: bytes.iter().take(4).copied().collect(),
+        });
+    }
+    let zip_err = |e: zip::result::ZipError| TorchZipError::Zip {
+        message: e.to_string(),
+    };
+    let mut archive = zip::ZipArchive::new(Cursor::new(bytes)).map_err(zip_err)?;
+    let total = bytes.len() as u64;
+    let mut members: BTreeMap<String, (MemberRange, zip::CompressionMethod)> = BTreeMap::new();
+    for i in 0..archive.len() {
+        let file = archive.by_index_raw(i).map_err(zip_err)?;
+        let name = file.name().map_err(zip_err)?.into_owned();
+        let start = file.data_start().ok_or_else(|| TorchZipError::Zip {
+            message: format!("member `{name}` has no data offset"),
+        })?;
+        let len = file.compressed_size();
+        let end = start.saturating_add(len);
+        if end > total {
+            return Err(TorchZipError::MemberOutOfBounds {
+                member: name,
+                start,
+                end,
+                len: total,
+            });
+        }
+        members.insert(
+            name,
+            (MemberRange { offset: start, len }, file.compression()),
+        );
+    }
+    // The pickle is `<prefix>/data.pkl` where prefix has no further `/`.
+    let (pkl_name, pkl) = members
+        .iter()
+        .find(|(n, _)| n.ends_with("/data.pkl") && n.matches('/').count() == 1)
+        .or_else(|| members.iter().find(|(n, _)| n.as_str() == "data.pkl"))
+        .map(|(n, r)| (n.clone(), *r))
+        .ok_or(TorchZipError::NoPickle)?;
+    let prefix = pkl_name
+        .strip_suffix("data.pkl")
+        .unwrap_or("")
+        .trim_end_matches('/')
+        .to_owned();
+    let member = |suffix: &str| {
+        if prefix.is_empty() {
+            suffix.to_owned()
+        } else {
+            format!("{prefix}/{suffix}")
+        }
+    };
+    let stored = |name: &str, method: zip::CompressionMethod| {
+        if method == zip::CompressionMethod::Stored {
+            Ok(())
+        } else {
+            Err(TorchZipError::Compressed {
+                member: name.to_owned(),
+                method: format!("{method:?}"),
+            })
+        }
+    };
+    stored(&pkl_name, pkl.1)?;
+    if let Some((range, method)) = members.get(&member("byteorder")) {
+        stored("byteorder", *method)?;
+        let order = slice(bytes, *range);
+        if order != b"little" {
+            return Err(TorchZipError::ByteOrder {
+                order: String::from_utf8_lossy(order).into_owned(),
+            });
+        }
+    }
+    let pkl_bytes = slice(bytes, pkl.0);
+    let pickle_protocol = match pkl_bytes {
+        [0x80, p, ..] => *p,
+        _ => 0,
+    };
+    let root = pickle::parse(pkl_bytes).map_err(|source| TorchZipError::Pickle { source })?;
+    let data_prefix = member("data/");
+    let mut storages = BTreeMap::new();
+    for (name, (range, method)) in &members {
+        if let Some(key) = name.strip_prefix(&data_prefix)
+            && !key.is_empty()
+            && !key.contains('/')
+        {
+            stored(name, *method)?;
+            storages.insert(key.to_owned(), *range);
+        }
+    }
+    let archive = TorchArchive {
+        prefix,
+        root,
+        storages,
+        pickle_protocol,
+    };
+    archive.check_views()?;
+    Ok(archive)
+}
+
+fn slice(bytes: &[u8], r: MemberRange) -> &[u8] {
+    // Ranges were checked against `bytes.len()` when members were listed.
+    &bytes[r.offset as usize..(r.offset + r.len) as usize]
+}
+
+impl TorchArchive {
+    /// Every tensor view in the pickle (plain, Parameter, ShardedTensor local shards, DTensor
+    /// locals), in pickle order.
+    pub fn tensors(&self) -> Vec<&TensorRef> {
+        let mut out = Vec::new();
+        collect_tensors(&self.root, &mut out);
+        out
+    }
+
+    /// Checks every tensor: its storage member exists, is long enough for the pickled element
+    /// count, and the view stays inside the storage.
+    pub fn check_views(&self) -> Result<(), TorchZipError> {
+        for t in self.tensors() {
+            self.check_view(t)?;
+        }
+        Ok(())
+    }
+
+    fn check_view(&self, t: &TensorRef) -> Result<MemberRange, TorchZipError> {
+        let s = &t.storage;
+        let range = *self
+            .storages
+            .get(&s.key)
+            .ok_or_else(|| TorchZipError::MissingStorage { key: s.key.clone() })?;
+        let needed = s.numel.checked_mul(s.dtype.size_bytes() as u64);
+        if needed.is_none_or(|n| n > range.len) {
+            return Err(TorchZipError::StorageTooShort {
+                key: s.key.clone(),
+                dtype: s.dtype.to_string(),
+                numel: s.numel,
+                len: range.len,
+                needed: needed.unwrap_or(u64::MAX),
+            });
+        }
+        let extent = t.storage_extent();
+        if extent.is_none_or(|e| e > s.numel) {
+            return Err(TorchZipError::ViewOutOfBounds {
+                key: s.key.clone(),
+                storage_offset: t.storage_offset,
+                shape: t.shape.clone(),
+                stride: t.stride.clone(),
+                extent: extent.unwrap_or(u64::MAX),
+                numel: s.numel,
+            });
+        }
+        Ok(range)
+    }
+
+    /// The bytes range of a tensor's storage member.
+    pub fn storage_range(&self, t: &TensorRef) -> Result<MemberRange, TorchZipError> {
+        self.check_view(t)
+    }
+}
+
+fn collect_tensors<'a>(v: &'a PyValue, out: &mut Vec<&'a TensorRef>) {
+    match v {
+        PyValue::Tensor(t) => out.push(t),
+        PyValue::ShardedTensor(st) => out.extend(st.local_shards.iter().map(|s| &s.tensor)),
+        PyValue::DTensor(d) => out.push(&d.local),
+        PyValue::Tuple(items) | PyValue::List(items) | PyValue::Set(items) => {
+            for i in items {
+                collect_tensors(i, out);
+            }
+        }
+        PyValue::Dict(items) => {
+            for (k, i) in items {
+                collect_tensors(k, out);
+                collect_tensors(i, out);
+            }
+        }
+        PyValue::Object(o) => {
+            for a in &o.args {
+                collect_tensors(a, out);
+            }
+            if let Some(s) = &o.state {
+                collect_tensors(s, out);
+            }
+            for i in &o.list_items {
+                collect_tensors(i, out);
+            }
+            for (k, i) in &o.dict_items {
+                collect_tensors(k, out);
+                collect_tensors(i, out);
+            }
+        }
+        _ => {}
+    }
+}
+
+/// Copies a strided view out of its storage bytes into contiguous little-endian bytes.
+/// `storage` is the storage member's bytes; the view must have been checked
+/// ([`TorchArchive::check_views`]) against it.
+pub fn gather_view(storage: &[u8], t: &TensorRef) -> Result<Vec<u8>, TorchZipError> {
+    let item = t.storage.dtype.size_bytes();
+    let too_short = || TorchZipError::ViewOutOfBounds {
+        key: t.storage.key.clone(),
+        storage_offset: t.storage_offset,
+        shape: t.shape.clone(),
+        stride: t.stride.clone(),
+        extent: t.storage_extent().unwrap_or(u64::MAX),
+        numel: (storage.len() / item.max(1)) as u64,
+    };
+    let extent = t.storage_extent().ok_or_else(too_short)?;
+    if extent
+        .checked_mul(item as u64)
+        .is_none_or(|b| b > storage.len() as u64)
+    {
+        return Err(too_short());
+    }
+    let numel = t.numel().ok_or_else(too_short)? as usize;
+    let mut out = Vec::with_capacity(numel * item);
+    if numel == 0 {
+        return Ok(out);
+    }
+    if t.is_contiguous() {
+        let start = t.storage_offset as usize * item;
+        out.extend_from_slice(&storage[start..start + numel * item]);
+        return Ok(out);
+    }
+    let ndim = t.shape.len();
+    let mut index = vec![0u64; ndim];
+    for _ in 0..numel {
+        let pos = t.storage_offset + index.iter().zip(&t.stride).map(|(i, s)| i * s).sum::<u64>();
+        let start = pos as usize * item;
+        out.extend_from_slice(&storage[start..start + item]);
+        for d in (0..ndim).rev() {
+            index[d] += 1;
+            if index[d] < t.shape[d] {
+                break;
+            }
+            index[d] = 0;
+        }
+    }
+    Ok(out)
+}

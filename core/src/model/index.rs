@@ -1,0 +1,1892 @@
+//! The canonical checkpoint index: one type for every format.
+//!
+//! [`index_source`] turns a [`Source`] (a DCP directory, a folder of per-rank `torch.save` files,
+//! sharded safetensors, or one file) into a [`CheckpointIndex`]: every entry's key path, kind,
+//! dtype, global shape and chunks (offsets, sizes, file, byte range, writing rank), plus what the
+//! format says about FSDP. Tensor bytes are never read while indexing; [`CheckpointIndex::read_chunk`]
+//! and [`CheckpointIndex::read_tensor`] read values on demand. Format quirks end here.
+
+use std::borrow::Cow;
+use std::collections::{BTreeMap, BTreeSet, HashMap};
+
+use serde::Serialize;
+
+use crate::dtype::DType;
+use crate::formats::dcp::{self, DcpError, ItemMeta, PlannerStep};
+use crate::formats::pickle::{Placement, PyValue, StorageRef, TensorRef};
+use crate::formats::safetensors::{self as st, SafetensorsError};
+use crate::formats::torch_zip::{self, TorchZipError};
+use crate::model::fqn::clean_tensor_name;
+use crate::source::{Source, SourceError};
+
+/// What went wrong while indexing or reading a checkpoint. Each names the file and key involved.
+#[derive(Debug, Clone, PartialEq, thiserror::Error)]
+pub enum IndexError {
+    /// Reading from the source failed.
+    #[error(transparent)]
+    Source(#[from] SourceError),
+    /// A `torch.save` archive (a file or a DCP item) could not be read.
+    #[error("{file}: {source}")]
+    TorchZip {
+        file: String,
+        #[source]
+        source: TorchZipError,
+    },
+    /// A safetensors file or index could not be read.
+    #[error("{file}: {source}")]
+    Safetensors {
+        file: String,
+        #[source]
+        source: SafetensorsError,
+    },
+    /// The DCP `.metadata` could not be read.
+    #[error("{file}: {source}")]
+    Dcp {
+        file: String,
+        #[source]
+        source: DcpError,
+    },
+    /// Metadata refers to something that is not there or does not fit.
+    #[error("{file}: {what}")]
+    Inconsistent { file: String, what: String },
+    /// The source holds no checkpoint this reader recognises.
+    #[error("no checkpoint found: {reason}")]
+    NotACheckpoint { reason: String },
+    /// A folder holds several distinct checkpoints (e.g. `rank*_full.pt` and `rank*_optim.pt`).
+    #[error("the folder holds {} different checkpoints: {}", groups.len(), groups.join(", "))]
+    SeveralCheckpoints { groups: Vec<String> },
+    /// A chunk's bytes do not decode to what the index says.
+    #[error("{key}: chunk in {file} at bytes {offset}..{end}: {what}")]
+    BadChunk {
+        key: String,
+        file: String,
+        offset: u64,
+        end: u64,
+        what: String,
+    },
+    /// The entry has no values to read this way (bytes item, rank-local tensor without a global shape).
+    #[error("{key}: {what}")]
+    NotReadable { key: String, what: String },
+}
+
+/// The on-disk format of the checkpoint.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, PartialOrd, Ord, Serialize)]
+#[serde(rename_all = "snake_case")]
+pub enum Format {
+    /// `torch.distributed.checkpoint` directory.
+    Dcp,
+    /// One or more `torch.save` files.
+    TorchSave,
+    /// One or more safetensors files.
+    Safetensors,
+}
+
+/// What kind of checkpoint the index looks like.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize)]
+#[serde(rename_all = "snake_case")]
+pub enum CheckpointKind {
+    /// A DCP directory with the default (`torch.save` items) serialization.
+    DcpTorchSave,
+    /// A DCP directory written with `SerializationFormat.SAFETENSORS`.
+    DcpSafetensors,
+    /// HF-style safetensors (one file, or sharded with an index), without DCP sharding info.
+    HfSafetensors,
+    /// Safetensors pieces with `DCP_SHARDING_INFO` (HuggingFaceStorageWriter, distributed).
+    HfDistributedSafetensors,
+    /// FSDP1 FULL_STATE_DICT per-rank files (every rank holds the same full tensors).
+    Fsdp1Full,
+    /// FSDP1 SHARDED_STATE_DICT (ShardedTensor, dim-0 chunks of each parameter).
+    Fsdp1Sharded,
+    /// FSDP1 LOCAL_STATE_DICT (ShardedTensor flat parameters `<unit>._flat_param`).
+    Fsdp1Local,
+    /// FSDP2 / DTensor state dicts.
+    Fsdp2,
+    /// Per-rank optimizer state with rank-local (flat or per-parameter) pieces and no global metadata.
+    RankLocal,
+    /// A plain `torch.save` state dict.
+    Plain,
+}
+
+impl CheckpointKind {
+    /// A phrase for people.
+    pub fn describe(self) -> &'static str {
+        match self {
+            CheckpointKind::DcpTorchSave => "DCP (torch.distributed.checkpoint, torch.save items)",
+            CheckpointKind::DcpSafetensors => {
+                "DCP (torch.distributed.checkpoint, SAFETENSORS serialization)"
+            }
+            CheckpointKind::HfSafetensors => "HF safetensors",
+            CheckpointKind::HfDistributedSafetensors => {
+                "HF safetensors pieces with DCP sharding info"
+            }
+            CheckpointKind::Fsdp1Full => "FSDP1 FULL_STATE_DICT (full tensors on every rank)",
+            CheckpointKind::Fsdp1Sharded => "FSDP1 SHARDED_STATE_DICT (ShardedTensor)",
+            CheckpointKind::Fsdp1Local => "FSDP1 LOCAL_STATE_DICT (flat parameters)",
+            CheckpointKind::Fsdp2 => "FSDP2 (DTensor)",
+            CheckpointKind::RankLocal => {
+                "per-rank local state (no global metadata, e.g. raw FSDP1 optimizer state)"
+            }
+            CheckpointKind::Plain => "plain torch.save state dict",
+        }
+    }
+}
+
+/// One step of an entry's nesting path.
+#[derive(Debug, Clone, PartialEq, Eq, PartialOrd, Ord, Hash, Serialize)]
+#[serde(untagged)]
+pub enum PathSeg {
+    Key(String),
+    Index(i64),
+}
+
+impl std::fmt::Display for PathSeg {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        match self {
+            PathSeg::Key(k) => f.write_str(k),
+            PathSeg::Index(i) => write!(f, "{i}"),
+        }
+    }
+}
+
+/// What an entry holds.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, PartialOrd, Ord, Serialize)]
+#[serde(rename_all = "snake_case")]
+pub enum EntryKind {
+    Tensor,
+    /// A non-tensor value stored as its own item (DCP bytes items): decoded on demand.
+    Bytes,
+    /// A non-tensor value held in the pickle itself (`torch.save` files).
+    Scalar,
+}
+
+/// How a chunk's bytes are laid out in its byte range.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize)]
+#[serde(tag = "encoding", rename_all = "snake_case")]
+pub enum ChunkEncoding {
+    /// Raw little-endian elements: the byte range is a storage; the chunk is the view
+    /// `storage[storage_offset + Σ i_d·strides_d]` (in elements).
+    Raw {
+        storage_offset: u64,
+        strides: Vec<u64>,
+    },
+    /// The byte range is a complete `torch.save` archive holding the chunk (DCP default items).
+    TorchSaveItem,
+}
+
+/// One stored piece of an entry.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize)]
+pub struct Chunk {
+    /// Where the piece starts in the global tensor.
+    pub offsets: Vec<u64>,
+    /// Its shape.
+    pub sizes: Vec<u64>,
+    pub file: String,
+    pub byte_offset: u64,
+    pub byte_length: u64,
+    /// The rank that wrote it, when the file name or format says.
+    pub rank: Option<u32>,
+    #[serde(flatten)]
+    pub encoding: ChunkEncoding,
+}
+
+impl Chunk {
+    /// Elements in the chunk.
+    pub fn numel(&self) -> Option<u64> {
+        self.sizes.iter().try_fold(1u64, |a, &d| a.checked_mul(d))
+    }
+}
+
+/// What the format says about FSDP for an entry.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize)]
+#[serde(tag = "type", rename_all = "snake_case")]
+pub enum FsdpInfo {
+    /// A `ShardedTensor` (FSDP1 SHARDED/LOCAL): the global shard table.
+    ShardedTensor { shards: Vec<ShardPlacement> },
+    /// A `DTensor` (FSDP2): its placements per mesh dim and the mesh shape.
+    DTensor {
+        placements: Vec<String>,
+        mesh_shape: Option<Vec<u64>>,
+    },
+}
+
+/// One row of a `ShardedTensor`'s global shard table.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize)]
+pub struct ShardPlacement {
+    pub offsets: Vec<u64>,
+    pub sizes: Vec<u64>,
+    pub placement: Option<String>,
+}
+
+/// The role of an entry in an optimizer state dict.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize)]
+#[serde(tag = "role", rename_all = "snake_case")]
+pub enum Role {
+    /// `state[param][name]`; `param` is an int id (raw `optim.state_dict()`) or an FQN.
+    OptimizerState { param: PathSeg, state: String },
+    /// A leaf of `param_groups[i]`.
+    ParamGroup { group: i64 },
+}
+
+/// One key of the checkpoint.
+#[derive(Debug, Clone, PartialEq, Serialize)]
+pub struct IndexEntry {
+    /// The flattened key as DCP writes it, or the (cleaned) state-dict key.
+    pub key: String,
+    /// The key as stored, when clean-up changed it (`_fsdp_wrapped_module.` removed).
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub raw_key: Option<String>,
+    /// The nesting of the key.
+    pub path: Vec<PathSeg>,
+    pub kind: EntryKind,
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub dtype: Option<DType>,
+    /// The global shape; `None` for non-tensors and for rank-local tensors with no global
+    /// metadata (raw optimizer state of FSDP1 flat parameters).
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub shape: Option<Vec<u64>>,
+    pub chunks: Vec<Chunk>,
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub fsdp: Option<FsdpInfo>,
+    #[serde(skip_serializing_if = "Option::is_none", flatten)]
+    pub role: Option<Role>,
+    /// True when the key is an FSDP1 flat parameter (`…_flat_param`).
+    #[serde(skip_serializing_if = "std::ops::Not::not")]
+    pub flat_param: bool,
+    /// Scalars: the value; bytes items: filled in by [`CheckpointIndex::decode_bytes_values`].
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub value: Option<serde_json::Value>,
+}
+
+impl IndexEntry {
+    /// Elements of the global tensor.
+    pub fn numel(&self) -> Option<u64> {
+        self.shape
+            .as_ref()
+            .and_then(|s| s.iter().try_fold(1u64, |a, &d| a.checked_mul(d)))
+    }
+
+    /// Bytes of the global tensor.
+    pub fn nbytes(&self) -> Option<u64> {
+        self.numel()?.checked_mul(self.dtype?.size_bytes() as u64)
+    }
+
+    /// The distinct ranks holding chunks.
+    pub fn ranks(&self) -> BTreeSet<u32> {
+        self.chunks.iter().filter_map(|c| c.rank).collect()
+    }
+}
+
+/// One file of the checkpoint.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize)]
+pub struct FileInfo {
+    pub size: u64,
+    pub rank: Option<u32>,
+    /// Storage bytes no tensor view refers to (FSDP1 LOCAL files keep the padded flat storage).
+    #[serde(skip_serializing_if = "is_zero")]
+    pub unreferenced_bytes: u64,
+}
+
+#[allow(clippy::trivially_copy_pass_by_ref)]
+fn is_zero(v: &u64) -> bool {
+    *v == 0
+}
+
+/// DCP-specific facts.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize)]
+pub struct DcpFacts {
+    pub version: Option<String>,
+    pub checkpoint_id: Option<String>,
+    pub save_id: Option<String>,
+}
+
+/// The canonical index of a checkpoint.
+#[derive(Debug, Clone, PartialEq, Serialize)]
+pub struct CheckpointIndex {
+    pub format: Format,
+    pub kind: CheckpointKind,
+    /// True when entries hold optimizer state (`state`/`param_groups`).
+    pub has_optimizer_state: bool,
+    /// Entries sorted by key.
+    pub entries: Vec<IndexEntry>,
+    pub files: BTreeMap<String, FileInfo>,
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub dcp: Option<DcpFacts>,
+}
+
+/// A violation of the checkpoint's own promises, found by [`CheckpointIndex::check`].
+#[derive(Debug, Clone, PartialEq, Eq, Serialize)]
+pub struct Problem {
+    pub key: String,
+    pub file: Option<String>,
+    pub byte_range: Option<(u64, u64)>,
+    pub what: String,
+}
+
+impl std::fmt::Display for Problem {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        write!(f, "{}: {}", self.key, self.what)?;
+        if let Some(file) = &self.file {
+            write!(f, " (in {file}")?;
+            if let Some((a, b)) = self.byte_range {
+                write!(f, ", bytes {a}..{b}")?;
+            }
+            write!(f, ")")?;
+        }
+        Ok(())
+    }
+}
+
+// ---------------------------------------------------------------------------------------------
+// Building.
+
+fn file_ext(name: &str) -> &str {
+    name.rsplit('/')
+        .next()
+        .unwrap_or(name)
+        .rsplit_once('.')
+        .map_or("", |(_, e)| e)
+}
+
+fn is_torch_file(name: &str) -> bool {
+    matches!(file_ext(name), "pt" | "pth" | "bin" | "ckpt" | "tar")
+}
+
+/// The rank in a per-rank file name (`rank3_model.pt`, `model_rank_3.pt`, `shard-00004-…`), and
+/// the name with the rank replaced by `{R}` (files of one checkpoint share it).
+pub fn rank_from_name(name: &str) -> (Option<u32>, String) {
+    let base = name.rsplit('/').next().unwrap_or(name);
+    // HF distributed pieces: shard-0000R-model-…, 1-based.
+    if let Some(rest) = base.strip_prefix("shard-")
+        && let Some((digits, tail)) = rest.split_once('-')
+        && let Ok(r) = digits.parse::<u32>()
+    {
+        return (r.checked_sub(1), format!("shard-{{R}}-{tail}"));
+    }
+    let lower = base.to_ascii_lowercase();
+    let pos = lower.find("rank").map(|p| p + 4);
+    let bytes = base.as_bytes();
+    let find_digits = |from: usize| -> Option<(usize, usize)> {
+        let start = (from..bytes.len()).find(|&i| bytes[i].is_ascii_digit())?;
+        let end = (start..bytes.len())
+            .find(|&i| !bytes[i].is_ascii_digit())
+            .unwrap_or(bytes.len());
+        Some((start, end))
+    };
+    let span = match pos {
+        Some(p) => {
+            let skip = (p..bytes.len())
+                .find(|&i| bytes[i] != b'_' && bytes[i] != b'-')
+                .unwrap_or(p);
+            if bytes.get(skip).is_some_and(u8::is_ascii_digit) {
+                find_digits(skip)
+            } else {
+                None
+            }
+        }
+        None => None,
+    };
+    match span {
+        Some((s, e)) => {
+            let r = base[s..e].parse::<u32>().ok();
+            (r, format!("{}{{R}}{}", &base[..s], &base[e..]))
+        }
+        None => (None, base.to_owned()),
+    }
+}
+
+/// Indexes whatever checkpoint the source holds.
+pub fn index_source(source: &dyn Source) -> Result<CheckpointIndex, IndexError> {
+    let names = source.names();
+    if names
+        .iter()
+        .any(|n| n == ".metadata" || n.ends_with("/.metadata"))
+    {
+        let meta = names
+            .iter()
+            .find(|n| n.as_str() == ".metadata")
+            .or_else(|| names.iter().find(|n| n.ends_with("/.metadata")))
+            .cloned()
+            .unwrap_or_default();
+        return index_dcp(source, &meta);
+    }
+    let safetensors: Vec<&String> = names
+        .iter()
+        .filter(|n| file_ext(n) == "safetensors")
+        .collect();
+    let torch: Vec<&String> = names.iter().filter(|n| is_torch_file(n)).collect();
+    if !safetensors.is_empty() && torch.is_empty() {
+        return index_safetensors(source, &names);
+    }
+    if !torch.is_empty() && safetensors.is_empty() {
+        let mut groups: BTreeMap<String, Vec<&String>> = BTreeMap::new();
+        for n in &torch {
+            groups.entry(rank_from_name(n).1).or_default().push(n);
+        }
+        if groups.len() > 1 {
+            return Err(IndexError::SeveralCheckpoints {
+                groups: groups.keys().cloned().collect(),
+            });
+        }
+        let files: Vec<String> = torch.iter().map(|s| (*s).clone()).collect();
+        return index_torch_files(source, &files);
+    }
+    if names.is_empty() {
+        return Err(IndexError::NotACheckpoint {
+            reason: "the source is empty".into(),
+        });
+    }
+    Err(IndexError::NotACheckpoint {
+        reason: if safetensors.is_empty() {
+            format!(
+                "no .metadata, .safetensors or torch.save (.pt/.pth/.bin) files among {} files",
+                names.len()
+            )
+        } else {
+            "the folder mixes safetensors and torch.save files".into()
+        },
+    })
+}
+
+// ----- torch.save files -------------------------------------------------------------------------
+
+struct Leaf<'a> {
+    path: Vec<PathSeg>,
+    value: &'a PyValue,
+}
+
+fn path_seg_of_key(k: &PyValue) -> Option<PathSeg> {
+    match k {
+        PyValue::Str(s) => Some(PathSeg::Key(s.clone())),
+        PyValue::Int(i) => Some(PathSeg::Index(*i)),
+        PyValue::Bool(b) => Some(PathSeg::Key(if *b { "True" } else { "False" }.into())),
+        _ => None,
+    }
+}
+
+fn is_tensorish(v: &PyValue) -> bool {
+    matches!(
+        v,
+        PyValue::Tensor(_) | PyValue::ShardedTensor(_) | PyValue::DTensor(_)
+    )
+}
+
+/// DCP's traversal: mappings are always descended; a list/tuple is descended when it holds a
+/// tensor or a container; everything else is a leaf.
+fn flatten<'a>(v: &'a PyValue, path: &mut Vec<PathSeg>, out: &mut Vec<Leaf<'a>>) {
+    match v {
+        PyValue::Dict(items) if items.iter().all(|(k, _)| path_seg_of_key(k).is_some()) => {
+            for (k, val) in items {
+                if let Some(seg) = path_seg_of_key(k) {
+                    path.push(seg);
+                    flatten(val, path, out);
+                    path.pop();
+                }
+            }
+        }
+        PyValue::List(items) | PyValue::Tuple(items)
+            if items.iter().any(|i| {
+                is_tensorish(i)
+                    || matches!(i, PyValue::Dict(_) | PyValue::List(_) | PyValue::Tuple(_))
+            }) =>
+        {
+            for (i, val) in items.iter().enumerate() {
+                path.push(PathSeg::Index(i as i64));
+                flatten(val, path, out);
+                path.pop();
+            }
+        }
+        _ => out.push(Leaf {
+            path: path.clone(),
+            value: v,
+        }),
+    }
+}
+
+fn join_path(path: &[PathSeg]) -> String {
+    path.iter()
+        .map(ToString::to_string)
+        .collect::<Vec<_>>()
+        .join(".")
+}
+
+fn clean_path(path: &[PathSeg]) -> Vec<PathSeg> {
+    path.iter()
+        .map(|s| match s {
+            PathSeg::Key(k) => PathSeg::Key(
+                clean_tensor_name(&format!("{k}."))
+                    .trim_end_matches('.')
+                    .to_owned(),
+            ),
+            PathSeg::Index(i) => PathSeg::Index(*i),
+        })
+        .collect()
+}
+
+/// A Python value as JSON (for scalars and decoded bytes items).
+pub fn json_of(v: &PyValue) -> serde_json::Value {
+    use serde_json::Value as J;
+    match v {
+        PyValue::None => J::Null,
+        PyValue::Bool(b) => J::Bool(*b),
+        PyValue::Int(i) => J::from(*i),
+        PyValue::BigInt(b) => J::String(format!("<int of {} bytes>", b.len())),
+        PyValue::Float(f) => {
+            serde_json::Number::from_f64(*f).map_or_else(|| J::String(f.to_string()), J::Number)
+        }
+        PyValue::Str(s) => J::String(s.clone()),
+        PyValue::Bytes(b) => J::String(format!("<{} bytes>", b.len())),
+        PyValue::Tuple(items) | PyValue::List(items) | PyValue::Set(items) => {
+            J::Array(items.iter().map(json_of).collect())
+        }
+        PyValue::Dict(items) => {
+            if items.iter().all(|(k, _)| path_seg_of_key(k).is_some()) {
+                J::Object(
+                    items
+                        .iter()
+                        .filter_map(|(k, v)| {
+                            path_seg_of_key(k).map(|s| (s.to_string(), json_of(v)))
+                        })
+                        .collect(),
+                )
+            } else {
+                J::Array(
+                    items
+                        .iter()
+                        .map(|(k, v)| J::Array(vec![json_of(k), json_of(v)]))
+                        .collect(),
+                )
+            }
+        }
+        PyValue::Global(g) => J::String(g.to_string()),
+        PyValue::DType(d) => J::String(d.torch_name()),
+        PyValue::Size(s) => J::Array(s.iter().map(|&d| J::from(d)).collect()),
+        other => J::String(format!("<{}>", other.type_name())),
+    }
+}
+
+fn contiguous_strides(shape: &[u64]) -> Vec<u64> {
+    let mut strides = vec![1u64; shape.len()];
+    for d in (0..shape.len().saturating_sub(1)).rev() {
+        strides[d] = strides[d + 1].saturating_mul(shape[d + 1]);
+    }
+    strides
+}
+
+fn raw_chunk(
+    file: &str,
+    rank: Option<u32>,
+    archive: &torch_zip::TorchArchive,
+    t: &TensorRef,
+    offsets: Vec<u64>,
+) -> Result<Chunk, IndexError> {
+    let range = archive
+        .storage_range(t)
+        .map_err(|source| IndexError::TorchZip {
+            file: file.to_owned(),
+            source,
+        })?;
+    Ok(Chunk {
+        offsets,
+        sizes: t.shape.clone(),
+        file: file.to_owned(),
+        byte_offset: range.offset,
+        byte_length: range.len,
+        rank,
+        encoding: ChunkEncoding::Raw {
+            storage_offset: t.storage_offset,
+            strides: t.stride.clone(),
+        },
+    })
+}
+
+/// §4.4: the local shape and global offset of mesh coordinate `coord` under `placements`.
+fn dtensor_offsets(
+    global: &[u64],
+    placements: &[Placement],
+    mesh: &[u64],
+    coord: &[u64],
+) -> Option<Vec<u64>> {
+    let mut local: Vec<u64> = global.to_vec();
+    let mut offsets = vec![0u64; global.len()];
+    for (i, p) in placements.iter().enumerate() {
+        match p {
+            Placement::Replicate | Placement::Partial { .. } => {}
+            Placement::Shard { dim } => {
+                let tensor_dim = usize::try_from(if *dim < 0 {
+                    *dim + global.len() as i64
+                } else {
+                    *dim
+                })
+                .ok()?;
+                let mesh_size = *mesh.get(i)?;
+                let coordinate = *coord.get(i)?;
+                let current = *local.get(tensor_dim)?;
+                if mesh_size == 0 {
+                    return None;
+                }
+                let (size, offset) = if current % mesh_size == 0 {
+                    (current / mesh_size, coordinate * (current / mesh_size))
+                } else {
+                    let full_chunk = current.div_ceil(mesh_size);
+                    let start = full_chunk * coordinate;
+                    if start >= current {
+                        (0, current)
+                    } else {
+                        (current.min(start + full_chunk) - start, start)
+                    }
+                };
+                local[tensor_dim] = size;
+                offsets[tensor_dim] += offset;
+            }
+            Placement::StridedShard { .. } | Placement::Other { .. } => return None,
+        }
+    }
+    Some(offsets)
+}
+
+struct Partial {
+    entry: IndexEntry,
+    /// Per rank: the local shape of a plain tensor (to tell replicated from rank-local).
+    plain_shapes: Vec<Vec<u64>>,
+}
+
+/// Indexes one or more per-rank `torch.save` files of the same checkpoint.
+pub fn index_torch_files(
+    source: &dyn Source,
+    files: &[String],
+) -> Result<CheckpointIndex, IndexError> {
+    let mut merged: BTreeMap<String, Partial> = BTreeMap::new();
+    let mut file_infos = BTreeMap::new();
+    let mut saw_sharded = false;
+    let mut saw_dtensor = false;
+    let mut saw_flat = false;
+    let many = files.len() > 1;
+    for file in files {
+        let bytes = source.read_all(file)?;
+        let (rank, _) = rank_from_name(file);
+        let rank = rank.or(if many { None } else { Some(0) });
+        let archive = torch_zip::read_archive(&bytes).map_err(|source| IndexError::TorchZip {
+            file: file.clone(),
+            source,
+        })?;
+        let mut leaves = Vec::new();
+        flatten(&archive.root, &mut Vec::new(), &mut leaves);
+        for leaf in leaves {
+            let raw_key = join_path(&leaf.path);
+            let path = clean_path(&leaf.path);
+            let key = join_path(&path);
+            let flat_param = key.ends_with("_flat_param");
+            let mut chunks = Vec::new();
+            let mut plain_shape = None;
+            let (kind, dtype, shape, fsdp, value) = match leaf.value {
+                PyValue::Tensor(t) => {
+                    chunks.push(raw_chunk(file, rank, &archive, t, vec![0; t.shape.len()])?);
+                    plain_shape = Some(t.shape.clone());
+                    (
+                        EntryKind::Tensor,
+                        Some(t.storage.dtype),
+                        Some(t.shape.clone()),
+                        None,
+                        None,
+                    )
+                }
+                PyValue::ShardedTensor(s) => {
+                    saw_sharded = true;
+                    saw_flat |= flat_param;
+                    for ls in &s.local_shards {
+                        chunks.push(raw_chunk(
+                            file,
+                            rank,
+                            &archive,
+                            &ls.tensor,
+                            ls.offsets.clone(),
+                        )?);
+                    }
+                    let info = FsdpInfo::ShardedTensor {
+                        shards: s
+                            .shards
+                            .iter()
+                            .map(|m| ShardPlacement {
+                                offsets: m.offsets.clone(),
+                                sizes: m.sizes.clone(),
+                                placement: m.placement.clone(),
+                            })
+                            .collect(),
+                    };
+                    (
+                        EntryKind::Tensor,
+                        Some(s.dtype),
+                        Some(s.global_shape.clone()),
+                        Some(info),
+                        None,
+                    )
+                }
+                PyValue::DTensor(d) => {
+                    saw_dtensor = true;
+                    // Without a readable mesh, a 1-D mesh over the given rank files.
+                    let mesh = d
+                        .mesh_shape
+                        .clone()
+                        .unwrap_or_else(|| vec![files.len() as u64; d.placements.len()]);
+                    let coord = d
+                        .mesh_coordinate
+                        .clone()
+                        .or_else(|| rank.map(|r| vec![u64::from(r)]))
+                        .unwrap_or_default();
+                    let offsets = dtensor_offsets(&d.global_shape, &d.placements, &mesh, &coord).ok_or_else(|| {
+                        IndexError::Inconsistent {
+                            file: file.clone(),
+                            what: format!(
+                                "{key}: cannot place the DTensor's local piece (placements {:?}, mesh {mesh:?}, coordinate {coord:?})",
+                                d.placements
+                            ),
+                        }
+                    })?;
+                    chunks.push(raw_chunk(file, rank, &archive, &d.local, offsets)?);
+                    let info = FsdpInfo::DTensor {
+                        placements: d.placements.iter().map(ToString::to_string).collect(),
+                        mesh_shape: d.mesh_shape.clone(),
+                    };
+                    (
+                        EntryKind::Tensor,
+                        Some(d.dtype),
+                        Some(d.global_shape.clone()),
+                        Some(info),
+                        None,
+                    )
+                }
+                other => (EntryKind::Scalar, None, None, None, Some(json_of(other))),
+            };
+            let p = merged.entry(key.clone()).or_insert_with(|| Partial {
+                entry: IndexEntry {
+                    key: key.clone(),
+                    raw_key: (raw_key != key).then(|| raw_key.clone()),
+                    path,
+                    kind,
+                    dtype,
+                    shape: shape.clone(),
+                    chunks: Vec::new(),
+                    fsdp,
+                    role: None,
+                    flat_param,
+                    value: value.clone(),
+                },
+                plain_shapes: Vec::new(),
+            });
+            if p.entry.kind != kind || p.entry.dtype != dtype {
+                return Err(IndexError::Inconsistent {
+                    file: file.clone(),
+                    what: format!(
+                        "{key}: kind or dtype differs from the same key in another rank's file"
+                    ),
+                });
+            }
+            if kind == EntryKind::Scalar && p.entry.value != value {
+                p.entry.value = Some(serde_json::Value::String("<differs across ranks>".into()));
+            }
+            if let Some(s) = plain_shape {
+                p.plain_shapes.push(s);
+            } else if p.entry.shape != shape {
+                return Err(IndexError::Inconsistent {
+                    file: file.clone(),
+                    what: format!(
+                        "{key}: global shape {shape:?} differs from another rank's {:?}",
+                        p.entry.shape
+                    ),
+                });
+            }
+            p.entry.chunks.extend(chunks);
+        }
+        let unreferenced = unreferenced_bytes(&archive);
+        file_infos.insert(
+            file.clone(),
+            FileInfo {
+                size: bytes.len() as u64,
+                rank,
+                unreferenced_bytes: unreferenced,
+            },
+        );
+    }
+    let mut rank_local = false;
+    let mut entries: Vec<IndexEntry> = merged
+        .into_values()
+        .map(|mut p| {
+            if !p.plain_shapes.is_empty() && p.plain_shapes.iter().any(|s| *s != p.plain_shapes[0])
+            {
+                // Plain tensors whose shapes differ across ranks: rank-local pieces, no global shape.
+                p.entry.shape = None;
+                rank_local = true;
+            }
+            p.entry
+        })
+        .collect();
+    let has_optimizer_state = assign_roles(&mut entries);
+    // Raw `optim.state_dict()` files (state keyed by int ids) from several ranks of an FSDP job hold
+    // each rank's own piece, even when the pieces happen to have equal shapes (padded flat shards).
+    if many {
+        for e in &mut entries {
+            if e.kind == EntryKind::Tensor
+                && e.fsdp.is_none()
+                && matches!(
+                    e.role,
+                    Some(Role::OptimizerState {
+                        param: PathSeg::Index(_),
+                        ..
+                    })
+                )
+            {
+                e.shape = None;
+                rank_local = true;
+            }
+        }
+    }
+    let all_plain_replicated = entries
+        .iter()
+        .filter(|e| e.kind == EntryKind::Tensor)
+        .all(|e| e.fsdp.is_none() && e.shape.is_some());
+    let kind = if saw_flat {
+        CheckpointKind::Fsdp1Local
+    } else if saw_sharded {
+        CheckpointKind::Fsdp1Sharded
+    } else if saw_dtensor {
+        CheckpointKind::Fsdp2
+    } else if rank_local {
+        CheckpointKind::RankLocal
+    } else if many && all_plain_replicated {
+        CheckpointKind::Fsdp1Full
+    } else {
+        CheckpointKind::Plain
+    };
+    Ok(CheckpointIndex {
+        format: Format::TorchSave,
+        kind,
+        has_optimizer_state,
+        entries,
+        files: file_infos,
+        dcp: None,
+    })
+}
+
+/// Storage bytes that no tensor view of the archive reaches.
+fn unreferenced_bytes(archive: &torch_zip::TorchArchive) -> u64 {
+    let mut used: BTreeMap<&str, Vec<(u64, u64)>> = BTreeMap::new();
+    for t in archive.tensors() {
+        let Some(extent) = t.storage_extent() else {
+            continue;
+        };
+        if extent > t.storage_offset {
+            used.entry(t.storage.key.as_str())
+                .or_default()
+                .push((t.storage_offset, extent));
+        }
+    }
+    let mut total = 0u64;
+    let mut item_of: HashMap<&str, u64> = HashMap::new();
+    for t in archive.tensors() {
+        item_of.insert(t.storage.key.as_str(), t.storage.dtype.size_bytes() as u64);
+    }
+    for (key, range) in &archive.storages {
+        let item = item_of.get(key.as_str()).copied().unwrap_or(1);
+        let mut spans = used.remove(key.as_str()).unwrap_or_default();
+        spans.sort_unstable();
+        let mut covered = 0u64;
+        let mut cur: Option<(u64, u64)> = None;
+        for (a, b) in spans {
+            match cur {
+                Some((ca, cb)) if a <= cb => cur = Some((ca, cb.max(b))),
+                Some((ca, cb)) => {
+                    covered += cb - ca;
+                    cur = Some((a, b));
+                }
+                None => cur = Some((a, b)),
+            }
+        }
+        if let Some((ca, cb)) = cur {
+            covered += cb - ca;
+        }
+        total += range.len.saturating_sub(covered.saturating_mul(item));
+    }
+    total
+}
+
+/// Marks optimizer entries: any path `P + ["state", param, name]` where some entry lies under
+/// `P + ["param_groups"]`. Returns whether any was found.
+fn assign_roles(entries: &mut [IndexEntry]) -> bool {
+    let mut optim_prefixes: BTreeSet<Vec<PathSeg>> = BTreeSet::new();
+    for e in entries.iter() {
+        for (i, seg) in e.path.iter().enumerate() {
+            if *seg == PathSeg::Key("param_groups".into()) {
+                optim_prefixes.insert(e.path[..i].to_vec());
+            }
+        }
+    }
+    let mut found = false;
+    for e in entries.iter_mut() {
+        for prefix in &optim_prefixes {
+            if !e.path.starts_with(prefix) {
+                continue;
+            }
+            let rest = &e.path[prefix.len()..];
+            match rest {
+                [PathSeg::Key(s), param, PathSeg::Key(name)] if s == "state" => {
+                    e.role = Some(Role::OptimizerState {
+                        param: param.clone(),
+                        state: name.clone(),
+                    });
+                    found = true;
+                }
+                [PathSeg::Key(s), PathSeg::Index(g), ..] if s == "param_groups" => {
+                    e.role = Some(Role::ParamGroup { group: *g });
+                    found = true;
+                }
+                _ => {}
+            }
+        }
+    }
+    found
+}
+
+// ----- safetensors ------------------------------------------------------------------------------
+
+fn index_safetensors(source: &dyn Source, names: &[String]) -> Result<CheckpointIndex, IndexError> {
+    let mut files: Vec<String> = names
+        .iter()
+        .filter(|n| file_ext(n) == "safetensors")
+        .cloned()
+        .collect();
+    if let Some(index_name) = names
+        .iter()
+        .find(|n| n.ends_with(".safetensors.index.json"))
+    {
+        let bytes = source.read_all(index_name)?;
+        let index = st::read_index(&bytes).map_err(|source| IndexError::Safetensors {
+            file: index_name.clone(),
+            source,
+        })?;
+        let dir = index_name
+            .rsplit_once('/')
+            .map_or(String::new(), |(d, _)| format!("{d}/"));
+        let referenced: BTreeSet<String> = index
+            .weight_map
+            .values()
+            .map(|f| format!("{dir}{f}"))
+            .collect();
+        for f in &referenced {
+            if !source.contains(f) {
+                return Err(IndexError::Inconsistent {
+                    file: index_name.clone(),
+                    what: format!("weight_map names `{f}`, which is missing"),
+                });
+            }
+        }
+        files = referenced.into_iter().collect();
+    }
+    let mut by_key: BTreeMap<String, IndexEntry> = BTreeMap::new();
+    let mut file_infos = BTreeMap::new();
+    let mut sharding_info = false; // DCP_SHARDING_INFO seen (HF writer); pieces only if offsets say so
+    for file in &files {
+        let bytes = source.read_all(file)?;
+        let header = st::read_header(&bytes).map_err(|source| IndexError::Safetensors {
+            file: file.clone(),
+            source,
+        })?;
+        let (rank, _) = rank_from_name(file);
+        for t in header.tensors {
+            sharding_info |= t.saved_offsets.is_some();
+            let offsets = t
+                .saved_offsets
+                .clone()
+                .unwrap_or_else(|| vec![0; t.shape.len()]);
+            let chunk = Chunk {
+                offsets,
+                sizes: t.shape.clone(),
+                file: file.clone(),
+                byte_offset: t.offset,
+                byte_length: t.len,
+                rank,
+                encoding: ChunkEncoding::Raw {
+                    storage_offset: 0,
+                    strides: contiguous_strides(&t.shape),
+                },
+            };
+            let clean = clean_tensor_name(&t.name);
+            let e = by_key.entry(clean.clone()).or_insert_with(|| IndexEntry {
+                key: clean.clone(),
+                raw_key: (clean != t.name).then(|| t.name.clone()),
+                path: vec![PathSeg::Key(clean.clone())],
+                kind: EntryKind::Tensor,
+                dtype: Some(t.dtype),
+                shape: Some(vec![0; t.shape.len()]),
+                chunks: Vec::new(),
+                fsdp: None,
+                role: None,
+                flat_param: false,
+                value: None,
+            });
+            if e.dtype != Some(t.dtype) || e.shape.as_ref().map(Vec::len) != Some(t.shape.len()) {
+                return Err(IndexError::Inconsistent {
+                    file: file.clone(),
+                    what: format!(
+                        "{}: dtype or rank differs from another file's piece",
+                        t.name
+                    ),
+                });
+            }
+            // Global size = max(offset + size) per dim, as HuggingFaceStorageReader does.
+            if let Some(shape) = e.shape.as_mut() {
+                for ((g, &o), &s) in shape.iter_mut().zip(&chunk.offsets).zip(&chunk.sizes) {
+                    *g = (*g).max(o.saturating_add(s));
+                }
+            }
+            e.chunks.push(chunk);
+        }
+        file_infos.insert(
+            file.clone(),
+            FileInfo {
+                size: bytes.len() as u64,
+                rank,
+                unreferenced_bytes: 0,
+            },
+        );
+    }
+    Ok(CheckpointIndex {
+        format: Format::Safetensors,
+        kind: if sharding_info
+            && by_key.values().any(|e| {
+                e.chunks.len() > 1 || e.chunks.iter().any(|c| c.offsets.iter().any(|&o| o > 0))
+            }) {
+            CheckpointKind::HfDistributedSafetensors
+        } else {
+            CheckpointKind::HfSafetensors
+        },
+        has_optimizer_state: false,
+        entries: by_key.into_values().collect(),
+        files: file_infos,
+        dcp: None,
+    })
+}
+
+// ----- DCP --------------------------------------------------------------------------------------
+
+fn dcp_rank(file: &str) -> Option<u32> {
+    let base = file.rsplit('/').next().unwrap_or(file);
+    base.strip_prefix("__")?.split('_').next()?.parse().ok()
+}
+
+/// Indexes a DCP directory given the name of its `.metadata` file in the source.
+pub fn index_dcp(source: &dyn Source, metadata_name: &str) -> Result<CheckpointIndex, IndexError> {
+    let bytes = source.read_all(metadata_name)?;
+    let meta = dcp::read_metadata(&bytes).map_err(|source| IndexError::Dcp {
+        file: metadata_name.to_owned(),
+        source,
+    })?;
+    let dir = metadata_name
+        .rsplit_once('/')
+        .map_or(String::new(), |(d, _)| format!("{d}/"));
+    let mut where_: HashMap<(&str, Option<&[u64]>), &dcp::StorageInfo> =
+        HashMap::with_capacity(meta.storage.len());
+    for (idx, info) in &meta.storage {
+        where_.insert((idx.fqn.as_str(), idx.offset.as_deref()), info);
+    }
+    // Per data file: its size, and (SAFETENSORS serialization) its blob header.
+    let mut file_sizes: BTreeMap<String, u64> = BTreeMap::new();
+    let mut blobs: HashMap<(String, u64), HashMap<String, (u64, u64)>> = HashMap::new();
+    let mut safetensors_serialization = false;
+    let mut zip_files: HashMap<String, bool> = HashMap::new();
+    let mut entries = Vec::with_capacity(meta.items.len());
+    for (key, item) in &meta.items {
+        let path: Vec<PathSeg> = match meta.planner_data.get(key) {
+            Some(steps) => steps
+                .iter()
+                .map(|s| match s {
+                    PlannerStep::Key(k) => PathSeg::Key(k.clone()),
+                    PlannerStep::Index(i) => PathSeg::Index(*i),
+                })
+                .collect(),
+            None => vec![PathSeg::Key(key.clone())],
+        };
+        let clean_path_v = clean_path(&path);
+        let mut chunks = Vec::new();
+        let lookup = |offsets: Option<&[u64]>| -> Result<&dcp::StorageInfo, IndexError> {
+            where_
+                .get(&(key.as_str(), offsets))
+                .copied()
+                .ok_or_else(|| IndexError::Inconsistent {
+                    file: metadata_name.to_owned(),
+                    what: format!(
+                        "{key}: no storage_data record for the chunk at offsets {offsets:?}"
+                    ),
+                })
+        };
+        let (kind, dtype, shape) = match item {
+            ItemMeta::Bytes => {
+                let info = lookup(None)?;
+                chunks.push(Chunk {
+                    offsets: Vec::new(),
+                    sizes: Vec::new(),
+                    file: format!("{dir}{}", info.relative_path),
+                    byte_offset: info.offset,
+                    byte_length: info.length,
+                    rank: dcp_rank(&info.relative_path),
+                    encoding: ChunkEncoding::TorchSaveItem,
+                });
+                (EntryKind::Bytes, None, None)
+            }
+            ItemMeta::Tensor {
+                dtype,
+                size,
+                chunks: metas,
+            } => {
+                for c in metas {
+                    let info = lookup(Some(&c.offsets))?;
+                    let file = format!("{dir}{}", info.relative_path);
+                    if !file_sizes.contains_key(&file) {
+                        let size = source.size(&file).map_err(|_| IndexError::Inconsistent {
+                            file: metadata_name.to_owned(),
+                            what: format!("{key}: data file `{file}` is missing"),
+                        })?;
+                        file_sizes.insert(file.clone(), size);
+                    }
+                    let mut chunk = Chunk {
+                        offsets: c.offsets.clone(),
+                        sizes: c.sizes.clone(),
+                        file: file.clone(),
+                        byte_offset: info.offset,
+                        byte_length: info.length,
+                        rank: dcp_rank(&info.relative_path),
+                        encoding: ChunkEncoding::TorchSaveItem,
+                    };
+                    if info.has_transforms {
+                        return Err(IndexError::Inconsistent {
+                            file: file.clone(),
+                            what: format!(
+                                "{key}: items with transform extensions (compression) are not supported"
+                            ),
+                        });
+                    }
+                    // The serialization is decided once per file, from its first tensor item:
+                    // a torch.save archive (default) or a safetensors blob (SAFETENSORS). Only
+                    // that item's first bytes are read, never tensor data.
+                    let file_size = file_sizes[&file];
+                    let zip_file = if let Some(z) = zip_files.get(&file) {
+                        *z
+                    } else {
+                        let is_zip = if info.offset >= file_size {
+                            true // past the end: `check` reports it with the key
+                        } else {
+                            let head = source.read_range(
+                                &file,
+                                info.offset,
+                                4.min(file_size - info.offset),
+                            )?;
+                            torch_zip::looks_like_zip(&head)
+                        };
+                        zip_files.insert(file.clone(), is_zip);
+                        is_zip
+                    };
+                    if !zip_file {
+                        safetensors_serialization = true;
+                        let blob_key = (file.clone(), info.offset);
+                        if !blobs.contains_key(&blob_key) {
+                            blobs.insert(
+                                blob_key.clone(),
+                                read_blob(source, &file, info.offset, file_size)?,
+                            );
+                        }
+                        let Some((off, len)) = blobs[&blob_key].get(key.as_str()) else {
+                            return Err(IndexError::Inconsistent {
+                                file: file.clone(),
+                                what: format!(
+                                    "{key}: the safetensors blob at byte {} has no tensor of this name",
+                                    info.offset
+                                ),
+                            });
+                        };
+                        chunk.byte_offset = *off;
+                        chunk.byte_length = *len;
+                        chunk.encoding = ChunkEncoding::Raw {
+                            storage_offset: 0,
+                            strides: contiguous_strides(&c.sizes),
+                        };
+                    }
+                    chunks.push(chunk);
+                }
+                (EntryKind::Tensor, Some(*dtype), Some(size.clone()))
+            }
+        };
+        for c in &chunks {
+            if !file_sizes.contains_key(&c.file) {
+                let size = source.size(&c.file).map_err(|_| IndexError::Inconsistent {
+                    file: metadata_name.to_owned(),
+                    what: format!("{key}: data file `{}` is missing", c.file),
+                })?;
+                file_sizes.insert(c.file.clone(), size);
+            }
+        }
+        let clean_key = join_path(&clean_path_v);
+        let (key_out, raw_key) = if clean_path_v == path {
+            (key.clone(), None)
+        } else {
+            (clean_key, Some(key.clone()))
+        };
+        entries.push(IndexEntry {
+            flat_param: key_out.ends_with("_flat_param"),
+            key: key_out,
+            raw_key,
+            path: clean_path_v,
+            kind,
+            dtype,
+            shape,
+            chunks,
+            fsdp: None,
+            role: None,
+            value: None,
+        });
+    }
+    entries.sort_by(|a, b| a.key.cmp(&b.key));
+    let has_optimizer_state = assign_roles(&mut entries);
+    let mut files: BTreeMap<String, FileInfo> = file_sizes
+        .into_iter()
+        .map(|(f, size)| {
+            let rank = dcp_rank(&f);
+            (
+                f,
+                FileInfo {
+                    size,
+                    rank,
+                    unreferenced_bytes: 0,
+                },
+            )
+        })
+        .collect();
+    files.insert(
+        metadata_name.to_owned(),
+        FileInfo {
+            size: bytes.len() as u64,
+            rank: None,
+            unreferenced_bytes: 0,
+        },
+    );
+    // Data files no item refers to (ranks whose plan was empty write empty files) are listed too.
+    for n in source.names() {
+        if n.starts_with(&dir) && n.ends_with(".distcp") && !files.contains_key(&n) {
+            let size = source.size(&n)?;
+            files.insert(
+                n.clone(),
+                FileInfo {
+                    size,
+                    rank: dcp_rank(&n),
+                    unreferenced_bytes: 0,
+                },
+            );
+        }
+    }
+    Ok(CheckpointIndex {
+        format: Format::Dcp,
+        kind: if safetensors_serialization {
+            CheckpointKind::DcpSafetensors
+        } else {
+            CheckpointKind::DcpTorchSave
+        },
+        has_optimizer_state,
+        entries,
+        files,
+        dcp: Some(DcpFacts {
+            version: meta.version,
+            checkpoint_id: meta.checkpoint_id,
+            save_id: meta.save_id,
+        }),
+    })
+}
+
+/// Reads the header of the safetensors blob at `offset` of `file`: name -> absolute byte range.
+fn read_blob(
+    source: &dyn Source,
+    file: &str,
+    offset: u64,
+    size: u64,
+) -> Result<HashMap<String, (u64, u64)>, IndexError> {
+    let st_err = |source| IndexError::Safetensors {
+        file: file.to_owned(),
+        source,
+    };
+    let head = source.read_range(file, offset, 8.min(size.saturating_sub(offset)))?;
+    let n = match <[u8; 8]>::try_from(head.as_ref()) {
+        Ok(len) => u64::from_le_bytes(len),
+        Err(_) => {
+            return Err(st_err(SafetensorsError::Invalid {
+                message: format!(
+                    "item at byte {offset} is neither a torch.save archive nor a safetensors blob"
+                ),
+            }));
+        }
+    };
+    let header_end = n
+        .checked_add(8)
+        .filter(|&e| e <= size.saturating_sub(offset))
+        .ok_or_else(|| {
+            st_err(SafetensorsError::Invalid {
+                message: format!(
+                    "safetensors header at byte {offset} claims {n} bytes, past the end of the file"
+                ),
+            })
+        })?;
+    let header = source.read_range(file, offset, header_end)?;
+    let len = st::blob_len(&header).map_err(st_err)?;
+    let end = offset.checked_add(len).filter(|&e| e <= size).ok_or_else(|| {
+        st_err(SafetensorsError::Invalid {
+            message: format!("safetensors blob at byte {offset} ({len} bytes) runs past the end of the file ({size})"),
+        })
+    })?;
+    let blob = source.read_range(file, offset, end - offset)?;
+    let parsed = st::read_header(&blob).map_err(st_err)?;
+    Ok(parsed
+        .tensors
+        .into_iter()
+        .map(|t| (t.name, (offset + t.offset, t.len)))
+        .collect())
+}
+
+// ---------------------------------------------------------------------------------------------
+// Checking.
+
+impl CheckpointIndex {
+    /// The entry with this key.
+    pub fn entry(&self, key: &str) -> Option<&IndexEntry> {
+        self.entries
+            .binary_search_by(|e| e.key.as_str().cmp(key))
+            .ok()
+            .map(|i| &self.entries[i])
+    }
+
+    /// Checks the index against itself and the file sizes: chunks of each tensor tile it exactly
+    /// (no gap, no overlap except identical replicas on different ranks, inside bounds), byte
+    /// ranges lie inside their files, and byte lengths fit dtype and sizes.
+    pub fn check(&self) -> Vec<Problem> {
+        let mut problems = Vec::new();
+        for e in &self.entries {
+            for c in &e.chunks {
+                let end = c.byte_offset.checked_add(c.byte_length);
+                let size = self.files.get(&c.file).map(|f| f.size);
+                match (end, size) {
+                    (Some(end), Some(size)) if end <= size => {}
+                    _ => problems.push(Problem {
+                        key: e.key.clone(),
+                        file: Some(c.file.clone()),
+                        byte_range: Some((
+                            c.byte_offset,
+                            c.byte_offset.saturating_add(c.byte_length),
+                        )),
+                        what: format!(
+                            "byte range lies outside the file ({} bytes)",
+                            size.unwrap_or(0)
+                        ),
+                    }),
+                }
+                if let (Some(dtype), Some(numel)) = (e.dtype, c.numel()) {
+                    let item = dtype.size_bytes() as u64;
+                    let needed = match &c.encoding {
+                        ChunkEncoding::Raw {
+                            storage_offset,
+                            strides,
+                        } => {
+                            let view = TensorRef {
+                                storage: StorageRef {
+                                    key: String::new(),
+                                    dtype,
+                                    location: String::new(),
+                                    numel: 0,
+                                },
+                                storage_offset: *storage_offset,
+                                shape: c.sizes.clone(),
+                                stride: strides.clone(),
+                                requires_grad: false,
+                                wrapper: None,
+                            };
+                            if strides.len() == c.sizes.len() {
+                                view.storage_extent().and_then(|x| x.checked_mul(item))
+                            } else {
+                                None
+                            }
+                        }
+                        ChunkEncoding::TorchSaveItem => numel.checked_mul(item),
+                    };
+                    if needed.is_none_or(|n| n > c.byte_length) {
+                        problems.push(Problem {
+                            key: e.key.clone(),
+                            file: Some(c.file.clone()),
+                            byte_range: Some((
+                                c.byte_offset,
+                                c.byte_offset.saturating_add(c.byte_length),
+                            )),
+                            what: format!(
+                                "{} bytes cannot hold a {:?} chunk of {dtype}",
+                                c.byte_length, c.sizes
+                            ),
+                        });
+                    }
+                }
+            }
+            if let Some(shape) = &e.shape {
+                check_tiling(e, shape, &mut problems);
+            }
+        }
+        problems
+    }
+}
+
+/// A chunk's `(offsets, sizes)`.
+type ChunkBox<'a> = (&'a [u64], &'a [u64]);
+
+fn check_tiling(e: &IndexEntry, shape: &[u64], problems: &mut Vec<Problem>) {
+    let problem = |c: Option<&Chunk>, what: String| Problem {
+        key: e.key.clone(),
+        file: c.map(|c| c.file.clone()),
+        byte_range: c.map(|c| (c.byte_offset, c.byte_offset.saturating_add(c.byte_length))),
+        what,
+    };
+    let Some(total) = shape.iter().try_fold(1u64, |a, &d| a.checked_mul(d)) else {
+        problems.push(problem(None, format!("shape {shape:?} overflows")));
+        return;
+    };
+    // Distinct boxes; identical boxes on different ranks are replicas.
+    let mut boxes: Vec<&Chunk> = Vec::with_capacity(e.chunks.len());
+    let mut seen: HashMap<ChunkBox<'_>, BTreeSet<Option<u32>>> = HashMap::new();
+    for c in &e.chunks {
+        if c.offsets.len() != shape.len() || c.sizes.len() != shape.len() {
+            problems.push(problem(
+                Some(c),
+                format!(
+                    "chunk offsets {:?} / sizes {:?} do not match shape {shape:?}",
+                    c.offsets, c.sizes
+                ),
+            ));
+            return;
+        }
+        let out_of_bounds = c
+            .offsets
+            .iter()
+            .zip(&c.sizes)
+            .zip(shape)
+            .any(|((&o, &s), &d)| o.checked_add(s).is_none_or(|end| end > d));
+        if out_of_bounds {
+            problems.push(problem(
+                Some(c),
+                format!(
+                    "chunk at {:?} of size {:?} lies outside shape {shape:?}",
+                    c.offsets, c.sizes
+                ),
+            ));
+            return;
+        }
+        let ranks = seen.entry((&c.offsets, &c.sizes)).or_default();
+        if ranks.is_empty() {
+            boxes.push(c);
+        } else if ranks.contains(&c.rank) || c.rank.is_none() {
+            problems.push(problem(
+                Some(c),
+                format!("chunk at {:?} is stored twice", c.offsets),
+            ));
+        }
+        ranks.insert(c.rank);
+    }
+    let mut volume = 0u64;
+    for c in &boxes {
+        volume = volume.saturating_add(c.numel().unwrap_or(u64::MAX));
+    }
+    // Overlap: sweep on dim 0 (a compare budget keeps hostile inputs linear-ish).
+    let nonempty: Vec<&Chunk> = {
+        let mut v: Vec<&Chunk> = boxes
+            .iter()
+            .copied()
+            .filter(|c| c.numel() != Some(0))
+            .collect();
+        v.sort_by(|a, b| a.offsets.cmp(&b.offsets));
+        v
+    };
+    let mut budget: u64 = 50_000_000;
+    'outer: for (i, a) in nonempty.iter().enumerate() {
+        for b in &nonempty[i + 1..] {
+            if !a.offsets.is_empty() && b.offsets[0] >= a.offsets[0] + a.sizes[0] {
+                break;
+            }
+            budget = budget.saturating_sub(1);
+            if budget == 0 {
+                break 'outer;
+            }
+            let overlap = a
+                .offsets
+                .iter()
+                .zip(&a.sizes)
+                .zip(b.offsets.iter().zip(&b.sizes))
+                .all(|((&ao, &asz), (&bo, &bsz))| ao.max(bo) < (ao + asz).min(bo + bsz));
+            if overlap {
+                problems.push(problem(
+                    Some(b),
+                    format!(
+                        "chunk at {:?} (size {:?}) overlaps the chunk at {:?} (size {:?}) in {}",
+                        b.offsets, b.sizes, a.offsets, a.sizes, a.file
+                    ),
+                ));
+                return;
+            }
+        }
+    }
+    if volume != total {
+        problems.push(problem(
+            None,
+            format!("chunks cover {volume} of {total} elements (a gap: some part of the tensor is stored nowhere)"),
+        ));
+    }
+}
+
+// ---------------------------------------------------------------------------------------------
+// Reading values.
+
+/// Contiguous little-endian values of a tensor or chunk.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct TensorData {
+    pub dtype: DType,
+    pub shape: Vec<u64>,
+    pub bytes: Vec<u8>,
+}
+
+impl CheckpointIndex {
+    /// The chunk's values, contiguous little-endian, of shape `chunk.sizes`.
+    pub fn read_chunk(
+        &self,
+        source: &dyn Source,
+        entry: &IndexEntry,
+        chunk: &Chunk,
+    ) -> Result<TensorData, IndexError> {
+        let dtype = entry.dtype.ok_or_else(|| IndexError::NotReadable {
+            key: entry.key.clone(),
+            what: "not a tensor".into(),
+        })?;
+        let bad = |what: String| IndexError::BadChunk {
+            key: entry.key.clone(),
+            file: chunk.file.clone(),
+            offset: chunk.byte_offset,
+            end: chunk.byte_offset.saturating_add(chunk.byte_length),
+            what,
+        };
+        let bytes = source.read_range(&chunk.file, chunk.byte_offset, chunk.byte_length)?;
+        let data = match &chunk.encoding {
+            ChunkEncoding::Raw {
+                storage_offset,
+                strides,
+            } => {
+                let item = dtype.size_bytes() as u64;
+                let view = TensorRef {
+                    storage: StorageRef {
+                        key: entry.key.clone(),
+                        dtype,
+                        location: String::new(),
+                        numel: chunk.byte_length / item,
+                    },
+                    storage_offset: *storage_offset,
+                    shape: chunk.sizes.clone(),
+                    stride: strides.clone(),
+                    requires_grad: false,
+                    wrapper: None,
+                };
+                if strides.len() != chunk.sizes.len() {
+                    return Err(bad("strides and sizes differ in length".into()));
+                }
+                torch_zip::gather_view(&bytes, &view).map_err(|e| bad(e.to_string()))?
+            }
+            ChunkEncoding::TorchSaveItem => {
+                let archive = torch_zip::read_archive(&bytes).map_err(|e| bad(e.to_string()))?;
+                let PyValue::Tensor(t) = &archive.root else {
+                    return Err(bad(format!(
+                        "the item holds a {}, not a tensor",
+                        archive.root.type_name()
+                    )));
+                };
+                if t.storage.dtype != dtype || t.shape != chunk.sizes {
+                    return Err(bad(format!(
+                        "the item holds a {} tensor of shape {:?}, the metadata says {dtype} {:?}",
+                        t.storage.dtype, t.shape, chunk.sizes
+                    )));
+                }
+                let range = archive.storage_range(t).map_err(|e| bad(e.to_string()))?;
+                let storage = &bytes[range.offset as usize..(range.offset + range.len) as usize];
+                torch_zip::gather_view(storage, t).map_err(|e| bad(e.to_string()))?
+            }
+        };
+        Ok(TensorData {
+            dtype,
+            shape: chunk.sizes.clone(),
+            bytes: data,
+        })
+    }
+
+    /// The whole tensor, assembled from its chunks (replicas are read once).
+    pub fn read_tensor(
+        &self,
+        source: &dyn Source,
+        entry: &IndexEntry,
+    ) -> Result<TensorData, IndexError> {
+        let not = |what: &str| IndexError::NotReadable {
+            key: entry.key.clone(),
+            what: what.into(),
+        };
+        let dtype = entry.dtype.ok_or_else(|| not("not a tensor"))?;
+        let shape = entry.shape.clone().ok_or_else(|| {
+            not("rank-local pieces with no global shape: read each chunk instead")
+        })?;
+        let item = dtype.size_bytes();
+        let nbytes = entry.nbytes().ok_or_else(|| not("size overflows"))?;
+        // Never allocate more than the files holding the chunks could fill.
+        let files: BTreeSet<&str> = entry.chunks.iter().map(|c| c.file.as_str()).collect();
+        let available: u64 = files
+            .iter()
+            .map(|f| self.files.get(*f).map_or(0, |i| i.size))
+            .fold(0, u64::saturating_add);
+        if nbytes > available {
+            return Err(not(
+                "the tensor is larger than the files holding its chunks",
+            ));
+        }
+        let problems: Vec<Problem> = {
+            let mut p = Vec::new();
+            check_tiling(entry, &shape, &mut p);
+            p
+        };
+        if let Some(p) = problems.first() {
+            return Err(not(&p.what));
+        }
+        let mut out = vec![0u8; usize::try_from(nbytes).map_err(|_| not("too large"))?];
+        let strides = contiguous_strides(&shape);
+        let mut done: BTreeSet<(Vec<u64>, Vec<u64>)> = BTreeSet::new();
+        for c in &entry.chunks {
+            if !done.insert((c.offsets.clone(), c.sizes.clone())) {
+                continue;
+            }
+            let data = self.read_chunk(source, entry, c)?;
+            copy_box(&mut out, &strides, &c.offsets, &c.sizes, &data.bytes, item);
+        }
+        Ok(TensorData {
+            dtype,
+            shape,
+            bytes: out,
+        })
+    }
+
+    /// Decodes a bytes item (DCP) into JSON.
+    pub fn read_bytes_value(
+        &self,
+        source: &dyn Source,
+        entry: &IndexEntry,
+    ) -> Result<serde_json::Value, IndexError> {
+        if entry.kind == EntryKind::Scalar {
+            return Ok(entry.value.clone().unwrap_or(serde_json::Value::Null));
+        }
+        let c = entry
+            .chunks
+            .first()
+            .filter(|_| entry.kind == EntryKind::Bytes)
+            .ok_or_else(|| IndexError::NotReadable {
+                key: entry.key.clone(),
+                what: "not a bytes item".into(),
+            })?;
+        let bytes: Cow<'_, [u8]> = source.read_range(&c.file, c.byte_offset, c.byte_length)?;
+        let archive = torch_zip::read_archive(&bytes).map_err(|e| IndexError::BadChunk {
+            key: entry.key.clone(),
+            file: c.file.clone(),
+            offset: c.byte_offset,
+            end: c.byte_offset.saturating_add(c.byte_length),
+            what: e.to_string(),
+        })?;
+        Ok(json_of(&archive.root))
+    }
+
+    /// Fills `value` of every bytes entry by decoding it.
+    pub fn decode_bytes_values(&mut self, source: &dyn Source) -> Result<(), IndexError> {
+        let mut values = Vec::new();
+        for (i, e) in self.entries.iter().enumerate() {
+            if e.kind == EntryKind::Bytes {
+                values.push((i, self.read_bytes_value(source, e)?));
+            }
+        }
+        for (i, v) in values {
+            self.entries[i].value = Some(v);
+        }
+        Ok(())
+    }
+}
+
+/// Copies a contiguous box of `sizes` into `out` (contiguous with `strides`) at `offsets`.
+fn copy_box(
+    out: &mut [u8],
+    strides: &[u64],
+    offsets: &[u64],
+    sizes: &[u64],
+    src: &[u8],
+    item: usize,
+) {
+    let numel: u64 = sizes.iter().product();
+    if numel == 0 {
+        return;
+    }
+    if sizes.is_empty() {
+        out[..item].copy_from_slice(&src[..item]);
+        return;
+    }
+    let ndim = sizes.len();
+    let row = sizes[ndim - 1] as usize * item;
+    let rows = (numel / sizes[ndim - 1]) as usize;
+    let mut index = vec![0u64; ndim - 1];
+    for r in 0..rows {
+        let mut pos = offsets[ndim - 1];
+        for d in 0..ndim - 1 {
+            pos += (offsets[d] + index[d]) * strides[d];
+        }
+        let dst = pos as usize * item;
+        out[dst..dst + row].copy_from_slice(&src[r * row..(r + 1) * row]);
+        for d in (0..ndim - 1).rev() {
+            index[d] += 1;
+            if index[d] < sizes[d] {
+                break;
+            }
+            index[d] = 0;
+        }
+    }
+}
+
+/// Summary statistics of a tensor's values (`--values`).
+#[derive(Debug, Clone, PartialEq, Serialize)]
+pub struct ValueStats {
+    pub count: u64,
+    pub min: Option<f64>,
+    pub max: Option<f64>,
+    pub mean: Option<f64>,
+    pub nan: u64,
+    pub inf: u64,
+}
+
+impl TensorData {
+    /// Values as f64 (`None` for complex and fp8 types).
+    pub fn to_f64(&self) -> Option<Vec<f64>> {
+        let b = &self.bytes;
+        let n = self.dtype.size_bytes();
+        let it = b.chunks_exact(n);
+        Some(match self.dtype {
+            DType::Bool | DType::UInt8 => it.map(|c| f64::from(c[0])).collect(),
+            DType::Int8 => it.map(|c| f64::from(c[0] as i8)).collect(),
+            DType::Int16 => it
+                .map(|c| f64::from(i16::from_le_bytes([c[0], c[1]])))
+                .collect(),
+            DType::UInt16 => it
+                .map(|c| f64::from(u16::from_le_bytes([c[0], c[1]])))
+                .collect(),
+            DType::Int32 => it
+                .map(|c| f64::from(i32::from_le_bytes([c[0], c[1], c[2], c[3]])))
+                .collect(),
+            DType::UInt32 => it
+                .map(|c| f64::from(u32::from_le_bytes([c[0], c[1], c[2], c[3]])))
+                .collect(),
+            DType::Int64 => it
+                .map(|c| {
+                    i64::from_le_bytes([c[0], c[1], c[2], c[3], c[4], c[5], c[6], c[7]]) as f64
+                })
+                .collect(),
+            DType::UInt64 => it
+                .map(|c| {
+                    u64::from_le_bytes([c[0], c[1], c[2], c[3], c[4], c[5], c[6], c[7]]) as f64
+                })
+                .collect(),
+            DType::Float16 => it
+                .map(|c| half::f16::from_le_bytes([c[0], c[1]]).to_f64())
+                .collect(),
+            DType::BFloat16 => it
+                .map(|c| half::bf16::from_le_bytes([c[0], c[1]]).to_f64())
+                .collect(),
+            DType::Float32 => it
+                .map(|c| f64::from(f32::from_le_bytes([c[0], c[1], c[2], c[3]])))
+                .collect(),
+            DType::Float64 => it
+                .map(|c| f64::from_le_bytes([c[0], c[1], c[2], c[3], c[4], c[5], c[6], c[7]]))
+                .collect(),
+            DType::Complex64 | DType::Complex128 | DType::Float8E4M3Fn | DType::Float8E5M2 => {
+                return None;
+            }
+        })
+    }
+
+    /// min / max / mean over finite values, and the number of NaN and infinite values.
+    pub fn stats(&self) -> Option<ValueStats> {
+        let values = self.to_f64()?;
+        let mut s = ValueStats {
+            count: values.len() as u64,
+            min: None,
+            max: None,
+            mean: None,
+            nan: 0,
+            inf: 0,
+        };
+        let mut sum = 0.0;
+        let mut finite = 0u64;
+        for v in values {
+            if v.is_nan() {
+                s.nan += 1;
+            } else if v.is_infinite() {
+                s.inf += 1;
+            } else {
+                s.min = Some(s.min.map_or(v, |m: f64| m.min(v)));
+                s.max = Some(s.max.map_or(v, |m: f64| m.max(v)));
+                sum += v;
+                finite += 1;
+            }
+        }
+        if finite > 0 {
+            s.mean = Some(sum / finite as f64);
+        }
+        Some(s)
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn ranks_from_names() {
+        assert_eq!(
+            rank_from_name("rank1_full.pt"),
+            (Some(1), "rank{R}_full.pt".into())
+        );
+        assert_eq!(
+            rank_from_name("dir/model_rank_12.pt"),
+            (Some(12), "model_rank_{R}.pt".into())
+        );
+        assert_eq!(
+            rank_from_name("shard-00002-model-00001-of-00001.safetensors"),
+            (Some(1), "shard-{R}-model-00001-of-00001.safetensors".into())
+        );
+        assert_eq!(rank_from_name("model.pt"), (None, "model.pt".into()));
+    }
+
+    #[test]
+    fn dtensor_offsets_follow_chunk_rules() {
+        // `a` (5), ws=4: offsets 0, 2, 4, 5 (empty shard's offset is the dim size).
+        let p = [Placement::Shard { dim: 0 }];
+        let got: Vec<u64> = (0..4)
+            .map(|k| dtensor_offsets(&[5], &p, &[4], &[k]).unwrap()[0])
+            .collect();
+        assert_eq!(got, vec![0, 2, 4, 5]);
+        // HSDP (Replicate, Shard(0)) on a (2, 2) mesh.
+        let p = [Placement::Replicate, Placement::Shard { dim: 0 }];
+        assert_eq!(
+            dtensor_offsets(&[5], &p, &[2, 2], &[1, 1]).unwrap(),
+            vec![3]
+        );
+    }
+
+    #[test]
+    fn copy_box_places_rows() {
+        let mut out = vec![0u8; 6];
+        copy_box(&mut out, &[3, 1], &[0, 1], &[2, 2], &[1, 2, 3, 4], 1);
+        assert_eq!(out, vec![0, 1, 2, 0, 3, 4]);
+    }
+}

@@ -1,0 +1,162 @@
+//! Where checkpoint bytes come from: a small trait over "a set of named files".
+//!
+//! Readers in [`crate::formats`] take byte slices; multi-file checkpoints (DCP directories, folders
+//! of per-rank files, sharded safetensors) are read through a [`Source`], so the same code runs on
+//! memory-mapped files (native runner), in tests and in the browser ([`MemorySource`]).
+
+use std::borrow::Cow;
+use std::collections::BTreeMap;
+
+/// What went wrong while reading from a [`Source`].
+#[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
+pub enum SourceError {
+    /// The checkpoint has no file of this name.
+    #[error("missing file `{name}`")]
+    NotFound { name: String },
+    /// A byte range reaches past the end of its file.
+    #[error("byte range {offset}..{offset}+{len} lies outside `{name}` ({size} bytes)")]
+    OutOfRange {
+        name: String,
+        offset: u64,
+        len: u64,
+        size: u64,
+    },
+    /// The underlying storage failed (I/O error, permission).
+    #[error("cannot read `{name}`: {message}")]
+    Io { name: String, message: String },
+}
+
+/// A set of named files, read by byte range. Names are relative paths with `/` separators.
+pub trait Source {
+    /// Every file name, sorted.
+    fn names(&self) -> Vec<String>;
+
+    /// The size of a file in bytes.
+    fn size(&self, name: &str) -> Result<u64, SourceError>;
+
+    /// The bytes `offset..offset + len` of a file. Borrowed where the source can (memory, mmap).
+    fn read_range(&self, name: &str, offset: u64, len: u64) -> Result<Cow<'_, [u8]>, SourceError>;
+
+    /// The whole file.
+    fn read_all(&self, name: &str) -> Result<Cow<'_, [u8]>, SourceError> {
+        let size = self.size(name)?;
+        self.read_range(name, 0, size)
+    }
+
+    /// True when the source has a file of this name.
+    fn contains(&self, name: &str) -> bool {
+        self.size(name).is_ok()
+    }
+}
+
+/// Checks a range against a file size and returns it as `usize` bounds.
+pub fn checked_range(
+    name: &str,
+    offset: u64,
+    len: u64,
+    size: u64,
+) -> Result<(usize, usize), SourceError> {
+    let out = || SourceError::OutOfRange {
+        name: name.to_owned(),
+        offset,
+        len,
+        size,
+    };
+    let end = offset.checked_add(len).ok_or_else(out)?;
+    if end > size {
+        return Err(out());
+    }
+    let start = usize::try_from(offset).map_err(|_| out())?;
+    let end = usize::try_from(end).map_err(|_| out())?;
+    Ok((start, end))
+}
+
+/// Files held in memory (tests, the browser).
+#[derive(Debug, Clone, Default)]
+pub struct MemorySource {
+    files: BTreeMap<String, Vec<u8>>,
+}
+
+impl MemorySource {
+    pub fn new() -> Self {
+        Self::default()
+    }
+
+    /// Adds (or replaces) a file.
+    pub fn insert(&mut self, name: impl Into<String>, bytes: Vec<u8>) {
+        self.files.insert(name.into(), bytes);
+    }
+
+    /// Builder form of [`MemorySource::insert`].
+    #[must_use]
+    pub fn with(mut self, name: impl Into<String>, bytes: Vec<u8>) -> Self {
+        self.insert(name, bytes);
+        self
+    }
+
+    /// Removes a file, returning its bytes.
+    pub fn remove(&mut self, name: &str) -> Option<Vec<u8>> {
+        self.files.remove(name)
+    }
+
+    /// Mutable access to a file's bytes (tests corrupt files this way).
+    pub fn get_mut(&mut self, name: &str) -> Option<&mut Vec<u8>> {
+        self.files.get_mut(name)
+    }
+}
+
+impl Source for MemorySource {
+    fn names(&self) -> Vec<String> {
+        self.files.keys().cloned().collect()
+    }
+
+    fn size(&self, name: &str) -> Result<u64, SourceError> {
+        self.files
+            .get(name)
+            .map(|b| b.len() as u64)
+            .ok_or_else(|| SourceError::NotFound {
+                name: name.to_owned(),
+            })
+    }
+
+    fn read_range(&self, name: &str, offset: u64, len: u64) -> Result<Cow<'_, [u8]>, SourceError> {
+        let bytes = self.files.get(name).ok_or_else(|| SourceError::NotFound {
+            name: name.to_owned(),
+        })?;
+        let (start, end) = checked_range(name, offset, len, bytes.len() as u64)?;
+        Ok(Cow::Borrowed(&bytes[start..end]))
+    }
+}
+
+impl<S: Source + ?Sized> Source for &S {
+    fn names(&self) -> Vec<String> {
+        (**self).names()
+    }
+    fn size(&self, name: &str) -> Result<u64, SourceError> {
+        (**self).size(name)
+    }
+    fn read_range(&self, name: &str, offset: u64, len: u64) -> Result<Cow<'_, [u8]>, SourceError> {
+        (**self).read_range(name, offset, len)
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn ranges_are_checked() {
+        let s = MemorySource::new().with("a", vec![1, 2, 3]);
+        assert_eq!(&*s.read_range("a", 1, 2).unwrap(), &[2, 3]);
+        assert!(matches!(
+            s.read_range("a", 2, 2),
+            Err(SourceError::OutOfRange { .. })
+        ));
+        assert!(matches!(
+            s.read_range("a", u64::MAX, 2),
+            Err(SourceError::OutOfRange { .. })
+        ));
+        assert!(matches!(s.size("b"), Err(SourceError::NotFound { .. })));
+        assert_eq!(s.names(), vec!["a".to_owned()]);
+    }
+}

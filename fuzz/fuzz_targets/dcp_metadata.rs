@@ -1,0 +1,5 @@
+//! DCP `.metadata` on arbitrary bytes.
+#![no_main]
+libfuzzer_sys::fuzz_target!(|data: &[u8]| {
+    let _ = shardscope_core::formats::dcp::read_metadata(data);
+});

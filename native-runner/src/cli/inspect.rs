@@ -1,0 +1,404 @@
+//! `shardscope inspect`: what a checkpoint holds, where every chunk lives, and whether the
+//! chunks tile their tensors.
+
+use std::collections::BTreeMap;
+use std::fmt::Write as _;
+use std::path::PathBuf;
+use std::process::ExitCode;
+
+use anyhow::Context;
+use clap::Args;
+use regex::Regex;
+use shardscope_core::model::index::{self, CheckpointIndex, EntryKind, IndexEntry, ValueStats};
+use shardscope_core::source::Source;
+
+use super::{human_bytes, print_stdout};
+use crate::file_source::FileSource;
+
+#[derive(Debug, Args)]
+pub struct InspectArgs {
+    /// A checkpoint file, a DCP directory, a folder of per-rank files or of safetensors, or several
+    /// per-rank files of one checkpoint (`rank*_model.pt`).
+    #[arg(value_name = "PATH", required = true)]
+    pub paths: Vec<PathBuf>,
+    /// Print the canonical index as JSON.
+    #[arg(long)]
+    pub json: bool,
+    /// Only keys matching this regular expression.
+    #[arg(long, value_name = "REGEX")]
+    pub filter: Option<String>,
+    /// Read the values: per-tensor min, max, mean, NaN and inf counts; decoded non-tensor values.
+    #[arg(long)]
+    pub values: bool,
+}
+
+fn open(paths: &[PathBuf]) -> anyhow::Result<FileSource> {
+    if let [path] = paths {
+        if path.is_dir() {
+            return FileSource::dir(path);
+        }
+        // `.metadata` given directly: the DCP directory around it.
+        if path.file_name().is_some_and(|n| n == ".metadata") {
+            return FileSource::dir(path.parent().unwrap_or(path));
+        }
+        return FileSource::file(path);
+    }
+    FileSource::files(paths)
+}
+
+fn ranks_text(entry: &IndexEntry) -> String {
+    let ranks: Vec<u32> = entry.ranks().into_iter().collect();
+    if ranks.is_empty() {
+        return "-".into();
+    }
+    let mut parts = Vec::new();
+    let mut i = 0;
+    while i < ranks.len() {
+        let mut j = i;
+        while j + 1 < ranks.len() && ranks[j + 1] == ranks[j] + 1 {
+            j += 1;
+        }
+        parts.push(match j - i {
+            0 => ranks[i].to_string(),
+            1 => format!("{},{}", ranks[i], ranks[j]),
+            _ => format!("{}-{}", ranks[i], ranks[j]),
+        });
+        i = j + 1;
+    }
+    parts.join(",")
+}
+
+fn shape_text(entry: &IndexEntry) -> String {
+    match (&entry.shape, entry.kind) {
+        (Some(s), _) => format!(
+            "[{}]",
+            s.iter()
+                .map(ToString::to_string)
+                .collect::<Vec<_>>()
+                .join(", ")
+        ),
+        (None, EntryKind::Tensor) => {
+            // Rank-local pieces: show each rank's local shape.
+            let mut per: Vec<String> = entry
+                .chunks
+                .iter()
+                .map(|c| {
+                    format!(
+                        "r{}:{:?}",
+                        c.rank.map_or("?".into(), |r| r.to_string()),
+                        c.sizes
+                    )
+                })
+                .collect();
+            per.dedup();
+            format!("local {}", per.join(" "))
+        }
+        (None, _) => "-".into(),
+    }
+}
+
+fn fmt_num(v: Option<f64>) -> String {
+    v.map_or("-".into(), |x| format!("{x:.6}"))
+}
+
+/// Runs `inspect`; exit 0 when the checkpoint is consistent, 2 when a problem was found.
+pub fn run(args: &InspectArgs) -> anyhow::Result<ExitCode> {
+    let filter = args
+        .filter
+        .as_deref()
+        .map(Regex::new)
+        .transpose()
+        .context("bad --filter regular expression")?;
+    let source = open(&args.paths)?;
+    let where_ = args
+        .paths
+        .iter()
+        .map(|p| p.display().to_string())
+        .collect::<Vec<_>>()
+        .join(" ");
+    let mut idx = index::index_source(&source).with_context(|| format!("cannot read {where_}"))?;
+    let problems = idx.check();
+    if let Some(re) = &filter {
+        idx.entries.retain(|e| re.is_match(&e.key));
+    }
+    let mut stats: BTreeMap<String, ValueStats> = BTreeMap::new();
+    if args.values {
+        idx.decode_bytes_values(&source)
+            .with_context(|| format!("cannot decode values in {where_}"))?;
+        if problems.is_empty() {
+            for e in &idx.entries {
+                if e.kind == EntryKind::Tensor {
+                    let s = tensor_stats(&idx, &source, e)?;
+                    if let Some(s) = s {
+                        stats.insert(e.key.clone(), s);
+                    }
+                }
+            }
+        }
+    }
+    let summary = Summary::of(&idx);
+    if args.json {
+        let mut value = serde_json::to_value(&idx)?;
+        if let Some(entries) = value
+            .get_mut("entries")
+            .and_then(serde_json::Value::as_array_mut)
+        {
+            for e in entries {
+                let key = e
+                    .get("key")
+                    .and_then(|k| k.as_str())
+                    .unwrap_or("")
+                    .to_owned();
+                if let Some(s) = stats.get(&key) {
+                    e["stats"] = serde_json::to_value(s)?;
+                }
+            }
+        }
+        value["summary"] = serde_json::to_value(&summary)?;
+        value["problems"] = serde_json::to_value(&problems)?;
+        print_stdout(&(serde_json::to_string_pretty(&value)? + "\n"))?;
+    } else {
+        print_stdout(&render(&idx, &stats, &summary, args.values))?;
+    }
+    if problems.is_empty() {
+        return Ok(ExitCode::SUCCESS);
+    }
+    let mut err = String::new();
+    for p in &problems {
+        let _ = writeln!(err, "error: {p}");
+    }
+    let _ = writeln!(
+        err,
+        "hint: the checkpoint's chunks do not describe its tensors consistently; it is damaged or incomplete"
+    );
+    eprint!("{err}");
+    Ok(ExitCode::from(2))
+}
+
+fn tensor_stats(
+    idx: &CheckpointIndex,
+    source: &dyn Source,
+    e: &IndexEntry,
+) -> anyhow::Result<Option<ValueStats>> {
+    if e.shape.is_some() {
+        let data = idx
+            .read_tensor(source, e)
+            .with_context(|| format!("cannot read the values of {}", e.key))?;
+        return Ok(data.stats());
+    }
+    // Rank-local pieces: statistics over all pieces together.
+    let mut all = Vec::new();
+    let mut dtype = None;
+    for c in &e.chunks {
+        let d = idx
+            .read_chunk(source, e, c)
+            .with_context(|| format!("cannot read the values of {} in {}", e.key, c.file))?;
+        dtype = Some(d.dtype);
+        all.extend(d.bytes);
+    }
+    Ok(dtype.and_then(|dtype| {
+        index::TensorData {
+            dtype,
+            shape: vec![],
+            bytes: all,
+        }
+        .stats()
+    }))
+}
+
+#[derive(Debug, serde::Serialize)]
+struct RankBytes {
+    /// `None` when the file does not say which rank wrote it.
+    rank: Option<u32>,
+    bytes: u64,
+}
+
+#[derive(Debug, serde::Serialize)]
+struct Summary {
+    looks_like: String,
+    entries: usize,
+    tensors: usize,
+    total_bytes: u64,
+    bytes_per_rank: Vec<RankBytes>,
+    /// max / mean of bytes per rank (1.0 = perfectly balanced).
+    imbalance: Option<f64>,
+    unreferenced_storage_bytes: u64,
+    files: usize,
+}
+
+impl Summary {
+    fn of(idx: &CheckpointIndex) -> Summary {
+        let mut per_rank: BTreeMap<Option<u32>, u64> = BTreeMap::new();
+        let mut total = 0u64;
+        let mut tensors = 0;
+        for e in &idx.entries {
+            if e.kind == EntryKind::Tensor {
+                tensors += 1;
+            }
+            let item = e.dtype.map_or(0, |d| d.size_bytes() as u64);
+            for c in &e.chunks {
+                let bytes = if e.kind == EntryKind::Tensor {
+                    c.numel().unwrap_or(0).saturating_mul(item)
+                } else {
+                    c.byte_length
+                };
+                total = total.saturating_add(bytes);
+                *per_rank.entry(c.rank).or_default() += bytes;
+            }
+        }
+        let imbalance = (per_rank.len() > 1).then(|| {
+            let max = per_rank.values().copied().max().unwrap_or(0) as f64;
+            let mean = per_rank.values().sum::<u64>() as f64 / per_rank.len() as f64;
+            if mean > 0.0 { max / mean } else { 1.0 }
+        });
+        let ranks = idx
+            .files
+            .values()
+            .filter_map(|f| f.rank)
+            .collect::<std::collections::BTreeSet<_>>()
+            .len();
+        let mut looks_like = idx.kind.describe().to_owned();
+        if ranks > 1 {
+            let _ = write!(looks_like, ", {ranks} ranks");
+        }
+        if idx.has_optimizer_state {
+            looks_like.push_str(", with optimizer state");
+        }
+        Summary {
+            looks_like,
+            entries: idx.entries.len(),
+            tensors,
+            total_bytes: total,
+            bytes_per_rank: per_rank
+                .into_iter()
+                .map(|(rank, bytes)| RankBytes { rank, bytes })
+                .collect(),
+            imbalance,
+            unreferenced_storage_bytes: idx.files.values().map(|f| f.unreferenced_bytes).sum(),
+            files: idx.files.len(),
+        }
+    }
+}
+
+fn render(
+    idx: &CheckpointIndex,
+    stats: &BTreeMap<String, ValueStats>,
+    summary: &Summary,
+    values: bool,
+) -> String {
+    let mut rows: Vec<Vec<String>> = Vec::with_capacity(idx.entries.len() + 1);
+    let mut header = vec![
+        "KEY", "KIND", "DTYPE", "SHAPE", "NUMEL", "BYTES", "CHUNKS", "RANKS",
+    ];
+    if values {
+        header.extend(["MIN", "MAX", "MEAN", "NAN", "INF", "VALUE"]);
+    }
+    rows.push(header.iter().map(|s| (*s).to_owned()).collect());
+    for e in &idx.entries {
+        let kind = match e.kind {
+            EntryKind::Tensor => "tensor",
+            EntryKind::Bytes => "bytes",
+            EntryKind::Scalar => "scalar",
+        };
+        let mut row = vec![
+            e.key.clone(),
+            kind.to_owned(),
+            e.dtype.map_or("-".into(), |d| d.to_string()),
+            shape_text(e),
+            e.numel().map_or("-".into(), |n| n.to_string()),
+            e.nbytes().map_or("-".into(), human_bytes),
+            e.chunks.len().to_string(),
+            ranks_text(e),
+        ];
+        if values {
+            let s = stats.get(&e.key);
+            row.extend([
+                fmt_num(s.and_then(|s| s.min)),
+                fmt_num(s.and_then(|s| s.max)),
+                fmt_num(s.and_then(|s| s.mean)),
+                s.map_or("-".into(), |s| s.nan.to_string()),
+                s.map_or("-".into(), |s| s.inf.to_string()),
+                e.value.as_ref().map_or("-".into(), ToString::to_string),
+            ]);
+        }
+        rows.push(row);
+    }
+    let ncols = rows[0].len();
+    let widths: Vec<usize> = (0..ncols)
+        .map(|c| rows.iter().map(|r| r[c].chars().count()).max().unwrap_or(0))
+        .collect();
+    let mut out = String::new();
+    for r in &rows {
+        let line: Vec<String> = r
+            .iter()
+            .enumerate()
+            .map(|(c, cell)| format!("{cell:<w$}", w = widths[c]))
+            .collect();
+        let _ = writeln!(out, "{}", line.join("  ").trim_end());
+    }
+    let _ = writeln!(out);
+    let _ = writeln!(out, "looks like: {}", summary.looks_like);
+    let _ = writeln!(
+        out,
+        "entries: {} ({} tensors), {} in {} files",
+        summary.entries,
+        summary.tensors,
+        human_bytes(summary.total_bytes),
+        summary.files
+    );
+    if !summary.bytes_per_rank.is_empty() {
+        let name = |r: &RankBytes| r.rank.map_or("?".into(), |r| r.to_string());
+        let per: Vec<String> = if summary.bytes_per_rank.len() <= 8 {
+            summary
+                .bytes_per_rank
+                .iter()
+                .map(|r| format!("rank {}: {}", name(r), human_bytes(r.bytes)))
+                .collect()
+        } else {
+            let min = summary.bytes_per_rank.iter().min_by_key(|r| r.bytes);
+            let max = summary.bytes_per_rank.iter().max_by_key(|r| r.bytes);
+            let total: u64 = summary.bytes_per_rank.iter().map(|r| r.bytes).sum();
+            let mut v = vec![format!(
+                "{} ranks, mean {}",
+                summary.bytes_per_rank.len(),
+                human_bytes(total / summary.bytes_per_rank.len() as u64)
+            )];
+            if let (Some(min), Some(max)) = (min, max) {
+                v.push(format!(
+                    "min {} (rank {})",
+                    human_bytes(min.bytes),
+                    name(min)
+                ));
+                v.push(format!(
+                    "max {} (rank {})",
+                    human_bytes(max.bytes),
+                    name(max)
+                ));
+            }
+            v
+        };
+        let _ = write!(out, "bytes per rank: {}", per.join(", "));
+        if let Some(i) = summary.imbalance {
+            let _ = write!(out, " (imbalance max/mean {i:.3})");
+        }
+        let _ = writeln!(out);
+    }
+    if summary.unreferenced_storage_bytes > 0 {
+        let _ = writeln!(
+            out,
+            "padding: {} of storage no tensor view refers to (FSDP padding kept by torch.save)",
+            human_bytes(summary.unreferenced_storage_bytes)
+        );
+    } else {
+        let _ = writeln!(out, "padding: none found in storages");
+    }
+    if let Some(d) = &idx.dcp {
+        let _ = writeln!(
+            out,
+            "dcp: version {}, saved to {}",
+            d.version.as_deref().unwrap_or("?"),
+            d.checkpoint_id.as_deref().unwrap_or("?")
+        );
+    }
+    out
+}
