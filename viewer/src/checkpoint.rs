@@ -258,6 +258,8 @@ pub struct CheckpointView {
 
 /// Scalar tensors no larger than this are read to show their value (`step`).
 const MAX_SCALAR_BYTES: u64 = 16;
+/// Most stored copies of a scalar that are read (one per rank).
+const MAX_SCALAR_CHUNKS: usize = 4096;
 
 impl CheckpointView {
     /// Indexes `source` and reads the few values the panels show (bytes items, scalar `step`
@@ -273,21 +275,50 @@ impl CheckpointView {
         let mut scalar_values = BTreeMap::new();
         for (i, e) in index.entries.iter().enumerate() {
             let is_step = matches!(e.path.last(), Some(PathSeg::Key(k)) if k == "step");
-            if is_step
-                && e.kind == EntryKind::Tensor
-                && e.numel() == Some(1)
-                && e.nbytes().is_some_and(|b| b <= MAX_SCALAR_BYTES)
-                && let Ok(t) = index.read_tensor(source, e)
-                && let Some(v) = t.to_f64().and_then(|v| v.first().copied())
+            let scalar_chunks = e.chunks.len() <= MAX_SCALAR_CHUNKS
+                && e.chunks
+                    .iter()
+                    .all(|c| c.numel() == Some(1) && c.byte_length <= MAX_SCALAR_BYTES);
+            if !(is_step && e.kind == EntryKind::Tensor && scalar_chunks) {
+                continue;
+            }
+            // Global scalars and replicated rank-local scalars alike: read each stored copy.
+            let values: Vec<f64> = e
+                .chunks
+                .iter()
+                .filter_map(|c| {
+                    index
+                        .read_chunk(source, e, c)
+                        .ok()?
+                        .to_f64()?
+                        .first()
+                        .copied()
+                })
+                .collect();
+            if values.len() == e.chunks.len()
+                && let Some(&first) = values.first()
             {
-                scalar_values.insert(i, v);
+                let text = if values.iter().all(|v| v.to_bits() == first.to_bits()) {
+                    format_number(first)
+                } else {
+                    values
+                        .iter()
+                        .map(|v| format_number(*v))
+                        .collect::<Vec<_>>()
+                        .join(" / ")
+                };
+                scalar_values.insert(i, text);
             }
         }
         Ok(Self::from_index(name, index, &scalar_values))
     }
 
     /// Derives the panel data; `scalars` holds values read for scalar tensors (by entry).
-    pub fn from_index(name: &str, index: CheckpointIndex, scalars: &BTreeMap<usize, f64>) -> Self {
+    pub fn from_index(
+        name: &str,
+        index: CheckpointIndex,
+        scalars: &BTreeMap<usize, String>,
+    ) -> Self {
         let mut by_key = BTreeMap::new();
         let mut ranks = Vec::with_capacity(index.entries.len());
         let mut all = BTreeSet::new();
@@ -301,7 +332,7 @@ impl CheckpointView {
             chunk_count += e.chunks.len();
             let value = scalars
                 .get(&i)
-                .map(|v| format_number(*v))
+                .cloned()
                 .or_else(|| e.value.as_ref().map(value_text));
             match &e.role {
                 Some(Role::OptimizerState { param, state }) => {
