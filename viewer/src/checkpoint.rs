@@ -19,7 +19,7 @@ pub enum CheckpointError {
     Index {
         name: String,
         #[source]
-        source: IndexError,
+        source: Box<IndexError>,
     },
     /// A `.zip` of a folder could not be read.
     #[error("{name}: not a readable zip: {message}")]
@@ -43,6 +43,12 @@ pub fn is_checkpoint_name(name: &str) -> bool {
         ext,
         "pt" | "pth" | "bin" | "ckpt" | "tar" | "safetensors" | "distcp" | "zip"
     )
+}
+
+/// True for `*.zip` (any case).
+fn is_zip_name(name: &str) -> bool {
+    name.rsplit_once('.')
+        .is_some_and(|(_, e)| e.eq_ignore_ascii_case("zip"))
 }
 
 /// Expands the members of a `.zip` (e.g. a zipped DCP folder) into `out`, named by their path.
@@ -147,7 +153,7 @@ impl FsSource {
     fn zips(&self) -> Vec<(String, std::path::PathBuf)> {
         self.files
             .iter()
-            .filter(|(n, _)| n.ends_with(".zip"))
+            .filter(|(n, _)| is_zip_name(n))
             .map(|(n, p)| (n.clone(), p.clone()))
             .collect()
     }
@@ -216,7 +222,7 @@ pub fn open_memory(
 ) -> Result<CheckpointView, CheckpointError> {
     let mut mem = MemorySource::new();
     for (fname, bytes) in files {
-        if fname.ends_with(".zip") {
+        if is_zip_name(&fname) {
             expand_zip(&fname, &bytes, &mut mem)?;
         } else {
             mem.insert(fname, bytes);
@@ -267,7 +273,7 @@ impl CheckpointView {
     pub fn build(name: &str, source: &dyn Source) -> Result<Self, CheckpointError> {
         let index_err = |source| CheckpointError::Index {
             name: name.to_owned(),
-            source,
+            source: Box::new(source),
         };
         let mut index = index_source(source).map_err(index_err)?;
         // Bytes items hold small pickled Python values (step counters, hyper-parameters).

@@ -118,7 +118,10 @@ pub fn is_checkpoint_part(name: &str, bytes: &[u8]) -> bool {
     if crate::checkpoint::is_checkpoint_name(name) {
         return true;
     }
-    if name.ends_with(".json") {
+    if name
+        .rsplit_once('.')
+        .is_some_and(|(_, e)| e.eq_ignore_ascii_case("json"))
+    {
         return false;
     }
     let head = bytes.iter().copied().find(|b| !b.is_ascii_whitespace());

@@ -67,7 +67,7 @@ fn check_dcp(mut h: Harness<'_, Viewer>) {
     h.get_by_label_contains(&format!("{n} of {n} keys · {chunks} chunks · 3 files"));
     // Every key of the metadata is in the table (rows are virtualised: search by prefix).
     for prefix in ["model.", "extra.", "optim.state.", "optim.param_groups."] {
-        h.state_mut().ckpt.table_filter = prefix.to_owned();
+        prefix.clone_into(&mut h.state_mut().ckpt.table_filter);
         h.run();
         let keys: Vec<&String> = items.keys().filter(|k| k.contains(prefix)).collect();
         h.get_by_label_contains(&format!("{} of {n} keys", keys.len()));
@@ -75,14 +75,14 @@ fn check_dcp(mut h: Harness<'_, Viewer>) {
             assert!(h.query_by_label(key).is_some(), "{key} not shown");
         }
     }
-    h.state_mut().ckpt.table_filter = "extra.".to_owned();
+    "extra.".clone_into(&mut h.state_mut().ckpt.table_filter);
     h.run();
     // The bytes item shows torch's value.
     let step = expected("dcp.json")["entries"]["extra/step"]["value"].clone();
     h.get_by_label(&format!("= {step}"));
 
     // Click a tensor row: it is selected everywhere and its chunk map shows torch's chunks.
-    h.state_mut().ckpt.table_filter = "model.".to_owned();
+    "model.".clone_into(&mut h.state_mut().ckpt.table_filter);
     h.run();
     h.get_by_label("model.embed.weight").click();
     h.run();

@@ -171,7 +171,7 @@ fn node_ui(
         .open(open.or(holds_selection.then_some(true)))
         .default_open(path.is_empty() && node.children.len() <= 8)
         .show(ui, |ui| {
-            node_ui(ui, view, child, &child_path, open, selection)
+            node_ui(ui, view, child, &child_path, open, selection);
         });
     }
     for (leaf, i) in &node.leaves {
