@@ -210,7 +210,8 @@ impl Report {
     /// The report as pretty JSON (schema version 1), with a final newline.
     pub fn to_json(&self) -> String {
         // A report holds only strings, numbers and lists: serializing cannot fail.
-        serde_json::to_string_pretty(self).map_or_else(|e| format!("{{\"error\": \"{e}\"}}"), |s| s + "\n")
+        serde_json::to_string_pretty(self)
+            .map_or_else(|e| format!("{{\"error\": \"{e}\"}}"), |s| s + "\n")
     }
 }
 
@@ -262,7 +263,10 @@ fn select<'a>(
     label: &str,
 ) -> (BTreeMap<String, &'a IndexEntry>, Option<String>) {
     let all = || index.entries.iter().map(|e| (e.key.clone(), e)).collect();
-    let Some(prefix) = prefix.map(|p| p.trim_end_matches('.')).filter(|p| !p.is_empty()) else {
+    let Some(prefix) = prefix
+        .map(|p| p.trim_end_matches('.'))
+        .filter(|p| !p.is_empty())
+    else {
         return (all(), None);
     };
     let dotted = format!("{prefix}.");
@@ -284,8 +288,17 @@ fn select<'a>(
 }
 
 /// Compares two checkpoints key by key.
-pub fn diff(left: Side<'_>, right: Side<'_>, options: &DiffOptions, progress: Progress<'_>) -> Report {
-    let mut report = Report::new("diff", Some(left.label.to_owned()), Some(right.label.to_owned()));
+pub fn diff(
+    left: Side<'_>,
+    right: Side<'_>,
+    options: &DiffOptions,
+    progress: Progress<'_>,
+) -> Report {
+    let mut report = Report::new(
+        "diff",
+        Some(left.label.to_owned()),
+        Some(right.label.to_owned()),
+    );
     let (lkeys, lnote) = select(left.index, options.select.as_deref(), left.label);
     let (rkeys, rnote) = select(right.index, options.select.as_deref(), right.label);
     report.notes.extend(lnote);
@@ -355,7 +368,11 @@ fn compare_entries(
             let what = |t: bool| if t { "a tensor" } else { "a non-tensor value" };
             e.add_problem(
                 Status::Mismatch,
-                &format!("{} on the left, {} on the right", what(a_tensor), what(b_tensor)),
+                &format!(
+                    "{} on the left, {} on the right",
+                    what(a_tensor),
+                    what(b_tensor)
+                ),
             );
             e.right_dtype = b.dtype;
             e.right_shape.clone_from(&b.shape);
@@ -385,7 +402,11 @@ fn compare_entries(
         e.right_shape.clone_from(&b.shape);
         e.add_problem(
             Status::Mismatch,
-            &format!("shape {} vs {}", shape_name(a.shape.as_deref()), shape_name(b.shape.as_deref())),
+            &format!(
+                "shape {} vs {}",
+                shape_name(a.shape.as_deref()),
+                shape_name(b.shape.as_deref())
+            ),
         );
     }
     if e.status != Status::Match {
@@ -441,7 +462,11 @@ fn compare_rank_local(
         };
         e.add_problem(
             Status::Mismatch,
-            &format!("rank-local pieces differ: {} vs {}", describe(&pa), describe(&pb)),
+            &format!(
+                "rank-local pieces differ: {} vs {}",
+                describe(&pa),
+                describe(&pb)
+            ),
         );
         return;
     }
@@ -520,7 +545,16 @@ fn unravel(mut i: u64, shape: &[u64]) -> Vec<u64> {
 fn components(dtype: DType, b: &[u8]) -> [f64; 2] {
     let f32_at = |o: usize| f64::from(f32::from_le_bytes([b[o], b[o + 1], b[o + 2], b[o + 3]]));
     let f64_at = |o: usize| {
-        f64::from_le_bytes([b[o], b[o + 1], b[o + 2], b[o + 3], b[o + 4], b[o + 5], b[o + 6], b[o + 7]])
+        f64::from_le_bytes([
+            b[o],
+            b[o + 1],
+            b[o + 2],
+            b[o + 3],
+            b[o + 4],
+            b[o + 5],
+            b[o + 6],
+            b[o + 7],
+        ])
     };
     match dtype {
         DType::Bool | DType::UInt8 => [f64::from(b[0]), 0.0],
@@ -581,7 +615,8 @@ pub fn compare_values(dtype: DType, a: &[u8], b: &[u8], tolerance: Option<Tolera
         d.mismatched = (a.len().max(b.len()) / item) as u64;
         return d;
     }
-    let inexact = dtype.is_floating_point() || matches!(dtype, DType::Complex64 | DType::Complex128);
+    let inexact =
+        dtype.is_floating_point() || matches!(dtype, DType::Complex64 | DType::Complex128);
     let tolerance = tolerance.filter(|_| inexact);
     let note = |d: &mut ValueDiff, i: usize, ea: &[u8], eb: &[u8]| {
         let ca = components(dtype, ea);
@@ -673,7 +708,10 @@ pub fn verify(side: Side<'_>, options: VerifyOptions, progress: Progress<'_>) ->
     for p in index.check() {
         broken.insert(p.key.clone());
         let text = p.to_string();
-        let text = text.strip_prefix(&format!("{}: ", p.key)).unwrap_or(&text).to_owned();
+        let text = text
+            .strip_prefix(&format!("{}: ", p.key))
+            .unwrap_or(&text)
+            .to_owned();
         match report.entries.get_mut(&p.key) {
             Some(e) => e.add_problem(Status::Error, &text),
             None => report.insert(Entry::new(&p.key, Status::Error).with_message(text)),
@@ -748,10 +786,14 @@ fn check_chunks(
                     let d = compare_values(dtype, bytes, &data.bytes, None);
                     if d.mismatched > 0 {
                         let rank = |k: usize| {
-                            e.chunks[k].rank.map_or_else(|| format!("chunk {k}"), |r| format!("rank {r}"))
+                            e.chunks[k]
+                                .rank
+                                .map_or_else(|| format!("chunk {k}"), |r| format!("rank {r}"))
                         };
                         let at = d.first.map(|x| unravel(x, &c.sizes)).unwrap_or_default();
-                        let values = d.first_values.map_or(String::new(), |[l, r]| format!(": {l} vs {r}"));
+                        let values = d
+                            .first_values
+                            .map_or(String::new(), |[l, r]| format!(": {l} vs {r}"));
                         problems.push((
                             Status::Mismatch,
                             format!(
@@ -806,7 +848,9 @@ fn check_optimizer_keys(index: &CheckpointIndex, report: &mut Report) {
     }
     for (param, keys) in by_fqn {
         let dotted = format!(".{param}");
-        let known = model_keys.iter().any(|k| *k == param || k.ends_with(&dotted));
+        let known = model_keys
+            .iter()
+            .any(|k| *k == param || k.ends_with(&dotted));
         if known {
             continue;
         }
@@ -814,7 +858,9 @@ fn check_optimizer_keys(index: &CheckpointIndex, report: &mut Report) {
             if let Some(entry) = report.entries.get_mut(key) {
                 entry.add_problem(
                     Status::Unexpected,
-                    &format!("optimizer state for parameter `{param}`, which the model does not hold"),
+                    &format!(
+                        "optimizer state for parameter `{param}`, which the model does not hold"
+                    ),
                 );
             }
         }
@@ -827,7 +873,9 @@ mod tests {
 
     #[test]
     fn bitwise_finds_every_difference_and_the_first_index() {
-        let a: Vec<u8> = (0..3000u32).flat_map(|i| (i as f32).to_le_bytes()).collect();
+        let a: Vec<u8> = (0..3000u32)
+            .flat_map(|i| (i as f32).to_le_bytes())
+            .collect();
         let mut b = a.clone();
         b[4 * 2500..4 * 2501].copy_from_slice(&7.5f32.to_le_bytes());
         b[4 * 2999..].copy_from_slice(&(-1.0f32).to_le_bytes());
@@ -843,20 +891,40 @@ mod tests {
     #[test]
     fn tolerance_follows_allclose() {
         let enc = |v: &[f32]| v.iter().flat_map(|x| x.to_le_bytes()).collect::<Vec<u8>>();
-        let t = Tolerance { rtol: 1e-3, atol: 0.0, equal_nan: false };
+        let t = Tolerance {
+            rtol: 1e-3,
+            atol: 0.0,
+            equal_nan: false,
+        };
         // |a - b| <= atol + rtol * |b|: asymmetric in b, as in torch.
         let a = enc(&[1.0, f32::NAN, f32::INFINITY]);
         let b = enc(&[1.000_9, f32::NAN, f32::INFINITY]);
-        assert_eq!(compare_values(DType::Float32, &a, &b, Some(t)).mismatched, 1);
-        let t_nan = Tolerance { equal_nan: true, ..t };
-        assert_eq!(compare_values(DType::Float32, &a, &b, Some(t_nan)).mismatched, 0);
+        assert_eq!(
+            compare_values(DType::Float32, &a, &b, Some(t)).mismatched,
+            1
+        );
+        let t_nan = Tolerance {
+            equal_nan: true,
+            ..t
+        };
+        assert_eq!(
+            compare_values(DType::Float32, &a, &b, Some(t_nan)).mismatched,
+            0
+        );
         // Bitwise: 1.0 vs 1.0009 differ, identical NaN bits agree.
         assert_eq!(compare_values(DType::Float32, &a, &b, None).mismatched, 1);
         // Integers ignore the tolerance.
         let i = 5i64.to_le_bytes();
         let j = 6i64.to_le_bytes();
-        let loose = Tolerance { rtol: 1.0, atol: 1.0, equal_nan: false };
-        assert_eq!(compare_values(DType::Int64, &i, &j, Some(loose)).mismatched, 1);
+        let loose = Tolerance {
+            rtol: 1.0,
+            atol: 1.0,
+            equal_nan: false,
+        };
+        assert_eq!(
+            compare_values(DType::Int64, &i, &j, Some(loose)).mismatched,
+            1
+        );
     }
 
     #[test]

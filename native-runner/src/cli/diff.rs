@@ -68,10 +68,10 @@ pub fn run(args: &DiffArgs) -> anyhow::Result<ExitCode> {
     let right_label = args.right.display().to_string();
     let left_source = open(std::slice::from_ref(&args.left))?;
     let right_source = open(std::slice::from_ref(&args.right))?;
-    let left_index = index::index_source(&left_source)
-        .with_context(|| format!("cannot read {left_label}"))?;
-    let right_index = index::index_source(&right_source)
-        .with_context(|| format!("cannot read {right_label}"))?;
+    let left_index =
+        index::index_source(&left_source).with_context(|| format!("cannot read {left_label}"))?;
+    let right_index =
+        index::index_source(&right_source).with_context(|| format!("cannot read {right_label}"))?;
     let options = DiffOptions {
         tolerance,
         select: args.select.clone(),

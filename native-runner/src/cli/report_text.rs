@@ -91,7 +91,11 @@ pub fn render(report: &Report) -> String {
         out,
         "{} {}: {} match, {} mismatch, {} missing, {} unexpected, {} error",
         report.command,
-        if report.exit_code() == 0 { "ok" } else { "FAILED" },
+        if report.exit_code() == 0 {
+            "ok"
+        } else {
+            "FAILED"
+        },
         s.matched,
         s.mismatched,
         s.missing,
