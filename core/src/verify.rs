@@ -14,6 +14,7 @@
 //! `equal_nan`. Integer and bool values are always compared exactly.
 
 use std::collections::{BTreeMap, BTreeSet};
+use std::fmt::Write as _;
 
 use serde::{Serialize, Serializer};
 
@@ -200,10 +201,8 @@ impl Report {
     pub fn exit_code(&self) -> u8 {
         if self.summary.errors > 0 {
             2
-        } else if self.problems().next().is_some() {
-            1
         } else {
-            0
+            u8::from(self.problems().next().is_some())
         }
     }
 
@@ -523,7 +522,7 @@ fn apply_diff(e: &mut Entry, d: &ValueDiff, shape: &[u64], where_: &str) {
     let index = d.first.map(|i| unravel(i, shape));
     let mut msg = format!("{} element(s) differ{where_}", d.mismatched);
     if let (Some(index), Some([l, r])) = (&index, &d.first_values) {
-        msg.push_str(&format!(", first at {index:?}: {l} vs {r}"));
+        let _ = write!(msg, ", first at {index:?}: {l} vs {r}");
     }
     e.first_mismatch = index;
     e.add_problem(Status::Mismatch, &msg);
@@ -668,6 +667,8 @@ fn close(a: [f64; 2], b: [f64; 2], t: Tolerance) -> bool {
     if a_nan || b_nan {
         return t.equal_nan && a_nan && b_nan;
     }
+    // Equal values (infinities of one sign included) are close; `==` is the point here.
+    #[allow(clippy::float_cmp)]
     if a == b {
         return true;
     }
@@ -869,6 +870,7 @@ fn check_optimizer_keys(index: &CheckpointIndex, report: &mut Report) {
 
 #[cfg(test)]
 mod tests {
+    #![allow(clippy::float_cmp, clippy::many_single_char_names)]
     use super::*;
 
     #[test]
