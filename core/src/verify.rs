@@ -19,7 +19,8 @@ use std::fmt::Write as _;
 use serde::{Serialize, Serializer};
 
 use crate::dtype::DType;
-use crate::model::index::{CheckpointIndex, EntryKind, IndexEntry, PathSeg, Role};
+use crate::layout::fsdp1::{FlatParamLayout, Fsdp1Layout};
+use crate::model::index::{CheckpointIndex, CheckpointKind, EntryKind, IndexEntry, PathSeg, Role};
 use crate::source::Source;
 
 /// The `kind` of every report.
@@ -678,15 +679,21 @@ fn close(a: [f64; 2], b: [f64; 2], t: Tolerance) -> bool {
 
 /// How [`verify`] checks.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
-pub struct VerifyOptions {
+pub struct VerifyOptions<'a> {
     /// Read every chunk and non-tensor item (catches undecodable items); otherwise only the
     /// index is checked, plus the values of replicated chunks.
     pub read_values: bool,
+    /// The FSDP1 layout an FSDP1 LOCAL_STATE_DICT checkpoint was written under: its flat
+    /// parameters must have the layout's sizes, rank pieces and zero padding segments.
+    pub fsdp1_layout: Option<&'a Fsdp1Layout>,
 }
 
-impl Default for VerifyOptions {
+impl Default for VerifyOptions<'_> {
     fn default() -> Self {
-        VerifyOptions { read_values: true }
+        VerifyOptions {
+            read_values: true,
+            fsdp1_layout: None,
+        }
     }
 }
 
@@ -695,7 +702,7 @@ impl Default for VerifyOptions {
 /// chunk on different ranks hold the same values, and a 0-dim state (`step`) held by several
 /// ranks for one (flat) parameter holds one value; optimizer state keyed by FQN names parameters
 /// the checkpoint's model holds (when it holds a model).
-pub fn verify(side: Side<'_>, options: VerifyOptions, progress: Progress<'_>) -> Report {
+pub fn verify(side: Side<'_>, options: VerifyOptions<'_>, progress: Progress<'_>) -> Report {
     let index = side.index;
     let mut report = Report::new("verify", Some(side.label.to_owned()), None);
     for e in &index.entries {
@@ -742,8 +749,130 @@ pub fn verify(side: Side<'_>, options: VerifyOptions, progress: Progress<'_>) ->
     }
     progress(total, total, "");
     check_optimizer_keys(index, &mut report);
+    if let Some(layout) = options.fsdp1_layout {
+        if index.kind == CheckpointKind::Fsdp1Local {
+            check_fsdp1_local(side, layout, &broken, options.read_values, &mut report);
+        } else {
+            report.notes.push(format!(
+                "the checkpoint is {}, not an FSDP1 LOCAL_STATE_DICT: it was not checked against the layout",
+                index.kind.describe()
+            ));
+        }
+    }
     report.finish();
     report
+}
+
+/// FSDP1 LOCAL_STATE_DICT against its layout (FSDP_SPEC §2.4): `<unit>._flat_param` is a 1-D
+/// tensor of `_unpadded_unsharded_size` elements (padding segments included) whose rank `r` piece
+/// starts at `C*r` and holds `C - _shard_numel_padded` elements (`C` = `_sharded_size`). With
+/// `use_orig_params=True` the dict also holds every parameter's 1-D per-rank view: each must be
+/// as long as the layout's `numel_in_shard` and equal the flat parameter's elements at the
+/// layout's `offset_in_shard`, which places the padding segments where the layout says. Padding
+/// values are not checked: torch fills them with 42 or 0 depending on the release, and weight
+/// decay changes them.
+fn check_fsdp1_local(
+    side: Side<'_>,
+    layout: &Fsdp1Layout,
+    broken: &BTreeSet<String>,
+    read_values: bool,
+    report: &mut Report,
+) {
+    let index = side.index;
+    let expected: BTreeSet<&str> = layout
+        .flat_params
+        .iter()
+        .map(|f| f.flat_param_fqn.as_str())
+        .collect();
+    for e in index.entries.iter().filter(|e| e.flat_param) {
+        if !expected.contains(e.key.as_str())
+            && let Some(entry) = report.entries.get_mut(&e.key)
+        {
+            entry.add_problem(
+                Status::Unexpected,
+                "a flat parameter the layout does not have (different wrapping?)",
+            );
+        }
+    }
+    for fp in &layout.flat_params {
+        let Some(e) = index.entry(&fp.flat_param_fqn) else {
+            let mut entry = Entry::new(&fp.flat_param_fqn, Status::Missing).with_message(
+                "the layout has this flat parameter, the checkpoint does not (different wrapping?)",
+            );
+            entry.dtype = Some(fp.dtype);
+            entry.shape = Some(vec![fp.unpadded_unsharded_numel]);
+            report.insert(entry);
+            continue;
+        };
+        let mut problems = Vec::new();
+        let want_shape = vec![fp.unpadded_unsharded_numel];
+        if e.shape.as_ref() != Some(&want_shape) {
+            problems.push(format!(
+                "holds {} elements, the layout's flat parameter {} (padding segments included)",
+                shape_name(e.shape.as_deref()),
+                fp.unpadded_unsharded_numel
+            ));
+        }
+        if e.dtype != Some(fp.dtype) {
+            problems.push(format!(
+                "dtype {}, the layout says {}",
+                dtype_name(e.dtype),
+                fp.dtype
+            ));
+        }
+        let c = fp.sharded_numel;
+        let want: BTreeSet<(u64, u64)> = fp
+            .ranks
+            .iter()
+            .filter_map(|r| {
+                let len = c.saturating_sub(r.shard_numel_padded);
+                (len > 0).then(|| (c.saturating_mul(r.rank), len))
+            })
+            .collect();
+        let got: BTreeSet<(u64, u64)> = e
+            .chunks
+            .iter()
+            .filter(|ch| ch.numel() != Some(0))
+            .map(|ch| {
+                (
+                    ch.offsets.first().copied().unwrap_or(0),
+                    ch.sizes.first().copied().unwrap_or(0),
+                )
+            })
+            .collect();
+        if want != got {
+            let show = |s: &BTreeSet<(u64, u64)>| {
+                s.iter()
+                    .map(|(o, n)| format!("[{o}..{})", o.saturating_add(*n)))
+                    .collect::<Vec<_>>()
+                    .join(" ")
+            };
+            problems.push(format!(
+                "rank pieces {}, the layout says {} (shard size {c})",
+                show(&got),
+                show(&want)
+            ));
+        }
+        let flat = if problems.is_empty() && read_values && !broken.contains(&e.key) {
+            match index.read_tensor(side.source, e) {
+                Ok(data) => Some(data.bytes),
+                Err(err) => {
+                    problems.push(err.to_string());
+                    None
+                }
+            }
+        } else {
+            None
+        };
+        if problems.is_empty() {
+            check_param_views(side, fp, flat.as_deref(), report);
+        }
+        if let Some(entry) = report.entries.get_mut(&e.key) {
+            for p in problems {
+                entry.add_problem(Status::Mismatch, &p);
+            }
+        }
+    }
 }
 
 /// Reads the chunks of one tensor entry: every one with `read_values`, otherwise the replicated
@@ -751,7 +880,7 @@ pub fn verify(side: Side<'_>, options: VerifyOptions, progress: Progress<'_>) ->
 fn check_chunks(
     side: Side<'_>,
     e: &IndexEntry,
-    options: VerifyOptions,
+    options: VerifyOptions<'_>,
     problems: &mut Vec<(Status, String)>,
 ) {
     // Identical boxes: replicas of one piece. For rank-local entries (no global shape) only 0-dim
@@ -807,6 +936,72 @@ fn check_chunks(
                         ));
                     }
                 }
+            }
+        }
+    }
+}
+
+/// The per-rank 1-D parameter views of a `use_orig_params=True` LOCAL state dict against the
+/// layout's `_ShardParamInfo`s (and against the flat parameter's bytes when read).
+fn check_param_views(
+    side: Side<'_>,
+    fp: &FlatParamLayout,
+    flat: Option<&[u8]>,
+    report: &mut Report,
+) {
+    let index = side.index;
+    let item = fp.dtype.size_bytes();
+    let c = fp.sharded_numel;
+    let group = fp.ranks.len().max(1) as u64;
+    for (i, fqn) in fp.fqns.iter().enumerate() {
+        let Some(e) = index
+            .entry(fqn)
+            .filter(|e| e.shape.is_none() && e.kind == EntryKind::Tensor)
+        else {
+            continue;
+        };
+        let mut problems = Vec::new();
+        for ch in &e.chunks {
+            let Some(rank) = ch.rank else { continue };
+            let Some(info) = fp
+                .ranks
+                .get((u64::from(rank) % group) as usize)
+                .and_then(|r| r.shard_param_infos.get(i))
+            else {
+                continue;
+            };
+            let want = if info.in_shard {
+                info.numel_in_shard.unwrap_or(0)
+            } else {
+                0
+            };
+            let got = ch.numel().unwrap_or(u64::MAX);
+            if ch.sizes.len() != 1 || got != want {
+                problems.push(format!(
+                    "rank {rank} holds {:?} elements, the layout puts {want} of it in that rank's shard",
+                    ch.sizes
+                ));
+                continue;
+            }
+            let (Some(flat), Some(offset)) = (flat, info.offset_in_shard) else {
+                continue;
+            };
+            let begin = c
+                .saturating_mul(u64::from(rank) % group)
+                .saturating_add(offset);
+            let end = begin.saturating_add(want);
+            let expected = flat.get(begin as usize * item..end as usize * item);
+            match index.read_chunk(side.source, e, ch) {
+                Ok(data) if Some(data.bytes.as_slice()) == expected => {}
+                Ok(_) => problems.push(format!(
+                    "rank {rank}'s view differs from the flat parameter's elements [{begin}..{end}), where the layout puts it"
+                )),
+                Err(err) => problems.push(err.to_string()),
+            }
+        }
+        if let Some(entry) = report.entries.get_mut(fqn) {
+            for p in problems {
+                entry.add_problem(Status::Mismatch, &p);
             }
         }
     }

@@ -430,3 +430,98 @@ fn verify_catches_replicas_that_disagree() {
     );
     assert_eq!(r["summary"]["mismatched"], 1);
 }
+
+fn local_pair(dir: &str) -> [PathBuf; 2] {
+    let d = formats().join(dir);
+    [d.join("rank0_local.pt"), d.join("rank1_local.pt")]
+}
+
+#[test]
+fn verify_checks_fsdp1_local_flat_params_against_the_layout() {
+    // net_model.json comes from torch's named_parameters (tests/fixtures/verify/gen_model.py); the
+    // checkpoints are torch's LOCAL_STATE_DICTs of that model at world size 2.
+    let model = fixtures_dir().join("verify/net_model.json");
+    let [a, b] = local_pair("fsdp1_orig0");
+    let base = [
+        "verify",
+        p(&a),
+        p(&b),
+        "--model",
+        p(&model),
+        "--world-size",
+        "2",
+    ];
+    let (code, r) = run_json(&base);
+    assert_eq!(code, 0, "{r:#}");
+    let [a1, b1] = local_pair("fsdp1_orig1");
+    let orig = [
+        "verify",
+        p(&a1),
+        p(&b1),
+        "--model",
+        p(&model),
+        "--world-size",
+        "2",
+    ];
+    let (code, r) = run_json(&[&orig[..], &["--use-orig-params"]].concat());
+    assert_eq!(code, 0, "{r:#}");
+
+    // torch wrote 46 = 35 + 1 + 6 + 2 + 2 elements (alignment padding); without
+    // use_orig_params the layout has 43 = 35 + 6 + 2.
+    let (code, r) = run_json(&orig);
+    assert_eq!(code, 1, "{r:#}");
+    let msg = entry(&r, "_flat_param")["message"]
+        .as_str()
+        .unwrap()
+        .to_owned();
+    assert!(msg.contains("43") && msg.contains("[46]"), "{msg}");
+    // World size 4: shards of ceil(43 / 4) = 11 elements, the file has 22 + 21.
+    let (code, r) = run_json(&[
+        "verify",
+        p(&a),
+        p(&b),
+        "--model",
+        p(&model),
+        "--world-size",
+        "4",
+    ]);
+    assert_eq!(code, 1, "{r:#}");
+    let msg = entry(&r, "block._flat_param")["message"]
+        .as_str()
+        .unwrap()
+        .to_owned();
+    assert!(
+        msg.contains("[0..11) [11..21)") && msg.contains("shard size 6"),
+        "{msg}"
+    );
+
+    // Swap two 3-element parameters of `block` in the description: flat sizes stay the same, but
+    // the per-rank views of `block.scale` (rank 0: 3 elements, rank 1: none) no longer fit.
+    let mut desc: Value = serde_json::from_slice(&std::fs::read(&model).unwrap()).unwrap();
+    let params = desc["params"].as_array_mut().unwrap();
+    let i = params
+        .iter()
+        .position(|x| x["fqn"] == "block.scale")
+        .unwrap();
+    let j = params
+        .iter()
+        .position(|x| x["fqn"] == "block.lin.bias")
+        .unwrap();
+    params.swap(i, j);
+    let dir = tempfile::tempdir().unwrap();
+    let swapped = dir.path().join("swapped.json");
+    std::fs::write(&swapped, serde_json::to_vec(&desc).unwrap()).unwrap();
+    let (code, r) = run_json(&[
+        "verify",
+        p(&a1),
+        p(&b1),
+        "--model",
+        p(&swapped),
+        "--world-size",
+        "2",
+        "--use-orig-params",
+    ]);
+    assert_eq!(code, 1, "{r:#}");
+    assert_eq!(entry(&r, "block.scale")["status"], "mismatch");
+    assert_eq!(entry(&r, "block.lin.bias")["status"], "mismatch");
+}
