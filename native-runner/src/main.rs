@@ -24,6 +24,10 @@ enum Command {
     Inspect(cli::inspect::InspectArgs),
     /// Replay FSDP's unshard path (copy-in, all-gather, copy-out) on every rank; verify and trace it.
     Gather(cli::gather::GatherArgs),
+    /// Compare two checkpoints of any formats tensor by tensor (exit 0 equal, 1 differ, 2 bad input).
+    Diff(cli::diff::DiffArgs),
+    /// Check one checkpoint against itself: tiling, byte ranges, replicas, steps, optimizer keys.
+    Verify(cli::verify::VerifyArgs),
 }
 
 fn main() -> ExitCode {
@@ -32,6 +36,8 @@ fn main() -> ExitCode {
         Command::Layout(args) => cli::layout::run(&args),
         Command::Inspect(args) => cli::inspect::run(&args),
         Command::Gather(args) => cli::gather::run(&args),
+        Command::Diff(args) => cli::diff::run(&args),
+        Command::Verify(args) => cli::verify::run(&args),
     };
     match result {
         Ok(code) => code,
