@@ -81,7 +81,10 @@ fn derived_keys_follow_torchs_order_for_pt_and_dcp() {
     // FSDP1 SHARDED per-rank files keep the same order as the FULL ones torch wrote.
     assert_eq!(
         derive_fqns(
-            &files_source(&["fsdp1_orig0/rank0_sharded.pt", "fsdp1_orig0/rank1_sharded.pt"]),
+            &files_source(&[
+                "fsdp1_orig0/rank0_sharded.pt",
+                "fsdp1_orig0/rank1_sharded.pt"
+            ]),
             None
         ),
         torch_order("fsdp1_orig0/rank0_full.pt")

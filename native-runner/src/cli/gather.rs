@@ -282,16 +282,18 @@ fn prepare(args: &GatherArgs) -> anyhow::Result<Prepared> {
         None => Indexed::<FileSource>::find_prefix(&index, &model),
     };
     if !prefix.is_empty() {
-        notes.push(format!("parameters are read from `{prefix}<fqn>` in {name}"));
+        notes.push(format!(
+            "parameters are read from `{prefix}<fqn>` in {name}"
+        ));
     }
     let kind = index.kind;
     let ckpt = Arc::new(Indexed::new(name.clone(), files, index, prefix));
     match from {
         From::Local => {
             match kind {
-                CheckpointKind::Fsdp1Local if args.api != Api::Fsdp1 => bail!(
-                    "{name}: FSDP1 LOCAL flat-parameter shards gather only under --api fsdp1"
-                ),
+                CheckpointKind::Fsdp1Local if args.api != Api::Fsdp1 => {
+                    bail!("{name}: FSDP1 LOCAL flat-parameter shards gather only under --api fsdp1")
+                }
                 CheckpointKind::Fsdp2 if args.api != Api::Fsdp2 => bail!(
                     "{name}: FSDP2 DTensor local shards follow FSDP2's layout\nhint: pass --api fsdp2 (or --from full to cut the assembled parameters with another layout)"
                 ),

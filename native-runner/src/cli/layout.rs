@@ -20,7 +20,12 @@ use super::{human_bytes, print_stdout};
 #[derive(Debug, Args)]
 pub struct LayoutArgs {
     /// Model description (JSON: params in registration order, FSDP unit prefixes).
-    #[arg(long, value_name = "MODEL.json", required_unless_present = "from", conflicts_with = "from")]
+    #[arg(
+        long,
+        value_name = "MODEL.json",
+        required_unless_present = "from",
+        conflicts_with = "from"
+    )]
     pub model: Option<PathBuf>,
     /// Derive the description from a checkpoint (`.pt`, DCP directory, per-rank files, safetensors):
     /// its floating-point tensor entries in stored order, FSDP units chosen with --units.

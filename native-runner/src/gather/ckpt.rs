@@ -99,7 +99,11 @@ impl<S: Source> Indexed<S> {
 
     /// The ranks holding chunks of any entry (per-rank files, DCP writers).
     pub fn ranks(&self) -> BTreeSet<u32> {
-        self.index.entries.iter().flat_map(IndexEntry::ranks).collect()
+        self.index
+            .entries
+            .iter()
+            .flat_map(IndexEntry::ranks)
+            .collect()
     }
 
     /// The single stored chunk covering the whole tensor with a contiguous raw view, if there is
@@ -133,7 +137,9 @@ impl<S: Source> Indexed<S> {
             expect = expect.checked_mul(size)?;
         }
         let es = entry.dtype?.size_bytes() as u64;
-        let start = first.byte_offset.checked_add(storage_offset.checked_mul(es)?)?;
+        let start = first
+            .byte_offset
+            .checked_add(storage_offset.checked_mul(es)?)?;
         Some((first.file.as_str(), start))
     }
 }
