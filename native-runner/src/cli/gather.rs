@@ -288,49 +288,46 @@ fn prepare(args: &GatherArgs) -> anyhow::Result<Prepared> {
     }
     let kind = index.kind;
     let ckpt = Arc::new(Indexed::new(name.clone(), files, index, prefix));
-    match from {
-        From::Local => {
-            match kind {
-                CheckpointKind::Fsdp1Local if args.api != Api::Fsdp1 => {
-                    bail!("{name}: FSDP1 LOCAL flat-parameter shards gather only under --api fsdp1")
-                }
-                CheckpointKind::Fsdp2 if args.api != Api::Fsdp2 => bail!(
-                    "{name}: FSDP2 DTensor local shards follow FSDP2's layout\nhint: pass --api fsdp2 (or --from full to cut the assembled parameters with another layout)"
-                ),
-                CheckpointKind::Fsdp1Local | CheckpointKind::Fsdp2 => {}
-                other => bail!(
-                    "{name}: {} holds no rank-local shards to read as saved\nhint: use --from full",
-                    other.describe()
-                ),
+    if from == From::Local {
+        match kind {
+            CheckpointKind::Fsdp1Local if args.api != Api::Fsdp1 => {
+                bail!("{name}: FSDP1 LOCAL flat-parameter shards gather only under --api fsdp1")
             }
-            let found = ckpt.ranks().last().map_or(0, |r| u64::from(*r) + 1);
-            let world_size = args.world_size.unwrap_or(found);
-            if world_size != found {
-                bail!(
-                    "{name}: the files hold the shards of {found} ranks, --world-size says {world_size}"
-                );
-            }
-            Ok(Prepared {
-                model,
-                source: Source::PerRank(Box::new(IndexLocal::new(ckpt))),
-                world_size,
-                notes,
-            })
+            CheckpointKind::Fsdp2 if args.api != Api::Fsdp2 => bail!(
+                "{name}: FSDP2 DTensor local shards follow FSDP2's layout\nhint: pass --api fsdp2 (or --from full to cut the assembled parameters with another layout)"
+            ),
+            CheckpointKind::Fsdp1Local | CheckpointKind::Fsdp2 => {}
+            other => bail!(
+                "{name}: {} holds no rank-local shards to read as saved\nhint: use --from full",
+                other.describe()
+            ),
         }
-        _ => {
-            if kind == CheckpointKind::Fsdp1Local {
-                bail!(
-                    "{name}: FSDP1 LOCAL flat-parameter shards hold no full parameters to cut\nhint: use --from local (or --from auto)"
-                );
-            }
-            let full = IndexFull::for_model(ckpt, &model)?;
-            Ok(Prepared {
-                model,
-                source: Source::Full(Box::new(full)),
-                world_size: args.world_size.unwrap_or(1),
-                notes,
-            })
+        let found = ckpt.ranks().last().map_or(0, |r| u64::from(*r) + 1);
+        let world_size = args.world_size.unwrap_or(found);
+        if world_size != found {
+            bail!(
+                "{name}: the files hold the shards of {found} ranks, --world-size says {world_size}"
+            );
         }
+        Ok(Prepared {
+            model,
+            source: Source::PerRank(Box::new(IndexLocal::new(ckpt))),
+            world_size,
+            notes,
+        })
+    } else {
+        if kind == CheckpointKind::Fsdp1Local {
+            bail!(
+                "{name}: FSDP1 LOCAL flat-parameter shards hold no full parameters to cut\nhint: use --from local (or --from auto)"
+            );
+        }
+        let full = IndexFull::for_model(ckpt, &model)?;
+        Ok(Prepared {
+            model,
+            source: Source::Full(Box::new(full)),
+            world_size: args.world_size.unwrap_or(1),
+            notes,
+        })
     }
 }
 
