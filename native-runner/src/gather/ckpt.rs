@@ -137,9 +137,12 @@ impl<S: Source> Indexed<S> {
             expect = expect.checked_mul(size)?;
         }
         let es = entry.dtype?.size_bytes() as u64;
-        let start = first
-            .byte_offset
-            .checked_add(storage_offset.checked_mul(es)?)?;
+        let rel = storage_offset.checked_mul(es)?;
+        // The view must lie inside the chunk's storage bytes; otherwise the slow path reports it.
+        if rel.checked_add(entry.nbytes()?)? > first.byte_length {
+            return None;
+        }
+        let start = first.byte_offset.checked_add(rel)?;
         Some((first.file.as_str(), start))
     }
 }
