@@ -5,6 +5,7 @@
 
 pub mod description;
 pub mod fqn;
+pub mod from_index;
 pub mod index;
 pub mod tree;
 
