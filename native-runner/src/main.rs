@@ -2,6 +2,7 @@
 
 mod atomic;
 mod cli;
+mod convert;
 mod file_source;
 
 use std::process::ExitCode;
@@ -24,6 +25,8 @@ enum Command {
     Inspect(cli::inspect::InspectArgs),
     /// Replay FSDP's unshard path (copy-in, all-gather, copy-out) on every rank; verify and trace it.
     Gather(cli::gather::GatherArgs),
+    /// Convert a DCP or full checkpoint to safetensors, torch.save or DCP for N ranks (streaming).
+    Convert(cli::convert::ConvertArgs),
 }
 
 fn main() -> ExitCode {
@@ -32,6 +35,7 @@ fn main() -> ExitCode {
         Command::Layout(args) => cli::layout::run(&args),
         Command::Inspect(args) => cli::inspect::run(&args),
         Command::Gather(args) => cli::gather::run(&args),
+        Command::Convert(args) => cli::convert::run(&args),
     };
     match result {
         Ok(code) => code,
