@@ -10,7 +10,6 @@
 //! The core writers (`shardscope_core::formats::write`) take any `Write`; pass them the `BufWriter`
 //! given to the closure.
 
-
 use std::fs::{self, File, OpenOptions};
 use std::io::BufWriter;
 use std::path::{Path, PathBuf};

@@ -81,7 +81,11 @@ fn parse_size(s: &str) -> Result<u64, String> {
         "MIB" => 1 << 20,
         "GIB" => 1 << 30,
         "TIB" => 1 << 40,
-        other => return Err(format!("unknown size unit `{other}` (B, KB, MB, GB, KiB, MiB, GiB)")),
+        other => {
+            return Err(format!(
+                "unknown size unit `{other}` (B, KB, MB, GB, KiB, MiB, GiB)"
+            ));
+        }
     };
     n.checked_mul(mult)
         .filter(|&v| v > 0)
@@ -158,7 +162,10 @@ pub fn run(args: &ConvertArgs) -> Result<ExitCode> {
     }
     let started = Instant::now();
     let (source, index) = convert::open(&args.src)?;
-    if matches!(index.kind, CheckpointKind::Fsdp1Local | CheckpointKind::RankLocal) {
+    if matches!(
+        index.kind,
+        CheckpointKind::Fsdp1Local | CheckpointKind::RankLocal
+    ) {
         bail!(
             "{} holds {}: its tensors have no global shape without the model's layout\nhint: pass --model (FSDP1 LOCAL conversion)",
             args.src.display(),
@@ -166,7 +173,10 @@ pub fn run(args: &ConvertArgs) -> Result<ExitCode> {
         );
     }
     if is_rank_file_folder(&args.src) && index.kind == CheckpointKind::Fsdp1Local {
-        bail!("{}: per-rank FSDP1 LOCAL files need --model", args.src.display());
+        bail!(
+            "{}: per-rank FSDP1 LOCAL files need --model",
+            args.src.display()
+        );
     }
     let sel = convert::select(&index, args.select.as_deref())?;
     let total = sel.tensor_bytes();
@@ -193,9 +203,7 @@ pub fn run(args: &ConvertArgs) -> Result<ExitCode> {
             &bar,
         ),
         Target::Dcp => {
-            let world_size = args
-                .world_size
-                .context("DCP output needs --world-size N")?;
+            let world_size = args.world_size.context("DCP output needs --world-size N")?;
             convert::to_dcp(
                 &mut reader,
                 &sel,

@@ -64,7 +64,8 @@ impl<'a> Reader<'a> {
     fn pread(&mut self, name: &str, offset: u64, out: &mut [u8]) -> Result<()> {
         let path = self.source.root().join(name);
         if !self.files.contains_key(name) {
-            let file = File::open(&path).with_context(|| format!("cannot open {}", path.display()))?;
+            let file =
+                File::open(&path).with_context(|| format!("cannot open {}", path.display()))?;
             self.files.insert(name.to_owned(), file);
         }
         let file = &self.files[name];
@@ -137,8 +138,15 @@ impl<'a> Reader<'a> {
                 None => {
                     // A strided view (never written by DCP, possible in torch.save files).
                     let data = self.index.read_chunk(self.source, entry, chunk)?;
-                    copy_box(out, &strides, &chunk.offsets, &chunk.sizes, &data.bytes, item)
-                        .with_context(|| entry.key.clone())?;
+                    copy_box(
+                        out,
+                        &strides,
+                        &chunk.offsets,
+                        &chunk.sizes,
+                        &data.bytes,
+                        item,
+                    )
+                    .with_context(|| entry.key.clone())?;
                 }
             }
         }
@@ -167,7 +175,9 @@ impl<'a> Reader<'a> {
             && chunk.offsets.iter().all(|&o| o == 0)
         {
             let location = self.index.locate_chunk(self.source, entry, chunk)?;
-            if let Some((start, _)) = location.contiguous_range(&chunk.sizes, dtype.size_bytes() as u64) {
+            if let Some((start, _)) =
+                location.contiguous_range(&chunk.sizes, dtype.size_bytes() as u64)
+            {
                 return self.pread(&location.file, start + range.start, out);
             }
         }
@@ -209,7 +219,11 @@ fn copy_box(
         return Ok(());
     }
     if src.len() as u64 != numel * item as u64 {
-        bail!("chunk data has {} bytes, its sizes need {}", src.len(), numel * item as u64);
+        bail!(
+            "chunk data has {} bytes, its sizes need {}",
+            src.len(),
+            numel * item as u64
+        );
     }
     let Some((&last, outer)) = sizes.split_last() else {
         out.get_mut(..item)
@@ -371,7 +385,10 @@ pub fn to_safetensors(
             .insert(name.clone(), serde_json::to_string(&value)?)
             .is_some()
         {
-            bail!("{}: the key `{name}` collides with the safetensors metadata key `format`", e.key);
+            bail!(
+                "{}: the key `{name}` collides with the safetensors metadata key `format`",
+                e.key
+            );
         }
     }
     let by_name: BTreeMap<&str, &IndexEntry> =
@@ -416,7 +433,11 @@ pub fn to_safetensors(
             })?;
             outputs.extend(names.iter().map(|n| dest.join(n).display().to_string()));
             if plan.needs_index() {
-                outputs.push(dest.join("model.safetensors.index.json").display().to_string());
+                outputs.push(
+                    dest.join("model.safetensors.index.json")
+                        .display()
+                        .to_string(),
+                );
             }
         }
     }
@@ -465,9 +486,10 @@ fn py_from_json(v: &serde_json::Value) -> PyValue {
     match v {
         J::Null => PyValue::None,
         J::Bool(b) => PyValue::Bool(*b),
-        J::Number(n) => n
-            .as_i64()
-            .map_or_else(|| PyValue::Float(n.as_f64().unwrap_or(f64::NAN)), PyValue::Int),
+        J::Number(n) => n.as_i64().map_or_else(
+            || PyValue::Float(n.as_f64().unwrap_or(f64::NAN)),
+            PyValue::Int,
+        ),
         J::String(s) => PyValue::Str(s.clone()),
         J::Array(items) => PyValue::List(items.iter().map(py_from_json).collect()),
         J::Object(items) => PyValue::Dict(
@@ -486,7 +508,9 @@ fn py_value_of(reader: &Reader<'_>, e: &IndexEntry) -> Result<PyValue> {
         let read = reader.index().read_bytes_object(reader.source(), e)?;
         return PyValue::from_read_value(&read).with_context(|| e.key.clone());
     }
-    Ok(py_from_json(e.value.as_ref().unwrap_or(&serde_json::Value::Null)))
+    Ok(py_from_json(
+        e.value.as_ref().unwrap_or(&serde_json::Value::Null),
+    ))
 }
 
 fn to_py(
@@ -531,7 +555,9 @@ fn to_py(
                 Ok(PyValue::List(
                     items
                         .into_iter()
-                        .map(|c| c.map_or(Ok(PyValue::None), |c| to_py(c, leaves, reader, storages)))
+                        .map(|c| {
+                            c.map_or(Ok(PyValue::None), |c| to_py(c, leaves, reader, storages))
+                        })
                         .collect::<Result<_>>()?,
                 ))
             } else {
@@ -573,13 +599,14 @@ pub fn to_torch_save(
             e.path.clone()
         };
         // `--select a.b` removes as many leading segments as the prefix joins, when they match.
-        let path = if strip > 0 && path.len() > strip && join(&path[..strip]) == prefix.unwrap_or("") {
-            path[strip..].to_vec()
-        } else if strip > 0 {
-            vec![PathSeg::Key(leaves[i].0.clone())]
-        } else {
-            path
-        };
+        let path =
+            if strip > 0 && path.len() > strip && join(&path[..strip]) == prefix.unwrap_or("") {
+                path[strip..].to_vec()
+            } else if strip > 0 {
+                vec![PathSeg::Key(leaves[i].0.clone())]
+            } else {
+                path
+            };
         insert(&mut root, &path, i, &e.key)?;
     }
     let mut storages = Vec::new();
@@ -612,7 +639,10 @@ pub fn to_torch_save(
 }
 
 fn join(path: &[PathSeg]) -> String {
-    path.iter().map(ToString::to_string).collect::<Vec<_>>().join(".")
+    path.iter()
+        .map(ToString::to_string)
+        .collect::<Vec<_>>()
+        .join(".")
 }
 
 // ----- DCP --------------------------------------------------------------------------------------
@@ -648,18 +678,24 @@ pub fn to_dcp(
     let mut ranges: Vec<Vec<std::ops::Range<u64>>> = Vec::new();
     let mut sources: Vec<&IndexEntry> = Vec::new();
     for (name, e) in sel.tensors.iter().chain(&sel.values) {
-        let mut path: Vec<PathKey> = nest.map(|n| PathKey::Key(n.to_owned())).into_iter().collect();
+        let mut path: Vec<PathKey> = nest
+            .map(|n| PathKey::Key(n.to_owned()))
+            .into_iter()
+            .collect();
         path.push(PathKey::Key(name.clone()));
         let fqn = PathKey::join(&path);
         let value = if e.kind == EntryKind::Tensor {
             let (dtype, shape) = tensor_meta(e)?;
-            let pieces = chunk_dim0(dtype, shape, world_size, empty)
-                .with_context(|| e.key.clone())?;
+            let pieces =
+                chunk_dim0(dtype, shape, world_size, empty).with_context(|| e.key.clone())?;
             ranges.push(pieces.iter().map(|p| p.bytes.clone()).collect());
             DcpValue::Tensor {
                 dtype,
                 size: shape.to_vec(),
-                chunks: pieces.into_iter().map(|p| p.chunk).collect::<Vec<DcpChunk>>(),
+                chunks: pieces
+                    .into_iter()
+                    .map(|p| p.chunk)
+                    .collect::<Vec<DcpChunk>>(),
             }
         } else {
             ranges.push(Vec::new());
@@ -680,7 +716,8 @@ pub fn to_dcp(
         for rank in 0..world_size {
             let name = DcpPlan::file_name(rank);
             let path = tmp.join(&name);
-            let f = File::create(&path).with_context(|| format!("cannot create {}", path.display()))?;
+            let f =
+                File::create(&path).with_context(|| format!("cannot create {}", path.display()))?;
             let mut out = BufWriter::new(f);
             let mut writer = DcpFileWriter::new(&plan, rank, &mut out)?;
             while let Some((entry, chunk)) = writer.next_chunk() {
@@ -691,7 +728,8 @@ pub fn to_dcp(
             }
             let (_, record) = writer.finish()?;
             records.push(record);
-            out.flush().with_context(|| format!("cannot write {}", path.display()))?;
+            out.flush()
+                .with_context(|| format!("cannot write {}", path.display()))?;
         }
         let meta = metadata_pickle(&plan, &records, &DcpMetadataOptions::default())?;
         std::fs::write(tmp.join(".metadata"), meta)

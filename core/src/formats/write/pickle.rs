@@ -203,7 +203,9 @@ pub enum PickleWriteError {
 
 /// A reader-side value ([`crate::formats::pickle::PyValue`]) that has no writer-side form.
 #[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
-#[error("cannot write back a {kind} read from a pickle (only None, bool, int, float, str, tuple, list, dict, torch.Size and torch dtypes are written)")]
+#[error(
+    "cannot write back a {kind} read from a pickle (only None, bool, int, float, str, tuple, list, dict, torch.Size and torch dtypes are written)"
+)]
 pub struct FromReadValueError {
     /// The reader's type name of the value (`tensor`, `bytes`, `object`, ...).
     pub kind: String,
@@ -216,9 +218,16 @@ impl PyValue {
     /// `torch.<dtype>` globals. The reader keeps `dict` and `OrderedDict` alike, so both come back as a
     /// plain `dict`. Tensors, raw bytes, big ints, sets and generic objects are refused: they need a
     /// storage table or globals that `torch.load(weights_only=True)` rejects.
-    pub fn from_read_value(value: &crate::formats::pickle::PyValue) -> Result<Self, FromReadValueError> {
+    pub fn from_read_value(
+        value: &crate::formats::pickle::PyValue,
+    ) -> Result<Self, FromReadValueError> {
         use crate::formats::pickle::PyValue as R;
-        let list = |items: &[R]| items.iter().map(Self::from_read_value).collect::<Result<Vec<_>, _>>();
+        let list = |items: &[R]| {
+            items
+                .iter()
+                .map(Self::from_read_value)
+                .collect::<Result<Vec<_>, _>>()
+        };
         Ok(match value {
             R::None => PyValue::None,
             R::Bool(b) => PyValue::Bool(*b),
