@@ -10,7 +10,8 @@
    - shardscope: `convert DCP -o out.safetensors --select model` and `convert DCP -o out.pt`;
    - plain copy: `cat` of the `.distcp` files into one file followed by `sync FILE` (shardscope
      fsyncs its outputs too), the throughput ceiling for moving these bytes.
-   The input is read once beforehand so every command starts with it in the page cache.
+   The input is read once beforehand so every command starts with it in the page cache, and
+   `sync` runs before each command so that none pays for the previous one's writeback.
 3. Spot check: a few tensors of shardscope's safetensors equal torch's output.
 
 usage: python bench/convert_dcp.py [--shardscope target/release/shardscope] [--dir /tmp]
@@ -59,7 +60,9 @@ def save_worker(rank: int, port: int, out_dir: str) -> None:
 
 
 def timed(cmd: list[str]) -> tuple[float, int]:
-    """Wall seconds and peak RSS (bytes) of `cmd`, from /usr/bin/time -v."""
+    """Wall seconds and peak RSS (bytes) of `cmd`, from /usr/bin/time -v. Dirty pages of earlier
+    commands are flushed first, so that no command pays for another's writeback."""
+    os.sync()
     out = subprocess.run(["/usr/bin/time", "-v", *cmd], capture_output=True, text=True)
     if out.returncode != 0:
         sys.exit(f"{cmd} failed:\n{out.stderr}")

@@ -2,7 +2,7 @@
 //! tensor at a time, written atomically. The engine is `crate::convert`.
 
 use std::io::IsTerminal;
-use std::path::{Path, PathBuf};
+use std::path::PathBuf;
 use std::process::ExitCode;
 use std::time::Instant;
 
@@ -124,19 +124,6 @@ impl Progress for Bar {
     }
 }
 
-/// A folder of per-rank `torch.save` files (`rank0.pt`, ...): FSDP1 LOCAL state, converted by the
-/// FSDP1 module with `--model`.
-fn is_rank_file_folder(src: &Path) -> bool {
-    src.is_dir()
-        && !src.join(".metadata").exists()
-        && std::fs::read_dir(src).is_ok_and(|entries| {
-            entries.filter_map(Result::ok).any(|e| {
-                let name = e.file_name().to_string_lossy().to_ascii_lowercase();
-                name.contains("rank") && (name.ends_with(".pt") || name.ends_with(".pth"))
-            })
-        })
-}
-
 pub fn run(args: &ConvertArgs) -> Result<ExitCode> {
     if args.model.is_some() {
         // Dispatch point for per-rank FSDP1 LOCAL files + a model description -> full model and
@@ -170,12 +157,6 @@ pub fn run(args: &ConvertArgs) -> Result<ExitCode> {
             "{} holds {}: its tensors have no global shape without the model's layout\nhint: pass --model (FSDP1 LOCAL conversion)",
             args.src.display(),
             index.kind.describe()
-        );
-    }
-    if is_rank_file_folder(&args.src) && index.kind == CheckpointKind::Fsdp1Local {
-        bail!(
-            "{}: per-rank FSDP1 LOCAL files need --model",
-            args.src.display()
         );
     }
     let sel = convert::select(&index, args.select.as_deref())?;

@@ -246,7 +246,7 @@ impl PyValue {
             R::Size(dims) => PyValue::call("torch", "Size", vec![PyValue::int_tuple(dims)]),
             other => {
                 return Err(FromReadValueError {
-                    kind: other.type_name().to_owned(),
+                    kind: other.type_name(),
                 });
             }
         })
