@@ -164,7 +164,10 @@ fn killed_conversions_leave_no_partial_output_and_inputs_unchanged() {
     for run in 0..20 {
         let k = run % kinds.len();
         let (name, args) = &kinds[k];
-        let dest = work.join(format!("{run}_{name}"));
+        // Same file name as the reference (a torch.save archive's root folder is the file stem).
+        let run_dir = work.join(run.to_string());
+        std::fs::create_dir(&run_dir).unwrap();
+        let dest = run_dir.join(name);
         let mut all: Vec<&str> = args.iter().map(String::as_str).collect();
         all.extend(["-o", dest.to_str().unwrap()]);
         let delay = durations[k].mul_f64(rng.next_f64() * 0.9);
