@@ -2,6 +2,7 @@
 
 mod atomic;
 mod cli;
+mod convert;
 mod file_source;
 
 use std::process::ExitCode;
@@ -28,6 +29,8 @@ enum Command {
     Diff(cli::diff::DiffArgs),
     /// Check one checkpoint against itself: tiling, byte ranges, replicas, steps, optimizer keys.
     Verify(cli::verify::VerifyArgs),
+    /// Convert a DCP or full checkpoint to safetensors, torch.save or DCP for N ranks (streaming).
+    Convert(cli::convert::ConvertArgs),
 }
 
 fn main() -> ExitCode {
@@ -38,6 +41,7 @@ fn main() -> ExitCode {
         Command::Gather(args) => cli::gather::run(&args),
         Command::Diff(args) => cli::diff::run(&args),
         Command::Verify(args) => cli::verify::run(&args),
+        Command::Convert(args) => cli::convert::run(&args),
     };
     match result {
         Ok(code) => code,

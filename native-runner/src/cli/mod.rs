@@ -1,5 +1,6 @@
 //! Subcommands. Data goes to stdout; errors, hints and progress go to stderr.
 
+pub mod convert;
 pub mod diff;
 pub mod gather;
 pub mod inspect;
