@@ -24,6 +24,8 @@ enum Command {
     Inspect(cli::inspect::InspectArgs),
     /// Replay FSDP's unshard path (copy-in, all-gather, copy-out) on every rank; verify and trace it.
     Gather(cli::gather::GatherArgs),
+    /// Reshard FSDP1 per-rank LOCAL checkpoints (model + optimizer files) to another world size.
+    Reshard(cli::reshard::ReshardCliArgs),
 }
 
 fn main() -> ExitCode {
@@ -32,6 +34,7 @@ fn main() -> ExitCode {
         Command::Layout(args) => cli::layout::run(&args),
         Command::Inspect(args) => cli::inspect::run(&args),
         Command::Gather(args) => cli::gather::run(&args),
+        Command::Reshard(args) => cli::reshard::run(&args),
     };
     match result {
         Ok(code) => code,

@@ -3,6 +3,7 @@
 pub mod gather;
 pub mod inspect;
 pub mod layout;
+pub mod reshard;
 
 use std::io::Write;
 
