@@ -64,7 +64,7 @@ pub enum Fsdp1LocalError {
     Transform {
         what: String,
         #[source]
-        source: TransformError,
+        source: Box<TransformError>,
     },
     /// The safetensors output could not be produced.
     #[error("safetensors output: {0}")]
@@ -350,13 +350,12 @@ fn optim_param_names(
         let ids: usize = osd
             .get_str("param_groups")
             .and_then(Node::as_list)
-            .map(|groups| {
+            .map_or(0, |groups| {
                 groups
                     .iter()
                     .filter_map(|g| g.as_dict()?.get_str("params")?.as_list().map(<[Node]>::len))
                     .sum()
-            })
-            .unwrap_or(0);
+            });
         if ids != names.len() {
             return Err(Fsdp1LocalError::Content {
                 file: files.optim_file(r).unwrap_or_default(),
@@ -422,7 +421,7 @@ pub fn convert(args: &ConvertArgs) -> Result<ConvertOutput> {
     let layout = fsdp1_layout(&desc, files.world_size, args.flags)?;
     let model = Fsdp1Model::new(&desc, &layout).map_err(|source| Fsdp1LocalError::Transform {
         what: args.model.display().to_string(),
-        source,
+        source: Box::new(source),
     })?;
     let loaded = load(&files)?;
     let full_model = full_model(&model, &loaded, &files)?;
@@ -458,7 +457,7 @@ fn full_model(model: &Fsdp1Model<'_>, loaded: &Loaded, files: &RankFiles) -> Res
             "{}: LOCAL model state dicts",
             files.dir.join(&files.model_pattern).display()
         ),
-        source,
+        source: Box::new(source),
     })
 }
 
@@ -475,7 +474,7 @@ fn full_optim(model: &Fsdp1Model<'_>, optims: &[Dict], files: &RankFiles) -> Res
                     .join(files.optim_pattern.as_deref().unwrap_or_default())
                     .display()
             ),
-            source,
+            source: Box::new(source),
         }
     })
 }
@@ -560,7 +559,10 @@ pub fn reshard(args: &ReshardArgs) -> Result<(RankFiles, Vec<OutputFile>)> {
     let dst_layout = fsdp1_layout(&desc, args.to_world_size, dst_flags)?;
     let transform_err = |what: &str| {
         let what = what.to_owned();
-        move |source| Fsdp1LocalError::Transform { what, source }
+        move |source| Fsdp1LocalError::Transform {
+            what,
+            source: Box::new(source),
+        }
     };
     let src = Fsdp1Model::new(&desc, &src_layout).map_err(transform_err("source layout"))?;
     let dst = Fsdp1Model::new(&desc, &dst_layout).map_err(transform_err("destination layout"))?;

@@ -489,9 +489,9 @@ impl<'n> Writer<'n> {
 
     /// The pickle torch 2.15 writes for an FSDP1 `ShardedTensor` on this rank.
     fn sharded_tensor(&mut self, d: &'n DistTensor, path: &str) -> Result<PyValue, BridgeError> {
-        self.needs_globals = true;
         const ST: &str = "torch.distributed._shard.sharded_tensor.api";
         const META: &str = "torch.distributed._shard.sharded_tensor.metadata";
+        self.needs_globals = true;
         let class = PyValue::global(ST, "ShardedTensor");
         let mut local_shards = Vec::new();
         if let Some((offsets, t)) = &d.local {
