@@ -26,6 +26,10 @@ enum Command {
     Gather(cli::gather::GatherArgs),
     /// Reshard FSDP1 per-rank LOCAL checkpoints (model + optimizer files) to another world size.
     Reshard(cli::reshard::ReshardCliArgs),
+    /// Compare two checkpoints of any formats tensor by tensor (exit 0 equal, 1 differ, 2 bad input).
+    Diff(cli::diff::DiffArgs),
+    /// Check one checkpoint against itself: tiling, byte ranges, replicas, steps, optimizer keys.
+    Verify(cli::verify::VerifyArgs),
 }
 
 fn main() -> ExitCode {
@@ -35,6 +39,8 @@ fn main() -> ExitCode {
         Command::Inspect(args) => cli::inspect::run(&args),
         Command::Gather(args) => cli::gather::run(&args),
         Command::Reshard(args) => cli::reshard::run(&args),
+        Command::Diff(args) => cli::diff::run(&args),
+        Command::Verify(args) => cli::verify::run(&args),
     };
     match result {
         Ok(code) => code,

@@ -35,6 +35,12 @@ pub enum Tab {
     Ranks,
     Trace,
     Verify,
+    /// The opened checkpoint's keys (clean ⇄ raw, FSDP facts, chunks, ranks).
+    Checkpoint,
+    /// The chunk map of the selected checkpoint entry.
+    Chunks,
+    /// Optimizer state per parameter.
+    Optimizer,
 }
 
 /// The loaded model description.
@@ -58,6 +64,9 @@ pub struct Viewer {
     /// The configuration `view` was computed for.
     pub applied_config: Option<LayoutConfig>,
     pub trace: Option<Trace>,
+    /// The opened checkpoint.
+    pub checkpoint: Option<crate::checkpoint::CheckpointView>,
+    pub ckpt: crate::panels::checkpoint::CheckpointState,
     pub report: Option<crate::report::Report>,
     pub verify: crate::panels::verify::VerifyState,
     pub selection: Selection,
@@ -150,6 +159,20 @@ impl Viewer {
                     self.tab = Tab::Verify;
                 }
             }
+            Ok(Document::Checkpoint(mut ckpt)) => {
+                self.generation += 1;
+                ckpt.generation = self.generation;
+                self.messages.push(format!(
+                    "opened checkpoint {}: {}",
+                    ckpt.name,
+                    ckpt.summary()
+                ));
+                self.ckpt = crate::panels::checkpoint::CheckpointState::default();
+                self.checkpoint = Some(*ckpt);
+                if !self.stay_on_tab {
+                    self.tab = Tab::Checkpoint;
+                }
+            }
             Err(e) => self.messages.push(format!("error: {e}")),
         }
     }
@@ -225,7 +248,14 @@ impl Viewer {
             (None, None) => "no layout".to_owned(),
         };
         let selected = self.selection.fqn.as_deref().unwrap_or("none");
-        format!("{model} · {layout} · selected: {selected}")
+        match &self.checkpoint {
+            Some(c) => format!(
+                "{model} · {layout} · checkpoint {}: {} · selected: {selected}",
+                c.name,
+                c.summary()
+            ),
+            None => format!("{model} · {layout} · selected: {selected}"),
+        }
     }
 
     /// Draws the whole viewer.
@@ -260,6 +290,7 @@ impl Viewer {
             self.selection.changed = false;
             self.shard_map.reveal_selection = true;
             self.fqn_map.reveal_selection = true;
+            self.ckpt.reveal_selection = true;
             ctx.request_repaint();
         }
     }
@@ -333,7 +364,22 @@ impl Viewer {
                 let picked = if folder {
                     dialog.pick_folder().map(|p| vec![p])
                 } else {
-                    dialog.add_filter("JSON", &["json"]).pick_files()
+                    dialog
+                        .add_filter(
+                            "Checkpoints and JSON",
+                            &[
+                                "json",
+                                "pt",
+                                "pth",
+                                "bin",
+                                "safetensors",
+                                "distcp",
+                                "metadata",
+                                "zip",
+                            ],
+                        )
+                        .add_filter("All files", &["*"])
+                        .pick_files()
                 };
                 if let Some(paths) = picked {
                     let _ = tx.send(paths);
@@ -387,7 +433,7 @@ impl Viewer {
                 ui.label(format!("parsing {} input(s)...", self.loader.pending()));
             }
             ui.with_layout(egui::Layout::right_to_left(egui::Align::Center), |ui| {
-                ui.weak("drop model descriptions or runner traces anywhere");
+                ui.weak("drop checkpoints (files, folders, a .zip), models or traces anywhere");
             });
         });
     }
@@ -423,6 +469,16 @@ impl Viewer {
 
     fn left_panel(&mut self, ui: &mut Ui) {
         ui.add_space(4.0);
+        if let Some(c) = &self.checkpoint {
+            ui.strong("Checkpoint");
+            ui.weak(&c.name);
+            ui.weak(c.index.kind.describe());
+            egui::Frame::NONE.show(ui, |ui| {
+                ui.set_max_height((ui.available_height() * 0.5).max(120.0));
+                crate::panels::checkpoint::tree_ui(ui, c, &mut self.ckpt, &mut self.selection);
+            });
+            ui.separator();
+        }
         ui.strong("Layout");
         if let Some(m) = &self.model {
             ui.weak(format!("model: {}", m.name));
@@ -450,6 +506,9 @@ impl Viewer {
     fn inspector(&mut self, ui: &mut Ui) {
         ui.add_space(4.0);
         ui.strong("Selection");
+        if self.checkpoint_inspector(ui) {
+            return;
+        }
         let Some(view) = &self.view else {
             return;
         };
@@ -503,8 +562,53 @@ impl Viewer {
             });
     }
 
+    /// Details of the selected checkpoint entry; false when the selection is not one.
+    fn checkpoint_inspector(&mut self, ui: &mut Ui) -> bool {
+        use crate::panels::checkpoint::{chunk_table_ui, entry_facts, fsdp_text};
+        let Some(c) = &self.checkpoint else {
+            return false;
+        };
+        let Some((i, e)) = self.selection.fqn.as_deref().and_then(|k| c.entry(k)) else {
+            return false;
+        };
+        ui.label(RichText::new(&e.key).monospace().strong());
+        egui::Grid::new("ckpt_inspector_grid")
+            .num_columns(2)
+            .striped(true)
+            .show(ui, |ui| {
+                let mut row = |k: &str, v: String| {
+                    ui.weak(k);
+                    ui.add(egui::Label::new(v).truncate());
+                    ui.end_row();
+                };
+                if let Some(raw) = &e.raw_key {
+                    row("raw key", raw.clone());
+                }
+                row("kind", format!("{:?}", e.kind).to_lowercase());
+                row("facts", entry_facts(e));
+                let fsdp = fsdp_text(e);
+                if !fsdp.is_empty() {
+                    row("fsdp", fsdp);
+                }
+                row("chunks", e.chunks.len().to_string());
+                row("ranks", fmt_ranks(&c.ranks[i]));
+            });
+        if !e.chunks.is_empty() {
+            ui.separator();
+            ui.strong("Chunks");
+            chunk_table_ui(ui, e);
+        }
+        true
+    }
+
     fn central(&mut self, ui: &mut Ui) {
         ui.horizontal(|ui| {
+            if self.checkpoint.is_some() {
+                ui.selectable_value(&mut self.tab, Tab::Checkpoint, "Checkpoint");
+                ui.selectable_value(&mut self.tab, Tab::Chunks, "Chunks");
+                ui.selectable_value(&mut self.tab, Tab::Optimizer, "Optimizer");
+                ui.separator();
+            }
             ui.selectable_value(&mut self.tab, Tab::ShardMap, "Shard map");
             ui.selectable_value(&mut self.tab, Tab::FqnMap, "FQN map");
             ui.selectable_value(&mut self.tab, Tab::Ranks, "Ranks");
@@ -527,6 +631,38 @@ impl Viewer {
         });
         ui.separator();
         match self.tab {
+            Tab::Checkpoint | Tab::Chunks | Tab::Optimizer => {
+                let Some(c) = &self.checkpoint else {
+                    ui.label("Open a checkpoint to see its keys.");
+                    return;
+                };
+                match self.tab {
+                    Tab::Checkpoint => crate::panels::checkpoint::table_ui(
+                        ui,
+                        c,
+                        &mut self.ckpt,
+                        &mut self.selection,
+                    ),
+                    Tab::Chunks => {
+                        let entry = self.selection.fqn.as_deref().and_then(|k| c.entry(k));
+                        match entry {
+                            Some((i, _)) => {
+                                self.ckpt.last_canvas = crate::panels::checkpoint::chunk_map_ui(
+                                    ui,
+                                    c,
+                                    i,
+                                    &mut self.ckpt,
+                                    self.theme,
+                                );
+                            }
+                            None => {
+                                ui.label("Select a key of the checkpoint to see its chunks.");
+                            }
+                        }
+                    }
+                    _ => crate::panels::checkpoint::optimizer_ui(ui, c, &mut self.selection),
+                }
+            }
             Tab::Trace => match &self.trace {
                 Some(t) => timeline::ui(ui, t, &mut self.timeline, &mut self.selection, self.theme),
                 None => {

@@ -19,10 +19,12 @@ pub enum Document {
     Trace(Trace),
     /// A `diff`/`verify` report.
     Report(crate::report::Report),
+    /// An indexed checkpoint (boxed: it is much larger than the other variants).
+    Checkpoint(Box<crate::checkpoint::CheckpointView>),
 }
 
 /// Why an input cannot be opened.
-#[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
+#[derive(Debug, Clone, PartialEq, thiserror::Error)]
 pub enum OpenError {
     /// The model description is invalid.
     #[error("{0}")]
@@ -40,9 +42,12 @@ pub enum OpenError {
     UnknownJson { name: String },
     /// Not JSON at all.
     #[error(
-        "{name}: unsupported input ({size_bytes} bytes); the viewer opens model descriptions (.json) and runner traces (.json)"
+        "{name}: unsupported input ({size_bytes} bytes); the viewer opens checkpoints, model descriptions (.json), runner traces (.json) and verification reports (.json)"
     )]
     Unsupported { name: String, size_bytes: usize },
+    /// The checkpoint cannot be indexed.
+    #[error("{0}")]
+    Checkpoint(#[from] crate::checkpoint::CheckpointError),
     /// Reading a file failed (native only).
     #[error("cannot read {path}: {message}")]
     Io { path: String, message: String },
@@ -94,8 +99,54 @@ enum Job {
         name: String,
         bytes: Vec<u8>,
     },
+    /// Files of one checkpoint, in memory (opened together in one frame).
+    Checkpoint {
+        files: Vec<(String, Vec<u8>)>,
+    },
     #[cfg(not(target_arch = "wasm32"))]
     Path(std::path::PathBuf),
+    /// Checkpoint files on disk (a folder, or files opened together).
+    #[cfg(not(target_arch = "wasm32"))]
+    Files {
+        name: String,
+        source: crate::checkpoint::FsSource,
+    },
+}
+
+/// True when bytes opened under `name` are (part of) a checkpoint rather than a JSON document.
+pub fn is_checkpoint_part(name: &str, bytes: &[u8]) -> bool {
+    if crate::checkpoint::is_checkpoint_name(name) {
+        return true;
+    }
+    if name
+        .rsplit_once('.')
+        .is_some_and(|(_, e)| e.eq_ignore_ascii_case("json"))
+    {
+        return false;
+    }
+    let head = bytes.iter().copied().find(|b| !b.is_ascii_whitespace());
+    !matches!(head, Some(b'{' | b'['))
+}
+
+/// A name for a set of checkpoint files: their common folder, or the single file.
+fn group_name(names: &[&str]) -> String {
+    match names {
+        [] => "checkpoint".to_owned(),
+        [one] => (*one).to_owned(),
+        [first, rest @ ..] => {
+            let mut prefix: &str = first.rsplit_once('/').map_or("", |(d, _)| d);
+            for n in rest {
+                while !prefix.is_empty() && !n.starts_with(&format!("{prefix}/")) {
+                    prefix = prefix.rsplit_once('/').map_or("", |(d, _)| d);
+                }
+            }
+            if prefix.is_empty() {
+                format!("{} files ({first}, ...)", names.len())
+            } else {
+                prefix.to_owned()
+            }
+        }
+    }
 }
 
 type Finished = Result<Document, OpenError>;
@@ -111,13 +162,56 @@ pub struct Loader {
 }
 
 impl Loader {
+    /// Queues bytes. Checkpoint files queued one after the other (one drop, one picker choice,
+    /// before the next frame) are opened together as one checkpoint.
     pub fn open_bytes(&mut self, name: String, bytes: Vec<u8>) {
-        self.queue.push_back(Job::Bytes { name, bytes });
+        if is_checkpoint_part(&name, &bytes) {
+            if let Some(Job::Checkpoint { files }) = self.queue.back_mut() {
+                files.push((name, bytes));
+            } else {
+                self.queue.push_back(Job::Checkpoint {
+                    files: vec![(name, bytes)],
+                });
+            }
+        } else {
+            self.queue.push_back(Job::Bytes { name, bytes });
+        }
     }
 
-    /// Opens a file, or every file of a folder (native only).
+    /// Opens a file or a folder (native only). A folder holding checkpoint files opens as one
+    /// checkpoint (plus any JSON documents in it); checkpoint files opened one after the other
+    /// form one checkpoint (per-rank files).
     #[cfg(not(target_arch = "wasm32"))]
     pub fn open_path(&mut self, path: std::path::PathBuf) {
+        if path.is_dir() {
+            if let Ok(source) = crate::checkpoint::FsSource::from_dir(&path)
+                && !source.is_empty()
+            {
+                self.queue.push_back(Job::Files {
+                    name: path.display().to_string(),
+                    source,
+                });
+            }
+        } else if crate::checkpoint::is_checkpoint_name(&path.to_string_lossy()) {
+            let file_name = path.file_name().map_or_else(
+                || path.display().to_string(),
+                |n| n.to_string_lossy().into_owned(),
+            );
+            if let Some(Job::Files { source, name }) = self.queue.back_mut() {
+                source.insert(file_name, path.clone());
+                if let Some(parent) = path.parent() {
+                    *name = parent.display().to_string();
+                }
+            } else {
+                let mut source = crate::checkpoint::FsSource::default();
+                source.insert(file_name, path.clone());
+                self.queue.push_back(Job::Files {
+                    name: path.display().to_string(),
+                    source,
+                });
+            }
+            return;
+        }
         self.queue.push_back(Job::Path(path));
     }
 
@@ -193,8 +287,23 @@ impl Loader {
 fn run_job(job: Job) -> Vec<Finished> {
     match job {
         Job::Bytes { name, bytes } => vec![parse(&name, &bytes)],
+        Job::Checkpoint { files } => {
+            let names: Vec<&str> = files.iter().map(|(n, _)| n.as_str()).collect();
+            let name = group_name(&names);
+            vec![
+                crate::checkpoint::open_memory(&name, files)
+                    .map(|c| Document::Checkpoint(Box::new(c)))
+                    .map_err(OpenError::from),
+            ]
+        }
         #[cfg(not(target_arch = "wasm32"))]
         Job::Path(path) => read_path(&path),
+        #[cfg(not(target_arch = "wasm32"))]
+        Job::Files { name, source } => vec![
+            crate::checkpoint::open_files(&name, &source)
+                .map(|c| Document::Checkpoint(Box::new(c)))
+                .map_err(OpenError::from),
+        ],
     }
 }
 
@@ -212,7 +321,10 @@ fn read_path(path: &std::path::Path) -> Vec<Finished> {
         entries.sort();
         return entries
             .into_iter()
-            .filter(|p| p.extension().is_some_and(|e| e == "json"))
+            .filter(|p| {
+                p.extension().is_some_and(|e| e == "json")
+                    && !crate::checkpoint::is_checkpoint_name(&p.to_string_lossy())
+            })
             .flat_map(|p| read_path(&p))
             .collect();
     }

@@ -3,6 +3,7 @@
 //! [`trace::Trace`]); [`Viewer`] arranges them, and the native binary and the web entry wrap it.
 
 pub mod app;
+pub mod checkpoint;
 pub mod docs;
 pub mod format;
 pub mod panels;

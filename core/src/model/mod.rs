@@ -6,6 +6,7 @@
 pub mod bridge;
 pub mod description;
 pub mod fqn;
+pub mod from_index;
 pub mod index;
 pub mod tree;
 

@@ -1,9 +1,12 @@
 //! Subcommands. Data goes to stdout; errors, hints and progress go to stderr.
 
+pub mod diff;
 pub mod gather;
 pub mod inspect;
 pub mod layout;
 pub mod reshard;
+pub mod report_text;
+pub mod verify;
 
 use std::io::Write;
 

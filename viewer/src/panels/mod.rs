@@ -1,5 +1,6 @@
 //! The panels: plain `ui` functions over view-model types.
 
+pub mod checkpoint;
 pub mod chunk_map;
 pub mod controls;
 pub mod fqn_map;

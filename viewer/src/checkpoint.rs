@@ -1,0 +1,424 @@
+//! Opening checkpoints: gathering files into a [`Source`] (files or a folder on the desktop, read by
+//! byte range; dropped files or the members of one `.zip` in the browser), indexing them with
+//! [`index_source`] (metadata only) and deriving what the checkpoint panels draw.
+
+use std::borrow::Cow;
+use std::collections::{BTreeMap, BTreeSet};
+use std::io::Read;
+
+use shardscope_core::model::index::{
+    CheckpointIndex, EntryKind, IndexEntry, IndexError, PathSeg, Role, index_source,
+};
+use shardscope_core::source::{MemorySource, Source, SourceError};
+
+/// Why a checkpoint cannot be opened.
+#[derive(Debug, Clone, PartialEq, thiserror::Error)]
+pub enum CheckpointError {
+    /// The index could not be built.
+    #[error("{name}: {source}")]
+    Index {
+        name: String,
+        #[source]
+        source: Box<IndexError>,
+    },
+    /// A `.zip` of a folder could not be read.
+    #[error("{name}: not a readable zip: {message}")]
+    Zip { name: String, message: String },
+    /// The inputs are larger than the viewer accepts.
+    #[error("{name}: {what}")]
+    TooLarge { name: String, what: String },
+}
+
+/// Most bytes a `.zip` may expand to in memory (the browser has no other place for them).
+pub const MAX_ZIP_EXPANDED: u64 = 2 << 30;
+
+/// File names the checkpoint readers understand (everything else of a folder is left alone).
+pub fn is_checkpoint_name(name: &str) -> bool {
+    let base = name.rsplit(['/', '\\']).next().unwrap_or(name);
+    if base == ".metadata" || base.ends_with(".safetensors.index.json") {
+        return true;
+    }
+    let ext = base.rsplit_once('.').map_or("", |(_, e)| e);
+    matches!(
+        ext,
+        "pt" | "pth" | "bin" | "ckpt" | "tar" | "safetensors" | "distcp" | "zip"
+    )
+}
+
+/// True for `*.zip` (any case).
+fn is_zip_name(name: &str) -> bool {
+    name.rsplit_once('.')
+        .is_some_and(|(_, e)| e.eq_ignore_ascii_case("zip"))
+}
+
+/// Expands the members of a `.zip` (e.g. a zipped DCP folder) into `out`, named by their path.
+pub fn expand_zip(name: &str, bytes: &[u8], out: &mut MemorySource) -> Result<(), CheckpointError> {
+    let zip_err = |e: &dyn std::fmt::Display| CheckpointError::Zip {
+        name: name.to_owned(),
+        message: e.to_string(),
+    };
+    let mut archive = zip::ZipArchive::new(std::io::Cursor::new(bytes)).map_err(|e| zip_err(&e))?;
+    let mut total = 0u64;
+    for i in 0..archive.len() {
+        let mut member = archive.by_index(i).map_err(|e| zip_err(&e))?;
+        if member.is_dir() {
+            continue;
+        }
+        let Some(path) = member.enclosed_name() else {
+            return Err(zip_err(&format!(
+                "member `{}` has an unsafe path",
+                member.name().unwrap_or_default()
+            )));
+        };
+        let member_name = path.to_string_lossy().replace('\\', "/");
+        let size = member.size();
+        total = total.saturating_add(size);
+        if total > MAX_ZIP_EXPANDED {
+            return Err(CheckpointError::TooLarge {
+                name: name.to_owned(),
+                what: format!("expands to more than {MAX_ZIP_EXPANDED} bytes"),
+            });
+        }
+        // The declared size bounds the allocation; `take` bounds what is read.
+        let cap = usize::try_from(size).map_err(|e| zip_err(&e))?;
+        let mut data = Vec::with_capacity(cap.min(bytes.len().saturating_mul(1032)));
+        member
+            .by_ref()
+            .take(size)
+            .read_to_end(&mut data)
+            .map_err(|e| zip_err(&format!("member `{member_name}`: {e}")))?;
+        if data.len() as u64 != size {
+            return Err(zip_err(&format!(
+                "member `{member_name}` holds {} bytes, its header says {size}",
+                data.len()
+            )));
+        }
+        out.insert(member_name, data);
+    }
+    Ok(())
+}
+
+/// Files on disk, read by byte range on demand (only metadata is ever read while indexing).
+#[cfg(not(target_arch = "wasm32"))]
+#[derive(Debug, Clone, Default)]
+pub struct FsSource {
+    files: BTreeMap<String, std::path::PathBuf>,
+}
+
+#[cfg(not(target_arch = "wasm32"))]
+impl FsSource {
+    /// Adds a file under `name`.
+    pub fn insert(&mut self, name: String, path: std::path::PathBuf) {
+        self.files.insert(name, path);
+    }
+
+    /// Every checkpoint file under `dir` (subfolders up to 4 levels), named relative to it.
+    pub fn from_dir(dir: &std::path::Path) -> std::io::Result<Self> {
+        fn walk(
+            root: &std::path::Path,
+            dir: &std::path::Path,
+            depth: usize,
+            out: &mut FsSource,
+        ) -> std::io::Result<()> {
+            for entry in std::fs::read_dir(dir)? {
+                let path = entry?.path();
+                if path.is_dir() {
+                    if depth < 4 {
+                        walk(root, &path, depth + 1, out)?;
+                    }
+                    continue;
+                }
+                let rel = path
+                    .strip_prefix(root)
+                    .unwrap_or(&path)
+                    .to_string_lossy()
+                    .replace('\\', "/");
+                if is_checkpoint_name(&rel) {
+                    out.insert(rel, path);
+                }
+            }
+            Ok(())
+        }
+        let mut out = Self::default();
+        walk(dir, dir, 0, &mut out)?;
+        Ok(out)
+    }
+
+    /// True when no file was found.
+    pub fn is_empty(&self) -> bool {
+        self.files.is_empty()
+    }
+
+    /// The `.zip` files among the inputs.
+    fn zips(&self) -> Vec<(String, std::path::PathBuf)> {
+        self.files
+            .iter()
+            .filter(|(n, _)| is_zip_name(n))
+            .map(|(n, p)| (n.clone(), p.clone()))
+            .collect()
+    }
+
+    fn path(&self, name: &str) -> Result<&std::path::PathBuf, SourceError> {
+        self.files.get(name).ok_or_else(|| SourceError::NotFound {
+            name: name.to_owned(),
+        })
+    }
+}
+
+#[cfg(not(target_arch = "wasm32"))]
+impl Source for FsSource {
+    fn names(&self) -> Vec<String> {
+        self.files.keys().cloned().collect()
+    }
+
+    fn size(&self, name: &str) -> Result<u64, SourceError> {
+        let path = self.path(name)?;
+        std::fs::metadata(path)
+            .map(|m| m.len())
+            .map_err(|e| SourceError::Io {
+                name: name.to_owned(),
+                message: e.to_string(),
+            })
+    }
+
+    fn read_range(&self, name: &str, offset: u64, len: u64) -> Result<Cow<'_, [u8]>, SourceError> {
+        use std::io::{Seek, SeekFrom};
+        let io = |e: std::io::Error| SourceError::Io {
+            name: name.to_owned(),
+            message: e.to_string(),
+        };
+        let size = self.size(name)?;
+        let (start, end) = shardscope_core::source::checked_range(name, offset, len, size)?;
+        let mut file = std::fs::File::open(self.path(name)?).map_err(io)?;
+        file.seek(SeekFrom::Start(offset)).map_err(io)?;
+        let mut buf = vec![0u8; end - start];
+        file.read_exact(&mut buf).map_err(io)?;
+        Ok(Cow::Owned(buf))
+    }
+}
+
+/// Opens files on disk as one checkpoint (`.zip` files are expanded into memory).
+#[cfg(not(target_arch = "wasm32"))]
+pub fn open_files(name: &str, source: &FsSource) -> Result<CheckpointView, CheckpointError> {
+    let zips = source.zips();
+    if zips.is_empty() {
+        return CheckpointView::build(name, source);
+    }
+    let mut mem = MemorySource::new();
+    for (zname, path) in zips {
+        let bytes = std::fs::read(&path).map_err(|e| CheckpointError::Zip {
+            name: zname.clone(),
+            message: e.to_string(),
+        })?;
+        expand_zip(&zname, &bytes, &mut mem)?;
+    }
+    CheckpointView::build(name, &mem)
+}
+
+/// Opens in-memory files (browser drops, tests) as one checkpoint; `.zip` files are expanded.
+pub fn open_memory(
+    name: &str,
+    files: Vec<(String, Vec<u8>)>,
+) -> Result<CheckpointView, CheckpointError> {
+    let mut mem = MemorySource::new();
+    for (fname, bytes) in files {
+        if is_zip_name(&fname) {
+            expand_zip(&fname, &bytes, &mut mem)?;
+        } else {
+            mem.insert(fname, bytes);
+        }
+    }
+    CheckpointView::build(name, &mem)
+}
+
+/// One optimizer state of one parameter (`state[param][name]`).
+#[derive(Debug, Clone)]
+pub struct StateRow {
+    pub name: String,
+    /// Index into [`CheckpointView::index`]`.entries`.
+    pub entry: usize,
+    pub ranks: Vec<u64>,
+    /// The value when it is a scalar (`step`).
+    pub value: Option<String>,
+}
+
+/// Everything the checkpoint panels draw, derived once from the index.
+#[derive(Debug, Clone)]
+pub struct CheckpointView {
+    pub name: String,
+    pub index: CheckpointIndex,
+    /// Position of each key in `index.entries`.
+    pub by_key: BTreeMap<String, usize>,
+    /// Ranks holding each entry (parallel to `index.entries`).
+    pub ranks: Vec<Vec<u64>>,
+    /// Every rank holding anything.
+    pub all_ranks: Vec<u64>,
+    pub chunk_count: usize,
+    /// Optimizer state per parameter (the param id or FQN as written), states sorted by name.
+    pub optimizer: BTreeMap<String, Vec<StateRow>>,
+    /// `param_groups[i]` leaves: group → (key, value text).
+    pub param_groups: BTreeMap<i64, Vec<(String, String)>>,
+    /// Counts rebuilds of cached panel state.
+    pub generation: u64,
+}
+
+/// Scalar tensors no larger than this are read to show their value (`step`).
+const MAX_SCALAR_BYTES: u64 = 16;
+/// Most stored copies of a scalar that are read (one per rank).
+const MAX_SCALAR_CHUNKS: usize = 4096;
+
+impl CheckpointView {
+    /// Indexes `source` and reads the few values the panels show (bytes items, scalar `step`
+    /// tensors); no other tensor bytes are read.
+    pub fn build(name: &str, source: &dyn Source) -> Result<Self, CheckpointError> {
+        let index_err = |source| CheckpointError::Index {
+            name: name.to_owned(),
+            source: Box::new(source),
+        };
+        let mut index = index_source(source).map_err(index_err)?;
+        // Bytes items hold small pickled Python values (step counters, hyper-parameters).
+        index.decode_bytes_values(source).map_err(index_err)?;
+        let mut scalar_values = BTreeMap::new();
+        for (i, e) in index.entries.iter().enumerate() {
+            let is_step = matches!(e.path.last(), Some(PathSeg::Key(k)) if k == "step");
+            let scalar_chunks = e.chunks.len() <= MAX_SCALAR_CHUNKS
+                && e.chunks
+                    .iter()
+                    .all(|c| c.numel() == Some(1) && c.byte_length <= MAX_SCALAR_BYTES);
+            if !(is_step && e.kind == EntryKind::Tensor && scalar_chunks) {
+                continue;
+            }
+            // Global scalars and replicated rank-local scalars alike: read each stored copy.
+            let values: Vec<f64> = e
+                .chunks
+                .iter()
+                .filter_map(|c| {
+                    index
+                        .read_chunk(source, e, c)
+                        .ok()?
+                        .to_f64()?
+                        .first()
+                        .copied()
+                })
+                .collect();
+            if values.len() == e.chunks.len()
+                && let Some(&first) = values.first()
+            {
+                let text = if values.iter().all(|v| v.to_bits() == first.to_bits()) {
+                    format_number(first)
+                } else {
+                    values
+                        .iter()
+                        .map(|v| format_number(*v))
+                        .collect::<Vec<_>>()
+                        .join(" / ")
+                };
+                scalar_values.insert(i, text);
+            }
+        }
+        Ok(Self::from_index(name, index, &scalar_values))
+    }
+
+    /// Derives the panel data; `scalars` holds values read for scalar tensors (by entry).
+    pub fn from_index(
+        name: &str,
+        index: CheckpointIndex,
+        scalars: &BTreeMap<usize, String>,
+    ) -> Self {
+        let mut by_key = BTreeMap::new();
+        let mut ranks = Vec::with_capacity(index.entries.len());
+        let mut all = BTreeSet::new();
+        let mut chunk_count = 0;
+        let mut optimizer: BTreeMap<String, Vec<StateRow>> = BTreeMap::new();
+        let mut param_groups: BTreeMap<i64, Vec<(String, String)>> = BTreeMap::new();
+        for (i, e) in index.entries.iter().enumerate() {
+            by_key.insert(e.key.clone(), i);
+            let r: Vec<u64> = e.ranks().into_iter().map(u64::from).collect();
+            all.extend(r.iter().copied());
+            chunk_count += e.chunks.len();
+            let value = scalars
+                .get(&i)
+                .cloned()
+                .or_else(|| e.value.as_ref().map(value_text));
+            match &e.role {
+                Some(Role::OptimizerState { param, state }) => {
+                    optimizer
+                        .entry(param.to_string())
+                        .or_default()
+                        .push(StateRow {
+                            name: state.clone(),
+                            entry: i,
+                            ranks: r.clone(),
+                            value,
+                        });
+                }
+                Some(Role::ParamGroup { group }) => {
+                    let leaf = e
+                        .path
+                        .iter()
+                        .skip(2)
+                        .map(ToString::to_string)
+                        .collect::<Vec<_>>()
+                        .join(".");
+                    param_groups
+                        .entry(*group)
+                        .or_default()
+                        .push((leaf, value.unwrap_or_default()));
+                }
+                None => {}
+            }
+            ranks.push(r);
+        }
+        for rows in optimizer.values_mut() {
+            rows.sort_by(|a, b| a.name.cmp(&b.name));
+        }
+        Self {
+            name: name.to_owned(),
+            index,
+            by_key,
+            ranks,
+            all_ranks: all.into_iter().collect(),
+            chunk_count,
+            optimizer,
+            param_groups,
+            generation: 0,
+        }
+    }
+
+    /// The entry of `key`.
+    pub fn entry(&self, key: &str) -> Option<(usize, &IndexEntry)> {
+        let &i = self.by_key.get(key)?;
+        Some((i, self.index.entries.get(i)?))
+    }
+
+    /// One line for the status bar.
+    pub fn summary(&self) -> String {
+        format!(
+            "{} · {} entries · {} chunks · {} ranks",
+            self.index.kind.describe(),
+            self.index.entries.len(),
+            self.chunk_count,
+            self.all_ranks.len()
+        )
+    }
+}
+
+/// A JSON value as a short text (`2`, `[0.9, 0.999]`, `"tiny"`).
+pub fn value_text(v: &serde_json::Value) -> String {
+    match v {
+        serde_json::Value::Number(n) => n
+            .as_f64()
+            .filter(|_| !n.is_i64() && !n.is_u64())
+            .map_or_else(|| n.to_string(), format_number),
+        other => other.to_string(),
+    }
+}
+
+/// A number as Python prints it for integral floats (`1.0`), otherwise the shortest form.
+pub fn format_number(v: f64) -> String {
+    if v.is_finite() && v.fract() == 0.0 && v.abs() < 1e15 {
+        format!("{v:.1}")
+    } else {
+        format!("{v}")
+    }
+}
