@@ -4,8 +4,8 @@ pub mod diff;
 pub mod gather;
 pub mod inspect;
 pub mod layout;
-pub mod reshard;
 pub mod report_text;
+pub mod reshard;
 pub mod verify;
 
 use std::io::Write;
