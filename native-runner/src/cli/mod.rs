@@ -6,6 +6,7 @@ pub mod gather;
 pub mod inspect;
 pub mod layout;
 pub mod report_text;
+pub mod reshard;
 pub mod verify;
 
 use std::io::Write;
