@@ -145,8 +145,40 @@ fn interop(from: usize, to: usize, uop: bool) {
         ],
     );
 
-    // convert: equal to torch's FULL_STATE_DICT and FSDP.optim_state_dict.
-    let mut convert = ConvertArgs {
+    // `shardscope convert` on the per-rank folder: equal to torch's FULL_STATE_DICT and
+    // FSDP.optim_state_dict.
+    let outdir = tempfile::tempdir().unwrap();
+    let model_pt = outdir.path().join("full.pt");
+    let mut args = vec![
+        "convert".to_owned(),
+        src.to_str().unwrap().to_owned(),
+        "-o".to_owned(),
+        model_pt.to_str().unwrap().to_owned(),
+        "--model".to_owned(),
+        model_json.to_str().unwrap().to_owned(),
+        "--quiet".to_owned(),
+    ];
+    if uop {
+        args.push("--use-orig-params".to_owned());
+    }
+    let argv: Vec<&str> = args.iter().map(String::as_str).collect();
+    let out = shardscope(&argv);
+    assert!(out.status.success(), "convert failed: {}", stderr_of(&out));
+    let torch_model = read(&src.join("full/full_model.pt"));
+    let ours = read(&model_pt);
+    assert_eq!(
+        ours, torch_model,
+        "full model state dict differs from torch's"
+    );
+    let torch_optim = read(&src.join("full/full_optim.pt"));
+    let ours = read(&outdir.path().join("full.optim.pt"));
+    assert_eq!(
+        sorted_state(&ours),
+        sorted_state(&torch_optim),
+        "full optimizer state dict differs from torch's"
+    );
+    // The same model as safetensors, through the library entry point.
+    let convert = ConvertArgs {
         src: src.clone(),
         model: model_json.clone(),
         flags: LayoutFlags {
@@ -155,26 +187,11 @@ fn interop(from: usize, to: usize, uop: bool) {
         },
         model_pattern: None,
         optim_pattern: None,
-        model_format: ModelFormat::TorchSave,
+        model_format: ModelFormat::Safetensors,
     };
     let output = fsdp1_local::convert(&convert).unwrap();
     assert_eq!(output.files.world_size, from);
-    let torch_model = read(&src.join("full/full_model.pt"));
-    let ours = bridge::node_from_torch_save(&output.model, "convert model").unwrap();
-    assert_eq!(
-        ours, torch_model,
-        "full model state dict differs from torch's"
-    );
-    let torch_optim = read(&src.join("full/full_optim.pt"));
-    let ours = bridge::node_from_torch_save(output.optim.as_ref().unwrap(), "optim").unwrap();
-    assert_eq!(
-        sorted_state(&ours),
-        sorted_state(&torch_optim),
-        "full optimizer state dict differs from torch's"
-    );
-    // The same model as safetensors.
-    convert.model_format = ModelFormat::Safetensors;
-    let st_bytes = fsdp1_local::convert(&convert).unwrap().model;
+    let st_bytes = output.model;
     let st = safetensors::SafeTensors::deserialize(&st_bytes).unwrap();
     let torch_model = torch_model.as_dict().unwrap();
     assert_eq!(st.len(), torch_model.len());

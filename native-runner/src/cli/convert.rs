@@ -55,6 +55,12 @@ pub struct ConvertArgs {
     /// A folder of per-rank FSDP1 LOCAL files: the model description that gives their layout.
     #[arg(long, value_name = "MODEL")]
     pub model: Option<PathBuf>,
+    /// Per-rank FSDP1 files: they were saved with `use_orig_params=True`.
+    #[arg(long, requires = "model")]
+    pub use_orig_params: bool,
+    /// Per-rank FSDP1 files: where the full optimizer state dict goes (default `<DST stem>.optim.pt`).
+    #[arg(long, value_name = "PATH", requires = "model")]
+    pub optim_output: Option<PathBuf>,
     /// Print a JSON summary on stdout.
     #[arg(long)]
     pub json: bool,
@@ -125,13 +131,8 @@ impl Progress for Bar {
 }
 
 pub fn run(args: &ConvertArgs) -> Result<ExitCode> {
-    if args.model.is_some() {
-        // Dispatch point for per-rank FSDP1 LOCAL files + a model description -> full model and
-        // optimizer state dicts: `crate::fsdp1_local::convert(...)`, from the `fsdp1cli` branch.
-        bail!(
-            "converting per-rank FSDP1 files with --model is not supported in this build yet: it needs \
-             `crate::fsdp1_local::convert` (native-runner/src/fsdp1_local.rs), which is not part of it"
-        );
+    if let Some(model) = &args.model {
+        return convert_fsdp1_local(args, model);
     }
     let target = target_of(args)?;
     if args.max_shard_size.is_some() && target != Target::Safetensors {
@@ -222,6 +223,43 @@ pub fn run(args: &ConvertArgs) -> Result<ExitCode> {
             human_bytes(written.tensor_bytes),
             written.values
         );
+    }
+    Ok(ExitCode::SUCCESS)
+}
+
+/// Per-rank FSDP1 LOCAL files + a model description -> the full model state dict (`torch.save` or
+/// safetensors) and the full FQN-keyed optimizer state dict, as `FSDP.optim_state_dict` returns it.
+fn convert_fsdp1_local(args: &ConvertArgs, model: &std::path::Path) -> Result<ExitCode> {
+    use shardscope_runner::fsdp1_local::{self, LayoutFlags, ModelFormat};
+    let model_format = match target_of(args)? {
+        Target::Torch => ModelFormat::TorchSave,
+        Target::Safetensors => ModelFormat::Safetensors,
+        Target::Dcp => bail!("per-rank FSDP1 files convert to --to torch or --to safetensors"),
+    };
+    if args.output.exists() {
+        bail!(
+            "{} already exists\nhint: shardscope never overwrites; remove it or choose another path",
+            args.output.display()
+        );
+    }
+    let convert_args = fsdp1_local::ConvertArgs {
+        src: args.src.clone(),
+        model: model.to_path_buf(),
+        flags: LayoutFlags {
+            use_orig_params: args.use_orig_params,
+            ..LayoutFlags::default()
+        },
+        model_pattern: None,
+        optim_pattern: None,
+        model_format,
+    };
+    let written =
+        super::reshard::write_convert(&convert_args, &args.output, args.optim_output.as_deref())?;
+    let names: Vec<String> = written.iter().map(|p| p.display().to_string()).collect();
+    if args.json {
+        super::print_stdout(&format!("{}\n", serde_json::json!({ "written": names })))?;
+    } else if !args.quiet {
+        eprintln!("wrote {}", names.join(", "));
     }
     Ok(ExitCode::SUCCESS)
 }

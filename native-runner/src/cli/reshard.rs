@@ -114,10 +114,6 @@ pub fn run(args: &ReshardCliArgs) -> anyhow::Result<ExitCode> {
 /// Runs [`fsdp1_local::convert`] and writes its outputs atomically: the full model state dict to
 /// `out_model` and, when the folder has optimizer files, the full optimizer state dict to
 /// `out_optim` (default: `<out_model stem>.optim.pt` next to it). Returns the paths written.
-#[allow(
-    dead_code,
-    reason = "the per-rank branch of `shardscope convert` (branch `convert`) calls it once that command lands"
-)]
 pub fn write_convert(
     args: &ConvertArgs,
     out_model: &Path,
