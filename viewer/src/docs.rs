@@ -426,4 +426,22 @@ mod tests {
             Err(OpenError::UnknownJson { .. })
         ));
     }
+
+    #[test]
+    fn batches_split_checkpoints() {
+        let mut loader = Loader::default();
+        loader.open_bytes("a/__0_0.distcp".to_owned(), vec![1]);
+        loader.open_bytes("a/__1_0.distcp".to_owned(), vec![2]);
+        loader.open_bytes("a/.metadata".to_owned(), vec![3]);
+        assert_eq!(loader.queue.len(), 1, "one batch is one checkpoint");
+        assert_eq!(
+            loader.pending_text().as_deref(),
+            Some("indexing checkpoint: 3 files, 3 B")
+        );
+        loader.end_batch();
+        loader.open_bytes("b/model.pt".to_owned(), vec![4]);
+        assert_eq!(loader.queue.len(), 2, "a later batch is another checkpoint");
+        loader.open_bytes("m.json".to_owned(), b"{}".to_vec());
+        assert_eq!(loader.queue.len(), 3);
+    }
 }

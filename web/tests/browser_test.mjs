@@ -99,6 +99,9 @@ async function checkpointTest(browser, port) {
   const entries = Object.keys(expected.items).length;
   // One checkpoint of all three files (one batch), holding every item torch wrote.
   if (!opened.includes(`${entries} entries`)) fail(`expected ${entries} entries: ${opened}`);
+  // Tensor items have their chunk lists; every bytes item is stored once.
+  const chunks = Object.values(expected.items).reduce((n, it) => n + (it.chunks ? it.chunks.length : 1), 0);
+  if (!opened.includes(` ${chunks} chunks`)) fail(`torch wrote ${chunks} chunks in all: ${opened}`);
   if (!opened.includes("2 ranks")) fail(`expected 2 ranks (two .distcp files): ${opened}`);
 
   const canvasBox = await page.locator("#viewer").boundingBox();
