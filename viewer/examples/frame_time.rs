@@ -193,7 +193,9 @@ fn checkpoint_cases(frames: usize, base: &Stats) {
             );
             drop(out);
             let start = if tab == Tab::Chunks {
-                v.ckpt.last_canvas.map_or(Pos2::new(800.0, 500.0), |c| c.center())
+                v.ckpt
+                    .last_canvas
+                    .map_or(Pos2::new(800.0, 500.0), |c| c.center())
             } else {
                 Pos2::new(150.0, 600.0)
             };

@@ -470,9 +470,9 @@ impl Viewer {
             if self.loader.pending() > 0 {
                 ui.spinner();
                 ui.label(
-                    self.loader
-                        .pending_text()
-                        .unwrap_or_else(|| format!("parsing {} input(s)...", self.loader.pending())),
+                    self.loader.pending_text().unwrap_or_else(|| {
+                        format!("parsing {} input(s)...", self.loader.pending())
+                    }),
                 );
             }
             ui.with_layout(egui::Layout::right_to_left(egui::Align::Center), |ui| {

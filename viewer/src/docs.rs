@@ -199,7 +199,10 @@ impl Loader {
     pub fn pending_text(&self) -> Option<String> {
         let text = match self.queue.front()? {
             Job::Bytes { name, bytes } => {
-                format!("parsing {name} ({})", crate::format::bytes(bytes.len() as u64))
+                format!(
+                    "parsing {name} ({})",
+                    crate::format::bytes(bytes.len() as u64)
+                )
             }
             Job::Checkpoint { files, .. } => {
                 let total: u64 = files.iter().map(|(_, b)| b.len() as u64).sum();
