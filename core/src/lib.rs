@@ -11,6 +11,7 @@ pub mod layout;
 pub mod model;
 pub mod source;
 pub mod transform;
+pub mod verify;
 
 pub use dtype::DType;
 pub use source::{MemorySource, Source, SourceError};

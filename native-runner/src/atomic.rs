@@ -10,9 +10,6 @@
 //! The core writers (`shardscope_core::formats::write`) take any `Write`; pass them the `BufWriter`
 //! given to the closure.
 
-// `convert` and `reshard` (next issues) are the callers; until they land only the tests use this.
-#![cfg_attr(not(test), allow(dead_code))]
-
 use std::fs::{self, File, OpenOptions};
 use std::io::BufWriter;
 use std::path::{Path, PathBuf};

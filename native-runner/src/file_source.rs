@@ -92,6 +92,11 @@ impl FileSource {
         Ok(FileSource { root, files })
     }
 
+    /// The folder the source's names are relative to.
+    pub fn root(&self) -> &Path {
+        &self.root
+    }
+
     /// Every regular file in a folder and its sub-folders (two levels deep), hidden ones included
     /// (`.metadata`).
     pub fn dir(root: &Path) -> anyhow::Result<Self> {

@@ -1,5 +1,6 @@
 //! The shardscope runner library: the gather/flatten executor behind `shardscope gather` and the
 //! Chrome-trace writer. The `shardscope` binary is a thin CLI over it.
 
+pub mod fsdp1_local;
 pub mod gather;
 pub mod trace;

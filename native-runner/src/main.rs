@@ -2,6 +2,7 @@
 
 mod atomic;
 mod cli;
+mod convert;
 mod file_source;
 
 use std::process::ExitCode;
@@ -24,6 +25,14 @@ enum Command {
     Inspect(cli::inspect::InspectArgs),
     /// Replay FSDP's unshard path (copy-in, all-gather, copy-out) on every rank; verify and trace it.
     Gather(cli::gather::GatherArgs),
+    /// Reshard FSDP1 per-rank LOCAL checkpoints (model + optimizer files) to another world size.
+    Reshard(cli::reshard::ReshardCliArgs),
+    /// Compare two checkpoints of any formats tensor by tensor (exit 0 equal, 1 differ, 2 bad input).
+    Diff(cli::diff::DiffArgs),
+    /// Check one checkpoint against itself: tiling, byte ranges, replicas, steps, optimizer keys.
+    Verify(cli::verify::VerifyArgs),
+    /// Convert a DCP or full checkpoint to safetensors, torch.save or DCP for N ranks (streaming).
+    Convert(cli::convert::ConvertArgs),
 }
 
 fn main() -> ExitCode {
@@ -32,6 +41,10 @@ fn main() -> ExitCode {
         Command::Layout(args) => cli::layout::run(&args),
         Command::Inspect(args) => cli::inspect::run(&args),
         Command::Gather(args) => cli::gather::run(&args),
+        Command::Reshard(args) => cli::reshard::run(&args),
+        Command::Diff(args) => cli::diff::run(&args),
+        Command::Verify(args) => cli::verify::run(&args),
+        Command::Convert(args) => cli::convert::run(&args),
     };
     match result {
         Ok(code) => code,

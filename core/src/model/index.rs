@@ -1673,6 +1673,115 @@ impl CheckpointIndex {
         })
     }
 
+    /// Where the chunk's elements lie in its file, without reading them: for readers that copy
+    /// chunk data straight into an output buffer (`shardscope convert`). For a DCP item the item's
+    /// zip directory and pickle are parsed (a few hundred bytes); the storage is not touched. The
+    /// view is checked to lie inside the storage.
+    pub fn locate_chunk(
+        &self,
+        source: &dyn Source,
+        entry: &IndexEntry,
+        chunk: &Chunk,
+    ) -> Result<ChunkLocation, IndexError> {
+        let dtype = entry.dtype.ok_or_else(|| IndexError::NotReadable {
+            key: entry.key.clone(),
+            what: "not a tensor".into(),
+        })?;
+        let bad = |what: String| IndexError::BadChunk {
+            key: entry.key.clone(),
+            file: chunk.file.clone(),
+            offset: chunk.byte_offset,
+            end: chunk.byte_offset.saturating_add(chunk.byte_length),
+            what,
+        };
+        let item = dtype.size_bytes() as u64;
+        let location = match &chunk.encoding {
+            ChunkEncoding::Raw {
+                storage_offset,
+                strides,
+            } => ChunkLocation {
+                file: chunk.file.clone(),
+                storage_byte_offset: chunk.byte_offset,
+                storage_bytes: chunk.byte_length,
+                storage_offset: *storage_offset,
+                strides: strides.clone(),
+            },
+            ChunkEncoding::TorchSaveItem => {
+                let bytes = source.read_range(&chunk.file, chunk.byte_offset, chunk.byte_length)?;
+                let archive = torch_zip::read_archive(&bytes).map_err(|e| bad(e.to_string()))?;
+                let PyValue::Tensor(t) = &archive.root else {
+                    return Err(bad(format!(
+                        "the item holds a {}, not a tensor",
+                        archive.root.type_name()
+                    )));
+                };
+                if t.storage.dtype != dtype || t.shape != chunk.sizes {
+                    return Err(bad(format!(
+                        "the item holds a {} tensor of shape {:?}, the metadata says {dtype} {:?}",
+                        t.storage.dtype, t.shape, chunk.sizes
+                    )));
+                }
+                let range = archive.storage_range(t).map_err(|e| bad(e.to_string()))?;
+                ChunkLocation {
+                    file: chunk.file.clone(),
+                    storage_byte_offset: chunk.byte_offset.saturating_add(range.offset),
+                    storage_bytes: range.len,
+                    storage_offset: t.storage_offset,
+                    strides: t.stride.clone(),
+                }
+            }
+        };
+        if location.strides.len() != chunk.sizes.len() {
+            return Err(bad("strides and sizes differ in length".into()));
+        }
+        // The view's last element must lie inside the storage bytes.
+        let extent = if chunk.sizes.contains(&0) {
+            Some(0)
+        } else {
+            chunk
+                .sizes
+                .iter()
+                .zip(&location.strides)
+                .try_fold(location.storage_offset, |acc, (&d, &s)| {
+                    acc.checked_add((d - 1).checked_mul(s)?)
+                })
+                .and_then(|last| last.checked_add(1))
+        };
+        match extent.and_then(|e| e.checked_mul(item)) {
+            Some(end) if end <= location.storage_bytes => Ok(location),
+            _ => Err(bad(format!(
+                "the view (offset {}, strides {:?}, sizes {:?}) reaches past the {} storage bytes",
+                location.storage_offset, location.strides, chunk.sizes, location.storage_bytes
+            ))),
+        }
+    }
+
+    /// Decodes a bytes item (DCP) into the Python value the reader rebuilt (tuples stay tuples):
+    /// what a converter writes back with `formats::write::pickle::PyValue::from_read_value`.
+    pub fn read_bytes_object(
+        &self,
+        source: &dyn Source,
+        entry: &IndexEntry,
+    ) -> Result<PyValue, IndexError> {
+        let c = entry
+            .chunks
+            .first()
+            .filter(|_| entry.kind == EntryKind::Bytes)
+            .ok_or_else(|| IndexError::NotReadable {
+                key: entry.key.clone(),
+                what: "not a bytes item".into(),
+            })?;
+        let bytes: Cow<'_, [u8]> = source.read_range(&c.file, c.byte_offset, c.byte_length)?;
+        let archive = torch_zip::read_archive(&bytes).map_err(|e| IndexError::BadChunk {
+            key: entry.key.clone(),
+            file: c.file.clone(),
+            offset: c.byte_offset,
+            end: c.byte_offset.saturating_add(c.byte_length),
+            what: e.to_string(),
+        })?;
+        Ok(archive.root)
+    }
+
     /// Decodes a bytes item (DCP) into JSON.
     pub fn read_bytes_value(
         &self,
@@ -1713,6 +1822,39 @@ impl CheckpointIndex {
             self.entries[i].value = Some(v);
         }
         Ok(())
+    }
+}
+
+/// Where a chunk's elements lie in its file (see [`CheckpointIndex::locate_chunk`]).
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct ChunkLocation {
+    pub file: String,
+    /// Absolute byte offset of the storage holding the chunk.
+    pub storage_byte_offset: u64,
+    /// Bytes of that storage.
+    pub storage_bytes: u64,
+    /// The chunk's first element in the storage, in elements.
+    pub storage_offset: u64,
+    /// The chunk's strides in the storage, in elements.
+    pub strides: Vec<u64>,
+}
+
+impl ChunkLocation {
+    /// The absolute byte range of the chunk's data when its view is row-major contiguous
+    /// (`sizes` are the chunk's sizes, `item` the element size); `None` for a strided view.
+    pub fn contiguous_range(&self, sizes: &[u64], item: u64) -> Option<(u64, u64)> {
+        let numel = sizes.iter().try_fold(1u64, |a, &d| a.checked_mul(d))?;
+        let mut expected = 1u64;
+        for (&d, &s) in sizes.iter().zip(&self.strides).rev() {
+            if d != 1 && s != expected && numel != 0 {
+                return None;
+            }
+            expected = expected.saturating_mul(d);
+        }
+        let start = self
+            .storage_byte_offset
+            .checked_add(self.storage_offset.checked_mul(item)?)?;
+        Some((start, numel.checked_mul(item)?))
     }
 }
 

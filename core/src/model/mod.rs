@@ -3,8 +3,10 @@
 //! Format quirks (wrapper prefixes, pickle classes, DCP flattening) are resolved before data reaches
 //! this module; code that uses these types never sees them.
 
+pub mod bridge;
 pub mod description;
 pub mod fqn;
+pub mod from_index;
 pub mod index;
 pub mod tree;
 

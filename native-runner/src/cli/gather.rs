@@ -13,15 +13,20 @@ use clap::{Args, ValueEnum};
 use shardscope_core::DType;
 use shardscope_core::layout::{self, Api, LayoutConfig, Strategy};
 use shardscope_core::model::ModelDescription;
+use shardscope_core::model::from_index;
+use shardscope_core::model::index::{self, CheckpointIndex, CheckpointKind};
+use shardscope_runner::gather::ckpt::{IndexFull, IndexLocal, Indexed};
 use shardscope_runner::gather::source::{
-    RankPrefixedSafetensors, SafetensorsFile, SafetensorsFull, SyntheticSource,
+    RankPrefixedSafetensors, SafetensorsFile, SyntheticSource,
 };
 use shardscope_runner::gather::{
     self, GatherOptions, GatherOutcome, GatherPlan, GatheredParam, Observer, Source, output,
 };
 use shardscope_runner::trace::{Clock, Span, names};
 
+use super::layout::open_checkpoint;
 use super::print_stdout;
+use crate::file_source::FileSource;
 
 #[derive(Debug, Clone, Copy, PartialEq, Eq, ValueEnum)]
 pub enum Backend {
@@ -34,19 +39,26 @@ pub enum Backend {
 
 #[derive(Debug, Clone, Copy, PartialEq, Eq, ValueEnum)]
 pub enum From {
-    /// Decide from the file: keys `rank<r>/...` are rank-local tensors, anything else full parameters.
+    /// Decide from the checkpoint: FSDP1 LOCAL and FSDP2 per-rank files are read as saved, a
+    /// safetensors file with `rank<r>/...` keys too; anything else is full parameters.
     Auto,
-    /// A full (consolidated) checkpoint: every rank cuts its shards with the layout.
+    /// Full parameters: a full checkpoint, or a sharded one (FSDP1 SHARDED, FSDP2, DCP) assembled per
+    /// parameter; every rank cuts its shards with the layout.
     Full,
-    /// Rank-local tensors under `rank<r>/<flat_param_fqn or fqn>` (the layout fixtures' convention).
+    /// Rank-local tensors as saved: FSDP1 LOCAL `<unit>._flat_param` shards or FSDP2 DTensor local
+    /// chunks, right-padded with zeros to the layout's shard size.
+    Local,
+    /// Rank-local tensors under `rank<r>/<flat_param_fqn or fqn>` in one safetensors file (the layout
+    /// fixtures' convention).
     RankPrefixed,
 }
 
 #[derive(Debug, Args)]
 pub struct GatherArgs {
-    /// The checkpoint: a safetensors file of full parameters, or of rank-local shards (`rank<r>/...`).
-    #[arg(value_name = "CKPT", required_unless_present = "synthetic")]
-    pub checkpoint: Option<PathBuf>,
+    /// The checkpoint: a file (safetensors, `.pt`), a DCP directory, a folder of per-rank or sharded
+    /// safetensors files, or several per-rank files of one checkpoint (`rank*_model.pt`).
+    #[arg(value_name = "CKPT", required_unless_present = "synthetic", num_args = 1..)]
+    pub checkpoint: Vec<PathBuf>,
     /// Generate deterministic data for the model instead of reading a checkpoint (needs --model).
     #[arg(long, conflicts_with = "checkpoint", requires = "model")]
     pub synthetic: bool,
@@ -59,6 +71,10 @@ pub struct GatherArgs {
     /// How to read CKPT.
     #[arg(long = "from", value_enum, default_value = "auto")]
     pub from: From,
+    /// Parameters are stored under `PREFIX.` (e.g. `model` in a DCP app state; found automatically
+    /// when the model's first parameter is under `model.`).
+    #[arg(long, value_name = "PREFIX")]
+    pub select: Option<String>,
     /// Number of ranks (inferred from rank-local checkpoints; default 1 otherwise).
     #[arg(long, value_name = "N")]
     pub world_size: Option<u64>,
@@ -121,18 +137,16 @@ fn read_model(path: &Path) -> anyhow::Result<ModelDescription> {
 }
 
 /// Largest `r` with keys `rank<r>/...`, plus one.
-fn ranks_in(file: &SafetensorsFile) -> Option<u64> {
-    file.tensors
-        .keys()
-        .filter_map(|k| {
-            k.strip_prefix("rank")?
-                .split_once('/')?
-                .0
-                .parse::<u64>()
-                .ok()
-        })
-        .max()
-        .map(|r| r + 1)
+fn ranks_in<'a>(keys: impl Iterator<Item = &'a str>) -> Option<u64> {
+    keys.filter_map(|k| {
+        k.strip_prefix("rank")?
+            .split_once('/')?
+            .0
+            .parse::<u64>()
+            .ok()
+    })
+    .max()
+    .map(|r| r + 1)
 }
 
 struct Prepared {
@@ -140,6 +154,42 @@ struct Prepared {
     source: Source,
     world_size: u64,
     notes: Vec<String>,
+}
+
+/// A description from the checkpoint's own entries (stored order, one root unit).
+fn derive_model(
+    source: &FileSource,
+    index: &CheckpointIndex,
+    select: Option<&str>,
+    name: &str,
+    notes: &mut Vec<String>,
+) -> anyhow::Result<ModelDescription> {
+    let order = from_index::stored_key_order(source, index)
+        .with_context(|| format!("cannot read {name}"))?;
+    let no_units = |_: &str| false;
+    let derived = from_index::description_from_index(
+        index,
+        &order,
+        &from_index::FromIndexOptions {
+            select,
+            exclude: None,
+            is_unit: &no_units,
+            root_unit: true,
+        },
+    )
+    .with_context(|| {
+        format!("{name}: no --model, and none can be derived from the checkpoint\nhint: pass --model MODEL.json (`shardscope layout --from CKPT --units REGEX --emit-model MODEL.json` writes one)")
+    })?;
+    notes.push(format!(
+        "no --model: one root unit with the {} floating-point tensors of {name} in {} (torch flattens in registration order; buffers are included: pass --model to leave them out)",
+        derived.model.params.len(),
+        if order.registration_order {
+            "stored order"
+        } else {
+            "sorted key order"
+        }
+    ));
+    Ok(derived.model)
 }
 
 fn prepare(args: &GatherArgs) -> anyhow::Result<Prepared> {
@@ -157,60 +207,127 @@ fn prepare(args: &GatherArgs) -> anyhow::Result<Prepared> {
             notes,
         });
     }
-    let Some(path) = args.checkpoint.as_deref() else {
+    let paths = &args.checkpoint;
+    if paths.is_empty() {
         bail!("give a checkpoint, or --synthetic with --model");
-    };
-    if path.is_dir() {
-        bail!(
-            "{}: reading DCP or per-rank checkpoint directories is not supported by this build of `gather` yet\nhint: consolidate it first, or pass a full safetensors checkpoint with --model and the layout flags",
-            path.display()
-        );
     }
-    let file = Arc::new(SafetensorsFile::read(path)?);
-    let rank_count = ranks_in(&file);
+    let name = paths
+        .iter()
+        .map(|p| p.display().to_string())
+        .collect::<Vec<_>>()
+        .join(", ");
+    let single_safetensors = match paths.as_slice() {
+        [p] => p.is_file() && p.extension().is_some_and(|e| e == "safetensors"),
+        _ => false,
+    };
+    let files = open_checkpoint(paths)?;
+    let index = index::index_source(&files).with_context(|| {
+        if single_safetensors {
+            format!("{name}: not a valid safetensors file")
+        } else {
+            format!("cannot read {name}")
+        }
+    })?;
+    let rank_count = if single_safetensors {
+        ranks_in(index.entries.iter().map(|e| e.key.as_str()))
+    } else {
+        None
+    };
+    let local_kind = matches!(
+        index.kind,
+        CheckpointKind::Fsdp1Local | CheckpointKind::Fsdp2
+    );
     let from = match args.from {
         From::Auto if rank_count.is_some() => From::RankPrefixed,
+        From::Auto if local_kind => From::Local,
         From::Auto => From::Full,
         other => other,
     };
-    match from {
-        From::RankPrefixed => {
-            let Some(model) = model else {
-                bail!(
-                    "{}: rank-local shards do not say which parameters they hold\nhint: pass --model MODEL.json",
-                    path.display()
-                );
-            };
-            let found = rank_count.unwrap_or(0);
-            let world_size = args.world_size.unwrap_or(found);
-            if world_size == 0 {
-                bail!("{}: no `rank<r>/...` tensors found", path.display());
+    if from == From::RankPrefixed {
+        let ([path], true) = (paths.as_slice(), single_safetensors) else {
+            bail!("{name}: --from rank-prefixed reads one safetensors file");
+        };
+        let Some(model) = model else {
+            bail!(
+                "{}: rank-local shards do not say which parameters they hold\nhint: pass --model MODEL.json",
+                path.display()
+            );
+        };
+        let world_size = args.world_size.unwrap_or(rank_count.unwrap_or(0));
+        if world_size == 0 {
+            bail!("{}: no `rank<r>/...` tensors found", path.display());
+        }
+        drop(files);
+        let file = Arc::new(SafetensorsFile::read(path)?);
+        return Ok(Prepared {
+            model,
+            source: Source::PerRank(Box::new(RankPrefixedSafetensors::new(file))),
+            world_size,
+            notes,
+        });
+    }
+    // Which subtree holds the model (a DCP app state keeps it under `model`).
+    let select = args.select.clone().or_else(|| {
+        (model.is_none()
+            && index.has_optimizer_state
+            && index.entries.iter().any(|e| e.key.starts_with("model.")))
+        .then(|| "model".to_owned())
+    });
+    let model = match model {
+        Some(m) => m,
+        None => derive_model(&files, &index, select.as_deref(), &name, &mut notes)?,
+    };
+    let prefix = match &select {
+        Some(s) => format!("{s}."),
+        None => Indexed::<FileSource>::find_prefix(&index, &model),
+    };
+    if !prefix.is_empty() {
+        notes.push(format!(
+            "parameters are read from `{prefix}<fqn>` in {name}"
+        ));
+    }
+    let kind = index.kind;
+    let ckpt = Arc::new(Indexed::new(name.clone(), files, index, prefix));
+    if from == From::Local {
+        match kind {
+            CheckpointKind::Fsdp1Local if args.api != Api::Fsdp1 => {
+                bail!("{name}: FSDP1 LOCAL flat-parameter shards gather only under --api fsdp1")
             }
-            Ok(Prepared {
-                model,
-                source: Source::PerRank(Box::new(RankPrefixedSafetensors::new(file))),
-                world_size,
-                notes,
-            })
+            CheckpointKind::Fsdp2 if args.api != Api::Fsdp2 => bail!(
+                "{name}: FSDP2 DTensor local shards follow FSDP2's layout\nhint: pass --api fsdp2 (or --from full to cut the assembled parameters with another layout)"
+            ),
+            CheckpointKind::Fsdp1Local | CheckpointKind::Fsdp2 => {}
+            other => bail!(
+                "{name}: {} holds no rank-local shards to read as saved\nhint: use --from full",
+                other.describe()
+            ),
         }
-        From::Full | From::Auto => {
-            let model = if let Some(m) = model {
-                m
-            } else {
-                notes.push(format!(
-                    "no --model: one root unit with the tensors of {} in file order (torch flattens in registration order)",
-                    path.display()
-                ));
-                file.describe("")?
-            };
-            let full = SafetensorsFull::for_model(file, "", &model)?;
-            Ok(Prepared {
-                model,
-                source: Source::Full(Box::new(full)),
-                world_size: args.world_size.unwrap_or(1),
-                notes,
-            })
+        let found = ckpt.ranks().last().map_or(0, |r| u64::from(*r) + 1);
+        let world_size = args.world_size.unwrap_or(found);
+        if world_size != found {
+            bail!(
+                "{name}: the files hold the shards of {found} ranks, --world-size says {world_size}"
+            );
         }
+        Ok(Prepared {
+            model,
+            source: Source::PerRank(Box::new(IndexLocal::new(ckpt))),
+            world_size,
+            notes,
+        })
+    } else {
+        if kind == CheckpointKind::Fsdp1Local {
+            bail!(
+                "{name}: FSDP1 LOCAL flat-parameter shards hold no full parameters to cut\nhint: use --from local (or --from auto)"
+            );
+        }
+        let full = IndexFull::for_model(ckpt, &model)?;
+        Ok(Prepared {
+            model,
+            source: Source::Full(Box::new(full)),
+            world_size: args.world_size.unwrap_or(1),
+            notes,
+        })
     }
 }
 

@@ -32,7 +32,7 @@ pub struct InspectArgs {
     pub values: bool,
 }
 
-fn open(paths: &[PathBuf]) -> anyhow::Result<FileSource> {
+pub(super) fn open(paths: &[PathBuf]) -> anyhow::Result<FileSource> {
     if let [path] = paths {
         if path.is_dir() {
             return FileSource::dir(path);

@@ -11,15 +11,42 @@ use shardscope_core::layout::{
     self, Api, FlatParamLayout, Fsdp1Layout, Fsdp2Layout, Layout, LayoutConfig, Strategy,
     fsdp1::PieceKind,
 };
-use shardscope_core::model::ModelDescription;
+use shardscope_core::model::{ModelDescription, from_index, index};
+
+use crate::file_source::FileSource;
 
 use super::{human_bytes, print_stdout};
 
 #[derive(Debug, Args)]
 pub struct LayoutArgs {
     /// Model description (JSON: params in registration order, FSDP unit prefixes).
-    #[arg(long, value_name = "MODEL.json")]
-    pub model: PathBuf,
+    #[arg(
+        long,
+        value_name = "MODEL.json",
+        required_unless_present = "from",
+        conflicts_with = "from"
+    )]
+    pub model: Option<PathBuf>,
+    /// Derive the description from a checkpoint (`.pt`, DCP directory, per-rank files, safetensors):
+    /// its floating-point tensor entries in stored order, FSDP units chosen with --units.
+    #[arg(long = "from", value_name = "CKPT", num_args = 1.., requires = "units")]
+    pub from: Vec<PathBuf>,
+    /// With --from: a regex; every module prefix (dotted prefix of a parameter FQN) it matches in
+    /// full becomes an FSDP unit, e.g. `layers\.\d+`.
+    #[arg(long, value_name = "REGEX", requires = "from")]
+    pub units: Option<String>,
+    /// With --from: also make the root module (`""`) a unit.
+    #[arg(long, requires = "from")]
+    pub root_unit: bool,
+    /// With --from: leave out entries whose FQN this regex matches in full (buffers, e.g. `.*\.rope\..*`).
+    #[arg(long, value_name = "REGEX", requires = "from")]
+    pub exclude: Option<String>,
+    /// With --from: take only the entries under `PREFIX.` (e.g. `model` in a DCP app state), prefix removed.
+    #[arg(long, value_name = "PREFIX", requires = "from")]
+    pub select: Option<String>,
+    /// With --from: write the derived model description (JSON, the --model format) to this file.
+    #[arg(long, value_name = "OUT.json", requires = "from")]
+    pub emit_model: Option<PathBuf>,
     /// Number of ranks.
     #[arg(long, value_name = "N")]
     pub world_size: u64,
@@ -59,10 +86,126 @@ fn parse_dtype(s: &str) -> Result<DType, String> {
         .map_err(|e: shardscope_core::dtype::UnknownDType| e.to_string())
 }
 
+/// Opens a checkpoint given as one file, a directory (DCP, per-rank files, sharded safetensors),
+/// a DCP `.metadata` file, or several per-rank files.
+pub(crate) fn open_checkpoint(paths: &[PathBuf]) -> anyhow::Result<FileSource> {
+    if let [path] = paths {
+        if path.is_dir() {
+            return FileSource::dir(path);
+        }
+        if path.file_name().is_some_and(|n| n == ".metadata") {
+            return FileSource::dir(path.parent().unwrap_or(path));
+        }
+        return FileSource::file(path);
+    }
+    FileSource::files(paths)
+}
+
+fn full_match(pattern: &str, what: &str) -> anyhow::Result<regex::Regex> {
+    regex::Regex::new(&format!("^(?:{pattern})$"))
+        .with_context(|| format!("{what}: invalid regular expression `{pattern}`"))
+}
+
+/// `--from`: the description derived from a checkpoint's entries in stored order.
+fn model_from_checkpoint(args: &LayoutArgs) -> anyhow::Result<ModelDescription> {
+    let where_ = args
+        .from
+        .iter()
+        .map(|p| p.display().to_string())
+        .collect::<Vec<_>>()
+        .join(", ");
+    let units = full_match(args.units.as_deref().unwrap_or_default(), "--units")?;
+    let exclude = args
+        .exclude
+        .as_deref()
+        .map(|e| full_match(e, "--exclude"))
+        .transpose()?;
+    let source = open_checkpoint(&args.from)?;
+    let index = index::index_source(&source).with_context(|| format!("cannot read {where_}"))?;
+    let order = from_index::stored_key_order(&source, &index)
+        .with_context(|| format!("cannot read {where_}"))?;
+    if !order.registration_order {
+        eprintln!(
+            "warning: {where_}: safetensors stores keys sorted by name, not in registration order; FSDP1 flat parameters and FSDP2 groups follow registration order\nhint: derive the description from a `.pt` or DCP checkpoint, or write it with --model"
+        );
+    }
+    let is_unit = |prefix: &str| units.is_match(prefix);
+    let is_excluded = |fqn: &str| exclude.as_ref().is_some_and(|r| r.is_match(fqn));
+    let options = from_index::FromIndexOptions {
+        select: args.select.as_deref(),
+        exclude: Some(&is_excluded),
+        is_unit: &is_unit,
+        root_unit: args.root_unit,
+    };
+    let derived = from_index::description_from_index(&index, &order, &options)
+        .with_context(|| format!("cannot derive a model description from {where_}"))?;
+    let optim = derived
+        .skipped
+        .iter()
+        .filter(|(_, why)| *why == "optimizer state")
+        .count();
+    let other: Vec<String> = derived
+        .skipped
+        .iter()
+        .filter(|(_, why)| *why != "optimizer state")
+        .map(|(k, why)| format!("{k} ({why})"))
+        .collect();
+    if optim > 0 {
+        eprintln!("note: skipped {optim} optimizer-state entries");
+    }
+    if !other.is_empty() {
+        eprintln!("note: skipped {}", other.join(", "));
+    }
+    if args.select.is_none() {
+        let tops: std::collections::BTreeSet<&str> = derived
+            .model
+            .params
+            .iter()
+            .filter_map(|p| p.fqn.split_once('.').map(|(t, _)| t))
+            .collect();
+        if tops.contains("model") && tops.len() > 1 {
+            eprintln!(
+                "note: the parameters come from several subtrees ({})\nhint: --select model takes the model's state only",
+                tops.into_iter().collect::<Vec<_>>().join(", ")
+            );
+        }
+    }
+    if derived.model.units.is_empty() {
+        eprintln!(
+            "note: --units matched no module prefix and --root-unit is not given: no FSDP unit manages any parameter"
+        );
+    }
+    eprintln!(
+        "note: {} parameters from {where_}; units: {}",
+        derived.model.params.len(),
+        derived
+            .model
+            .units
+            .iter()
+            .map(|u| unit_name(u))
+            .collect::<Vec<_>>()
+            .join(", ")
+    );
+    if let Some(out) = &args.emit_model {
+        let mut text = serde_json::to_string_pretty(&derived.model)?;
+        text.push('\n');
+        crate::atomic::write_file(out, |w| {
+            std::io::Write::write_all(w, text.as_bytes())
+                .with_context(|| format!("cannot write {}", out.display()))
+        })?;
+        eprintln!("wrote {}", out.display());
+    }
+    Ok(derived.model)
+}
+
 pub fn run(args: &LayoutArgs) -> anyhow::Result<ExitCode> {
-    let bytes = std::fs::read(&args.model)
-        .with_context(|| format!("cannot read model description {}", args.model.display()))?;
-    let model = ModelDescription::from_json_bytes(&bytes, &args.model.display().to_string())?;
+    let model = if let Some(path) = &args.model {
+        let bytes = std::fs::read(path)
+            .with_context(|| format!("cannot read model description {}", path.display()))?;
+        ModelDescription::from_json_bytes(&bytes, &path.display().to_string())?
+    } else {
+        model_from_checkpoint(args)?
+    };
     let config = LayoutConfig {
         api: args.api,
         world_size: args.world_size,

@@ -1,8 +1,13 @@
 //! Subcommands. Data goes to stdout; errors, hints and progress go to stderr.
 
+pub mod convert;
+pub mod diff;
 pub mod gather;
 pub mod inspect;
 pub mod layout;
+pub mod report_text;
+pub mod reshard;
+pub mod verify;
 
 use std::io::Write;
 

@@ -186,6 +186,10 @@ pub(crate) fn reference(
                 .map_err(source_err)?;
         }
         Source::PerRank(ranks) => {
+            if let Some(done) = ranks.read_reference(&param.fqn, &mut want) {
+                done.map_err(source_err)?;
+                return Ok(Some(want));
+            }
             for r in &param.from_shards {
                 let shard = &unit.shards[r.shard];
                 let local = ranks

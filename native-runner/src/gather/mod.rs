@@ -7,11 +7,13 @@
 //!
 //! - [`plan`]: the byte-level plan computed from core's layout.
 //! - [`source`]: where shards come from (full checkpoint, synthetic data, rank-local tensors).
+//! - [`ckpt`]: those sources over any checkpoint core's index reads (`.pt`, DCP, safetensors), lazily.
 //! - [`cpu`]: the `cpu` backend, N ranks as threads of one process with a real exchange.
 //! - [`summary`]: per-unit bandwidth table (nccl-tests' algbw/busbw).
 //! - [`rendezvous`]: the TCP exchange of the NCCL unique id for the `cuda` backend.
 //! - `cuda` (feature `cuda`): one process per GPU, candle tensors and NCCL.
 
+pub mod ckpt;
 pub mod cpu;
 #[cfg(feature = "cuda")]
 pub mod cuda;

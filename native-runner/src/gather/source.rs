@@ -5,7 +5,7 @@
 //!   plan's layout (a full checkpoint, or generated data for `--synthetic`).
 //! - [`RankSource`]: the rank-local tensors torch saved (an FSDP1 flat shard, an FSDP2 local chunk).
 //!
-//! Readers for torch formats (per-rank `.pt`, DCP) plug in by implementing one of these.
+//! Readers for torch formats (per-rank `.pt`, DCP, safetensors) implement these in [`super::ckpt`].
 
 use std::borrow::Cow;
 use std::collections::BTreeMap;
@@ -67,6 +67,13 @@ pub enum SourceError {
         found_bytes: u64,
         padded_bytes: u64,
     },
+    /// The checkpoint index could not read a tensor's values (a damaged chunk, a missing file).
+    #[error("{source_name}: tensor `{key}`: {message}")]
+    Read {
+        source_name: String,
+        key: String,
+        message: String,
+    },
     /// A byte range past the end of a tensor was requested (a plan/source mismatch).
     #[error(
         "{source_name}: bytes [{offset}, {offset}+{len}) are outside tensor `{key}` ({size} bytes)"
@@ -103,6 +110,13 @@ pub trait RankSource: Send + Sync {
         key: &str,
         dtype: DType,
     ) -> Result<Option<Cow<'_, [u8]>>, SourceError>;
+
+    /// The checkpoint's own full value of parameter `fqn` for `--verify`, written into `dst` (its
+    /// size), when the checkpoint records it independently of the layout (DTensor or ShardedTensor
+    /// chunk offsets). `None`: verify against the local tensors reassembled through the layout.
+    fn read_reference(&self, _fqn: &str, _dst: &mut [u8]) -> Option<Result<(), SourceError>> {
+        None
+    }
 }
 
 /// A shard source of either kind.

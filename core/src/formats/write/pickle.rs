@@ -201,6 +201,58 @@ pub enum PickleWriteError {
     },
 }
 
+/// A reader-side value ([`crate::formats::pickle::PyValue`]) that has no writer-side form.
+#[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
+#[error(
+    "cannot write back a {kind} read from a pickle (only None, bool, int, float, str, tuple, list, dict, torch.Size and torch dtypes are written)"
+)]
+pub struct FromReadValueError {
+    /// The reader's type name of the value (`tensor`, `bytes`, `object`, ...).
+    pub kind: String,
+}
+
+impl PyValue {
+    /// The writer-side form of a value the pickle *reader* produced (a DCP bytes item, a scalar of a
+    /// `torch.save` file), so that a value read from one checkpoint can be written into another with
+    /// its Python type kept: tuples stay tuples, `torch.Size` stays `torch.Size`, dtypes stay
+    /// `torch.<dtype>` globals. The reader keeps `dict` and `OrderedDict` alike, so both come back as a
+    /// plain `dict`. Tensors, raw bytes, big ints, sets and generic objects are refused: they need a
+    /// storage table or globals that `torch.load(weights_only=True)` rejects.
+    pub fn from_read_value(
+        value: &crate::formats::pickle::PyValue,
+    ) -> Result<Self, FromReadValueError> {
+        use crate::formats::pickle::PyValue as R;
+        let list = |items: &[R]| {
+            items
+                .iter()
+                .map(Self::from_read_value)
+                .collect::<Result<Vec<_>, _>>()
+        };
+        Ok(match value {
+            R::None => PyValue::None,
+            R::Bool(b) => PyValue::Bool(*b),
+            R::Int(i) => PyValue::Int(*i),
+            R::Float(f) => PyValue::Float(*f),
+            R::Str(s) => PyValue::Str(s.clone()),
+            R::Tuple(items) => PyValue::Tuple(list(items)?),
+            R::List(items) => PyValue::List(list(items)?),
+            R::Dict(items) => PyValue::Dict(
+                items
+                    .iter()
+                    .map(|(k, v)| Ok((Self::from_read_value(k)?, Self::from_read_value(v)?)))
+                    .collect::<Result<Vec<_>, FromReadValueError>>()?,
+            ),
+            R::DType(d) => PyValue::global("torch", d.name()),
+            R::Size(dims) => PyValue::call("torch", "Size", vec![PyValue::int_tuple(dims)]),
+            other => {
+                return Err(FromReadValueError {
+                    kind: other.type_name(),
+                });
+            }
+        })
+    }
+}
+
 // Protocol-2 opcodes used here (pickletools names).
 const PROTO: u8 = 0x80;
 const STOP: u8 = b'.';
@@ -614,5 +666,33 @@ mod tests {
             to_pickle(&PyValue::global("torch", "a\nb")),
             Err(PickleWriteError::BadGlobal { .. })
         ));
+    }
+
+    /// A value read by the pickle reader comes back unchanged through `from_read_value`, writing and
+    /// reading again (tuples stay tuples, torch.Size and dtypes keep their types); tensors are refused.
+    #[test]
+    fn read_values_round_trip_through_the_writer() {
+        use crate::formats::pickle::{self as reader, PyValue as R};
+        let value = R::Dict(vec![
+            (R::Str("lr".into()), R::Float(0.01)),
+            (
+                R::Str("betas".into()),
+                R::Tuple(vec![R::Float(0.8), R::Float(0.95)]),
+            ),
+            (
+                R::Str("params".into()),
+                R::List(vec![R::Int(0), R::Int(-3)]),
+            ),
+            (
+                R::Str("flags".into()),
+                R::Tuple(vec![R::Bool(true), R::None]),
+            ),
+            (R::Str("size".into()), R::Size(vec![2, 3])),
+            (R::Str("dtype".into()), R::DType(DType::BFloat16)),
+        ]);
+        let written = PyValue::from_read_value(&value).unwrap();
+        let again = reader::parse(&to_pickle(&written).unwrap()).unwrap();
+        assert_eq!(again, value);
+        assert!(PyValue::from_read_value(&R::Bytes(vec![1])).is_err());
     }
 }

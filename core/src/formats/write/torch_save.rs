@@ -108,12 +108,27 @@ impl<W: Write> TorchSaveWriter<W> {
         root: &PyValue,
         storages: Vec<StorageSpec>,
     ) -> Result<Self, TorchSaveError> {
+        Self::with_globals(out, archive, root, storages, false)
+    }
+
+    /// As [`TorchSaveWriter::new`], but with `any_global` the object tree may name any global and
+    /// build objects (e.g. FSDP1 `ShardedTensor`s of LOCAL state dicts). Such archives load with
+    /// `torch.load(..., weights_only=False)` only (or with the classes allow-listed).
+    pub fn with_globals(
+        out: W,
+        archive: &str,
+        root: &PyValue,
+        storages: Vec<StorageSpec>,
+        any_global: bool,
+    ) -> Result<Self, TorchSaveError> {
         if archive.is_empty() || archive.contains('/') || archive.contains('\n') {
             return Err(TorchSaveError::BadArchiveName {
                 archive: archive.to_owned(),
             });
         }
-        check_globals(root)?;
+        if !any_global {
+            check_globals(root)?;
+        }
         for (storage, spec) in storages.iter().enumerate() {
             if spec
                 .numel

@@ -1,0 +1,619 @@
+//! The one bridge between file formats and [`crate::model::tree`] values.
+//!
+//! - Reading: a `torch.save` archive (its bytes, or a member of a [`Source`]) → [`Node`], with every
+//!   tensor materialised from its storage ([`node_from_torch_save`], [`node_from_source`]).
+//!   `ShardedTensor`s and `DTensor`s become [`Node::Dist`]; anything that is not plain data
+//!   (arbitrary objects, sets, globals, big integers) is an error naming its path.
+//! - Writing: [`Node`] → the writer's [`PyValue`] plus a storage table, ready for
+//!   [`TorchSaveWriter`] ([`to_torch_save`], [`plan_torch_save`]). One contiguous storage per
+//!   tensor. A `ShardedTensor` is pickled exactly as torch 2.15 pickles it
+//!   (`torch._tensor._rebuild_from_type_v2(_rebuild_wrapper_subclass, ShardedTensor, ..., state)`),
+//!   so FSDP1 LOCAL state dicts load into `FSDP` with `LOCAL_STATE_DICT`; such archives need
+//!   `torch.load(weights_only=False)` inside a process group of the recorded world size (torch's
+//!   own `ShardedTensor.__setstate__` requires that). Archives without distributed tensors load
+//!   with `weights_only=True`.
+
+use crate::dtype::DType;
+use crate::formats::pickle::{DTensorRecord, Placement, PyValue as ReadValue, ShardedTensorRecord};
+use crate::formats::torch_zip::{self, TorchArchive, TorchZipError};
+use crate::formats::write::pickle::{PyValue, StorageSpec, TensorPickle};
+use crate::formats::write::torch_save::{TorchSaveError, TorchSaveWriter};
+use crate::model::tree::{ChunkMeta, Dict, DistKind, DistTensor, Key, Node, Tensor};
+use crate::source::{Source, SourceError};
+
+/// Why a value cannot cross the bridge.
+#[derive(Debug, thiserror::Error)]
+pub enum BridgeError {
+    /// The file could not be read from its source.
+    #[error("{file}: {source}")]
+    Source {
+        file: String,
+        #[source]
+        source: SourceError,
+    },
+    /// The torch archive is malformed.
+    #[error("{file}: {source}")]
+    Archive {
+        file: String,
+        #[source]
+        source: TorchZipError,
+    },
+    /// A value has no state-dict meaning (an object, a set, a global, ...).
+    #[error("{file}: {path}: unsupported value of type {found} in a state dict")]
+    Unsupported {
+        file: String,
+        path: String,
+        found: String,
+    },
+    /// A dictionary key is neither a `str` nor an `int`.
+    #[error("{file}: {path}: unsupported dictionary key of type {found}")]
+    BadKey {
+        file: String,
+        path: String,
+        found: String,
+    },
+    /// A distributed tensor's record is not one this bridge understands.
+    #[error("{file}: {path}: {reason}")]
+    BadDist {
+        file: String,
+        path: String,
+        reason: String,
+    },
+    /// A tensor's bytes disagree with its dtype and shape (or a local shard with its metadata).
+    #[error("{path}: {reason}")]
+    BadTensor { path: String, reason: String },
+    /// The archive could not be written.
+    #[error("writing torch.save archive: {0}")]
+    Write(#[from] TorchSaveError),
+}
+
+/// Reads a whole `torch.save` archive held in `bytes` (`file` names it in errors).
+pub fn node_from_torch_save(bytes: &[u8], file: &str) -> Result<Node, BridgeError> {
+    let archive = torch_zip::read_archive(bytes).map_err(|source| BridgeError::Archive {
+        file: file.to_owned(),
+        source,
+    })?;
+    let reader = Reader {
+        bytes,
+        archive: &archive,
+        file,
+    };
+    reader.value(&archive.root, "")
+}
+
+/// Reads member `name` of `source` as a `torch.save` archive.
+pub fn node_from_source(source: &dyn Source, name: &str) -> Result<Node, BridgeError> {
+    let bytes = source
+        .read_all(name)
+        .map_err(|source| BridgeError::Source {
+            file: name.to_owned(),
+            source,
+        })?;
+    node_from_torch_save(&bytes, name)
+}
+
+struct Reader<'a> {
+    bytes: &'a [u8],
+    archive: &'a TorchArchive,
+    file: &'a str,
+}
+
+impl Reader<'_> {
+    fn unsupported(&self, path: &str, v: &ReadValue) -> BridgeError {
+        BridgeError::Unsupported {
+            file: self.file.to_owned(),
+            path: display_path(path),
+            found: v.type_name(),
+        }
+    }
+
+    fn bad_dist(&self, path: &str, reason: impl Into<String>) -> BridgeError {
+        BridgeError::BadDist {
+            file: self.file.to_owned(),
+            path: display_path(path),
+            reason: reason.into(),
+        }
+    }
+
+    fn tensor(
+        &self,
+        t: &crate::formats::pickle::TensorRef,
+        path: &str,
+    ) -> Result<Tensor, BridgeError> {
+        let archive_err = |source| BridgeError::Archive {
+            file: self.file.to_owned(),
+            source,
+        };
+        let range = self.archive.storage_range(t).map_err(archive_err)?;
+        // `storage_range` checked the member against the archive length.
+        let start = usize::try_from(range.offset).unwrap_or(usize::MAX);
+        let end = usize::try_from(range.offset.saturating_add(range.len)).unwrap_or(usize::MAX);
+        let storage = self
+            .bytes
+            .get(start..end)
+            .ok_or_else(|| BridgeError::BadTensor {
+                path: format!("{}: {}", self.file, display_path(path)),
+                reason: "storage outside the archive".to_owned(),
+            })?;
+        let data = torch_zip::gather_view(storage, t).map_err(archive_err)?;
+        Tensor::new(t.storage.dtype, t.shape.clone(), data).map_err(|e| BridgeError::BadTensor {
+            path: format!("{}: {}", self.file, display_path(path)),
+            reason: e.to_string(),
+        })
+    }
+
+    fn value(&self, v: &ReadValue, path: &str) -> Result<Node, BridgeError> {
+        Ok(match v {
+            ReadValue::None => Node::None,
+            ReadValue::Bool(b) => Node::Bool(*b),
+            ReadValue::Int(i) => Node::Int(*i),
+            ReadValue::Float(f) => Node::Float(*f),
+            ReadValue::Str(s) => Node::Str(s.clone()),
+            ReadValue::Bytes(b) => Node::Bytes(b.clone()),
+            ReadValue::Tuple(items) => Node::Tuple(self.items(items, path)?),
+            ReadValue::List(items) => Node::List(self.items(items, path)?),
+            ReadValue::Size(dims) => Node::Tuple(
+                dims.iter()
+                    .map(|&d| i64::try_from(d).map(Node::Int))
+                    .collect::<Result<_, _>>()
+                    .map_err(|_| self.unsupported(path, v))?,
+            ),
+            ReadValue::Dict(items) => {
+                let mut d = Dict::new();
+                for (k, val) in items {
+                    let key = match k {
+                        ReadValue::Str(s) => Key::Str(s.clone()),
+                        ReadValue::Int(i) => Key::Int(*i),
+                        other => {
+                            return Err(BridgeError::BadKey {
+                                file: self.file.to_owned(),
+                                path: display_path(path),
+                                found: other.type_name(),
+                            });
+                        }
+                    };
+                    let sub = format!("{path}/{key}");
+                    d.insert(key, self.value(val, &sub)?);
+                }
+                Node::Dict(d)
+            }
+            ReadValue::Tensor(t) => Node::Tensor(self.tensor(t, path)?),
+            ReadValue::ShardedTensor(st) => Node::Dist(self.sharded(st, path)?),
+            ReadValue::DTensor(dt) => Node::Dist(self.dtensor(dt, path)?),
+            ReadValue::BigInt(_)
+            | ReadValue::Set(_)
+            | ReadValue::Global(_)
+            | ReadValue::DType(_)
+            | ReadValue::Storage(_)
+            | ReadValue::Object(_) => return Err(self.unsupported(path, v)),
+        })
+    }
+
+    fn items(&self, items: &[ReadValue], path: &str) -> Result<Vec<Node>, BridgeError> {
+        items
+            .iter()
+            .enumerate()
+            .map(|(i, x)| self.value(x, &format!("{path}/{i}")))
+            .collect()
+    }
+
+    fn sharded(&self, st: &ShardedTensorRecord, path: &str) -> Result<DistTensor, BridgeError> {
+        if st.local_shards.len() > 1 {
+            return Err(self.bad_dist(
+                path,
+                format!(
+                    "ShardedTensor has {} local shards on one rank; FSDP writes at most one",
+                    st.local_shards.len()
+                ),
+            ));
+        }
+        let local = match st.local_shards.first() {
+            Some(shard) => {
+                let t = self.tensor(&shard.tensor, path)?;
+                if t.shape != shard.sizes || t.dtype != st.dtype {
+                    return Err(self.bad_dist(
+                        path,
+                        format!(
+                            "local shard tensor ({}, {:?}) disagrees with its metadata ({}, {:?})",
+                            t.dtype, t.shape, st.dtype, shard.sizes
+                        ),
+                    ));
+                }
+                Some((shard.offsets.clone(), t))
+            }
+            None => None,
+        };
+        Ok(DistTensor {
+            kind: DistKind::ShardedTensor,
+            dtype: st.dtype,
+            global_shape: st.global_shape.clone(),
+            local,
+            chunks: st
+                .shards
+                .iter()
+                .map(|m| ChunkMeta {
+                    offsets: m.offsets.clone(),
+                    sizes: m.sizes.clone(),
+                    placement: m.placement.clone(),
+                })
+                .collect(),
+        })
+    }
+
+    fn dtensor(&self, dt: &DTensorRecord, path: &str) -> Result<DistTensor, BridgeError> {
+        let t = self.tensor(&dt.local, path)?;
+        let dim0 = dt.global_shape.first().copied().unwrap_or(0);
+        let mut offsets = vec![0u64; dt.global_shape.len()];
+        match dt.placements.as_slice() {
+            [Placement::Replicate] => {}
+            [Placement::Shard { dim: 0 }] => {
+                let (Some(&[n]), Some(&[c])) = (
+                    dt.mesh_shape.as_deref().map(<[u64]>::as_ref),
+                    dt.mesh_coordinate.as_deref().map(<[u64]>::as_ref),
+                ) else {
+                    return Err(self.bad_dist(
+                        path,
+                        "DTensor Shard(0) without a readable 1-D mesh shape and coordinate",
+                    ));
+                };
+                // torch.chunk: every chunk but the last has ceil(dim0 / n) rows.
+                let chunk = dim0.div_ceil(n.max(1));
+                if let Some(o) = offsets.first_mut() {
+                    *o = c.saturating_mul(chunk).min(dim0);
+                }
+            }
+            other => {
+                let names: Vec<String> = other.iter().map(ToString::to_string).collect();
+                return Err(self.bad_dist(
+                    path,
+                    format!(
+                        "DTensor placements [{}] are not supported (only Shard(0) or Replicate on a 1-D mesh)",
+                        names.join(", ")
+                    ),
+                ));
+            }
+        }
+        Ok(DistTensor {
+            kind: DistKind::DTensor,
+            dtype: dt.dtype,
+            global_shape: dt.global_shape.clone(),
+            local: Some((offsets, t)),
+            chunks: Vec::new(),
+        })
+    }
+}
+
+fn display_path(path: &str) -> String {
+    if path.is_empty() {
+        "<root>".to_owned()
+    } else {
+        path.to_owned()
+    }
+}
+
+/// How [`plan_torch_save`] renders the root dictionary.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum RootDict {
+    /// A plain `dict` (`optim.state_dict()`, `FSDP.optim_state_dict`).
+    Plain,
+    /// A `collections.OrderedDict` (`nn.Module.state_dict()`).
+    Ordered,
+}
+
+/// A [`Node`] as the writer sees it: the object tree and the storages in table order.
+#[derive(Debug)]
+pub struct TorchSavePlan<'n> {
+    pub root: PyValue,
+    pub storages: Vec<(StorageSpec, &'n [u8])>,
+    /// True when the tree holds objects `weights_only=True` refuses (ShardedTensors).
+    pub needs_globals: bool,
+}
+
+/// Plans a `torch.save` of `node`. `world_size` is the process-group size recorded in every
+/// `ShardedTensor` (the number of ranks of the checkpoint) and `rank` this file's rank.
+pub fn plan_torch_save(
+    node: &Node,
+    root_dict: RootDict,
+    rank: u64,
+    world_size: u64,
+) -> Result<TorchSavePlan<'_>, BridgeError> {
+    let mut w = Writer {
+        storages: Vec::new(),
+        needs_globals: false,
+        rank,
+        world_size,
+    };
+    let root = match (node, root_dict) {
+        (Node::Dict(d), RootDict::Ordered) => PyValue::OrderedDict(w.entries(d, "")?),
+        _ => w.value(node, "")?,
+    };
+    Ok(TorchSavePlan {
+        root,
+        storages: w.storages,
+        needs_globals: w.needs_globals,
+    })
+}
+
+/// `torch.save(node)` into a vector (archive folder `archive`, as torch uses for buffers).
+pub fn to_torch_save(
+    node: &Node,
+    root_dict: RootDict,
+    rank: u64,
+    world_size: u64,
+) -> Result<Vec<u8>, BridgeError> {
+    let plan = plan_torch_save(node, root_dict, rank, world_size)?;
+    let specs = plan.storages.iter().map(|(s, _)| *s).collect();
+    let mut writer = TorchSaveWriter::with_globals(
+        Vec::new(),
+        "archive",
+        &plan.root,
+        specs,
+        plan.needs_globals,
+    )?;
+    for (_, data) in &plan.storages {
+        writer.write_storage(data)?;
+    }
+    Ok(writer.finish()?)
+}
+
+struct Writer<'n> {
+    storages: Vec<(StorageSpec, &'n [u8])>,
+    needs_globals: bool,
+    rank: u64,
+    world_size: u64,
+}
+
+fn int(v: u64) -> PyValue {
+    PyValue::Int(i64::try_from(v).unwrap_or(i64::MAX))
+}
+
+fn int_list(values: &[u64]) -> PyValue {
+    PyValue::List(values.iter().map(|&v| int(v)).collect())
+}
+
+fn dtype_global(dtype: DType) -> PyValue {
+    PyValue::global("torch", dtype.to_string())
+}
+
+fn cpu_device() -> PyValue {
+    PyValue::call("torch", "device", vec![PyValue::str("cpu")])
+}
+
+/// `torch.distributed.remote_device._remote_device` for `rank:<r>/cpu`.
+fn remote_device(rank: u64) -> PyValue {
+    PyValue::object(
+        "torch.distributed.remote_device",
+        "_remote_device",
+        vec![
+            ("_worker_name", PyValue::None),
+            ("_rank", int(rank)),
+            ("_device", cpu_device()),
+        ],
+    )
+}
+
+fn placement_rank(placement: Option<&str>, fallback: u64) -> u64 {
+    // `rank:3/cpu`
+    placement
+        .and_then(|p| p.strip_prefix("rank:"))
+        .and_then(|p| p.split('/').next())
+        .and_then(|r| r.parse().ok())
+        .unwrap_or(fallback)
+}
+
+/// `ShardMetadata` is a slotted dataclass: `BUILD` gets `(None, {slots})`.
+fn shard_metadata(offsets: &[u64], sizes: &[u64], rank: u64) -> PyValue {
+    PyValue::Object {
+        class: Box::new(PyValue::global(
+            "torch.distributed._shard.metadata",
+            "ShardMetadata",
+        )),
+        state: Box::new(PyValue::Tuple(vec![
+            PyValue::None,
+            PyValue::Dict(vec![
+                (PyValue::str("shard_offsets"), int_list(offsets)),
+                (PyValue::str("shard_sizes"), int_list(sizes)),
+                (PyValue::str("placement"), remote_device(rank)),
+            ]),
+        ])),
+    }
+}
+
+impl<'n> Writer<'n> {
+    fn tensor(&mut self, t: &'n Tensor) -> PyValue {
+        let index = self.storages.len();
+        self.storages.push((
+            StorageSpec {
+                dtype: t.dtype,
+                numel: t.numel(),
+            },
+            &t.data,
+        ));
+        PyValue::Tensor(TensorPickle::contiguous(index, t.dtype, &t.shape))
+    }
+
+    fn entries(&mut self, d: &'n Dict, path: &str) -> Result<Vec<(PyValue, PyValue)>, BridgeError> {
+        d.iter()
+            .map(|(k, v)| {
+                let key = match k {
+                    Key::Int(i) => PyValue::Int(*i),
+                    Key::Str(s) => PyValue::str(s.clone()),
+                };
+                Ok((key, self.value(v, &format!("{path}/{k}"))?))
+            })
+            .collect()
+    }
+
+    fn value(&mut self, node: &'n Node, path: &str) -> Result<PyValue, BridgeError> {
+        Ok(match node {
+            Node::None => PyValue::None,
+            Node::Bool(b) => PyValue::Bool(*b),
+            Node::Int(i) => PyValue::Int(*i),
+            Node::Float(f) => PyValue::Float(*f),
+            Node::Str(s) => PyValue::str(s.clone()),
+            Node::Bytes(_) => {
+                return Err(BridgeError::Unsupported {
+                    file: "<output>".to_owned(),
+                    path: display_path(path),
+                    found: "bytes".to_owned(),
+                });
+            }
+            Node::Tensor(t) => self.tensor(t),
+            Node::List(items) => PyValue::List(
+                items
+                    .iter()
+                    .enumerate()
+                    .map(|(i, x)| self.value(x, &format!("{path}/{i}")))
+                    .collect::<Result<_, _>>()?,
+            ),
+            Node::Tuple(items) => PyValue::Tuple(
+                items
+                    .iter()
+                    .enumerate()
+                    .map(|(i, x)| self.value(x, &format!("{path}/{i}")))
+                    .collect::<Result<_, _>>()?,
+            ),
+            Node::Dict(d) => PyValue::Dict(self.entries(d, path)?),
+            Node::Dist(dist) => match dist.kind {
+                DistKind::ShardedTensor => self.sharded_tensor(dist, path)?,
+                DistKind::DTensor => {
+                    return Err(BridgeError::Unsupported {
+                        file: "<output>".to_owned(),
+                        path: display_path(path),
+                        found: "DTensor (writing DTensors is not supported)".to_owned(),
+                    });
+                }
+            },
+        })
+    }
+
+    /// The pickle torch 2.15 writes for an FSDP1 `ShardedTensor` on this rank.
+    fn sharded_tensor(&mut self, d: &'n DistTensor, path: &str) -> Result<PyValue, BridgeError> {
+        const ST: &str = "torch.distributed._shard.sharded_tensor.api";
+        const META: &str = "torch.distributed._shard.sharded_tensor.metadata";
+        self.needs_globals = true;
+        let class = PyValue::global(ST, "ShardedTensor");
+        let mut local_shards = Vec::new();
+        if let Some((offsets, t)) = &d.local {
+            if t.dtype != d.dtype || t.shape.len() != d.global_shape.len() {
+                return Err(BridgeError::BadTensor {
+                    path: display_path(path),
+                    reason: "local shard disagrees with the ShardedTensor's dtype or rank"
+                        .to_owned(),
+                });
+            }
+            let tensor = self.tensor(t);
+            local_shards.push(PyValue::Object {
+                class: Box::new(PyValue::global(
+                    "torch.distributed._shard.sharded_tensor.shard",
+                    "Shard",
+                )),
+                state: Box::new(PyValue::Tuple(vec![
+                    PyValue::None,
+                    PyValue::Dict(vec![
+                        (PyValue::str("tensor"), tensor),
+                        (
+                            PyValue::str("metadata"),
+                            shard_metadata(offsets, &t.shape, self.rank),
+                        ),
+                    ]),
+                ])),
+            });
+        }
+        let shards_metadata: Vec<PyValue> = d
+            .chunks
+            .iter()
+            .enumerate()
+            .map(|(i, c)| {
+                shard_metadata(
+                    &c.offsets,
+                    &c.sizes,
+                    placement_rank(c.placement.as_deref(), i as u64),
+                )
+            })
+            .collect();
+        let placements: Vec<PyValue> = d
+            .chunks
+            .iter()
+            .enumerate()
+            .map(|(i, c)| remote_device(placement_rank(c.placement.as_deref(), i as u64)))
+            .collect();
+        let size = PyValue::call("torch", "Size", vec![PyValue::int_tuple(&d.global_shape)]);
+        let properties = PyValue::Object {
+            class: Box::new(PyValue::global(META, "TensorProperties")),
+            state: Box::new(PyValue::Tuple(vec![
+                dtype_global(d.dtype),
+                PyValue::call(
+                    "torch.serialization",
+                    "_get_layout",
+                    vec![PyValue::str("torch.strided")],
+                ),
+                PyValue::Bool(false),
+                PyValue::call(META, "MEM_FORMAT_ENCODING", vec![PyValue::Int(0)]),
+                PyValue::Bool(false),
+            ])),
+        };
+        let metadata = PyValue::object(
+            META,
+            "ShardedTensorMetadata",
+            vec![
+                ("shards_metadata", PyValue::List(shards_metadata)),
+                ("size", size),
+                ("tensor_properties", properties),
+            ],
+        );
+        let pg_state = PyValue::Object {
+            class: Box::new(PyValue::call(
+                "__builtin__",
+                "getattr",
+                vec![class.clone(), PyValue::str("ProcessGroupState")],
+            )),
+            state: Box::new(PyValue::Dict(vec![
+                (PyValue::str("local_rank"), int(self.rank)),
+                (PyValue::str("global_rank"), int(self.rank)),
+                (PyValue::str("local_world_size"), int(self.world_size)),
+                (PyValue::str("global_world_size"), int(self.world_size)),
+            ])),
+        };
+        let spec = PyValue::object(
+            "torch.distributed._shard.sharding_spec.chunk_sharding_spec",
+            "ChunkShardingSpec",
+            vec![
+                ("dim", PyValue::Int(0)),
+                ("placements", PyValue::List(placements)),
+            ],
+        );
+        let state = PyValue::Tuple(vec![
+            PyValue::List(local_shards),
+            metadata,
+            pg_state,
+            spec,
+            PyValue::Bool(false),
+        ]);
+        let strides = crate::formats::write::contiguous_strides(&d.global_shape);
+        let args = PyValue::Tuple(vec![
+            class.clone(),
+            dtype_global(d.dtype),
+            PyValue::int_tuple(&d.global_shape),
+            PyValue::int_tuple(&strides),
+            PyValue::Int(0),
+            PyValue::call(
+                "torch.serialization",
+                "_get_layout",
+                vec![PyValue::str("torch.strided")],
+            ),
+            cpu_device(),
+            PyValue::Bool(false),
+        ]);
+        Ok(PyValue::call(
+            "torch._tensor",
+            "_rebuild_from_type_v2",
+            vec![
+                PyValue::global("torch._utils", "_rebuild_wrapper_subclass"),
+                class,
+                args,
+                state,
+            ],
+        ))
+    }
+}

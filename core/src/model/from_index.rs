@@ -1,0 +1,264 @@
+//! A [`ModelDescription`] derived from a checkpoint instead of written by hand.
+//!
+//! FSDP flattens parameters in registration order (`named_parameters()`), so a description needs the
+//! keys in that order. [`stored_key_order`] recovers the order the checkpoint stores them in: a
+//! `torch.save` state dict keeps the module's `state_dict()` order (a Python dict), a DCP directory
+//! keeps it in its `.metadata` (the planner walks the state dict in order). Safetensors files sort
+//! their keys, so the order they give is alphabetical, not registration order.
+//!
+//! [`description_from_index`] then keeps the floating-point tensor entries (buffers cannot be told
+//! from parameters in a checkpoint: exclude them by name), drops optimizer state, takes a subtree on
+//! request (`model` of a DCP app state) and makes every module prefix the caller's predicate accepts
+//! an FSDP unit.
+
+use std::collections::BTreeSet;
+
+use crate::formats::pickle::PyValue;
+use crate::formats::{dcp, torch_zip};
+use crate::model::description::{DescriptionError, ModelDescription, ParamSpec};
+use crate::model::fqn::clean_tensor_name;
+use crate::model::index::{CheckpointIndex, EntryKind, Format, IndexError};
+use crate::source::Source;
+
+/// Why a description cannot be derived from a checkpoint.
+#[derive(Debug, thiserror::Error)]
+pub enum FromIndexError {
+    /// Reading the checkpoint's files failed.
+    #[error(transparent)]
+    Index(#[from] IndexError),
+    /// A `torch.save` file cannot be decoded.
+    #[error("{file}: {message}")]
+    TorchFile { file: String, message: String },
+    /// The DCP `.metadata` cannot be decoded.
+    #[error("{file}: {message}")]
+    DcpMetadata { file: String, message: String },
+    /// No tensor entry is left after the filters.
+    #[error(
+        "no floating-point tensor entries{} in the checkpoint{}",
+        select.as_ref().map(|s| format!(" under `{s}.`")).unwrap_or_default(),
+        if *flat { " (it holds FSDP1 LOCAL flat parameters, which do not record the original parameters' shapes)" } else { "" }
+    )]
+    Empty { select: Option<String>, flat: bool },
+    /// The derived description is invalid (e.g. a unit that names a parameter).
+    #[error(transparent)]
+    Description(#[from] DescriptionError),
+}
+
+/// The checkpoint's keys in stored order, and whether that order is the module's registration order.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct KeyOrder {
+    /// Clean keys (wrapper prefixes removed), nesting joined with `.` as in the index.
+    pub keys: Vec<String>,
+    /// False for safetensors, whose keys are sorted by name.
+    pub registration_order: bool,
+}
+
+/// Every leaf key of a pickled state dict in dict order (the same traversal and clean-up as the
+/// index: mappings are descended, lists/tuples of tensors or containers too).
+fn walk(v: &PyValue, prefix: &mut Vec<String>, out: &mut Vec<String>) {
+    let container = |x: &PyValue| {
+        matches!(
+            x,
+            PyValue::Tensor(_)
+                | PyValue::ShardedTensor(_)
+                | PyValue::DTensor(_)
+                | PyValue::Dict(_)
+                | PyValue::List(_)
+                | PyValue::Tuple(_)
+        )
+    };
+    match v {
+        PyValue::Dict(items) => {
+            for (k, val) in items {
+                let seg = match k {
+                    PyValue::Str(s) => s.clone(),
+                    PyValue::Int(i) => i.to_string(),
+                    PyValue::Bool(b) => if *b { "True" } else { "False" }.to_owned(),
+                    _ => continue,
+                };
+                prefix.push(seg);
+                walk(val, prefix, out);
+                prefix.pop();
+            }
+        }
+        PyValue::List(items) | PyValue::Tuple(items) if items.iter().any(container) => {
+            for (i, val) in items.iter().enumerate() {
+                prefix.push(i.to_string());
+                walk(val, prefix, out);
+                prefix.pop();
+            }
+        }
+        _ => out.push(clean_key(&prefix.join("."))),
+    }
+}
+
+fn clean_key(raw: &str) -> String {
+    clean_tensor_name(&format!("{raw}."))
+        .trim_end_matches('.')
+        .to_owned()
+}
+
+/// The keys of the checkpoint indexed as `index` in the order its files store them.
+///
+/// `torch.save` files: the first file's dict order (per-rank files of one checkpoint share it).
+/// DCP: the order of `.metadata`'s state-dict metadata. Safetensors: the index order (sorted).
+pub fn stored_key_order(
+    source: &dyn Source,
+    index: &CheckpointIndex,
+) -> Result<KeyOrder, FromIndexError> {
+    let names = source.names();
+    match index.format {
+        Format::Dcp => {
+            let meta = names
+                .iter()
+                .find(|n| n.as_str() == ".metadata")
+                .or_else(|| names.iter().find(|n| n.ends_with("/.metadata")))
+                .cloned()
+                .unwrap_or_else(|| ".metadata".to_owned());
+            let bytes = source.read_all(&meta).map_err(IndexError::from)?;
+            let parsed = dcp::read_metadata(&bytes).map_err(|e| FromIndexError::DcpMetadata {
+                file: meta.clone(),
+                message: e.to_string(),
+            })?;
+            Ok(KeyOrder {
+                keys: parsed.items.iter().map(|(k, _)| clean_key(k)).collect(),
+                registration_order: true,
+            })
+        }
+        Format::TorchSave => {
+            let Some(first) = index.files.keys().next() else {
+                return Ok(KeyOrder {
+                    keys: Vec::new(),
+                    registration_order: true,
+                });
+            };
+            let bytes = source.read_all(first).map_err(IndexError::from)?;
+            let archive =
+                torch_zip::read_archive(&bytes).map_err(|e| FromIndexError::TorchFile {
+                    file: first.clone(),
+                    message: e.to_string(),
+                })?;
+            let mut keys = Vec::new();
+            walk(&archive.root, &mut Vec::new(), &mut keys);
+            Ok(KeyOrder {
+                keys,
+                registration_order: true,
+            })
+        }
+        Format::Safetensors => Ok(KeyOrder {
+            keys: index.entries.iter().map(|e| e.key.clone()).collect(),
+            registration_order: false,
+        }),
+    }
+}
+
+/// What to take from the checkpoint.
+#[allow(missing_debug_implementations)] // holds closures
+pub struct FromIndexOptions<'a> {
+    /// Take only keys under `SELECT.` (with the prefix removed), e.g. `model` in a DCP app state.
+    pub select: Option<&'a str>,
+    /// Leave out keys (after `select`'s prefix is removed) this accepts: buffers, for example.
+    pub exclude: Option<&'a dyn Fn(&str) -> bool>,
+    /// A module prefix this accepts (in full) becomes an FSDP unit.
+    pub is_unit: &'a dyn Fn(&str) -> bool,
+    /// Add the root module (`""`) as a unit.
+    pub root_unit: bool,
+}
+
+/// The derived description and what was left out.
+#[derive(Debug, Clone)]
+pub struct Derived {
+    pub model: ModelDescription,
+    /// Keys that were not taken, with the reason (`optimizer state`, `not floating point`, ...).
+    pub skipped: Vec<(String, &'static str)>,
+}
+
+/// Builds a description from the checkpoint's entries in `order`: every floating-point tensor with a
+/// global shape that is not optimizer state and not excluded, in that order; the units are the
+/// module prefixes (dotted prefixes of those FQNs) that `options.is_unit` accepts, in the order they
+/// first appear, after the root when `options.root_unit`.
+pub fn description_from_index(
+    index: &CheckpointIndex,
+    order: &KeyOrder,
+    options: &FromIndexOptions<'_>,
+) -> Result<Derived, FromIndexError> {
+    let mut params = Vec::new();
+    let mut skipped = Vec::new();
+    let mut seen = BTreeSet::new();
+    let mut saw_flat = false;
+    // Keys the order does not list (never expected) come after, in index order.
+    let listed: BTreeSet<&str> = order.keys.iter().map(String::as_str).collect();
+    let tail = index
+        .entries
+        .iter()
+        .map(|e| &e.key)
+        .filter(|k| !listed.contains(k.as_str()));
+    for key in order.keys.iter().chain(tail) {
+        if !seen.insert(key.as_str()) {
+            continue;
+        }
+        let Some(entry) = index.entry(key) else {
+            continue;
+        };
+        let fqn = match options.select {
+            Some(sel) => match key.strip_prefix(sel).and_then(|r| r.strip_prefix('.')) {
+                Some(rest) => rest,
+                None => continue,
+            },
+            None => key.as_str(),
+        };
+        let reason = if entry.role.is_some() {
+            Some("optimizer state")
+        } else if entry.kind != EntryKind::Tensor {
+            Some("not a tensor")
+        } else if entry.flat_param {
+            saw_flat = true;
+            Some("FSDP1 flat parameter")
+        } else if !entry.dtype.is_some_and(crate::DType::is_floating_point) {
+            Some("not floating point")
+        } else if entry.shape.is_none() {
+            Some("rank-local pieces without a global shape")
+        } else if options.exclude.is_some_and(|ex| ex(fqn)) {
+            Some("excluded")
+        } else {
+            None
+        };
+        if let Some(reason) = reason {
+            skipped.push((key.clone(), reason));
+            continue;
+        }
+        let (Some(dtype), Some(shape)) = (entry.dtype, entry.shape.clone()) else {
+            continue;
+        };
+        params.push(ParamSpec {
+            fqn: fqn.to_owned(),
+            shape,
+            dtype,
+            requires_grad: true,
+            shared_with: None,
+        });
+    }
+    if params.is_empty() {
+        return Err(FromIndexError::Empty {
+            select: options.select.map(str::to_owned),
+            flat: saw_flat,
+        });
+    }
+    let mut units = Vec::new();
+    if options.root_unit {
+        units.push(String::new());
+    }
+    let mut seen_units = BTreeSet::new();
+    for p in &params {
+        let mut end = 0;
+        while let Some(dot) = p.fqn[end..].find('.') {
+            let prefix = &p.fqn[..end + dot];
+            if seen_units.insert(prefix.to_owned()) && (options.is_unit)(prefix) {
+                units.push(prefix.to_owned());
+            }
+            end += dot + 1;
+        }
+    }
+    let model = ModelDescription::new(params, units, Vec::new())?;
+    Ok(Derived { model, skipped })
+}

@@ -1,0 +1,265 @@
+//! `shardscope convert`: DCP or full checkpoints to safetensors, `torch.save` or DCP, streaming one
+//! tensor at a time, written atomically. The engine is `crate::convert`.
+
+use std::io::IsTerminal;
+use std::path::PathBuf;
+use std::process::ExitCode;
+use std::time::Instant;
+
+use anyhow::{Context, Result, bail};
+use clap::{Args, ValueEnum};
+use shardscope_core::model::index::CheckpointKind;
+
+use super::{human_bytes, print_stdout};
+use crate::convert::{self, Progress, Reader, ShardApi};
+
+#[derive(Debug, Clone, Copy, PartialEq, Eq, ValueEnum)]
+pub enum Target {
+    /// One `.safetensors` file, or HF shards with `--max-shard-size`.
+    Safetensors,
+    /// One `torch.save` file, nested as `dcp_to_torch_save` nests it.
+    Torch,
+    /// A DCP directory sharded for `--world-size` ranks.
+    Dcp,
+}
+
+#[derive(Debug, Args)]
+pub struct ConvertArgs {
+    /// The checkpoint to read: a DCP directory, a safetensors or `torch.save` file.
+    #[arg(value_name = "SRC")]
+    pub src: PathBuf,
+    /// Where to write (a file; a directory for DCP and for sharded safetensors). Must not exist,
+    /// or (directories) be empty.
+    #[arg(short, long, value_name = "DST")]
+    pub output: PathBuf,
+    /// Output format; by default from DST's extension (`.safetensors`, `.pt`/`.pth`/`.bin`), or DCP
+    /// when `--world-size` is given.
+    #[arg(long, value_enum)]
+    pub to: Option<Target>,
+    /// Keep only keys under this prefix and strip it (`--select model` gives HF-ready FQNs).
+    #[arg(long, value_name = "PREFIX")]
+    pub select: Option<String>,
+    /// safetensors: split into HF shards of at most this many bytes (`5GB`, `500MB`, `2GiB`, `1000`)
+    /// in the directory DST, with `model.safetensors.index.json`.
+    #[arg(long, value_name = "SIZE", value_parser = parse_size)]
+    pub max_shard_size: Option<u64>,
+    /// DCP: the number of ranks to shard for.
+    #[arg(long, value_name = "N")]
+    pub world_size: Option<usize>,
+    /// DCP: chunk as FSDP1 `ShardedTensor` or FSDP2 `DTensor` (zero-size chunks on trailing ranks).
+    #[arg(long, value_enum, default_value = "fsdp2")]
+    pub api: ShardApi,
+    /// DCP: nest every key under this one (`--nest model` for `dcp.load({"model": ...})`).
+    #[arg(long, value_name = "KEY")]
+    pub nest: Option<String>,
+    /// A folder of per-rank FSDP1 LOCAL files: the model description that gives their layout.
+    #[arg(long, value_name = "MODEL")]
+    pub model: Option<PathBuf>,
+    /// Per-rank FSDP1 files: they were saved with `use_orig_params=True`.
+    #[arg(long, requires = "model")]
+    pub use_orig_params: bool,
+    /// Per-rank FSDP1 files: where the full optimizer state dict goes (default `<DST stem>.optim.pt`).
+    #[arg(long, value_name = "PATH", requires = "model")]
+    pub optim_output: Option<PathBuf>,
+    /// Print a JSON summary on stdout.
+    #[arg(long)]
+    pub json: bool,
+    /// No progress bar.
+    #[arg(long, short)]
+    pub quiet: bool,
+}
+
+/// `5GB` (10^9), `5GiB` (2^30), `500MB`, `100KiB`, or plain bytes, as HF's `max_shard_size`.
+fn parse_size(s: &str) -> Result<u64, String> {
+    let s = s.trim();
+    let split = s.find(|c: char| !c.is_ascii_digit()).unwrap_or(s.len());
+    let (digits, unit) = s.split_at(split);
+    let n: u64 = digits
+        .parse()
+        .map_err(|_| format!("`{s}` is not a size (e.g. 5GB, 500MB, 2GiB, 1000)"))?;
+    let mult: u64 = match unit.trim().to_ascii_uppercase().as_str() {
+        "" | "B" => 1,
+        "KB" => 1_000,
+        "MB" => 1_000_000,
+        "GB" => 1_000_000_000,
+        "TB" => 1_000_000_000_000,
+        "KIB" => 1 << 10,
+        "MIB" => 1 << 20,
+        "GIB" => 1 << 30,
+        "TIB" => 1 << 40,
+        other => {
+            return Err(format!(
+                "unknown size unit `{other}` (B, KB, MB, GB, KiB, MiB, GiB)"
+            ));
+        }
+    };
+    n.checked_mul(mult)
+        .filter(|&v| v > 0)
+        .ok_or_else(|| format!("`{s}` is not a positive size that fits 64 bits"))
+}
+
+fn target_of(args: &ConvertArgs) -> Result<Target> {
+    if let Some(t) = args.to {
+        return Ok(t);
+    }
+    if args.world_size.is_some() {
+        return Ok(Target::Dcp);
+    }
+    let ext = args
+        .output
+        .extension()
+        .map(|e| e.to_string_lossy().to_ascii_lowercase());
+    match ext.as_deref() {
+        Some("safetensors") => Ok(Target::Safetensors),
+        Some("pt" | "pth" | "bin") => Ok(Target::Torch),
+        _ if args.max_shard_size.is_some() => Ok(Target::Safetensors),
+        _ => bail!(
+            "cannot tell the output format from {}\nhint: pass --to safetensors|torch|dcp",
+            args.output.display()
+        ),
+    }
+}
+
+struct Bar(Option<indicatif::ProgressBar>);
+
+impl Progress for Bar {
+    fn advance(&self, bytes: u64) {
+        if let Some(bar) = &self.0 {
+            bar.inc(bytes);
+        }
+    }
+}
+
+pub fn run(args: &ConvertArgs) -> Result<ExitCode> {
+    if let Some(model) = &args.model {
+        return convert_fsdp1_local(args, model);
+    }
+    let target = target_of(args)?;
+    if args.max_shard_size.is_some() && target != Target::Safetensors {
+        bail!("--max-shard-size applies to safetensors output only");
+    }
+    if (args.world_size.is_some() || args.nest.is_some()) && target != Target::Dcp {
+        bail!("--world-size and --nest apply to DCP output only");
+    }
+    let dir_output = target == Target::Dcp || args.max_shard_size.is_some();
+    if args.output.is_file() || (args.output.exists() && !dir_output) {
+        bail!(
+            "{} already exists\nhint: shardscope never overwrites; remove it or choose another path",
+            args.output.display()
+        );
+    }
+    let started = Instant::now();
+    let (source, index) = convert::open(&args.src)?;
+    if matches!(
+        index.kind,
+        CheckpointKind::Fsdp1Local | CheckpointKind::RankLocal
+    ) {
+        bail!(
+            "{} holds {}: its tensors have no global shape without the model's layout\nhint: pass --model (FSDP1 LOCAL conversion)",
+            args.src.display(),
+            index.kind.describe()
+        );
+    }
+    let sel = convert::select(&index, args.select.as_deref())?;
+    let total = sel.tensor_bytes();
+    let show = !args.quiet && std::io::stderr().is_terminal() && total > 0;
+    let bar = Bar(show.then(|| {
+        let bar = indicatif::ProgressBar::new(total);
+        if let Ok(style) = indicatif::ProgressStyle::with_template(
+            "{bar:40} {binary_bytes}/{binary_total_bytes} {binary_bytes_per_sec} eta {eta}",
+        ) {
+            bar.set_style(style);
+        }
+        bar
+    }));
+    let mut reader = Reader::new(&source, &index);
+    let written = match target {
+        Target::Safetensors => {
+            convert::to_safetensors(&mut reader, &sel, &args.output, args.max_shard_size, &bar)
+        }
+        Target::Torch => convert::to_torch_save(
+            &mut reader,
+            &sel,
+            args.select.as_deref(),
+            &args.output,
+            &bar,
+        ),
+        Target::Dcp => {
+            let world_size = args.world_size.context("DCP output needs --world-size N")?;
+            convert::to_dcp(
+                &mut reader,
+                &sel,
+                &args.output,
+                world_size,
+                args.api,
+                args.nest.as_deref(),
+                &bar,
+            )
+        }
+    };
+    if let Some(bar) = &bar.0 {
+        bar.finish_and_clear();
+    }
+    let written = written?;
+    let seconds = started.elapsed().as_secs_f64();
+    if args.json {
+        let summary = serde_json::json!({
+            "source": args.src.display().to_string(),
+            "source_kind": index.kind,
+            "to": format!("{target:?}").to_ascii_lowercase(),
+            "outputs": written.outputs,
+            "tensors": written.tensors,
+            "values": written.values,
+            "tensor_bytes": written.tensor_bytes,
+            "largest_tensor_bytes": written.largest_tensor_bytes,
+            "seconds": seconds,
+        });
+        print_stdout(&format!("{}\n", serde_json::to_string_pretty(&summary)?))?;
+    } else if !args.quiet {
+        eprintln!(
+            "wrote {} ({} tensors, {}, {} other values) in {seconds:.2} s",
+            args.output.display(),
+            written.tensors,
+            human_bytes(written.tensor_bytes),
+            written.values
+        );
+    }
+    Ok(ExitCode::SUCCESS)
+}
+
+/// Per-rank FSDP1 LOCAL files + a model description -> the full model state dict (`torch.save` or
+/// safetensors) and the full FQN-keyed optimizer state dict, as `FSDP.optim_state_dict` returns it.
+fn convert_fsdp1_local(args: &ConvertArgs, model: &std::path::Path) -> Result<ExitCode> {
+    use shardscope_runner::fsdp1_local::{self, LayoutFlags, ModelFormat};
+    let model_format = match target_of(args)? {
+        Target::Torch => ModelFormat::TorchSave,
+        Target::Safetensors => ModelFormat::Safetensors,
+        Target::Dcp => bail!("per-rank FSDP1 files convert to --to torch or --to safetensors"),
+    };
+    if args.output.exists() {
+        bail!(
+            "{} already exists\nhint: shardscope never overwrites; remove it or choose another path",
+            args.output.display()
+        );
+    }
+    let convert_args = fsdp1_local::ConvertArgs {
+        src: args.src.clone(),
+        model: model.to_path_buf(),
+        flags: LayoutFlags {
+            use_orig_params: args.use_orig_params,
+            ..LayoutFlags::default()
+        },
+        model_pattern: None,
+        optim_pattern: None,
+        model_format,
+    };
+    let written =
+        super::reshard::write_convert(&convert_args, &args.output, args.optim_output.as_deref())?;
+    let names: Vec<String> = written.iter().map(|p| p.display().to_string()).collect();
+    if args.json {
+        super::print_stdout(&format!("{}\n", serde_json::json!({ "written": names })))?;
+    } else if !args.quiet {
+        eprintln!("wrote {}", names.join(", "));
+    }
+    Ok(ExitCode::SUCCESS)
+}

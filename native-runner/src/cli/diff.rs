@@ -1,0 +1,100 @@
+//! `shardscope diff`: compare two checkpoints of any formats, tensor by tensor.
+
+use std::path::PathBuf;
+use std::process::ExitCode;
+
+use anyhow::Context;
+use clap::Args;
+use shardscope_core::model::index;
+use shardscope_core::verify::{self, DiffOptions, Side, Tolerance};
+
+use super::inspect::open;
+use super::print_stdout;
+use super::report_text::{Progress, render};
+
+/// torch.allclose's defaults, used for whichever of `--rtol`/`--atol` is not given.
+const TORCH_RTOL: f64 = 1e-5;
+const TORCH_ATOL: f64 = 1e-8;
+
+#[derive(Debug, Args)]
+pub struct DiffArgs {
+    /// The reference checkpoint: a file, a DCP directory, or a folder of per-rank or safetensors files.
+    #[arg(value_name = "A")]
+    pub left: PathBuf,
+    /// The checkpoint compared with it (any format).
+    #[arg(value_name = "B")]
+    pub right: PathBuf,
+    /// Relative tolerance for floating-point values (`|a-b| <= atol + rtol*|b|`, as
+    /// torch.allclose); without --rtol and --atol values must be bitwise equal.
+    #[arg(long, value_name = "R")]
+    pub rtol: Option<f64>,
+    /// Absolute tolerance for floating-point values (see --rtol).
+    #[arg(long, value_name = "T")]
+    pub atol: Option<f64>,
+    /// With a tolerance, count NaN equal to NaN.
+    #[arg(long)]
+    pub equal_nan: bool,
+    /// Compare only keys under PREFIX (e.g. `model`), with the prefix stripped; a side with no key
+    /// under PREFIX is compared whole.
+    #[arg(long, value_name = "PREFIX")]
+    pub select: Option<String>,
+    /// Print the report as JSON (the schema the viewer's Verify panel reads).
+    #[arg(long)]
+    pub json: bool,
+    /// No progress on stderr.
+    #[arg(long, short)]
+    pub quiet: bool,
+}
+
+/// Runs `diff`: exit 0 when equal, 1 when they differ, 2 when something cannot be read.
+pub fn run(args: &DiffArgs) -> anyhow::Result<ExitCode> {
+    let tolerance = match (args.rtol, args.atol) {
+        (None, None) => None,
+        (rtol, atol) => {
+            let rtol = rtol.unwrap_or(TORCH_RTOL);
+            let atol = atol.unwrap_or(TORCH_ATOL);
+            anyhow::ensure!(
+                rtol >= 0.0 && atol >= 0.0 && rtol.is_finite() && atol.is_finite(),
+                "--rtol and --atol must be finite and not negative (got rtol={rtol}, atol={atol})"
+            );
+            Some(Tolerance {
+                rtol,
+                atol,
+                equal_nan: args.equal_nan,
+            })
+        }
+    };
+    let left_label = args.left.display().to_string();
+    let right_label = args.right.display().to_string();
+    let left_source = open(std::slice::from_ref(&args.left))?;
+    let right_source = open(std::slice::from_ref(&args.right))?;
+    let left_index =
+        index::index_source(&left_source).with_context(|| format!("cannot read {left_label}"))?;
+    let right_index =
+        index::index_source(&right_source).with_context(|| format!("cannot read {right_label}"))?;
+    let options = DiffOptions {
+        tolerance,
+        select: args.select.clone(),
+    };
+    let mut progress = Progress::new(args.quiet, "diff");
+    let report = verify::diff(
+        Side {
+            index: &left_index,
+            source: &left_source,
+            label: &left_label,
+        },
+        Side {
+            index: &right_index,
+            source: &right_source,
+            label: &right_label,
+        },
+        &options,
+        &mut |done, total, key| progress.update(done, total, key),
+    );
+    if args.json {
+        print_stdout(&report.to_json())?;
+    } else {
+        print_stdout(&render(&report))?;
+    }
+    Ok(ExitCode::from(report.exit_code()))
+}

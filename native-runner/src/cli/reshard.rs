@@ -1,0 +1,140 @@
+//! `shardscope reshard`: FSDP1 per-rank LOCAL checkpoints (model state dicts + raw optimizer state
+//! dicts) from one world size to another. Also the writer behind the per-rank branch of
+//! `shardscope convert` ([`write_convert`]). The logic lives in
+//! [`shardscope_runner::fsdp1_local`].
+
+use std::fmt::Write as _;
+use std::io::Write as _;
+use std::path::{Path, PathBuf};
+use std::process::ExitCode;
+
+use clap::Args;
+use shardscope_core::layout::{self, Strategy};
+use shardscope_runner::fsdp1_local::{self, ConvertArgs, LayoutFlags, ReshardArgs};
+
+use super::print_stdout;
+
+#[derive(Debug, Args)]
+pub struct ReshardCliArgs {
+    /// Folder of per-rank files (e.g. model_rank0.pt, optim_rank0.pt, ...), written with
+    /// torch.save from LOCAL_STATE_DICT model state dicts and optim.state_dict().
+    #[arg(value_name = "SRC")]
+    pub src: PathBuf,
+    /// Output folder (must not exist or be empty); it appears complete or not at all.
+    #[arg(short = 'o', long = "output", value_name = "DST")]
+    pub dst: PathBuf,
+    /// Model description (JSON, the format of `shardscope layout --model`).
+    #[arg(long, value_name = "MODEL.json")]
+    pub model: PathBuf,
+    /// Number of ranks of the output.
+    #[arg(long, value_name = "B")]
+    pub to_world_size: usize,
+    /// The checkpoint was written with FSDP1 `use_orig_params=True`.
+    #[arg(long)]
+    pub use_orig_params: bool,
+    /// The output is for `use_orig_params=<BOOL>` (default: same as the input).
+    #[arg(long, value_name = "BOOL")]
+    pub to_use_orig_params: Option<bool>,
+    /// FSDP1 sharding strategy of input and output: full_shard, shard_grad_op.
+    #[arg(long, default_value = "full_shard", value_parser = parse_strategy)]
+    pub strategy: Strategy,
+    /// File-name pattern of the model files, `{r}` for the rank (default: detected).
+    #[arg(long, value_name = "PATTERN")]
+    pub model_files: Option<String>,
+    /// File-name pattern of the optimizer files, `{r}` for the rank (default: detected).
+    #[arg(long, value_name = "PATTERN")]
+    pub optim_files: Option<String>,
+    /// Print a JSON summary instead of text.
+    #[arg(long)]
+    pub json: bool,
+}
+
+fn parse_strategy(s: &str) -> Result<Strategy, String> {
+    s.parse().map_err(|e: layout::LayoutError| e.to_string())
+}
+
+pub fn run(args: &ReshardCliArgs) -> anyhow::Result<ExitCode> {
+    let flags = LayoutFlags {
+        use_orig_params: args.use_orig_params,
+        strategy: args.strategy,
+    };
+    let reshard_args = ReshardArgs {
+        src: args.src.clone(),
+        model: args.model.clone(),
+        flags,
+        dst_flags: args.to_use_orig_params.map(|u| LayoutFlags {
+            use_orig_params: u,
+            ..flags
+        }),
+        to_world_size: args.to_world_size,
+        model_pattern: args.model_files.clone(),
+        optim_pattern: args.optim_files.clone(),
+    };
+    let (files, outputs) = fsdp1_local::reshard(&reshard_args)?;
+    let written = crate::atomic::write_dir(&args.dst, |tmp| {
+        for f in &outputs {
+            let path = tmp.join(&f.name);
+            std::fs::write(&path, &f.bytes)
+                .map_err(|e| anyhow::anyhow!("cannot write {}: {e}", path.display()))?;
+        }
+        Ok(outputs.len())
+    })?;
+    let text = if args.json {
+        let summary = serde_json::json!({
+            "source": args.src.display().to_string(),
+            "output": args.dst.display().to_string(),
+            "from_world_size": files.world_size,
+            "to_world_size": args.to_world_size,
+            "model_files": files.model_pattern,
+            "optim_files": files.optim_pattern,
+            "files": outputs.iter().map(|f| serde_json::json!({"name": f.name, "bytes": f.bytes.len()})).collect::<Vec<_>>(),
+        });
+        format!("{}\n", serde_json::to_string_pretty(&summary)?)
+    } else {
+        let mut s = String::new();
+        let _ = writeln!(
+            s,
+            "resharded {} ({} ranks, {}{}) to {} ranks: {written} files in {}",
+            args.src.display(),
+            files.world_size,
+            files.model_pattern,
+            files
+                .optim_pattern
+                .as_ref()
+                .map_or(String::new(), |o| format!(" + {o}")),
+            args.to_world_size,
+            args.dst.display()
+        );
+        s
+    };
+    print_stdout(&text)?;
+    Ok(ExitCode::SUCCESS)
+}
+
+/// Runs [`fsdp1_local::convert`] and writes its outputs atomically: the full model state dict to
+/// `out_model` and, when the folder has optimizer files, the full optimizer state dict to
+/// `out_optim` (default: `<out_model stem>.optim.pt` next to it). Returns the paths written.
+pub fn write_convert(
+    args: &ConvertArgs,
+    out_model: &Path,
+    out_optim: Option<&Path>,
+) -> anyhow::Result<Vec<PathBuf>> {
+    let output = fsdp1_local::convert(args)?;
+    let mut written = Vec::new();
+    crate::atomic::write_file(out_model, |w| Ok(w.write_all(&output.model)?))?;
+    written.push(out_model.to_path_buf());
+    if let Some(optim) = &output.optim {
+        let path = out_optim.map_or_else(
+            || {
+                let stem = out_model
+                    .file_stem()
+                    .map_or_else(|| "model".into(), |s| s.to_string_lossy().into_owned());
+                out_model.with_file_name(format!("{stem}.optim.pt"))
+            },
+            Path::to_path_buf,
+        );
+        crate::atomic::write_file(&path, |w| Ok(w.write_all(optim)?))?;
+        written.push(path);
+    }
+    Ok(written)
+}

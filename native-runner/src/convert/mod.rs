@@ -1,0 +1,748 @@
+//! The conversion engine behind `shardscope convert`: any indexed checkpoint (DCP directory, full
+//! safetensors or `torch.save` file) to safetensors (one file or HF shards), to a `torch.save` file
+//! nested as `dcp_to_torch_save` nests it, or to a DCP directory sharded for N ranks.
+//!
+//! # Streaming
+//! One tensor at a time. The checkpoint is indexed through the memory-mapped [`FileSource`] (only
+//! metadata and each DCP item's small zip directory are touched there); tensor bytes are read with
+//! `pread` straight into the output buffer ([`Reader::tensor_into`]): a dim-0 slab chunk (the FSDP
+//! case, and every single-chunk tensor) lands at its place with one read and no intermediate copy;
+//! other boxes go through one reusable scratch buffer. The buffer is reused from tensor to tensor, so
+//! peak memory is the largest tensor plus small metadata, and page-cache pages of the input never
+//! count against the process (as they would when copying out of the mmap).
+
+use std::collections::{BTreeMap, BTreeSet};
+use std::fs::File;
+use std::io::{BufWriter, Write};
+use std::os::unix::fs::FileExt;
+use std::path::Path;
+
+use anyhow::{Context, Result, bail};
+use shardscope_core::DType;
+use shardscope_core::formats::write::dcp::{
+    BytesValue, DcpChunk, DcpEntry, DcpFileWriter, DcpMetadataOptions, DcpPlan, DcpValue,
+    EmptyRanks, PathKey, chunk_dim0, metadata_pickle,
+};
+use shardscope_core::formats::write::pickle::{PyValue, StorageSpec, TensorPickle};
+use shardscope_core::formats::write::safetensors::{
+    SafetensorsWriter, TensorSpec, index_json, plan_shards,
+};
+use shardscope_core::formats::write::torch_save::TorchSaveWriter;
+use shardscope_core::formats::write::{contiguous_strides, nbytes};
+use shardscope_core::model::index::{CheckpointIndex, EntryKind, IndexEntry, PathSeg};
+
+use crate::atomic;
+use crate::file_source::FileSource;
+
+/// Reads tensor values of an indexed checkpoint into caller buffers.
+#[derive(Debug)]
+pub struct Reader<'a> {
+    source: &'a FileSource,
+    index: &'a CheckpointIndex,
+    files: BTreeMap<String, File>,
+    scratch: Vec<u8>,
+}
+
+impl<'a> Reader<'a> {
+    pub fn new(source: &'a FileSource, index: &'a CheckpointIndex) -> Self {
+        Self {
+            source,
+            index,
+            files: BTreeMap::new(),
+            scratch: Vec::new(),
+        }
+    }
+
+    pub fn index(&self) -> &'a CheckpointIndex {
+        self.index
+    }
+
+    pub fn source(&self) -> &'a FileSource {
+        self.source
+    }
+
+    fn pread(&mut self, name: &str, offset: u64, out: &mut [u8]) -> Result<()> {
+        let path = self.source.root().join(name);
+        if !self.files.contains_key(name) {
+            let file =
+                File::open(&path).with_context(|| format!("cannot open {}", path.display()))?;
+            self.files.insert(name.to_owned(), file);
+        }
+        let file = &self.files[name];
+        file.read_exact_at(out, offset).with_context(|| {
+            format!(
+                "cannot read {} bytes at offset {offset} of {}",
+                out.len(),
+                path.display()
+            )
+        })
+    }
+
+    /// Reads the whole tensor of `entry` into `buf[..nbytes]` (growing `buf` when needed) and
+    /// returns `nbytes`. The index must have passed [`CheckpointIndex::check`] for this entry
+    /// (chunks tile the tensor), which [`open`] ensures.
+    pub fn tensor_into(&mut self, entry: &IndexEntry, buf: &mut Vec<u8>) -> Result<usize> {
+        let (dtype, shape) = tensor_meta(entry)?;
+        let item = dtype.size_bytes();
+        let total = nbytes(dtype, shape)
+            .and_then(|n| usize::try_from(n).ok())
+            .with_context(|| format!("{}: tensor size overflows", entry.key))?;
+        // Never allocate more than the files holding the chunks could fill.
+        let files: BTreeSet<&str> = entry.chunks.iter().map(|c| c.file.as_str()).collect();
+        let available: u64 = files
+            .iter()
+            .map(|f| self.index.files.get(*f).map_or(0, |i| i.size))
+            .fold(0, u64::saturating_add);
+        if total as u64 > available {
+            bail!(
+                "{}: the tensor ({total} bytes) is larger than the files holding its chunks ({available} bytes)",
+                entry.key
+            );
+        }
+        if buf.len() < total {
+            buf.resize(total, 0);
+        }
+        let out = &mut buf[..total];
+        let strides = contiguous_strides(shape);
+        let row_bytes = shape.iter().skip(1).product::<u64>() * item as u64;
+        let mut done: BTreeSet<(&[u64], &[u64])> = BTreeSet::new();
+        for chunk in &entry.chunks {
+            if !done.insert((&chunk.offsets, &chunk.sizes)) {
+                continue; // a replica on another rank
+            }
+            if chunk.numel() == Some(0) {
+                continue;
+            }
+            if chunk.offsets.len() != shape.len() || chunk.sizes.len() != shape.len() {
+                bail!("{}: a chunk's rank differs from the tensor's", entry.key);
+            }
+            let location = self.index.locate_chunk(self.source, entry, chunk)?;
+            let slab = shape.is_empty() || chunk.sizes[1..] == shape[1..];
+            match location.contiguous_range(&chunk.sizes, item as u64) {
+                Some((start, len)) if slab => {
+                    let dst = chunk.offsets.first().map_or(0, |&o| o * row_bytes) as usize;
+                    let end = dst.checked_add(len as usize).filter(|&e| e <= total);
+                    let Some(end) = end else {
+                        bail!("{}: a chunk reaches past the tensor", entry.key);
+                    };
+                    self.pread(&location.file, start, &mut out[dst..end])?;
+                }
+                Some((start, len)) => {
+                    let mut scratch = std::mem::take(&mut self.scratch);
+                    scratch.resize(len as usize, 0);
+                    self.pread(&location.file, start, &mut scratch)?;
+                    copy_box(out, &strides, &chunk.offsets, &chunk.sizes, &scratch, item)
+                        .with_context(|| entry.key.clone())?;
+                    self.scratch = scratch;
+                }
+                None => {
+                    // A strided view (never written by DCP, possible in torch.save files).
+                    let data = self.index.read_chunk(self.source, entry, chunk)?;
+                    copy_box(
+                        out,
+                        &strides,
+                        &chunk.offsets,
+                        &chunk.sizes,
+                        &data.bytes,
+                        item,
+                    )
+                    .with_context(|| entry.key.clone())?;
+                }
+            }
+        }
+        Ok(total)
+    }
+
+    /// Reads the contiguous byte range `range` of the full tensor of `entry` into `out`. A tensor
+    /// stored as one contiguous chunk is read in place; any other is assembled into `whole` first
+    /// (kept, so consecutive ranges of one entry assemble it once).
+    fn tensor_range_into(
+        &mut self,
+        entry: &IndexEntry,
+        range: std::ops::Range<u64>,
+        out: &mut Vec<u8>,
+        whole: &mut (Option<String>, Vec<u8>),
+    ) -> Result<()> {
+        let (dtype, shape) = tensor_meta(entry)?;
+        let len = (range.end - range.start) as usize;
+        out.clear();
+        out.resize(len, 0);
+        if len == 0 {
+            return Ok(());
+        }
+        if let [chunk] = entry.chunks.as_slice()
+            && chunk.sizes == *shape
+            && chunk.offsets.iter().all(|&o| o == 0)
+        {
+            let location = self.index.locate_chunk(self.source, entry, chunk)?;
+            if let Some((start, _)) =
+                location.contiguous_range(&chunk.sizes, dtype.size_bytes() as u64)
+            {
+                return self.pread(&location.file, start + range.start, out);
+            }
+        }
+        if whole.0.as_deref() != Some(entry.key.as_str()) {
+            whole.0 = None;
+            let n = self.tensor_into(entry, &mut whole.1)?;
+            whole.1.truncate(n);
+            whole.0 = Some(entry.key.clone());
+        }
+        out.copy_from_slice(&whole.1[range.start as usize..range.end as usize]);
+        Ok(())
+    }
+}
+
+fn tensor_meta(entry: &IndexEntry) -> Result<(DType, &[u64])> {
+    let dtype = entry
+        .dtype
+        .with_context(|| format!("{}: not a tensor", entry.key))?;
+    let shape = entry.shape.as_deref().with_context(|| {
+        format!(
+            "{}: rank-local pieces with no global shape (FSDP1 LOCAL flat parameters or raw optimizer state)",
+            entry.key
+        )
+    })?;
+    Ok((dtype, shape))
+}
+
+/// Copies a contiguous box of `sizes` (`src`) into `out` (row-major with `strides`) at `offsets`.
+fn copy_box(
+    out: &mut [u8],
+    strides: &[u64],
+    offsets: &[u64],
+    sizes: &[u64],
+    src: &[u8],
+    item: usize,
+) -> Result<()> {
+    let numel: u64 = sizes.iter().product();
+    if numel == 0 {
+        return Ok(());
+    }
+    if src.len() as u64 != numel * item as u64 {
+        bail!(
+            "chunk data has {} bytes, its sizes need {}",
+            src.len(),
+            numel * item as u64
+        );
+    }
+    let Some((&last, outer)) = sizes.split_last() else {
+        out.get_mut(..item)
+            .context("chunk outside the tensor")?
+            .copy_from_slice(&src[..item]);
+        return Ok(());
+    };
+    let row = last as usize * item;
+    let rows = (numel / last) as usize;
+    let mut index = vec![0u64; outer.len()];
+    for r in 0..rows {
+        let mut pos = offsets[outer.len()];
+        for d in 0..outer.len() {
+            pos += (offsets[d] + index[d]) * strides[d];
+        }
+        let dst = pos as usize * item;
+        out.get_mut(dst..dst + row)
+            .context("chunk outside the tensor")?
+            .copy_from_slice(&src[r * row..(r + 1) * row]);
+        for d in (0..outer.len()).rev() {
+            index[d] += 1;
+            if index[d] < sizes[d] {
+                break;
+            }
+            index[d] = 0;
+        }
+    }
+    Ok(())
+}
+
+/// Opens and indexes `src` (a file or a folder) and checks that its chunks tile every tensor.
+pub fn open(src: &Path) -> Result<(FileSource, CheckpointIndex)> {
+    let source = if src.is_dir() {
+        FileSource::dir(src)?
+    } else if src.file_name().is_some_and(|n| n == ".metadata") {
+        FileSource::dir(src.parent().unwrap_or(src))?
+    } else {
+        FileSource::file(src)?
+    };
+    let index = shardscope_core::model::index::index_source(&source)
+        .with_context(|| format!("cannot read the checkpoint {}", src.display()))?;
+    let problems = index.check();
+    if let Some(first) = problems.first() {
+        bail!(
+            "{}: the checkpoint is inconsistent ({} problems; first: {first})\nhint: `shardscope inspect {}` lists them",
+            src.display(),
+            problems.len(),
+            src.display()
+        );
+    }
+    Ok((source, index))
+}
+
+/// The entries a conversion takes: tensors and non-tensor values, with their output keys.
+#[derive(Debug)]
+pub struct Selection<'a> {
+    pub tensors: Vec<(String, &'a IndexEntry)>,
+    pub values: Vec<(String, &'a IndexEntry)>,
+}
+
+impl Selection<'_> {
+    pub fn tensor_bytes(&self) -> u64 {
+        self.tensors
+            .iter()
+            .filter_map(|(_, e)| e.nbytes())
+            .fold(0, u64::saturating_add)
+    }
+}
+
+/// Keeps the entries under `prefix` (flattened key `prefix.<rest>`, output key `<rest>`), or all.
+pub fn select<'a>(index: &'a CheckpointIndex, prefix: Option<&str>) -> Result<Selection<'a>> {
+    let mut tensors = Vec::new();
+    let mut values = Vec::new();
+    for e in &index.entries {
+        let key = match prefix {
+            Some(p) => match e.key.strip_prefix(p).and_then(|r| r.strip_prefix('.')) {
+                Some(rest) if !rest.is_empty() => rest.to_owned(),
+                _ => continue,
+            },
+            None => e.key.clone(),
+        };
+        if e.kind == EntryKind::Tensor {
+            tensor_meta(e)?;
+            tensors.push((key, e));
+        } else {
+            values.push((key, e));
+        }
+    }
+    if let Some(p) = prefix
+        && tensors.is_empty()
+        && values.is_empty()
+    {
+        let tops: BTreeSet<String> = index
+            .entries
+            .iter()
+            .filter_map(|e| e.path.first().map(ToString::to_string))
+            .collect();
+        bail!(
+            "--select {p}: no key starts with `{p}.`\nhint: top-level keys are: {}",
+            tops.into_iter().collect::<Vec<_>>().join(", ")
+        );
+    }
+    Ok(Selection { tensors, values })
+}
+
+/// Something that hears how many tensor bytes were written.
+pub trait Progress {
+    fn advance(&self, bytes: u64);
+}
+
+/// What a conversion wrote.
+#[derive(Debug, Clone, serde::Serialize)]
+pub struct Written {
+    /// The output paths (a file, or a directory and its files).
+    pub outputs: Vec<String>,
+    pub tensors: usize,
+    pub values: usize,
+    pub tensor_bytes: u64,
+    /// The largest tensor, which bounds the memory the conversion needs.
+    pub largest_tensor_bytes: u64,
+}
+
+fn largest(sel: &Selection<'_>) -> u64 {
+    sel.tensors
+        .iter()
+        .filter_map(|(_, e)| e.nbytes())
+        .max()
+        .unwrap_or(0)
+}
+
+// ----- safetensors ------------------------------------------------------------------------------
+
+/// Writes the selection as safetensors: one file at `dest`, or, with `max_shard_bytes`, a directory
+/// `dest` of `model-0000i-of-0000N.safetensors` plus `model.safetensors.index.json`. Non-tensor
+/// values go into every file's `__metadata__` as JSON text, next to `"format": "pt"`.
+pub fn to_safetensors(
+    reader: &mut Reader<'_>,
+    sel: &Selection<'_>,
+    dest: &Path,
+    max_shard_bytes: Option<u64>,
+    progress: &dyn Progress,
+) -> Result<Written> {
+    let specs: Vec<TensorSpec> = sel
+        .tensors
+        .iter()
+        .map(|(name, e)| {
+            let (dtype, shape) = tensor_meta(e)?;
+            Ok(TensorSpec {
+                name: name.clone(),
+                dtype,
+                shape: shape.to_vec(),
+            })
+        })
+        .collect::<Result<_>>()?;
+    let mut metadata = BTreeMap::from([("format".to_owned(), "pt".to_owned())]);
+    for (name, e) in &sel.values {
+        let value = reader.index().read_bytes_value(reader.source(), e)?;
+        if metadata
+            .insert(name.clone(), serde_json::to_string(&value)?)
+            .is_some()
+        {
+            bail!(
+                "{}: the key `{name}` collides with the safetensors metadata key `format`",
+                e.key
+            );
+        }
+    }
+    let by_name: BTreeMap<&str, &IndexEntry> =
+        sel.tensors.iter().map(|(n, e)| (n.as_str(), *e)).collect();
+    let mut buf = Vec::new();
+    let mut write_one = |out: &mut dyn Write, file_specs: &[TensorSpec]| -> Result<()> {
+        let mut writer = SafetensorsWriter::new(out, file_specs, Some(&metadata))?;
+        let order: Vec<String> = writer.data_order().map(str::to_owned).collect();
+        for name in order {
+            let entry = by_name[name.as_str()];
+            let n = reader.tensor_into(entry, &mut buf)?;
+            writer.write_tensor(&name, &buf[..n])?;
+            progress.advance(n as u64);
+        }
+        writer.finish()?;
+        Ok(())
+    };
+    let mut outputs = vec![dest.display().to_string()];
+    match max_shard_bytes {
+        None => atomic::write_file(dest, |out| write_one(out, &specs))?,
+        Some(limit) => {
+            let plan = plan_shards(&specs, Some(limit), "model")?;
+            let names: Vec<String> = plan.files.iter().map(|f| f.file_name.clone()).collect();
+            atomic::write_dir(dest, |tmp| {
+                for file in &plan.files {
+                    let file_specs: Vec<TensorSpec> =
+                        file.tensors.iter().map(|&i| specs[i].clone()).collect();
+                    let path = tmp.join(&file.file_name);
+                    let f = File::create(&path)
+                        .with_context(|| format!("cannot create {}", path.display()))?;
+                    let mut out = BufWriter::new(f);
+                    write_one(&mut out, &file_specs)?;
+                    out.flush()
+                        .with_context(|| format!("cannot write {}", path.display()))?;
+                }
+                if plan.needs_index() {
+                    let path = tmp.join("model.safetensors.index.json");
+                    std::fs::write(&path, index_json(&plan, &specs))
+                        .with_context(|| format!("cannot write {}", path.display()))?;
+                }
+                Ok(())
+            })?;
+            outputs.extend(names.iter().map(|n| dest.join(n).display().to_string()));
+            if plan.needs_index() {
+                outputs.push(
+                    dest.join("model.safetensors.index.json")
+                        .display()
+                        .to_string(),
+                );
+            }
+        }
+    }
+    Ok(Written {
+        outputs,
+        tensors: sel.tensors.len(),
+        values: sel.values.len(),
+        tensor_bytes: sel.tensor_bytes(),
+        largest_tensor_bytes: largest(sel),
+    })
+}
+
+// ----- torch.save -------------------------------------------------------------------------------
+
+/// A node of the nested state dict rebuilt from entry paths.
+enum Node {
+    Map(Vec<(PathSeg, Node)>),
+    Leaf(usize),
+}
+
+fn insert(node: &mut Node, path: &[PathSeg], leaf: usize, key: &str) -> Result<()> {
+    let Node::Map(children) = node else {
+        bail!("{key}: its path goes through a value that is not a container");
+    };
+    let (first, rest) = path.split_first().context("empty path")?;
+    let pos = children.iter().position(|(k, _)| k == first);
+    if rest.is_empty() {
+        if pos.is_some() {
+            bail!("{key}: two entries have this path");
+        }
+        children.push((first.clone(), Node::Leaf(leaf)));
+        return Ok(());
+    }
+    let i = if let Some(i) = pos {
+        i
+    } else {
+        children.push((first.clone(), Node::Map(Vec::new())));
+        children.len() - 1
+    };
+    insert(&mut children[i].1, rest, leaf, key)
+}
+
+/// A JSON value (a scalar of a `torch.save` file, decoded by the index) as a Python value.
+fn py_from_json(v: &serde_json::Value) -> PyValue {
+    use serde_json::Value as J;
+    match v {
+        J::Null => PyValue::None,
+        J::Bool(b) => PyValue::Bool(*b),
+        J::Number(n) => n.as_i64().map_or_else(
+            || PyValue::Float(n.as_f64().unwrap_or(f64::NAN)),
+            PyValue::Int,
+        ),
+        J::String(s) => PyValue::Str(s.clone()),
+        J::Array(items) => PyValue::List(items.iter().map(py_from_json).collect()),
+        J::Object(items) => PyValue::Dict(
+            items
+                .iter()
+                .map(|(k, v)| (PyValue::Str(k.clone()), py_from_json(v)))
+                .collect(),
+        ),
+    }
+}
+
+/// The Python value of a non-tensor entry: the exact object for DCP bytes items (tuples kept), the
+/// decoded JSON for scalars of `torch.save` files (tuples come back as lists).
+fn py_value_of(reader: &Reader<'_>, e: &IndexEntry) -> Result<PyValue> {
+    if e.kind == EntryKind::Bytes {
+        let read = reader.index().read_bytes_object(reader.source(), e)?;
+        return PyValue::from_read_value(&read).with_context(|| e.key.clone());
+    }
+    Ok(py_from_json(
+        e.value.as_ref().unwrap_or(&serde_json::Value::Null),
+    ))
+}
+
+fn to_py(
+    node: &Node,
+    leaves: &[(String, &IndexEntry)],
+    reader: &Reader<'_>,
+    storages: &mut Vec<(StorageSpec, usize)>,
+) -> Result<PyValue> {
+    match node {
+        Node::Leaf(i) => {
+            let e = leaves[*i].1;
+            if e.kind == EntryKind::Tensor {
+                let (dtype, shape) = tensor_meta(e)?;
+                let numel = shape.iter().product();
+                storages.push((StorageSpec { dtype, numel }, *i));
+                Ok(PyValue::Tensor(TensorPickle::contiguous(
+                    storages.len() - 1,
+                    dtype,
+                    shape,
+                )))
+            } else {
+                py_value_of(reader, e)
+            }
+        }
+        Node::Map(children) => {
+            let is_list = children
+                .first()
+                .is_some_and(|(k, _)| matches!(k, PathSeg::Index(_)));
+            if is_list {
+                // `dcp_to_torch_save` grows lists to the largest index, filling gaps with None.
+                let mut items: Vec<Option<&Node>> = Vec::new();
+                for (k, child) in children {
+                    let PathSeg::Index(i) = k else {
+                        bail!("a container mixes list indices and dict keys at `{k}`");
+                    };
+                    let i = usize::try_from(*i).context("negative list index")?;
+                    if items.len() <= i {
+                        items.resize(i + 1, None);
+                    }
+                    items[i] = Some(child);
+                }
+                Ok(PyValue::List(
+                    items
+                        .into_iter()
+                        .map(|c| {
+                            c.map_or(Ok(PyValue::None), |c| to_py(c, leaves, reader, storages))
+                        })
+                        .collect::<Result<_>>()?,
+                ))
+            } else {
+                Ok(PyValue::Dict(
+                    children
+                        .iter()
+                        .map(|(k, child)| {
+                            let key = match k {
+                                PathSeg::Key(s) => PyValue::Str(s.clone()),
+                                PathSeg::Index(i) => PyValue::Int(*i),
+                            };
+                            Ok((key, to_py(child, leaves, reader, storages)?))
+                        })
+                        .collect::<Result<_>>()?,
+                ))
+            }
+        }
+    }
+}
+
+/// Writes the selection as one `torch.save` file, nested by the entries' paths as
+/// `dcp_to_torch_save` nests them (`{"model": {...}, "optim": {"state": ..., "param_groups": [...]}}`),
+/// loadable with `torch.load(weights_only=True)`. With `--select`, paths lose the selected prefix.
+pub fn to_torch_save(
+    reader: &mut Reader<'_>,
+    sel: &Selection<'_>,
+    prefix: Option<&str>,
+    dest: &Path,
+    progress: &dyn Progress,
+) -> Result<Written> {
+    let leaves: Vec<(String, &IndexEntry)> =
+        sel.tensors.iter().chain(&sel.values).cloned().collect();
+    let strip = prefix.map_or(0, |p| p.matches('.').count() + 1);
+    let mut root = Node::Map(Vec::new());
+    for (i, (_, e)) in leaves.iter().enumerate() {
+        let path: Vec<PathSeg> = if e.path.is_empty() {
+            vec![PathSeg::Key(e.key.clone())]
+        } else {
+            e.path.clone()
+        };
+        // `--select a.b` removes as many leading segments as the prefix joins, when they match.
+        let path =
+            if strip > 0 && path.len() > strip && join(&path[..strip]) == prefix.unwrap_or("") {
+                path[strip..].to_vec()
+            } else if strip > 0 {
+                vec![PathSeg::Key(leaves[i].0.clone())]
+            } else {
+                path
+            };
+        insert(&mut root, &path, i, &e.key)?;
+    }
+    let mut storages = Vec::new();
+    let value = to_py(&root, &leaves, reader, &mut storages)?;
+    let archive = dest
+        .file_stem()
+        .and_then(|s| s.to_str())
+        .filter(|s| !s.is_empty() && !s.contains('\n'))
+        .unwrap_or("archive")
+        .to_owned();
+    let mut buf = Vec::new();
+    atomic::write_file(dest, |out| {
+        let table = storages.iter().map(|(s, _)| *s).collect();
+        let mut writer = TorchSaveWriter::new(out, &archive, &value, table)?;
+        for (_, leaf) in &storages {
+            let n = reader.tensor_into(leaves[*leaf].1, &mut buf)?;
+            writer.write_storage(&buf[..n])?;
+            progress.advance(n as u64);
+        }
+        writer.finish()?;
+        Ok(())
+    })?;
+    Ok(Written {
+        outputs: vec![dest.display().to_string()],
+        tensors: sel.tensors.len(),
+        values: sel.values.len(),
+        tensor_bytes: sel.tensor_bytes(),
+        largest_tensor_bytes: largest(sel),
+    })
+}
+
+fn join(path: &[PathSeg]) -> String {
+    path.iter()
+        .map(ToString::to_string)
+        .collect::<Vec<_>>()
+        .join(".")
+}
+
+// ----- DCP --------------------------------------------------------------------------------------
+
+/// How tensors are cut into per-rank chunks when writing DCP.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, clap::ValueEnum)]
+pub enum ShardApi {
+    /// FSDP1 `ShardedTensor`: `torch.chunk` dim-0 pieces; ranks past the data hold nothing.
+    Fsdp1,
+    /// FSDP2 `DTensor` `Shard(0)`: the same pieces; ranks past the data hold zero-size chunks.
+    Fsdp2,
+}
+
+/// Writes the selection as a DCP directory `dest` for `world_size` ranks: every tensor cut into
+/// dim-0 chunks as FSDP shards it, non-tensor values as bytes items on rank 0. `nest` puts every
+/// key under one more level (`--nest model` gives the `{"model": ...}` that `dcp.load` of an
+/// `{"model": model.state_dict()}` expects).
+pub fn to_dcp(
+    reader: &mut Reader<'_>,
+    sel: &Selection<'_>,
+    dest: &Path,
+    world_size: usize,
+    api: ShardApi,
+    nest: Option<&str>,
+    progress: &dyn Progress,
+) -> Result<Written> {
+    let empty = match api {
+        ShardApi::Fsdp1 => EmptyRanks::Omit,
+        ShardApi::Fsdp2 => EmptyRanks::ZeroSize,
+    };
+    let mut entries = Vec::new();
+    // Per tensor entry: the byte range of each chunk in the full tensor, in chunk order.
+    let mut ranges: Vec<Vec<std::ops::Range<u64>>> = Vec::new();
+    let mut sources: Vec<&IndexEntry> = Vec::new();
+    for (name, e) in sel.tensors.iter().chain(&sel.values) {
+        let mut path: Vec<PathKey> = nest
+            .map(|n| PathKey::Key(n.to_owned()))
+            .into_iter()
+            .collect();
+        path.push(PathKey::Key(name.clone()));
+        let fqn = PathKey::join(&path);
+        let value = if e.kind == EntryKind::Tensor {
+            let (dtype, shape) = tensor_meta(e)?;
+            let pieces =
+                chunk_dim0(dtype, shape, world_size, empty).with_context(|| e.key.clone())?;
+            ranges.push(pieces.iter().map(|p| p.bytes.clone()).collect());
+            DcpValue::Tensor {
+                dtype,
+                size: shape.to_vec(),
+                chunks: pieces
+                    .into_iter()
+                    .map(|p| p.chunk)
+                    .collect::<Vec<DcpChunk>>(),
+            }
+        } else {
+            ranges.push(Vec::new());
+            DcpValue::Bytes {
+                rank: 0,
+                value: BytesValue::Value(py_value_of(reader, e)?),
+            }
+        };
+        sources.push(e);
+        entries.push(DcpEntry { fqn, path, value });
+    }
+    let plan = DcpPlan::new(world_size, entries)?;
+    let mut outputs = vec![dest.display().to_string()];
+    atomic::write_dir(dest, |tmp| {
+        let mut records = Vec::new();
+        let mut buf = Vec::new();
+        let mut whole = (None, Vec::new());
+        for rank in 0..world_size {
+            let name = DcpPlan::file_name(rank);
+            let path = tmp.join(&name);
+            let f =
+                File::create(&path).with_context(|| format!("cannot create {}", path.display()))?;
+            let mut out = BufWriter::new(f);
+            let mut writer = DcpFileWriter::new(&plan, rank, &mut out)?;
+            while let Some((entry, chunk)) = writer.next_chunk() {
+                let range = ranges[entry][chunk].clone();
+                reader.tensor_range_into(sources[entry], range, &mut buf, &mut whole)?;
+                writer.write_chunk(&buf)?;
+                progress.advance(buf.len() as u64);
+            }
+            let (_, record) = writer.finish()?;
+            records.push(record);
+            out.flush()
+                .with_context(|| format!("cannot write {}", path.display()))?;
+        }
+        let meta = metadata_pickle(&plan, &records, &DcpMetadataOptions::default())?;
+        std::fs::write(tmp.join(".metadata"), meta)
+            .with_context(|| format!("cannot write {}", tmp.join(".metadata").display()))?;
+        Ok(())
+    })?;
+    outputs.extend((0..world_size).map(|r| dest.join(DcpPlan::file_name(r)).display().to_string()));
+    outputs.push(dest.join(".metadata").display().to_string());
+    Ok(Written {
+        outputs,
+        tensors: sel.tensors.len(),
+        values: sel.values.len(),
+        tensor_bytes: sel.tensor_bytes(),
+        largest_tensor_bytes: largest(sel),
+    })
+}

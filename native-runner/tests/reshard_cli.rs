@@ -1,0 +1,483 @@
+//! `shardscope reshard` and the per-rank convert (`shardscope_runner::fsdp1_local`):
+//!
+//! - interop with real torch (`tests/interop/fsdp1_reshard.py`): a gloo CPU job trains FSDP1
+//!   NestedModel for 2 Adam steps and saves per-rank LOCAL model and raw optimizer state dicts plus
+//!   torch's own FULL dicts; we reshard 2→4 (and 4→2 with `use_orig_params`); the new world size
+//!   loads our files with `LOCAL_STATE_DICT` + `optim.load_state_dict` and must hold the same
+//!   parameters and optimizer state as torch's own `optim_state_dict_to_load` path, also after one
+//!   more step. `convert` must equal torch's `FULL_STATE_DICT` and `FSDP.optim_state_dict`.
+//! - atomicity: `reshard` killed with SIGKILL at 20 pseudo-random moments leaves the destination
+//!   absent or complete (byte-identical to an uninterrupted run) and the inputs unchanged.
+//! - CLI errors: exit code 2 and messages naming the file.
+#![allow(clippy::unwrap_used, clippy::missing_panics_doc)]
+
+use std::path::{Path, PathBuf};
+use std::process::{Command, Output};
+use std::time::Instant;
+
+use shardscope_core::model::bridge::{self, RootDict};
+use shardscope_core::model::tree::{Dict, Key, Node};
+use shardscope_runner::fsdp1_local::{self, ConvertArgs, LayoutFlags, ModelFormat};
+
+fn fixtures() -> PathBuf {
+    PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("../tests/fixtures/optim")
+}
+
+fn script() -> PathBuf {
+    PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("tests/interop/fsdp1_reshard.py")
+}
+
+fn shardscope(args: &[&str]) -> Output {
+    Command::new(env!("CARGO_BIN_EXE_shardscope"))
+        .args(args)
+        .output()
+        .unwrap()
+}
+
+/// Python with torch, or `None` (then the caller skips). A `SHARDSCOPE_PYTHON` without torch is
+/// an error: CI sets it and must not skip silently.
+fn python() -> Option<PathBuf> {
+    let explicit = std::env::var_os("SHARDSCOPE_PYTHON");
+    let python = if let Some(p) = &explicit {
+        PathBuf::from(p)
+    } else {
+        let p = PathBuf::from(std::env::var_os("HOME")?).join("torch-venv/bin/python");
+        if !p.exists() {
+            return None;
+        }
+        p
+    };
+    let ok = Command::new(&python)
+        .args(["-c", "import torch"])
+        .status()
+        .is_ok_and(|s| s.success());
+    assert!(
+        ok || explicit.is_none(),
+        "SHARDSCOPE_PYTHON={} cannot import torch",
+        python.display()
+    );
+    ok.then_some(python)
+}
+
+fn run_python(python: &Path, args: &[&str]) {
+    let out = Command::new(python)
+        .arg(script())
+        .args(args)
+        .output()
+        .unwrap();
+    assert!(
+        out.status.success(),
+        "fsdp1_reshard.py {args:?} failed:\n{}\n{}",
+        String::from_utf8_lossy(&out.stdout),
+        String::from_utf8_lossy(&out.stderr)
+    );
+}
+
+fn read(path: &Path) -> Node {
+    bridge::node_from_torch_save(&std::fs::read(path).unwrap(), &path.display().to_string())
+        .unwrap()
+}
+
+/// Sorts the names inside each `state/<fqn>` entry: torch builds them from a Python set.
+fn sorted_state(node: &Node) -> Node {
+    let d = node.as_dict().unwrap();
+    let mut out = Dict::new();
+    for (k, v) in d.iter() {
+        if k.as_str() == Some("state") {
+            let mut state = Dict::new();
+            for (pk, pv) in v.as_dict().unwrap().iter() {
+                let mut items: Vec<(Key, Node)> = pv.as_dict().unwrap().clone().into_entries();
+                items.sort_by(|a, b| a.0.cmp(&b.0));
+                state.insert(pk.clone(), Node::Dict(items.into_iter().collect()));
+            }
+            out.insert(k.clone(), Node::Dict(state));
+        } else {
+            out.insert(k.clone(), v.clone());
+        }
+    }
+    Node::Dict(out)
+}
+
+fn interop(from: usize, to: usize, uop: bool) {
+    let Some(python) = python() else {
+        eprintln!("skipped: no torch");
+        return;
+    };
+    let tmp = tempfile::tempdir().unwrap();
+    let src = tmp.path().join("src");
+    let dst = tmp.path().join("dst");
+    let uop_arg = if uop { "1" } else { "0" };
+    run_python(
+        &python,
+        &["make", src.to_str().unwrap(), &from.to_string(), uop_arg],
+    );
+    let model_json = fixtures().join("nested_ws2_uop0/model.json");
+    let mut args = vec![
+        "reshard",
+        src.to_str().unwrap(),
+        "-o",
+        dst.to_str().unwrap(),
+        "--model",
+        model_json.to_str().unwrap(),
+        "--json",
+    ];
+    let to_s = to.to_string();
+    args.extend(["--to-world-size", &to_s]);
+    if uop {
+        args.push("--use-orig-params");
+    }
+    let out = shardscope(&args);
+    assert!(
+        out.status.success(),
+        "reshard failed: {}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    let summary: serde_json::Value = serde_json::from_slice(&out.stdout).unwrap();
+    assert_eq!(summary["files"].as_array().unwrap().len(), 2 * to);
+    run_python(
+        &python,
+        &[
+            "check",
+            src.to_str().unwrap(),
+            dst.to_str().unwrap(),
+            &to.to_string(),
+            uop_arg,
+        ],
+    );
+
+    // `shardscope convert` on the per-rank folder: equal to torch's FULL_STATE_DICT and
+    // FSDP.optim_state_dict.
+    let outdir = tempfile::tempdir().unwrap();
+    let model_pt = outdir.path().join("full.pt");
+    let mut args = vec![
+        "convert".to_owned(),
+        src.to_str().unwrap().to_owned(),
+        "-o".to_owned(),
+        model_pt.to_str().unwrap().to_owned(),
+        "--model".to_owned(),
+        model_json.to_str().unwrap().to_owned(),
+        "--quiet".to_owned(),
+    ];
+    if uop {
+        args.push("--use-orig-params".to_owned());
+    }
+    let argv: Vec<&str> = args.iter().map(String::as_str).collect();
+    let out = shardscope(&argv);
+    assert!(out.status.success(), "convert failed: {}", stderr_of(&out));
+    let torch_model = read(&src.join("full/full_model.pt"));
+    let ours = read(&model_pt);
+    assert_eq!(
+        ours, torch_model,
+        "full model state dict differs from torch's"
+    );
+    let torch_optim = read(&src.join("full/full_optim.pt"));
+    let ours = read(&outdir.path().join("full.optim.pt"));
+    assert_eq!(
+        sorted_state(&ours),
+        sorted_state(&torch_optim),
+        "full optimizer state dict differs from torch's"
+    );
+    // The same model as safetensors, through the library entry point.
+    let convert = ConvertArgs {
+        src: src.clone(),
+        model: model_json.clone(),
+        flags: LayoutFlags {
+            use_orig_params: uop,
+            ..LayoutFlags::default()
+        },
+        model_pattern: None,
+        optim_pattern: None,
+        model_format: ModelFormat::Safetensors,
+    };
+    let output = fsdp1_local::convert(&convert).unwrap();
+    assert_eq!(output.files.world_size, from);
+    let st_bytes = output.model;
+    let st = safetensors::SafeTensors::deserialize(&st_bytes).unwrap();
+    let torch_model = torch_model.as_dict().unwrap();
+    assert_eq!(st.len(), torch_model.len());
+    for (k, v) in torch_model.iter() {
+        let t = v.as_tensor().unwrap();
+        let view = st.tensor(&k.to_string()).unwrap();
+        assert_eq!(view.data(), t.data.as_slice(), "{k}");
+    }
+}
+
+#[test]
+fn interop_reshard_2_to_4() {
+    interop(2, 4, false);
+}
+
+#[test]
+fn interop_reshard_4_to_2_use_orig_params() {
+    interop(4, 2, true);
+}
+
+/// A per-rank folder made without torch: the LOCAL model and raw optimizer state dicts of the
+/// `nested_ws2_uop0` fixture (written by torch), rewritten one object per file.
+fn fixture_folder(dir: &Path) {
+    std::fs::create_dir_all(dir).unwrap();
+    for rank in 0..2 {
+        let bundle = read(&fixtures().join(format!("nested_ws2_uop0/rank{rank}.pt")));
+        let bundle = bundle.as_dict().unwrap();
+        for (key, name, root) in [
+            ("model_local", "model_rank", RootDict::Ordered),
+            ("optim_local", "optim_rank", RootDict::Plain),
+        ] {
+            let node = bundle.get_str(key).unwrap();
+            let bytes = bridge::to_torch_save(node, root, rank, 2).unwrap();
+            std::fs::write(dir.join(format!("{name}{rank}.pt")), bytes).unwrap();
+        }
+    }
+}
+
+fn snapshot(dir: &Path) -> Vec<(String, Vec<u8>)> {
+    let mut out: Vec<(String, Vec<u8>)> = std::fs::read_dir(dir)
+        .unwrap()
+        .map(|e| {
+            let e = e.unwrap();
+            (
+                e.file_name().to_string_lossy().into_owned(),
+                std::fs::read(e.path()).unwrap(),
+            )
+        })
+        .collect();
+    out.sort();
+    out
+}
+
+#[test]
+fn sigkill_leaves_no_partial_output_and_inputs_unchanged() {
+    let tmp = tempfile::tempdir().unwrap();
+    let src = tmp.path().join("src");
+    fixture_folder(&src);
+    let before = snapshot(&src);
+    let model_json = fixtures().join("nested_ws2_uop0/model.json");
+    let args = |dst: &Path| {
+        vec![
+            "reshard".to_owned(),
+            src.display().to_string(),
+            "-o".to_owned(),
+            dst.display().to_string(),
+            "--model".to_owned(),
+            model_json.display().to_string(),
+            "--to-world-size".to_owned(),
+            "3".to_owned(),
+        ]
+    };
+    // The reference output and how long a full run takes.
+    let reference_dir = tmp.path().join("reference");
+    let start = Instant::now();
+    let out = Command::new(env!("CARGO_BIN_EXE_shardscope"))
+        .args(args(&reference_dir))
+        .output()
+        .unwrap();
+    let full_run = start.elapsed();
+    assert!(
+        out.status.success(),
+        "{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    let reference = snapshot(&reference_dir);
+    assert_eq!(reference.len(), 6);
+
+    let mut seed: u64 = 0x5eed_1234;
+    let (mut absent, mut complete) = (0, 0);
+    for i in 0..20 {
+        // xorshift: kill points spread over 0..120% of a full run.
+        seed ^= seed << 13;
+        seed ^= seed >> 7;
+        seed ^= seed << 17;
+        let delay = full_run.mul_f64((seed % 1200) as f64 / 1000.0);
+        let dst = tmp.path().join(format!("dst{i}"));
+        let mut child = Command::new(env!("CARGO_BIN_EXE_shardscope"))
+            .args(args(&dst))
+            .stdout(std::process::Stdio::null())
+            .stderr(std::process::Stdio::null())
+            .spawn()
+            .unwrap();
+        std::thread::sleep(delay);
+        let _ = child.kill(); // SIGKILL on Unix
+        let _ = child.wait();
+        if dst.exists() {
+            assert_eq!(snapshot(&dst), reference, "run {i}: partial destination");
+            complete += 1;
+        } else {
+            absent += 1;
+        }
+        assert_eq!(snapshot(&src), before, "run {i}: inputs changed");
+    }
+    eprintln!("sigkill: {absent} runs left no destination, {complete} a complete one");
+    assert_eq!(absent + complete, 20);
+}
+
+#[test]
+fn output_is_deterministic_and_reshard_round_trips() {
+    let tmp = tempfile::tempdir().unwrap();
+    let src = tmp.path().join("src");
+    fixture_folder(&src);
+    let model_json = fixtures().join("nested_ws2_uop0/model.json");
+    let m = model_json.to_str().unwrap();
+    let run = |from: &Path, to: &Path, ws: &str| {
+        let out = shardscope(&[
+            "reshard",
+            from.to_str().unwrap(),
+            "-o",
+            to.to_str().unwrap(),
+            "--model",
+            m,
+            "--to-world-size",
+            ws,
+        ]);
+        assert!(
+            out.status.success(),
+            "{}",
+            String::from_utf8_lossy(&out.stderr)
+        );
+    };
+    let (a, b, back) = (
+        tmp.path().join("a"),
+        tmp.path().join("b"),
+        tmp.path().join("back"),
+    );
+    run(&src, &a, "3");
+    run(&src, &b, "3");
+    assert_eq!(snapshot(&a), snapshot(&b), "same input, different bytes");
+    // 2 → 3 → 2 gives back the torch-written LOCAL state dicts and optimizer state.
+    run(&a, &back, "2");
+    for rank in 0..2 {
+        let bundle = read(&fixtures().join(format!("nested_ws2_uop0/rank{rank}.pt")));
+        let bundle = bundle.as_dict().unwrap();
+        assert_eq!(
+            &read(&back.join(format!("model_rank{rank}.pt"))),
+            bundle.get_str("model_local").unwrap(),
+            "rank {rank} model"
+        );
+        assert_eq!(
+            sorted_state(&read(&back.join(format!("optim_rank{rank}.pt")))),
+            sorted_state(bundle.get_str("optim_local").unwrap()),
+            "rank {rank} optimizer"
+        );
+    }
+}
+
+fn stderr_of(out: &Output) -> String {
+    String::from_utf8_lossy(&out.stderr).into_owned()
+}
+
+#[test]
+fn bad_inputs_exit_2_and_name_the_file() {
+    let tmp = tempfile::tempdir().unwrap();
+    let src = tmp.path().join("src");
+    fixture_folder(&src);
+    let model_json = fixtures().join("nested_ws2_uop0/model.json");
+    let m = model_json.to_str().unwrap();
+    let s = src.to_str().unwrap();
+    let dst = tmp.path().join("dst");
+    let d = dst.to_str().unwrap();
+
+    // Missing source folder.
+    let missing = tmp.path().join("nope");
+    let out = shardscope(&[
+        "reshard",
+        missing.to_str().unwrap(),
+        "-o",
+        d,
+        "--model",
+        m,
+        "--to-world-size",
+        "2",
+    ]);
+    assert_eq!(out.status.code(), Some(2));
+    assert!(stderr_of(&out).contains("nope"), "{}", stderr_of(&out));
+
+    // Missing model description.
+    let out = shardscope(&[
+        "reshard",
+        s,
+        "-o",
+        d,
+        "--model",
+        "/no/such/model.json",
+        "--to-world-size",
+        "2",
+    ]);
+    assert_eq!(out.status.code(), Some(2));
+    assert!(
+        stderr_of(&out).contains("/no/such/model.json"),
+        "{}",
+        stderr_of(&out)
+    );
+
+    // Wrong use_orig_params: the optimizer ids do not match the wrapped model.
+    let out = shardscope(&[
+        "reshard",
+        s,
+        "-o",
+        d,
+        "--model",
+        m,
+        "--to-world-size",
+        "2",
+        "--use-orig-params",
+    ]);
+    assert_eq!(out.status.code(), Some(2));
+    assert!(!dst.exists());
+
+    // A corrupt rank file is named.
+    let corrupt = tmp.path().join("corrupt");
+    std::fs::create_dir(&corrupt).unwrap();
+    for (name, bytes) in snapshot(&src) {
+        std::fs::write(corrupt.join(name), bytes).unwrap();
+    }
+    let mut bytes = std::fs::read(corrupt.join("model_rank1.pt")).unwrap();
+    bytes.truncate(bytes.len() / 2);
+    std::fs::write(corrupt.join("model_rank1.pt"), bytes).unwrap();
+    let out = shardscope(&[
+        "reshard",
+        corrupt.to_str().unwrap(),
+        "-o",
+        d,
+        "--model",
+        m,
+        "--to-world-size",
+        "2",
+    ]);
+    assert_eq!(out.status.code(), Some(2));
+    assert!(
+        stderr_of(&out).contains("model_rank1.pt"),
+        "{}",
+        stderr_of(&out)
+    );
+    assert!(!dst.exists());
+
+    // A missing rank is named.
+    std::fs::remove_file(corrupt.join("model_rank1.pt")).unwrap();
+    std::fs::remove_file(corrupt.join("optim_rank1.pt")).unwrap();
+    std::fs::copy(src.join("model_rank1.pt"), corrupt.join("model_rank2.pt")).unwrap();
+    let out = shardscope(&[
+        "reshard",
+        corrupt.to_str().unwrap(),
+        "-o",
+        d,
+        "--model",
+        m,
+        "--to-world-size",
+        "2",
+        "--model-files",
+        "model_rank{r}.pt",
+    ]);
+    assert_eq!(out.status.code(), Some(2));
+    assert!(
+        stderr_of(&out).contains("model_rank1.pt"),
+        "{}",
+        stderr_of(&out)
+    );
+
+    // A non-empty destination is refused and left alone.
+    std::fs::create_dir(&dst).unwrap();
+    std::fs::write(dst.join("keep"), b"x").unwrap();
+    let out = shardscope(&["reshard", s, "-o", d, "--model", m, "--to-world-size", "2"]);
+    assert_eq!(out.status.code(), Some(2));
+    assert!(stderr_of(&out).contains("not empty"), "{}", stderr_of(&out));
+    assert_eq!(std::fs::read(dst.join("keep")).unwrap(), b"x");
+}
