@@ -69,6 +69,9 @@ mod handle {
         }
     }
 
+    /// A file of a batch: its name and its bytes (or why it could not be read).
+    type BatchFile = (String, Result<Vec<u8>, String>);
+
     /// The handle the page holds.
     #[wasm_bindgen]
     pub struct WebHandle {
@@ -77,7 +80,7 @@ mod handle {
         shared: Arc<Mutex<Shared>>,
         ctx: Arc<Mutex<Option<egui::Context>>>,
         /// Files added with `add_file`, handed over together by `finish_batch`.
-        batch: Mutex<Vec<(String, Result<Vec<u8>, String>)>>,
+        batch: Mutex<Vec<BatchFile>>,
     }
 
     impl std::fmt::Debug for WebHandle {
