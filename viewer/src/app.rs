@@ -221,6 +221,22 @@ impl Viewer {
     /// Screen position (points) of the centre of `fqn`'s first slice in the shard map as last
     /// drawn, if it is on screen. Browser tests aim real mouse clicks with it.
     pub fn slice_center(&self, fqn: &str) -> Option<egui::Pos2> {
+        self.layout_slice_center(fqn)
+            .or_else(|| self.checkpoint_row_center(fqn))
+    }
+
+    /// Centre of `key`'s row in the checkpoint key table as last drawn (the **Checkpoint** tab).
+    pub fn checkpoint_row_center(&self, key: &str) -> Option<egui::Pos2> {
+        let c = self.checkpoint.as_ref()?;
+        let &i = c.by_key.get(key)?;
+        self.ckpt
+            .row_rects
+            .iter()
+            .find(|(e, _)| *e == i)
+            .map(|(_, r)| r.center())
+    }
+
+    fn layout_slice_center(&self, fqn: &str) -> Option<egui::Pos2> {
         let view = self.view.as_ref()?;
         let canvas = self.shard_map.last_canvas?;
         let &param = view.by_fqn.get(fqn)?;
@@ -248,13 +264,28 @@ impl Viewer {
             (None, None) => "no layout".to_owned(),
         };
         let selected = self.selection.fqn.as_deref().unwrap_or("none");
+        let busy = self
+            .loader
+            .pending_text()
+            .map_or(String::new(), |t| format!(" · {t}..."));
         match &self.checkpoint {
-            Some(c) => format!(
-                "{model} · {layout} · checkpoint {}: {} · selected: {selected}",
-                c.name,
-                c.summary()
-            ),
-            None => format!("{model} · {layout} · selected: {selected}"),
+            Some(c) => {
+                // A selected checkpoint entry names its chunk count (scripts check it).
+                let chunks = self
+                    .selection
+                    .fqn
+                    .as_deref()
+                    .and_then(|f| c.by_key.get(f))
+                    .map_or(String::new(), |&i| {
+                        format!(" ({} chunks)", c.index.entries[i].chunks.len())
+                    });
+                format!(
+                    "{model} · {layout} · checkpoint {}: {} · selected: {selected}{chunks}{busy}",
+                    c.name,
+                    c.summary()
+                )
+            }
+            None => format!("{model} · {layout} · selected: {selected}{busy}"),
         }
     }
 
@@ -269,6 +300,8 @@ impl Viewer {
             ctx.request_repaint();
         }
         self.take_dropped_files(&ctx);
+        // Refilled by the key table if it is drawn this frame.
+        self.ckpt.row_rects.clear();
         // Controls changed by any means (widgets, scripts, tests) take effect this frame.
         self.recompute();
         #[cfg(not(target_arch = "wasm32"))]
@@ -297,23 +330,27 @@ impl Viewer {
 
     fn take_dropped_files(&mut self, ctx: &egui::Context) {
         let dropped = ctx.input_mut(|i| std::mem::take(&mut i.raw.dropped_files));
+        #[cfg(not(target_arch = "wasm32"))]
         for file in dropped {
-            #[cfg(not(target_arch = "wasm32"))]
             self.open_path(file.path().to_path_buf());
-            #[cfg(target_arch = "wasm32")]
-            {
-                // Browsers read files asynchronously: the bytes arrive in the inbox later.
-                let inbox = self.inbox.clone();
-                let ctx = ctx.clone();
-                wasm_bindgen_futures::spawn_local(async move {
+        }
+        #[cfg(target_arch = "wasm32")]
+        if !dropped.is_empty() {
+            // Browsers read files asynchronously: every file of one drop is read first, then
+            // they reach the inbox together, so they are opened as one checkpoint.
+            let inbox = self.inbox.clone();
+            let ctx = ctx.clone();
+            wasm_bindgen_futures::spawn_local(async move {
+                let mut batch = Vec::with_capacity(dropped.len());
+                for file in dropped {
                     let name = file.path().display().to_string();
-                    let result = file.bytes_async().await;
-                    if let Ok(mut q) = inbox.lock() {
-                        q.push((name, result));
-                    }
-                    ctx.request_repaint();
-                });
-            }
+                    batch.push((name, file.bytes_async().await));
+                }
+                if let Ok(mut q) = inbox.lock() {
+                    q.extend(batch);
+                }
+                ctx.request_repaint();
+            });
         }
         let arrived = self
             .inbox
@@ -328,6 +365,8 @@ impl Viewer {
                     .push(format!("error: cannot read {name}: {e}")),
             }
         }
+        // What arrived together is one batch; the next arrival starts another checkpoint.
+        self.loader.end_batch();
     }
 
     /// Replaces the inbox (the web handle creates it before the viewer exists).
@@ -430,7 +469,11 @@ impl Viewer {
             }
             if self.loader.pending() > 0 {
                 ui.spinner();
-                ui.label(format!("parsing {} input(s)...", self.loader.pending()));
+                ui.label(
+                    self.loader.pending_text().unwrap_or_else(|| {
+                        format!("parsing {} input(s)...", self.loader.pending())
+                    }),
+                );
             }
             ui.with_layout(egui::Layout::right_to_left(egui::Align::Center), |ui| {
                 ui.weak("drop checkpoints (files, folders, a .zip), models or traces anywhere");

@@ -2,6 +2,7 @@
 //! byte range; dropped files or the members of one `.zip` in the browser), indexing them with
 //! [`index_source`] (metadata only) and deriving what the checkpoint panels draw.
 
+#[cfg(not(target_arch = "wasm32"))]
 use std::borrow::Cow;
 use std::collections::{BTreeMap, BTreeSet};
 use std::io::Read;
@@ -9,7 +10,9 @@ use std::io::Read;
 use shardscope_core::model::index::{
     CheckpointIndex, EntryKind, IndexEntry, IndexError, PathSeg, Role, index_source,
 };
-use shardscope_core::source::{MemorySource, Source, SourceError};
+#[cfg(not(target_arch = "wasm32"))]
+use shardscope_core::source::SourceError;
+use shardscope_core::source::{MemorySource, Source};
 
 /// Why a checkpoint cannot be opened.
 #[derive(Debug, Clone, PartialEq, thiserror::Error)]

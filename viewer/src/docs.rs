@@ -99,9 +99,11 @@ enum Job {
         name: String,
         bytes: Vec<u8>,
     },
-    /// Files of one checkpoint, in memory (opened together in one frame).
+    /// Files of one checkpoint, in memory (opened together: one batch, or one frame).
     Checkpoint {
         files: Vec<(String, Vec<u8>)>,
+        /// The batch is complete: later files start another checkpoint.
+        closed: bool,
     },
     #[cfg(not(target_arch = "wasm32"))]
     Path(std::path::PathBuf),
@@ -159,6 +161,9 @@ pub struct Loader {
     worker: Option<std::sync::mpsc::Receiver<Finished>>,
     /// Parse synchronously (tests and benchmarks).
     pub synchronous: bool,
+    /// The front job was shown in the status line for a frame (browser).
+    #[cfg(target_arch = "wasm32")]
+    announced: bool,
 }
 
 impl Loader {
@@ -166,16 +171,58 @@ impl Loader {
     /// before the next frame) are opened together as one checkpoint.
     pub fn open_bytes(&mut self, name: String, bytes: Vec<u8>) {
         if is_checkpoint_part(&name, &bytes) {
-            if let Some(Job::Checkpoint { files }) = self.queue.back_mut() {
+            if let Some(Job::Checkpoint {
+                files,
+                closed: false,
+            }) = self.queue.back_mut()
+            {
                 files.push((name, bytes));
             } else {
                 self.queue.push_back(Job::Checkpoint {
                     files: vec![(name, bytes)],
+                    closed: false,
                 });
             }
         } else {
             self.queue.push_back(Job::Bytes { name, bytes });
         }
+    }
+
+    /// Ends a batch: checkpoint files queued after this form another checkpoint.
+    pub fn end_batch(&mut self) {
+        if let Some(Job::Checkpoint { closed, .. }) = self.queue.back_mut() {
+            *closed = true;
+        }
+    }
+
+    /// What the next queued input is, for the status line (`indexing checkpoint: 3 files, 1.2 MiB`).
+    pub fn pending_text(&self) -> Option<String> {
+        let text = match self.queue.front()? {
+            Job::Bytes { name, bytes } => {
+                format!(
+                    "parsing {name} ({})",
+                    crate::format::bytes(bytes.len() as u64)
+                )
+            }
+            Job::Checkpoint { files, .. } => {
+                let total: u64 = files.iter().map(|(_, b)| b.len() as u64).sum();
+                format!(
+                    "indexing checkpoint: {} files, {}",
+                    files.len(),
+                    crate::format::bytes(total)
+                )
+            }
+            #[cfg(not(target_arch = "wasm32"))]
+            Job::Path(p) => format!("reading {}", p.display()),
+            #[cfg(not(target_arch = "wasm32"))]
+            Job::Files { name, .. } => format!("indexing checkpoint {name}"),
+        };
+        let more = self.queue.len() - 1;
+        Some(if more > 0 {
+            format!("{text} (+{more} queued)")
+        } else {
+            text
+        })
     }
 
     /// Opens a file or a folder (native only). A folder holding checkpoint files opens as one
@@ -275,9 +322,18 @@ impl Loader {
         }
         #[cfg(target_arch = "wasm32")]
         {
-            // One input per frame keeps the page responsive while a batch of files is parsed.
-            if let Some(job) = self.queue.pop_front() {
-                done.extend(run_job(job));
+            // One input per frame keeps the page responsive while a batch of files is parsed;
+            // each input is announced one frame before it is parsed, so the status line says
+            // what the page is busy with while the (synchronous) parse runs.
+            if !self.queue.is_empty() {
+                if self.announced {
+                    self.announced = false;
+                    if let Some(job) = self.queue.pop_front() {
+                        done.extend(run_job(job));
+                    }
+                } else {
+                    self.announced = true;
+                }
             }
         }
         done
@@ -287,7 +343,7 @@ impl Loader {
 fn run_job(job: Job) -> Vec<Finished> {
     match job {
         Job::Bytes { name, bytes } => vec![parse(&name, &bytes)],
-        Job::Checkpoint { files } => {
+        Job::Checkpoint { files, .. } => {
             let names: Vec<&str> = files.iter().map(|(n, _)| n.as_str()).collect();
             let name = group_name(&names);
             vec![
@@ -372,5 +428,23 @@ mod tests {
             parse("x.json", b"{\"a\": 1}"),
             Err(OpenError::UnknownJson { .. })
         ));
+    }
+
+    #[test]
+    fn batches_split_checkpoints() {
+        let mut loader = Loader::default();
+        loader.open_bytes("a/__0_0.distcp".to_owned(), vec![1]);
+        loader.open_bytes("a/__1_0.distcp".to_owned(), vec![2]);
+        loader.open_bytes("a/.metadata".to_owned(), vec![3]);
+        assert_eq!(loader.queue.len(), 1, "one batch is one checkpoint");
+        assert_eq!(
+            loader.pending_text().as_deref(),
+            Some("indexing checkpoint: 3 files, 3 B")
+        );
+        loader.end_batch();
+        loader.open_bytes("b/model.pt".to_owned(), vec![4]);
+        assert_eq!(loader.queue.len(), 2, "a later batch is another checkpoint");
+        loader.open_bytes("m.json".to_owned(), b"{}".to_vec());
+        assert_eq!(loader.queue.len(), 3);
     }
 }

@@ -1,5 +1,6 @@
 //! WebAssembly entry of the shardscope viewer: a [`WebHandle`] the page creates, starts on a canvas
-//! and feeds with files (`open_bytes`). Everything else is the same `shardscope-viewer` code the
+//! and feeds with files (`open_bytes`, or `add_file`... `finish_batch` for files that form one
+//! checkpoint). Everything else is the same `shardscope-viewer` code the
 //! desktop binary runs.
 
 pub use shardscope_viewer as viewer;
@@ -68,6 +69,9 @@ mod handle {
         }
     }
 
+    /// A file of a batch: its name and its bytes (or why it could not be read).
+    type BatchFile = (String, Result<Vec<u8>, String>);
+
     /// The handle the page holds.
     #[wasm_bindgen]
     pub struct WebHandle {
@@ -75,6 +79,8 @@ mod handle {
         inbox: shardscope_viewer::app::Inbox,
         shared: Arc<Mutex<Shared>>,
         ctx: Arc<Mutex<Option<egui::Context>>>,
+        /// Files added with `add_file`, handed over together by `finish_batch`.
+        batch: Mutex<Vec<BatchFile>>,
     }
 
     impl std::fmt::Debug for WebHandle {
@@ -96,6 +102,7 @@ mod handle {
                 inbox,
                 shared: Arc::new(Mutex::new(Shared::default())),
                 ctx: Arc::new(Mutex::new(None)),
+                batch: Mutex::new(Vec::new()),
             }
         }
 
@@ -136,6 +143,34 @@ mod handle {
             self.repaint();
         }
 
+        /// Adds a file to the current batch; nothing is opened before `finish_batch`.
+        pub fn add_file(&self, name: String, bytes: Vec<u8>) {
+            if let Ok(mut b) = self.batch.lock() {
+                b.push((name, Ok(bytes)));
+            }
+        }
+
+        /// Files added so far and not yet handed over.
+        pub fn batch_len(&self) -> usize {
+            self.batch.lock().map(|b| b.len()).unwrap_or_default()
+        }
+
+        /// Hands every file added since the last batch to the viewer at once: the checkpoint
+        /// files among them form one checkpoint (per-rank files, a DCP folder), the other inputs
+        /// (models, traces, reports) open on their own. The viewer announces the work in the
+        /// status line for a frame, then indexes the checkpoint in the next frame.
+        pub fn finish_batch(&self) {
+            let files = self
+                .batch
+                .lock()
+                .map(|mut b| std::mem::take(&mut *b))
+                .unwrap_or_default();
+            if let Ok(mut q) = self.inbox.lock() {
+                q.extend(files);
+            }
+            self.repaint();
+        }
+
         /// Selects a parameter by clean FQN (an empty string clears the selection).
         pub fn select(&self, fqn: String) {
             if let Ok(mut s) = self.shared.lock() {
@@ -161,8 +196,9 @@ mod handle {
                 .unwrap_or_default()
         }
 
-        /// Asks where `fqn`'s first slice is drawn in the shard map; read it with `probe_result`
-        /// after the next frame.
+        /// Asks where `fqn`'s first slice is drawn in the shard map (or, for a checkpoint key,
+        /// its row in the **Checkpoint** table); read it with `probe_result` after the next
+        /// frame.
         pub fn probe(&self, fqn: String) {
             if let Ok(mut s) = self.shared.lock() {
                 s.probe = Some(fqn);

@@ -1,11 +1,14 @@
 // Real-browser test of the built web bundle: headless Chromium (Debian's /usr/bin/chromium driven
 // by playwright-core) loads the page, a fixture file is opened through the file picker, a parameter
 // is clicked in the shard map with a real mouse click, and the shown text and a screenshot are
-// checked.
+// checked. Then a torch-written DCP checkpoint (tests/fixtures/formats/dcp_torch_save: `.metadata`
+// and two `.distcp` files, picked together) is opened, a key is clicked in the checkpoint table and
+// the shown key and chunk counts are checked against torch's own metadata dump
+// (tests/fixtures/formats/expected/dcp_torch_save_metadata.json, written by gen_formats.py).
 //
 // node web/tests/browser_test.mjs [DIST_DIR] [SCREENSHOT_DIR]   (defaults: dist/web, docs/img)
 import { spawn } from "node:child_process";
-import { mkdirSync } from "node:fs";
+import { mkdirSync, readFileSync } from "node:fs";
 import { createRequire } from "node:module";
 import net from "node:net";
 import path from "node:path";
@@ -70,6 +73,67 @@ async function compare(page, a, b, region) {
     }
     return { diff, colours: colours.size };
   }, { a: a.toString("base64"), b: b.toString("base64"), region });
+}
+
+// Opens the torch-written DCP fixture (all three files in one pick, so they form one checkpoint),
+// clicks a key's row in the checkpoint table and checks the status line against torch's metadata.
+async function checkpointTest(browser, port) {
+  const dir = path.join(root, "tests/fixtures/formats/dcp_torch_save");
+  const expected = JSON.parse(readFileSync(
+    path.join(root, "tests/fixtures/formats/expected/dcp_torch_save_metadata.json"), "utf8"));
+  const key = "model.embed.weight";
+  const want = expected.items[key];
+  if (!want || !want.chunks) fail(`${key} is not a tensor in torch's metadata`);
+  const page = await browser.newPage({ viewport: { width: 1400, height: 860 }, deviceScaleFactor: 1 });
+  const errors = [];
+  page.on("pageerror", (e) => errors.push(String(e)));
+  page.on("console", (m) => { if (m.type() === "error") errors.push(m.text()); });
+  await page.goto(`http://127.0.0.1:${port}/index.html?empty`);
+  await waitFor(() => page.evaluate(() => document.body.dataset.ready === "1"), "the viewer to start");
+  await page.setInputFiles("#files", [".metadata", "__0_0.distcp", "__1_0.distcp"].map((f) => path.join(dir, f)));
+  const opened = await waitFor(async () => {
+    const s = await page.textContent("#status");
+    return s.includes("checkpoint ") && s.includes(" entries") ? s : null;
+  }, "the checkpoint to open");
+  console.log(`status after opening the checkpoint: ${opened}`);
+  const entries = Object.keys(expected.items).length;
+  // One checkpoint of all three files (one batch), holding every item torch wrote.
+  if (!opened.includes(`${entries} entries`)) fail(`expected ${entries} entries: ${opened}`);
+  // Tensor items have their chunk lists; every bytes item is stored once.
+  const chunks = Object.values(expected.items).reduce((n, it) => n + (it.chunks ? it.chunks.length : 1), 0);
+  if (!opened.includes(` ${chunks} chunks`)) fail(`torch wrote ${chunks} chunks in all: ${opened}`);
+  if (!opened.includes("2 ranks")) fail(`expected 2 ranks (two .distcp files): ${opened}`);
+
+  const canvasBox = await page.locator("#viewer").boundingBox();
+  await page.waitForTimeout(300);
+  const before = await page.screenshot();
+  await page.evaluate((k) => window.shardscope.probe(k), key);
+  const at = await waitFor(async () => {
+    const r = await page.evaluate(() => Array.from(window.shardscope.probe_result()));
+    return r.length === 2 ? r : null;
+  }, `the row of ${key} to be on screen`);
+  await page.mouse.move(canvasBox.x + at[0], canvasBox.y + at[1]);
+  await page.waitForTimeout(100);
+  await page.mouse.down();
+  await page.mouse.up();
+  const selected = await waitFor(async () => {
+    const s = await page.textContent("#status");
+    return s.includes(`selected: ${key} (`) ? s : null;
+  }, `${key} to be selected`, 10000);
+  console.log(`status after click: ${selected}`);
+  const m = selected.match(/selected: \S+ \((\d+) chunks\)/);
+  if (!m || Number(m[1]) !== want.chunks.length) {
+    fail(`${key}: torch wrote ${want.chunks.length} chunks, the viewer shows: ${selected}`);
+  }
+  await page.mouse.move(canvasBox.x + 5, canvasBox.y + canvasBox.height - 5);
+  await page.waitForTimeout(400);
+  const after = await page.screenshot({ path: path.join(shots, "web_checkpoint.png") });
+  const whole = await compare(page, before, after, { x: 0, y: 0, w: 1400, h: 860 });
+  console.log(`checkpoint screenshot: ${whole.colours} colours, ${whole.diff} pixels changed by the click`);
+  if (whole.colours < 50) fail(`the checkpoint screenshot looks blank (${whole.colours} colours)`);
+  if (whole.diff < 500) fail("nothing changed on screen after clicking the key");
+  if (errors.length) fail(`page errors: ${errors.join("\n")}`);
+  await page.close();
 }
 
 const port = await freePort();
@@ -141,7 +205,10 @@ try {
   const whole = await compare(page, before, after, { x: 0, y: 0, w: 1400, h: 860 });
   if (whole.colours < 50) fail(`the screenshot looks blank (${whole.colours} colours)`);
   if (errors.length) fail(`page errors: ${errors.join("\n")}`);
-  console.log(`PASS: browser test (screenshot ${path.join(shots, "web.png")})`);
+  console.log(`PASS: browser test, layout (screenshot ${path.join(shots, "web.png")})`);
+  await checkpointTest(browser, port);
+  if (errors.length) fail(`page errors: ${errors.join("\n")}`);
+  console.log("PASS: browser test");
 } finally {
   if (browser) await browser.close();
   server.kill();

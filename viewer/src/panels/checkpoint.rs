@@ -26,6 +26,8 @@ pub struct CheckpointState {
     pub reveal_selection: bool,
     /// Where the chunk map was last drawn.
     pub last_canvas: Option<Rect>,
+    /// Rows of the key table drawn last frame: `(entry index, rect)` (scripts aim clicks).
+    pub row_rects: Vec<(usize, Rect)>,
 }
 
 /// A module of the key tree.
@@ -226,6 +228,7 @@ pub fn table_ui(
             table_rows(view, &st.table_filter),
         ));
     }
+    st.row_rects.clear();
     let shown = st
         .table_cache
         .as_ref()
@@ -316,6 +319,7 @@ pub fn table_ui(
                     entry_facts(e)
                 };
                 cell(&mut row, last);
+                st.row_rects.push((i, row.response().rect));
                 if row.response().clicked() {
                     selection.select(e.key.clone());
                 }
