@@ -51,3 +51,29 @@ pub fn memory_source(dir: &std::path::Path) -> shardscope_core::MemorySource {
     walk(dir, "", &mut out);
     out
 }
+
+/// Python with torch and safetensors for interop tests: `SHARDSCOPE_PYTHON`, else
+/// `~/torch-venv/bin/python`; `None` when neither exists (the caller prints that it skips). A
+/// `SHARDSCOPE_PYTHON` that cannot import them is an error: CI sets it and must not skip silently.
+pub fn torch_python() -> Option<std::path::PathBuf> {
+    let explicit = std::env::var_os("SHARDSCOPE_PYTHON");
+    let python = if let Some(p) = &explicit {
+        PathBuf::from(p)
+    } else {
+        let p = PathBuf::from(std::env::var_os("HOME")?).join("torch-venv/bin/python");
+        if !p.exists() {
+            return None;
+        }
+        p
+    };
+    let ok = std::process::Command::new(&python)
+        .args(["-c", "import torch, safetensors"])
+        .status()
+        .is_ok_and(|s| s.success());
+    assert!(
+        ok || explicit.is_none(),
+        "SHARDSCOPE_PYTHON={} cannot import torch and safetensors",
+        python.display()
+    );
+    ok.then_some(python)
+}

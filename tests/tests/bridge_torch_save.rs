@@ -56,29 +56,8 @@ fn errors_name_the_file() {
     assert!(err.to_string().starts_with("x/rank0.pt: "), "{err}");
 }
 
-/// Python with torch, or `None` (then the caller skips). A `SHARDSCOPE_PYTHON` without torch is
-/// an error: CI sets it and must not skip silently.
-pub fn python() -> Option<PathBuf> {
-    let explicit = std::env::var_os("SHARDSCOPE_PYTHON");
-    let python = if let Some(p) = &explicit {
-        PathBuf::from(p)
-    } else {
-        let p = PathBuf::from(std::env::var_os("HOME")?).join("torch-venv/bin/python");
-        if !p.exists() {
-            return None;
-        }
-        p
-    };
-    let ok = Command::new(&python)
-        .args(["-c", "import torch"])
-        .status()
-        .is_ok_and(|s| s.success());
-    assert!(
-        ok || explicit.is_none(),
-        "SHARDSCOPE_PYTHON={} cannot import torch",
-        python.display()
-    );
-    ok.then_some(python)
+fn python() -> Option<PathBuf> {
+    shardscope_tests::torch_python()
 }
 
 /// Writes plain (non-distributed) trees with our writer; torch loads each with

@@ -158,29 +158,8 @@ fn write_manifest(dir: &Path, manifest: &serde_json::Value) {
     .unwrap();
 }
 
-/// Python with torch, or `None` (then the caller skips). A `SHARDSCOPE_PYTHON` without torch is an
-/// error: CI sets it and must not skip silently.
 fn python() -> Option<PathBuf> {
-    let explicit = std::env::var_os("SHARDSCOPE_PYTHON");
-    let python = if let Some(p) = &explicit {
-        PathBuf::from(p)
-    } else {
-        let p = PathBuf::from(std::env::var_os("HOME")?).join("torch-venv/bin/python");
-        if !p.exists() {
-            return None;
-        }
-        p
-    };
-    let ok = Command::new(&python)
-        .args(["-c", "import torch, safetensors"])
-        .status()
-        .is_ok_and(|s| s.success());
-    assert!(
-        ok || explicit.is_none(),
-        "SHARDSCOPE_PYTHON={} cannot import torch and safetensors",
-        python.display()
-    );
-    ok.then_some(python)
+    shardscope_tests::torch_python()
 }
 
 fn run_checker(python: &Path, format: &str, dir: &Path) {
