@@ -56,6 +56,7 @@ def save_worker(rank: int, port: int, out_dir: str) -> None:
         sd[f"layers.{i:02d}.weight"] = DTensor.from_local(local, mesh, [Shard(0)])
     sd["head.bias"] = DTensor.from_local(torch.full((4,), float(rank)), mesh, [Shard(0)])
     dcp.save({"model": sd}, checkpoint_id=out_dir)
+    dist.barrier()
     dist.destroy_process_group()
 
 

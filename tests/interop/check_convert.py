@@ -42,16 +42,15 @@ class Net(torch.nn.Module):
         return self.out(self.lin(self.emb(x))) * self.scale.float()
 
 
-def init(rank, port):
-    os.environ["MASTER_ADDR"] = "127.0.0.1"
-    os.environ["MASTER_PORT"] = str(port)
-    dist.init_process_group("gloo", rank=rank, world_size=WORLD)
+def init(rank, store):
+    # A file store, not a TCP port: no race with other tests picking the same free port.
+    dist.init_process_group("gloo", init_method=f"file://{store}", rank=rank, world_size=WORLD)
 
 
-def save_worker(rank, port, out_dir):
+def save_worker(rank, store, out_dir):
     from torch.distributed.fsdp import fully_shard
 
-    init(rank, port)
+    init(rank, store)
     torch.manual_seed(0)
     model = Net()
     fully_shard(model)
@@ -60,13 +59,14 @@ def save_worker(rank, port, out_dir):
     opt.step()
     msd, osd = get_state_dict(model, opt)
     dcp.save({"model": msd, "optim": osd}, checkpoint_id=out_dir)
+    dist.barrier()
     dist.destroy_process_group()
 
 
-def load_worker(rank, port, dcp_dir, full_path, result_path):
+def load_worker(rank, store, dcp_dir, full_path, result_path):
     from torch.distributed.fsdp import fully_shard
 
-    init(rank, port)
+    init(rank, store)
     torch.manual_seed(123)  # different init: the load must overwrite everything
     model = Net()
     fully_shard(model)
@@ -84,15 +84,13 @@ def load_worker(rank, port, dcp_dir, full_path, result_path):
     if rank == 0:
         with open(result_path, "w") as f:
             json.dump(bad, f)
+    dist.barrier()
     dist.destroy_process_group()
 
 
-def free_port():
-    import socket
-
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+def fresh_store():
+    """A path for a new gloo FileStore (the file must not exist yet)."""
+    return os.path.join(tempfile.mkdtemp(prefix="shardscope-store-"), "store")
 
 
 def same(a, b, where):
@@ -125,7 +123,7 @@ def convert(bin_path, *args):
 def main():
     bin_path, work = sys.argv[1], sys.argv[2]
     src = os.path.join(work, "dcp")
-    mp.spawn(save_worker, args=(free_port(), src), nprocs=WORLD, join=True)
+    mp.spawn(save_worker, args=(fresh_store(), src), nprocs=WORLD, join=True)
     ref_pt = os.path.join(work, "torch_ref.pt")
     dcp_to_torch_save(src, ref_pt)
     ref = torch.load(ref_pt, weights_only=True)
@@ -174,7 +172,7 @@ def main():
         out_dir = os.path.join(work, f"dcp_{api}")
         convert(bin_path, full_pt, "-o", out_dir, "--world-size", str(WORLD), "--api", api)
         result = os.path.join(work, f"result_{api}.json")
-        mp.spawn(load_worker, args=(free_port(), out_dir, full_pt, result), nprocs=WORLD, join=True)
+        mp.spawn(load_worker, args=(fresh_store(), out_dir, full_pt, result), nprocs=WORLD, join=True)
         with open(result) as f:
             bad = json.load(f)
         if bad:
@@ -183,7 +181,7 @@ def main():
     out_dir = os.path.join(work, "dcp_from_st")
     convert(bin_path, ours_st, "-o", out_dir, "--world-size", str(WORLD))
     result = os.path.join(work, "result_st.json")
-    mp.spawn(load_worker, args=(free_port(), out_dir, full_pt, result), nprocs=WORLD, join=True)
+    mp.spawn(load_worker, args=(fresh_store(), out_dir, full_pt, result), nprocs=WORLD, join=True)
     with open(result) as f:
         bad = json.load(f)
     if bad:

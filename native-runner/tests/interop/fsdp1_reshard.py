@@ -15,7 +15,7 @@ Exit status 0 when every check passes; failures are printed.
 
 import copy
 import os
-import socket
+import tempfile
 import sys
 from pathlib import Path
 
@@ -139,13 +139,12 @@ def check(rank, ws, uop, src, dst):
     return not errors
 
 
-def worker(rank, ws, port, mode, uop, src, dst, results):
+def worker(rank, ws, store, mode, uop, src, dst, results):
     import warnings
 
     warnings.filterwarnings("ignore")
-    os.environ["MASTER_ADDR"] = "127.0.0.1"
-    os.environ["MASTER_PORT"] = str(port)
-    dist.init_process_group("gloo", rank=rank, world_size=ws)
+    # A file store, not a TCP port: no race with other tests picking the same free port.
+    dist.init_process_group("gloo", init_method=f"file://{store}", rank=rank, world_size=ws)
     torch.use_deterministic_algorithms(True)
     ok = True
     if mode == "make":
@@ -158,10 +157,9 @@ def worker(rank, ws, port, mode, uop, src, dst, results):
     dist.destroy_process_group()
 
 
-def free_port():
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+def fresh_store():
+    """A path for a new gloo FileStore (the file must not exist yet)."""
+    return os.path.join(tempfile.mkdtemp(prefix="shardscope-store-"), "store")
 
 
 def main():
@@ -172,7 +170,7 @@ def main():
     else:
         src, dst, ws, uop = Path(sys.argv[2]), Path(sys.argv[3]), int(sys.argv[4]), sys.argv[5] == "1"
     results = Path(src) / "full"
-    mp.spawn(worker, args=(ws, free_port(), mode, uop, str(src), str(dst), str(results)), nprocs=ws, join=True)
+    mp.spawn(worker, args=(ws, fresh_store(), mode, uop, str(src), str(dst), str(results)), nprocs=ws, join=True)
     fails = sorted(p.name for p in results.glob("fail*"))
     for p in results.glob("fail*"):
         p.unlink()
