@@ -1,6 +1,7 @@
 //! The shardscope runner library: the gather/flatten executor behind `shardscope gather` and the
 //! Chrome-trace writer. The `shardscope` binary is a thin CLI over it.
 
+pub mod file_source;
 pub mod fsdp1_local;
 pub mod gather;
 pub mod trace;

@@ -189,9 +189,9 @@ fn interop(from: usize, to: usize, uop: bool) {
         optim_pattern: None,
         model_format: ModelFormat::Safetensors,
     };
-    let output = fsdp1_local::convert(&convert).unwrap();
-    assert_eq!(output.files.world_size, from);
-    let st_bytes = output.model;
+    let conv = fsdp1_local::Converter::open(&convert).unwrap();
+    assert_eq!(conv.files().world_size, from);
+    let st_bytes = conv.write_model(Vec::new()).unwrap();
     let st = safetensors::SafeTensors::deserialize(&st_bytes).unwrap();
     let torch_model = torch_model.as_dict().unwrap();
     assert_eq!(st.len(), torch_model.len());

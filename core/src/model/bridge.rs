@@ -74,11 +74,40 @@ pub fn node_from_torch_save(bytes: &[u8], file: &str) -> Result<Node, BridgeErro
         source,
     })?;
     let reader = Reader {
-        bytes,
+        bytes: Bytes::Whole(bytes),
         archive: &archive,
         file,
     };
     reader.value(&archive.root, "")
+}
+
+/// How [`node_from_archive`] gets the bytes of one tensor: called with the tensor's view, the byte
+/// range of its storage member (relative to the archive start, checked against the storage table)
+/// and its path in the tree (`/state/3/exp_avg`). `Ok(Some(bytes))` gives the tensor's contiguous
+/// little-endian bytes; `Ok(None)` leaves it unread: the node then holds a *skeleton* tensor (dtype
+/// and shape, empty `data`) that only its metadata may be used of.
+pub type FetchTensor<'f> = dyn Fn(&crate::formats::pickle::TensorRef, torch_zip::MemberRange, &str) -> Result<Option<Vec<u8>>, BridgeError>
+    + 'f;
+
+/// Converts an opened archive (see [`torch_zip::read_archive`]) to a [`Node`], reading tensor bytes
+/// only through `fetch`, so a caller decides which tensors to read and how (e.g. positioned reads of
+/// a file that is not held in memory).
+pub fn node_from_archive(
+    archive: &TorchArchive,
+    file: &str,
+    fetch: &FetchTensor<'_>,
+) -> Result<Node, BridgeError> {
+    let reader = Reader {
+        bytes: Bytes::Fetch(fetch),
+        archive,
+        file,
+    };
+    reader.value(&archive.root, "")
+}
+
+enum Bytes<'a> {
+    Whole(&'a [u8]),
+    Fetch(&'a FetchTensor<'a>),
 }
 
 /// Reads member `name` of `source` as a `torch.save` archive.
@@ -93,7 +122,7 @@ pub fn node_from_source(source: &dyn Source, name: &str) -> Result<Node, BridgeE
 }
 
 struct Reader<'a> {
-    bytes: &'a [u8],
+    bytes: Bytes<'a>,
     archive: &'a TorchArchive,
     file: &'a str,
 }
@@ -125,11 +154,28 @@ impl Reader<'_> {
             source,
         };
         let range = self.archive.storage_range(t).map_err(archive_err)?;
+        let bytes = match &self.bytes {
+            Bytes::Whole(b) => *b,
+            Bytes::Fetch(fetch) => {
+                return match fetch(t, range, path)? {
+                    Some(data) => Tensor::new(t.storage.dtype, t.shape.clone(), data).map_err(|e| {
+                        BridgeError::BadTensor {
+                            path: format!("{}: {}", self.file, display_path(path)),
+                            reason: e.to_string(),
+                        }
+                    }),
+                    None => Ok(Tensor {
+                        dtype: t.storage.dtype,
+                        shape: t.shape.clone(),
+                        data: Vec::new(),
+                    }),
+                };
+            }
+        };
         // `storage_range` checked the member against the archive length.
         let start = usize::try_from(range.offset).unwrap_or(usize::MAX);
         let end = usize::try_from(range.offset.saturating_add(range.len)).unwrap_or(usize::MAX);
-        let storage = self
-            .bytes
+        let storage = bytes
             .get(start..end)
             .ok_or_else(|| BridgeError::BadTensor {
                 path: format!("{}: {}", self.file, display_path(path)),

@@ -285,7 +285,7 @@ use crate::transform::Fsdp1Model;
 use crate::transform::chunk::sharded_chunk_from_full;
 
 /// Tied aliases inside flat parameters: alias FQN -> primary FQN.
-fn managed_aliases(model: &Fsdp1Model<'_>) -> HashMap<String, String> {
+pub fn managed_aliases(model: &Fsdp1Model<'_>) -> HashMap<String, String> {
     model
         .layout
         .flat_params
@@ -393,7 +393,8 @@ pub fn model_local_from_full(
     Ok(entries.into_iter().collect())
 }
 
-fn depth(prefix: &str) -> usize {
+/// Number of dotted segments of a module prefix (`""` is 0).
+pub fn depth(prefix: &str) -> usize {
     if prefix.is_empty() {
         0
     } else {
@@ -478,8 +479,9 @@ fn parent(name: &str) -> &str {
     name.rfind('.').map_or("", |i| &name[..i])
 }
 
-/// `nn.Module.state_dict` order from parameter and buffer names.
-fn module_order(
+/// `nn.Module.state_dict` order from parameter and buffer names (`aliases` from
+/// [`managed_aliases`]): the key order of [`model_full_from_local`].
+pub fn module_order(
     model: &Fsdp1Model<'_>,
     aliases: &HashMap<String, String>,
     buffers: &[String],

@@ -4,7 +4,6 @@
 //! [`shardscope_runner::fsdp1_local`].
 
 use std::fmt::Write as _;
-use std::io::Write as _;
 use std::path::{Path, PathBuf};
 use std::process::ExitCode;
 
@@ -70,15 +69,10 @@ pub fn run(args: &ReshardCliArgs) -> anyhow::Result<ExitCode> {
         model_pattern: args.model_files.clone(),
         optim_pattern: args.optim_files.clone(),
     };
-    let (files, outputs) = fsdp1_local::reshard(&reshard_args)?;
-    let written = crate::atomic::write_dir(&args.dst, |tmp| {
-        for f in &outputs {
-            let path = tmp.join(&f.name);
-            std::fs::write(&path, &f.bytes)
-                .map_err(|e| anyhow::anyhow!("cannot write {}: {e}", path.display()))?;
-        }
-        Ok(outputs.len())
+    let (files, outputs) = crate::atomic::write_dir(&args.dst, |tmp| {
+        Ok(fsdp1_local::reshard(&reshard_args, tmp)?)
     })?;
+    let written = outputs.len();
     let text = if args.json {
         let summary = serde_json::json!({
             "source": args.src.display().to_string(),
@@ -87,7 +81,7 @@ pub fn run(args: &ReshardCliArgs) -> anyhow::Result<ExitCode> {
             "to_world_size": args.to_world_size,
             "model_files": files.model_pattern,
             "optim_files": files.optim_pattern,
-            "files": outputs.iter().map(|f| serde_json::json!({"name": f.name, "bytes": f.bytes.len()})).collect::<Vec<_>>(),
+            "files": outputs.iter().map(|f| serde_json::json!({"name": f.name, "bytes": f.bytes})).collect::<Vec<_>>(),
         });
         format!("{}\n", serde_json::to_string_pretty(&summary)?)
     } else {
@@ -111,19 +105,23 @@ pub fn run(args: &ReshardCliArgs) -> anyhow::Result<ExitCode> {
     Ok(ExitCode::SUCCESS)
 }
 
-/// Runs [`fsdp1_local::convert`] and writes its outputs atomically: the full model state dict to
-/// `out_model` and, when the folder has optimizer files, the full optimizer state dict to
-/// `out_optim` (default: `<out_model stem>.optim.pt` next to it). Returns the paths written.
+/// Runs [`fsdp1_local::Converter`] and writes its outputs atomically, a tensor at a time: the full
+/// model state dict to `out_model` and, when the folder has optimizer files, the full optimizer
+/// state dict to `out_optim` (default: `<out_model stem>.optim.pt` next to it). Returns the paths
+/// written.
 pub fn write_convert(
     args: &ConvertArgs,
     out_model: &Path,
     out_optim: Option<&Path>,
 ) -> anyhow::Result<Vec<PathBuf>> {
-    let output = fsdp1_local::convert(args)?;
+    let conv = fsdp1_local::Converter::open(args)?;
     let mut written = Vec::new();
-    crate::atomic::write_file(out_model, |w| Ok(w.write_all(&output.model)?))?;
+    crate::atomic::write_file(out_model, |w| {
+        conv.write_model(w)?;
+        Ok(())
+    })?;
     written.push(out_model.to_path_buf());
-    if let Some(optim) = &output.optim {
+    if conv.has_optim() {
         let path = out_optim.map_or_else(
             || {
                 let stem = out_model
@@ -133,7 +131,10 @@ pub fn write_convert(
             },
             Path::to_path_buf,
         );
-        crate::atomic::write_file(&path, |w| Ok(w.write_all(optim)?))?;
+        crate::atomic::write_file(&path, |w| {
+            conv.write_optim(w)?;
+            Ok(())
+        })?;
         written.push(path);
     }
     Ok(written)

@@ -1,0 +1,291 @@
+//! Lazy per-rank `torch.save` inputs and tensor-at-a-time `torch.save` outputs.
+//!
+//! - [`LazyFile`]: a `torch.save` file whose pickle and storage table are read once (through the
+//!   memory-mapped [`FileSource`], which touches the zip directory and `data.pkl` only, then
+//!   unmapped); tensor bytes are read later with positioned reads of exactly the elements needed,
+//!   so nothing stays resident after use.
+//! - Skeletons: a [`Node`] whose tensors carry dtype and shape but no bytes (see
+//!   [`bridge::node_from_archive`]); every tensor is named by its path in the tree (`/state/3/exp_avg`,
+//!   the path format of the bridge). An output file is planned from a skeleton and each storage is
+//!   produced on demand ([`write_torch_save`]).
+
+use std::collections::HashMap;
+use std::fs::File;
+use std::io::Write;
+use std::os::unix::fs::FileExt;
+use std::path::{Path, PathBuf};
+
+use shardscope_core::formats::pickle::TensorRef;
+use shardscope_core::formats::torch_zip::{self, MemberRange, TorchArchive};
+use shardscope_core::model::bridge::{self, BridgeError, RootDict};
+use shardscope_core::model::tree::{Node, Tensor};
+use shardscope_core::source::{Source, SourceError};
+
+use super::{Fsdp1LocalError, Result};
+use crate::file_source::FileSource;
+
+/// One input file: its archive structure in memory, its bytes on disk.
+#[derive(Debug)]
+pub(super) struct LazyFile {
+    pub path: PathBuf,
+    file: File,
+    archive: TorchArchive,
+    /// Tensor path -> view and storage member range, filled by [`LazyFile::skeleton`].
+    tensors: HashMap<String, (TensorRef, MemberRange)>,
+}
+
+fn io_err(path: &Path) -> impl FnOnce(std::io::Error) -> Fsdp1LocalError + '_ {
+    move |source| Fsdp1LocalError::Io {
+        path: path.to_path_buf(),
+        source,
+    }
+}
+
+impl LazyFile {
+    /// Reads the archive structure of `path` and converts its pickle to a skeleton.
+    pub fn open(path: &Path) -> Result<(Self, Node)> {
+        let name = path.display().to_string();
+        let archive = {
+            let source = FileSource::file(path).map_err(|e| Fsdp1LocalError::Io {
+                path: path.to_path_buf(),
+                source: std::io::Error::other(format!("{e:#}")),
+            })?;
+            let member = path
+                .file_name()
+                .and_then(|n| n.to_str())
+                .unwrap_or_default();
+            let bytes = source.read_all(member).map_err(|source| BridgeError::Source {
+                file: name.clone(),
+                source,
+            })?;
+            torch_zip::read_archive(&bytes).map_err(|source| BridgeError::Archive {
+                file: name.clone(),
+                source,
+            })?
+        };
+        let file = File::open(path).map_err(io_err(path))?;
+        let mut lazy = LazyFile {
+            path: path.to_path_buf(),
+            file,
+            archive,
+            tensors: HashMap::new(),
+        };
+        let seen = std::cell::RefCell::new(HashMap::new());
+        let node = bridge::node_from_archive(&lazy.archive, &name, &|t, range, p| {
+            seen.borrow_mut().insert(p.to_owned(), (t.clone(), range));
+            Ok(None)
+        })?;
+        lazy.tensors = seen.into_inner();
+        Ok((lazy, node))
+    }
+
+    fn name(&self) -> String {
+        self.path.display().to_string()
+    }
+
+    fn entry(&self, path: &str) -> Result<&(TensorRef, MemberRange)> {
+        self.tensors.get(path).ok_or_else(|| Fsdp1LocalError::Content {
+            file: self.path.clone(),
+            reason: format!("no tensor at `{path}`"),
+        })
+    }
+
+    fn read_at(&self, offset: u64, len: u64) -> Result<Vec<u8>> {
+        let out_of_range = || -> Fsdp1LocalError {
+            BridgeError::Source {
+                file: self.name(),
+                source: SourceError::OutOfRange {
+                    name: self.name(),
+                    offset,
+                    len,
+                    size: 0,
+                },
+            }
+            .into()
+        };
+        let n = usize::try_from(len).map_err(|_| out_of_range())?;
+        let mut buf = vec![0u8; n];
+        self.file
+            .read_exact_at(&mut buf, offset)
+            .map_err(io_err(&self.path))?;
+        Ok(buf)
+    }
+
+    /// The contiguous bytes of the tensor at `path`.
+    pub fn read_tensor(&self, path: &str) -> Result<Vec<u8>> {
+        let (t, range) = self.entry(path)?;
+        let item = t.storage.dtype.size_bytes() as u64;
+        let numel = t.numel().unwrap_or(0);
+        if t.is_contiguous() {
+            // The view was checked against its storage member when the archive was read.
+            self.read_at(range.offset + t.storage_offset * item, numel * item)
+        } else {
+            let storage = self.read_at(range.offset, range.len)?;
+            Ok(torch_zip::gather_view(&storage, t).map_err(|source| BridgeError::Archive {
+                file: self.name(),
+                source,
+            })?)
+        }
+    }
+
+    /// Elements `first..first + n` of the 1-D tensor at `path`.
+    pub fn read_elems(&self, path: &str, first: u64, n: u64) -> Result<Vec<u8>> {
+        let (t, range) = self.entry(path)?;
+        let item = t.storage.dtype.size_bytes() as u64;
+        let numel = t.numel().unwrap_or(0);
+        if t.shape.len() != 1 || first.checked_add(n).is_none_or(|end| end > numel) {
+            return Err(Fsdp1LocalError::Content {
+                file: self.path.clone(),
+                reason: format!(
+                    "`{path}`: elements {first}..{} of a tensor of shape {:?}",
+                    first.saturating_add(n),
+                    t.shape
+                ),
+            });
+        }
+        let stride = t.stride.first().copied().unwrap_or(1);
+        if stride == 1 || n <= 1 {
+            let start = t.storage_offset + first * stride;
+            self.read_at(range.offset + start * item, n * item)
+        } else {
+            let all = self.read_tensor(path)?;
+            let (a, b) = ((first * item) as usize, ((first + n) * item) as usize);
+            Ok(all[a..b].to_vec())
+        }
+    }
+
+    /// `node` (a skeleton of this file, or a part of it found at `path`) with every tensor read.
+    pub fn materialize(&self, node: &Node, path: &str) -> Result<Node> {
+        Ok(match node {
+            Node::Tensor(t) => Node::Tensor(Tensor {
+                dtype: t.dtype,
+                shape: t.shape.clone(),
+                data: self.read_tensor(path)?,
+            }),
+            Node::Dist(d) => {
+                let mut d = d.clone();
+                if let Some((_, t)) = &mut d.local {
+                    t.data = self.read_tensor(path)?;
+                }
+                Node::Dist(d)
+            }
+            Node::Dict(d) => Node::Dict(
+                d.iter()
+                    .map(|(k, v)| Ok((k.clone(), self.materialize(v, &format!("{path}/{k}"))?)))
+                    .collect::<Result<Vec<_>>>()?
+                    .into_iter()
+                    .collect(),
+            ),
+            Node::List(items) => Node::List(self.materialize_items(items, path)?),
+            Node::Tuple(items) => Node::Tuple(self.materialize_items(items, path)?),
+            other => other.clone(),
+        })
+    }
+
+    fn materialize_items(&self, items: &[Node], path: &str) -> Result<Vec<Node>> {
+        items
+            .iter()
+            .enumerate()
+            .map(|(i, x)| self.materialize(x, &format!("{path}/{i}")))
+            .collect()
+    }
+}
+
+/// The paths of every tensor of `node` in the order `torch.save` stores them (the storage table
+/// order of [`bridge::plan_torch_save`]: depth first, dict order, a ShardedTensor's local shard).
+pub(super) fn tensor_paths(node: &Node, path: &str, out: &mut Vec<String>) {
+    match node {
+        Node::Tensor(_) => out.push(path.to_owned()),
+        Node::Dist(d) => {
+            if d.local.is_some() {
+                out.push(path.to_owned());
+            }
+        }
+        Node::Dict(d) => {
+            for (k, v) in d.iter() {
+                tensor_paths(v, &format!("{path}/{k}"), out);
+            }
+        }
+        Node::List(items) | Node::Tuple(items) => {
+            for (i, x) in items.iter().enumerate() {
+                tensor_paths(x, &format!("{path}/{i}"), out);
+            }
+        }
+        _ => {}
+    }
+}
+
+/// `node` with every tensor's bytes dropped (dtype and shape kept), and its tensors by path.
+pub(super) fn split_tensors(node: Node, path: &str, out: &mut HashMap<String, Vec<u8>>) -> Node {
+    match node {
+        Node::Tensor(mut t) => {
+            out.insert(path.to_owned(), std::mem::take(&mut t.data));
+            Node::Tensor(t)
+        }
+        Node::Dist(mut d) => {
+            if let Some((_, t)) = &mut d.local {
+                out.insert(path.to_owned(), std::mem::take(&mut t.data));
+            }
+            Node::Dist(d)
+        }
+        Node::Dict(d) => Node::Dict(
+            d.into_entries()
+                .into_iter()
+                .map(|(k, v)| {
+                    let p = format!("{path}/{k}");
+                    (k, split_tensors(v, &p, out))
+                })
+                .collect(),
+        ),
+        Node::List(items) => Node::List(split_items(items, path, out)),
+        Node::Tuple(items) => Node::Tuple(split_items(items, path, out)),
+        other => other,
+    }
+}
+
+fn split_items(items: Vec<Node>, path: &str, out: &mut HashMap<String, Vec<u8>>) -> Vec<Node> {
+    items
+        .into_iter()
+        .enumerate()
+        .map(|(i, x)| split_tensors(x, &format!("{path}/{i}"), out))
+        .collect()
+}
+
+/// `torch.save(skeleton)` into `out`, storage by storage: `fill(path)` gives the bytes of the
+/// tensor at `path` when the writer needs them. Returns `out`.
+pub(super) fn write_torch_save<W: Write>(
+    out: W,
+    skeleton: &Node,
+    root: RootDict,
+    rank: u64,
+    world_size: u64,
+    mut fill: impl FnMut(&str) -> Result<Vec<u8>>,
+) -> Result<W> {
+    let plan = bridge::plan_torch_save(skeleton, root, rank, world_size)?;
+    let mut paths = Vec::new();
+    tensor_paths(skeleton, "", &mut paths);
+    if paths.len() != plan.storages.len() {
+        return Err(Fsdp1LocalError::Content {
+            file: PathBuf::from("<output>"),
+            reason: format!(
+                "{} tensors but {} storages planned",
+                paths.len(),
+                plan.storages.len()
+            ),
+        });
+    }
+    let specs = plan.storages.iter().map(|(s, _)| *s).collect();
+    let mut writer = shardscope_core::formats::write::torch_save::TorchSaveWriter::with_globals(
+        out,
+        "archive",
+        &plan.root,
+        specs,
+        plan.needs_globals,
+    )
+    .map_err(BridgeError::from)?;
+    for path in &paths {
+        let data = fill(path)?;
+        writer.write_storage(&data).map_err(BridgeError::from)?;
+    }
+    Ok(writer.finish().map_err(BridgeError::from)?)
+}

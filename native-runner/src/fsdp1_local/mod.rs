@@ -1,0 +1,1289 @@
+//! FSDP1 per-rank checkpoints: a folder holding, for every rank `r`, the LOCAL model state dict
+//! (`model.state_dict()` under `StateDictType.LOCAL_STATE_DICT`) and the raw optimizer state dict
+//! (`optim.state_dict()`), each written with `torch.save`.
+//!
+//! - [`convert`]: the full (unsharded) model state dict that `FULL_STATE_DICT` returns and the full
+//!   FQN-keyed optimizer state dict that `FSDP.optim_state_dict` returns.
+//! - [`reshard`]: the same checkpoint at another world size: per-rank files that torch loads with
+//!   `LOCAL_STATE_DICT` and `optim.load_state_dict` (the offline `optim_state_dict` +
+//!   `optim_state_dict_to_load`).
+//!
+//! File names: every file whose name contains a decimal number is grouped by its name with the
+//! *last* number replaced by `{r}` (`model_rank3.pt` → `model_rank{r}.pt`). A group qualifies
+//! when it holds exactly ranks `0..N`. Which group is the model and which the optimizer is decided
+//! by content (an optimizer state dict has `state` and `param_groups`), unless given explicitly
+//! ([`RankFiles::model_pattern`], [`RankFiles::optim_pattern`]). Outputs keep the input names.
+//!
+//! Optimizer ids: the optimizer is assumed to have been built over `model.parameters()` of the
+//! FSDP-wrapped model (in one or several groups, in that order), so id `i` is the `i`-th parameter
+//! of the wrapped model's `named_parameters()` ([`Fsdp1Model::wrapped_params`]). Files are read
+//! whole into memory; the full model and optimizer state are held in memory once.
+
+use std::collections::{BTreeMap, BTreeSet, HashMap};
+use std::fs::File;
+use std::io::{BufWriter, Write};
+use std::path::{Path, PathBuf};
+
+use shardscope_core::formats::write::safetensors::{
+    SafetensorsWriteError, SafetensorsWriter, TensorSpec,
+};
+use shardscope_core::layout::fsdp1::PieceKind;
+use shardscope_core::layout::{self, Api, Fsdp1Layout, Layout, LayoutConfig, Strategy};
+use shardscope_core::model::ModelDescription;
+use shardscope_core::model::bridge::{BridgeError, RootDict};
+use shardscope_core::model::tree::{
+    ChunkMeta, Dict, DistKind, DistTensor, Key, Node, Tensor, fill_bytes,
+};
+use shardscope_core::transform::model_state::{
+    TORCH_PADDING_FILL, param_copies, shard_of_local_entry, unpadded_shard_numel,
+};
+use shardscope_core::transform::optim_state::{full_optim_from_local, local_optim_from_full};
+use shardscope_core::transform::reshard::{FullKey, LocalKey, full_key_plan, local_key_plan};
+use shardscope_core::transform::{Fsdp1Model, ParamRef, TransformError};
+
+mod lazy;
+
+use lazy::LazyFile;
+
+/// What went wrong with a per-rank FSDP1 checkpoint.
+#[derive(Debug, thiserror::Error)]
+pub enum Fsdp1LocalError {
+    /// A file or folder could not be read.
+    #[error("cannot read {path}: {source}")]
+    Io {
+        path: PathBuf,
+        #[source]
+        source: std::io::Error,
+    },
+    /// The model description is invalid.
+    #[error("{0}")]
+    Description(#[from] shardscope_core::model::DescriptionError),
+    /// No FSDP1 layout for the description and flags.
+    #[error("layout: {0}")]
+    Layout(#[from] layout::LayoutError),
+    /// The folder does not hold one complete set of per-rank files.
+    #[error("{dir}: {reason}")]
+    Files { dir: PathBuf, reason: String },
+    /// A file could not be read as a torch archive of a state dict.
+    #[error("{0}")]
+    Bridge(#[from] BridgeError),
+    /// A file holds something other than what its role needs.
+    #[error("{file}: {reason}")]
+    Content { file: PathBuf, reason: String },
+    /// A transform rejected the data (messages follow PyTorch's where PyTorch rejects too).
+    #[error("{what}: {source}")]
+    Transform {
+        what: String,
+        #[source]
+        source: Box<TransformError>,
+    },
+    /// The safetensors output could not be produced.
+    #[error("safetensors output: {0}")]
+    Safetensors(String),
+}
+
+type Result<T> = std::result::Result<T, Fsdp1LocalError>;
+
+/// The per-rank files of one checkpoint, as found in its folder.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct RankFiles {
+    pub dir: PathBuf,
+    /// File-name pattern of the LOCAL model state dicts (`{r}` stands for the rank).
+    pub model_pattern: String,
+    /// File-name pattern of the raw optimizer state dicts, when the folder has them.
+    pub optim_pattern: Option<String>,
+    pub world_size: usize,
+}
+
+impl RankFiles {
+    pub fn model_file(&self, rank: usize) -> PathBuf {
+        self.dir
+            .join(self.model_pattern.replace("{r}", &rank.to_string()))
+    }
+
+    pub fn optim_file(&self, rank: usize) -> Option<PathBuf> {
+        self.optim_pattern
+            .as_ref()
+            .map(|p| self.dir.join(p.replace("{r}", &rank.to_string())))
+    }
+}
+
+/// `name` with its last decimal number replaced by `{r}`, and that number.
+fn rank_pattern(name: &str) -> Option<(String, usize)> {
+    let bytes = name.as_bytes();
+    let end = bytes.iter().rposition(u8::is_ascii_digit)? + 1;
+    let start = bytes[..end]
+        .iter()
+        .rposition(|b| !b.is_ascii_digit())
+        .map_or(0, |i| i + 1);
+    let rank: usize = name[start..end].parse().ok()?;
+    // `rank01` is not rank 1 of a `{r}` pattern.
+    if end - start > 1 && name.as_bytes()[start] == b'0' {
+        return None;
+    }
+    Some((format!("{}{{r}}{}", &name[..start], &name[end..]), rank))
+}
+
+fn is_optimizer_dict(node: &Node) -> bool {
+    node.as_dict()
+        .is_some_and(|d| d.get_str("state").is_some() && d.get_str("param_groups").is_some())
+}
+
+/// Finds the per-rank model and optimizer files in `dir`. `model_pattern`/`optim_pattern` (with
+/// `{r}`) override the detection.
+pub fn find_rank_files(
+    dir: &Path,
+    model_pattern: Option<&str>,
+    optim_pattern: Option<&str>,
+) -> Result<RankFiles> {
+    let io = |source| Fsdp1LocalError::Io {
+        path: dir.to_path_buf(),
+        source,
+    };
+    let mut groups: BTreeMap<String, BTreeSet<usize>> = BTreeMap::new();
+    for entry in std::fs::read_dir(dir).map_err(io)? {
+        let entry = entry.map_err(io)?;
+        if !entry.file_type().map_err(io)?.is_file() {
+            continue;
+        }
+        let Some(name) = entry.file_name().to_str().map(str::to_owned) else {
+            continue;
+        };
+        if name.starts_with('.') {
+            continue;
+        }
+        if let Some((pattern, rank)) = rank_pattern(&name) {
+            groups.entry(pattern).or_default().insert(rank);
+        }
+    }
+    let files_err = |reason: String| Fsdp1LocalError::Files {
+        dir: dir.to_path_buf(),
+        reason,
+    };
+    let complete = |pattern: &str| -> Result<usize> {
+        let ranks = groups.get(pattern).ok_or_else(|| {
+            files_err(format!(
+                "no file matches `{pattern}` (`{{r}}` is the rank number)"
+            ))
+        })?;
+        let n = ranks.len();
+        if ranks.iter().copied().eq(0..n) {
+            Ok(n)
+        } else {
+            let missing: Vec<String> = (0..ranks.last().map_or(0, |l| l + 1))
+                .filter(|r| !ranks.contains(r))
+                .map(|r| pattern.replace("{r}", &r.to_string()))
+                .collect();
+            Err(files_err(format!(
+                "per-rank files `{pattern}` are not ranks 0..N: missing {}",
+                missing.join(", ")
+            )))
+        }
+    };
+    let (model, optim) = match (model_pattern, optim_pattern) {
+        (Some(m), o) => (m.to_owned(), o.map(str::to_owned)),
+        (None, given_optim) => {
+            let candidates: Vec<&String> = groups
+                .iter()
+                .filter(|(_, ranks)| ranks.iter().copied().eq(0..ranks.len()))
+                .map(|(p, _)| p)
+                .filter(|p| Some(p.as_str()) != given_optim)
+                .collect();
+            let mut models = Vec::new();
+            let mut optims = Vec::new();
+            for p in candidates {
+                let file = dir.join(p.replace("{r}", "0"));
+                // Files that are not torch archives are not per-rank state (logs, configs). Only
+                // the archive structure is read, no tensor bytes.
+                let Ok((_, node)) = LazyFile::open(&file) else {
+                    continue;
+                };
+                if is_optimizer_dict(&node) {
+                    optims.push(p.clone());
+                } else if node.as_dict().is_some() {
+                    models.push(p.clone());
+                }
+            }
+            let optim = match given_optim {
+                Some(o) => Some(o.to_owned()),
+                None if optims.len() <= 1 => optims.pop(),
+                None => {
+                    return Err(files_err(format!(
+                        "several optimizer file sets ({}); choose one with --optim-files",
+                        optims.join(", ")
+                    )));
+                }
+            };
+            match models.as_slice() {
+                [one] => (one.clone(), optim),
+                [] => {
+                    return Err(files_err(
+                        "no per-rank model state dicts (torch.save files named with the rank, e.g. model_rank0.pt) found".to_owned(),
+                    ));
+                }
+                many => {
+                    return Err(files_err(format!(
+                        "several model file sets ({}); choose one with --model-files",
+                        many.join(", ")
+                    )));
+                }
+            }
+        }
+    };
+    let world_size = complete(&model)?;
+    if let Some(o) = &optim {
+        let n = complete(o)?;
+        if n != world_size {
+            return Err(files_err(format!(
+                "{world_size} model files `{model}` but {n} optimizer files `{o}`"
+            )));
+        }
+    }
+    Ok(RankFiles {
+        dir: dir.to_path_buf(),
+        model_pattern: model,
+        optim_pattern: optim,
+        world_size,
+    })
+}
+
+/// The layout flags of a per-rank checkpoint (its world size is the number of rank files).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct LayoutFlags {
+    pub use_orig_params: bool,
+    pub strategy: Strategy,
+}
+
+impl Default for LayoutFlags {
+    fn default() -> Self {
+        Self {
+            use_orig_params: false,
+            strategy: Strategy::FullShard,
+        }
+    }
+}
+
+/// Reads a model description (`shardscope layout --model` format).
+pub fn read_description(path: &Path) -> Result<ModelDescription> {
+    let bytes = std::fs::read(path).map_err(|source| Fsdp1LocalError::Io {
+        path: path.to_path_buf(),
+        source,
+    })?;
+    Ok(ModelDescription::from_json_bytes(
+        &bytes,
+        &path.display().to_string(),
+    )?)
+}
+
+fn fsdp1_layout(
+    desc: &ModelDescription,
+    world_size: usize,
+    flags: LayoutFlags,
+) -> Result<Fsdp1Layout> {
+    let config = LayoutConfig {
+        api: Api::Fsdp1,
+        world_size: world_size as u64,
+        shard_group_size: None,
+        use_orig_params: flags.use_orig_params,
+        strategy: flags.strategy,
+        param_dtype: None,
+    };
+    match layout::compute(desc, &config)? {
+        Layout::Fsdp1(l) => Ok(l),
+        Layout::Fsdp2(_) => Err(Fsdp1LocalError::Files {
+            dir: PathBuf::new(),
+            reason: "an FSDP2 layout was computed for an FSDP1 checkpoint".to_owned(),
+        }),
+    }
+}
+
+/// The opened inputs of a per-rank checkpoint: archive structures and skeletons, no tensor bytes.
+#[derive(Debug)]
+struct Inputs {
+    files: RankFiles,
+    models: Vec<LazyFile>,
+    /// Each rank's LOCAL model state dict, tensors unread.
+    model_skeletons: Vec<Dict>,
+    optims: Option<(Vec<LazyFile>, Vec<Dict>)>,
+}
+
+fn open_dict(path: &Path) -> Result<(LazyFile, Dict)> {
+    match LazyFile::open(path)? {
+        (f, Node::Dict(d)) => Ok((f, d)),
+        (_, other) => Err(Fsdp1LocalError::Content {
+            file: path.to_path_buf(),
+            reason: format!("expected a state dict, found {}", other.kind_name()),
+        }),
+    }
+}
+
+fn open_inputs(files: RankFiles) -> Result<Inputs> {
+    let mut models = Vec::with_capacity(files.world_size);
+    let mut model_skeletons = Vec::with_capacity(files.world_size);
+    for r in 0..files.world_size {
+        let (f, d) = open_dict(&files.model_file(r))?;
+        models.push(f);
+        model_skeletons.push(d);
+    }
+    let optims = match &files.optim_pattern {
+        Some(_) => {
+            let mut lazies = Vec::with_capacity(files.world_size);
+            let mut dicts = Vec::with_capacity(files.world_size);
+            for r in 0..files.world_size {
+                let path = files.optim_file(r).unwrap_or_default();
+                let (f, d) = open_dict(&path)?;
+                if !is_optimizer_dict(&Node::Dict(d.clone())) {
+                    return Err(Fsdp1LocalError::Content {
+                        file: path,
+                        reason: "not an optimizer state dict (no `state` and `param_groups` keys)"
+                            .to_owned(),
+                    });
+                }
+                lazies.push(f);
+                dicts.push(d);
+            }
+            Some((lazies, dicts))
+        }
+        None => None,
+    };
+    Ok(Inputs {
+        files,
+        models,
+        model_skeletons,
+        optims,
+    })
+}
+
+/// The optimizer parameter names in id order (see the module doc), checked against every rank's
+/// `param_groups`.
+fn optim_param_names(
+    model: &Fsdp1Model<'_>,
+    optims: &[Dict],
+    files: &RankFiles,
+) -> Result<Vec<String>> {
+    let names: Vec<String> = model.wrapped_params().into_iter().map(|(n, _)| n).collect();
+    for (r, osd) in optims.iter().enumerate() {
+        let ids: usize = osd
+            .get_str("param_groups")
+            .and_then(Node::as_list)
+            .map_or(0, |groups| {
+                groups
+                    .iter()
+                    .filter_map(|g| g.as_dict()?.get_str("params")?.as_list().map(<[Node]>::len))
+                    .sum()
+            });
+        if ids != names.len() {
+            return Err(Fsdp1LocalError::Content {
+                file: files.optim_file(r).unwrap_or_default(),
+                reason: format!(
+                    "param_groups list {ids} parameters, but the FSDP-wrapped model has {} ({}); hint: the optimizer must be built over model.parameters() of the wrapped model, and --use-orig-params must match how it was wrapped",
+                    names.len(),
+                    if model.use_orig_params() {
+                        "use_orig_params=True"
+                    } else {
+                        "use_orig_params=False"
+                    }
+                ),
+            });
+        }
+    }
+    Ok(names)
+}
+
+fn transform_err(what: impl Into<String>) -> impl FnOnce(TransformError) -> Fsdp1LocalError {
+    let what = what.into();
+    move |source| Fsdp1LocalError::Transform {
+        what,
+        source: Box::new(source),
+    }
+}
+
+// ------------------------------------------------------------------------------------------------
+// Model state, read a parameter range at a time.
+
+/// The source model: flat shards are read from the rank files on demand.
+struct ModelSource<'a> {
+    model: &'a Fsdp1Model<'a>,
+    inputs: &'a Inputs,
+}
+
+impl ModelSource<'_> {
+    fn what(&self) -> String {
+        format!(
+            "{}: LOCAL model state dicts",
+            self.inputs
+                .files
+                .dir
+                .join(&self.inputs.files.model_pattern)
+                .display()
+        )
+    }
+
+    /// Every rank's `_flat_param` entry exists and has the length and dtype of the layout (what
+    /// `model_full_from_local` checks), without reading it.
+    fn check(&self) -> Result<()> {
+        for flat in &self.model.layout.flat_params {
+            for (r, d) in self.inputs.model_skeletons.iter().enumerate() {
+                let entry =
+                    d.get_str(&flat.flat_param_fqn)
+                        .ok_or_else(|| TransformError::MissingKey {
+                            path: "LOCAL state dict".to_owned(),
+                            key: flat.flat_param_fqn.clone(),
+                        });
+                let shard = entry.and_then(|e| shard_of_local_entry(flat, e));
+                let shard = shard.map_err(transform_err(self.what()))?;
+                let len = shard.numel();
+                let padded = flat.sharded_numel;
+                let unpadded = unpadded_shard_numel(flat, r as u64);
+                if shard.dim() != 1
+                    || (len != padded && len != unpadded)
+                    || shard.dtype != flat.dtype
+                {
+                    return Err(transform_err(self.what())(TransformError::BadTensor {
+                        path: format!("{} (rank {r})", flat.flat_param_fqn),
+                        reason: format!(
+                            "expected a 1-D {} shard of {padded} (padded) or {unpadded} elements, got {} {:?}",
+                            flat.dtype, shard.dtype, shard.shape
+                        ),
+                    }));
+                }
+            }
+        }
+        Ok(())
+    }
+
+    /// Elements `first..first + n` of rank `rank`'s shard of flat parameter `f`.
+    fn shard_elems(&self, f: usize, rank: u64, first: u64, n: u64) -> Result<Vec<u8>> {
+        if n == 0 {
+            return Ok(Vec::new());
+        }
+        let flat = self.model.flat(f);
+        let file = &self.inputs.models[rank as usize];
+        file.read_elems(&format!("/{}", flat.flat_param_fqn), first, n)
+    }
+
+    /// Elements `first..first + n` of the flattened full parameter `param` of flat parameter `f`
+    /// (zeros where no rank holds it, as `full_param_from_flat_shards`).
+    fn param_range(&self, f: usize, param: usize, first: u64, n: u64) -> Result<Vec<u8>> {
+        let flat = self.model.flat(f);
+        let item = flat.dtype.size_bytes();
+        let mut out = vec![0u8; n as usize * item];
+        for copy in param_copies(flat, param) {
+            let lo = first.max(copy.offset_in_param);
+            let hi = (first + n).min(copy.offset_in_param + copy.numel);
+            if lo < hi {
+                let bytes = self.shard_elems(
+                    f,
+                    copy.rank,
+                    copy.offset_in_shard + (lo - copy.offset_in_param),
+                    hi - lo,
+                )?;
+                let at = (lo - first) as usize * item;
+                out[at..at + bytes.len()].copy_from_slice(&bytes);
+            }
+        }
+        Ok(out)
+    }
+
+    fn full_param(&self, f: usize, param: usize) -> Result<Vec<u8>> {
+        let numel = self.model.flat(f).numels[param];
+        self.param_range(f, param, 0, numel)
+    }
+
+    /// Rank `rank`'s padded shard of flat parameter `di` of `dst`, padding segments filled with
+    /// [`TORCH_PADDING_FILL`] (what `model_local_from_full` stores).
+    fn dst_shard(&self, dst: &Fsdp1Model<'_>, di: usize, rank: u64) -> Result<Vec<u8>> {
+        let flat = dst.flat(di);
+        let item = flat.dtype.size_bytes();
+        let fill_one = fill_bytes(flat.dtype, TORCH_PADDING_FILL).ok_or_else(|| {
+            transform_err("destination layout")(TransformError::FillDType { dtype: flat.dtype })
+        })?;
+        let len = flat.sharded_numel;
+        let mut data = vec![0u8; len as usize * item];
+        for piece in flat.rank_pieces(rank) {
+            let start = piece.offset_in_shard.min(len);
+            let end = (piece.offset_in_shard + piece.numel).min(len);
+            let bytes = &mut data[start as usize * item..end as usize * item];
+            match piece.kind {
+                PieceKind::Param { param, intra_start } => {
+                    let name = &flat.fqns[param];
+                    let (sf, si) = self.model.managed_position(name).ok_or_else(|| {
+                        transform_err(self.what())(TransformError::MissingKey {
+                            path: flat.flat_param_fqn.clone(),
+                            key: name.clone(),
+                        })
+                    })?;
+                    bytes.copy_from_slice(&self.param_range(sf, si, intra_start, end - start)?);
+                }
+                PieceKind::SegmentPadding => {
+                    for chunk in bytes.chunks_exact_mut(item) {
+                        chunk.copy_from_slice(&fill_one);
+                    }
+                }
+                PieceKind::ShardTail => {}
+            }
+        }
+        Ok(data)
+    }
+
+    fn first_keys(&self) -> Vec<String> {
+        self.inputs
+            .model_skeletons
+            .first()
+            .map(|d| d.keys().map(ToString::to_string).collect())
+            .unwrap_or_default()
+    }
+
+    /// The source entry `key` of rank 0 (a skeleton), with the paths of its tensors.
+    fn plain(&self, key: &str, fills: &mut HashMap<String, Fill>) -> Node {
+        let node = self
+            .inputs
+            .model_skeletons
+            .first()
+            .and_then(|d| d.get_str(key))
+            .cloned()
+            .unwrap_or(Node::None);
+        let mut paths = Vec::new();
+        lazy::tensor_paths(&node, &format!("/{key}"), &mut paths);
+        for p in paths {
+            fills.insert(p.clone(), Fill::Source(p));
+        }
+        node
+    }
+
+    /// The bytes of one output tensor.
+    fn fill(&self, fill: &Fill, dst: Option<&Fsdp1Model<'_>>, rank: u64, cache: &mut ShardCache) -> Result<Vec<u8>> {
+        match fill {
+            Fill::Source(path) => self.inputs.models[0].read_tensor(path),
+            Fill::Param { flat, param } => self.full_param(*flat, *param),
+            Fill::Shard { flat, len } | Fill::View { flat, start: _, len } if dst.is_none() => {
+                let _ = (flat, len);
+                Ok(Vec::new())
+            }
+            Fill::Shard { flat, len } => {
+                let shard = cache.get(self, dst, *flat, rank)?;
+                Ok(shard[..*len].to_vec())
+            }
+            Fill::View { flat, start, len } => {
+                let shard = cache.get(self, dst, *flat, rank)?;
+                Ok(shard[*start..*start + *len].to_vec())
+            }
+        }
+    }
+}
+
+/// Where one output tensor's bytes come from (byte offsets for `Shard`/`View`).
+#[derive(Debug, Clone)]
+enum Fill {
+    /// The tensor at the same path in rank 0's model file.
+    Source(String),
+    /// A full parameter of the source.
+    Param { flat: usize, param: usize },
+    /// The first `len` bytes of the destination rank's shard of flat parameter `flat`.
+    Shard { flat: usize, len: usize },
+    /// Bytes `start..start + len` of that shard (a `use_orig_params` view).
+    View { flat: usize, start: usize, len: usize },
+}
+
+/// The destination shard last built (views and the flat entry of one unit share it).
+#[derive(Default)]
+struct ShardCache {
+    key: Option<usize>,
+    data: Vec<u8>,
+}
+
+impl ShardCache {
+    fn get(
+        &mut self,
+        src: &ModelSource<'_>,
+        dst: Option<&Fsdp1Model<'_>>,
+        flat: usize,
+        rank: u64,
+    ) -> Result<&[u8]> {
+        if self.key != Some(flat) {
+            self.data = Vec::new();
+            let Some(dst) = dst else {
+                return Ok(&[]);
+            };
+            self.data = src.dst_shard(dst, flat, rank)?;
+            self.key = Some(flat);
+        }
+        Ok(&self.data)
+    }
+}
+
+/// The FULL model state dict as a skeleton, with the source of each tensor.
+fn full_model_skeleton(src: &ModelSource<'_>) -> (Dict, HashMap<String, Fill>) {
+    let mut fills = HashMap::new();
+    let mut out = Dict::new();
+    for (name, key) in full_key_plan(src.model, &src.first_keys()) {
+        let node = match key {
+            FullKey::Managed { flat, param } => {
+                let f = src.model.flat(flat);
+                fills.insert(format!("/{name}"), Fill::Param { flat, param });
+                Node::Tensor(Tensor {
+                    dtype: f.dtype,
+                    shape: f.shapes[param].clone(),
+                    data: Vec::new(),
+                })
+            }
+            FullKey::Plain => src.plain(&name, &mut fills),
+        };
+        out.insert(Key::Str(name), node);
+    }
+    (out, fills)
+}
+
+/// Rank `rank`'s LOCAL model state dict of `dst` as a skeleton (as `model_local_from_full`).
+fn local_model_skeleton(
+    src: &ModelSource<'_>,
+    dst: &Fsdp1Model<'_>,
+    rank: u64,
+) -> (Dict, HashMap<String, Fill>) {
+    let full = full_key_plan(src.model, &src.first_keys());
+    let mut fills = HashMap::new();
+    let mut out = Dict::new();
+    for (name, key) in local_key_plan(dst, &full) {
+        let node = match key {
+            LocalKey::Flat(i) => {
+                let flat = dst.flat(i);
+                let item = flat.dtype.size_bytes();
+                let chunks = flat
+                    .ranks
+                    .iter()
+                    .filter(|r| unpadded_shard_numel(flat, r.rank) > 0)
+                    .map(|r| ChunkMeta {
+                        offsets: vec![r.rank * flat.sharded_numel],
+                        sizes: vec![unpadded_shard_numel(flat, r.rank)],
+                        placement: Some(format!("rank:{}/cpu", r.rank)),
+                    })
+                    .collect();
+                let n = unpadded_shard_numel(flat, rank);
+                let local = (n > 0).then(|| {
+                    (
+                        vec![rank * flat.sharded_numel],
+                        Tensor {
+                            dtype: flat.dtype,
+                            shape: vec![n],
+                            data: Vec::new(),
+                        },
+                    )
+                });
+                fills.insert(
+                    format!("/{name}"),
+                    Fill::Shard {
+                        flat: i,
+                        len: n as usize * item,
+                    },
+                );
+                Node::Dist(DistTensor {
+                    kind: DistKind::ShardedTensor,
+                    dtype: flat.dtype,
+                    global_shape: vec![flat.unpadded_unsharded_numel],
+                    local,
+                    chunks,
+                })
+            }
+            LocalKey::View { flat, param } => {
+                let f = dst.flat(flat);
+                let item = f.dtype.size_bytes();
+                let info = &f.ranks[rank as usize].shard_param_infos[param];
+                let (offset, n) = match (info.offset_in_shard, info.numel_in_shard) {
+                    (Some(o), Some(n)) if info.in_shard => (o, n),
+                    _ => (0, 0),
+                };
+                fills.insert(
+                    format!("/{name}"),
+                    Fill::View {
+                        flat,
+                        start: offset as usize * item,
+                        len: n as usize * item,
+                    },
+                );
+                Node::Tensor(Tensor {
+                    dtype: f.dtype,
+                    shape: vec![n],
+                    data: Vec::new(),
+                })
+            }
+            LocalKey::Plain => src.plain(&name, &mut fills),
+        };
+        out.insert(Key::Str(name), node);
+    }
+    (out, fills)
+}
+
+fn missing_fill(path: &str) -> Fsdp1LocalError {
+    Fsdp1LocalError::Content {
+        file: PathBuf::from("<output>"),
+        reason: format!("no source for output tensor `{path}`"),
+    }
+}
+
+// ------------------------------------------------------------------------------------------------
+// Optimizer state, one piece (the state of one flat parameter, or of one unmanaged parameter) at
+// a time through the in-memory transforms.
+
+/// Which part of the optimizer state a state entry belongs to.
+#[derive(Debug, Clone, PartialEq, Eq, Hash)]
+enum PieceKey {
+    /// Every parameter of one flat parameter (its FlatParameter id, or its original parameters).
+    Flat(usize),
+    /// One parameter FSDP does not manage.
+    Plain(String),
+    /// Entries FSDP cannot map (user states, ids outside the optimizer); always present, so that
+    /// `param_groups` come out even without any state.
+    Extras,
+}
+
+struct OptimSource<'a> {
+    model: &'a Fsdp1Model<'a>,
+    files: &'a [LazyFile],
+    skeletons: &'a [Dict],
+    names: Vec<Vec<String>>,
+    pieces: Vec<PieceKey>,
+    /// Per rank: state key -> piece index.
+    assign: Vec<HashMap<Key, usize>>,
+    what: String,
+}
+
+impl<'a> OptimSource<'a> {
+    fn new(model: &'a Fsdp1Model<'a>, inputs: &'a Inputs) -> Result<Option<Self>> {
+        let Some((files, skeletons)) = &inputs.optims else {
+            return Ok(None);
+        };
+        let names = optim_param_names(model, skeletons, &inputs.files)?;
+        let names = vec![names; skeletons.len()];
+        let mut pieces: Vec<PieceKey> = Vec::new();
+        let mut index: HashMap<PieceKey, usize> = HashMap::new();
+        let mut assign = Vec::with_capacity(skeletons.len());
+        for (r, osd) in skeletons.iter().enumerate() {
+            let mut map = HashMap::new();
+            if let Some(state) = osd.get_str("state").and_then(Node::as_dict) {
+                for k in state.keys() {
+                    let param = match k {
+                        Key::Int(id) => usize::try_from(*id)
+                            .ok()
+                            .and_then(|i| names[r].get(i))
+                            .and_then(|n| model.param_ref(n)),
+                        Key::Str(_) => None,
+                    };
+                    let piece = match param {
+                        Some(ParamRef::Flat(f) | ParamRef::Orig { flat: f, .. }) => {
+                            PieceKey::Flat(f)
+                        }
+                        Some(ParamRef::Plain(n)) => PieceKey::Plain(n),
+                        None => PieceKey::Extras,
+                    };
+                    let next = pieces.len();
+                    let i = *index.entry(piece.clone()).or_insert(next);
+                    if i == next {
+                        pieces.push(piece);
+                    }
+                    map.insert(k.clone(), i);
+                }
+            }
+            assign.push(map);
+        }
+        if !index.contains_key(&PieceKey::Extras) {
+            pieces.push(PieceKey::Extras);
+        }
+        let what = format!(
+            "{}: optimizer state dicts",
+            inputs
+                .files
+                .dir
+                .join(inputs.files.optim_pattern.as_deref().unwrap_or_default())
+                .display()
+        );
+        Ok(Some(OptimSource {
+            model,
+            files,
+            skeletons,
+            names,
+            pieces,
+            assign,
+            what,
+        }))
+    }
+
+    /// Every rank's optimizer state dict with only `keep`'s state entries, tensors read (`Some`),
+    /// or with all entries and positive-dimension tensors replaced by `None` (`None`).
+    fn restricted(&self, keep: Option<usize>) -> Result<Vec<Dict>> {
+        let mut out = Vec::with_capacity(self.skeletons.len());
+        for (r, osd) in self.skeletons.iter().enumerate() {
+            let file = &self.files[r];
+            let mut d = Dict::new();
+            for (k, v) in osd.iter() {
+                let path = format!("/{k}");
+                let value = match (k.as_str(), v) {
+                    (Some("state"), Node::Dict(state)) => {
+                        let mut s = Dict::new();
+                        for (sk, sv) in state.iter() {
+                            let spath = format!("{path}/{sk}");
+                            match keep {
+                                Some(p) if self.assign[r].get(sk) == Some(&p) => {
+                                    s.insert(sk.clone(), file.materialize(sv, &spath)?);
+                                }
+                                Some(_) => {}
+                                None => s.insert(sk.clone(), without_tensors(file, sv, &spath)?),
+                            }
+                        }
+                        Node::Dict(s)
+                    }
+                    _ => file.materialize(v, &path)?,
+                };
+                d.insert(k.clone(), value);
+            }
+            out.push(d);
+        }
+        Ok(out)
+    }
+
+    fn full(&self, locals: &[Dict]) -> Result<Dict> {
+        let refs: Vec<&Dict> = locals.iter().collect();
+        full_optim_from_local(self.model, &refs, &self.names, 0, None)
+            .map_err(transform_err(self.what.clone()))
+    }
+
+    /// The FULL (FQN-keyed) optimizer state of piece `p`.
+    fn full_piece(&self, p: usize) -> Result<Dict> {
+        let locals = self.restricted(Some(p))?;
+        self.full(&locals)
+    }
+
+    /// The keys of the whole FULL state in PyTorch's order (computed without tensor bytes).
+    fn full_order(&self) -> Result<HashMap<Key, usize>> {
+        let locals = self.restricted(None)?;
+        let full = self.full(&locals)?;
+        Ok(full
+            .get_str("state")
+            .and_then(Node::as_dict)
+            .map(|s| s.keys().cloned().enumerate().map(|(i, k)| (k, i)).collect())
+            .unwrap_or_default())
+    }
+}
+
+/// `node` with positive-dimension tensors replaced by `None` and the others read: enough for the
+/// transforms to compute key order.
+fn without_tensors(file: &LazyFile, node: &Node, path: &str) -> Result<Node> {
+    Ok(match node {
+        Node::Tensor(t) if t.dim() > 0 => Node::None,
+        Node::Dist(_) => Node::None,
+        Node::Dict(d) => Node::Dict(
+            d.iter()
+                .map(|(k, v)| Ok((k.clone(), without_tensors(file, v, &format!("{path}/{k}"))?)))
+                .collect::<Result<Vec<_>>>()?
+                .into_iter()
+                .collect(),
+        ),
+        other => file.materialize(other, path)?,
+    })
+}
+
+/// Stable order of the entries of a merged state dict: `rank_of(key)` sorts, ties keep piece order.
+fn merge_state(mut entries: Vec<(usize, Key, Node)>) -> Dict {
+    entries.sort_by_key(|(order, _, _)| *order);
+    entries.into_iter().map(|(_, k, v)| (k, v)).collect()
+}
+
+/// One output optimizer state dict, planned from pieces: the skeleton, and per state key the piece
+/// that produces it.
+struct OptimPlan {
+    skeleton: Dict,
+    piece_of: HashMap<String, usize>,
+}
+
+impl OptimPlan {
+    /// Joins the pieces' outputs (skeletons) into one dict ordered by `order`.
+    fn join(
+        outputs: Vec<(usize, Dict)>,
+        order: impl Fn(&Key) -> usize,
+    ) -> Self {
+        let mut entries = Vec::new();
+        let mut piece_of = HashMap::new();
+        let mut rest: Option<Dict> = None;
+        for (p, d) in outputs {
+            let mut others = Dict::new();
+            for (k, v) in d.into_entries() {
+                if k.as_str() == Some("state") {
+                    if let Node::Dict(state) = v {
+                        for (sk, sv) in state.into_entries() {
+                            piece_of.insert(format!("/state/{sk}"), p);
+                            entries.push((order(&sk), sk, sv));
+                        }
+                    }
+                } else {
+                    others.insert(k, v);
+                }
+            }
+            // Every piece carries the same non-state entries (param_groups); keep the last, the
+            // extras piece's.
+            rest = Some(others);
+        }
+        let mut skeleton = Dict::new();
+        skeleton.insert(Key::str("state"), Node::Dict(merge_state(entries)));
+        for (k, v) in rest.unwrap_or_default().into_entries() {
+            skeleton.insert(k, v);
+        }
+        OptimPlan { skeleton, piece_of }
+    }
+
+    /// The piece that produces the tensor at `path` (`/state/<key>/...`), `None` outside `state`.
+    fn piece(&self, path: &str) -> Option<usize> {
+        let mut segs = path.splitn(4, '/');
+        let (_, state, key) = (segs.next(), segs.next()?, segs.next()?);
+        if state != "state" {
+            return None;
+        }
+        self.piece_of.get(&format!("/state/{key}")).copied()
+    }
+}
+
+/// Writes `plan` with `produce(piece)` giving a piece's output (tensors by path), keeping the
+/// last piece's tensors until another piece is needed. Tensors outside `state` come from `other`.
+fn write_optim<W: Write>(
+    out: W,
+    plan: &OptimPlan,
+    rank: u64,
+    world_size: u64,
+    mut produce: impl FnMut(usize) -> Result<HashMap<String, Vec<u8>>>,
+) -> Result<W> {
+    let mut cached: Option<(usize, HashMap<String, Vec<u8>>)> = None;
+    let skeleton = Node::Dict(plan.skeleton.clone());
+    lazy::write_torch_save(out, &skeleton, RootDict::Plain, rank, world_size, |path| {
+        let p = plan
+            .piece(path)
+            .or_else(|| plan.piece_of.values().copied().max())
+            .ok_or_else(|| missing_fill(path))?;
+        if cached.as_ref().is_none_or(|(c, _)| *c != p) {
+            cached = None;
+            cached = Some((p, produce(p)?));
+        }
+        let tensors = cached.as_mut().map(|(_, t)| t);
+        tensors
+            .and_then(|t| t.remove(path))
+            .ok_or_else(|| missing_fill(path))
+    })
+}
+
+// ------------------------------------------------------------------------------------------------
+// Public entry points.
+
+/// Inputs of [`Converter::open`].
+#[derive(Debug, Clone)]
+pub struct ConvertArgs {
+    /// Folder of per-rank files.
+    pub src: PathBuf,
+    /// Model description JSON (`shardscope layout --model`).
+    pub model: PathBuf,
+    pub flags: LayoutFlags,
+    /// Override the detected model file pattern (`model_rank{r}.pt`).
+    pub model_pattern: Option<String>,
+    /// Override the detected optimizer file pattern (`optim_rank{r}.pt`).
+    pub optim_pattern: Option<String>,
+    /// Model output format.
+    pub model_format: ModelFormat,
+}
+
+/// How [`Converter::write_model`] encodes the full model state dict.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum ModelFormat {
+    /// `torch.save` of the `OrderedDict` (what `torch.save(model.state_dict())` writes).
+    TorchSave,
+    /// A `.safetensors` file (tensor names are the state-dict keys).
+    Safetensors,
+}
+
+/// Per-rank FSDP1 LOCAL files → the full model state dict and the full FQN-keyed optimizer state
+/// dict (`FSDP.optim_state_dict` under FULL_STATE_DICT), written a tensor at a time.
+#[derive(Debug)]
+pub struct Converter {
+    inputs: Inputs,
+    desc: ModelDescription,
+    layout: Fsdp1Layout,
+    format: ModelFormat,
+}
+
+impl Converter {
+    /// Finds and opens the per-rank files (archive structures only) and checks them against the
+    /// layout.
+    pub fn open(args: &ConvertArgs) -> Result<Self> {
+        let files = find_rank_files(
+            &args.src,
+            args.model_pattern.as_deref(),
+            args.optim_pattern.as_deref(),
+        )?;
+        let desc = read_description(&args.model)?;
+        let layout = fsdp1_layout(&desc, files.world_size, args.flags)?;
+        let inputs = open_inputs(files)?;
+        let conv = Converter {
+            inputs,
+            desc,
+            layout,
+            format: args.model_format,
+        };
+        {
+            let model = conv.fsdp_model(&args.model.display().to_string())?;
+            ModelSource {
+                model: &model,
+                inputs: &conv.inputs,
+            }
+            .check()?;
+            if let Some((_, optims)) = &conv.inputs.optims {
+                optim_param_names(&model, optims, &conv.inputs.files)?;
+            }
+        }
+        Ok(conv)
+    }
+
+    fn fsdp_model(&self, what: &str) -> Result<Fsdp1Model<'_>> {
+        Fsdp1Model::new(&self.desc, &self.layout).map_err(transform_err(what))
+    }
+
+    pub fn files(&self) -> &RankFiles {
+        &self.inputs.files
+    }
+
+    /// True when the folder has optimizer files ([`Converter::write_optim`] has something to write).
+    pub fn has_optim(&self) -> bool {
+        self.inputs.optims.is_some()
+    }
+
+    /// Writes the full model state dict into `out`, one parameter at a time.
+    pub fn write_model<W: Write>(&self, out: W) -> Result<W> {
+        let model = self.fsdp_model("source layout")?;
+        let src = ModelSource {
+            model: &model,
+            inputs: &self.inputs,
+        };
+        let (skeleton, fills) = full_model_skeleton(&src);
+        let mut cache = ShardCache::default();
+        let mut fill = |path: &str| {
+            let f = fills.get(path).ok_or_else(|| missing_fill(path))?;
+            src.fill(f, None, 0, &mut cache)
+        };
+        match self.format {
+            ModelFormat::TorchSave => {
+                lazy::write_torch_save(out, &Node::Dict(skeleton), RootDict::Ordered, 0, 1, fill)
+            }
+            ModelFormat::Safetensors => {
+                let mut specs = Vec::with_capacity(skeleton.len());
+                for (k, v) in skeleton.iter() {
+                    let Node::Tensor(t) = v else {
+                        return Err(Fsdp1LocalError::Safetensors(format!(
+                            "`{k}` is a {}, safetensors holds tensors only",
+                            v.kind_name()
+                        )));
+                    };
+                    specs.push(TensorSpec {
+                        name: k.to_string(),
+                        dtype: t.dtype,
+                        shape: t.shape.clone(),
+                    });
+                }
+                let err = |e: SafetensorsWriteError| Fsdp1LocalError::Safetensors(e.to_string());
+                let mut writer = SafetensorsWriter::new(out, &specs, None).map_err(err)?;
+                let order: Vec<String> = writer.data_order().map(str::to_owned).collect();
+                for name in order {
+                    let data = fill(&format!("/{name}"))?;
+                    writer.write_tensor(&name, &data).map_err(err)?;
+                }
+                writer.finish().map_err(err)
+            }
+        }
+    }
+
+    /// Writes the full optimizer state dict (`torch.save`) into `out`, one piece at a time; an
+    /// error when the folder has no optimizer files.
+    pub fn write_optim<W: Write>(&self, out: W) -> Result<W> {
+        let model = self.fsdp_model("source layout")?;
+        let Some(optim) = OptimSource::new(&model, &self.inputs)? else {
+            return Err(Fsdp1LocalError::Files {
+                dir: self.inputs.files.dir.clone(),
+                reason: "no optimizer files".to_owned(),
+            });
+        };
+        let order = optim.full_order()?;
+        let mut outputs = Vec::with_capacity(optim.pieces.len());
+        for p in 0..optim.pieces.len() {
+            let full = optim.full_piece(p)?;
+            outputs.push((p, skeleton_of(full)));
+        }
+        let plan = OptimPlan::join(outputs, |k| order.get(k).copied().unwrap_or(usize::MAX));
+        write_optim(out, &plan, 0, 1, |p| {
+            let mut tensors = HashMap::new();
+            lazy::split_tensors(Node::Dict(optim.full_piece(p)?), "", &mut tensors);
+            Ok(tensors)
+        })
+    }
+}
+
+/// `node` without tensor bytes.
+fn skeleton_of(d: Dict) -> Dict {
+    let mut sink = HashMap::new();
+    match lazy::split_tensors(Node::Dict(d), "", &mut sink) {
+        Node::Dict(d) => d,
+        _ => Dict::new(),
+    }
+}
+
+/// Inputs of [`reshard`].
+#[derive(Debug, Clone)]
+pub struct ReshardArgs {
+    pub src: PathBuf,
+    pub model: PathBuf,
+    /// Layout flags of the source (and, unless `dst_flags` is given, of the destination).
+    pub flags: LayoutFlags,
+    pub dst_flags: Option<LayoutFlags>,
+    pub to_world_size: usize,
+    pub model_pattern: Option<String>,
+    pub optim_pattern: Option<String>,
+}
+
+/// One file [`reshard`] wrote: its name (inside the destination folder) and size.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct OutputFile {
+    pub name: String,
+    pub bytes: u64,
+}
+
+/// Per-rank FSDP1 LOCAL files from A ranks to `to_world_size` ranks, written into the folder
+/// `out_dir` (the caller makes it appear atomically): `(files found, files written)`. Model files
+/// are LOCAL state dicts (`OrderedDict` with `ShardedTensor` flat parameters), optimizer files raw
+/// `optim.state_dict()`s for the new ranks. Model tensors are built a destination shard at a
+/// time from the source byte ranges they need; optimizer state goes one piece (the state of one
+/// flat parameter) at a time through the full (FQN-keyed) form.
+pub fn reshard(args: &ReshardArgs, out_dir: &Path) -> Result<(RankFiles, Vec<OutputFile>)> {
+    if args.to_world_size == 0 {
+        return Err(Fsdp1LocalError::Files {
+            dir: args.src.clone(),
+            reason: "--to-world-size must be at least 1".to_owned(),
+        });
+    }
+    let files = find_rank_files(
+        &args.src,
+        args.model_pattern.as_deref(),
+        args.optim_pattern.as_deref(),
+    )?;
+    let desc = read_description(&args.model)?;
+    let src_layout = fsdp1_layout(&desc, files.world_size, args.flags)?;
+    let dst_flags = args.dst_flags.unwrap_or(args.flags);
+    let dst_layout = fsdp1_layout(&desc, args.to_world_size, dst_flags)?;
+    let src = Fsdp1Model::new(&desc, &src_layout).map_err(transform_err("source layout"))?;
+    let dst = Fsdp1Model::new(&desc, &dst_layout).map_err(transform_err("destination layout"))?;
+    let inputs = open_inputs(files)?;
+    let model_src = ModelSource {
+        model: &src,
+        inputs: &inputs,
+    };
+    model_src.check()?;
+    let optim = OptimSource::new(&src, &inputs)?;
+    let dst_names: Vec<String> = dst.wrapped_params().into_iter().map(|(n, _)| n).collect();
+    let ws = args.to_world_size as u64;
+
+    // Optimizer plans: every piece's output on every destination rank, without tensor bytes.
+    let optim_plans = match &optim {
+        Some(optim) => {
+            let order = optim.full_order()?;
+            let mut per_rank: Vec<Vec<(usize, Dict)>> = vec![Vec::new(); args.to_world_size];
+            for p in 0..optim.pieces.len() {
+                let full = optim.full_piece(p)?;
+                for (rank, outputs) in per_rank.iter_mut().enumerate() {
+                    let local = local_optim_from_full(&dst, &full, rank as u64, &dst_names)
+                        .map_err(transform_err(format!(
+                            "destination rank {rank} optimizer state"
+                        )))?;
+                    outputs.push((p, skeleton_of(local)));
+                }
+            }
+            let n = dst_names.len();
+            // Parameter ids in order, then the entries FSDP does not map, in FULL order.
+            let rank_of = |k: &Key| match k {
+                Key::Int(id) if usize::try_from(*id).is_ok_and(|i| i < n) => {
+                    usize::try_from(*id).unwrap_or(0)
+                }
+                other => n + order.get(other).copied().unwrap_or(usize::MAX - n),
+            };
+            per_rank
+                .into_iter()
+                .map(|outputs| OptimPlan::join(outputs, rank_of))
+                .collect()
+        }
+        None => Vec::new(),
+    };
+
+    let mut written = Vec::new();
+    let mut write_file = |name: String, write: &mut dyn FnMut(BufWriter<File>) -> Result<BufWriter<File>>| -> Result<()> {
+        let path = out_dir.join(&name);
+        let file = File::create(&path).map_err(|source| Fsdp1LocalError::Io {
+            path: path.clone(),
+            source,
+        })?;
+        let out = write(BufWriter::new(file))?;
+        let file = out.into_inner().map_err(|e| Fsdp1LocalError::Io {
+            path: path.clone(),
+            source: e.into_error(),
+        })?;
+        let bytes = file
+            .metadata()
+            .map_err(|source| Fsdp1LocalError::Io {
+                path: path.clone(),
+                source,
+            })?
+            .len();
+        written.push(OutputFile { name, bytes });
+        Ok(())
+    };
+    for rank in 0..ws {
+        let (skeleton, fills) = local_model_skeleton(&model_src, &dst, rank);
+        let skeleton = Node::Dict(skeleton);
+        let mut cache = ShardCache::default();
+        write_file(
+            inputs.files.model_pattern.replace("{r}", &rank.to_string()),
+            &mut |out| {
+                lazy::write_torch_save(out, &skeleton, RootDict::Ordered, rank, ws, |path| {
+                    let f = fills.get(path).ok_or_else(|| missing_fill(path))?;
+                    model_src.fill(f, Some(&dst), rank, &mut cache)
+                })
+            },
+        )?;
+        if let (Some(optim), Some(pattern)) = (&optim, &inputs.files.optim_pattern) {
+            let plan = &optim_plans[rank as usize];
+            write_file(pattern.replace("{r}", &rank.to_string()), &mut |out| {
+                write_optim(out, plan, rank, ws, |p| {
+                    let full = optim.full_piece(p)?;
+                    let local = local_optim_from_full(&dst, &full, rank, &dst_names).map_err(
+                        transform_err(format!("destination rank {rank} optimizer state")),
+                    )?;
+                    drop(full);
+                    let mut tensors = HashMap::new();
+                    lazy::split_tensors(Node::Dict(local), "", &mut tensors);
+                    Ok(tensors)
+                })
+            })?;
+        }
+    }
+    Ok((inputs.files, written))
+}
+
+#[cfg(test)]
+mod tests {
+    #![allow(clippy::unwrap_used)]
+    use super::*;
+
+    #[test]
+    fn rank_patterns() {
+        assert_eq!(
+            rank_pattern("model_rank12.pt"),
+            Some(("model_rank{r}.pt".to_owned(), 12))
+        );
+        assert_eq!(rank_pattern("rank0.pt"), Some(("rank{r}.pt".to_owned(), 0)));
+        assert_eq!(
+            rank_pattern("__3_0.distcp"),
+            Some(("__3_{r}.distcp".to_owned(), 0))
+        );
+        assert_eq!(rank_pattern("rank01.pt"), None);
+        assert_eq!(rank_pattern("model.pt"), None);
+    }
+}
