@@ -128,12 +128,12 @@ impl LazyFile {
         }
     }
 
-    /// Elements `first..first + n` of the 1-D tensor at `path`.
+    /// Elements `first..first + n` of the tensor at `path`, flattened in row-major order.
     pub fn read_elems(&self, path: &str, first: u64, n: u64) -> Result<Vec<u8>> {
         let (t, range) = self.entry(path)?;
         let item = t.storage.dtype.size_bytes() as u64;
         let numel = t.numel().unwrap_or(0);
-        if t.shape.len() != 1 || first.checked_add(n).is_none_or(|end| end > numel) {
+        if first.checked_add(n).is_none_or(|end| end > numel) {
             return Err(Fsdp1LocalError::Content {
                 file: self.path.clone(),
                 reason: format!(
@@ -143,15 +143,19 @@ impl LazyFile {
                 ),
             });
         }
-        let stride = t.stride.first().copied().unwrap_or(1);
-        if stride == 1 || n <= 1 {
-            let start = t.storage_offset + first * stride;
+        if t.is_contiguous() {
+            let start = t.storage_offset + first;
             self.read_at(range.offset + start * item, n * item)
         } else {
             let all = self.read_tensor(path)?;
             let (a, b) = ((first * item) as usize, ((first + n) * item) as usize);
             Ok(all[a..b].to_vec())
         }
+    }
+
+    /// The dtype of the tensor at `path`, when there is one.
+    pub fn dtype_at(&self, path: &str) -> Option<shardscope_core::DType> {
+        self.tensors.get(path).map(|(t, _)| t.storage.dtype)
     }
 
     /// `node` (a skeleton of this file, or a part of it found at `path`) with every tensor read.

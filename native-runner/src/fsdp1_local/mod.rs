@@ -29,6 +29,7 @@ use shardscope_core::formats::write::safetensors::{
 };
 use shardscope_core::layout::fsdp1::PieceKind;
 use shardscope_core::layout::{self, Api, Fsdp1Layout, Layout, LayoutConfig, Strategy};
+use shardscope_core::DType;
 use shardscope_core::model::ModelDescription;
 use shardscope_core::model::bridge::{BridgeError, RootDict};
 use shardscope_core::model::tree::{
@@ -721,8 +722,17 @@ fn missing_fill(path: &str) -> Fsdp1LocalError {
 }
 
 // ------------------------------------------------------------------------------------------------
-// Optimizer state, one piece (the state of one flat parameter, or of one unmanaged parameter) at
-// a time through the in-memory transforms.
+// Optimizer state.
+//
+// Structure (keys, state names, scalar states, `param_groups`, and PyTorch's checks) comes from the
+// in-memory transforms (`full_optim_from_local`, `local_optim_from_full`) run one *piece* at a time:
+// the state of one flat parameter, of one unmanaged parameter, or the entries FSDP does not map.
+// For flat-parameter pieces every positive-dimension state tensor is replaced by a 1-byte stand-in
+// of the same shape (a 1-byte dtype per real dtype), so the transforms move a quarter of the bytes
+// of float32 state and nothing else changes. The real bytes of those tensors are then read
+// straight from the source files a destination tensor at a time: every such output element is one
+// element of one parameter's full state, which lives at a known place in one source rank's
+// tensor (the flat parameter's state, or the original parameter's piece).
 
 /// Which part of the optimizer state a state entry belongs to.
 #[derive(Debug, Clone, PartialEq, Eq, Hash)]
@@ -736,6 +746,15 @@ enum PieceKey {
     Extras,
 }
 
+/// 1-byte dtypes that stand in for the real dtypes of positive-dimension states.
+const STAND_INS: [DType; 5] = [
+    DType::UInt8,
+    DType::Int8,
+    DType::Bool,
+    DType::Float8E4M3Fn,
+    DType::Float8E5M2,
+];
+
 struct OptimSource<'a> {
     model: &'a Fsdp1Model<'a>,
     files: &'a [LazyFile],
@@ -744,6 +763,13 @@ struct OptimSource<'a> {
     pieces: Vec<PieceKey>,
     /// Per rank: state key -> piece index.
     assign: Vec<HashMap<Key, usize>>,
+    /// Per rank: flat parameter -> path of its FlatParameter's state (`/state/<id>`).
+    flat_state: Vec<HashMap<usize, String>>,
+    /// Per rank: (flat parameter, parameter) -> path of the original parameter's state.
+    orig_state: Vec<HashMap<(usize, usize), String>>,
+    /// Real dtype -> stand-in, `None` when there are more dtypes than stand-ins (then the
+    /// structure pass reads real bytes).
+    stand_in: Option<HashMap<DType, DType>>,
     what: String,
 }
 
@@ -757,10 +783,15 @@ impl<'a> OptimSource<'a> {
         let mut pieces: Vec<PieceKey> = Vec::new();
         let mut index: HashMap<PieceKey, usize> = HashMap::new();
         let mut assign = Vec::with_capacity(skeletons.len());
+        let mut flat_state = Vec::with_capacity(skeletons.len());
+        let mut orig_state = Vec::with_capacity(skeletons.len());
+        let mut dtypes: BTreeSet<DType> = BTreeSet::new();
         for (r, osd) in skeletons.iter().enumerate() {
             let mut map = HashMap::new();
+            let mut flats = HashMap::new();
+            let mut origs = HashMap::new();
             if let Some(state) = osd.get_str("state").and_then(Node::as_dict) {
-                for k in state.keys() {
+                for (k, v) in state.iter() {
                     let param = match k {
                         Key::Int(id) => usize::try_from(*id)
                             .ok()
@@ -768,13 +799,28 @@ impl<'a> OptimSource<'a> {
                             .and_then(|n| model.param_ref(n)),
                         Key::Str(_) => None,
                     };
+                    let path = format!("/state/{k}");
                     let piece = match param {
-                        Some(ParamRef::Flat(f) | ParamRef::Orig { flat: f, .. }) => {
+                        Some(ParamRef::Flat(f)) => {
+                            flats.insert(f, path);
                             PieceKey::Flat(f)
+                        }
+                        Some(ParamRef::Orig { flat, index }) => {
+                            origs.insert((flat, index), path);
+                            PieceKey::Flat(flat)
                         }
                         Some(ParamRef::Plain(n)) => PieceKey::Plain(n),
                         None => PieceKey::Extras,
                     };
+                    if matches!(piece, PieceKey::Flat(_))
+                        && let Some(d) = v.as_dict()
+                    {
+                        for t in d.iter().filter_map(|(_, x)| x.as_tensor()) {
+                            if t.dim() > 0 {
+                                dtypes.insert(t.dtype);
+                            }
+                        }
+                    }
                     let next = pieces.len();
                     let i = *index.entry(piece.clone()).or_insert(next);
                     if i == next {
@@ -784,10 +830,14 @@ impl<'a> OptimSource<'a> {
                 }
             }
             assign.push(map);
+            flat_state.push(flats);
+            orig_state.push(origs);
         }
         if !index.contains_key(&PieceKey::Extras) {
             pieces.push(PieceKey::Extras);
         }
+        let stand_in = (dtypes.len() <= STAND_INS.len())
+            .then(|| dtypes.into_iter().zip(STAND_INS).collect());
         let what = format!(
             "{}: optimizer state dicts",
             inputs
@@ -803,13 +853,25 @@ impl<'a> OptimSource<'a> {
             names,
             pieces,
             assign,
+            flat_state,
+            orig_state,
+            stand_in,
             what,
         }))
     }
 
-    /// Every rank's optimizer state dict with only `keep`'s state entries, tensors read (`Some`),
-    /// or with all entries and positive-dimension tensors replaced by `None` (`None`).
+    fn is_flat(&self, p: usize) -> bool {
+        matches!(self.pieces.get(p), Some(PieceKey::Flat(_)))
+    }
+
+    /// Every rank's optimizer state dict with only piece `keep`'s state entries (positive-dim
+    /// states of flat pieces as stand-ins, everything else read), or with all entries and
+    /// positive-dimension tensors replaced by `None` (`keep` = `None`).
     fn restricted(&self, keep: Option<usize>) -> Result<Vec<Dict>> {
+        let stand_in = match keep {
+            Some(p) if self.is_flat(p) => self.stand_in.as_ref(),
+            _ => None,
+        };
         let mut out = Vec::with_capacity(self.skeletons.len());
         for (r, osd) in self.skeletons.iter().enumerate() {
             let file = &self.files[r];
@@ -823,7 +885,11 @@ impl<'a> OptimSource<'a> {
                             let spath = format!("{path}/{sk}");
                             match keep {
                                 Some(p) if self.assign[r].get(sk) == Some(&p) => {
-                                    s.insert(sk.clone(), file.materialize(sv, &spath)?);
+                                    let value = match stand_in {
+                                        Some(map) => with_stand_ins(file, sv, &spath, map)?,
+                                        None => file.materialize(sv, &spath)?,
+                                    };
+                                    s.insert(sk.clone(), value);
                                 }
                                 Some(_) => {}
                                 None => s.insert(sk.clone(), without_tensors(file, sv, &spath)?),
@@ -846,7 +912,7 @@ impl<'a> OptimSource<'a> {
             .map_err(transform_err(self.what.clone()))
     }
 
-    /// The FULL (FQN-keyed) optimizer state of piece `p`.
+    /// The FULL (FQN-keyed) optimizer state of piece `p` (stand-ins for a flat piece).
     fn full_piece(&self, p: usize) -> Result<Dict> {
         let locals = self.restricted(Some(p))?;
         self.full(&locals)
@@ -862,6 +928,175 @@ impl<'a> OptimSource<'a> {
             .map(|s| s.keys().cloned().enumerate().map(|(i, k)| (k, i)).collect())
             .unwrap_or_default())
     }
+
+    /// The real dtype of a stand-in.
+    fn real_dtype(&self, dtype: DType) -> DType {
+        self.stand_in
+            .as_ref()
+            .and_then(|m| m.iter().find(|(_, s)| **s == dtype).map(|(r, _)| *r))
+            .unwrap_or(dtype)
+    }
+
+    /// Elements `first..first + n` of state `name` of source parameter `param` of flat parameter
+    /// `f` (its full state, flattened), read from the ranks that hold them; zeros where no rank
+    /// has state (frozen parameters), as the transforms fill them.
+    fn state_range(
+        &self,
+        name: &Key,
+        f: usize,
+        param: usize,
+        first: u64,
+        n: u64,
+        dtype: DType,
+    ) -> Result<Vec<u8>> {
+        let flat = self.model.flat(f);
+        let item = dtype.size_bytes();
+        let mut out = vec![0u8; n as usize * item];
+        for copy in param_copies(flat, param) {
+            let lo = first.max(copy.offset_in_param);
+            let hi = (first + n).min(copy.offset_in_param + copy.numel);
+            if lo >= hi {
+                continue;
+            }
+            let r = copy.rank as usize;
+            let (path, at) = if let Some(p) = self.flat_state[r].get(&f) {
+                (
+                    format!("{p}/{name}"),
+                    copy.offset_in_shard + (lo - copy.offset_in_param),
+                )
+            } else if let Some(p) = self.orig_state[r].get(&(f, param)) {
+                (format!("{p}/{name}"), lo - copy.offset_in_param)
+            } else {
+                continue;
+            };
+            let file = &self.files[r];
+            match file.dtype_at(&path) {
+                Some(d) if d == dtype => {}
+                Some(d) => {
+                    return Err(Fsdp1LocalError::Content {
+                        file: file.path.clone(),
+                        reason: format!("`{path}` is {d}, expected {dtype}"),
+                    });
+                }
+                None => continue,
+            }
+            let bytes = file.read_elems(&path, at, hi - lo)?;
+            let o = (lo - first) as usize * item;
+            out[o..o + bytes.len()].copy_from_slice(&bytes);
+        }
+        Ok(out)
+    }
+
+    /// The source (flat parameter, parameter) of a clean FQN.
+    fn position(&self, fqn: &str) -> Result<(usize, usize)> {
+        self.model.managed_position(fqn).ok_or_else(|| {
+            transform_err(self.what.clone())(TransformError::UnknownParam {
+                path: "optimizer state".to_owned(),
+                what: "parameter",
+                name: fqn.to_owned(),
+            })
+        })
+    }
+
+    /// FULL output `state[fqn][name]`: the parameter's full state.
+    fn full_state(&self, fqn: &str, name: &Key, dtype: DType) -> Result<Vec<u8>> {
+        let (f, i) = self.position(fqn)?;
+        let numel = self.model.flat(f).numels[i];
+        self.state_range(name, f, i, 0, numel, dtype)
+    }
+
+    /// LOCAL output of `dst` rank `rank`: `state[id][name]` for destination parameter `param`.
+    fn local_state(
+        &self,
+        dst: &Fsdp1Model<'_>,
+        param: &ParamRef,
+        rank: u64,
+        name: &Key,
+        dtype: DType,
+    ) -> Result<Vec<u8>> {
+        let item = dtype.size_bytes();
+        match param {
+            // `_flatten_optim_state`: the parameters' states concatenated (no padding segments),
+            // this rank's `torch.chunk` piece, right-padded with zeros.
+            ParamRef::Flat(df) => {
+                let flat = dst.flat(*df);
+                let total: u64 = flat.numels.iter().sum();
+                let ws = flat.ranks.len() as u64;
+                let (lo, hi, len) = if flat.padded_unsharded_numel.is_none() || ws == 1 {
+                    (0, total, total)
+                } else {
+                    let (lo, hi) = layout::chunk::chunk_range(total, ws, rank);
+                    (lo, hi, layout::chunk::chunk_size(total, ws))
+                };
+                let mut out = vec![0u8; len as usize * item];
+                let mut start = 0u64;
+                for (i, fqn) in flat.fqns.iter().enumerate() {
+                    let end = start + flat.numels[i];
+                    let (a, b) = (lo.max(start), hi.min(end));
+                    if a < b {
+                        let (f, p) = self.position(fqn)?;
+                        let bytes = self.state_range(name, f, p, a - start, b - a, dtype)?;
+                        let o = (a - lo) as usize * item;
+                        out[o..o + bytes.len()].copy_from_slice(&bytes);
+                    }
+                    start = end;
+                }
+                Ok(out)
+            }
+            // `_shard_orig_param_state`: elements `intra_param_start_idx..=end` of the state.
+            ParamRef::Orig { flat, index } => {
+                let layout = dst.flat(*flat);
+                let fqn = &layout.fqns[*index];
+                let (f, p) = self.position(fqn)?;
+                if layout.padded_unsharded_numel.is_none() {
+                    return self.full_state(fqn, name, dtype);
+                }
+                let info = &layout.ranks[rank as usize].shard_param_infos[*index];
+                match (info.in_shard, info.intra_param_start_idx, info.intra_param_end_idx) {
+                    (true, Some(start), Some(end)) => {
+                        self.state_range(name, f, p, start, end - start + 1, dtype)
+                    }
+                    _ => Ok(Vec::new()),
+                }
+            }
+            ParamRef::Plain(n) => Err(Fsdp1LocalError::Content {
+                file: PathBuf::from("<output>"),
+                reason: format!("unmanaged parameter `{n}` in a flat-parameter piece"),
+            }),
+        }
+    }
+}
+
+/// `node` with positive-dimension tensors replaced by zero stand-ins of the same shape.
+fn with_stand_ins(
+    file: &LazyFile,
+    node: &Node,
+    path: &str,
+    map: &HashMap<DType, DType>,
+) -> Result<Node> {
+    Ok(match node {
+        Node::Tensor(t) if t.dim() > 0 => match map.get(&t.dtype) {
+            Some(&dtype) => Node::Tensor(Tensor {
+                dtype,
+                shape: t.shape.clone(),
+                data: vec![0u8; usize::try_from(t.numel()).unwrap_or(usize::MAX)],
+            }),
+            None => file.materialize(node, path)?,
+        },
+        Node::Dict(d) => Node::Dict(
+            d.iter()
+                .map(|(k, v)| {
+                    Ok((
+                        k.clone(),
+                        with_stand_ins(file, v, &format!("{path}/{k}"), map)?,
+                    ))
+                })
+                .collect::<Result<Vec<_>>>()?
+                .into_iter()
+                .collect(),
+        ),
+        other => file.materialize(other, path)?,
+    })
 }
 
 /// `node` with positive-dimension tensors replaced by `None` and the others read: enough for the
@@ -881,89 +1116,144 @@ fn without_tensors(file: &LazyFile, node: &Node, path: &str) -> Result<Node> {
     })
 }
 
-/// Stable order of the entries of a merged state dict: `rank_of(key)` sorts, ties keep piece order.
-fn merge_state(mut entries: Vec<(usize, Key, Node)>) -> Dict {
-    entries.sort_by_key(|(order, _, _)| *order);
-    entries.into_iter().map(|(_, k, v)| (k, v)).collect()
+/// Where the bytes of one optimizer output tensor come from.
+#[derive(Debug, Clone)]
+enum OptimFill {
+    /// Known already (scalar states, `param_groups` values).
+    Bytes(Vec<u8>),
+    /// Tensor of a non-flat piece: recompute that piece.
+    Piece(usize),
+    /// `state[key][name]` of a flat piece: read from the source files.
+    Direct { key: Key, name: Key, dtype: DType },
 }
 
-/// One output optimizer state dict, planned from pieces: the skeleton, and per state key the piece
-/// that produces it.
+/// One output optimizer state dict, planned from pieces: the skeleton and each tensor's source.
 struct OptimPlan {
     skeleton: Dict,
-    piece_of: HashMap<String, usize>,
+    fills: HashMap<String, OptimFill>,
 }
 
 impl OptimPlan {
-    /// Joins the pieces' outputs (skeletons) into one dict ordered by `order`.
-    fn join(
-        outputs: Vec<(usize, Dict)>,
-        order: impl Fn(&Key) -> usize,
-    ) -> Self {
-        let mut entries = Vec::new();
-        let mut piece_of = HashMap::new();
-        let mut rest: Option<Dict> = None;
-        for (p, d) in outputs {
-            let mut others = Dict::new();
-            for (k, v) in d.into_entries() {
-                if k.as_str() == Some("state") {
-                    if let Node::Dict(state) = v {
-                        for (sk, sv) in state.into_entries() {
-                            piece_of.insert(format!("/state/{sk}"), p);
-                            entries.push((order(&sk), sk, sv));
-                        }
-                    }
-                } else {
-                    others.insert(k, v);
-                }
-            }
-            // Every piece carries the same non-state entries (param_groups); keep the last, the
-            // extras piece's.
-            rest = Some(others);
+    fn new() -> Self {
+        OptimPlan {
+            skeleton: Dict::new(),
+            fills: HashMap::new(),
         }
-        let mut skeleton = Dict::new();
-        skeleton.insert(Key::str("state"), Node::Dict(merge_state(entries)));
-        for (k, v) in rest.unwrap_or_default().into_entries() {
-            skeleton.insert(k, v);
-        }
-        OptimPlan { skeleton, piece_of }
     }
 
-    /// The piece that produces the tensor at `path` (`/state/<key>/...`), `None` outside `state`.
-    fn piece(&self, path: &str) -> Option<usize> {
-        let mut segs = path.splitn(4, '/');
-        let (_, state, key) = (segs.next(), segs.next()?, segs.next()?);
-        if state != "state" {
-            return None;
+    /// Adds piece `p`'s output `d` (its bytes are dropped right away); `order` ranks state keys.
+    fn add(&mut self, optim: &OptimSource<'_>, p: usize, d: Dict, order: impl Fn(&Key) -> usize) {
+        let flat = optim.is_flat(p) && optim.stand_in.is_some();
+        let mut state = match self.skeleton.remove(&Key::str("state")) {
+            Some(Node::Dict(s)) => s,
+            _ => Dict::new(),
+        };
+        let mut others = Dict::new();
+        for (k, v) in d.into_entries() {
+            if k.as_str() == Some("state")
+                && let Node::Dict(piece_state) = v
+            {
+                for (sk, sv) in piece_state.into_entries() {
+                    let path = format!("/state/{sk}");
+                    let sv = plan_fills(optim, sv, &path, p, flat, &mut self.fills, |name, dtype| {
+                        OptimFill::Direct {
+                            key: sk.clone(),
+                            name: name.clone(),
+                            dtype,
+                        }
+                    });
+                    state.insert(sk, sv);
+                }
+            } else {
+                // Every piece carries the same non-state entries (`param_groups`); keep the last.
+                let path = format!("/{k}");
+                let v = plan_fills(optim, v, &path, p, false, &mut self.fills, |_, _| {
+                    OptimFill::Piece(p)
+                });
+                others.insert(k, v);
+            }
         }
-        self.piece_of.get(&format!("/state/{key}")).copied()
+        let mut entries: Vec<(Key, Node)> = state.into_entries();
+        entries.sort_by_key(|(k, _)| order(k));
+        self.skeleton = Dict::new();
+        self.skeleton
+            .insert(Key::str("state"), Node::Dict(entries.into_iter().collect()));
+        for (k, v) in others.into_entries() {
+            self.skeleton.insert(k, v);
+        }
     }
 }
 
-/// Writes `plan` with `produce(piece)` giving a piece's output (tensors by path), keeping the
-/// last piece's tensors until another piece is needed. Tensors outside `state` come from `other`.
+/// Strips the bytes of every tensor of `node` (at `path`, output of piece `p`) and records where
+/// they come from: positive-dim direct children `name` of a flat piece's state entry are
+/// [`OptimFill::Direct`] (`direct(name, real dtype)`), other tensors of a flat piece keep their
+/// bytes, tensors of other pieces are recomputed.
+fn plan_fills(
+    optim: &OptimSource<'_>,
+    node: Node,
+    path: &str,
+    p: usize,
+    flat: bool,
+    fills: &mut HashMap<String, OptimFill>,
+    direct: impl Fn(&Key, DType) -> OptimFill,
+) -> Node {
+    let mut bytes = HashMap::new();
+    let mut node = lazy::split_tensors(node, path, &mut bytes);
+    if flat && let Node::Dict(d) = &mut node {
+        let mut out = Dict::new();
+        for (name, v) in std::mem::take(d).into_entries() {
+            let v = match v {
+                Node::Tensor(mut t) if t.dim() > 0 => {
+                    t.dtype = optim.real_dtype(t.dtype);
+                    let tpath = format!("{path}/{name}");
+                    bytes.remove(&tpath);
+                    fills.insert(tpath, direct(&name, t.dtype));
+                    Node::Tensor(t)
+                }
+                other => other,
+            };
+            out.insert(name, v);
+        }
+        *d = out;
+    }
+    for (tpath, data) in bytes {
+        let fill = if flat || optim.is_flat(p) {
+            OptimFill::Bytes(data)
+        } else {
+            OptimFill::Piece(p)
+        };
+        fills.insert(tpath, fill);
+    }
+    node
+}
+
+/// Writes `plan`: `direct(key, name, dtype)` computes a [`OptimFill::Direct`] tensor,
+/// `produce(piece)` recomputes a piece's tensors (by path), kept until another piece is needed.
 fn write_optim<W: Write>(
     out: W,
     plan: &OptimPlan,
     rank: u64,
     world_size: u64,
+    mut direct: impl FnMut(&Key, &Key, DType) -> Result<Vec<u8>>,
     mut produce: impl FnMut(usize) -> Result<HashMap<String, Vec<u8>>>,
 ) -> Result<W> {
     let mut cached: Option<(usize, HashMap<String, Vec<u8>>)> = None;
     let skeleton = Node::Dict(plan.skeleton.clone());
     lazy::write_torch_save(out, &skeleton, RootDict::Plain, rank, world_size, |path| {
-        let p = plan
-            .piece(path)
-            .or_else(|| plan.piece_of.values().copied().max())
-            .ok_or_else(|| missing_fill(path))?;
-        if cached.as_ref().is_none_or(|(c, _)| *c != p) {
-            cached = None;
-            cached = Some((p, produce(p)?));
+        match plan.fills.get(path).ok_or_else(|| missing_fill(path))? {
+            OptimFill::Bytes(b) => Ok(b.clone()),
+            OptimFill::Direct { key, name, dtype } => direct(key, name, *dtype),
+            OptimFill::Piece(p) => {
+                if cached.as_ref().is_none_or(|(c, _)| c != p) {
+                    cached = None;
+                    cached = Some((*p, produce(*p)?));
+                }
+                cached
+                    .as_mut()
+                    .and_then(|(_, t)| t.remove(path))
+                    .ok_or_else(|| missing_fill(path))
+            }
         }
-        let tensors = cached.as_mut().map(|(_, t)| t);
-        tensors
-            .and_then(|t| t.remove(path))
-            .ok_or_else(|| missing_fill(path))
     })
 }
 
@@ -1105,26 +1395,26 @@ impl Converter {
             });
         };
         let order = optim.full_order()?;
-        let mut outputs = Vec::with_capacity(optim.pieces.len());
+        let mut plan = OptimPlan::new();
         for p in 0..optim.pieces.len() {
             let full = optim.full_piece(p)?;
-            outputs.push((p, skeleton_of(full)));
+            plan.add(&optim, p, full, |k| order.get(k).copied().unwrap_or(usize::MAX));
         }
-        let plan = OptimPlan::join(outputs, |k| order.get(k).copied().unwrap_or(usize::MAX));
-        write_optim(out, &plan, 0, 1, |p| {
-            let mut tensors = HashMap::new();
-            lazy::split_tensors(Node::Dict(optim.full_piece(p)?), "", &mut tensors);
-            Ok(tensors)
-        })
-    }
-}
-
-/// `node` without tensor bytes.
-fn skeleton_of(d: Dict) -> Dict {
-    let mut sink = HashMap::new();
-    match lazy::split_tensors(Node::Dict(d), "", &mut sink) {
-        Node::Dict(d) => d,
-        _ => Dict::new(),
+        write_optim(
+            out,
+            &plan,
+            0,
+            1,
+            |key, name, dtype| {
+                let fqn = key.to_string();
+                optim.full_state(&fqn, name, dtype)
+            },
+            |p| {
+                let mut tensors = HashMap::new();
+                lazy::split_tensors(Node::Dict(optim.full_piece(p)?), "", &mut tensors);
+                Ok(tensors)
+            },
+        )
     }
 }
 
@@ -1186,17 +1476,6 @@ pub fn reshard(args: &ReshardArgs, out_dir: &Path) -> Result<(RankFiles, Vec<Out
     let optim_plans = match &optim {
         Some(optim) => {
             let order = optim.full_order()?;
-            let mut per_rank: Vec<Vec<(usize, Dict)>> = vec![Vec::new(); args.to_world_size];
-            for p in 0..optim.pieces.len() {
-                let full = optim.full_piece(p)?;
-                for (rank, outputs) in per_rank.iter_mut().enumerate() {
-                    let local = local_optim_from_full(&dst, &full, rank as u64, &dst_names)
-                        .map_err(transform_err(format!(
-                            "destination rank {rank} optimizer state"
-                        )))?;
-                    outputs.push((p, skeleton_of(local)));
-                }
-            }
             let n = dst_names.len();
             // Parameter ids in order, then the entries FSDP does not map, in FULL order.
             let rank_of = |k: &Key| match k {
@@ -1205,10 +1484,18 @@ pub fn reshard(args: &ReshardArgs, out_dir: &Path) -> Result<(RankFiles, Vec<Out
                 }
                 other => n + order.get(other).copied().unwrap_or(usize::MAX - n),
             };
-            per_rank
-                .into_iter()
-                .map(|outputs| OptimPlan::join(outputs, rank_of))
-                .collect()
+            let mut plans: Vec<OptimPlan> = (0..ws).map(|_| OptimPlan::new()).collect();
+            for p in 0..optim.pieces.len() {
+                let full = optim.full_piece(p)?;
+                for (rank, plan) in plans.iter_mut().enumerate() {
+                    let local = local_optim_from_full(&dst, &full, rank as u64, &dst_names)
+                        .map_err(transform_err(format!(
+                            "destination rank {rank} optimizer state"
+                        )))?;
+                    plan.add(optim, p, local, rank_of);
+                }
+            }
+            plans
         }
         None => Vec::new(),
     };
@@ -1251,16 +1538,33 @@ pub fn reshard(args: &ReshardArgs, out_dir: &Path) -> Result<(RankFiles, Vec<Out
         if let (Some(optim), Some(pattern)) = (&optim, &inputs.files.optim_pattern) {
             let plan = &optim_plans[rank as usize];
             write_file(pattern.replace("{r}", &rank.to_string()), &mut |out| {
-                write_optim(out, plan, rank, ws, |p| {
-                    let full = optim.full_piece(p)?;
-                    let local = local_optim_from_full(&dst, &full, rank, &dst_names).map_err(
-                        transform_err(format!("destination rank {rank} optimizer state")),
-                    )?;
-                    drop(full);
-                    let mut tensors = HashMap::new();
-                    lazy::split_tensors(Node::Dict(local), "", &mut tensors);
-                    Ok(tensors)
-                })
+                write_optim(
+                    out,
+                    plan,
+                    rank,
+                    ws,
+                    |key, name, dtype| {
+                        let param = match key {
+                            Key::Int(id) => usize::try_from(*id)
+                                .ok()
+                                .and_then(|i| dst_names.get(i))
+                                .and_then(|n| dst.param_ref(n)),
+                            Key::Str(_) => None,
+                        };
+                        let param = param.ok_or_else(|| missing_fill(&format!("/state/{key}")))?;
+                        optim.local_state(&dst, &param, rank, name, dtype)
+                    },
+                    |p| {
+                        let full = optim.full_piece(p)?;
+                        let local = local_optim_from_full(&dst, &full, rank, &dst_names).map_err(
+                            transform_err(format!("destination rank {rank} optimizer state")),
+                        )?;
+                        drop(full);
+                        let mut tensors = HashMap::new();
+                        lazy::split_tensors(Node::Dict(local), "", &mut tensors);
+                        Ok(tensors)
+                    },
+                )
             })?;
         }
     }
