@@ -19,7 +19,7 @@ use shardscope_core::formats::pickle::TensorRef;
 use shardscope_core::formats::torch_zip::{self, MemberRange, TorchArchive};
 use shardscope_core::model::bridge::{self, BridgeError, RootDict};
 use shardscope_core::model::tree::{Node, Tensor};
-use shardscope_core::source::{Source, SourceError};
+use shardscope_core::source::Source;
 
 use super::{Fsdp1LocalError, Result};
 use crate::file_source::FileSource;
@@ -91,24 +91,19 @@ impl LazyFile {
     }
 
     fn read_at(&self, offset: u64, len: u64) -> Result<Vec<u8>> {
-        let out_of_range = || -> Fsdp1LocalError {
-            BridgeError::Source {
-                file: self.name(),
-                source: SourceError::OutOfRange {
-                    name: self.name(),
-                    offset,
-                    len,
-                    size: 0,
-                },
-            }
-            .into()
-        };
-        let n = usize::try_from(len).map_err(|_| out_of_range())?;
+        let n = usize::try_from(len).map_err(|_| Fsdp1LocalError::Content {
+            file: self.path.clone(),
+            reason: format!("{len} bytes at {offset} do not fit in memory"),
+        })?;
         let mut buf = vec![0u8; n];
-        self.file
-            .read_exact_at(&mut buf, offset)
-            .map_err(io_err(&self.path))?;
+        self.read_into(offset, &mut buf)?;
         Ok(buf)
+    }
+
+    fn read_into(&self, offset: u64, buf: &mut [u8]) -> Result<()> {
+        self.file
+            .read_exact_at(buf, offset)
+            .map_err(io_err(&self.path))
     }
 
     /// The contiguous bytes of the tensor at `path`.
@@ -128,12 +123,15 @@ impl LazyFile {
         }
     }
 
-    /// Elements `first..first + n` of the tensor at `path`, flattened in row-major order.
-    pub fn read_elems(&self, path: &str, first: u64, n: u64) -> Result<Vec<u8>> {
+    /// Elements `first..` of the tensor at `path` (flattened in row-major order) into `out`, which
+    /// holds a whole number of elements.
+    pub fn read_elems_into(&self, path: &str, first: u64, out: &mut [u8]) -> Result<()> {
         let (t, range) = self.entry(path)?;
         let item = t.storage.dtype.size_bytes() as u64;
         let numel = t.numel().unwrap_or(0);
-        if first.checked_add(n).is_none_or(|end| end > numel) {
+        let n = out.len() as u64 / item.max(1);
+        if out.len() as u64 % item.max(1) != 0 || first.checked_add(n).is_none_or(|end| end > numel)
+        {
             return Err(Fsdp1LocalError::Content {
                 file: self.path.clone(),
                 reason: format!(
@@ -145,11 +143,12 @@ impl LazyFile {
         }
         if t.is_contiguous() {
             let start = t.storage_offset + first;
-            self.read_at(range.offset + start * item, n * item)
+            self.read_into(range.offset + start * item, out)
         } else {
             let all = self.read_tensor(path)?;
-            let (a, b) = ((first * item) as usize, ((first + n) * item) as usize);
-            Ok(all[a..b].to_vec())
+            let a = (first * item) as usize;
+            out.copy_from_slice(&all[a..a + out.len()]);
+            Ok(())
         }
     }
 

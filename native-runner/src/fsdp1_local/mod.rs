@@ -453,42 +453,45 @@ impl ModelSource<'_> {
         Ok(())
     }
 
-    /// Elements `first..first + n` of rank `rank`'s shard of flat parameter `f`.
-    fn shard_elems(&self, f: usize, rank: u64, first: u64, n: u64) -> Result<Vec<u8>> {
-        if n == 0 {
-            return Ok(Vec::new());
+    /// Elements `first..` of rank `rank`'s shard of flat parameter `f`, into `out`.
+    fn shard_into(&self, f: usize, rank: u64, first: u64, out: &mut [u8]) -> Result<()> {
+        if out.is_empty() {
+            return Ok(());
         }
         let flat = self.model.flat(f);
         let file = &self.inputs.models[rank as usize];
-        file.read_elems(&format!("/{}", flat.flat_param_fqn), first, n)
+        file.read_elems_into(&format!("/{}", flat.flat_param_fqn), first, out)
     }
 
-    /// Elements `first..first + n` of the flattened full parameter `param` of flat parameter `f`
-    /// (zeros where no rank holds it, as `full_param_from_flat_shards`).
-    fn param_range(&self, f: usize, param: usize, first: u64, n: u64) -> Result<Vec<u8>> {
+    /// Elements `first..` of the flattened full parameter `param` of flat parameter `f`, into
+    /// `out` (zeroed by the caller; left zero where no rank holds the parameter, as
+    /// `full_param_from_flat_shards`).
+    fn param_into(&self, f: usize, param: usize, first: u64, out: &mut [u8]) -> Result<()> {
         let flat = self.model.flat(f);
         let item = flat.dtype.size_bytes();
-        let mut out = vec![0u8; n as usize * item];
+        let n = (out.len() / item) as u64;
         for copy in param_copies(flat, param) {
             let lo = first.max(copy.offset_in_param);
             let hi = (first + n).min(copy.offset_in_param + copy.numel);
             if lo < hi {
-                let bytes = self.shard_elems(
+                let at = (lo - first) as usize * item;
+                let end = (hi - first) as usize * item;
+                self.shard_into(
                     f,
                     copy.rank,
                     copy.offset_in_shard + (lo - copy.offset_in_param),
-                    hi - lo,
+                    &mut out[at..end],
                 )?;
-                let at = (lo - first) as usize * item;
-                out[at..at + bytes.len()].copy_from_slice(&bytes);
             }
         }
-        Ok(out)
+        Ok(())
     }
 
     fn full_param(&self, f: usize, param: usize) -> Result<Vec<u8>> {
-        let numel = self.model.flat(f).numels[param];
-        self.param_range(f, param, 0, numel)
+        let flat = self.model.flat(f);
+        let mut out = vec![0u8; flat.numels[param] as usize * flat.dtype.size_bytes()];
+        self.param_into(f, param, 0, &mut out)?;
+        Ok(out)
     }
 
     /// Rank `rank`'s padded shard of flat parameter `di` of `dst`, padding segments filled with
@@ -514,7 +517,7 @@ impl ModelSource<'_> {
                             key: name.clone(),
                         })
                     })?;
-                    bytes.copy_from_slice(&self.param_range(sf, si, intra_start, end - start)?);
+                    self.param_into(sf, si, intra_start, bytes)?;
                 }
                 PieceKind::SegmentPadding => {
                     for chunk in bytes.chunks_exact_mut(item) {
@@ -562,8 +565,12 @@ impl ModelSource<'_> {
                 Ok(Vec::new())
             }
             Fill::Shard { flat, len } => {
-                let shard = cache.get(self, dst, *flat, rank)?;
-                Ok(shard[..*len].to_vec())
+                // The flat entry comes after its unit's views: hand the shard over.
+                cache.get(self, dst, *flat, rank)?;
+                let mut shard = std::mem::take(&mut cache.data);
+                cache.key = None;
+                shard.truncate(*len);
+                Ok(shard)
             }
             Fill::View { flat, start, len } => {
                 let shard = cache.get(self, dst, *flat, rank)?;
@@ -867,7 +874,36 @@ impl<'a> OptimSource<'a> {
     /// Every rank's optimizer state dict with only piece `keep`'s state entries (positive-dim
     /// states of flat pieces as stand-ins, everything else read), or with all entries and
     /// positive-dimension tensors replaced by `None` (`keep` = `None`).
-    fn restricted(&self, keep: Option<usize>) -> Result<Vec<Dict>> {
+    /// The runs of piece `p` through the transforms: one per positive-dimension state name for a
+    /// flat piece with stand-ins (so one run holds one state's bytes), else one.
+    fn runs(&self, p: usize) -> Vec<Option<Key>> {
+        if !(self.is_flat(p) && self.stand_in.is_some()) {
+            return vec![None];
+        }
+        let mut names: BTreeSet<Key> = BTreeSet::new();
+        for (r, osd) in self.skeletons.iter().enumerate() {
+            let Some(state) = osd.get_str("state").and_then(Node::as_dict) else {
+                continue;
+            };
+            for (k, v) in state.iter() {
+                if self.assign[r].get(k) != Some(&p) {
+                    continue;
+                }
+                for (name, x) in v.as_dict().map(Dict::iter).into_iter().flatten() {
+                    if x.as_tensor().is_some_and(|t| t.dim() > 0) {
+                        names.insert(name.clone());
+                    }
+                }
+            }
+        }
+        if names.is_empty() {
+            vec![None]
+        } else {
+            names.into_iter().map(Some).collect()
+        }
+    }
+
+    fn restricted(&self, keep: Option<usize>, only: Option<&Key>) -> Result<Vec<Dict>> {
         let stand_in = match keep {
             Some(p) if self.is_flat(p) => self.stand_in.as_ref(),
             _ => None,
@@ -886,7 +922,9 @@ impl<'a> OptimSource<'a> {
                             match keep {
                                 Some(p) if self.assign[r].get(sk) == Some(&p) => {
                                     let value = match stand_in {
-                                        Some(map) => with_stand_ins(file, sv, &spath, map)?,
+                                        Some(map) => {
+                                            with_stand_ins(file, &only_state(sv, only), &spath, map)?
+                                        }
                                         None => file.materialize(sv, &spath)?,
                                     };
                                     s.insert(sk.clone(), value);
@@ -912,15 +950,16 @@ impl<'a> OptimSource<'a> {
             .map_err(transform_err(self.what.clone()))
     }
 
-    /// The FULL (FQN-keyed) optimizer state of piece `p` (stand-ins for a flat piece).
-    fn full_piece(&self, p: usize) -> Result<Dict> {
-        let locals = self.restricted(Some(p))?;
+    /// The FULL (FQN-keyed) optimizer state of piece `p` (stand-ins for a flat piece), with only
+    /// the positive-dimension state `only` when given.
+    fn full_piece(&self, p: usize, only: Option<&Key>) -> Result<Dict> {
+        let locals = self.restricted(Some(p), only)?;
         self.full(&locals)
     }
 
     /// The keys of the whole FULL state in PyTorch's order (computed without tensor bytes).
     fn full_order(&self) -> Result<HashMap<Key, usize>> {
-        let locals = self.restricted(None)?;
+        let locals = self.restricted(None, None)?;
         let full = self.full(&locals)?;
         Ok(full
             .get_str("state")
@@ -937,21 +976,21 @@ impl<'a> OptimSource<'a> {
             .unwrap_or(dtype)
     }
 
-    /// Elements `first..first + n` of state `name` of source parameter `param` of flat parameter
-    /// `f` (its full state, flattened), read from the ranks that hold them; zeros where no rank
-    /// has state (frozen parameters), as the transforms fill them.
-    fn state_range(
+    /// Elements `first..` of state `name` of source parameter `param` of flat parameter `f` (its
+    /// full state, flattened) into `out` (zeroed by the caller), read from the ranks that hold
+    /// them; left zero where no rank has state (frozen parameters), as the transforms fill them.
+    fn state_into(
         &self,
         name: &Key,
         f: usize,
         param: usize,
         first: u64,
-        n: u64,
         dtype: DType,
-    ) -> Result<Vec<u8>> {
+        out: &mut [u8],
+    ) -> Result<()> {
         let flat = self.model.flat(f);
         let item = dtype.size_bytes();
-        let mut out = vec![0u8; n as usize * item];
+        let n = (out.len() / item) as u64;
         for copy in param_copies(flat, param) {
             let lo = first.max(copy.offset_in_param);
             let hi = (first + n).min(copy.offset_in_param + copy.numel);
@@ -980,10 +1019,24 @@ impl<'a> OptimSource<'a> {
                 }
                 None => continue,
             }
-            let bytes = file.read_elems(&path, at, hi - lo)?;
             let o = (lo - first) as usize * item;
-            out[o..o + bytes.len()].copy_from_slice(&bytes);
+            let e = (hi - first) as usize * item;
+            file.read_elems_into(&path, at, &mut out[o..e])?;
         }
+        Ok(())
+    }
+
+    fn state_vec(
+        &self,
+        name: &Key,
+        f: usize,
+        param: usize,
+        first: u64,
+        n: u64,
+        dtype: DType,
+    ) -> Result<Vec<u8>> {
+        let mut out = vec![0u8; n as usize * dtype.size_bytes()];
+        self.state_into(name, f, param, first, dtype, &mut out)?;
         Ok(out)
     }
 
@@ -1002,7 +1055,7 @@ impl<'a> OptimSource<'a> {
     fn full_state(&self, fqn: &str, name: &Key, dtype: DType) -> Result<Vec<u8>> {
         let (f, i) = self.position(fqn)?;
         let numel = self.model.flat(f).numels[i];
-        self.state_range(name, f, i, 0, numel, dtype)
+        self.state_vec(name, f, i, 0, numel, dtype)
     }
 
     /// LOCAL output of `dst` rank `rank`: `state[id][name]` for destination parameter `param`.
@@ -1035,9 +1088,9 @@ impl<'a> OptimSource<'a> {
                     let (a, b) = (lo.max(start), hi.min(end));
                     if a < b {
                         let (f, p) = self.position(fqn)?;
-                        let bytes = self.state_range(name, f, p, a - start, b - a, dtype)?;
                         let o = (a - lo) as usize * item;
-                        out[o..o + bytes.len()].copy_from_slice(&bytes);
+                        let e = (b - lo) as usize * item;
+                        self.state_into(name, f, p, a - start, dtype, &mut out[o..e])?;
                     }
                     start = end;
                 }
@@ -1054,7 +1107,7 @@ impl<'a> OptimSource<'a> {
                 let info = &layout.ranks[rank as usize].shard_param_infos[*index];
                 match (info.in_shard, info.intra_param_start_idx, info.intra_param_end_idx) {
                     (true, Some(start), Some(end)) => {
-                        self.state_range(name, f, p, start, end - start + 1, dtype)
+                        self.state_vec(name, f, p, start, end - start + 1, dtype)
                     }
                     _ => Ok(Vec::new()),
                 }
@@ -1065,6 +1118,65 @@ impl<'a> OptimSource<'a> {
             }),
         }
     }
+}
+
+/// A state entry with only the positive-dimension state `only` (others dropped) when given.
+fn only_state(node: &Node, only: Option<&Key>) -> Node {
+    match (node, only) {
+        (Node::Dict(d), Some(keep)) => Node::Dict(
+            d.iter()
+                .filter(|(k, v)| *k == keep || !v.as_tensor().is_some_and(|t| t.dim() > 0))
+                .map(|(k, v)| (k.clone(), v.clone()))
+                .collect(),
+        ),
+        _ => node.clone(),
+    }
+}
+
+fn is_pos_state(node: &Node) -> bool {
+    node.as_tensor().is_some_and(|t| t.dim() > 0)
+}
+
+/// One state entry from two runs of a piece that differ in their positive-dimension states: the
+/// other entries are the same; each positive-dimension state keeps its place among them (states
+/// at the same place by name, as the transforms sort them).
+fn merge_runs(before: Node, new: Node) -> Node {
+    let (before, new) = match (before, new) {
+        (Node::Dict(b), Node::Dict(n)) => (b, n),
+        (_, new) => return new,
+    };
+    let mut rest: Vec<(Key, Node)> = Vec::new();
+    let mut placed: Vec<(usize, Key, Node)> = Vec::new();
+    for (k, v) in before.into_entries() {
+        if is_pos_state(&v) {
+            placed.push((rest.len(), k, v));
+        } else {
+            rest.push((k, v));
+        }
+    }
+    let mut seen = 0usize;
+    for (k, v) in new.into_entries() {
+        if is_pos_state(&v) {
+            if !placed.iter().any(|(_, pk, _)| *pk == k) {
+                placed.push((seen, k, v));
+            }
+        } else {
+            seen += 1;
+        }
+    }
+    placed.sort_by(|a, b| (a.0, &a.1).cmp(&(b.0, &b.1)));
+    let mut out = Dict::new();
+    let mut placed = placed.into_iter().peekable();
+    for (i, (k, v)) in rest.into_iter().enumerate() {
+        while let Some((_, pk, pv)) = placed.next_if(|(at, _, _)| *at <= i) {
+            out.insert(pk, pv);
+        }
+        out.insert(k, v);
+    }
+    for (_, pk, pv) in placed {
+        out.insert(pk, pv);
+    }
+    Node::Dict(out)
 }
 
 /// `node` with positive-dimension tensors replaced by zero stand-ins of the same shape.
@@ -1162,6 +1274,10 @@ impl OptimPlan {
                             dtype,
                         }
                     });
+                    let sv = match state.remove(&sk) {
+                        Some(before) => merge_runs(before, sv),
+                        None => sv,
+                    };
                     state.insert(sk, sv);
                 }
             } else {
@@ -1397,8 +1513,10 @@ impl Converter {
         let order = optim.full_order()?;
         let mut plan = OptimPlan::new();
         for p in 0..optim.pieces.len() {
-            let full = optim.full_piece(p)?;
-            plan.add(&optim, p, full, |k| order.get(k).copied().unwrap_or(usize::MAX));
+            for only in optim.runs(p) {
+                let full = optim.full_piece(p, only.as_ref())?;
+                plan.add(&optim, p, full, |k| order.get(k).copied().unwrap_or(usize::MAX));
+            }
         }
         write_optim(
             out,
@@ -1411,7 +1529,7 @@ impl Converter {
             },
             |p| {
                 let mut tensors = HashMap::new();
-                lazy::split_tensors(Node::Dict(optim.full_piece(p)?), "", &mut tensors);
+                lazy::split_tensors(Node::Dict(optim.full_piece(p, None)?), "", &mut tensors);
                 Ok(tensors)
             },
         )
@@ -1486,13 +1604,15 @@ pub fn reshard(args: &ReshardArgs, out_dir: &Path) -> Result<(RankFiles, Vec<Out
             };
             let mut plans: Vec<OptimPlan> = (0..ws).map(|_| OptimPlan::new()).collect();
             for p in 0..optim.pieces.len() {
-                let full = optim.full_piece(p)?;
-                for (rank, plan) in plans.iter_mut().enumerate() {
-                    let local = local_optim_from_full(&dst, &full, rank as u64, &dst_names)
-                        .map_err(transform_err(format!(
-                            "destination rank {rank} optimizer state"
-                        )))?;
-                    plan.add(optim, p, local, rank_of);
+                for only in optim.runs(p) {
+                    let full = optim.full_piece(p, only.as_ref())?;
+                    for (rank, plan) in plans.iter_mut().enumerate() {
+                        let local = local_optim_from_full(&dst, &full, rank as u64, &dst_names)
+                            .map_err(transform_err(format!(
+                                "destination rank {rank} optimizer state"
+                            )))?;
+                        plan.add(optim, p, local, rank_of);
+                    }
                 }
             }
             plans
@@ -1555,7 +1675,7 @@ pub fn reshard(args: &ReshardArgs, out_dir: &Path) -> Result<(RankFiles, Vec<Out
                         optim.local_state(&dst, &param, rank, name, dtype)
                     },
                     |p| {
-                        let full = optim.full_piece(p)?;
+                        let full = optim.full_piece(p, None)?;
                         let local = local_optim_from_full(&dst, &full, rank, &dst_names).map_err(
                             transform_err(format!("destination rank {rank} optimizer state")),
                         )?;
