@@ -363,11 +363,26 @@ pub fn plan_torch_save(
     rank: u64,
     world_size: u64,
 ) -> Result<TorchSavePlan<'_>, BridgeError> {
+    plan_torch_save_in_group(node, root_dict, (rank, world_size), (rank, world_size))
+}
+
+/// As [`plan_torch_save`] for a file written by a rank whose ShardedTensors live in a sub-group
+/// (HYBRID_SHARD: the shard group): `group` is `(rank in the group, group size)`, recorded as the
+/// local rank and world size and used for the local shard's placement; `global` is
+/// `(global rank, world size)`.
+pub fn plan_torch_save_in_group(
+    node: &Node,
+    root_dict: RootDict,
+    group: (u64, u64),
+    global: (u64, u64),
+) -> Result<TorchSavePlan<'_>, BridgeError> {
     let mut w = Writer {
         storages: Vec::new(),
         needs_globals: false,
-        rank,
-        world_size,
+        rank: group.0,
+        world_size: group.1,
+        global_rank: global.0,
+        global_world_size: global.1,
     };
     let root = match (node, root_dict) {
         (Node::Dict(d), RootDict::Ordered) => PyValue::OrderedDict(w.entries(d, "")?),
@@ -407,6 +422,8 @@ struct Writer<'n> {
     needs_globals: bool,
     rank: u64,
     world_size: u64,
+    global_rank: u64,
+    global_world_size: u64,
 }
 
 fn int(v: u64) -> PyValue {
@@ -616,9 +633,9 @@ impl<'n> Writer<'n> {
             )),
             state: Box::new(PyValue::Dict(vec![
                 (PyValue::str("local_rank"), int(self.rank)),
-                (PyValue::str("global_rank"), int(self.rank)),
+                (PyValue::str("global_rank"), int(self.global_rank)),
                 (PyValue::str("local_world_size"), int(self.world_size)),
-                (PyValue::str("global_world_size"), int(self.world_size)),
+                (PyValue::str("global_world_size"), int(self.global_world_size)),
             ])),
         };
         let spec = PyValue::object(

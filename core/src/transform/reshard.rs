@@ -2,6 +2,10 @@
 //! another `use_orig_params` value. Model state goes one destination flat parameter at a time
 //! (peak memory: the parameters of one flat parameter); optimizer state goes through the full
 //! (FQN-keyed) dict exactly as `optim_state_dict` followed by `optim_state_dict_to_load` would.
+//!
+//! [`full_key_plan`] and [`local_key_plan`] give the key order (and where each entry comes from) of
+//! the FULL and LOCAL model state dicts from names alone, so a streaming writer can lay out a file
+//! before reading any tensor (the native runner's per-rank `reshard`/`convert`).
 
 use std::collections::HashMap;
 

@@ -58,6 +58,13 @@ pub struct ConvertArgs {
     /// Per-rank FSDP1 files: they were saved with `use_orig_params=True`.
     #[arg(long, requires = "model")]
     pub use_orig_params: bool,
+    /// Per-rank FSDP1 files: their sharding strategy (full_shard, shard_grad_op, no_shard,
+    /// hybrid_shard, _hybrid_shard_zero2).
+    #[arg(long, requires = "model", value_parser = parse_fsdp1_strategy)]
+    pub strategy: Option<shardscope_core::layout::Strategy>,
+    /// Per-rank FSDP1 files with a hybrid strategy: ranks per shard group (the first group is read).
+    #[arg(long, value_name = "S", requires = "model")]
+    pub shard_group_size: Option<u64>,
     /// Per-rank FSDP1 files: where the full optimizer state dict goes (default `<DST stem>.optim.pt`).
     #[arg(long, value_name = "PATH", requires = "model")]
     pub optim_output: Option<PathBuf>,
@@ -227,6 +234,11 @@ pub fn run(args: &ConvertArgs) -> Result<ExitCode> {
     Ok(ExitCode::SUCCESS)
 }
 
+fn parse_fsdp1_strategy(s: &str) -> Result<shardscope_core::layout::Strategy, String> {
+    s.parse()
+        .map_err(|e: shardscope_core::layout::LayoutError| e.to_string())
+}
+
 /// Per-rank FSDP1 LOCAL files + a model description -> the full model state dict (`torch.save` or
 /// safetensors) and the full FQN-keyed optimizer state dict, as `FSDP.optim_state_dict` returns it.
 fn convert_fsdp1_local(args: &ConvertArgs, model: &std::path::Path) -> Result<ExitCode> {
@@ -247,7 +259,8 @@ fn convert_fsdp1_local(args: &ConvertArgs, model: &std::path::Path) -> Result<Ex
         model: model.to_path_buf(),
         flags: LayoutFlags {
             use_orig_params: args.use_orig_params,
-            ..LayoutFlags::default()
+            strategy: args.strategy.unwrap_or(LayoutFlags::default().strategy),
+            shard_group_size: args.shard_group_size,
         },
         model_pattern: None,
         optim_pattern: None,

@@ -34,9 +34,21 @@ pub struct ReshardCliArgs {
     /// The output is for `use_orig_params=<BOOL>` (default: same as the input).
     #[arg(long, value_name = "BOOL")]
     pub to_use_orig_params: Option<bool>,
-    /// FSDP1 sharding strategy of input and output: full_shard, shard_grad_op.
+    /// FSDP1 sharding strategy of the input (and, unless --to-strategy, of the output):
+    /// full_shard, shard_grad_op, no_shard, hybrid_shard, _hybrid_shard_zero2.
     #[arg(long, default_value = "full_shard", value_parser = parse_strategy)]
     pub strategy: Strategy,
+    /// Hybrid strategies: ranks per shard group of the input. Ranks r and r+S hold the same shard
+    /// (the mesh `init_device_mesh("cpu", (world_size // S, S))`); the first group is read.
+    #[arg(long, value_name = "S")]
+    pub shard_group_size: Option<u64>,
+    /// Strategy of the output (default: --strategy).
+    #[arg(long, value_parser = parse_strategy)]
+    pub to_strategy: Option<Strategy>,
+    /// Hybrid output: ranks per shard group of the output (default: --shard-group-size); every
+    /// replica's ranks get their files.
+    #[arg(long, value_name = "S")]
+    pub to_shard_group_size: Option<u64>,
     /// File-name pattern of the model files, `{r}` for the rank (default: detected).
     #[arg(long, value_name = "PATTERN")]
     pub model_files: Option<String>,
@@ -56,15 +68,23 @@ pub fn run(args: &ReshardCliArgs) -> anyhow::Result<ExitCode> {
     let flags = LayoutFlags {
         use_orig_params: args.use_orig_params,
         strategy: args.strategy,
+        shard_group_size: args.shard_group_size,
+    };
+    let to_strategy = args.to_strategy.unwrap_or(args.strategy);
+    let dst_flags = LayoutFlags {
+        use_orig_params: args.to_use_orig_params.unwrap_or(args.use_orig_params),
+        strategy: to_strategy,
+        shard_group_size: if to_strategy.is_hybrid() {
+            args.to_shard_group_size.or(args.shard_group_size)
+        } else {
+            args.to_shard_group_size
+        },
     };
     let reshard_args = ReshardArgs {
         src: args.src.clone(),
         model: args.model.clone(),
         flags,
-        dst_flags: args.to_use_orig_params.map(|u| LayoutFlags {
-            use_orig_params: u,
-            ..flags
-        }),
+        dst_flags: Some(dst_flags),
         to_world_size: args.to_world_size,
         model_pattern: args.model_files.clone(),
         optim_pattern: args.optim_files.clone(),

@@ -256,15 +256,17 @@ fn split_items(items: Vec<Node>, path: &str, out: &mut HashMap<String, Vec<u8>>)
 
 /// `torch.save(skeleton)` into `out`, storage by storage: `fill(path)` gives the bytes of the
 /// tensor at `path` when the writer needs them. Returns `out`.
+/// `group` and `global` are the `(rank, size)` recorded in ShardedTensors (see
+/// [`bridge::plan_torch_save_in_group`]).
 pub(super) fn write_torch_save<W: Write>(
     out: W,
     skeleton: &Node,
     root: RootDict,
-    rank: u64,
-    world_size: u64,
+    group: (u64, u64),
+    global: (u64, u64),
     mut fill: impl FnMut(&str) -> Result<Vec<u8>>,
 ) -> Result<W> {
-    let plan = bridge::plan_torch_save(skeleton, root, rank, world_size)?;
+    let plan = bridge::plan_torch_save_in_group(skeleton, root, group, global)?;
     let mut paths = Vec::new();
     tensor_paths(skeleton, "", &mut paths);
     if paths.len() != plan.storages.len() {

@@ -2,8 +2,8 @@
 //! (`model.state_dict()` under `StateDictType.LOCAL_STATE_DICT`) and the raw optimizer state dict
 //! (`optim.state_dict()`), each written with `torch.save`.
 //!
-//! - [`convert`]: the full (unsharded) model state dict that `FULL_STATE_DICT` returns and the full
-//!   FQN-keyed optimizer state dict that `FSDP.optim_state_dict` returns.
+//! - [`Converter`]: the full (unsharded) model state dict that `FULL_STATE_DICT` returns and the
+//!   full FQN-keyed optimizer state dict that `FSDP.optim_state_dict` returns.
 //! - [`reshard`]: the same checkpoint at another world size: per-rank files that torch loads with
 //!   `LOCAL_STATE_DICT` and `optim.load_state_dict` (the offline `optim_state_dict` +
 //!   `optim_state_dict_to_load`).
@@ -16,8 +16,35 @@
 //!
 //! Optimizer ids: the optimizer is assumed to have been built over `model.parameters()` of the
 //! FSDP-wrapped model (in one or several groups, in that order), so id `i` is the `i`-th parameter
-//! of the wrapped model's `named_parameters()` ([`Fsdp1Model::wrapped_params`]). Files are read
-//! whole into memory; the full model and optimizer state are held in memory once.
+//! of the wrapped model's `named_parameters()` ([`Fsdp1Model::wrapped_params`]).
+//!
+//! # Streaming
+//!
+//! Peak memory stays near one output tensor, whatever the checkpoint size:
+//!
+//! - Inputs: each file's zip directory and pickle are read once (through the memory-mapped
+//!   [`crate::file_source::FileSource`], then unmapped) into a *skeleton*: the state dict with
+//!   dtype and shape of every tensor but no bytes (`lazy`). Tensor bytes are read later with
+//!   positioned reads of exactly the elements an output tensor needs, straight into that tensor's
+//!   buffer.
+//! - Outputs: every file is planned from a skeleton (`torch.save` needs the pickle before the
+//!   storages; safetensors its header) and written with `TorchSaveWriter` / `SafetensorsWriter`
+//!   one storage at a time, each produced when the writer asks for it.
+//! - Model state: the key order of the FULL and LOCAL dicts comes from names only
+//!   ([`shardscope_core::transform::reshard::full_key_plan`], `local_key_plan`); a full parameter
+//!   or a destination flat shard (padding segments filled with 42.0 as torch does) is assembled
+//!   from the source ranks' shard ranges that hold it.
+//! - Optimizer state: the structure (keys, state names and their order, scalar states,
+//!   `param_groups`, and every check PyTorch makes) comes from the in-memory transforms
+//!   (`full_optim_from_local`, `local_optim_from_full`) run on one piece at a time (the state of
+//!   one flat parameter, one state name per run), with every positive-dimension state replaced by
+//!   a zero 1-byte stand-in of the same shape. Those tensors' real bytes are then read from the
+//!   source ranks a destination tensor at a time: each output element is one element of one
+//!   parameter's full state, found through the source layout.
+//!
+//! Outputs are byte-identical to what the whole-in-memory transforms give (checked against them on
+//! torch-made checkpoints of several layouts). `bench/fsdp1_reshard.py` measures the memory
+//! (BENCHMARKS.md).
 
 use std::collections::{BTreeMap, BTreeSet, HashMap};
 use std::fs::File;
@@ -253,6 +280,10 @@ pub fn find_rank_files(
 pub struct LayoutFlags {
     pub use_orig_params: bool,
     pub strategy: Strategy,
+    /// HYBRID_SHARD / `_HYBRID_SHARD_ZERO2`: ranks per shard group. Ranks `g*S..(g+1)*S` form
+    /// replica `g` (the layout of `init_device_mesh(("replicate", "shard"))`); rank `r` holds the
+    /// shard of group rank `r % S`.
+    pub shard_group_size: Option<u64>,
 }
 
 impl Default for LayoutFlags {
@@ -260,6 +291,7 @@ impl Default for LayoutFlags {
         Self {
             use_orig_params: false,
             strategy: Strategy::FullShard,
+            shard_group_size: None,
         }
     }
 }
@@ -284,7 +316,7 @@ fn fsdp1_layout(
     let config = LayoutConfig {
         api: Api::Fsdp1,
         world_size: world_size as u64,
-        shard_group_size: None,
+        shard_group_size: flags.shard_group_size,
         use_orig_params: flags.use_orig_params,
         strategy: flags.strategy,
         param_dtype: None,
@@ -435,7 +467,7 @@ impl ModelSource<'_> {
                 let shard = shard.map_err(transform_err(self.what()))?;
                 let len = shard.numel();
                 let padded = flat.sharded_numel;
-                let unpadded = unpadded_shard_numel(flat, r as u64);
+                let unpadded = unpadded_shard_numel(flat, r as u64 % self.model.shard_group_size());
                 if shard.dim() != 1
                     || (len != padded && len != unpadded)
                     || shard.dtype != flat.dtype
@@ -786,6 +818,11 @@ impl<'a> OptimSource<'a> {
             return Ok(None);
         };
         let names = optim_param_names(model, skeletons, &inputs.files)?;
+        // Hybrid sharding: the first replica's shard group holds everything.
+        let group = usize::try_from(model.shard_group_size())
+            .unwrap_or(usize::MAX)
+            .min(skeletons.len());
+        let (files, skeletons) = (&files[..group], &skeletons[..group]);
         let names = vec![names; skeletons.len()];
         let mut pieces: Vec<PieceKey> = Vec::new();
         let mut index: HashMap<PieceKey, usize> = HashMap::new();
@@ -1348,14 +1385,14 @@ fn plan_fills(
 fn write_optim<W: Write>(
     out: W,
     plan: &OptimPlan,
-    rank: u64,
-    world_size: u64,
+    group: (u64, u64),
+    global: (u64, u64),
     mut direct: impl FnMut(&Key, &Key, DType) -> Result<Vec<u8>>,
     mut produce: impl FnMut(usize) -> Result<HashMap<String, Vec<u8>>>,
 ) -> Result<W> {
     let mut cached: Option<(usize, HashMap<String, Vec<u8>>)> = None;
     let skeleton = Node::Dict(plan.skeleton.clone());
-    lazy::write_torch_save(out, &skeleton, RootDict::Plain, rank, world_size, |path| {
+    lazy::write_torch_save(out, &skeleton, RootDict::Plain, group, global, |path| {
         match plan.fills.get(path).ok_or_else(|| missing_fill(path))? {
             OptimFill::Bytes(b) => Ok(b.clone()),
             OptimFill::Direct { key, name, dtype } => direct(key, name, *dtype),
@@ -1471,7 +1508,14 @@ impl Converter {
         };
         match self.format {
             ModelFormat::TorchSave => {
-                lazy::write_torch_save(out, &Node::Dict(skeleton), RootDict::Ordered, 0, 1, fill)
+                lazy::write_torch_save(
+                    out,
+                    &Node::Dict(skeleton),
+                    RootDict::Ordered,
+                    (0, 1),
+                    (0, 1),
+                    fill,
+                )
             }
             ModelFormat::Safetensors => {
                 let mut specs = Vec::with_capacity(skeleton.len());
@@ -1521,8 +1565,8 @@ impl Converter {
         write_optim(
             out,
             &plan,
-            0,
-            1,
+            (0, 1),
+            (0, 1),
             |key, name, dtype| {
                 let fqn = key.to_string();
                 optim.full_state(&fqn, name, dtype)
@@ -1589,6 +1633,8 @@ pub fn reshard(args: &ReshardArgs, out_dir: &Path) -> Result<(RankFiles, Vec<Out
     let optim = OptimSource::new(&src, &inputs)?;
     let dst_names: Vec<String> = dst.wrapped_params().into_iter().map(|(n, _)| n).collect();
     let ws = args.to_world_size as u64;
+    // Ranks per destination shard group (all of them unless hybrid); replicas repeat the group.
+    let group = dst.shard_group_size();
 
     // Optimizer plans: every piece's output on every destination rank, without tensor bytes.
     let optim_plans = match &optim {
@@ -1602,7 +1648,7 @@ pub fn reshard(args: &ReshardArgs, out_dir: &Path) -> Result<(RankFiles, Vec<Out
                 }
                 other => n + order.get(other).copied().unwrap_or(usize::MAX - n),
             };
-            let mut plans: Vec<OptimPlan> = (0..ws).map(|_| OptimPlan::new()).collect();
+            let mut plans: Vec<OptimPlan> = (0..group).map(|_| OptimPlan::new()).collect();
             for p in 0..optim.pieces.len() {
                 for only in optim.runs(p) {
                     let full = optim.full_piece(p, only.as_ref())?;
@@ -1642,14 +1688,16 @@ pub fn reshard(args: &ReshardArgs, out_dir: &Path) -> Result<(RankFiles, Vec<Out
         written.push(OutputFile { name, bytes });
         Ok(())
     };
-    for rank in 0..ws {
+    for global in 0..ws {
+        let rank = global % group;
         let (skeleton, fills) = local_model_skeleton(&model_src, &dst, rank);
         let skeleton = Node::Dict(skeleton);
         let mut cache = ShardCache::default();
         write_file(
-            inputs.files.model_pattern.replace("{r}", &rank.to_string()),
+            inputs.files.model_pattern.replace("{r}", &global.to_string()),
             &mut |out| {
-                lazy::write_torch_save(out, &skeleton, RootDict::Ordered, rank, ws, |path| {
+                let pg = ((rank, group), (global, ws));
+                lazy::write_torch_save(out, &skeleton, RootDict::Ordered, pg.0, pg.1, |path| {
                     let f = fills.get(path).ok_or_else(|| missing_fill(path))?;
                     model_src.fill(f, Some(&dst), rank, &mut cache)
                 })
@@ -1657,12 +1705,12 @@ pub fn reshard(args: &ReshardArgs, out_dir: &Path) -> Result<(RankFiles, Vec<Out
         )?;
         if let (Some(optim), Some(pattern)) = (&optim, &inputs.files.optim_pattern) {
             let plan = &optim_plans[rank as usize];
-            write_file(pattern.replace("{r}", &rank.to_string()), &mut |out| {
+            write_file(pattern.replace("{r}", &global.to_string()), &mut |out| {
                 write_optim(
                     out,
                     plan,
-                    rank,
-                    ws,
+                    (rank, group),
+                    (global, ws),
                     |key, name, dtype| {
                         let param = match key {
                             Key::Int(id) => usize::try_from(*id)
