@@ -6,6 +6,9 @@
 //!   loads our files with `LOCAL_STATE_DICT` + `optim.load_state_dict` and must hold the same
 //!   parameters and optimizer state as torch's own `optim_state_dict_to_load` path, also after one
 //!   more step. `convert` must equal torch's `FULL_STATE_DICT` and `FSDP.optim_state_dict`.
+//!   HYBRID_SHARD too: torch trains on 2 replicas x 2 ranks (explicit shard/replicate groups of a
+//!   2-D device mesh) and saves the first replica's files; we reshard to 2 x 3 (every new rank
+//!   loads its own files) and, with `use_orig_params`, to FULL_SHARD on 2 ranks.
 //! - atomicity: `reshard` killed with SIGKILL at 20 pseudo-random moments leaves the destination
 //!   absent or complete (byte-identical to an uninterrupted run) and the inputs unchanged.
 //! - CLI errors: exit code 2 and messages naming the file.
@@ -17,6 +20,7 @@ use std::time::Instant;
 
 use shardscope_core::model::bridge::{self, RootDict};
 use shardscope_core::model::tree::{Dict, Key, Node};
+use shardscope_core::layout::Strategy;
 use shardscope_runner::fsdp1_local::{self, ConvertArgs, LayoutFlags, ModelFormat};
 
 fn fixtures() -> PathBuf {
@@ -99,6 +103,21 @@ fn sorted_state(node: &Node) -> Node {
 }
 
 fn interop(from: usize, to: usize, uop: bool) {
+    interop_with(from, 0, to, 0, uop, &[], &[]);
+}
+
+/// `from` ranks (hybrid with shard groups of `from_shard` when not 0; torch then writes the first
+/// replica's files only) resharded to `to` ranks (checked by torch as hybrid with groups of
+/// `to_shard` when not 0); `flags` go to `reshard`, `convert_flags` to `convert`.
+fn interop_with(
+    from: usize,
+    from_shard: usize,
+    to: usize,
+    to_shard: usize,
+    uop: bool,
+    flags: &[&str],
+    convert_flags: &[&str],
+) {
     let Some(python) = python() else {
         eprintln!("skipped: no torch");
         return;
@@ -109,7 +128,13 @@ fn interop(from: usize, to: usize, uop: bool) {
     let uop_arg = if uop { "1" } else { "0" };
     run_python(
         &python,
-        &["make", src.to_str().unwrap(), &from.to_string(), uop_arg],
+        &[
+            "make",
+            src.to_str().unwrap(),
+            &from.to_string(),
+            uop_arg,
+            &from_shard.to_string(),
+        ],
     );
     let model_json = fixtures().join("nested_ws2_uop0/model.json");
     let mut args = vec![
@@ -126,6 +151,7 @@ fn interop(from: usize, to: usize, uop: bool) {
     if uop {
         args.push("--use-orig-params");
     }
+    args.extend(flags);
     let out = shardscope(&args);
     assert!(
         out.status.success(),
@@ -142,6 +168,7 @@ fn interop(from: usize, to: usize, uop: bool) {
             dst.to_str().unwrap(),
             &to.to_string(),
             uop_arg,
+            &to_shard.to_string(),
         ],
     );
 
@@ -161,6 +188,7 @@ fn interop(from: usize, to: usize, uop: bool) {
     if uop {
         args.push("--use-orig-params".to_owned());
     }
+    args.extend(convert_flags.iter().map(|f| (*f).to_owned()));
     let argv: Vec<&str> = args.iter().map(String::as_str).collect();
     let out = shardscope(&argv);
     assert!(out.status.success(), "convert failed: {}", stderr_of(&out));
@@ -183,14 +211,22 @@ fn interop(from: usize, to: usize, uop: bool) {
         model: model_json.clone(),
         flags: LayoutFlags {
             use_orig_params: uop,
-            ..LayoutFlags::default()
+            strategy: if from_shard == 0 {
+                Strategy::FullShard
+            } else {
+                Strategy::HybridShard
+            },
+            shard_group_size: (from_shard != 0).then_some(from_shard as u64),
         },
         model_pattern: None,
         optim_pattern: None,
         model_format: ModelFormat::Safetensors,
     };
     let conv = fsdp1_local::Converter::open(&convert).unwrap();
-    assert_eq!(conv.files().world_size, from);
+    assert_eq!(
+        conv.files().world_size,
+        if from_shard == 0 { from } else { from_shard }
+    );
     let st_bytes = conv.write_model(Vec::new()).unwrap();
     let st = safetensors::SafeTensors::deserialize(&st_bytes).unwrap();
     let torch_model = torch_model.as_dict().unwrap();
@@ -210,6 +246,25 @@ fn interop_reshard_2_to_4() {
 #[test]
 fn interop_reshard_4_to_2_use_orig_params() {
     interop(4, 2, true);
+}
+
+/// HYBRID_SHARD (2 replicas x 2) to HYBRID_SHARD (2 replicas x 3): every one of the 6 new ranks
+/// loads its own files (ShardedTensors of the shard group) and matches torch's own path.
+#[test]
+fn interop_reshard_hybrid_2x2_to_2x3() {
+    let hybrid = ["--strategy", "hybrid_shard", "--shard-group-size", "2"];
+    let mut flags = hybrid.to_vec();
+    flags.extend(["--to-shard-group-size", "3"]);
+    interop_with(4, 2, 6, 3, false, &flags, &hybrid);
+}
+
+/// HYBRID_SHARD with use_orig_params (2 replicas x 2) to FULL_SHARD on 2 ranks.
+#[test]
+fn interop_reshard_hybrid_to_full_shard_use_orig_params() {
+    let hybrid = ["--strategy", "hybrid_shard", "--shard-group-size", "2"];
+    let mut flags = hybrid.to_vec();
+    flags.extend(["--to-strategy", "full_shard"]);
+    interop_with(4, 2, 2, 0, true, &flags, &hybrid);
 }
 
 /// A per-rank folder made without torch: the LOCAL model and raw optimizer state dicts of the

@@ -1,15 +1,20 @@
 """Interop check for `shardscope reshard` / per-rank convert with real torch (gloo, CPU).
 
-  make SRC WS UOP     train NestedModel (tests/fixtures/optim/gen_optim.py) under FSDP1 on WS ranks
+  make SRC WS UOP [S] train NestedModel (tests/fixtures/optim/gen_optim.py) under FSDP1 on WS ranks
                       for 2 Adam steps; write per rank model_rank{r}.pt (LOCAL_STATE_DICT) and
                       optim_rank{r}.pt (optim.state_dict()); rank 0 also writes torch's own
                       full_model.pt (FULL_STATE_DICT) and full_optim.pt (FSDP.optim_state_dict).
-  check SRC DST WS UOP
+  check SRC DST WS UOP [S]
                       on WS ranks: model A loads DST/model_rank{r}.pt with LOCAL_STATE_DICT and
                       DST/optim_rank{r}.pt with optim.load_state_dict; model B loads SRC/full_*.pt
                       through torch's own path (FULL_STATE_DICT + optim_state_dict_to_load). The
                       parameters, LOCAL state dicts and optimizer state must be equal; then both take
                       one more step on the same input and must still be equal.
+With S (a shard group size below WS) the model is wrapped with HYBRID_SHARD on the explicit groups of
+the 2-D mesh `init_device_mesh("cpu", (WS // S, S))`, passed as `process_group=(shard, replicate)`
+(without explicit groups HYBRID_SHARD on CPU silently shards over all ranks; with `device_mesh=`
+torch refuses LOCAL_STATE_DICT). Ranks load LOCAL files inside `load_with_process_group(shard
+group)`, as torch's ShardedTensors of hybrid models require.
 Exit status 0 when every check passes; failures are printed.
 """
 
@@ -35,10 +40,32 @@ from torch.distributed.fsdp import (  # noqa: E402
 )
 
 
+MESH = None
+
+
+def init_mesh(ws, shard):
+    """The (replicate, shard) mesh of a hybrid run, or None."""
+    global MESH
+    if shard and shard < ws:
+        from torch.distributed.device_mesh import init_device_mesh
+
+        MESH = init_device_mesh("cpu", (ws // shard, shard), mesh_dim_names=("replicate", "shard"))
+
+
 def build(uop):
     torch.manual_seed(0)
     model = NestedModel()
     kw = dict(device_id=torch.device("cpu"), use_orig_params=uop)
+    if MESH is not None:
+        from torch.distributed.fsdp import ShardingStrategy
+
+        # torch 2.15 refuses LOCAL_STATE_DICT for a model wrapped with `device_mesh=` ("DeviceMesh
+        # is not compatible with LOCAL_STATE_DICT"), so the mesh's two groups are passed as the
+        # explicit (intra-node, inter-node) process groups instead.
+        kw.update(
+            sharding_strategy=ShardingStrategy.HYBRID_SHARD,
+            process_group=(MESH.get_group("shard"), MESH.get_group("replicate")),
+        )
     model, _ = wrap_nested(model, kw)
     optim = torch.optim.Adam(model.parameters(), lr=0.01)
     return model, optim
@@ -60,9 +87,13 @@ def local_ctx(model):
 def make(rank, ws, uop, src):
     model, optim = build(uop)
     train(model, optim, NestedModel.input, steps=2)
-    with local_ctx(model):
-        torch.save(model.state_dict(), src / f"model_rank{rank}.pt")
-    torch.save(optim.state_dict(), src / f"optim_rank{rank}.pt")
+    # Hybrid: torch 2.15 builds a LOCAL ShardedTensor with the rank *within* the shard group as
+    # its placement, which it then rejects on every replica but the first ("Global rank 0 does not
+    # exist in input process group: [2, 3]"), so only the first replica saves per-rank files.
+    if MESH is None or rank < MESH.size(1):
+        with local_ctx(model):
+            torch.save(model.state_dict(), src / f"model_rank{rank}.pt")
+        torch.save(optim.state_dict(), src / f"optim_rank{rank}.pt")
     with full_ctx(model):
         msd = model.state_dict()
         osd = FSDP.optim_state_dict(model, optim)
@@ -106,7 +137,13 @@ def check(rank, ws, uop, src, dst):
     # A: our files through torch's LOCAL path.
     a, opt_a = build(uop)
     with local_ctx(a):
-        sd = torch.load(dst / f"model_rank{rank}.pt", weights_only=False)
+        if MESH is not None:
+            from torch.distributed._shard.api import load_with_process_group
+
+            with load_with_process_group(MESH.get_group("shard")):
+                sd = torch.load(dst / f"model_rank{rank}.pt", weights_only=False)
+        else:
+            sd = torch.load(dst / f"model_rank{rank}.pt", weights_only=False)
         if uop:
             # torch 2.15 loads a use_orig_params=True LOCAL state dict through the `_flat_param`
             # entries but then reports them as unexpected (it does so for its own files too), so
@@ -127,7 +164,8 @@ def check(rank, ws, uop, src, dst):
         opt_b.load_state_dict(FSDP.optim_state_dict_to_load(b, opt_b, full_o))
     for stage in ("loaded", "after one more step"):
         equal(dict(a.named_parameters()), dict(b.named_parameters()), f"rank{rank} {stage} params", errors)
-        equal(local_sd(a), local_sd(b), f"rank{rank} {stage} LOCAL state dict", errors)
+        if MESH is None or rank < MESH.size(1):  # torch cannot build LOCAL dicts on other replicas
+            equal(local_sd(a), local_sd(b), f"rank{rank} {stage} LOCAL state dict", errors)
         equal(opt_a.state_dict(), opt_b.state_dict(), f"rank{rank} {stage} optimizer", errors)
         if stage == "loaded":
             for m, o in ((a, opt_a), (b, opt_b)):
@@ -139,13 +177,14 @@ def check(rank, ws, uop, src, dst):
     return not errors
 
 
-def worker(rank, ws, store, mode, uop, src, dst, results):
+def worker(rank, ws, store, mode, uop, src, dst, results, shard):
     import warnings
 
     warnings.filterwarnings("ignore")
     # A file store, not a TCP port: no race with other tests picking the same free port.
     dist.init_process_group("gloo", init_method=f"file://{store}", rank=rank, world_size=ws)
     torch.use_deterministic_algorithms(True)
+    init_mesh(ws, shard)
     ok = True
     if mode == "make":
         make(rank, ws, uop, Path(src))
@@ -166,17 +205,24 @@ def main():
     mode = sys.argv[1]
     if mode == "make":
         src, ws, uop, dst = Path(sys.argv[2]), int(sys.argv[3]), sys.argv[4] == "1", ""
+        shard = int(sys.argv[5]) if len(sys.argv) > 5 else 0
         (src / "full").mkdir(parents=True, exist_ok=True)
     else:
         src, dst, ws, uop = Path(sys.argv[2]), Path(sys.argv[3]), int(sys.argv[4]), sys.argv[5] == "1"
+        shard = int(sys.argv[6]) if len(sys.argv) > 6 else 0
     results = Path(src) / "full"
-    mp.spawn(worker, args=(ws, fresh_store(), mode, uop, str(src), str(dst), str(results)), nprocs=ws, join=True)
+    mp.spawn(
+        worker,
+        args=(ws, fresh_store(), mode, uop, str(src), str(dst), str(results), shard),
+        nprocs=ws,
+        join=True,
+    )
     fails = sorted(p.name for p in results.glob("fail*"))
     for p in results.glob("fail*"):
         p.unlink()
     if fails:
         sys.exit(f"{mode}: checks failed on {fails}")
-    print(f"{mode}: ok ({ws} ranks, use_orig_params={uop})")
+    print(f"{mode}: ok ({ws} ranks, use_orig_params={uop}, shard group {shard or ws})")
 
 
 if __name__ == "__main__":
