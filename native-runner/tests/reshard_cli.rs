@@ -18,9 +18,9 @@ use std::path::{Path, PathBuf};
 use std::process::{Command, Output};
 use std::time::Instant;
 
+use shardscope_core::layout::Strategy;
 use shardscope_core::model::bridge::{self, RootDict};
 use shardscope_core::model::tree::{Dict, Key, Node};
-use shardscope_core::layout::Strategy;
 use shardscope_runner::fsdp1_local::{self, ConvertArgs, LayoutFlags, ModelFormat};
 
 fn fixtures() -> PathBuf {

@@ -86,7 +86,11 @@ pub fn node_from_torch_save(bytes: &[u8], file: &str) -> Result<Node, BridgeErro
 /// and its path in the tree (`/state/3/exp_avg`). `Ok(Some(bytes))` gives the tensor's contiguous
 /// little-endian bytes; `Ok(None)` leaves it unread: the node then holds a *skeleton* tensor (dtype
 /// and shape, empty `data`) that only its metadata may be used of.
-pub type FetchTensor<'f> = dyn Fn(&crate::formats::pickle::TensorRef, torch_zip::MemberRange, &str) -> Result<Option<Vec<u8>>, BridgeError>
+pub type FetchTensor<'f> = dyn Fn(
+        &crate::formats::pickle::TensorRef,
+        torch_zip::MemberRange,
+        &str,
+    ) -> Result<Option<Vec<u8>>, BridgeError>
     + 'f;
 
 /// Converts an opened archive (see [`torch_zip::read_archive`]) to a [`Node`], reading tensor bytes
@@ -158,12 +162,14 @@ impl Reader<'_> {
             Bytes::Whole(b) => *b,
             Bytes::Fetch(fetch) => {
                 return match fetch(t, range, path)? {
-                    Some(data) => Tensor::new(t.storage.dtype, t.shape.clone(), data).map_err(|e| {
-                        BridgeError::BadTensor {
-                            path: format!("{}: {}", self.file, display_path(path)),
-                            reason: e.to_string(),
-                        }
-                    }),
+                    Some(data) => {
+                        Tensor::new(t.storage.dtype, t.shape.clone(), data).map_err(|e| {
+                            BridgeError::BadTensor {
+                                path: format!("{}: {}", self.file, display_path(path)),
+                                reason: e.to_string(),
+                            }
+                        })
+                    }
                     None => Ok(Tensor {
                         dtype: t.storage.dtype,
                         shape: t.shape.clone(),
@@ -635,7 +641,10 @@ impl<'n> Writer<'n> {
                 (PyValue::str("local_rank"), int(self.rank)),
                 (PyValue::str("global_rank"), int(self.global_rank)),
                 (PyValue::str("local_world_size"), int(self.world_size)),
-                (PyValue::str("global_world_size"), int(self.global_world_size)),
+                (
+                    PyValue::str("global_world_size"),
+                    int(self.global_world_size),
+                ),
             ])),
         };
         let spec = PyValue::object(

@@ -481,6 +481,7 @@ fn parent(name: &str) -> &str {
 
 /// `nn.Module.state_dict` order from parameter and buffer names (`aliases` from
 /// [`managed_aliases`]): the key order of [`model_full_from_local`].
+#[allow(clippy::implicit_hasher)]
 pub fn module_order(
     model: &Fsdp1Model<'_>,
     aliases: &HashMap<String, String>,

@@ -108,7 +108,10 @@ pub enum FullKey {
 }
 
 /// The keys of `model_full_from_local(model, locals)`, in order, from the keys of `locals[0]`.
-pub fn full_key_plan(model: &Fsdp1Model<'_>, first_local_keys: &[String]) -> Vec<(String, FullKey)> {
+pub fn full_key_plan(
+    model: &Fsdp1Model<'_>,
+    first_local_keys: &[String],
+) -> Vec<(String, FullKey)> {
     let aliases = managed_aliases(model);
     let mut values: HashMap<String, FullKey> = HashMap::new();
     for (f, flat) in model.layout.flat_params.iter().enumerate() {
@@ -167,7 +170,10 @@ pub enum LocalKey {
 
 /// The keys of `model_local_from_full(model, rank, full)`, in order, from the plan of `full`
 /// ([`full_key_plan`]). The order does not depend on the rank.
-pub fn local_key_plan(model: &Fsdp1Model<'_>, full: &[(String, FullKey)]) -> Vec<(String, LocalKey)> {
+pub fn local_key_plan(
+    model: &Fsdp1Model<'_>,
+    full: &[(String, FullKey)],
+) -> Vec<(String, LocalKey)> {
     let aliases = managed_aliases(model);
     let flats = &model.layout.flat_params;
     let mut entries: Vec<(String, LocalKey)> = Vec::new();

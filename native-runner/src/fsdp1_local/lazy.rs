@@ -54,10 +54,12 @@ impl LazyFile {
                 .file_name()
                 .and_then(|n| n.to_str())
                 .unwrap_or_default();
-            let bytes = source.read_all(member).map_err(|source| BridgeError::Source {
-                file: name.clone(),
-                source,
-            })?;
+            let bytes = source
+                .read_all(member)
+                .map_err(|source| BridgeError::Source {
+                    file: name.clone(),
+                    source,
+                })?;
             torch_zip::read_archive(&bytes).map_err(|source| BridgeError::Archive {
                 file: name.clone(),
                 source,
@@ -84,10 +86,12 @@ impl LazyFile {
     }
 
     fn entry(&self, path: &str) -> Result<&(TensorRef, MemberRange)> {
-        self.tensors.get(path).ok_or_else(|| Fsdp1LocalError::Content {
-            file: self.path.clone(),
-            reason: format!("no tensor at `{path}`"),
-        })
+        self.tensors
+            .get(path)
+            .ok_or_else(|| Fsdp1LocalError::Content {
+                file: self.path.clone(),
+                reason: format!("no tensor at `{path}`"),
+            })
     }
 
     fn read_at(&self, offset: u64, len: u64) -> Result<Vec<u8>> {
@@ -116,10 +120,12 @@ impl LazyFile {
             self.read_at(range.offset + t.storage_offset * item, numel * item)
         } else {
             let storage = self.read_at(range.offset, range.len)?;
-            Ok(torch_zip::gather_view(&storage, t).map_err(|source| BridgeError::Archive {
-                file: self.name(),
-                source,
-            })?)
+            Ok(
+                torch_zip::gather_view(&storage, t).map_err(|source| BridgeError::Archive {
+                    file: self.name(),
+                    source,
+                })?,
+            )
         }
     }
 
@@ -130,7 +136,8 @@ impl LazyFile {
         let item = t.storage.dtype.size_bytes() as u64;
         let numel = t.numel().unwrap_or(0);
         let n = out.len() as u64 / item.max(1);
-        if out.len() as u64 % item.max(1) != 0 || first.checked_add(n).is_none_or(|end| end > numel)
+        if !(out.len() as u64).is_multiple_of(item.max(1))
+            || first.checked_add(n).is_none_or(|end| end > numel)
         {
             return Err(Fsdp1LocalError::Content {
                 file: self.path.clone(),
@@ -199,11 +206,7 @@ impl LazyFile {
 pub(super) fn tensor_paths(node: &Node, path: &str, out: &mut Vec<String>) {
     match node {
         Node::Tensor(_) => out.push(path.to_owned()),
-        Node::Dist(d) => {
-            if d.local.is_some() {
-                out.push(path.to_owned());
-            }
-        }
+        Node::Dist(d) if d.local.is_some() => out.push(path.to_owned()),
         Node::Dict(d) => {
             for (k, v) in d.iter() {
                 tensor_paths(v, &format!("{path}/{k}"), out);

@@ -51,12 +51,12 @@ use std::fs::File;
 use std::io::{BufWriter, Write};
 use std::path::{Path, PathBuf};
 
+use shardscope_core::DType;
 use shardscope_core::formats::write::safetensors::{
     SafetensorsWriteError, SafetensorsWriter, TensorSpec,
 };
 use shardscope_core::layout::fsdp1::PieceKind;
 use shardscope_core::layout::{self, Api, Fsdp1Layout, Layout, LayoutConfig, Strategy};
-use shardscope_core::DType;
 use shardscope_core::model::ModelDescription;
 use shardscope_core::model::bridge::{BridgeError, RootDict};
 use shardscope_core::model::tree::{
@@ -588,11 +588,22 @@ impl ModelSource<'_> {
     }
 
     /// The bytes of one output tensor.
-    fn fill(&self, fill: &Fill, dst: Option<&Fsdp1Model<'_>>, rank: u64, cache: &mut ShardCache) -> Result<Vec<u8>> {
+    fn fill(
+        &self,
+        fill: &Fill,
+        dst: Option<&Fsdp1Model<'_>>,
+        rank: u64,
+        cache: &mut ShardCache,
+    ) -> Result<Vec<u8>> {
         match fill {
             Fill::Source(path) => self.inputs.models[0].read_tensor(path),
             Fill::Param { flat, param } => self.full_param(*flat, *param),
-            Fill::Shard { flat, len } | Fill::View { flat, start: _, len } if dst.is_none() => {
+            Fill::Shard { flat, len }
+            | Fill::View {
+                flat,
+                start: _,
+                len,
+            } if dst.is_none() => {
                 let _ = (flat, len);
                 Ok(Vec::new())
             }
@@ -622,7 +633,11 @@ enum Fill {
     /// The first `len` bytes of the destination rank's shard of flat parameter `flat`.
     Shard { flat: usize, len: usize },
     /// Bytes `start..start + len` of that shard (a `use_orig_params` view).
-    View { flat: usize, start: usize, len: usize },
+    View {
+        flat: usize,
+        start: usize,
+        len: usize,
+    },
 }
 
 /// The destination shard last built (views and the flat entry of one unit share it).
@@ -880,8 +895,8 @@ impl<'a> OptimSource<'a> {
         if !index.contains_key(&PieceKey::Extras) {
             pieces.push(PieceKey::Extras);
         }
-        let stand_in = (dtypes.len() <= STAND_INS.len())
-            .then(|| dtypes.into_iter().zip(STAND_INS).collect());
+        let stand_in =
+            (dtypes.len() <= STAND_INS.len()).then(|| dtypes.into_iter().zip(STAND_INS).collect());
         let what = format!(
             "{}: optimizer state dicts",
             inputs
@@ -959,9 +974,12 @@ impl<'a> OptimSource<'a> {
                             match keep {
                                 Some(p) if self.assign[r].get(sk) == Some(&p) => {
                                     let value = match stand_in {
-                                        Some(map) => {
-                                            with_stand_ins(file, &only_state(sv, only), &spath, map)?
-                                        }
+                                        Some(map) => with_stand_ins(
+                                            file,
+                                            &only_state(sv, only),
+                                            &spath,
+                                            map,
+                                        )?,
                                         None => file.materialize(sv, &spath)?,
                                     };
                                     s.insert(sk.clone(), value);
@@ -1019,33 +1037,33 @@ impl<'a> OptimSource<'a> {
     fn state_into(
         &self,
         name: &Key,
-        f: usize,
+        flat_index: usize,
         param: usize,
         first: u64,
         dtype: DType,
         out: &mut [u8],
     ) -> Result<()> {
-        let flat = self.model.flat(f);
+        let flat = self.model.flat(flat_index);
         let item = dtype.size_bytes();
-        let n = (out.len() / item) as u64;
+        let count = (out.len() / item) as u64;
         for copy in param_copies(flat, param) {
             let lo = first.max(copy.offset_in_param);
-            let hi = (first + n).min(copy.offset_in_param + copy.numel);
+            let hi = (first + count).min(copy.offset_in_param + copy.numel);
             if lo >= hi {
                 continue;
             }
-            let r = copy.rank as usize;
-            let (path, at) = if let Some(p) = self.flat_state[r].get(&f) {
+            let rank = copy.rank as usize;
+            let (path, at) = if let Some(p) = self.flat_state[rank].get(&flat_index) {
                 (
                     format!("{p}/{name}"),
                     copy.offset_in_shard + (lo - copy.offset_in_param),
                 )
-            } else if let Some(p) = self.orig_state[r].get(&(f, param)) {
+            } else if let Some(p) = self.orig_state[rank].get(&(flat_index, param)) {
                 (format!("{p}/{name}"), lo - copy.offset_in_param)
             } else {
                 continue;
             };
-            let file = &self.files[r];
+            let file = &self.files[rank];
             match file.dtype_at(&path) {
                 Some(d) if d == dtype => {}
                 Some(d) => {
@@ -1056,9 +1074,9 @@ impl<'a> OptimSource<'a> {
                 }
                 None => continue,
             }
-            let o = (lo - first) as usize * item;
-            let e = (hi - first) as usize * item;
-            file.read_elems_into(&path, at, &mut out[o..e])?;
+            let from = (lo - first) as usize * item;
+            let to = (hi - first) as usize * item;
+            file.read_elems_into(&path, at, &mut out[from..to])?;
         }
         Ok(())
     }
@@ -1122,12 +1140,13 @@ impl<'a> OptimSource<'a> {
                 let mut start = 0u64;
                 for (i, fqn) in flat.fqns.iter().enumerate() {
                     let end = start + flat.numels[i];
-                    let (a, b) = (lo.max(start), hi.min(end));
-                    if a < b {
-                        let (f, p) = self.position(fqn)?;
-                        let o = (a - lo) as usize * item;
-                        let e = (b - lo) as usize * item;
-                        self.state_into(name, f, p, a - start, dtype, &mut out[o..e])?;
+                    let (first, last) = (lo.max(start), hi.min(end));
+                    if first < last {
+                        let (src_flat, src_param) = self.position(fqn)?;
+                        let from = (first - lo) as usize * item;
+                        let to = (last - lo) as usize * item;
+                        let into = &mut out[from..to];
+                        self.state_into(name, src_flat, src_param, first - start, dtype, into)?;
                     }
                     start = end;
                 }
@@ -1142,7 +1161,11 @@ impl<'a> OptimSource<'a> {
                     return self.full_state(fqn, name, dtype);
                 }
                 let info = &layout.ranks[rank as usize].shard_param_infos[*index];
-                match (info.in_shard, info.intra_param_start_idx, info.intra_param_end_idx) {
+                match (
+                    info.in_shard,
+                    info.intra_param_start_idx,
+                    info.intra_param_end_idx,
+                ) {
                     (true, Some(start), Some(end)) => {
                         self.state_vec(name, f, p, start, end - start + 1, dtype)
                     }
@@ -1162,7 +1185,7 @@ fn only_state(node: &Node, only: Option<&Key>) -> Node {
     match (node, only) {
         (Node::Dict(d), Some(keep)) => Node::Dict(
             d.iter()
-                .filter(|(k, v)| *k == keep || !v.as_tensor().is_some_and(|t| t.dim() > 0))
+                .filter(|(k, v)| *k == keep || v.as_tensor().is_none_or(|t| t.dim() == 0))
                 .map(|(k, v)| (k.clone(), v.clone()))
                 .collect(),
         ),
@@ -1304,13 +1327,14 @@ impl OptimPlan {
             {
                 for (sk, sv) in piece_state.into_entries() {
                     let path = format!("/state/{sk}");
-                    let sv = plan_fills(optim, sv, &path, p, flat, &mut self.fills, |name, dtype| {
-                        OptimFill::Direct {
-                            key: sk.clone(),
-                            name: name.clone(),
-                            dtype,
-                        }
-                    });
+                    let sv =
+                        plan_fills(optim, sv, &path, p, flat, &mut self.fills, |name, dtype| {
+                            OptimFill::Direct {
+                                key: sk.clone(),
+                                name: name.clone(),
+                                dtype,
+                            }
+                        });
                     let sv = match state.remove(&sk) {
                         Some(before) => merge_runs(before, sv),
                         None => sv,
@@ -1392,8 +1416,13 @@ fn write_optim<W: Write>(
 ) -> Result<W> {
     let mut cached: Option<(usize, HashMap<String, Vec<u8>>)> = None;
     let skeleton = Node::Dict(plan.skeleton.clone());
-    lazy::write_torch_save(out, &skeleton, RootDict::Plain, group, global, |path| {
-        match plan.fills.get(path).ok_or_else(|| missing_fill(path))? {
+    lazy::write_torch_save(
+        out,
+        &skeleton,
+        RootDict::Plain,
+        group,
+        global,
+        |path| match plan.fills.get(path).ok_or_else(|| missing_fill(path))? {
             OptimFill::Bytes(b) => Ok(b.clone()),
             OptimFill::Direct { key, name, dtype } => direct(key, name, *dtype),
             OptimFill::Piece(p) => {
@@ -1406,8 +1435,8 @@ fn write_optim<W: Write>(
                     .and_then(|(_, t)| t.remove(path))
                     .ok_or_else(|| missing_fill(path))
             }
-        }
-    })
+        },
+    )
 }
 
 // ------------------------------------------------------------------------------------------------
@@ -1507,16 +1536,14 @@ impl Converter {
             src.fill(f, None, 0, &mut cache)
         };
         match self.format {
-            ModelFormat::TorchSave => {
-                lazy::write_torch_save(
-                    out,
-                    &Node::Dict(skeleton),
-                    RootDict::Ordered,
-                    (0, 1),
-                    (0, 1),
-                    fill,
-                )
-            }
+            ModelFormat::TorchSave => lazy::write_torch_save(
+                out,
+                &Node::Dict(skeleton),
+                RootDict::Ordered,
+                (0, 1),
+                (0, 1),
+                fill,
+            ),
             ModelFormat::Safetensors => {
                 let mut specs = Vec::with_capacity(skeleton.len());
                 for (k, v) in skeleton.iter() {
@@ -1559,7 +1586,9 @@ impl Converter {
         for p in 0..optim.pieces.len() {
             for only in optim.runs(p) {
                 let full = optim.full_piece(p, only.as_ref())?;
-                plan.add(&optim, p, full, |k| order.get(k).copied().unwrap_or(usize::MAX));
+                plan.add(&optim, p, full, |k| {
+                    order.get(k).copied().unwrap_or(usize::MAX)
+                });
             }
         }
         write_optim(
@@ -1667,7 +1696,9 @@ pub fn reshard(args: &ReshardArgs, out_dir: &Path) -> Result<(RankFiles, Vec<Out
     };
 
     let mut written = Vec::new();
-    let mut write_file = |name: String, write: &mut dyn FnMut(BufWriter<File>) -> Result<BufWriter<File>>| -> Result<()> {
+    let mut write_file = |name: String,
+                          write: &mut dyn FnMut(BufWriter<File>) -> Result<BufWriter<File>>|
+     -> Result<()> {
         let path = out_dir.join(&name);
         let file = File::create(&path).map_err(|source| Fsdp1LocalError::Io {
             path: path.clone(),
@@ -1694,7 +1725,10 @@ pub fn reshard(args: &ReshardArgs, out_dir: &Path) -> Result<(RankFiles, Vec<Out
         let skeleton = Node::Dict(skeleton);
         let mut cache = ShardCache::default();
         write_file(
-            inputs.files.model_pattern.replace("{r}", &global.to_string()),
+            inputs
+                .files
+                .model_pattern
+                .replace("{r}", &global.to_string()),
             &mut |out| {
                 let pg = ((rank, group), (global, ws));
                 lazy::write_torch_save(out, &skeleton, RootDict::Ordered, pg.0, pg.1, |path| {
