@@ -10,6 +10,11 @@
 //! other boxes go through one reusable scratch buffer. The buffer is reused from tensor to tensor, so
 //! peak memory is the largest tensor plus small metadata, and page-cache pages of the input never
 //! count against the process (as they would when copying out of the mmap).
+//!
+//! FSDP2 per-rank folders with optimizer state (DTensor model and raw `optim.state_dict()` files)
+//! are first combined into the full `{"model", "optim"}` state by [`fsdp2_ranks`].
+
+pub mod fsdp2_ranks;
 
 use std::collections::{BTreeMap, BTreeSet};
 use std::fs::File;
