@@ -27,7 +27,13 @@ pub enum Target {
 
 #[derive(Debug, Args)]
 pub struct ConvertArgs {
-    /// The checkpoint to read: a DCP directory, a safetensors or `torch.save` file.
+    /// The checkpoint to read: a DCP directory, a safetensors or `torch.save` file, or a folder of
+    /// per-rank files. FSDP2 per-rank files with optimizer state (`rank{r}_model.pt` +
+    /// `rank{r}_optim.pt`, or `rank{r}.pt` holding `{"model", "optim"}`) become `{"model": full
+    /// state dict, "optim": full FQN-keyed optimizer state dict}` as torch's
+    /// `get_model_state_dict`/`get_optimizer_state_dict(full_state_dict=True)` return them;
+    /// optimizer id i is taken to be the i-th DTensor entry of the model state dict (the optimizer
+    /// was built over `model.parameters()`), or see --model.
     #[arg(value_name = "SRC")]
     pub src: PathBuf,
     /// Where to write (a file; a directory for DCP and for sharded safetensors). Must not exist,
@@ -55,6 +61,8 @@ pub struct ConvertArgs {
     #[arg(long, value_name = "KEY")]
     pub nest: Option<String>,
     /// A folder of per-rank FSDP1 LOCAL files: the model description that gives their layout.
+    /// FSDP2 per-rank files: names the optimizer ids, id i being the i-th of its `params`
+    /// (named_parameters order), or of those with `requires_grad` when the optimizer holds fewer.
     #[arg(long, value_name = "MODEL")]
     pub model: Option<PathBuf>,
     /// Per-rank FSDP1 files: they were saved with `use_orig_params=True`.

@@ -98,7 +98,13 @@ pub fn detect(src: &Path) -> Detected {
     }
     let files = match find_rank_files(src, None, None) {
         Ok(f) => f,
-        Err(e) => return Detected::Incomplete(e.into()),
+        Err(e) => {
+            let e = anyhow::Error::from(e);
+            return Detected::Incomplete(match missing_ranks(src) {
+                Some(gaps) => e.context(gaps),
+                None => e,
+            });
+        }
     };
     let Ok(node) = read_node(&files.model_file(0)) else {
         return Detected::Other;
@@ -121,6 +127,50 @@ pub fn detect(src: &Path) -> Detected {
         }
         _ => Detected::Other,
     }
+}
+
+/// Per-rank file groups of `dir` with gaps (`rank{r}.pt` with ranks 0 and 2): "missing rank1.pt".
+/// Names are grouped by their last decimal number, as `find_rank_files` groups them.
+fn missing_ranks(dir: &Path) -> Option<String> {
+    let mut groups: BTreeMap<(String, String), Vec<u64>> = BTreeMap::new();
+    for entry in std::fs::read_dir(dir).ok()?.flatten() {
+        let Ok(name) = entry.file_name().into_string() else {
+            continue;
+        };
+        let Some(end) = name.rfind(|c: char| c.is_ascii_digit()).map(|i| i + 1) else {
+            continue;
+        };
+        let start = name[..end]
+            .rfind(|c: char| !c.is_ascii_digit())
+            .map_or(0, |i| i + 1);
+        if let Ok(rank) = name[start..end].parse::<u64>() {
+            groups
+                .entry((name[..start].to_owned(), name[end..].to_owned()))
+                .or_default()
+                .push(rank);
+        }
+    }
+    let mut missing = Vec::new();
+    for ((head, tail), mut ranks) in groups {
+        ranks.sort_unstable();
+        let last = *ranks.last()?;
+        // Only small gaps of a rank-numbered set (not `model-00001-of-00002` style numbering).
+        if ranks.len() < 2 || last > 4 * ranks.len() as u64 {
+            continue;
+        }
+        missing.extend(
+            (0..=last)
+                .filter(|r| ranks.binary_search(r).is_err())
+                .map(|r| format!("{head}{r}{tail}")),
+        );
+    }
+    (!missing.is_empty()).then(|| {
+        format!(
+            "{}: per-rank files are missing: {}",
+            dir.display(),
+            missing.join(", ")
+        )
+    })
 }
 
 struct Loaded {

@@ -691,8 +691,12 @@ pub fn to_dcp(
         let fqn = PathKey::join(&path);
         let value = if e.kind == EntryKind::Tensor {
             let (dtype, shape) = tensor_meta(e)?;
-            let pieces =
+            let mut pieces =
                 chunk_dim0(dtype, shape, world_size, empty).with_context(|| e.key.clone())?;
+            // Trailing empty DTensor shards all sit at offset `dim0`; torch's coordinator keeps
+            // one item per `MetadataIndex(fqn, offsets)` (spec 5.3), so one zero-size chunk.
+            let mut seen = BTreeSet::new();
+            pieces.retain(|p| seen.insert(p.chunk.offsets.clone()));
             ranges.push(pieces.iter().map(|p| p.bytes.clone()).collect());
             DcpValue::Tensor {
                 dtype,
