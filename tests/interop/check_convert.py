@@ -13,8 +13,10 @@ usage: check_convert.py SHARDSCOPE_BIN WORKDIR
 Every expected value comes from torch. Exits non-zero with a message on the first mismatch.
 """
 
+import atexit
 import json
 import os
+import shutil
 import subprocess
 import sys
 import tempfile
@@ -90,7 +92,9 @@ def load_worker(rank, store, dcp_dir, full_path, result_path):
 
 def fresh_store():
     """A path for a new gloo FileStore (the file must not exist yet)."""
-    return os.path.join(tempfile.mkdtemp(prefix="shardscope-store-"), "store")
+    d = tempfile.mkdtemp(prefix="shardscope-store-")
+    atexit.register(shutil.rmtree, d, True)
+    return os.path.join(d, "store")
 
 
 def same(a, b, where):
