@@ -13,10 +13,12 @@
 Exit status 0 when every check passes; failures are printed.
 """
 
+import atexit
 import copy
 import os
-import tempfile
+import shutil
 import sys
+import tempfile
 from pathlib import Path
 
 HERE = Path(__file__).resolve().parent
@@ -159,7 +161,9 @@ def worker(rank, ws, store, mode, uop, src, dst, results):
 
 def fresh_store():
     """A path for a new gloo FileStore (the file must not exist yet)."""
-    return os.path.join(tempfile.mkdtemp(prefix="shardscope-store-"), "store")
+    d = tempfile.mkdtemp(prefix="shardscope-store-")
+    atexit.register(shutil.rmtree, d, True)
+    return os.path.join(d, "store")
 
 
 def main():
