@@ -70,13 +70,23 @@ fn per_rank_files_give_torch_full_state_dicts() {
 fn frozen_parameter_has_no_state_but_stays_in_its_group() {
     // Guards that the expected file is what the brief describes (torch's shapes, not ours).
     let torch = expected(3);
-    let optim = torch.as_dict().unwrap().get_str("optim").unwrap().as_dict().unwrap();
+    let optim = torch
+        .as_dict()
+        .unwrap()
+        .get_str("optim")
+        .unwrap()
+        .as_dict()
+        .unwrap();
     let state = optim.get_str("state").unwrap().as_dict().unwrap();
     assert!(state.get_str("frozen.weight").is_none());
     let groups = optim.get_str("param_groups").unwrap().as_list().unwrap();
     assert_eq!(groups.len(), 2);
     let g0 = groups[0].as_dict().unwrap().get_str("params").unwrap();
-    assert!(g0.as_list().unwrap().contains(&Node::Str("frozen.weight".into())));
+    assert!(
+        g0.as_list()
+            .unwrap()
+            .contains(&Node::Str("frozen.weight".into()))
+    );
 }
 
 fn safetensors_tensors(path: &Path) -> Vec<(String, Vec<u64>, Vec<u8>)> {
@@ -155,17 +165,26 @@ fn folder_with(tmp: &Path, name: &str, files: &[PathBuf]) -> PathBuf {
 fn broken_folders_give_errors_naming_file_and_key() {
     let tmp = tempfile::tempdir().unwrap();
     let ws2 = fixtures().join("ws2");
-    let all: Vec<PathBuf> = ["rank0_model.pt", "rank1_model.pt", "rank0_optim.pt", "rank1_optim.pt"]
-        .iter()
-        .map(|n| ws2.join(n))
-        .collect();
+    let all: Vec<PathBuf> = [
+        "rank0_model.pt",
+        "rank1_model.pt",
+        "rank0_optim.pt",
+        "rank1_optim.pt",
+    ]
+    .iter()
+    .map(|n| ws2.join(n))
+    .collect();
 
     // A missing rank file.
     let dir = folder_with(tmp.path(), "missing", &all[..3]);
     let err = run_err(&dir);
     assert!(err.contains("rank{r}_optim.pt"), "{err}");
     let ws3 = fixtures().join("ws3");
-    let dir = folder_with(tmp.path(), "missing3", &[ws3.join("rank0.pt"), ws3.join("rank2.pt")]);
+    let dir = folder_with(
+        tmp.path(),
+        "missing3",
+        &[ws3.join("rank0.pt"), ws3.join("rank2.pt")],
+    );
     let err = run_err(&dir);
     assert!(err.contains("missing: rank1.pt"), "{err}");
 
@@ -227,8 +246,7 @@ fn outputs_load_in_torch_and_dcp_loads_into_fsdp2() {
     };
     let bin = shardscope_tests::shardscope_bin();
     let work = tempfile::tempdir().unwrap();
-    let script =
-        PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("interop/check_fsdp2_optim.py");
+    let script = PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("interop/check_fsdp2_optim.py");
     let out = Command::new(python)
         .arg(&script)
         .arg(&bin)

@@ -382,7 +382,10 @@ pub fn full_optim_from_fsdp2(
                             })
                         })
                         .collect::<Result<_>>()?;
-                    state_out.insert(Key::Str(fqn.clone()), param_state(&per_param, &id_key, &fqn, ids)?);
+                    state_out.insert(
+                        Key::Str(fqn.clone()),
+                        param_state(&per_param, &id_key, &fqn, ids)?,
+                    );
                 }
                 out.insert(top.clone(), Node::Dict(state_out));
             }
@@ -555,10 +558,16 @@ mod tests {
         state.insert(Key::Int(0), Node::Dict(st));
         let mut group = Dict::new();
         group.insert(Key::str("lr"), Node::Float(0.1));
-        group.insert(Key::str("params"), Node::List(vec![Node::Int(0), Node::Int(1)]));
+        group.insert(
+            Key::str("params"),
+            Node::List(vec![Node::Int(0), Node::Int(1)]),
+        );
         let mut out = Dict::new();
         out.insert(Key::str("state"), Node::Dict(state));
-        out.insert(Key::str("param_groups"), Node::List(vec![Node::Dict(group)]));
+        out.insert(
+            Key::str("param_groups"),
+            Node::List(vec![Node::Dict(group)]),
+        );
         out
     }
 
@@ -568,7 +577,7 @@ mod tests {
 
     #[test]
     fn gathers_and_rekeys() {
-        let (a, b) = (osd(0, "exp_avg"), osd(1, "exp_avg"));
+        let (rank0, rank1) = (osd(0, "exp_avg"), osd(1, "exp_avg"));
         let names = vec!["w".to_owned(), "frozen".to_owned()];
         let shapes = BTreeMap::from([("w".to_owned(), vec![3])]);
         let ids = IdNames {
@@ -576,13 +585,25 @@ mod tests {
             origin: "test",
             shapes: &shapes,
         };
-        let full = full_optim_from_fsdp2(&[&a, &b], &files(), &ids).unwrap();
-        let w = full.get_str("state").unwrap().as_dict().unwrap().get_str("w").unwrap();
-        let t = w.as_dict().unwrap().get_str("exp_avg").unwrap().as_tensor().unwrap();
-        assert_eq!(t, &f32s(&[1.0, 2.0, 3.0], vec![3]));
-        let g = &full.get_str("param_groups").unwrap().as_list().unwrap()[0];
+        let full = full_optim_from_fsdp2(&[&rank0, &rank1], &files(), &ids).unwrap();
+        let param = full
+            .get_str("state")
+            .unwrap()
+            .as_dict()
+            .unwrap()
+            .get_str("w")
+            .unwrap();
+        let exp_avg = param
+            .as_dict()
+            .unwrap()
+            .get_str("exp_avg")
+            .unwrap()
+            .as_tensor()
+            .unwrap();
+        assert_eq!(exp_avg, &f32s(&[1.0, 2.0, 3.0], vec![3]));
+        let group = &full.get_str("param_groups").unwrap().as_list().unwrap()[0];
         assert_eq!(
-            g.as_dict().unwrap().get_str("params").unwrap(),
+            group.as_dict().unwrap().get_str("params").unwrap(),
             &Node::List(vec![Node::Str("w".into()), Node::Str("frozen".into())])
         );
     }
@@ -598,7 +619,10 @@ mod tests {
             shapes: &shapes,
         };
         let e = full_optim_from_fsdp2(&[&a, &b], &files(), &ids).unwrap_err();
-        assert!(matches!(&e, Fsdp2OptimError::StateNames { file, key, .. } if file == "r1.pt" && key == "state.0"), "{e}");
+        assert!(
+            matches!(&e, Fsdp2OptimError::StateNames { file, key, .. } if file == "r1.pt" && key == "state.0"),
+            "{e}"
+        );
         let b = osd(1, "exp_avg");
         let one = vec!["w".to_owned()];
         let ids = IdNames {
@@ -620,6 +644,9 @@ mod tests {
         let mut c = osd(1, "exp_avg");
         c.insert(Key::str("extra"), Node::Int(1));
         let e = full_optim_from_fsdp2(&[&a, &c], &files(), &ids).unwrap_err();
-        assert!(matches!(&e, Fsdp2OptimError::ExtraKey { key, .. } if key == "extra"), "{e}");
+        assert!(
+            matches!(&e, Fsdp2OptimError::ExtraKey { key, .. } if key == "extra"),
+            "{e}"
+        );
     }
 }
