@@ -7,6 +7,11 @@
 //! directory is renamed into place. On any error (or panic) the temporary file or directory is removed
 //! and an existing destination is left untouched.
 //!
+//! A process killed with SIGKILL cannot clean up: its hidden temporary output
+//! (`.{name}.shardscope-tmp-{pid}-{n}`) stays next to the destination. The next write to the same
+//! destination removes such leftovers whose process no longer runs (on Linux, where `/proc` tells;
+//! elsewhere they are left alone), and says so on stderr.
+//!
 //! The core writers (`shardscope_core::formats::write`) take any `Write`; pass them the `BufWriter`
 //! given to the closure.
 
@@ -108,12 +113,61 @@ fn temp_path(dest: &Path) -> Result<PathBuf> {
     let name = dest
         .file_name()
         .with_context(|| format!("output path has no file name: {}", dest.display()))?;
+    remove_stale_temps(dest);
     let n = COUNTER.fetch_add(1, Ordering::Relaxed);
     Ok(parent_dir(dest).join(format!(
         ".{}.shardscope-tmp-{}-{n}",
         name.to_string_lossy(),
         std::process::id()
     )))
+}
+
+/// The pid in a temporary name `.{name}.shardscope-tmp-{pid}-{n}` made for `name`.
+fn temp_owner(entry: &str, name: &str) -> Option<u32> {
+    let rest = entry.strip_prefix('.')?.strip_prefix(name)?;
+    let rest = rest.strip_prefix(".shardscope-tmp-")?;
+    let (pid, n) = rest.split_once('-')?;
+    if n.is_empty() || !n.bytes().all(|b| b.is_ascii_digit()) {
+        return None;
+    }
+    pid.parse().ok()
+}
+
+/// Removes temporary outputs for `dest` left by processes that no longer run (killed runs).
+/// Best effort: only where `/proc` shows which processes run; anything unclear is kept.
+fn remove_stale_temps(dest: &Path) {
+    let proc_root = Path::new("/proc");
+    if !proc_root.join("self").exists() {
+        return;
+    }
+    let Some(name) = dest.file_name().map(|n| n.to_string_lossy().into_owned()) else {
+        return;
+    };
+    let dir = parent_dir(dest);
+    let Ok(entries) = fs::read_dir(&dir) else {
+        return;
+    };
+    for entry in entries.flatten() {
+        let entry_name = entry.file_name().to_string_lossy().into_owned();
+        let Some(pid) = temp_owner(&entry_name, &name) else {
+            continue;
+        };
+        if pid == std::process::id() || proc_root.join(pid.to_string()).exists() {
+            continue;
+        }
+        let path = entry.path();
+        let removed = match entry.file_type() {
+            Ok(t) if t.is_dir() => fs::remove_dir_all(&path),
+            Ok(_) => fs::remove_file(&path),
+            Err(e) => Err(e),
+        };
+        if removed.is_ok() {
+            eprintln!(
+                "removed the leftover of an interrupted run (process {pid}): {}",
+                path.display()
+            );
+        }
+    }
 }
 
 /// `fsync` every regular file below `dir`, then the directories themselves.
@@ -276,6 +330,46 @@ mod tests {
         });
         assert!(result.is_err());
         assert_eq!(names(dir.path()), ["out.pt"]);
+    }
+
+    #[test]
+    fn leftovers_of_dead_processes_are_removed_and_live_ones_kept() {
+        assert_eq!(
+            temp_owner(".out.pt.shardscope-tmp-123-0", "out.pt"),
+            Some(123)
+        );
+        assert_eq!(temp_owner(".out.pt.shardscope-tmp-123-", "out.pt"), None);
+        assert_eq!(temp_owner(".out.pt.shardscope-tmp-x-1", "out.pt"), None);
+        assert_eq!(temp_owner(".other.pt.shardscope-tmp-123-0", "out.pt"), None);
+        assert_eq!(temp_owner("out.pt", "out.pt"), None);
+        if !Path::new("/proc/self").exists() {
+            return;
+        }
+        let dir = tempfile::tempdir().unwrap();
+        // A process that has exited: its pid is not in /proc any more (until reused, when the
+        // leftover is simply kept).
+        let mut child = std::process::Command::new("true").spawn().unwrap();
+        let dead = child.id();
+        child.wait().unwrap();
+        let live = std::process::id();
+        let dead_file = format!(".out.pt.shardscope-tmp-{dead}-0");
+        let dead_dir = format!(".ckpt.shardscope-tmp-{dead}-3");
+        let unrelated = format!(".other.shardscope-tmp-{dead}-0");
+        fs::write(dir.path().join(&dead_file), b"partial").unwrap();
+        fs::create_dir(dir.path().join(&dead_dir)).unwrap();
+        fs::write(dir.path().join(&dead_dir).join("__0_0.distcp"), b"x").unwrap();
+        fs::write(dir.path().join(&unrelated), b"x").unwrap();
+        let live_file = format!(".out.pt.shardscope-tmp-{live}-99");
+        fs::write(dir.path().join(&live_file), b"in use").unwrap();
+
+        write_file(&dir.path().join("out.pt"), |w| Ok(w.write_all(b"new")?)).unwrap();
+        write_dir(&dir.path().join("ckpt"), |tmp| {
+            Ok(fs::write(tmp.join("f"), b"x")?)
+        })
+        .unwrap();
+        let mut expected = vec![live_file, unrelated, "ckpt".to_owned(), "out.pt".to_owned()];
+        expected.sort();
+        assert_eq!(names(dir.path()), expected);
     }
 
     #[test]

@@ -31,7 +31,7 @@ enum Command {
     Diff(cli::diff::DiffArgs),
     /// Check one checkpoint against itself: tiling, byte ranges, replicas, steps, optimizer keys.
     Verify(cli::verify::VerifyArgs),
-    /// Convert a DCP or full checkpoint to safetensors, torch.save or DCP for N ranks (streaming).
+    /// Convert a DCP, full or per-rank checkpoint to safetensors, torch.save or DCP for N ranks.
     Convert(cli::convert::ConvertArgs),
 }
 

@@ -10,11 +10,16 @@ usage: check_convert.py SHARDSCOPE_BIN WORKDIR
 3. A full `torch.save` model state dict is converted to DCP for 2 ranks (`--api fsdp2` and
    `--api fsdp1`); two spawned ranks `dcp.load` it into a real FSDP2 model and compare every
    parameter's full tensor with the state dict loaded torch's own way (`model.load_state_dict`).
+4. The 2-rank DCP of step 1 (model + optimizer) is converted to DCP for 3 ranks; three spawned ranks
+   load it into FSDP2 + Adam and get the same full model and optimizer state as torch's own load of
+   the original 2-rank DCP at 3 ranks.
 Every expected value comes from torch. Exits non-zero with a message on the first mismatch.
 """
 
+import atexit
 import json
 import os
+import shutil
 import subprocess
 import sys
 import tempfile
@@ -42,9 +47,9 @@ class Net(torch.nn.Module):
         return self.out(self.lin(self.emb(x))) * self.scale.float()
 
 
-def init(rank, store):
+def init(rank, store, world=WORLD):
     # A file store, not a TCP port: no race with other tests picking the same free port.
-    dist.init_process_group("gloo", init_method=f"file://{store}", rank=rank, world_size=WORLD)
+    dist.init_process_group("gloo", init_method=f"file://{store}", rank=rank, world_size=world)
 
 
 def save_worker(rank, store, out_dir):
@@ -88,9 +93,43 @@ def load_worker(rank, store, dcp_dir, full_path, result_path):
     dist.destroy_process_group()
 
 
+def reshard_worker(rank, store, ours_dir, torch_dir, result_path):
+    """At world size 3: load our resharded DCP and torch's original 2-rank DCP (torch reshards it
+    itself on load) into a real FSDP2 model + Adam, and compare the full model and optimizer state."""
+    from torch.distributed.checkpoint.state_dict import StateDictOptions, set_state_dict
+    from torch.distributed.fsdp import fully_shard
+
+    init(rank, store, world=3)
+    full = {}
+    for name, ckpt in [("ours", ours_dir), ("torch", torch_dir)]:
+        torch.manual_seed(123)  # a different init: the load must overwrite everything
+        model = Net()
+        fully_shard(model)
+        opt = torch.optim.Adam(model.parameters(), lr=0.5, betas=(0.1, 0.2))
+        msd, osd = get_state_dict(model, opt)
+        dcp.load({"model": msd, "optim": osd}, checkpoint_id=ckpt)
+        set_state_dict(model, opt, model_state_dict=msd, optim_state_dict=osd)
+        full[name] = get_state_dict(model, opt, options=StateDictOptions(full_state_dict=True))
+    problem = None
+    try:
+        same(full["ours"][0], full["torch"][0], "model")
+        same(full["ours"][1], full["torch"][1], "optim")
+        # And the values really are the trained ones, not the fresh init.
+        assert full["torch"][1]["param_groups"][0]["betas"] == (0.8, 0.95), full["torch"][1]["param_groups"]
+    except AssertionError as e:
+        problem = f"rank {rank}: {e}"
+    if rank == 0:
+        with open(result_path, "w") as f:
+            json.dump(problem, f)
+    dist.barrier()
+    dist.destroy_process_group()
+
+
 def fresh_store():
     """A path for a new gloo FileStore (the file must not exist yet)."""
-    return os.path.join(tempfile.mkdtemp(prefix="shardscope-store-"), "store")
+    d = tempfile.mkdtemp(prefix="shardscope-store-")
+    atexit.register(shutil.rmtree, d, True)
+    return os.path.join(d, "store")
 
 
 def same(a, b, where):
@@ -177,6 +216,16 @@ def main():
             bad = json.load(f)
         if bad:
             raise AssertionError(f"dcp.load of our {api} DCP: parameters differ: {bad}")
+    # DCP (2 ranks, model + optimizer) -> DCP for 3 ranks: torch loads ours at 3 ranks and gets what
+    # its own load of the original 2-rank DCP gives (dcp.load reshards by itself).
+    out_dir = os.path.join(work, "dcp_ws3")
+    convert(bin_path, src, "-o", out_dir, "--world-size", "3")
+    result = os.path.join(work, "result_ws3.json")
+    mp.spawn(reshard_worker, args=(fresh_store(), out_dir, src, result), nprocs=3, join=True)
+    with open(result) as f:
+        problem = json.load(f)
+    if problem:
+        raise AssertionError(f"DCP resharded 2 -> 3 ranks: {problem}")
     # safetensors full -> DCP too.
     out_dir = os.path.join(work, "dcp_from_st")
     convert(bin_path, ours_st, "-o", out_dir, "--world-size", str(WORLD))

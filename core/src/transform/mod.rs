@@ -6,6 +6,8 @@
 //! - [`model_state`]: full parameters ⇄ FSDP1 flat-parameter shards (LOCAL state dicts).
 //! - [`optim_state`]: optimizer state dicts in the three shapes of spec section 3.1 (local, full,
 //!   sharded), with PyTorch's validation and messages, and id ⇄ FQN rekeying.
+//! - [`fsdp2_optim`]: FSDP2 per-rank model and raw optimizer state dicts (DTensors, integer ids)
+//!   to the full FQN-keyed ones DSD returns with `full_state_dict=True`.
 //! - [`reshard`]: FSDP1 LOCAL model state and raw optimizer state from one layout (world size,
 //!   wrapping, `use_orig_params`) to another.
 //!
@@ -13,6 +15,7 @@
 //! copy one tensor at a time (see [`model_state::FlatCopy`]) so a caller can stream.
 
 pub mod chunk;
+pub mod fsdp2_optim;
 pub mod model_state;
 pub mod optim_state;
 pub mod reshard;

@@ -2,7 +2,7 @@
 //! tensor at a time, written atomically. The engine is `crate::convert`.
 
 use std::io::IsTerminal;
-use std::path::PathBuf;
+use std::path::{Path, PathBuf};
 use std::process::ExitCode;
 use std::time::Instant;
 
@@ -11,6 +11,8 @@ use clap::{Args, ValueEnum};
 use shardscope_core::model::index::CheckpointKind;
 
 use super::{human_bytes, print_stdout};
+use crate::atomic;
+use crate::convert::fsdp2_ranks::{self, Detected, Fsdp2Ranks};
 use crate::convert::{self, Progress, Reader, ShardApi};
 
 #[derive(Debug, Clone, Copy, PartialEq, Eq, ValueEnum)]
@@ -25,7 +27,13 @@ pub enum Target {
 
 #[derive(Debug, Args)]
 pub struct ConvertArgs {
-    /// The checkpoint to read: a DCP directory, a safetensors or `torch.save` file.
+    /// The checkpoint to read: a DCP directory, a safetensors or `torch.save` file, or a folder of
+    /// per-rank files. FSDP2 per-rank files with optimizer state (`rank{r}_model.pt` +
+    /// `rank{r}_optim.pt`, or `rank{r}.pt` holding `{"model", "optim"}`) become `{"model": full
+    /// state dict, "optim": full FQN-keyed optimizer state dict}` as torch's
+    /// `get_model_state_dict`/`get_optimizer_state_dict(full_state_dict=True)` return them;
+    /// optimizer id i is taken to be the i-th DTensor entry of the model state dict (the optimizer
+    /// was built over `model.parameters()`), or see --model.
     #[arg(value_name = "SRC")]
     pub src: PathBuf,
     /// Where to write (a file; a directory for DCP and for sharded safetensors). Must not exist,
@@ -53,6 +61,8 @@ pub struct ConvertArgs {
     #[arg(long, value_name = "KEY")]
     pub nest: Option<String>,
     /// A folder of per-rank FSDP1 LOCAL files: the model description that gives their layout.
+    /// FSDP2 per-rank files: names the optimizer ids, id i being the i-th of its `params`
+    /// (named_parameters order), or of those with `requires_grad` when the optimizer holds fewer.
     #[arg(long, value_name = "MODEL")]
     pub model: Option<PathBuf>,
     /// Per-rank FSDP1 files: they were saved with `use_orig_params=True`.
@@ -138,9 +148,18 @@ impl Progress for Bar {
 }
 
 pub fn run(args: &ConvertArgs) -> Result<ExitCode> {
+    let per_rank = fsdp2_ranks::detect(&args.src);
+    if let Detected::Fsdp2(ranks) = &per_rank {
+        return convert_fsdp2_ranks(args, ranks);
+    }
     if let Some(model) = &args.model {
         return convert_fsdp1_local(args, model);
     }
+    run_index(args, &args.src, per_rank)
+}
+
+/// The streaming path: any indexed checkpoint at `src` (`args.src`, or a staged file).
+fn run_index(args: &ConvertArgs, src: &Path, per_rank: Detected) -> Result<ExitCode> {
     let target = target_of(args)?;
     if args.max_shard_size.is_some() && target != Target::Safetensors {
         bail!("--max-shard-size applies to safetensors output only");
@@ -156,7 +175,14 @@ pub fn run(args: &ConvertArgs) -> Result<ExitCode> {
         );
     }
     let started = Instant::now();
-    let (source, index) = convert::open(&args.src)?;
+    let (source, index) = match convert::open(src) {
+        Ok(opened) => opened,
+        Err(e) => match per_rank {
+            // Nothing reads the folder: say what is wrong with it as per-rank files too.
+            Detected::Incomplete(why) => bail!("{e:#}\nas per-rank files: {why:#}"),
+            _ => return Err(e),
+        },
+    };
     if matches!(
         index.kind,
         CheckpointKind::Fsdp1Local | CheckpointKind::RankLocal
@@ -273,6 +299,66 @@ fn convert_fsdp1_local(args: &ConvertArgs, model: &std::path::Path) -> Result<Ex
         super::print_stdout(&format!("{}\n", serde_json::json!({ "written": names })))?;
     } else if !args.quiet {
         eprintln!("wrote {}", names.join(", "));
+    }
+    Ok(ExitCode::SUCCESS)
+}
+
+/// Per-rank FSDP2 files with optimizer state -> `{"model": full model state dict, "optim": full
+/// FQN-keyed optimizer state dict}` as torch's DSD returns them with `full_state_dict=True`
+/// (`crate::convert::fsdp2_ranks`). `torch.save` output is written directly; other targets (and
+/// `--select`) go through a staged `torch.save` file and the streaming path.
+fn convert_fsdp2_ranks(args: &ConvertArgs, ranks: &Fsdp2Ranks) -> Result<ExitCode> {
+    let target = target_of(args)?;
+    if args.use_orig_params || args.optim_output.is_some() {
+        bail!(
+            "--use-orig-params and --optim-output apply to FSDP1 per-rank files; {} holds FSDP2 (DTensor) files, converted to one output holding `model` and `optim`\nhint: use --select model or --select optim to keep one of them",
+            args.src.display()
+        );
+    }
+    let dir_output = target == Target::Dcp || args.max_shard_size.is_some();
+    if args.output.is_file() || (args.output.exists() && !dir_output) {
+        bail!(
+            "{} already exists\nhint: shardscope never overwrites; remove it or choose another path",
+            args.output.display()
+        );
+    }
+    let started = Instant::now();
+    let desc = match &args.model {
+        Some(p) => Some((shardscope_runner::fsdp1_local::read_description(p)?, p)),
+        None => None,
+    };
+    let state = fsdp2_ranks::full_state(ranks, desc.as_ref().map(|(d, p)| (d, p.as_path())))?;
+    let bytes = fsdp2_ranks::torch_save_bytes(&state)?;
+    drop(state);
+    if target != Target::Torch || args.select.is_some() {
+        let stage = tempfile::tempdir().context("cannot create a temporary directory")?;
+        let staged = stage.path().join("full.pt");
+        std::fs::write(&staged, &bytes)
+            .with_context(|| format!("cannot write {}", staged.display()))?;
+        drop(bytes);
+        return run_index(args, &staged, Detected::Other);
+    }
+    atomic::write_file(&args.output, |out| {
+        std::io::Write::write_all(out, &bytes)
+            .with_context(|| format!("cannot write {}", args.output.display()))
+    })?;
+    let seconds = started.elapsed().as_secs_f64();
+    if args.json {
+        let summary = serde_json::json!({
+            "source": args.src.display().to_string(),
+            "source_kind": "fsdp2_per_rank",
+            "world_size": ranks.world_size(),
+            "to": "torch",
+            "outputs": [args.output.display().to_string()],
+            "seconds": seconds,
+        });
+        print_stdout(&format!("{}\n", serde_json::to_string_pretty(&summary)?))?;
+    } else if !args.quiet {
+        eprintln!(
+            "wrote {} (full model and optimizer state of {} FSDP2 ranks) in {seconds:.2} s",
+            args.output.display(),
+            ranks.world_size()
+        );
     }
     Ok(ExitCode::SUCCESS)
 }

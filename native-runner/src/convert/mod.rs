@@ -10,6 +10,11 @@
 //! other boxes go through one reusable scratch buffer. The buffer is reused from tensor to tensor, so
 //! peak memory is the largest tensor plus small metadata, and page-cache pages of the input never
 //! count against the process (as they would when copying out of the mmap).
+//!
+//! FSDP2 per-rank folders with optimizer state (DTensor model and raw `optim.state_dict()` files)
+//! are first combined into the full `{"model", "optim"}` state by [`fsdp2_ranks`].
+
+pub mod fsdp2_ranks;
 
 use std::collections::{BTreeMap, BTreeSet};
 use std::fs::File;
@@ -686,8 +691,12 @@ pub fn to_dcp(
         let fqn = PathKey::join(&path);
         let value = if e.kind == EntryKind::Tensor {
             let (dtype, shape) = tensor_meta(e)?;
-            let pieces =
+            let mut pieces =
                 chunk_dim0(dtype, shape, world_size, empty).with_context(|| e.key.clone())?;
+            // Trailing empty DTensor shards all sit at offset `dim0`; torch's coordinator keeps
+            // one item per `MetadataIndex(fqn, offsets)` (spec 5.3), so one zero-size chunk.
+            let mut seen = BTreeSet::new();
+            pieces.retain(|p| seen.insert(p.chunk.offsets.clone()));
             ranges.push(pieces.iter().map(|p| p.bytes.clone()).collect());
             DcpValue::Tensor {
                 dtype,

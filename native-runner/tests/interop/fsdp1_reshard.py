@@ -18,10 +18,12 @@ group)`, as torch's ShardedTensors of hybrid models require.
 Exit status 0 when every check passes; failures are printed.
 """
 
+import atexit
 import copy
 import os
-import tempfile
+import shutil
 import sys
+import tempfile
 from pathlib import Path
 
 HERE = Path(__file__).resolve().parent
@@ -198,7 +200,9 @@ def worker(rank, ws, store, mode, uop, src, dst, results, shard):
 
 def fresh_store():
     """A path for a new gloo FileStore (the file must not exist yet)."""
-    return os.path.join(tempfile.mkdtemp(prefix="shardscope-store-"), "store")
+    d = tempfile.mkdtemp(prefix="shardscope-store-")
+    atexit.register(shutil.rmtree, d, True)
+    return os.path.join(d, "store")
 
 
 def main():

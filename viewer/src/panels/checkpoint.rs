@@ -4,7 +4,7 @@
 
 use std::collections::BTreeMap;
 
-use egui::{CollapsingHeader, Pos2, Rect, RichText, Sense, Stroke, Ui, Vec2};
+use egui::{Pos2, Rect, RichText, Sense, Stroke, Ui, Vec2};
 use egui_extras::{Column, TableBuilder};
 use shardscope_core::model::index::{EntryKind, FsdpInfo, IndexEntry};
 
@@ -155,25 +155,18 @@ fn node_ui(
     selection: &mut Selection,
 ) {
     for (name, child) in &node.children {
-        let child_path = if path.is_empty() {
-            name.clone()
-        } else {
-            format!("{path}.{name}")
-        };
-        let holds_selection = selection
-            .fqn
-            .as_deref()
-            .is_some_and(|f| f.starts_with(&child_path) && f[child_path.len()..].starts_with('.'));
-        CollapsingHeader::new(format!(
-            "{name}  ({}, {})",
-            child.entries,
-            fmt_bytes(child.bytes)
-        ))
-        .id_salt(("ckpt_tree", &child_path))
-        .open(open.or(holds_selection.then_some(true)))
-        .default_open(path.is_empty() && node.children.len() <= 8)
-        .show(ui, |ui| {
-            node_ui(ui, view, child, &child_path, open, selection);
+        let selected = selection.fqn.clone();
+        super::Branch {
+            salt: "ckpt_tree",
+            path,
+            name,
+            count: child.entries,
+            bytes: child.bytes,
+            open,
+            siblings: node.children.len(),
+        }
+        .show(ui, selected.as_deref(), |ui, child_path| {
+            node_ui(ui, view, child, child_path, open, selection);
         });
     }
     for (leaf, i) in &node.leaves {

@@ -3,7 +3,7 @@
 
 use std::collections::BTreeMap;
 
-use egui::{CollapsingHeader, RichText, Ui};
+use egui::{RichText, Ui};
 
 use crate::Selection;
 use crate::format::{bytes as fmt_bytes, ranks as fmt_ranks, shape as fmt_shape};
@@ -107,26 +107,18 @@ fn node_ui(
     theme: Theme,
 ) {
     for (name, child) in &node.children {
-        let child_path = if path.is_empty() {
-            name.clone()
-        } else {
-            format!("{path}.{name}")
-        };
-        // Open the branch that holds the selection.
-        let holds_selection = selection
-            .fqn
-            .as_deref()
-            .is_some_and(|f| f.starts_with(&child_path) && f[child_path.len()..].starts_with('.'));
-        CollapsingHeader::new(format!(
-            "{name}  ({}, {})",
-            child.params,
-            fmt_bytes(child.bytes)
-        ))
-        .id_salt(("tree", &child_path))
-        .open(open.or(holds_selection.then_some(true)))
-        .default_open(path.is_empty() && node.children.len() <= 8)
-        .show(ui, |ui| {
-            node_ui(ui, view, child, &child_path, open, selection, theme);
+        let selected = selection.fqn.clone();
+        super::Branch {
+            salt: "tree",
+            path,
+            name,
+            count: child.params,
+            bytes: child.bytes,
+            open,
+            siblings: node.children.len(),
+        }
+        .show(ui, selected.as_deref(), |ui, child_path| {
+            node_ui(ui, view, child, child_path, open, selection, theme);
         });
     }
     for (leaf, i) in &node.leaves {
