@@ -8,7 +8,8 @@
 //!   more step. `convert` must equal torch's `FULL_STATE_DICT` and `FSDP.optim_state_dict`.
 //!   HYBRID_SHARD too: torch trains on 2 replicas x 2 ranks (explicit shard/replicate groups of a
 //!   2-D device mesh) and saves the first replica's files; we reshard to 2 x 3 (every new rank
-//!   loads its own files) and, with `use_orig_params`, to FULL_SHARD on 2 ranks.
+//!   loads its own files) and, with `use_orig_params`, to FULL_SHARD on 2 ranks. NO_SHARD (whose
+//!   per-rank files torch writes as FULL state dicts) to FULL_SHARD and back.
 //! - atomicity: `reshard` killed with SIGKILL at 20 pseudo-random moments leaves the destination
 //!   absent or complete (byte-identical to an uninterrupted run) and the inputs unchanged.
 //! - CLI errors: exit code 2 and messages naming the file.
@@ -103,17 +104,17 @@ fn sorted_state(node: &Node) -> Node {
 }
 
 fn interop(from: usize, to: usize, uop: bool) {
-    interop_with(from, 0, to, 0, uop, &[], &[]);
+    interop_with(from, "0", to, "0", uop, &[], &[]);
 }
 
-/// `from` ranks (hybrid with shard groups of `from_shard` when not 0; torch then writes the first
-/// replica's files only) resharded to `to` ranks (checked by torch as hybrid with groups of
-/// `to_shard` when not 0); `flags` go to `reshard`, `convert_flags` to `convert`.
+/// `from` ranks resharded to `to` ranks; `from_shard`/`to_shard` say how torch wraps each side:
+/// `"0"` FULL_SHARD, `"no_shard"`, or a hybrid shard group size (torch then writes the first
+/// replica's files only). `flags` go to `reshard`, `convert_flags` to `convert`.
 fn interop_with(
     from: usize,
-    from_shard: usize,
+    from_shard: &str,
     to: usize,
-    to_shard: usize,
+    to_shard: &str,
     uop: bool,
     flags: &[&str],
     convert_flags: &[&str],
@@ -133,7 +134,7 @@ fn interop_with(
             src.to_str().unwrap(),
             &from.to_string(),
             uop_arg,
-            &from_shard.to_string(),
+            from_shard,
         ],
     );
     let model_json = fixtures().join("nested_ws2_uop0/model.json");
@@ -168,7 +169,7 @@ fn interop_with(
             dst.to_str().unwrap(),
             &to.to_string(),
             uop_arg,
-            &to_shard.to_string(),
+            to_shard,
         ],
     );
 
@@ -211,12 +212,12 @@ fn interop_with(
         model: model_json.clone(),
         flags: LayoutFlags {
             use_orig_params: uop,
-            strategy: if from_shard == 0 {
-                Strategy::FullShard
-            } else {
-                Strategy::HybridShard
+            strategy: match from_shard {
+                "0" => Strategy::FullShard,
+                "no_shard" => Strategy::NoShard,
+                _ => Strategy::HybridShard,
             },
-            shard_group_size: (from_shard != 0).then_some(from_shard as u64),
+            shard_group_size: from_shard.parse().ok().filter(|&s| s != 0),
         },
         model_pattern: None,
         optim_pattern: None,
@@ -225,7 +226,7 @@ fn interop_with(
     let conv = fsdp1_local::Converter::open(&convert).unwrap();
     assert_eq!(
         conv.files().world_size,
-        if from_shard == 0 { from } else { from_shard }
+        from_shard.parse().ok().filter(|&s| s != 0).unwrap_or(from)
     );
     let st_bytes = conv.write_model(Vec::new()).unwrap();
     let st = safetensors::SafeTensors::deserialize(&st_bytes).unwrap();
@@ -255,7 +256,7 @@ fn interop_reshard_hybrid_2x2_to_2x3() {
     let hybrid = ["--strategy", "hybrid_shard", "--shard-group-size", "2"];
     let mut flags = hybrid.to_vec();
     flags.extend(["--to-shard-group-size", "3"]);
-    interop_with(4, 2, 6, 3, false, &flags, &hybrid);
+    interop_with(4, "2", 6, "3", false, &flags, &hybrid);
 }
 
 /// HYBRID_SHARD with use_orig_params (2 replicas x 2) to FULL_SHARD on 2 ranks.
@@ -264,7 +265,30 @@ fn interop_reshard_hybrid_to_full_shard_use_orig_params() {
     let hybrid = ["--strategy", "hybrid_shard", "--shard-group-size", "2"];
     let mut flags = hybrid.to_vec();
     flags.extend(["--to-strategy", "full_shard"]);
-    interop_with(4, 2, 2, 0, true, &flags, &hybrid);
+    interop_with(4, "2", 2, "0", true, &flags, &hybrid);
+}
+
+/// NO_SHARD (torch saves FULL state dicts on every rank) to FULL_SHARD on 3 ranks.
+#[test]
+fn interop_reshard_no_shard_to_full_shard() {
+    let no_shard = ["--strategy", "no_shard"];
+    let mut flags = no_shard.to_vec();
+    flags.extend(["--to-strategy", "full_shard"]);
+    interop_with(2, "no_shard", 3, "0", false, &flags, &no_shard);
+}
+
+/// FULL_SHARD with use_orig_params on 2 ranks to NO_SHARD on 3.
+#[test]
+fn interop_reshard_full_shard_to_no_shard_use_orig_params() {
+    interop_with(
+        2,
+        "0",
+        3,
+        "no_shard",
+        true,
+        &["--to-strategy", "no_shard"],
+        &[],
+    );
 }
 
 /// A per-rank folder made without torch: the LOCAL model and raw optimizer state dicts of the

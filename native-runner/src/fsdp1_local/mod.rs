@@ -438,6 +438,9 @@ fn transform_err(what: impl Into<String>) -> impl FnOnce(TransformError) -> Fsdp
 struct ModelSource<'a> {
     model: &'a Fsdp1Model<'a>,
     inputs: &'a Inputs,
+    /// NO_SHARD: torch saves the FULL state dict on every rank whatever the state-dict type, so
+    /// each model file is already the full model; rank 0's is read.
+    full_files: bool,
 }
 
 impl ModelSource<'_> {
@@ -455,6 +458,9 @@ impl ModelSource<'_> {
     /// Every rank's `_flat_param` entry exists and has the length and dtype of the layout (what
     /// `model_full_from_local` checks), without reading it.
     fn check(&self) -> Result<()> {
+        if self.full_files {
+            return self.check_full();
+        }
         for flat in &self.model.layout.flat_params {
             for (r, d) in self.inputs.model_skeletons.iter().enumerate() {
                 let entry =
@@ -485,6 +491,41 @@ impl ModelSource<'_> {
         Ok(())
     }
 
+    /// NO_SHARD files: rank 0's file holds every parameter with its full shape and dtype.
+    fn check_full(&self) -> Result<()> {
+        let first = self.inputs.model_skeletons.first();
+        for flat in &self.model.layout.flat_params {
+            for (i, fqn) in flat.fqns.iter().enumerate() {
+                let entry = first.and_then(|d| d.get_str(fqn));
+                let ok = entry
+                    .and_then(Node::as_tensor)
+                    .is_some_and(|t| t.shape == flat.shapes[i] && t.dtype == flat.dtype);
+                if !ok {
+                    let err = match entry {
+                        None => TransformError::MissingKey {
+                            path: "state dict (NO_SHARD files hold the full model)".to_owned(),
+                            key: fqn.clone(),
+                        },
+                        Some(v) => TransformError::BadTensor {
+                            path: fqn.clone(),
+                            reason: format!(
+                                "expected a {} tensor of shape {:?}, got {}",
+                                flat.dtype,
+                                flat.shapes[i],
+                                v.as_tensor().map_or_else(
+                                    || v.kind_name().to_owned(),
+                                    |t| format!("{} {:?}", t.dtype, t.shape)
+                                )
+                            ),
+                        },
+                    };
+                    return Err(transform_err(self.what())(err));
+                }
+            }
+        }
+        Ok(())
+    }
+
     /// Elements `first..` of rank `rank`'s shard of flat parameter `f`, into `out`.
     fn shard_into(&self, f: usize, rank: u64, first: u64, out: &mut [u8]) -> Result<()> {
         if out.is_empty() {
@@ -500,6 +541,10 @@ impl ModelSource<'_> {
     /// `full_param_from_flat_shards`).
     fn param_into(&self, f: usize, param: usize, first: u64, out: &mut [u8]) -> Result<()> {
         let flat = self.model.flat(f);
+        if self.full_files {
+            let path = format!("/{}", flat.fqns[param]);
+            return self.inputs.models[0].read_elems_into(&path, first, out);
+        }
         let item = flat.dtype.size_bytes();
         let n = (out.len() / item) as u64;
         for copy in param_copies(flat, param) {
@@ -668,10 +713,23 @@ impl ShardCache {
 }
 
 /// The FULL model state dict as a skeleton, with the source of each tensor.
+/// The FULL model state dict's keys: rank 0's own order for NO_SHARD files (they are FULL state
+/// dicts), else [`full_key_plan`].
+fn full_plan(src: &ModelSource<'_>) -> Vec<(String, FullKey)> {
+    if src.full_files {
+        src.first_keys()
+            .into_iter()
+            .map(|k| (k, FullKey::Plain))
+            .collect()
+    } else {
+        full_key_plan(src.model, &src.first_keys())
+    }
+}
+
 fn full_model_skeleton(src: &ModelSource<'_>) -> (Dict, HashMap<String, Fill>) {
     let mut fills = HashMap::new();
     let mut out = Dict::new();
-    for (name, key) in full_key_plan(src.model, &src.first_keys()) {
+    for (name, key) in full_plan(src) {
         let node = match key {
             FullKey::Managed { flat, param } => {
                 let f = src.model.flat(flat);
@@ -695,7 +753,7 @@ fn local_model_skeleton(
     dst: &Fsdp1Model<'_>,
     rank: u64,
 ) -> (Dict, HashMap<String, Fill>) {
-    let full = full_key_plan(src.model, &src.first_keys());
+    let full = full_plan(src);
     let mut fills = HashMap::new();
     let mut out = Dict::new();
     for (name, key) in local_key_plan(dst, &full) {
@@ -1475,6 +1533,7 @@ pub struct Converter {
     desc: ModelDescription,
     layout: Fsdp1Layout,
     format: ModelFormat,
+    full_files: bool,
 }
 
 impl Converter {
@@ -1494,12 +1553,14 @@ impl Converter {
             desc,
             layout,
             format: args.model_format,
+            full_files: args.flags.strategy == Strategy::NoShard,
         };
         {
             let model = conv.fsdp_model(&args.model.display().to_string())?;
             ModelSource {
                 model: &model,
                 inputs: &conv.inputs,
+                full_files: conv.full_files,
             }
             .check()?;
             if let Some((_, optims)) = &conv.inputs.optims {
@@ -1528,6 +1589,7 @@ impl Converter {
         let src = ModelSource {
             model: &model,
             inputs: &self.inputs,
+            full_files: self.full_files,
         };
         let (skeleton, fills) = full_model_skeleton(&src);
         let mut cache = ShardCache::default();
@@ -1657,6 +1719,7 @@ pub fn reshard(args: &ReshardArgs, out_dir: &Path) -> Result<(RankFiles, Vec<Out
     let model_src = ModelSource {
         model: &src,
         inputs: &inputs,
+        full_files: args.flags.strategy == Strategy::NoShard,
     };
     model_src.check()?;
     let optim = OptimSource::new(&src, &inputs)?;
@@ -1721,7 +1784,12 @@ pub fn reshard(args: &ReshardArgs, out_dir: &Path) -> Result<(RankFiles, Vec<Out
     };
     for global in 0..ws {
         let rank = global % group;
-        let (skeleton, fills) = local_model_skeleton(&model_src, &dst, rank);
+        // NO_SHARD: torch saves (and loads) the FULL state dict on every rank.
+        let (skeleton, fills) = if dst_flags.strategy == Strategy::NoShard {
+            full_model_skeleton(&model_src)
+        } else {
+            local_model_skeleton(&model_src, &dst, rank)
+        };
         let skeleton = Node::Dict(skeleton);
         let mut cache = ShardCache::default();
         write_file(

@@ -10,6 +10,7 @@
                       through torch's own path (FULL_STATE_DICT + optim_state_dict_to_load). The
                       parameters, LOCAL state dicts and optimizer state must be equal; then both take
                       one more step on the same input and must still be equal.
+S = `no_shard` wraps with NO_SHARD (torch then saves and loads FULL state dicts on every rank).
 With S (a shard group size below WS) the model is wrapped with HYBRID_SHARD on the explicit groups of
 the 2-D mesh `init_device_mesh("cpu", (WS // S, S))`, passed as `process_group=(shard, replicate)`
 (without explicit groups HYBRID_SHARD on CPU silently shards over all ranks; with `device_mesh=`
@@ -43,12 +44,14 @@ from torch.distributed.fsdp import (  # noqa: E402
 
 
 MESH = None
+NO_SHARD = False
 
 
 def init_mesh(ws, shard):
-    """The (replicate, shard) mesh of a hybrid run, or None."""
-    global MESH
-    if shard and shard < ws:
+    """The (replicate, shard) mesh of a hybrid run, or None; `shard` -1 means NO_SHARD."""
+    global MESH, NO_SHARD
+    NO_SHARD = shard == -1
+    if shard and 0 < shard < ws:
         from torch.distributed.device_mesh import init_device_mesh
 
         MESH = init_device_mesh("cpu", (ws // shard, shard), mesh_dim_names=("replicate", "shard"))
@@ -58,6 +61,10 @@ def build(uop):
     torch.manual_seed(0)
     model = NestedModel()
     kw = dict(device_id=torch.device("cpu"), use_orig_params=uop)
+    if NO_SHARD:
+        from torch.distributed.fsdp import ShardingStrategy
+
+        kw.update(sharding_strategy=ShardingStrategy.NO_SHARD)
     if MESH is not None:
         from torch.distributed.fsdp import ShardingStrategy
 
@@ -205,15 +212,20 @@ def fresh_store():
     return os.path.join(d, "store")
 
 
+def shard_arg(arg):
+    """S (hybrid shard group size; 0: FULL_SHARD) or `no_shard` (-1)."""
+    return -1 if arg == "no_shard" else int(arg)
+
+
 def main():
     mode = sys.argv[1]
     if mode == "make":
         src, ws, uop, dst = Path(sys.argv[2]), int(sys.argv[3]), sys.argv[4] == "1", ""
-        shard = int(sys.argv[5]) if len(sys.argv) > 5 else 0
+        shard = shard_arg(sys.argv[5]) if len(sys.argv) > 5 else 0
         (src / "full").mkdir(parents=True, exist_ok=True)
     else:
         src, dst, ws, uop = Path(sys.argv[2]), Path(sys.argv[3]), int(sys.argv[4]), sys.argv[5] == "1"
-        shard = int(sys.argv[6]) if len(sys.argv) > 6 else 0
+        shard = shard_arg(sys.argv[6]) if len(sys.argv) > 6 else 0
     results = Path(src) / "full"
     mp.spawn(
         worker,
@@ -226,7 +238,7 @@ def main():
         p.unlink()
     if fails:
         sys.exit(f"{mode}: checks failed on {fails}")
-    print(f"{mode}: ok ({ws} ranks, use_orig_params={uop}, shard group {shard or ws})")
+    print(f"{mode}: ok ({ws} ranks, use_orig_params={uop}, shard group {shard or ws})")  # -1: NO_SHARD
 
 
 if __name__ == "__main__":
