@@ -560,3 +560,158 @@ fn bad_inputs_exit_2_and_name_the_file() {
     assert!(stderr_of(&out).contains("not empty"), "{}", stderr_of(&out));
     assert_eq!(std::fs::read(dst.join("keep")).unwrap(), b"x");
 }
+
+/// The streaming `reshard` and `convert` write exactly the bytes of the whole-in-memory transforms
+/// (`model_full_from_local`, `model_local_from_full`, `full_optim_from_local`,
+/// `local_optim_from_full`, themselves proven against torch's fixtures) serialised with
+/// `bridge::to_torch_save`, for torch-made per-rank files of three layouts (nested units, tied
+/// weights, `use_orig_params`), to 3 ranks and with `use_orig_params` flipped.
+#[test]
+fn streaming_outputs_equal_the_in_memory_transforms() {
+    use shardscope_core::layout::{self, Api, Layout, LayoutConfig};
+    use shardscope_core::model::ModelDescription;
+    use shardscope_core::transform::Fsdp1Model;
+    use shardscope_core::transform::model_state::{
+        TORCH_PADDING_FILL, model_full_from_local, model_local_from_full,
+    };
+    use shardscope_core::transform::optim_state::{full_optim_from_local, local_optim_from_full};
+
+    fn fsdp1(
+        desc: &ModelDescription,
+        ws: usize,
+        uop: bool,
+    ) -> shardscope_core::layout::Fsdp1Layout {
+        let config = LayoutConfig {
+            api: Api::Fsdp1,
+            world_size: ws as u64,
+            shard_group_size: None,
+            use_orig_params: uop,
+            strategy: Strategy::FullShard,
+            param_dtype: None,
+        };
+        match layout::compute(desc, &config).unwrap() {
+            Layout::Fsdp1(l) => l,
+            Layout::Fsdp2(_) => unreachable!(),
+        }
+    }
+
+    for (case, uop) in [
+        ("nested_ws2_uop0", false),
+        ("nested_ws2_uop1", true),
+        ("tied_ws2_uop0", false),
+    ] {
+        let tmp = tempfile::tempdir().unwrap();
+        let src = tmp.path().join("src");
+        std::fs::create_dir_all(&src).unwrap();
+        let mut models = Vec::new();
+        let mut optims = Vec::new();
+        for rank in 0..2u64 {
+            let bundle = read(&fixtures().join(format!("{case}/rank{rank}.pt")));
+            let bundle = bundle.as_dict().unwrap();
+            for (key, name, root) in [
+                ("model_local", "model_rank", RootDict::Ordered),
+                ("optim_local", "optim_rank", RootDict::Plain),
+            ] {
+                let node = bundle.get_str(key).unwrap();
+                let bytes = bridge::to_torch_save(node, root, rank, 2).unwrap();
+                std::fs::write(src.join(format!("{name}{rank}.pt")), bytes).unwrap();
+            }
+            models.push(
+                bundle
+                    .get_str("model_local")
+                    .unwrap()
+                    .as_dict()
+                    .unwrap()
+                    .clone(),
+            );
+            optims.push(
+                bundle
+                    .get_str("optim_local")
+                    .unwrap()
+                    .as_dict()
+                    .unwrap()
+                    .clone(),
+            );
+        }
+        let model_json = fixtures().join(format!("{case}/model.json"));
+        let desc =
+            ModelDescription::from_json_bytes(&std::fs::read(&model_json).unwrap(), "m").unwrap();
+        let src_layout = fsdp1(&desc, 2, uop);
+        let src_model = Fsdp1Model::new(&desc, &src_layout).unwrap();
+        let names: Vec<String> = src_model
+            .wrapped_params()
+            .into_iter()
+            .map(|(n, _)| n)
+            .collect();
+        let model_refs: Vec<&Dict> = models.iter().collect();
+        let optim_refs: Vec<&Dict> = optims.iter().collect();
+        let full = model_full_from_local(&src_model, &model_refs).unwrap();
+        let full_osd =
+            full_optim_from_local(&src_model, &optim_refs, &[names.clone(), names], 0, None)
+                .unwrap();
+        let m = model_json.to_str().unwrap();
+        let s = src.to_str().unwrap();
+        let mut args = vec!["--model", m];
+        if uop {
+            args.push("--use-orig-params");
+        }
+
+        // convert
+        let full_pt = tmp.path().join("full.pt");
+        let mut cmd = vec!["convert", s, "-o", full_pt.to_str().unwrap(), "--quiet"];
+        cmd.extend(&args);
+        let out = shardscope(&cmd);
+        assert!(out.status.success(), "{case}: {}", stderr_of(&out));
+        let want = bridge::to_torch_save(&Node::Dict(full.clone()), RootDict::Ordered, 0, 1);
+        assert!(
+            std::fs::read(&full_pt).unwrap() == want.unwrap(),
+            "{case}: full model"
+        );
+        let want = bridge::to_torch_save(&Node::Dict(full_osd.clone()), RootDict::Plain, 0, 1);
+        let got = std::fs::read(tmp.path().join("full.optim.pt")).unwrap();
+        assert!(got == want.unwrap(), "{case}: full optimizer");
+
+        // reshard to 3 ranks, and with use_orig_params flipped
+        for flip in [false, true] {
+            let dst_uop = uop ^ flip;
+            let dst = tmp.path().join(format!("dst{flip}"));
+            let flag = if dst_uop { "true" } else { "false" };
+            let mut cmd = vec![
+                "reshard",
+                s,
+                "-o",
+                dst.to_str().unwrap(),
+                "--to-world-size",
+                "3",
+            ];
+            cmd.extend(&args);
+            cmd.extend(["--to-use-orig-params", flag]);
+            let out = shardscope(&cmd);
+            assert!(out.status.success(), "{case}: {}", stderr_of(&out));
+            let dst_layout = fsdp1(&desc, 3, dst_uop);
+            let dst_model = Fsdp1Model::new(&desc, &dst_layout).unwrap();
+            let dst_names: Vec<String> = dst_model
+                .wrapped_params()
+                .into_iter()
+                .map(|(n, _)| n)
+                .collect();
+            for rank in 0..3u64 {
+                let local =
+                    model_local_from_full(&dst_model, rank, &full, TORCH_PADDING_FILL).unwrap();
+                let want = bridge::to_torch_save(&Node::Dict(local), RootDict::Ordered, rank, 3);
+                let got = std::fs::read(dst.join(format!("model_rank{rank}.pt"))).unwrap();
+                assert!(
+                    got == want.unwrap(),
+                    "{case} flip={flip}: model rank {rank}"
+                );
+                let osd = local_optim_from_full(&dst_model, &full_osd, rank, &dst_names).unwrap();
+                let want = bridge::to_torch_save(&Node::Dict(osd), RootDict::Plain, rank, 3);
+                let got = std::fs::read(dst.join(format!("optim_rank{rank}.pt"))).unwrap();
+                assert!(
+                    got == want.unwrap(),
+                    "{case} flip={flip}: optimizer rank {rank}"
+                );
+            }
+        }
+    }
+}

@@ -106,7 +106,9 @@ pub fn detect(src: &Path) -> Detected {
             });
         }
     };
-    let Ok(node) = read_node(&files.model_file(0)) else {
+    // Only the structure: reading rank 0's tensors here would hold a whole rank file in memory
+    // before any conversion starts.
+    let Ok(node) = shardscope_runner::fsdp1_local::read_skeleton(&files.model_file(0)) else {
         return Detected::Other;
     };
     if let Some((model, _)) = combined_parts(&node) {

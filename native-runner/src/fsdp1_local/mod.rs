@@ -275,6 +275,12 @@ pub fn find_rank_files(
     })
 }
 
+/// The state dict in a `torch.save` file with every tensor's dtype and shape but none of its bytes
+/// (only the zip directory and the pickle are read): enough to tell what a file holds.
+pub fn read_skeleton(path: &Path) -> Result<Node> {
+    LazyFile::open(path).map(|(_, node)| node)
+}
+
 /// The layout flags of a per-rank checkpoint (its world size is the number of rank files).
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub struct LayoutFlags {
