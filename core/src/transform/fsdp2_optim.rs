@@ -22,7 +22,7 @@
 
 use std::collections::{BTreeMap, BTreeSet};
 
-use crate::model::tree::{Dict, DistKind, Key, Node};
+use crate::model::tree::{Dict, DistKind, DistTensor, Key, Node, Tensor};
 use crate::transform::TransformError;
 use crate::transform::chunk::full_from_sharded_chunks;
 
@@ -166,9 +166,131 @@ fn dict<'a>(n: &'a Node, file: &str, key: &str) -> Result<&'a Dict> {
     })
 }
 
-/// Gathers one value present on every rank: DTensors into the full tensor; anything else must be
-/// equal on every rank (rank 0's is kept).
-fn gather_value(ranks: &[Ranked<'_, Node>], key: &str) -> Result<Node> {
+/// One `DTensor` value of every rank, to be made into the full tensor by a [`Gather`] function.
+#[derive(Debug, Clone, Copy)]
+pub struct DTensorValue<'a> {
+    /// The keys leading to the value in every rank's dict (the same on every rank), e.g.
+    /// `state`, `3`, `exp_avg`.
+    pub source: &'a [Key],
+    /// The keys leading to the full value in the output dict, e.g. `state`, `layer.weight`,
+    /// `exp_avg`.
+    pub target: &'a [Key],
+    /// Every rank's DTensor, in rank order.
+    pub pieces: &'a [&'a DistTensor],
+    /// For every rank, where its local piece lies in the full tensor (flattened in row-major
+    /// order): `(first element, element count)`. Checked: the pieces tile the tensor exactly.
+    pub placement: &'a [(u64, u64)],
+    /// The value's key and rank 0's file, for messages.
+    pub key: &'a str,
+    pub file: &'a str,
+}
+
+/// Makes the full tensor of one [`DTensorValue`]: [`gather_in_memory`] copies the pieces' bytes;
+/// a streaming caller returns a tensor without bytes (dtype and global shape) and reads the
+/// pieces later.
+pub type Gather<'g> = dyn FnMut(&DTensorValue<'_>) -> Result<Tensor> + 'g;
+
+/// The full tensor from pieces that hold their bytes.
+pub fn gather_in_memory(v: &DTensorValue<'_>) -> Result<Tensor> {
+    full_from_sharded_chunks(v.pieces, v.key).map_err(|e| Fsdp2OptimError::Pieces {
+        file: v.file.to_owned(),
+        key: v.key.to_owned(),
+        reason: match e {
+            TransformError::BadTensor { reason, .. } => reason,
+            other => other.to_string(),
+        },
+    })
+}
+
+/// Where every rank's local piece lies in the full tensor, checking that the pieces are dim-0
+/// chunks that tile it exactly (the checks of [`full_from_sharded_chunks`], without bytes).
+fn placement(pieces: &[&DistTensor], key: &str, file: &str) -> Result<Vec<(u64, u64)>> {
+    let bad = |reason: String| Fsdp2OptimError::Pieces {
+        file: file.to_owned(),
+        key: key.to_owned(),
+        reason,
+    };
+    let Some(first) = pieces.first() else {
+        return Err(bad("no rank holds this tensor".to_owned()));
+    };
+    let shape = &first.global_shape;
+    let Some(&rows) = shape.first() else {
+        return Err(bad(
+            "a sharded tensor must have at least one dimension".to_owned()
+        ));
+    };
+    let row_numel = shape[1..]
+        .iter()
+        .try_fold(1u64, |a, &d| a.checked_mul(d))
+        .ok_or_else(|| bad("global shape overflows".to_owned()))?;
+    let numel = row_numel
+        .checked_mul(rows)
+        .ok_or_else(|| bad("global shape overflows".to_owned()))?;
+    // Row ranges claimed so far (start, end), to find rows held twice without a per-row table.
+    let mut claimed: Vec<(u64, u64)> = Vec::with_capacity(pieces.len());
+    let mut out = Vec::with_capacity(pieces.len());
+    let mut covered = 0u64;
+    for piece in pieces {
+        if &piece.global_shape != shape || piece.dtype != first.dtype {
+            return Err(bad(format!(
+                "ranks disagree on the global tensor: {:?} {} vs {:?} {}",
+                piece.global_shape, piece.dtype, shape, first.dtype
+            )));
+        }
+        let Some((offsets, local)) = &piece.local else {
+            out.push((0, 0));
+            continue;
+        };
+        let rows_here = local.shape.first().copied().unwrap_or(0);
+        if local.dtype != first.dtype
+            || local.shape.get(1..) != shape.get(1..)
+            || offsets.iter().skip(1).any(|&o| o != 0)
+        {
+            return Err(bad(format!(
+                "local shard {:?} at {offsets:?} is not a dim-0 chunk of {shape:?}",
+                local.shape
+            )));
+        }
+        if rows_here == 0 {
+            out.push((0, 0));
+            continue;
+        }
+        let start = offsets[0];
+        let end = start
+            .checked_add(rows_here)
+            .filter(|&e| e <= rows)
+            .ok_or_else(|| bad(format!("local shard at row {start} runs past {shape:?}")))?;
+        // The first row of this piece that an earlier piece holds.
+        if let Some(row) = claimed
+            .iter()
+            .filter(|&&(s, e)| start < e && s < end)
+            .map(|&(s, _)| start.max(s))
+            .min()
+        {
+            return Err(bad(format!("row {row} is held by two ranks")));
+        }
+        claimed.push((start, end));
+        // Both fit: end <= rows and rows * row_numel did not overflow.
+        out.push((start * row_numel, rows_here * row_numel));
+        covered += rows_here * row_numel;
+    }
+    if covered != numel {
+        return Err(bad(format!(
+            "the ranks' shards cover {covered} of {numel} elements"
+        )));
+    }
+    Ok(out)
+}
+
+/// Gathers one value present on every rank: DTensors into the full tensor (through `gather`);
+/// anything else must be equal on every rank (rank 0's is kept). `source` and `target` are the
+/// keys of the value in the ranks' dicts and in the output.
+fn gather_value(
+    ranks: &[Ranked<'_, Node>],
+    key: &str,
+    (source, target): (&[Key], &[Key]),
+    gather: &mut Gather<'_>,
+) -> Result<Node> {
     let first = &ranks[0];
     if let Node::Dist(d0) = first.value {
         let mut pieces = Vec::with_capacity(ranks.len());
@@ -204,13 +326,14 @@ fn gather_value(ranks: &[Ranked<'_, Node>], key: &str) -> Result<Node> {
                 ),
             });
         }
-        let full = full_from_sharded_chunks(&pieces, key).map_err(|e| Fsdp2OptimError::Pieces {
-            file: first.file.to_owned(),
-            key: key.to_owned(),
-            reason: match e {
-                TransformError::BadTensor { reason, .. } => reason,
-                other => other.to_string(),
-            },
+        let placement = placement(&pieces, key, first.file)?;
+        let full = gather(&DTensorValue {
+            source,
+            target,
+            pieces: &pieces,
+            placement: &placement,
+            key,
+            file: first.file,
         })?;
         return Ok(Node::Tensor(full));
     }
@@ -269,6 +392,17 @@ fn join(path: &str, k: impl std::fmt::Display) -> String {
 /// The full model state dict (`get_model_state_dict(full_state_dict=True)`) from every rank's
 /// `model.state_dict()`; `files` labels the ranks in messages.
 pub fn full_model_from_fsdp2(per_rank: &[&Dict], files: &[String]) -> Result<Dict> {
+    full_model_from_fsdp2_with(per_rank, files, &mut gather_in_memory)
+}
+
+/// [`full_model_from_fsdp2`] with every DTensor made by `gather` (a streaming caller gives
+/// skeletons: tensors with dtype and shape but no bytes; plain tensors, compared across ranks,
+/// must hold their bytes).
+pub fn full_model_from_fsdp2_with(
+    per_rank: &[&Dict],
+    files: &[String],
+    gather: &mut Gather<'_>,
+) -> Result<Dict> {
     let ranks = ranked(per_rank, files)?;
     same_keys(&ranks, "")?;
     let mut out = Dict::new();
@@ -280,7 +414,11 @@ pub fn full_model_from_fsdp2(per_rank: &[&Dict], files: &[String]) -> Result<Dic
                 value: r.value.get(k).unwrap_or(&Node::None),
             })
             .collect();
-        out.insert(k.clone(), gather_value(&values, &k.to_string())?);
+        let path = std::slice::from_ref(k);
+        out.insert(
+            k.clone(),
+            gather_value(&values, &k.to_string(), (path, path), gather)?,
+        );
     }
     Ok(out)
 }
@@ -317,6 +455,17 @@ pub fn full_optim_from_fsdp2(
     per_rank: &[&Dict],
     files: &[String],
     ids: &IdNames<'_>,
+) -> Result<Dict> {
+    full_optim_from_fsdp2_with(per_rank, files, ids, &mut gather_in_memory)
+}
+
+/// [`full_optim_from_fsdp2`] with every DTensor state made by `gather` (see
+/// [`full_model_from_fsdp2_with`]).
+pub fn full_optim_from_fsdp2_with(
+    per_rank: &[&Dict],
+    files: &[String],
+    ids: &IdNames<'_>,
+    gather: &mut Gather<'_>,
 ) -> Result<Dict> {
     let ranks = ranked(per_rank, files)?;
     let first = &ranks[0];
@@ -384,17 +533,22 @@ pub fn full_optim_from_fsdp2(
                         .collect::<Result<_>>()?;
                     state_out.insert(
                         Key::Str(fqn.clone()),
-                        param_state(&per_param, &id_key, &fqn, ids)?,
+                        param_state(&per_param, (&id_key, id), &fqn, ids, gather)?,
                     );
                 }
                 out.insert(top.clone(), Node::Dict(state_out));
             }
             Some("param_groups") => {
-                let groups = gather_value(&values, "param_groups")?;
+                let path = std::slice::from_ref(top);
+                let groups = gather_value(&values, "param_groups", (path, path), gather)?;
                 out.insert(top.clone(), rekey_groups(&groups, first.file, &name_of)?);
             }
             _ => {
-                out.insert(top.clone(), gather_value(&values, &top_key)?);
+                let path = std::slice::from_ref(top);
+                out.insert(
+                    top.clone(),
+                    gather_value(&values, &top_key, (path, path), gather)?,
+                );
             }
         }
     }
@@ -410,9 +564,10 @@ fn names_of(d: &Dict) -> String {
 
 fn param_state(
     per_rank: &[Ranked<'_, Dict>],
-    key: &str,
+    (key, id): (&str, &Key),
     fqn: &str,
     ids: &IdNames<'_>,
+    gather: &mut Gather<'_>,
 ) -> Result<Node> {
     let first = &per_rank[0];
     let first_names: BTreeSet<&Key> = first.value.keys().collect();
@@ -438,7 +593,9 @@ fn param_state(
                 value: r.value.get(name).unwrap_or(&Node::None),
             })
             .collect();
-        let value = gather_value(&values, &sub)?;
+        let source = [Key::str("state"), id.clone(), name.clone()];
+        let target = [Key::str("state"), Key::str(fqn), name.clone()];
+        let value = gather_value(&values, &sub, (&source, &target), gather)?;
         if let (Node::Tensor(t), Some(expected)) = (&value, ids.shapes.get(fqn))
             && t.dim() > 0
             && &t.shape != expected

@@ -305,8 +305,9 @@ fn convert_fsdp1_local(args: &ConvertArgs, model: &std::path::Path) -> Result<Ex
 
 /// Per-rank FSDP2 files with optimizer state -> `{"model": full model state dict, "optim": full
 /// FQN-keyed optimizer state dict}` as torch's DSD returns them with `full_state_dict=True`
-/// (`crate::convert::fsdp2_ranks`). `torch.save` output is written directly; other targets (and
-/// `--select`) go through a staged `torch.save` file and the streaming path.
+/// (`crate::convert::fsdp2_ranks`). `torch.save` output is written a tensor at a time; other targets
+/// (and `--select`) go through a staged `torch.save` file (written the same way) and the streaming
+/// index path.
 fn convert_fsdp2_ranks(args: &ConvertArgs, ranks: &Fsdp2Ranks) -> Result<ExitCode> {
     let target = target_of(args)?;
     if args.use_orig_params || args.optim_output.is_some() {
@@ -327,21 +328,23 @@ fn convert_fsdp2_ranks(args: &ConvertArgs, ranks: &Fsdp2Ranks) -> Result<ExitCod
         Some(p) => Some((shardscope_runner::fsdp1_local::read_description(p)?, p)),
         None => None,
     };
-    let state = fsdp2_ranks::full_state(ranks, desc.as_ref().map(|(d, p)| (d, p.as_path())))?;
-    let bytes = fsdp2_ranks::torch_save_bytes(&state)?;
-    drop(state);
+    let state =
+        fsdp2_ranks::FullState::open(ranks, desc.as_ref().map(|(d, p)| (d, p.as_path())))?;
     if target != Target::Torch || args.select.is_some() {
+        // Staged as a `torch.save` file (written a tensor at a time), then converted by the
+        // streaming index path.
         let stage = tempfile::tempdir().context("cannot create a temporary directory")?;
         let staged = stage.path().join("full.pt");
-        std::fs::write(&staged, &bytes)
+        let file = std::fs::File::create(&staged)
             .with_context(|| format!("cannot write {}", staged.display()))?;
-        drop(bytes);
+        let mut out = state.write(std::io::BufWriter::new(file))?;
+        std::io::Write::flush(&mut out)
+            .with_context(|| format!("cannot write {}", staged.display()))?;
+        drop(out);
+        drop(state);
         return run_index(args, &staged, Detected::Other);
     }
-    atomic::write_file(&args.output, |out| {
-        std::io::Write::write_all(out, &bytes)
-            .with_context(|| format!("cannot write {}", args.output.display()))
-    })?;
+    atomic::write_file(&args.output, |out| state.write(out).map(|_| ()))?;
     let seconds = started.elapsed().as_secs_f64();
     if args.json {
         let summary = serde_json::json!({

@@ -4,11 +4,11 @@
 //! holding `{"model": ..., "optim": ...}` (`rank{r}.pt`). File names are grouped as
 //! [`shardscope_runner::fsdp1_local`] groups them (the last number is the rank).
 //!
-//! [`full_state`] gives `{"model": M, "optim": O}` where `M` and `O` equal what torch's
+//! [`FullState`] plans `{"model": M, "optim": O}` where `M` and `O` equal what torch's
 //! `get_model_state_dict` / `get_optimizer_state_dict(model, optim,
 //! options=StateDictOptions(full_state_dict=True))` return (FQN keys in `state`, FQNs in
-//! `param_groups[i]["params"]`); `shardscope convert` writes it as `torch.save`, or passes it on to
-//! the safetensors / DCP writers.
+//! `param_groups[i]["params"]`); `shardscope convert` writes it as `torch.save` ([`FullState::write`]),
+//! or passes that file on to the safetensors / DCP writers.
 //!
 //! Which parameter an optimizer id is ([`id_names`]): torch maps id `i` to the `i`-th parameter of
 //! the optimizer's groups by object identity. Offline we assume the optimizer was built over
@@ -22,21 +22,30 @@
 //! cannot be decided and the conversion stops with an error naming the files. Each gathered state
 //! is also checked against its parameter's shape.
 //!
-//! Memory: all ranks' files are read whole, and the full state is held once (fine for the sizes
-//! one converts on one machine; the DCP and index paths stream instead).
+//! Memory: the output streams, a tensor at a time. Every rank file's zip directory and pickle are
+//! read once into a *skeleton* (tensors with dtype and shape but no bytes,
+//! [`shardscope_runner::fsdp1_local::lazy::LazyFile`]); only plain tensors (0-dim `step`, buffers,
+//! which must be equal on every rank) are read whole. The structure and every check come from the
+//! same code as the in-memory transform ([`full_model_from_fsdp2_with`],
+//! [`full_optim_from_fsdp2_with`]) with each DTensor made into a tensor without bytes; when the
+//! `torch.save` writer asks for its storage, the full tensor is assembled from the ranks' local
+//! pieces with positioned reads at their dim-0 offsets. Peak memory is about the largest full
+//! tensor plus the plain tensors of every rank.
 
-use std::collections::BTreeMap;
+use std::collections::{BTreeMap, HashMap};
+use std::io::Write;
 use std::path::{Path, PathBuf};
 
-use anyhow::{Context, Result, bail};
+use anyhow::{Result, bail};
 use shardscope_core::model::ModelDescription;
-use shardscope_core::model::bridge;
-use shardscope_core::model::tree::{Dict, DistKind, Key, Node};
+use shardscope_core::model::bridge::RootDict;
+use shardscope_core::model::tree::{Dict, DistKind, Key, Node, Tensor};
 use shardscope_core::transform::fsdp2_optim::{
-    IdNames, dtensor_param_names, full_model_from_fsdp2, full_optim_from_fsdp2,
-    optimizer_param_count,
+    DTensorValue, IdNames, dtensor_param_names, full_model_from_fsdp2_with,
+    full_optim_from_fsdp2_with, optimizer_param_count,
 };
-use shardscope_runner::fsdp1_local::{RankFiles, find_rank_files};
+use shardscope_runner::fsdp1_local::lazy::{self, LazyFile};
+use shardscope_runner::fsdp1_local::{Fsdp1LocalError, RankFiles, find_rank_files};
 
 /// A folder of FSDP2 per-rank files with optimizer state.
 #[derive(Debug, Clone)]
@@ -62,14 +71,6 @@ pub enum Detected {
     /// Per-rank files that do not form a complete set (the reason, to show when nothing else can
     /// read the folder either).
     Incomplete(anyhow::Error),
-}
-
-fn read_node(path: &Path) -> Result<Node> {
-    let bytes = std::fs::read(path).with_context(|| format!("cannot read {}", path.display()))?;
-    Ok(bridge::node_from_torch_save(
-        &bytes,
-        &path.display().to_string(),
-    )?)
 }
 
 fn has_dtensor(d: &Dict) -> bool {
@@ -175,9 +176,14 @@ fn missing_ranks(dir: &Path) -> Option<String> {
     })
 }
 
+/// Every rank's files opened lazily, and their skeletons.
 struct Loaded {
+    files: Vec<LazyFile>,
     models: Vec<Dict>,
     optims: Vec<Dict>,
+    /// Per rank: the index in `files` and the path prefix of the model / optimizer state dict.
+    model_src: Vec<(usize, &'static str)>,
+    optim_src: Vec<(usize, &'static str)>,
     model_files: Vec<String>,
     optim_files: Vec<String>,
 }
@@ -193,10 +199,52 @@ fn into_dict(n: Node, path: &Path, what: &str) -> Result<Dict> {
     }
 }
 
+/// `node` (a skeleton of `file`, found at `path`) with every plain tensor read; DTensors keep no
+/// bytes.
+fn read_plain_tensors(file: &LazyFile, node: Node, path: &str) -> Result<Node> {
+    Ok(match node {
+        Node::Tensor(t) => Node::Tensor(Tensor {
+            data: file.read_tensor(path)?,
+            ..t
+        }),
+        Node::Dict(d) => Node::Dict(
+            d.into_entries()
+                .into_iter()
+                .map(|(k, v)| {
+                    let sub = format!("{path}/{k}");
+                    Ok((k, read_plain_tensors(file, v, &sub)?))
+                })
+                .collect::<Result<Vec<_>>>()?
+                .into_iter()
+                .collect(),
+        ),
+        Node::List(items) => Node::List(read_plain_items(file, items, path)?),
+        Node::Tuple(items) => Node::Tuple(read_plain_items(file, items, path)?),
+        other => other,
+    })
+}
+
+fn read_plain_items(file: &LazyFile, items: Vec<Node>, path: &str) -> Result<Vec<Node>> {
+    items
+        .into_iter()
+        .enumerate()
+        .map(|(i, x)| read_plain_tensors(file, x, &format!("{path}/{i}")))
+        .collect()
+}
+
+fn open(path: &Path) -> Result<(LazyFile, Node)> {
+    let (file, node) = LazyFile::open(path)?;
+    let node = read_plain_tensors(&file, node, "")?;
+    Ok((file, node))
+}
+
 fn load(ranks: &Fsdp2Ranks) -> Result<Loaded> {
     let mut loaded = Loaded {
+        files: Vec::new(),
         models: Vec::new(),
         optims: Vec::new(),
+        model_src: Vec::new(),
+        optim_src: Vec::new(),
         model_files: Vec::new(),
         optim_files: Vec::new(),
     };
@@ -204,15 +252,15 @@ fn load(ranks: &Fsdp2Ranks) -> Result<Loaded> {
         let model_path = ranks.files.model_file(r);
         let label = model_path.display().to_string();
         if ranks.combined {
-            let node = read_node(&model_path)?;
-            let Node::Dict(mut d) = node else {
-                bail!("{label}: expected a dict with `model` and `optim`");
-            };
-            if combined_parts(&Node::Dict(d.clone())).is_none() {
+            let (file, node) = open(&model_path)?;
+            if combined_parts(&node).is_none() {
                 bail!(
                     "{label}: expected a dict with `model` (a state dict) and `optim` (an optimizer state dict with `state` and `param_groups`), like rank 0's file"
                 );
             }
+            let Node::Dict(mut d) = node else {
+                bail!("{label}: expected a dict with `model` and `optim`");
+            };
             let model = d.remove(&Key::str("model")).unwrap_or(Node::None);
             let optim = d.remove(&Key::str("optim")).unwrap_or(Node::None);
             loaded
@@ -221,16 +269,20 @@ fn load(ranks: &Fsdp2Ranks) -> Result<Loaded> {
             loaded
                 .optims
                 .push(into_dict(optim, &model_path, "an optimizer state dict")?);
+            loaded.model_src.push((loaded.files.len(), "/model"));
+            loaded.optim_src.push((loaded.files.len(), "/optim"));
+            loaded.files.push(file);
             loaded.model_files.push(format!("{label} [model]"));
             loaded.optim_files.push(format!("{label} [optim]"));
         } else {
             let optim_path: PathBuf = ranks.files.optim_file(r).unwrap_or_default();
-            loaded.models.push(into_dict(
-                read_node(&model_path)?,
-                &model_path,
-                "a model state dict",
-            )?);
-            let optim = read_node(&optim_path)?;
+            let (file, model) = open(&model_path)?;
+            loaded
+                .models
+                .push(into_dict(model, &model_path, "a model state dict")?);
+            loaded.model_src.push((loaded.files.len(), ""));
+            loaded.files.push(file);
+            let (file, optim) = open(&optim_path)?;
             if !is_optimizer(&optim) {
                 bail!(
                     "{}: not an optimizer state dict (no `state` and `param_groups` keys)",
@@ -240,6 +292,8 @@ fn load(ranks: &Fsdp2Ranks) -> Result<Loaded> {
             loaded
                 .optims
                 .push(into_dict(optim, &optim_path, "an optimizer state dict")?);
+            loaded.optim_src.push((loaded.files.len(), ""));
+            loaded.files.push(file);
             loaded.model_files.push(label);
             loaded.optim_files.push(optim_path.display().to_string());
         }
@@ -304,41 +358,170 @@ fn id_names(
     ))
 }
 
-/// Reads every rank and builds `{"model": full model state dict, "optim": full optimizer state
-/// dict}` as torch's DSD returns them with `full_state_dict=True`.
-pub fn full_state(ranks: &Fsdp2Ranks, desc: Option<(&ModelDescription, &Path)>) -> Result<Node> {
-    let loaded = load(ranks)?;
-    let models: Vec<&Dict> = loaded.models.iter().collect();
-    let full_model = full_model_from_fsdp2(&models, &loaded.model_files)?;
-    let (names, origin) = id_names(
-        &loaded.models[0],
-        &loaded.model_files[0],
-        &loaded.optims[0],
-        &loaded.optim_files[0],
-        &full_model,
-        desc,
-    )?;
-    let shapes: BTreeMap<String, Vec<u64>> = full_model
-        .iter()
-        .filter_map(|(k, v)| Some((k.to_string(), v.as_tensor()?.shape.clone())))
-        .collect();
-    let optims: Vec<&Dict> = loaded.optims.iter().collect();
-    let full_optim = full_optim_from_fsdp2(
-        &optims,
-        &loaded.optim_files,
-        &IdNames {
-            names: &names,
-            origin: &origin,
-            shapes: &shapes,
-        },
-    )?;
-    let mut root = Dict::new();
-    root.insert(Key::str("model"), Node::Dict(full_model));
-    root.insert(Key::str("optim"), Node::Dict(full_optim));
-    Ok(Node::Dict(root))
+/// One rank's local piece of a full tensor: `numel` elements of the tensor at `path` of
+/// `files[file]`, from element `first` of the full tensor on.
+#[derive(Debug)]
+struct Piece {
+    file: usize,
+    path: String,
+    first: u64,
+    numel: u64,
 }
 
-/// `torch.save` bytes of [`full_state`]'s result (loadable with `weights_only=True`).
-pub fn torch_save_bytes(state: &Node) -> Result<Vec<u8>> {
-    Ok(bridge::to_torch_save(state, bridge::RootDict::Plain, 0, 1)?)
+/// A full tensor of the output made from the ranks' DTensor pieces.
+#[derive(Debug)]
+struct Gathered {
+    item: u64,
+    numel: u64,
+    pieces: Vec<Piece>,
+}
+
+/// `/a/b/c` for the keys `a`, `b`, `c` (the path format of the bridge and of skeletons).
+fn key_path(prefix: &str, keys: &[Key]) -> String {
+    let mut out = prefix.to_owned();
+    for k in keys {
+        out.push('/');
+        out.push_str(&k.to_string());
+    }
+    out
+}
+
+/// Records where the full tensor of `v` comes from (under `out_prefix` in the output, the ranks'
+/// `src` files and prefixes) and gives its skeleton (no bytes).
+fn plan_gather(
+    v: &DTensorValue<'_>,
+    out_prefix: &str,
+    src: &[(usize, &'static str)],
+    gathers: &mut HashMap<String, Gathered>,
+) -> Tensor {
+    let first = v.pieces[0];
+    let pieces = v
+        .placement
+        .iter()
+        .zip(src)
+        .filter(|((_, numel), _)| *numel > 0)
+        .map(|(&(first, numel), &(file, prefix))| Piece {
+            file,
+            path: key_path(prefix, v.source),
+            first,
+            numel,
+        })
+        .collect();
+    gathers.insert(
+        key_path(out_prefix, v.target),
+        Gathered {
+            item: first.dtype.size_bytes() as u64,
+            numel: v.placement.iter().map(|p| p.1).sum(),
+            pieces,
+        },
+    );
+    Tensor {
+        dtype: first.dtype,
+        shape: first.global_shape.clone(),
+        data: Vec::new(),
+    }
+}
+
+/// The full `{"model", "optim"}` state of a per-rank folder, planned: its structure (checked as
+/// the in-memory transform checks it) with the plain tensors' bytes, and where every full
+/// tensor's bytes lie in the ranks' files.
+#[derive(Debug)]
+pub struct FullState {
+    files: Vec<LazyFile>,
+    /// The output without any tensor bytes.
+    skeleton: Node,
+    /// Bytes of the plain tensors (rank 0's), by output path.
+    plain: HashMap<String, Vec<u8>>,
+    /// Full tensors gathered from DTensor pieces, by output path.
+    gathers: HashMap<String, Gathered>,
+}
+
+impl FullState {
+    /// Reads every rank's structure and plans `{"model": full model state dict, "optim": full
+    /// optimizer state dict}` as torch's DSD returns them with `full_state_dict=True`.
+    pub fn open(ranks: &Fsdp2Ranks, desc: Option<(&ModelDescription, &Path)>) -> Result<Self> {
+        let loaded = load(ranks)?;
+        let mut gathers = HashMap::new();
+        let models: Vec<&Dict> = loaded.models.iter().collect();
+        let full_model =
+            full_model_from_fsdp2_with(&models, &loaded.model_files, &mut |v| {
+                Ok(plan_gather(v, "/model", &loaded.model_src, &mut gathers))
+            })?;
+        let (names, origin) = id_names(
+            &loaded.models[0],
+            &loaded.model_files[0],
+            &loaded.optims[0],
+            &loaded.optim_files[0],
+            &full_model,
+            desc,
+        )?;
+        let shapes: BTreeMap<String, Vec<u64>> = full_model
+            .iter()
+            .filter_map(|(k, v)| Some((k.to_string(), v.as_tensor()?.shape.clone())))
+            .collect();
+        let optims: Vec<&Dict> = loaded.optims.iter().collect();
+        let full_optim = full_optim_from_fsdp2_with(
+            &optims,
+            &loaded.optim_files,
+            &IdNames {
+                names: &names,
+                origin: &origin,
+                shapes: &shapes,
+            },
+            &mut |v| Ok(plan_gather(v, "/optim", &loaded.optim_src, &mut gathers)),
+        )?;
+        let mut root = Dict::new();
+        root.insert(Key::str("model"), Node::Dict(full_model));
+        root.insert(Key::str("optim"), Node::Dict(full_optim));
+        let mut plain = HashMap::new();
+        let skeleton = lazy::split_tensors(Node::Dict(root), "", &mut plain);
+        plain.retain(|path, _| !gathers.contains_key(path));
+        Ok(FullState {
+            files: loaded.files,
+            skeleton,
+            plain,
+            gathers,
+        })
+    }
+
+    /// The bytes of the full tensor at output path `path`, read from the ranks' pieces.
+    fn gather(&self, path: &str) -> Result<Vec<u8>, Fsdp1LocalError> {
+        let content = |reason: String| Fsdp1LocalError::Content {
+            file: PathBuf::from("<output>"),
+            reason,
+        };
+        let g = self
+            .gathers
+            .get(path)
+            .ok_or_else(|| content(format!("no tensor planned at `{path}`")))?;
+        let len = g
+            .numel
+            .checked_mul(g.item)
+            .and_then(|n| usize::try_from(n).ok())
+            .ok_or_else(|| content(format!("`{path}`: {} elements do not fit in memory", g.numel)))?;
+        let mut buf = vec![0u8; len];
+        for p in &g.pieces {
+            // The placement was checked: the pieces tile the tensor, so these are in bounds.
+            let start = (p.first * g.item) as usize;
+            let end = ((p.first + p.numel) * g.item) as usize;
+            self.files[p.file].read_elems_into(&p.path, 0, &mut buf[start..end])?;
+        }
+        Ok(buf)
+    }
+
+    /// `torch.save` of the full state into `out` (loadable with `weights_only=True`), one
+    /// storage at a time. Returns `out`.
+    pub fn write<W: Write>(&self, out: W) -> Result<W> {
+        Ok(lazy::write_torch_save(
+            out,
+            &self.skeleton,
+            RootDict::Plain,
+            (0, 1),
+            (0, 1),
+            |path| match self.plain.get(path) {
+                Some(data) => Ok(data.clone()),
+                None => self.gather(path),
+            },
+        )?)
+    }
 }

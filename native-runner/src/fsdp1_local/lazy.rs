@@ -21,12 +21,15 @@ use shardscope_core::model::bridge::{self, BridgeError, RootDict};
 use shardscope_core::model::tree::{Node, Tensor};
 use shardscope_core::source::Source;
 
-use super::{Fsdp1LocalError, Result};
+use super::Fsdp1LocalError;
+
+type Result<T> = std::result::Result<T, Fsdp1LocalError>;
 use crate::file_source::FileSource;
 
 /// One input file: its archive structure in memory, its bytes on disk.
 #[derive(Debug)]
-pub(super) struct LazyFile {
+pub struct LazyFile {
+    /// The file.
     pub path: PathBuf,
     file: File,
     archive: TorchArchive,
@@ -203,7 +206,7 @@ impl LazyFile {
 
 /// The paths of every tensor of `node` in the order `torch.save` stores them (the storage table
 /// order of [`bridge::plan_torch_save`]: depth first, dict order, a ShardedTensor's local shard).
-pub(super) fn tensor_paths(node: &Node, path: &str, out: &mut Vec<String>) {
+pub fn tensor_paths(node: &Node, path: &str, out: &mut Vec<String>) {
     match node {
         Node::Tensor(_) => out.push(path.to_owned()),
         Node::Dist(d) if d.local.is_some() => out.push(path.to_owned()),
@@ -222,7 +225,7 @@ pub(super) fn tensor_paths(node: &Node, path: &str, out: &mut Vec<String>) {
 }
 
 /// `node` with every tensor's bytes dropped (dtype and shape kept), and its tensors by path.
-pub(super) fn split_tensors(node: Node, path: &str, out: &mut HashMap<String, Vec<u8>>) -> Node {
+pub fn split_tensors(node: Node, path: &str, out: &mut HashMap<String, Vec<u8>>) -> Node {
     match node {
         Node::Tensor(mut t) => {
             out.insert(path.to_owned(), std::mem::take(&mut t.data));
@@ -261,7 +264,7 @@ fn split_items(items: Vec<Node>, path: &str, out: &mut HashMap<String, Vec<u8>>)
 /// tensor at `path` when the writer needs them. Returns `out`.
 /// `group` and `global` are the `(rank, size)` recorded in ShardedTensors (see
 /// [`bridge::plan_torch_save_in_group`]).
-pub(super) fn write_torch_save<W: Write>(
+pub fn write_torch_save<W: Write>(
     out: W,
     skeleton: &Node,
     root: RootDict,

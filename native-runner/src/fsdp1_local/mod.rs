@@ -69,7 +69,8 @@ use shardscope_core::transform::optim_state::{full_optim_from_local, local_optim
 use shardscope_core::transform::reshard::{FullKey, LocalKey, full_key_plan, local_key_plan};
 use shardscope_core::transform::{Fsdp1Model, ParamRef, TransformError};
 
-mod lazy;
+/// Lazy `torch.save` inputs and tensor-at-a-time outputs (also used by the FSDP2 per-rank convert).
+pub mod lazy;
 
 use lazy::LazyFile;
 
