@@ -806,4 +806,45 @@ mod tests {
             "{e}"
         );
     }
+
+    #[test]
+    fn skeleton_gather_checks_pieces_like_the_in_memory_one() {
+        // Two ranks claiming row 1 of a [3] tensor: [0, 1] at 0 and [1, 2] at 1.
+        let a = Dict::from_iter([(Key::str("w"), dt(vec![3], 0, f32s(&[1.0, 2.0], vec![2])))]);
+        let b = Dict::from_iter([(Key::str("w"), dt(vec![3], 1, f32s(&[3.0], vec![1])))]);
+        let c = Dict::from_iter([(Key::str("w"), dt(vec![3], 2, f32s(&[3.0], vec![1])))]);
+        let mut skeleton = |v: &DTensorValue<'_>| {
+            Ok(Tensor {
+                dtype: v.pieces[0].dtype,
+                shape: v.pieces[0].global_shape.clone(),
+                data: Vec::new(),
+            })
+        };
+        let e_mem = full_model_from_fsdp2(&[&a, &b], &files()).unwrap_err();
+        let e_skel = full_model_from_fsdp2_with(&[&a, &b], &files(), &mut skeleton).unwrap_err();
+        assert_eq!(e_mem, e_skel);
+        assert!(
+            e_skel.to_string().contains("row 1 is held by two ranks"),
+            "{e_skel}"
+        );
+        // A good split: the skeleton gather sees where each piece goes.
+        let mut seen = Vec::new();
+        let full = full_model_from_fsdp2_with(&[&a, &c], &files(), &mut |v| {
+            seen.push((v.source.to_vec(), v.target.to_vec(), v.placement.to_vec()));
+            skeleton(v)
+        })
+        .unwrap();
+        assert_eq!(
+            full.get_str("w").unwrap().as_tensor().unwrap().shape,
+            vec![3]
+        );
+        assert_eq!(
+            seen,
+            vec![(
+                vec![Key::str("w")],
+                vec![Key::str("w")],
+                vec![(0, 2), (2, 1)]
+            )]
+        );
+    }
 }

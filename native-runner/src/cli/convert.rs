@@ -328,8 +328,7 @@ fn convert_fsdp2_ranks(args: &ConvertArgs, ranks: &Fsdp2Ranks) -> Result<ExitCod
         Some(p) => Some((shardscope_runner::fsdp1_local::read_description(p)?, p)),
         None => None,
     };
-    let state =
-        fsdp2_ranks::FullState::open(ranks, desc.as_ref().map(|(d, p)| (d, p.as_path())))?;
+    let state = fsdp2_ranks::FullState::open(ranks, desc.as_ref().map(|(d, p)| (d, p.as_path())))?;
     if target != Target::Torch || args.select.is_some() {
         // Staged as a `torch.save` file (written a tensor at a time), then converted by the
         // streaming index path.

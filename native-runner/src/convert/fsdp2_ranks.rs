@@ -436,6 +436,8 @@ pub struct FullState {
     gathers: HashMap<String, Gathered>,
 }
 
+// The error types are the libraries' (`Fsdp2OptimError`, `Fsdp1LocalError`), returned once per run.
+#[allow(clippy::result_large_err)]
 impl FullState {
     /// Reads every rank's structure and plans `{"model": full model state dict, "optim": full
     /// optimizer state dict}` as torch's DSD returns them with `full_state_dict=True`.
@@ -443,10 +445,9 @@ impl FullState {
         let loaded = load(ranks)?;
         let mut gathers = HashMap::new();
         let models: Vec<&Dict> = loaded.models.iter().collect();
-        let full_model =
-            full_model_from_fsdp2_with(&models, &loaded.model_files, &mut |v| {
-                Ok(plan_gather(v, "/model", &loaded.model_src, &mut gathers))
-            })?;
+        let full_model = full_model_from_fsdp2_with(&models, &loaded.model_files, &mut |v| {
+            Ok(plan_gather(v, "/model", &loaded.model_src, &mut gathers))
+        })?;
         let (names, origin) = id_names(
             &loaded.models[0],
             &loaded.model_files[0],
@@ -498,7 +499,12 @@ impl FullState {
             .numel
             .checked_mul(g.item)
             .and_then(|n| usize::try_from(n).ok())
-            .ok_or_else(|| content(format!("`{path}`: {} elements do not fit in memory", g.numel)))?;
+            .ok_or_else(|| {
+                content(format!(
+                    "`{path}`: {} elements do not fit in memory",
+                    g.numel
+                ))
+            })?;
         let mut buf = vec![0u8; len];
         for p in &g.pieces {
             // The placement was checked: the pieces tile the tensor, so these are in bounds.
@@ -523,5 +529,81 @@ impl FullState {
                 None => self.gather(path),
             },
         )?)
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    #![allow(clippy::unwrap_used)]
+
+    use super::*;
+    use shardscope_core::model::bridge;
+    use shardscope_core::transform::fsdp2_optim::{full_model_from_fsdp2, full_optim_from_fsdp2};
+
+    fn whole(path: &Path) -> Node {
+        let bytes = std::fs::read(path).unwrap();
+        bridge::node_from_torch_save(&bytes, &path.display().to_string()).unwrap()
+    }
+
+    /// The earlier implementation: every file read whole, the in-memory transforms, one
+    /// `torch.save` of the result.
+    fn in_memory(ranks: &Fsdp2Ranks) -> Vec<u8> {
+        let (mut models, mut optims, mut labels) = (Vec::new(), Vec::new(), Vec::new());
+        for r in 0..ranks.world_size() {
+            let model_path = ranks.files.model_file(r);
+            labels.push(model_path.display().to_string());
+            if ranks.combined {
+                let Node::Dict(mut d) = whole(&model_path) else {
+                    panic!("not a dict")
+                };
+                models.push(
+                    into_dict(d.remove(&Key::str("model")).unwrap(), &model_path, "").unwrap(),
+                );
+                optims.push(
+                    into_dict(d.remove(&Key::str("optim")).unwrap(), &model_path, "").unwrap(),
+                );
+            } else {
+                models.push(into_dict(whole(&model_path), &model_path, "").unwrap());
+                let optim_path = ranks.files.optim_file(r).unwrap();
+                optims.push(into_dict(whole(&optim_path), &optim_path, "").unwrap());
+            }
+        }
+        let model_refs: Vec<&Dict> = models.iter().collect();
+        let full_model = full_model_from_fsdp2(&model_refs, &labels).unwrap();
+        let names = dtensor_param_names(&models[0]);
+        let shapes: BTreeMap<String, Vec<u64>> = full_model
+            .iter()
+            .filter_map(|(k, v)| Some((k.to_string(), v.as_tensor()?.shape.clone())))
+            .collect();
+        let optim_refs: Vec<&Dict> = optims.iter().collect();
+        let ids = IdNames {
+            names: &names,
+            origin: "test",
+            shapes: &shapes,
+        };
+        let full_optim = full_optim_from_fsdp2(&optim_refs, &labels, &ids).unwrap();
+        let mut root = Dict::new();
+        root.insert(Key::str("model"), Node::Dict(full_model));
+        root.insert(Key::str("optim"), Node::Dict(full_optim));
+        bridge::to_torch_save(&Node::Dict(root), RootDict::Plain, 0, 1).unwrap()
+    }
+
+    #[test]
+    fn streaming_output_equals_the_in_memory_transform() {
+        let fixtures = Path::new(env!("CARGO_MANIFEST_DIR")).join("../tests/fixtures/fsdp2_optim");
+        // ws2: model and optimizer files per rank; ws3: one combined file per rank.
+        for ws in ["ws2", "ws3"] {
+            let Detected::Fsdp2(ranks) = detect(&fixtures.join(ws)) else {
+                panic!("{ws}: not detected as FSDP2 per-rank files");
+            };
+            let streamed = FullState::open(&ranks, None)
+                .unwrap()
+                .write(Vec::new())
+                .unwrap();
+            assert!(
+                streamed == in_memory(&ranks),
+                "{ws}: the streamed torch.save differs from the in-memory one"
+            );
+        }
     }
 }

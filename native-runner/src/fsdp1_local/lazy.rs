@@ -206,7 +206,7 @@ impl LazyFile {
 
 /// The paths of every tensor of `node` in the order `torch.save` stores them (the storage table
 /// order of [`bridge::plan_torch_save`]: depth first, dict order, a ShardedTensor's local shard).
-pub fn tensor_paths(node: &Node, path: &str, out: &mut Vec<String>) {
+pub(super) fn tensor_paths(node: &Node, path: &str, out: &mut Vec<String>) {
     match node {
         Node::Tensor(_) => out.push(path.to_owned()),
         Node::Dist(d) if d.local.is_some() => out.push(path.to_owned()),
@@ -225,6 +225,7 @@ pub fn tensor_paths(node: &Node, path: &str, out: &mut Vec<String>) {
 }
 
 /// `node` with every tensor's bytes dropped (dtype and shape kept), and its tensors by path.
+#[allow(clippy::implicit_hasher)]
 pub fn split_tensors(node: Node, path: &str, out: &mut HashMap<String, Vec<u8>>) -> Node {
     match node {
         Node::Tensor(mut t) => {

@@ -1,0 +1,162 @@
+#!/usr/bin/env python3
+"""Benchmark: `shardscope convert` of a ~3 GiB FSDP2 per-rank checkpoint (model + optimizer) written by
+torch to one full `torch.save` file, against a plain copy of the same bytes, in the same run.
+
+1. Two spawned ranks (gloo, CPU, `init_device_mesh("cpu", (2,))`) shard a model of 8 bias-free Linear
+   layers (alternately [8192, 4096] and [4096, 8192] float32: 128 MiB each, 1 GiB in all) with FSDP2
+   `fully_shard` (one per layer plus the root), take one Adam step, and save per rank
+   `model.state_dict()` (`rank{r}_model.pt`, DTensor values) and the raw `optim.state_dict()`
+   (`rank{r}_optim.pt`, DTensor `exp_avg`/`exp_avg_sq`) with torch.save. Rank 0 also saves the full
+   weights of layers 0 and 7 (`full_tensor()`) for a spot check.
+2. Each command runs as its own process under `/usr/bin/time -v` (wall time, peak RSS), with the input
+   in the page cache and after a `sync`:
+   - plain copy: `cat` of the four rank files into one file, then `sync FILE` (shardscope fsyncs its
+     outputs too): the floor for moving these bytes;
+   - `shardscope convert SRC -o full.pt`;
+   - optionally (`--baseline BIN`) the same command with another build (e.g. the earlier in-memory
+     code); its output must be byte-identical.
+3. Spot check: layers 0 and 7 of `full.pt["model"]` equal torch's full parameters.
+
+usage: python bench/fsdp2_convert.py [--shardscope target/release/shardscope] [--baseline BIN] [--dir /tmp]
+Needs about 10 GiB of free disk under --dir and ~6 GiB of memory for the torch ranks. Prints a table and
+one JSON line; cleans up its temp directory. See BENCHMARKS.md.
+"""
+
+from __future__ import annotations
+
+import argparse
+import filecmp
+import json
+import os
+import re
+import shutil
+import subprocess
+import sys
+import tempfile
+
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+from torch import nn
+
+WORLD = 2
+LAYERS = 8
+BIG, SMALL = 8192, 4096  # one [8192, 4096] float32 weight = 128 MiB
+
+
+class Model(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        dims = [(SMALL, BIG) if i % 2 == 0 else (BIG, SMALL) for i in range(LAYERS)]
+        self.layers = nn.Sequential(*[nn.Linear(a, b, bias=False) for a, b in dims])
+
+    def forward(self, x):
+        return self.layers(x)
+
+
+def save_worker(rank: int, store: str, out_dir: str, ref_path: str) -> None:
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import fully_shard
+
+    dist.init_process_group("gloo", init_method=f"file://{store}", rank=rank, world_size=WORLD)
+    mesh = init_device_mesh("cpu", (WORLD,))
+    torch.manual_seed(0)
+    model = Model()
+    for layer in model.layers:
+        fully_shard(layer, mesh=mesh)
+    fully_shard(model, mesh=mesh)
+    optim = torch.optim.Adam(model.parameters(), lr=1e-3)
+    torch.manual_seed(1)
+    model(torch.randn(2, SMALL)).sum().backward()
+    optim.step()
+    torch.save(model.state_dict(), os.path.join(out_dir, f"rank{rank}_model.pt"))
+    torch.save(optim.state_dict(), os.path.join(out_dir, f"rank{rank}_optim.pt"))
+    ref = {}
+    for i in (0, LAYERS - 1):
+        full = model.layers[i].weight.full_tensor()
+        if rank == 0:
+            ref[f"layers.{i}.weight"] = full.detach().clone()
+    if rank == 0:
+        torch.save(ref, ref_path)
+    dist.barrier()
+    dist.destroy_process_group()
+
+
+def timed(cmd: list[str]) -> tuple[float, int]:
+    """Wall seconds and peak RSS (bytes) of `cmd`, from /usr/bin/time -v."""
+    os.sync()
+    out = subprocess.run(["/usr/bin/time", "-v", *cmd], capture_output=True, text=True)
+    if out.returncode != 0:
+        sys.exit(f"{cmd} failed:\n{out.stderr}")
+    wall = re.search(r"Elapsed \(wall clock\) time \(h:mm:ss or m:ss\): (?:(\d+):)?(\d+):([\d.]+)", out.stderr)
+    rss = re.search(r"Maximum resident set size \(kbytes\): (\d+)", out.stderr)
+    h, m, s = wall.groups()
+    return (int(h or 0) * 3600 + int(m) * 60 + float(s), int(rss.group(1)) * 1024)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--shardscope", default="target/release/shardscope")
+    parser.add_argument("--baseline", help="another shardscope build to time on the same input")
+    parser.add_argument("--dir", default=tempfile.gettempdir())
+    args = parser.parse_args()
+    shardscope = os.path.abspath(args.shardscope)
+    work = tempfile.mkdtemp(prefix="shardscope-bench-fsdp2-", dir=args.dir)
+    try:
+        src = os.path.join(work, "src")
+        os.makedirs(src)
+        ref_path = os.path.join(work, "reference.pt")
+        mp.spawn(save_worker, args=(os.path.join(work, "store"), src, ref_path), nprocs=WORLD, join=True)
+        files = sorted(os.path.join(src, f) for f in os.listdir(src))
+        input_bytes = sum(os.path.getsize(f) for f in files)
+        largest = BIG * SMALL * 4
+        subprocess.run(["cat", *files], stdout=subprocess.DEVNULL, check=True)  # warm the cache
+
+        copy = os.path.join(work, "copy.bin")
+        copy_cmd = ["sh", "-c", 'out="$1"; shift; cat "$@" > "$out" && sync "$out"', "sh", copy, *files]
+        full = os.path.join(work, "full.pt")
+        results = {}
+        results["plain copy (cat + sync)"] = timed(copy_cmd)
+        os.remove(copy)
+        results["shardscope convert -> full.pt"] = timed([shardscope, "convert", src, "-o", full, "--quiet"])
+        if args.baseline:
+            base = os.path.join(work, "baseline.pt")
+            results["baseline convert -> full.pt"] = timed(
+                [os.path.abspath(args.baseline), "convert", src, "-o", base, "--quiet"]
+            )
+            assert filecmp.cmp(full, base, shallow=False), "outputs differ from the baseline's"
+            os.remove(base)
+
+        ref = torch.load(ref_path, weights_only=True)
+        state = torch.load(full, weights_only=True, mmap=True)
+        for key, value in ref.items():
+            assert torch.equal(state["model"][key], value), key
+        assert set(state["optim"]["state"]) == {f"layers.{i}.weight" for i in range(LAYERS)}
+        del state
+
+        t_copy = results["plain copy (cat + sync)"][0]
+        print(
+            f"input: {input_bytes / 2**30:.2f} GiB in {len(files)} files ({WORLD} ranks); "
+            f"largest tensor {largest / 2**20:.0f} MiB; target peak RSS {(largest + 64 * 2**20) / 2**20:.0f} MiB"
+        )
+        print(f"{'command':36} {'wall s':>8} {'GiB/s in':>9} {'peak RSS MiB':>13} {'x largest':>10} {'of copy':>8}")
+        summary = {"input_bytes": input_bytes, "largest_tensor_bytes": largest, "output_bytes": os.path.getsize(full)}
+        for name, (wall, rss) in results.items():
+            print(
+                f"{name:36} {wall:8.2f} {input_bytes / 2**30 / wall:9.2f} {rss / 2**20:13.0f} "
+                f"{rss / largest:9.2f}x {t_copy / wall * 100:7.0f}%"
+            )
+            summary[name] = {
+                "wall_s": wall,
+                "peak_rss_bytes": rss,
+                "peak_rss_over_largest_tensor": rss / largest,
+                "fraction_of_copy_throughput": t_copy / wall,
+                "peak_rss_at_most_largest_plus_64MiB": rss <= largest + 64 * 2**20,
+            }
+        print(json.dumps(summary))
+    finally:
+        shutil.rmtree(work, ignore_errors=True)
+
+
+if __name__ == "__main__":
+    main()
