@@ -13,9 +13,12 @@ torch to one full `torch.save` file, against a plain copy of the same bytes, in 
    - plain copy: `cat` of the four rank files into one file, then `sync FILE` (shardscope fsyncs its
      outputs too): the floor for moving these bytes;
    - `shardscope convert SRC -o full.pt`;
+   - `shardscope convert SRC -o model.safetensors --select model` (staged through a temporary full
+     `.pt` under --dir);
    - optionally (`--baseline BIN`) the same command with another build (e.g. the earlier in-memory
      code); its output must be byte-identical.
-3. Spot check: layers 0 and 7 of `full.pt["model"]` equal torch's full parameters.
+3. Spot check: layers 0 and 7 of `full.pt["model"]` and of model.safetensors equal torch's full
+   parameters.
 
 usage: python bench/fsdp2_convert.py [--shardscope target/release/shardscope] [--baseline BIN] [--dir /tmp]
 Needs about 10 GiB of free disk under --dir and ~6 GiB of memory for the torch ranks. Prints a table and
@@ -82,10 +85,10 @@ def save_worker(rank: int, store: str, out_dir: str, ref_path: str) -> None:
     dist.destroy_process_group()
 
 
-def timed(cmd: list[str]) -> tuple[float, int]:
+def timed(cmd: list[str], env: dict | None = None) -> tuple[float, int]:
     """Wall seconds and peak RSS (bytes) of `cmd`, from /usr/bin/time -v."""
     os.sync()
-    out = subprocess.run(["/usr/bin/time", "-v", *cmd], capture_output=True, text=True)
+    out = subprocess.run(["/usr/bin/time", "-v", *cmd], capture_output=True, text=True, env=env)
     if out.returncode != 0:
         sys.exit(f"{cmd} failed:\n{out.stderr}")
     wall = re.search(r"Elapsed \(wall clock\) time \(h:mm:ss or m:ss\): (?:(\d+):)?(\d+):([\d.]+)", out.stderr)
@@ -127,7 +130,18 @@ def main() -> None:
             assert filecmp.cmp(full, base, shallow=False), "outputs differ from the baseline's"
             os.remove(base)
 
+        # --select model to safetensors: staged through a temporary full .pt (TMPDIR, under --dir).
+        sel = os.path.join(work, "model.safetensors")
+        results["shardscope convert --select model -> .safetensors"] = timed(
+            [shardscope, "convert", src, "-o", sel, "--select", "model", "--quiet"], env={**os.environ, "TMPDIR": work}
+        )
+        from safetensors import safe_open
+
         ref = torch.load(ref_path, weights_only=True)
+        with safe_open(sel, "pt") as f:
+            for key, value in ref.items():
+                assert torch.equal(f.get_tensor(key), value), key
+        os.remove(sel)
         state = torch.load(full, weights_only=True, mmap=True)
         for key, value in ref.items():
             assert torch.equal(state["model"][key], value), key
@@ -139,11 +153,11 @@ def main() -> None:
             f"input: {input_bytes / 2**30:.2f} GiB in {len(files)} files ({WORLD} ranks); "
             f"largest tensor {largest / 2**20:.0f} MiB; target peak RSS {(largest + 64 * 2**20) / 2**20:.0f} MiB"
         )
-        print(f"{'command':36} {'wall s':>8} {'GiB/s in':>9} {'peak RSS MiB':>13} {'x largest':>10} {'of copy':>8}")
+        print(f"{'command':52} {'wall s':>8} {'GiB/s in':>9} {'peak RSS MiB':>13} {'x largest':>10} {'of copy':>8}")
         summary = {"input_bytes": input_bytes, "largest_tensor_bytes": largest, "output_bytes": os.path.getsize(full)}
         for name, (wall, rss) in results.items():
             print(
-                f"{name:36} {wall:8.2f} {input_bytes / 2**30 / wall:9.2f} {rss / 2**20:13.0f} "
+                f"{name:52} {wall:8.2f} {input_bytes / 2**30 / wall:9.2f} {rss / 2**20:13.0f} "
                 f"{rss / largest:9.2f}x {t_copy / wall * 100:7.0f}%"
             )
             summary[name] = {
