@@ -22,9 +22,9 @@ use shardscope_core::model::tree::{Node, Tensor};
 use shardscope_core::source::Source;
 
 use super::Fsdp1LocalError;
+use crate::file_source::FileSource;
 
 type Result<T> = std::result::Result<T, Fsdp1LocalError>;
-use crate::file_source::FileSource;
 
 /// One input file: its archive structure in memory, its bytes on disk.
 #[derive(Debug)]
