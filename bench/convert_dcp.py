@@ -10,11 +10,12 @@
    - shardscope: `convert DCP -o out.safetensors --select model` and `convert DCP -o out.pt`;
    - plain copy: `cat` of the `.distcp` files into one file followed by `sync FILE` (shardscope
      fsyncs its outputs too), the throughput ceiling for moving these bytes.
-   The input is read once beforehand so every command starts with it in the page cache, and
-   `sync` runs before each command so that none pays for the previous one's writeback.
+   Before each command `sync` runs (so that none pays for the previous one's writeback) and the
+   input is read again (so every command starts with it in the page cache: torch's 2.8 GB run can
+   evict it). `--runs N` (default 3) runs the four commands N times in turn; the median is shown.
 3. Spot check: a few tensors of shardscope's safetensors equal torch's output.
 
-usage: python bench/convert_dcp.py [--shardscope target/release/shardscope] [--dir /tmp]
+usage: python bench/convert_dcp.py [--shardscope target/release/shardscope] [--dir /tmp] [--runs 3]
 Prints a table and one JSON line. Cleans up its temp directory. See BENCHMARKS.md.
 """
 
@@ -60,10 +61,13 @@ def save_worker(rank: int, port: int, out_dir: str) -> None:
     dist.destroy_process_group()
 
 
-def timed(cmd: list[str]) -> tuple[float, int]:
+def timed(cmd: list[str], warm: list[str]) -> tuple[float, int]:
     """Wall seconds and peak RSS (bytes) of `cmd`, from /usr/bin/time -v. Dirty pages of earlier
-    commands are flushed first, so that no command pays for another's writeback."""
+    commands are flushed first, so that no command pays for another's writeback, and the input
+    files `warm` are read into the page cache again (torch's 2.8 GB run can evict them), so that
+    every command starts from the same state."""
     os.sync()
+    subprocess.run(["cat", *warm], stdout=subprocess.DEVNULL, check=True)
     out = subprocess.run(["/usr/bin/time", "-v", *cmd], capture_output=True, text=True)
     if out.returncode != 0:
         sys.exit(f"{cmd} failed:\n{out.stderr}")
@@ -77,6 +81,7 @@ def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("--shardscope", default="target/release/shardscope")
     parser.add_argument("--dir", default=tempfile.gettempdir())
+    parser.add_argument("--runs", type=int, default=3, help="runs per command; the median is shown")
     args = parser.parse_args()
     shardscope = os.path.abspath(args.shardscope)
     work = tempfile.mkdtemp(prefix="shardscope-bench-convert-", dir=args.dir)
@@ -100,11 +105,22 @@ def main() -> None:
         copy = os.path.join(work, "copy.bin")
         copy_cmd = ["sh", "-c", 'out="$1"; shift; cat "$@" > "$out" && sync "$out"', "sh", copy, *data_files]
 
-        results = {}
-        results["torch dcp_to_torch_save"] = timed(torch_cmd)
-        results["shardscope convert -> safetensors"] = timed([shardscope, "convert", src, "-o", ours_st, "--select", "model", "--quiet"])
-        results["shardscope convert -> torch.save"] = timed([shardscope, "convert", src, "-o", ours_pt, "--quiet"])
-        results["plain copy (cat + sync)"] = timed(copy_cmd)
+        commands = {
+            "torch dcp_to_torch_save": torch_cmd,
+            "shardscope convert -> safetensors": [shardscope, "convert", src, "-o", ours_st, "--select", "model", "--quiet"],
+            "shardscope convert -> torch.save": [shardscope, "convert", src, "-o", ours_pt, "--quiet"],
+            "plain copy (cat + sync)": copy_cmd,
+        }
+        output_of = dict(zip(commands, [torch_pt, ours_st, ours_pt, copy]))
+        runs = {name: [] for name in commands}
+        for _ in range(args.runs):
+            for name, cmd in commands.items():
+                if os.path.exists(output_of[name]):
+                    os.unlink(output_of[name])  # every command writes a new file, none overwrites
+                runs[name].append(timed(cmd, data_files))
+        # Median wall time of the runs, with the peak RSS of that run.
+        results = {name: sorted(v)[len(v) // 2] for name, v in runs.items()}
+        all_walls = {name: [round(w, 2) for w, _ in v] for name, v in runs.items()}
 
         # Spot check against torch's output.
         from safetensors import safe_open
@@ -121,7 +137,7 @@ def main() -> None:
         t_copy = results["plain copy (cat + sync)"][0]
         print(f"input: {input_bytes / 2**30:.2f} GiB in {len(data_files)} .distcp files; tensors {tensor_bytes / 2**30:.2f} GiB; largest tensor {largest / 2**20:.0f} MiB")
         print(f"{'command':40} {'wall s':>8} {'GiB/s':>7} {'peak RSS MiB':>13} {'x torch':>8} {'of copy':>8}")
-        summary = {"input_bytes": input_bytes, "largest_tensor_bytes": largest}
+        summary = {"input_bytes": input_bytes, "largest_tensor_bytes": largest, "runs": args.runs, "all_wall_s": all_walls}
         for name, (wall, rss) in results.items():
             print(f"{name:40} {wall:8.2f} {tensor_bytes / 2**30 / wall:7.2f} {rss / 2**20:13.0f} {t_torch / wall:7.1f}x {t_copy / wall * 100:7.0f}%")
             summary[name] = {"wall_s": wall, "peak_rss_bytes": rss, "speedup_vs_torch": t_torch / wall, "fraction_of_copy_throughput": t_copy / wall}
