@@ -77,3 +77,39 @@ pub fn torch_python() -> Option<std::path::PathBuf> {
     );
     ok.then_some(python)
 }
+
+/// Runs `tests/interop/<script> <shardscope binary> <workdir>` with [`torch_python`] in a fresh
+/// temporary folder (removed afterwards) and panics with the script's output unless it exits 0
+/// and its last line is `ok`. Returns `false` (after printing "skipped: no torch") when there is
+/// no torch.
+pub fn run_interop_script(script: &str) -> bool {
+    let Some(python) = torch_python() else {
+        eprintln!("skipped: no torch");
+        return false;
+    };
+    let work = std::env::temp_dir().join(format!(
+        "shardscope-interop-{}-{}",
+        script.trim_end_matches(".py"),
+        std::process::id()
+    ));
+    let _ = std::fs::remove_dir_all(&work);
+    std::fs::create_dir_all(&work)
+        .unwrap_or_else(|e| panic!("cannot create {}: {e}", work.display()));
+    let path = PathBuf::from(env!("CARGO_MANIFEST_DIR"))
+        .join("interop")
+        .join(script);
+    let out = std::process::Command::new(&python)
+        .arg(&path)
+        .arg(shardscope_bin())
+        .arg(&work)
+        .output()
+        .unwrap_or_else(|e| panic!("cannot run {}: {e}", python.display()));
+    let _ = std::fs::remove_dir_all(&work);
+    let stdout = String::from_utf8_lossy(&out.stdout);
+    let stderr = String::from_utf8_lossy(&out.stderr);
+    assert!(
+        out.status.success() && stdout.trim_end().ends_with("ok"),
+        "{script} failed:\n{stdout}\n{stderr}"
+    );
+    true
+}

@@ -240,23 +240,5 @@ fn broken_folders_give_errors_naming_file_and_key() {
 
 #[test]
 fn outputs_load_in_torch_and_dcp_loads_into_fsdp2() {
-    let Some(python) = shardscope_tests::torch_python() else {
-        eprintln!("skipped: no torch");
-        return;
-    };
-    let bin = shardscope_tests::shardscope_bin();
-    let work = tempfile::tempdir().unwrap();
-    let script = PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("interop/check_fsdp2_optim.py");
-    let out = Command::new(python)
-        .arg(&script)
-        .arg(&bin)
-        .arg(work.path())
-        .output()
-        .unwrap();
-    let stdout = String::from_utf8_lossy(&out.stdout);
-    let stderr = String::from_utf8_lossy(&out.stderr);
-    assert!(
-        out.status.success() && stdout.trim_end().ends_with("ok"),
-        "check_fsdp2_optim.py failed:\n{stdout}\n{stderr}"
-    );
+    shardscope_tests::run_interop_script("check_fsdp2_optim.py");
 }
