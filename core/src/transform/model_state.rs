@@ -283,6 +283,7 @@ use crate::model::fqn;
 use crate::model::tree::{Dict, Key, Node};
 use crate::transform::Fsdp1Model;
 use crate::transform::chunk::sharded_chunk_from_full;
+use crate::transform::reshard::{FullKey, full_key_plan};
 
 /// Tied aliases inside flat parameters: alias FQN -> primary FQN.
 pub fn managed_aliases(model: &Fsdp1Model<'_>) -> HashMap<String, String> {
@@ -415,8 +416,7 @@ pub fn model_full_from_local(
         expected: model.layout.flat_params.len(),
         found: 0,
     })?;
-    let aliases = managed_aliases(model);
-    let mut values: HashMap<String, Node> = HashMap::new();
+    let mut managed: HashMap<String, Tensor> = HashMap::new();
     for flat in &model.layout.flat_params {
         let shards: Vec<Tensor> = locals
             .iter()
@@ -431,44 +431,19 @@ pub fn model_full_from_local(
             })
             .collect::<Result<_, _>>()?;
         let refs: Vec<&Tensor> = shards.iter().collect();
-        for (name, t) in full_params_from_flat_shards(flat, &refs)? {
-            values.insert(name, Node::Tensor(t));
-        }
+        managed.extend(full_params_from_flat_shards(flat, &refs)?);
     }
-    for (alias, primary) in &aliases {
-        if let Some(v) = values.get(primary).cloned() {
-            values.insert(alias.clone(), v);
-        }
-    }
-    let flat_keys: HashSet<&str> = model
-        .layout
-        .flat_params
-        .iter()
-        .map(|f| f.flat_param_fqn.as_str())
-        .collect();
-    let param_names: HashSet<&str> = model
-        .description
-        .params
-        .iter()
-        .map(|p| p.fqn.as_str())
-        .collect();
-    let mut buffers: Vec<String> = Vec::new();
-    for (k, v) in first.iter() {
-        let name = k.to_string();
-        if flat_keys.contains(name.as_str()) {
-            continue;
-        }
-        if param_names.contains(name.as_str()) {
-            values.entry(name).or_insert_with(|| v.clone());
-        } else {
-            values.insert(name.clone(), v.clone());
-            buffers.push(name);
-        }
-    }
-    let order = module_order(model, &aliases, &buffers);
+    let first_keys: Vec<String> = first.iter().map(|(k, _)| k.to_string()).collect();
     let mut out = Dict::new();
-    for name in order {
-        if let Some(v) = values.remove(&name) {
+    for (name, from) in full_key_plan(model, &first_keys) {
+        let value = match from {
+            FullKey::Managed { flat, param } => {
+                let primary = &model.layout.flat_params[flat].fqns[param];
+                managed.get(primary).cloned().map(Node::Tensor)
+            }
+            FullKey::Plain => first.get_str(&name).cloned(),
+        };
+        if let Some(v) = value {
             out.insert(Key::Str(name), v);
         }
     }
