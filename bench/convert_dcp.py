@@ -24,7 +24,6 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import re
 import shutil
 import socket
 import subprocess
@@ -35,6 +34,7 @@ import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 import torch.multiprocessing as mp
+from benchlib import timed
 
 TENSORS = 17
 ROWS, COLS = 8192, 4096  # 128 MiB of float32
@@ -59,22 +59,6 @@ def save_worker(rank: int, port: int, out_dir: str) -> None:
     dcp.save({"model": sd}, checkpoint_id=out_dir)
     dist.barrier()
     dist.destroy_process_group()
-
-
-def timed(cmd: list[str], warm: list[str]) -> tuple[float, int]:
-    """Wall seconds and peak RSS (bytes) of `cmd`, from /usr/bin/time -v. Dirty pages of earlier
-    commands are flushed first, so that no command pays for another's writeback, and the input
-    files `warm` are read into the page cache again (torch's 2.8 GB run can evict them), so that
-    every command starts from the same state."""
-    os.sync()
-    subprocess.run(["cat", *warm], stdout=subprocess.DEVNULL, check=True)
-    out = subprocess.run(["/usr/bin/time", "-v", *cmd], capture_output=True, text=True)
-    if out.returncode != 0:
-        sys.exit(f"{cmd} failed:\n{out.stderr}")
-    wall = re.search(r"Elapsed \(wall clock\) time \(h:mm:ss or m:ss\): (?:(\d+):)?(\d+):([\d.]+)", out.stderr)
-    rss = re.search(r"Maximum resident set size \(kbytes\): (\d+)", out.stderr)
-    h, m, s = wall.groups()
-    return (int(h or 0) * 3600 + int(m) * 60 + float(s), int(rss.group(1)) * 1024)
 
 
 def main() -> None:

@@ -26,30 +26,16 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import re
 import shutil
 import subprocess
-import sys
 import tempfile
 
 import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
-from torch import nn
+from benchlib import BIG, LAYERS, SMALL, Model, timed
 
 WORLD = 4
-LAYERS = 8
-BIG, SMALL = 8192, 4096  # one [8192, 4096] float32 weight = 128 MiB
-
-
-class Model(nn.Module):
-    def __init__(self) -> None:
-        super().__init__()
-        dims = [(SMALL, BIG) if i % 2 == 0 else (BIG, SMALL) for i in range(LAYERS)]
-        self.layers = nn.Sequential(*[nn.Linear(a, b, bias=False) for a, b in dims])
-
-    def forward(self, x):
-        return self.layers(x)
 
 
 def description() -> dict:
@@ -86,18 +72,6 @@ def save_worker(rank: int, store: str, out_dir: str) -> None:
         torch.save(ref, os.path.join(out_dir, "..", "reference.pt"))
     dist.barrier()
     dist.destroy_process_group()
-
-
-def timed(cmd: list[str]) -> tuple[float, int]:
-    """Wall seconds and peak RSS (bytes) of `cmd`, from /usr/bin/time -v."""
-    os.sync()
-    out = subprocess.run(["/usr/bin/time", "-v", *cmd], capture_output=True, text=True)
-    if out.returncode != 0:
-        sys.exit(f"{cmd} failed:\n{out.stderr}")
-    wall = re.search(r"Elapsed \(wall clock\) time \(h:mm:ss or m:ss\): (?:(\d+):)?(\d+):([\d.]+)", out.stderr)
-    rss = re.search(r"Maximum resident set size \(kbytes\): (\d+)", out.stderr)
-    h, m, s = wall.groups()
-    return (int(h or 0) * 3600 + int(m) * 60 + float(s), int(rss.group(1)) * 1024)
 
 
 def main() -> None:

@@ -1,0 +1,43 @@
+"""Shared pieces of the benchmark scripts in this folder (imported as `benchlib`; Python puts the
+script's folder on `sys.path`, and spawned torch ranks inherit it)."""
+
+from __future__ import annotations
+
+import os
+import re
+import subprocess
+import sys
+
+from torch import nn
+
+LAYERS = 8
+BIG, SMALL = 8192, 4096  # one [8192, 4096] float32 weight = 128 MiB
+
+
+class Model(nn.Module):
+    """`LAYERS` bias-free Linear layers of 128 MiB each, alternately [BIG, SMALL] and [SMALL, BIG]."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        dims = [(SMALL, BIG) if i % 2 == 0 else (BIG, SMALL) for i in range(LAYERS)]
+        self.layers = nn.Sequential(*[nn.Linear(a, b, bias=False) for a, b in dims])
+
+    def forward(self, x):
+        return self.layers(x)
+
+
+def timed(cmd: list[str], warm: list[str] = (), env: dict | None = None) -> tuple[float, int]:
+    """Wall seconds and peak RSS (bytes) of `cmd`, from /usr/bin/time -v. Dirty pages of earlier
+    commands are flushed first, so that no command pays for another's writeback; the files `warm`
+    are read into the page cache again first (a large earlier run can evict them), so that every
+    command starts from the same state."""
+    os.sync()
+    if warm:
+        subprocess.run(["cat", *warm], stdout=subprocess.DEVNULL, check=True)
+    out = subprocess.run(["/usr/bin/time", "-v", *cmd], capture_output=True, text=True, env=env)
+    if out.returncode != 0:
+        sys.exit(f"{cmd} failed:\n{out.stderr}")
+    wall = re.search(r"Elapsed \(wall clock\) time \(h:mm:ss or m:ss\): (?:(\d+):)?(\d+):([\d.]+)", out.stderr)
+    rss = re.search(r"Maximum resident set size \(kbytes\): (\d+)", out.stderr)
+    h, m, s = wall.groups()
+    return (int(h or 0) * 3600 + int(m) * 60 + float(s), int(rss.group(1)) * 1024)
