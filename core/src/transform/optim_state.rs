@@ -214,13 +214,7 @@ pub fn full_optim_from_local(
         for (g, group) in groups.iter().enumerate() {
             let gpath = sub(&sub(&target_path, "param_groups"), g);
             let group = dict_at(group, &gpath)?;
-            let ids = group
-                .get_str("params")
-                .and_then(Node::as_list)
-                .ok_or_else(|| TransformError::MissingKey {
-                    path: gpath.clone(),
-                    key: "params".to_owned(),
-                })?;
+            let ids = group_params(group, &gpath)?;
             let mut names = Vec::new();
             for id in ids {
                 let Node::Int(id) = id else {
@@ -604,6 +598,17 @@ fn convert_orig_params(
     Ok(out)
 }
 
+/// The `params` list of one param group (`path` names the group in errors).
+fn group_params<'d>(group: &'d Dict, path: &str) -> Result<&'d [Node], TransformError> {
+    group
+        .get_str("params")
+        .and_then(Node::as_list)
+        .ok_or_else(|| TransformError::MissingKey {
+            path: path.to_owned(),
+            key: "params".to_owned(),
+        })
+}
+
 /// Replaces every ShardedTensor/DTensor in rank 0's tree by the full tensor gathered from all
 /// ranks' trees at the same path (the offline `_gather_state_dict`).
 pub fn full_from_sharded_tree(per_rank: &[&Node]) -> Result<Node, TransformError> {
@@ -757,13 +762,7 @@ pub fn local_optim_from_full(
         for (g, group) in groups.iter().enumerate() {
             let gpath = format!("param_groups/{g}");
             let group = dict_at(group, &gpath)?;
-            let names = group
-                .get_str("params")
-                .and_then(Node::as_list)
-                .ok_or_else(|| TransformError::MissingKey {
-                    path: gpath.clone(),
-                    key: "params".to_owned(),
-                })?;
+            let names = group_params(group, &gpath)?;
             let mut ids = BTreeSet::new();
             for n in names {
                 let Node::Str(n) = n else {
@@ -1150,13 +1149,7 @@ fn rekey_groups(
     for (g, group) in groups.iter().enumerate() {
         let path = format!("param_groups/{g}/params");
         let group = dict_at(group, &path)?;
-        let params = group
-            .get_str("params")
-            .and_then(Node::as_list)
-            .ok_or_else(|| TransformError::MissingKey {
-                path: path.clone(),
-                key: "params".to_owned(),
-            })?;
+        let params = group_params(group, &path)?;
         let mut mapped: Vec<Node> = params
             .iter()
             .map(|p| map(p, &path))
