@@ -27,7 +27,7 @@ import tempfile
 import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
-import torch.multiprocessing as mp
+from ranks import finish, spawn
 from safetensors.torch import load_file
 from torch.distributed.checkpoint.format_utils import dcp_to_torch_save
 from torch.distributed.checkpoint.state_dict import get_state_dict
@@ -64,8 +64,7 @@ def save_worker(rank, store, out_dir):
     opt.step()
     msd, osd = get_state_dict(model, opt)
     dcp.save({"model": msd, "optim": osd}, checkpoint_id=out_dir)
-    dist.barrier()
-    dist.destroy_process_group()
+    finish()
 
 
 def load_worker(rank, store, dcp_dir, full_path, result_path):
@@ -89,8 +88,7 @@ def load_worker(rank, store, dcp_dir, full_path, result_path):
     if rank == 0:
         with open(result_path, "w") as f:
             json.dump(bad, f)
-    dist.barrier()
-    dist.destroy_process_group()
+    finish()
 
 
 def reshard_worker(rank, store, ours_dir, torch_dir, result_path):
@@ -121,8 +119,7 @@ def reshard_worker(rank, store, ours_dir, torch_dir, result_path):
     if rank == 0:
         with open(result_path, "w") as f:
             json.dump(problem, f)
-    dist.barrier()
-    dist.destroy_process_group()
+    finish()
 
 
 def fresh_store():
@@ -162,7 +159,7 @@ def convert(bin_path, *args):
 def main():
     bin_path, work = sys.argv[1], sys.argv[2]
     src = os.path.join(work, "dcp")
-    mp.spawn(save_worker, args=(fresh_store(), src), nprocs=WORLD, join=True)
+    spawn(save_worker, (fresh_store(), src), WORLD)
     ref_pt = os.path.join(work, "torch_ref.pt")
     dcp_to_torch_save(src, ref_pt)
     ref = torch.load(ref_pt, weights_only=True)
@@ -211,7 +208,7 @@ def main():
         out_dir = os.path.join(work, f"dcp_{api}")
         convert(bin_path, full_pt, "-o", out_dir, "--world-size", str(WORLD), "--api", api)
         result = os.path.join(work, f"result_{api}.json")
-        mp.spawn(load_worker, args=(fresh_store(), out_dir, full_pt, result), nprocs=WORLD, join=True)
+        spawn(load_worker, (fresh_store(), out_dir, full_pt, result), WORLD)
         with open(result) as f:
             bad = json.load(f)
         if bad:
@@ -221,7 +218,7 @@ def main():
     out_dir = os.path.join(work, "dcp_ws3")
     convert(bin_path, src, "-o", out_dir, "--world-size", "3")
     result = os.path.join(work, "result_ws3.json")
-    mp.spawn(reshard_worker, args=(fresh_store(), out_dir, src, result), nprocs=3, join=True)
+    spawn(reshard_worker, (fresh_store(), out_dir, src, result), 3)
     with open(result) as f:
         problem = json.load(f)
     if problem:
@@ -230,7 +227,7 @@ def main():
     out_dir = os.path.join(work, "dcp_from_st")
     convert(bin_path, ours_st, "-o", out_dir, "--world-size", str(WORLD))
     result = os.path.join(work, "result_st.json")
-    mp.spawn(load_worker, args=(fresh_store(), out_dir, full_pt, result), nprocs=WORLD, join=True)
+    spawn(load_worker, (fresh_store(), out_dir, full_pt, result), WORLD)
     with open(result) as f:
         bad = json.load(f)
     if bad:

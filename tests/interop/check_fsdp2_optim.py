@@ -25,11 +25,11 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
-import torch.multiprocessing as mp
 
 FIXTURES = Path(__file__).resolve().parent.parent / "fixtures" / "fsdp2_optim"
 sys.path.insert(0, str(FIXTURES))
 from gen_fsdp2_optim import build, train  # noqa: E402
+from ranks import finish, spawn  # noqa: E402
 
 
 def fresh_store():
@@ -109,9 +109,8 @@ def load_worker(rank, world_size, store, dcp_dir, expected, result):
         if when == "loaded":
             train(model, optim)
             train(ref_model, ref_optim)
-    dist.barrier()
-    dist.destroy_process_group()
     Path(f"{result}.{rank}").write_text("\n".join(errors) if errors else "ok")
+    finish()
 
 
 def convert(bin_path, *args):
@@ -140,12 +139,7 @@ def main():
         convert(bin_path, work / "ws2_full.pt", "-o", dcp_dir, "--world-size", n, "--api", "fsdp2")
         result = work / f"result{n}"
         expected = FIXTURES / "expected" / "ws2_full.pt"
-        mp.spawn(
-            load_worker,
-            args=(n, fresh_store(), str(dcp_dir), str(expected), str(result)),
-            nprocs=n,
-            join=True,
-        )
+        spawn(load_worker, (n, fresh_store(), str(dcp_dir), str(expected), str(result)), n)
         for r in range(n):
             text = Path(f"{result}.{r}").read_text()
             if text != "ok":

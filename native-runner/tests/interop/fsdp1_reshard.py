@@ -29,11 +29,12 @@ from pathlib import Path
 
 HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE.parents[2] / "tests" / "fixtures" / "optim"))
+sys.path.insert(0, str(HERE.parents[2] / "tests" / "interop"))
 
 import torch  # noqa: E402
 import torch.distributed as dist  # noqa: E402
-import torch.multiprocessing as mp  # noqa: E402
 from gen_optim import NestedModel, train, wrap_nested  # noqa: E402
+from ranks import finish, spawn  # noqa: E402
 from torch.distributed.fsdp import FullyShardedDataParallel as FSDP  # noqa: E402
 from torch.distributed.fsdp import (  # noqa: E402
     FullOptimStateDictConfig,
@@ -201,8 +202,7 @@ def worker(rank, ws, store, mode, uop, src, dst, results, shard):
         ok = check(rank, ws, uop, Path(src), Path(dst))
     if not ok:
         Path(results, f"fail{rank}").write_text("x")
-    dist.barrier()
-    dist.destroy_process_group()
+    finish()
 
 
 def fresh_store():
@@ -227,12 +227,7 @@ def main():
         src, dst, ws, uop = Path(sys.argv[2]), Path(sys.argv[3]), int(sys.argv[4]), sys.argv[5] == "1"
         shard = shard_arg(sys.argv[6]) if len(sys.argv) > 6 else 0
     results = Path(src) / "full"
-    mp.spawn(
-        worker,
-        args=(ws, fresh_store(), mode, uop, str(src), str(dst), str(results), shard),
-        nprocs=ws,
-        join=True,
-    )
+    spawn(worker, (ws, fresh_store(), mode, uop, str(src), str(dst), str(results), shard), ws)
     fails = sorted(p.name for p in results.glob("fail*"))
     for p in results.glob("fail*"):
         p.unlink()
