@@ -55,6 +55,7 @@ fn derive_fqns(source: &shardscope_core::MemorySource, select: Option<&str>) -> 
             exclude: None,
             is_unit: &no_units,
             root_unit: true,
+            tied: None,
         },
     )
     .unwrap();
@@ -117,6 +118,7 @@ fn optimizer_state_is_skipped_and_units_are_full_matches() {
             exclude: None,
             is_unit: &re_block,
             root_unit: false,
+            tied: None,
         },
     )
     .unwrap();
@@ -150,6 +152,7 @@ fn optimizer_state_is_skipped_and_units_are_full_matches() {
             exclude: Some(&exclude_buf),
             is_unit: &re_block,
             root_unit: true,
+            tied: None,
         },
     )
     .unwrap_err()

@@ -163,6 +163,10 @@ pub struct FromIndexOptions<'a> {
     pub is_unit: &'a dyn Fn(&str) -> bool,
     /// Add the root module (`""`) as a unit.
     pub root_unit: bool,
+    /// Tied weights: index key of an alias -> index key of the name it shares its tensor with
+    /// (see [`crate::model::ties`]). An alias becomes a parameter with `shared_with`, which takes
+    /// no space in a flat parameter, as `named_parameters(remove_duplicate=False)` lists it.
+    pub tied: Option<&'a std::collections::BTreeMap<String, String>>,
 }
 
 /// The derived description and what was left out.
@@ -230,12 +234,25 @@ pub fn description_from_index(
         let (Some(dtype), Some(shape)) = (entry.dtype, entry.shape.clone()) else {
             continue;
         };
+        // Only a partner already taken (an earlier parameter) can be shared with.
+        let shared_with = options
+            .tied
+            .and_then(|t| t.get(key))
+            .map(|partner| match options.select {
+                Some(sel) => partner
+                    .strip_prefix(sel)
+                    .and_then(|r| r.strip_prefix('.'))
+                    .unwrap_or(partner),
+                None => partner.as_str(),
+            })
+            .filter(|partner| params.iter().any(|p: &ParamSpec| p.fqn == *partner))
+            .map(str::to_owned);
         params.push(ParamSpec {
             fqn: fqn.to_owned(),
             shape,
             dtype,
             requires_grad: true,
-            shared_with: None,
+            shared_with,
         });
     }
     if params.is_empty() {

@@ -8,6 +8,7 @@ pub mod description;
 pub mod fqn;
 pub mod from_index;
 pub mod index;
+pub mod ties;
 pub mod tree;
 
 pub use description::{DescriptionError, ModelDescription, ParamSpec};

@@ -78,6 +78,16 @@ pub struct ConvertArgs {
     /// Per-rank FSDP1 files: where the full optimizer state dict goes (default `<DST stem>.optim.pt`).
     #[arg(long, value_name = "PATH", requires = "model")]
     pub optim_output: Option<PathBuf>,
+    /// Cast floating tensors (float16, bfloat16, float32, float64) to this dtype while streaming, as
+    /// torch's `Tensor.to(dtype)` does (round to nearest even; NaN and inf kept). Integers, bools,
+    /// complex and float8 tensors are written unchanged. `bf16`, `fp16`, `fp32`, `fp64` or torch's
+    /// names (`bfloat16`, `float16`, `half`, `float32`, ...).
+    #[arg(long, value_name = "DTYPE", value_parser = parse_cast_dtype)]
+    pub dtype: Option<shardscope_core::DType>,
+    /// safetensors output: keep every name of a tied weight (by default one copy is written, under
+    /// the name that comes first in the checkpoint, as `save_pretrained` does).
+    #[arg(long)]
+    pub keep_tied: bool,
     /// Print a JSON summary on stdout.
     #[arg(long)]
     pub json: bool,
@@ -113,6 +123,25 @@ fn parse_size(s: &str) -> Result<u64, String> {
     n.checked_mul(mult)
         .filter(|&v| v > 0)
         .ok_or_else(|| format!("`{s}` is not a positive size that fits 64 bits"))
+}
+
+/// `--dtype`: the short names HF users type, or torch's names; floating dtypes only.
+fn parse_cast_dtype(s: &str) -> Result<shardscope_core::DType, String> {
+    use shardscope_core::DType;
+    let dtype = match s.to_ascii_lowercase().as_str() {
+        "bf16" => DType::BFloat16,
+        "fp16" | "f16" => DType::Float16,
+        "fp32" | "f32" => DType::Float32,
+        "fp64" | "f64" => DType::Float64,
+        other => other.parse::<DType>().map_err(|e| e.to_string())?,
+    };
+    if shardscope_core::cast::is_castable(dtype) {
+        Ok(dtype)
+    } else {
+        Err(format!(
+            "--dtype {s}: casts go to bf16, fp16, fp32 or fp64 (torch names work too)"
+        ))
+    }
 }
 
 fn target_of(args: &ConvertArgs) -> Result<Target> {
@@ -193,7 +222,21 @@ fn run_index(args: &ConvertArgs, src: &Path, per_rank: Detected) -> Result<ExitC
             index.kind.describe()
         );
     }
-    let sel = convert::select(&index, args.select.as_deref())?;
+    let mut sel = convert::select(&index, args.select.as_deref())?;
+    sel.cast = args.dtype;
+    // safetensors cannot share storage: one copy of a tied weight, as `save_pretrained` writes.
+    let untied = if target == Target::Safetensors && !args.keep_tied {
+        convert::drop_tied(&source, &index, &mut sel)?
+    } else {
+        Vec::new()
+    };
+    if !args.quiet && !args.json {
+        for (kept, dropped) in &untied {
+            eprintln!(
+                "note: `{dropped}` is tied to `{kept}` (one tensor): written once, as `{kept}` (--keep-tied writes both)"
+            );
+        }
+    }
     let total = sel.tensor_bytes();
     let show = !args.quiet && std::io::stderr().is_terminal() && total > 0;
     let bar = Bar(show.then(|| {
@@ -245,6 +288,11 @@ fn run_index(args: &ConvertArgs, src: &Path, per_rank: Detected) -> Result<ExitC
             "values": written.values,
             "tensor_bytes": written.tensor_bytes,
             "largest_tensor_bytes": written.largest_tensor_bytes,
+            "dtype": args.dtype.map(shardscope_core::DType::name),
+            "tied_dropped": untied
+                .iter()
+                .map(|(kept, dropped)| serde_json::json!({"kept": kept, "dropped": dropped}))
+                .collect::<Vec<_>>(),
             "seconds": seconds,
         });
         print_stdout(&format!("{}\n", serde_json::to_string_pretty(&summary)?))?;
@@ -278,6 +326,11 @@ fn convert_fsdp1_local(args: &ConvertArgs, model: &std::path::Path) -> Result<Ex
         bail!(
             "{} already exists\nhint: shardscope never overwrites; remove it or choose another path",
             args.output.display()
+        );
+    }
+    if let Some(dtype) = args.dtype {
+        bail!(
+            "--dtype does not apply to per-rank FSDP1 files yet\nhint: convert them to a full file first, then `shardscope convert FULL.pt -o OUT.safetensors --dtype {dtype}`"
         );
     }
     let convert_args = fsdp1_local::ConvertArgs {
@@ -329,7 +382,7 @@ fn convert_fsdp2_ranks(args: &ConvertArgs, ranks: &Fsdp2Ranks) -> Result<ExitCod
         None => None,
     };
     let state = fsdp2_ranks::FullState::open(ranks, desc.as_ref().map(|(d, p)| (d, p.as_path())))?;
-    if target != Target::Torch || args.select.is_some() {
+    if target != Target::Torch || args.select.is_some() || args.dtype.is_some() {
         // Staged as a `torch.save` file (written a tensor at a time), then converted by the
         // streaming index path.
         let stage = tempfile::tempdir().context("cannot create a temporary directory")?;

@@ -175,6 +175,7 @@ fn derive_model(
             exclude: None,
             is_unit: &no_units,
             root_unit: true,
+            tied: None,
         },
     )
     .with_context(|| {

@@ -47,6 +47,11 @@ pub struct LayoutArgs {
     /// With --from: write the derived model description (JSON, the --model format) to this file.
     #[arg(long, value_name = "OUT.json", requires = "from")]
     pub emit_model: Option<PathBuf>,
+    /// With --from: do not look for tied weights. By default a parameter that shares its storage
+    /// with an earlier one (`torch.save`), or has its dtype, shape and bytes (DCP, safetensors), is
+    /// marked `shared_with` it and takes no space in the flat parameter, as torch does.
+    #[arg(long, requires = "from")]
+    pub no_tie_detection: bool,
     /// Number of ranks.
     #[arg(long, value_name = "N")]
     pub world_size: u64,
@@ -106,6 +111,47 @@ fn full_match(pattern: &str, what: &str) -> anyhow::Result<regex::Regex> {
         .with_context(|| format!("{what}: invalid regular expression `{pattern}`"))
 }
 
+/// Tied weights among the floating-point entries (under `select.` when given): alias key -> the key
+/// it shares its tensor with.
+fn tied_keys(
+    source: &FileSource,
+    index: &index::CheckpointIndex,
+    order: &from_index::KeyOrder,
+    select: Option<&str>,
+) -> anyhow::Result<std::collections::BTreeMap<String, String>> {
+    let by_key: std::collections::BTreeMap<&str, usize> = index
+        .entries
+        .iter()
+        .enumerate()
+        .map(|(i, e)| (e.key.as_str(), i))
+        .collect();
+    let candidates: Vec<usize> = order
+        .keys
+        .iter()
+        .filter_map(|k| by_key.get(k.as_str()).map(|&i| (i, &index.entries[i])))
+        .filter(|(_, e)| {
+            e.dtype
+                .is_some_and(shardscope_core::DType::is_floating_point)
+        })
+        .filter(|(_, e)| {
+            select.is_none_or(|s| e.key.strip_prefix(s).is_some_and(|r| r.starts_with('.')))
+        })
+        .map(|(i, _)| i)
+        .collect();
+    let groups = shardscope_core::model::ties::find_ties(index, source, &candidates)?;
+    Ok(groups
+        .iter()
+        .flat_map(|g| {
+            g.aliases.iter().map(|&a| {
+                (
+                    index.entries[a].key.clone(),
+                    index.entries[g.keep].key.clone(),
+                )
+            })
+        })
+        .collect())
+}
+
 /// `--from`: the description derived from a checkpoint's entries in stored order.
 fn model_from_checkpoint(args: &LayoutArgs) -> anyhow::Result<ModelDescription> {
     let where_ = args
@@ -131,11 +177,18 @@ fn model_from_checkpoint(args: &LayoutArgs) -> anyhow::Result<ModelDescription> 
     }
     let is_unit = |prefix: &str| units.is_match(prefix);
     let is_excluded = |fqn: &str| exclude.as_ref().is_some_and(|r| r.is_match(fqn));
+    let tied = if args.no_tie_detection {
+        std::collections::BTreeMap::new()
+    } else {
+        tied_keys(&source, &index, &order, args.select.as_deref())
+            .with_context(|| format!("cannot look for tied weights in {where_}"))?
+    };
     let options = from_index::FromIndexOptions {
         select: args.select.as_deref(),
         exclude: Some(&is_excluded),
         is_unit: &is_unit,
         root_unit: args.root_unit,
+        tied: Some(&tied),
     };
     let derived = from_index::description_from_index(&index, &order, &options)
         .with_context(|| format!("cannot derive a model description from {where_}"))?;
@@ -167,6 +220,14 @@ fn model_from_checkpoint(args: &LayoutArgs) -> anyhow::Result<ModelDescription> 
             eprintln!(
                 "note: the parameters come from several subtrees ({})\nhint: --select model takes the model's state only",
                 tops.into_iter().collect::<Vec<_>>().join(", ")
+            );
+        }
+    }
+    for p in &derived.model.params {
+        if let Some(partner) = &p.shared_with {
+            eprintln!(
+                "note: `{}` is tied to `{partner}` (same tensor): marked shared_with, it takes no space of its own (--no-tie-detection to turn this off)",
+                p.fqn
             );
         }
     }

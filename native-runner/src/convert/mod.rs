@@ -5,7 +5,7 @@
 //! # Streaming
 //! One tensor at a time. The checkpoint is indexed through the memory-mapped [`FileSource`] (only
 //! metadata and each DCP item's small zip directory are touched there); tensor bytes are read with
-//! `pread` straight into the output buffer ([`Reader::tensor_into`]): a dim-0 slab chunk (the FSDP
+//! `pread` straight into the output buffer ([`Reader::tensor_as`]): a dim-0 slab chunk (the FSDP
 //! case, and every single-chunk tensor) lands at its place with one read and no intermediate copy;
 //! other boxes go through one reusable scratch buffer. The buffer is reused from tensor to tensor, so
 //! peak memory is the largest tensor plus small metadata, and page-cache pages of the input never
@@ -24,6 +24,7 @@ use std::path::Path;
 
 use anyhow::{Context, Result, bail};
 use shardscope_core::DType;
+use shardscope_core::cast::{cast_in_place, cast_target};
 use shardscope_core::formats::write::dcp::{
     BytesValue, DcpChunk, DcpEntry, DcpFileWriter, DcpMetadataOptions, DcpPlan, DcpValue,
     EmptyRanks, PathKey, chunk_dim0, metadata_pickle,
@@ -83,10 +84,29 @@ impl<'a> Reader<'a> {
         })
     }
 
-    /// Reads the whole tensor of `entry` into `buf[..nbytes]` (growing `buf` when needed) and
-    /// returns `nbytes`. The index must have passed [`CheckpointIndex::check`] for this entry
-    /// (chunks tile the tensor), which [`open`] ensures.
-    pub fn tensor_into(&mut self, entry: &IndexEntry, buf: &mut Vec<u8>) -> Result<usize> {
+    /// Reads the whole tensor of `entry` into `buf[..nbytes]` (growing `buf` when needed), cast to
+    /// `to` (`Tensor.to(to)`, see [`shardscope_core::cast`]; its own dtype: no cast) in place in
+    /// `buf`, and returns `nbytes`: no second buffer, peak memory the larger of the two sizes. The
+    /// index must have passed [`CheckpointIndex::check`] for this entry (chunks tile the tensor),
+    /// which [`open`] ensures.
+    pub fn tensor_as(&mut self, entry: &IndexEntry, to: DType, buf: &mut Vec<u8>) -> Result<usize> {
+        let (dtype, shape) = tensor_meta(entry)?;
+        let total = self.tensor_raw_into(entry, buf)?;
+        if to == dtype {
+            return Ok(total);
+        }
+        let numel = usize::try_from(shape.iter().product::<u64>())
+            .with_context(|| format!("{}: tensor size overflows", entry.key))?;
+        let need = numel
+            .checked_mul(to.size_bytes().max(dtype.size_bytes()))
+            .with_context(|| format!("{}: tensor size overflows", entry.key))?;
+        if buf.len() < need {
+            buf.resize(need, 0);
+        }
+        cast_in_place(buf, numel, dtype, to).with_context(|| entry.key.clone())
+    }
+
+    fn tensor_raw_into(&mut self, entry: &IndexEntry, buf: &mut Vec<u8>) -> Result<usize> {
         let (dtype, shape) = tensor_meta(entry)?;
         let item = dtype.size_bytes();
         let total = nbytes(dtype, shape)
@@ -161,9 +181,11 @@ impl<'a> Reader<'a> {
     /// Reads the contiguous byte range `range` of the full tensor of `entry` into `out`. A tensor
     /// stored as one contiguous chunk is read in place; any other is assembled into `whole` first
     /// (kept, so consecutive ranges of one entry assemble it once).
+    /// The range is of the tensor cast to `to` (its own dtype: no cast).
     fn tensor_range_into(
         &mut self,
         entry: &IndexEntry,
+        to: DType,
         range: std::ops::Range<u64>,
         out: &mut Vec<u8>,
         whole: &mut (Option<String>, Vec<u8>),
@@ -175,7 +197,8 @@ impl<'a> Reader<'a> {
         if len == 0 {
             return Ok(());
         }
-        if let [chunk] = entry.chunks.as_slice()
+        if to == dtype
+            && let [chunk] = entry.chunks.as_slice()
             && chunk.sizes == *shape
             && chunk.offsets.iter().all(|&o| o == 0)
         {
@@ -188,7 +211,7 @@ impl<'a> Reader<'a> {
         }
         if whole.0.as_deref() != Some(entry.key.as_str()) {
             whole.0 = None;
-            let n = self.tensor_into(entry, &mut whole.1)?;
+            let n = self.tensor_as(entry, to, &mut whole.1)?;
             whole.1.truncate(n);
             whole.0 = Some(entry.key.clone());
         }
@@ -287,13 +310,27 @@ pub fn open(src: &Path) -> Result<(FileSource, CheckpointIndex)> {
 pub struct Selection<'a> {
     pub tensors: Vec<(String, &'a IndexEntry)>,
     pub values: Vec<(String, &'a IndexEntry)>,
+    /// `--dtype`: floating tensors (float16, bfloat16, float32, float64) are written as this.
+    pub cast: Option<DType>,
 }
 
 impl Selection<'_> {
+    /// The dtype and shape `e` is written with (after `--dtype`).
+    pub fn out_meta<'e>(&self, e: &'e IndexEntry) -> Result<(DType, &'e [u64])> {
+        let (dtype, shape) = tensor_meta(e)?;
+        Ok((cast_target(dtype, self.cast), shape))
+    }
+
+    /// The bytes `e` takes in the output.
+    pub fn out_nbytes(&self, e: &IndexEntry) -> Option<u64> {
+        let (dtype, shape) = self.out_meta(e).ok()?;
+        nbytes(dtype, shape)
+    }
+
     pub fn tensor_bytes(&self) -> u64 {
         self.tensors
             .iter()
-            .filter_map(|(_, e)| e.nbytes())
+            .filter_map(|(_, e)| self.out_nbytes(e))
             .fold(0, u64::saturating_add)
     }
 }
@@ -331,7 +368,62 @@ pub fn select<'a>(index: &'a CheckpointIndex, prefix: Option<&str>) -> Result<Se
             tops.into_iter().collect::<Vec<_>>().join(", ")
         );
     }
-    Ok(Selection { tensors, values })
+    Ok(Selection {
+        tensors,
+        values,
+        cast: None,
+    })
+}
+
+/// Removes the aliases of tied weights from the selection's tensors (see
+/// [`shardscope_core::model::ties`]: shared storage in `torch.save`, equal bytes elsewhere) and
+/// returns `(kept, dropped)` output names. The name kept is the one that comes first in the
+/// checkpoint.
+pub fn drop_tied(
+    source: &FileSource,
+    index: &CheckpointIndex,
+    sel: &mut Selection<'_>,
+) -> Result<Vec<(String, String)>> {
+    let position: BTreeMap<*const IndexEntry, usize> = index
+        .entries
+        .iter()
+        .enumerate()
+        .map(|(i, e)| (std::ptr::from_ref(e), i))
+        .collect();
+    let out_name: BTreeMap<usize, String> = sel
+        .tensors
+        .iter()
+        .filter_map(|(name, e)| Some((*position.get(&std::ptr::from_ref(*e))?, name.clone())))
+        .collect();
+    // The name kept is the first in stored (registration) order.
+    let order = shardscope_core::model::from_index::stored_key_order(source, index)
+        .context("cannot read the checkpoint's key order")?;
+    let by_key: BTreeMap<&str, usize> = index
+        .entries
+        .iter()
+        .enumerate()
+        .map(|(i, e)| (e.key.as_str(), i))
+        .collect();
+    let mut candidates: Vec<usize> = order
+        .keys
+        .iter()
+        .filter_map(|k| by_key.get(k.as_str()).copied())
+        .filter(|i| out_name.contains_key(i))
+        .collect();
+    let listed: BTreeSet<usize> = candidates.iter().copied().collect();
+    candidates.extend(out_name.keys().filter(|i| !listed.contains(i)));
+    let groups = shardscope_core::model::ties::find_ties(index, source, &candidates)
+        .context("cannot look for tied weights")?;
+    let mut dropped = Vec::new();
+    let mut drop_set = BTreeSet::new();
+    for g in &groups {
+        for a in &g.aliases {
+            dropped.push((out_name[&g.keep].clone(), out_name[a].clone()));
+            drop_set.insert(out_name[a].clone());
+        }
+    }
+    sel.tensors.retain(|(name, _)| !drop_set.contains(name));
+    Ok(dropped)
 }
 
 /// Something that hears how many tensor bytes were written.
@@ -354,7 +446,7 @@ pub struct Written {
 fn largest(sel: &Selection<'_>) -> u64 {
     sel.tensors
         .iter()
-        .filter_map(|(_, e)| e.nbytes())
+        .filter_map(|(_, e)| sel.out_nbytes(e))
         .max()
         .unwrap_or(0)
 }
@@ -375,7 +467,7 @@ pub fn to_safetensors(
         .tensors
         .iter()
         .map(|(name, e)| {
-            let (dtype, shape) = tensor_meta(e)?;
+            let (dtype, shape) = sel.out_meta(e)?;
             Ok(TensorSpec {
                 name: name.clone(),
                 dtype,
@@ -404,7 +496,8 @@ pub fn to_safetensors(
         let order: Vec<String> = writer.data_order().map(str::to_owned).collect();
         for name in order {
             let entry = by_name[name.as_str()];
-            let n = reader.tensor_into(entry, &mut buf)?;
+            let (dtype, _) = sel.out_meta(entry)?;
+            let n = reader.tensor_as(entry, dtype, &mut buf)?;
             writer.write_tensor(&name, &buf[..n])?;
             progress.advance(n as u64);
         }
@@ -522,13 +615,14 @@ fn to_py(
     node: &Node,
     leaves: &[(String, &IndexEntry)],
     reader: &Reader<'_>,
+    sel: &Selection<'_>,
     storages: &mut Vec<(StorageSpec, usize)>,
 ) -> Result<PyValue> {
     match node {
         Node::Leaf(i) => {
             let e = leaves[*i].1;
             if e.kind == EntryKind::Tensor {
-                let (dtype, shape) = tensor_meta(e)?;
+                let (dtype, shape) = sel.out_meta(e)?;
                 let numel = shape.iter().product();
                 storages.push((StorageSpec { dtype, numel }, *i));
                 Ok(PyValue::Tensor(TensorPickle::contiguous(
@@ -561,7 +655,9 @@ fn to_py(
                     items
                         .into_iter()
                         .map(|c| {
-                            c.map_or(Ok(PyValue::None), |c| to_py(c, leaves, reader, storages))
+                            c.map_or(Ok(PyValue::None), |c| {
+                                to_py(c, leaves, reader, sel, storages)
+                            })
                         })
                         .collect::<Result<_>>()?,
                 ))
@@ -574,7 +670,7 @@ fn to_py(
                                 PathSeg::Key(s) => PyValue::Str(s.clone()),
                                 PathSeg::Index(i) => PyValue::Int(*i),
                             };
-                            Ok((key, to_py(child, leaves, reader, storages)?))
+                            Ok((key, to_py(child, leaves, reader, sel, storages)?))
                         })
                         .collect::<Result<_>>()?,
                 ))
@@ -615,7 +711,7 @@ pub fn to_torch_save(
         insert(&mut root, &path, i, &e.key)?;
     }
     let mut storages = Vec::new();
-    let value = to_py(&root, &leaves, reader, &mut storages)?;
+    let value = to_py(&root, &leaves, reader, sel, &mut storages)?;
     let archive = dest
         .file_stem()
         .and_then(|s| s.to_str())
@@ -626,8 +722,8 @@ pub fn to_torch_save(
     atomic::write_file(dest, |out| {
         let table = storages.iter().map(|(s, _)| *s).collect();
         let mut writer = TorchSaveWriter::new(out, &archive, &value, table)?;
-        for (_, leaf) in &storages {
-            let n = reader.tensor_into(leaves[*leaf].1, &mut buf)?;
+        for (spec, leaf) in &storages {
+            let n = reader.tensor_as(leaves[*leaf].1, spec.dtype, &mut buf)?;
             writer.write_storage(&buf[..n])?;
             progress.advance(n as u64);
         }
@@ -690,7 +786,7 @@ pub fn to_dcp(
         path.push(PathKey::Key(name.clone()));
         let fqn = PathKey::join(&path);
         let value = if e.kind == EntryKind::Tensor {
-            let (dtype, shape) = tensor_meta(e)?;
+            let (dtype, shape) = sel.out_meta(e)?;
             let mut pieces =
                 chunk_dim0(dtype, shape, world_size, empty).with_context(|| e.key.clone())?;
             // Trailing empty DTensor shards all sit at offset `dim0`; torch's coordinator keeps
@@ -731,7 +827,8 @@ pub fn to_dcp(
             let mut writer = DcpFileWriter::new(&plan, rank, &mut out)?;
             while let Some((entry, chunk)) = writer.next_chunk() {
                 let range = ranges[entry][chunk].clone();
-                reader.tensor_range_into(sources[entry], range, &mut buf, &mut whole)?;
+                let (dtype, _) = sel.out_meta(sources[entry])?;
+                reader.tensor_range_into(sources[entry], dtype, range, &mut buf, &mut whole)?;
                 writer.write_chunk(&buf)?;
                 progress.advance(buf.len() as u64);
             }
