@@ -33,6 +33,11 @@ enum Command {
     Verify(cli::verify::VerifyArgs),
     /// Convert a DCP, full or per-rank checkpoint to safetensors, torch.save or DCP for N ranks.
     Convert(cli::convert::ConvertArgs),
+    /// Print a shell completion script: `shardscope completions bash > ~/.local/share/bash-completion/completions/shardscope`.
+    Completions {
+        #[arg(value_enum)]
+        shell: clap_complete::Shell,
+    },
 }
 
 fn main() -> ExitCode {
@@ -45,6 +50,12 @@ fn main() -> ExitCode {
         Command::Diff(args) => cli::diff::run(&args),
         Command::Verify(args) => cli::verify::run(&args),
         Command::Convert(args) => cli::convert::run(&args),
+        Command::Completions { shell } => {
+            let mut cmd = <Cli as clap::CommandFactory>::command();
+            let mut out = Vec::new();
+            clap_complete::generate(shell, &mut cmd, "shardscope", &mut out);
+            cli::print_stdout(&String::from_utf8_lossy(&out)).map(|()| ExitCode::SUCCESS)
+        }
     };
     match result {
         Ok(code) => code,
@@ -52,5 +63,65 @@ fn main() -> ExitCode {
             cli::report_error(&err);
             ExitCode::from(2)
         }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use std::collections::BTreeMap;
+
+    use clap::CommandFactory;
+
+    use super::Cli;
+
+    /// One vocabulary: a flag that several commands take is spelled with the same value name (and
+    /// so the same meaning) everywhere; `--json` and `--quiet` are plain switches.
+    #[test]
+    fn shared_flags_mean_the_same_in_every_command() {
+        let cmd = Cli::command();
+        let mut seen: BTreeMap<String, BTreeMap<String, Vec<String>>> = BTreeMap::new();
+        for sub in cmd.get_subcommands() {
+            for arg in sub.get_arguments() {
+                let Some(long) = arg.get_long() else { continue };
+                let value = if arg.get_action().takes_values() {
+                    arg.get_value_names().map_or_else(
+                        || "VALUE".to_owned(),
+                        |v| {
+                            v.iter()
+                                .map(ToString::to_string)
+                                .collect::<Vec<_>>()
+                                .join(" ")
+                        },
+                    )
+                } else {
+                    "switch".to_owned()
+                };
+                seen.entry(long.to_owned())
+                    .or_default()
+                    .entry(value)
+                    .or_default()
+                    .push(sub.get_name().to_owned());
+            }
+        }
+        let mixed: Vec<String> = seen
+            .iter()
+            .filter(|(_, values)| values.len() > 1)
+            .map(|(long, values)| format!("--{long}: {values:?}"))
+            .collect();
+        assert!(
+            mixed.is_empty(),
+            "flags spelled differently across commands:\n{}",
+            mixed.join("\n")
+        );
+        for switch in ["json", "quiet"] {
+            if let Some(values) = seen.get(switch) {
+                assert!(values.contains_key("switch"), "--{switch}: {values:?}");
+            }
+        }
+        // `--from` is `layout`'s (a checkpoint to derive the model from) and nobody else's.
+        assert_eq!(
+            seen["from"].values().flatten().collect::<Vec<_>>(),
+            ["layout"]
+        );
     }
 }

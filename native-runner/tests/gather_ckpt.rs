@@ -140,7 +140,7 @@ fn fsdp2_dtensor_local_shards_equal_torch() {
     gather_equals_torch(&ckpt, &["--api", "fsdp2"], "dcp.safetensors", "model/");
     gather_equals_torch(
         &ckpt,
-        &["--from", "full", "--world-size", "3"],
+        &["--read-as", "full", "--world-size", "3"],
         "dcp.safetensors",
         "model/",
     );
@@ -203,7 +203,7 @@ fn wrong_layout_flags_for_saved_shards_are_clear_errors() {
     fails_with(&a, &["2 ranks", "--world-size says 3"]);
     // Flat shards cannot be cut as full parameters.
     let mut a = local;
-    a.extend(["--from".into(), "full".into()]);
+    a.extend(["--read-as".into(), "full".into()]);
     fails_with(&a, &["LOCAL", "hint:"]);
     // FSDP2 local shards under FSDP1's layout.
     let mut a = vec!["gather".to_owned()];

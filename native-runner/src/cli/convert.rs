@@ -63,7 +63,7 @@ pub struct ConvertArgs {
     /// A folder of per-rank FSDP1 LOCAL files: the model description that gives their layout.
     /// FSDP2 per-rank files: names the optimizer ids, id i being the i-th of its `params`
     /// (named_parameters order), or of those with `requires_grad` when the optimizer holds fewer.
-    #[arg(long, value_name = "MODEL")]
+    #[arg(long, value_name = "MODEL.json")]
     pub model: Option<PathBuf>,
     /// Per-rank FSDP1 files: they were saved with `use_orig_params=True`.
     #[arg(long, requires = "model")]

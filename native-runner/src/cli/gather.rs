@@ -38,7 +38,7 @@ pub enum Backend {
 }
 
 #[derive(Debug, Clone, Copy, PartialEq, Eq, ValueEnum)]
-pub enum From {
+pub enum ReadAs {
     /// Decide from the checkpoint: FSDP1 LOCAL and FSDP2 per-rank files are read as saved, a
     /// safetensors file with `rank<r>/...` keys too; anything else is full parameters.
     Auto,
@@ -68,9 +68,10 @@ pub struct GatherArgs {
     /// Model description (JSON). Without it, a full checkpoint is one root unit in file order.
     #[arg(long, value_name = "MODEL.json")]
     pub model: Option<PathBuf>,
-    /// How to read CKPT.
-    #[arg(long = "from", value_enum, default_value = "auto")]
-    pub from: From,
+    /// How to read CKPT's tensors (`layout --from` is another thing: a checkpoint to derive the
+    /// model description from).
+    #[arg(long, value_enum, default_value = "auto")]
+    pub read_as: ReadAs,
     /// Parameters are stored under `PREFIX.` (e.g. `model` in a DCP app state; found automatically
     /// when the model's first parameter is under `model.`).
     #[arg(long, value_name = "PREFIX")]
@@ -88,7 +89,7 @@ pub struct GatherArgs {
     #[arg(long, default_value = "full_shard", value_parser = parse_strategy)]
     pub strategy: Strategy,
     /// Ranks per shard group (hybrid_shard / HSDP).
-    #[arg(long, value_name = "K")]
+    #[arg(long, value_name = "S")]
     pub shard_group_size: Option<u64>,
     /// Mixed-precision compute dtype (sets FSDP1's alignment unit).
     #[arg(long, value_name = "DTYPE", value_parser = parse_dtype)]
@@ -104,7 +105,7 @@ pub struct GatherArgs {
     #[arg(long)]
     pub verify: bool,
     /// Write rank 0's gathered parameters (and tied aliases) as one safetensors file.
-    #[arg(short = 'o', long = "output", value_name = "FULL.safetensors")]
+    #[arg(short = 'o', long = "output", value_name = "DST")]
     pub output: Option<PathBuf>,
     /// Print the summary (and verify report) as JSON.
     #[arg(long)]
@@ -238,13 +239,13 @@ fn prepare(args: &GatherArgs) -> anyhow::Result<Prepared> {
         index.kind,
         CheckpointKind::Fsdp1Local | CheckpointKind::Fsdp2
     );
-    let from = match args.from {
-        From::Auto if rank_count.is_some() => From::RankPrefixed,
-        From::Auto if local_kind => From::Local,
-        From::Auto => From::Full,
+    let from = match args.read_as {
+        ReadAs::Auto if rank_count.is_some() => ReadAs::RankPrefixed,
+        ReadAs::Auto if local_kind => ReadAs::Local,
+        ReadAs::Auto => ReadAs::Full,
         other => other,
     };
-    if from == From::RankPrefixed {
+    if from == ReadAs::RankPrefixed {
         let ([path], true) = (paths.as_slice(), single_safetensors) else {
             bail!("{name}: --from rank-prefixed reads one safetensors file");
         };
@@ -289,7 +290,7 @@ fn prepare(args: &GatherArgs) -> anyhow::Result<Prepared> {
     }
     let kind = index.kind;
     let ckpt = Arc::new(Indexed::new(name.clone(), files, index, prefix));
-    if from == From::Local {
+    if from == ReadAs::Local {
         match kind {
             CheckpointKind::Fsdp1Local if args.api != Api::Fsdp1 => {
                 bail!("{name}: FSDP1 LOCAL flat-parameter shards gather only under --api fsdp1")

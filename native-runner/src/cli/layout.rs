@@ -65,7 +65,7 @@ pub struct LayoutArgs {
     #[arg(long, default_value = "full_shard", value_parser = parse_strategy)]
     pub strategy: Strategy,
     /// Ranks per shard group for hybrid_shard / FSDP2 HSDP (groups of consecutive ranks).
-    #[arg(long, value_name = "K")]
+    #[arg(long, value_name = "S")]
     pub shard_group_size: Option<u64>,
     /// Mixed-precision compute dtype (MixedPrecision.param_dtype); sets the alignment unit.
     #[arg(long, value_name = "DTYPE", value_parser = parse_dtype)]

@@ -45,7 +45,7 @@ pub struct VerifyArgs {
     #[arg(long, default_value = "full_shard", value_parser = parse_strategy)]
     pub strategy: Strategy,
     /// Ranks per shard group for hybrid_shard (with --model).
-    #[arg(long, value_name = "K", requires = "model")]
+    #[arg(long, value_name = "S", requires = "model")]
     pub shard_group_size: Option<u64>,
     /// Mixed-precision compute dtype (with --model; sets the alignment unit).
     #[arg(long, value_name = "DTYPE", value_parser = parse_dtype, requires = "model")]
