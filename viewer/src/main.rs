@@ -11,12 +11,16 @@ fn main() -> std::process::ExitCode {
         Err(e) => {
             eprintln!("error: {e}");
             eprintln!(
-                "hint: shardscope-viewer [--api fsdp1|fsdp2] [--world-size N] [--shard-group-size K] [--strategy NAME] [--no-orig-params] [--select FQN] [--light] [FILE_OR_FOLDER ...]"
+                "hint: shardscope-viewer [--api fsdp1|fsdp2] [--world-size N] [--shard-group-size S] [--strategy NAME] [--no-orig-params] [--select FQN] [--light] [FILE_OR_FOLDER ...]"
             );
             std::process::ExitCode::from(2)
         }
     }
 }
+
+/// The origin shown next to a layout control set by a command-line flag.
+#[cfg(not(target_arch = "wasm32"))]
+const COMMAND_LINE: &str = "set on the command line";
 
 #[cfg(not(target_arch = "wasm32"))]
 fn run() -> Result<(), String> {
@@ -37,24 +41,30 @@ fn run() -> Result<(), String> {
                 .map_err(|_| format!("{name}: `{v}` is not a positive integer"))
         };
         match text.as_str() {
-            "--api" => viewer.controls.api = value("--api")?.parse().map_err(|e| format!("{e}"))?,
+            "--api" => {
+                viewer.controls.api = value("--api")?.parse().map_err(|e| format!("{e}"))?;
+                viewer.controls.origins.api = Some(COMMAND_LINE.into());
+            }
             "--world-size" => {
                 viewer.controls.world_size = number("--world-size", value("--world-size")?)?;
+                viewer.controls.origins.world_size = Some(COMMAND_LINE.into());
             }
             "--shard-group-size" => {
                 viewer.controls.shard_group_size =
                     number("--shard-group-size", value("--shard-group-size")?)?;
+                viewer.controls.origins.shard_group = Some(COMMAND_LINE.into());
             }
             "--strategy" => {
                 viewer.controls.strategy =
                     value("--strategy")?.parse().map_err(|e| format!("{e}"))?;
+                viewer.controls.origins.shard_group = Some(COMMAND_LINE.into());
             }
             "--no-orig-params" => viewer.controls.use_orig_params = false,
             "--select" => viewer.selection.select(value("--select")?),
             "--light" => viewer.theme = shardscope_viewer::theme::Theme::Light,
             "-h" | "--help" => {
                 println!(
-                    "shardscope-viewer [--api fsdp1|fsdp2] [--world-size N] [--shard-group-size K] [--strategy NAME] [--no-orig-params] [--select FQN] [--light] [FILE_OR_FOLDER ...]"
+                    "shardscope-viewer [--api fsdp1|fsdp2] [--world-size N] [--shard-group-size S] [--strategy NAME] [--no-orig-params] [--select FQN] [--light] [FILE_OR_FOLDER ...]"
                 );
                 return Ok(());
             }

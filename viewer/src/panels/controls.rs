@@ -16,6 +16,21 @@ pub struct Controls {
     pub strategy: Strategy,
     /// `None`: the parameters' own dtype.
     pub param_dtype: Option<DType>,
+    /// Where the values came from; shown next to them.
+    pub origins: Origins,
+}
+
+/// Where a control's value came from: `None` is the default; a checkpoint's statement
+/// (`from the checkpoint: …`) or `set by hand` otherwise.
+#[derive(Debug, Clone, Default, PartialEq, Eq)]
+pub struct Origins {
+    pub api: Option<String>,
+    pub world_size: Option<String>,
+    pub shard_group: Option<String>,
+}
+
+fn show_origin(ui: &mut Ui, origin: Option<&String>) {
+    ui.weak(origin.map_or("default", String::as_str));
 }
 
 impl Default for Controls {
@@ -27,6 +42,7 @@ impl Default for Controls {
             use_orig_params: true,
             strategy: Strategy::FullShard,
             param_dtype: None,
+            origins: Origins::default(),
         }
     }
 }
@@ -51,6 +67,54 @@ const DTYPES: [DType; 4] = [
 ];
 
 impl Controls {
+    /// Takes the world size, API and HSDP shard group from what a checkpoint states (see
+    /// [`shardscope_core::model::hints`]) and records where each came from. Values the checkpoint
+    /// does not state, and values set by hand or on the command line, keep their setting.
+    pub fn apply_hints(&mut self, hints: &shardscope_core::model::hints::LayoutHints) {
+        let from = |why: &str| Some(format!("from the checkpoint: {why}"));
+        let open = |origin: &Option<String>| {
+            origin
+                .as_deref()
+                .is_none_or(|o| o.starts_with("from the checkpoint"))
+        };
+        if let Some(h) = hints.api.as_ref().filter(|_| open(&self.origins.api)) {
+            self.api = h.value;
+            self.origins.api = from(&h.why);
+        }
+        if let Some(h) = hints
+            .world_size
+            .as_ref()
+            .filter(|_| open(&self.origins.world_size))
+        {
+            self.world_size = h.value.max(1);
+            self.origins.world_size = from(&h.why);
+        }
+        if !open(&self.origins.shard_group) {
+            // Set by hand or on the command line: kept.
+        } else if let Some(h) = &hints.shard_group_size {
+            self.strategy = Strategy::HybridShard;
+            self.shard_group_size = h.value.clamp(1, self.world_size);
+            self.origins.shard_group = from(&h.why);
+        } else if hints.world_size.is_some() {
+            if self.strategy.is_hybrid() {
+                self.strategy = Strategy::FullShard;
+            }
+            self.origins.shard_group = from("no HSDP mesh: the whole world is one shard group");
+        }
+        if self.api == Api::Fsdp2 && !FSDP2_STRATEGIES.contains(&self.strategy) {
+            self.strategy = Strategy::FullShard;
+        }
+    }
+
+    /// Ranks per shard group as the layout uses it: the world unless the strategy is hybrid.
+    pub fn effective_shard_group_size(&self) -> u64 {
+        if self.strategy.is_hybrid() {
+            self.shard_group_size
+        } else {
+            self.world_size
+        }
+    }
+
     /// The layout configuration these controls describe.
     pub fn config(&self) -> LayoutConfig {
         LayoutConfig {
@@ -83,16 +147,20 @@ impl Controls {
                 ui.horizontal(|ui| {
                     ui.selectable_value(&mut self.api, Api::Fsdp1, "FSDP1");
                     ui.selectable_value(&mut self.api, Api::Fsdp2, "FSDP2");
+                    show_origin(ui, self.origins.api.as_ref());
                 });
                 ui.end_row();
 
                 let label = ui.label("World size");
-                ui.add(
-                    egui::DragValue::new(&mut self.world_size)
-                        .range(1..=65_536)
-                        .speed(0.1),
-                )
-                .labelled_by(label.id);
+                ui.horizontal(|ui| {
+                    ui.add(
+                        egui::DragValue::new(&mut self.world_size)
+                            .range(1..=65_536)
+                            .speed(0.1),
+                    )
+                    .labelled_by(label.id);
+                    show_origin(ui, self.origins.world_size.as_ref());
+                });
                 ui.end_row();
 
                 let label = ui.label("Strategy");
@@ -113,17 +181,25 @@ impl Controls {
                 ui.end_row();
 
                 let label = ui.label("Shard group");
-                ui.add_enabled(
-                    self.strategy.is_hybrid(),
-                    egui::DragValue::new(&mut self.shard_group_size)
-                        .range(1..=self.world_size.max(1))
-                        .speed(0.1)
-                        .suffix(" ranks"),
-                )
-                .labelled_by(label.id)
-                .on_disabled_hover_text(
-                    "Only hybrid strategies shard over groups smaller than the world",
-                );
+                ui.horizontal(|ui| {
+                    if self.strategy.is_hybrid() {
+                        ui.add(
+                            egui::DragValue::new(&mut self.shard_group_size)
+                                .range(1..=self.world_size.max(1))
+                                .speed(0.1)
+                                .suffix(" ranks"),
+                        )
+                        .labelled_by(label.id);
+                    } else {
+                        // What the layout uses: the whole world (the hybrid value is kept aside).
+                        ui.label(format!("{} ranks (the world)", self.world_size))
+                            .labelled_by(label.id)
+                            .on_hover_text(
+                                "Only hybrid strategies shard over groups smaller than the world",
+                            );
+                    }
+                    show_origin(ui, self.origins.shard_group.as_ref());
+                });
                 ui.end_row();
 
                 let label = ui.label("use_orig_params");
@@ -153,6 +229,18 @@ impl Controls {
             self.strategy = Strategy::FullShard;
         }
         self.shard_group_size = self.shard_group_size.clamp(1, self.world_size.max(1));
+        let by_hand = Some("set by hand".to_owned());
+        if self.api != before.api {
+            self.origins.api.clone_from(&by_hand);
+        }
+        if self.world_size != before.world_size {
+            self.origins.world_size.clone_from(&by_hand);
+        }
+        if self.shard_group_size != before.shard_group_size
+            || self.strategy.is_hybrid() != before.strategy.is_hybrid()
+        {
+            self.origins.shard_group = by_hand;
+        }
         *self != before
     }
 }
