@@ -8,9 +8,9 @@
 //! and an existing destination is left untouched.
 //!
 //! A process killed with SIGKILL cannot clean up: its hidden temporary output
-//! (`.{name}.shardscope-tmp-{pid}-{n}`) stays next to the destination. The next write to the same
-//! destination removes such leftovers whose process no longer runs (on Linux, where `/proc` tells;
-//! elsewhere they are left alone), and says so on stderr.
+//! (`.{name}.shardscope-tmp-{pid}-{n}`) stays next to the destination. The next write into the same
+//! folder, whatever its destination, removes every such leftover whose process no longer runs (on
+//! Linux, where `/proc` tells; elsewhere they are left alone), and says so on stderr.
 //!
 //! The core writers (`shardscope_core::formats::write`) take any `Write`; pass them the `BufWriter`
 //! given to the closure.
@@ -122,10 +122,12 @@ fn temp_path(dest: &Path) -> Result<PathBuf> {
     )))
 }
 
-/// The pid in a temporary name `.{name}.shardscope-tmp-{pid}-{n}` made for `name`.
-fn temp_owner(entry: &str, name: &str) -> Option<u32> {
-    let rest = entry.strip_prefix('.')?.strip_prefix(name)?;
-    let rest = rest.strip_prefix(".shardscope-tmp-")?;
+/// The pid in a temporary name `.{name}.shardscope-tmp-{pid}-{n}` (any non-empty `name`).
+fn temp_owner(entry: &str) -> Option<u32> {
+    let (name, rest) = entry.strip_prefix('.')?.rsplit_once(".shardscope-tmp-")?;
+    if name.is_empty() {
+        return None;
+    }
     let (pid, n) = rest.split_once('-')?;
     if n.is_empty() || !n.bytes().all(|b| b.is_ascii_digit()) {
         return None;
@@ -133,23 +135,21 @@ fn temp_owner(entry: &str, name: &str) -> Option<u32> {
     pid.parse().ok()
 }
 
-/// Removes temporary outputs for `dest` left by processes that no longer run (killed runs).
-/// Best effort: only where `/proc` shows which processes run; anything unclear is kept.
+/// Removes the temporary outputs that processes which no longer run (killed runs) left in `dest`'s
+/// folder, for any destination. Best effort: only where `/proc` shows which processes run;
+/// anything unclear is kept.
 fn remove_stale_temps(dest: &Path) {
     let proc_root = Path::new("/proc");
     if !proc_root.join("self").exists() {
         return;
     }
-    let Some(name) = dest.file_name().map(|n| n.to_string_lossy().into_owned()) else {
-        return;
-    };
     let dir = parent_dir(dest);
     let Ok(entries) = fs::read_dir(&dir) else {
         return;
     };
     for entry in entries.flatten() {
         let entry_name = entry.file_name().to_string_lossy().into_owned();
-        let Some(pid) = temp_owner(&entry_name, &name) else {
+        let Some(pid) = temp_owner(&entry_name) else {
             continue;
         };
         if pid == std::process::id() || proc_root.join(pid.to_string()).exists() {
@@ -334,14 +334,13 @@ mod tests {
 
     #[test]
     fn leftovers_of_dead_processes_are_removed_and_live_ones_kept() {
-        assert_eq!(
-            temp_owner(".out.pt.shardscope-tmp-123-0", "out.pt"),
-            Some(123)
-        );
-        assert_eq!(temp_owner(".out.pt.shardscope-tmp-123-", "out.pt"), None);
-        assert_eq!(temp_owner(".out.pt.shardscope-tmp-x-1", "out.pt"), None);
-        assert_eq!(temp_owner(".other.pt.shardscope-tmp-123-0", "out.pt"), None);
-        assert_eq!(temp_owner("out.pt", "out.pt"), None);
+        assert_eq!(temp_owner(".out.pt.shardscope-tmp-123-0"), Some(123));
+        assert_eq!(temp_owner(".d1.safetensors.shardscope-tmp-77-12"), Some(77));
+        assert_eq!(temp_owner(".out.pt.shardscope-tmp-123-"), None);
+        assert_eq!(temp_owner(".out.pt.shardscope-tmp-x-1"), None);
+        assert_eq!(temp_owner("..shardscope-tmp-123-0"), None);
+        assert_eq!(temp_owner("out.pt.shardscope-tmp-123-0"), None);
+        assert_eq!(temp_owner("out.pt"), None);
         if !Path::new("/proc/self").exists() {
             return;
         }
@@ -354,7 +353,11 @@ mod tests {
         let live = std::process::id();
         let dead_file = format!(".out.pt.shardscope-tmp-{dead}-0");
         let dead_dir = format!(".ckpt.shardscope-tmp-{dead}-3");
-        let unrelated = format!(".other.shardscope-tmp-{dead}-0");
+        // Another destination's leftover in the same folder goes too (a killed conversion to
+        // another name); a file that only looks similar stays.
+        let other_dest = format!(".other.shardscope-tmp-{dead}-0");
+        let unrelated = format!("other.shardscope-tmp-{dead}-0");
+        fs::write(dir.path().join(&other_dest), b"x").unwrap();
         fs::write(dir.path().join(&dead_file), b"partial").unwrap();
         fs::create_dir(dir.path().join(&dead_dir)).unwrap();
         fs::write(dir.path().join(&dead_dir).join("__0_0.distcp"), b"x").unwrap();

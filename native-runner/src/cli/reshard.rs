@@ -58,6 +58,9 @@ pub struct ReshardCliArgs {
     /// Print a JSON summary instead of text.
     #[arg(long)]
     pub json: bool,
+    /// No progress indicator on stderr.
+    #[arg(long, short)]
+    pub quiet: bool,
 }
 
 fn parse_strategy(s: &str) -> Result<Strategy, String> {
@@ -89,9 +92,29 @@ pub fn run(args: &ReshardCliArgs) -> anyhow::Result<ExitCode> {
         model_pattern: args.model_files.clone(),
         optim_pattern: args.optim_files.clone(),
     };
-    let (files, outputs) = crate::atomic::write_dir(&args.dst, |tmp| {
+    // A spinner with the elapsed time on a terminal: the work is one call.
+    let spinner =
+        (!args.quiet && std::io::IsTerminal::is_terminal(&std::io::stderr())).then(|| {
+            let bar = indicatif::ProgressBar::new_spinner();
+            if let Ok(style) = indicatif::ProgressStyle::with_template("{spinner} {msg} {elapsed}")
+            {
+                bar.set_style(style);
+            }
+            bar.set_message(format!(
+                "resharding {} to {} ranks",
+                args.src.display(),
+                args.to_world_size
+            ));
+            bar.enable_steady_tick(std::time::Duration::from_millis(200));
+            bar
+        });
+    let result = crate::atomic::write_dir(&args.dst, |tmp| {
         Ok(fsdp1_local::reshard(&reshard_args, tmp)?)
-    })?;
+    });
+    if let Some(bar) = spinner {
+        bar.finish_and_clear();
+    }
+    let (files, outputs) = result?;
     let written = outputs.len();
     let text = if args.json {
         let summary = serde_json::json!({
