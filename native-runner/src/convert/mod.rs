@@ -34,7 +34,9 @@ use shardscope_core::formats::write::safetensors::{
 };
 use shardscope_core::formats::write::torch_save::TorchSaveWriter;
 use shardscope_core::formats::write::{contiguous_strides, nbytes};
-use shardscope_core::model::index::{CheckpointIndex, EntryKind, IndexEntry, PathSeg};
+use shardscope_core::model::index::{
+    CheckpointIndex, ChunkEncoding, EntryKind, IndexEntry, PathSeg,
+};
 
 use crate::atomic;
 use crate::file_source::FileSource;
@@ -92,15 +94,12 @@ impl<'a> Reader<'a> {
         let total = nbytes(dtype, shape)
             .and_then(|n| usize::try_from(n).ok())
             .with_context(|| format!("{}: tensor size overflows", entry.key))?;
-        // Never allocate more than the files holding the chunks could fill.
-        let files: BTreeSet<&str> = entry.chunks.iter().map(|c| c.file.as_str()).collect();
-        let available: u64 = files
-            .iter()
-            .map(|f| self.index.files.get(*f).map_or(0, |i| i.size))
-            .fold(0, u64::saturating_add);
+        // Never allocate more than the chunks could fill (the files holding them, or for
+        // compressed items what zstd can expand them to).
+        let available = self.index.max_decoded_bytes(entry);
         if total as u64 > available {
             bail!(
-                "{}: the tensor ({total} bytes) is larger than the files holding its chunks ({available} bytes)",
+                "{}: the tensor ({total} bytes) is larger than the chunks holding it can decode to ({available} bytes)",
                 entry.key
             );
         }
@@ -120,6 +119,21 @@ impl<'a> Reader<'a> {
             }
             if chunk.offsets.len() != shape.len() || chunk.sizes.len() != shape.len() {
                 bail!("{}: a chunk's rank differs from the tensor's", entry.key);
+            }
+            if chunk.encoding == ChunkEncoding::ZstdTorchSaveItem {
+                // A compressed item has no byte range to read in place: decompress it (memory
+                // bounded by the chunk) and copy its elements.
+                let data = self.index.read_chunk(self.source, entry, chunk)?;
+                copy_box(
+                    out,
+                    &strides,
+                    &chunk.offsets,
+                    &chunk.sizes,
+                    &data.bytes,
+                    item,
+                )
+                .with_context(|| entry.key.clone())?;
+                continue;
             }
             let location = self.index.locate_chunk(self.source, entry, chunk)?;
             let slab = shape.is_empty() || chunk.sizes[1..] == shape[1..];
@@ -176,6 +190,7 @@ impl<'a> Reader<'a> {
             return Ok(());
         }
         if let [chunk] = entry.chunks.as_slice()
+            && chunk.encoding != ChunkEncoding::ZstdTorchSaveItem
             && chunk.sizes == *shape
             && chunk.offsets.iter().all(|&o| o == 0)
         {
