@@ -357,6 +357,9 @@ mod tests {
         assert_eq!(f(DType::Float8E8M0Fnu, 127), 1.0);
         assert_eq!(f(DType::Float8E8M0Fnu, 0), 2f64.powi(-127));
         assert!(f(DType::Float8E8M0Fnu, 0xff).is_nan());
-        assert_eq!(DType::Complex32.element_f64(&[0x00, 0x3c, 0x00, 0xc0]), [1.0, -2.0]);
+        assert_eq!(
+            DType::Complex32.element_f64(&[0x00, 0x3c, 0x00, 0xc0]),
+            [1.0, -2.0]
+        );
     }
 }

@@ -460,6 +460,7 @@ pub fn decompress_zstd(compressed: &[u8], limit: u64) -> Result<Vec<u8>, ZstdErr
 #[cfg(test)]
 mod tests {
     use super::*;
+    use std::io::Read;
 
     /// `zstandard.ZstdCompressor().compress(b"hello hello hello hello")` (content size and no
     /// checksum, python-zstandard 0.25).
@@ -509,5 +510,22 @@ mod tests {
             decompress_zstd(&HELLO[..HELLO.len() - 3], 1000),
             Err(ZstdError::Corrupt { .. })
         ));
+    }
+
+    #[test]
+    fn zstd_bomb_is_refused_within_its_limit() {
+        // 16 MiB of zeros in a frame of a few KiB (streamed: no declared content size).
+        let zeros = std::io::repeat(0).take(16 << 20);
+        let bomb =
+            ruzstd::encoding::compress_to_vec(zeros, ruzstd::encoding::CompressionLevel::Fastest);
+        assert!(bomb.len() < 64 << 10, "{} bytes", bomb.len());
+        assert_eq!(
+            decompress_zstd(&bomb, 1 << 20),
+            Err(ZstdError::TooLarge { limit: 1 << 20 })
+        );
+        assert_eq!(
+            decompress_zstd(&bomb, 16 << 20).map(|v| v.len()),
+            Ok(16 << 20)
+        );
     }
 }
