@@ -1849,7 +1849,6 @@ impl CheckpointIndex {
     /// The `torch.save` archive of a bytes item, decompressed when it is a `stream.zstd/1` item
     /// (to at most [`MAX_BYTES_ITEM`] bytes).
     fn bytes_item<'s>(
-        &self,
         source: &'s dyn Source,
         entry: &IndexEntry,
         c: &Chunk,
@@ -1885,7 +1884,7 @@ impl CheckpointIndex {
                 key: entry.key.clone(),
                 what: "not a bytes item".into(),
             })?;
-        let bytes = self.bytes_item(source, entry, c)?;
+        let bytes = Self::bytes_item(source, entry, c)?;
         let archive = torch_zip::read_archive(&bytes).map_err(|e| IndexError::BadChunk {
             key: entry.key.clone(),
             file: c.file.clone(),
@@ -1913,7 +1912,7 @@ impl CheckpointIndex {
                 key: entry.key.clone(),
                 what: "not a bytes item".into(),
             })?;
-        let bytes = self.bytes_item(source, entry, c)?;
+        let bytes = Self::bytes_item(source, entry, c)?;
         let archive = torch_zip::read_archive(&bytes).map_err(|e| IndexError::BadChunk {
             key: entry.key.clone(),
             file: c.file.clone(),
