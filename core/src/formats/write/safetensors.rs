@@ -52,7 +52,7 @@ impl TensorSpec {
 /// A safetensors file or shard set could not be written.
 #[derive(Debug, thiserror::Error)]
 pub enum SafetensorsWriteError {
-    /// The dtype has no safetensors name (`complex128`).
+    /// The dtype has no safetensors name (`complex32`, `complex128`).
     #[error("tensor `{name}`: dtype {dtype} cannot be stored in safetensors")]
     UnsupportedDType {
         /// Tensor name.
