@@ -231,6 +231,39 @@ fn corrupt_zstd_item_exits_2_naming_key_and_file() {
 }
 
 #[test]
+fn zstd_bomb_in_an_item_exits_2_within_its_limit() {
+    let tmp = copy_dir(&dtypes_dir().join("dcp_zstd"));
+    let source = memory_source(tmp.path());
+    let idx = index::index_source(&source).unwrap();
+    // `model.zeros` is a 64x64 float32 (16 KiB): its archive may decompress to 16 KiB + 64 KiB.
+    let chunk = &idx.entry("model.zeros").unwrap().chunks[0];
+    let zeros = std::io::Read::take(std::io::repeat(0), 8 << 20);
+    let bomb =
+        ruzstd::encoding::compress_to_vec(zeros, ruzstd::encoding::CompressionLevel::Fastest);
+    assert!(
+        bomb.len() as u64 <= chunk.byte_length,
+        "{} bytes",
+        bomb.len()
+    );
+    let data_file = tmp.path().join(&chunk.file);
+    let mut bytes = std::fs::read(&data_file).unwrap();
+    let start = chunk.byte_offset as usize;
+    bytes[start..start + bomb.len()].copy_from_slice(&bomb);
+    std::fs::write(&data_file, bytes).unwrap();
+
+    let (code, _, stderr) = run(&["inspect", tmp.path().to_str().unwrap(), "--values"]);
+    assert_eq!(code, 2, "{stderr}");
+    let limit = 64 * 64 * 4 + index::ITEM_ARCHIVE_OVERHEAD;
+    assert!(
+        stderr.contains("model.zeros")
+            && stderr.contains(&format!(
+                "decompresses to more than the {limit} bytes the metadata justifies"
+            )),
+        "{stderr}"
+    );
+}
+
+#[test]
 fn unknown_transform_extension_exits_2_naming_it() {
     let dir = dtypes_dir().join("dcp_rot13");
     for args in [

@@ -247,15 +247,21 @@ fn tensor_meta(key: &str, o: ObjRef<'_>) -> Result<ItemMeta, DcpError> {
         .ok_or_else(|| malformed(format!("{key}: no properties")))?;
     // TensorProperties pickles its state as a tuple whose first element is the dtype; older
     // releases used a dict state.
-    let dtype = props.object().and_then(|p| {
+    let dtype_ref = props.object().and_then(|p| {
         let state = p.state()?;
         match state.items() {
-            Some(mut it) => it.next()?.dtype(),
-            None => p.attr("dtype")?.dtype(),
+            Some(mut it) => it.next(),
+            None => p.attr("dtype"),
         }
     });
-    let Some(dtype) = dtype else {
-        return Err(malformed(format!("{key}: properties hold no torch dtype")));
+    let Some(dtype) = dtype_ref.and_then(|d| d.dtype()) else {
+        return Err(match dtype_ref.and_then(|d| d.global()) {
+            Some(g) if g.module == "torch" => malformed(format!(
+                "{key}: dtype torch.{} is not one shardscope reads",
+                g.name
+            )),
+            _ => malformed(format!("{key}: properties hold no torch dtype")),
+        });
     };
     let size = dims(o.attr("size"), &format!("{key}: size"))?;
     let chunk_list = o

@@ -1739,7 +1739,8 @@ impl CheckpointIndex {
         if let Some(p) = problems.first() {
             return Err(not(&p.what));
         }
-        let mut out = vec![0u8; usize::try_from(nbytes).map_err(|_| not("too large"))?];
+        let total = usize::try_from(nbytes).map_err(|_| not("too large"))?;
+        let mut out = Vec::new();
         let strides = contiguous_strides(&shape);
         let mut done: BTreeSet<(Vec<u64>, Vec<u64>)> = BTreeSet::new();
         for c in &entry.chunks {
@@ -1747,6 +1748,11 @@ impl CheckpointIndex {
                 continue;
             }
             let data = self.read_chunk(source, entry, c)?;
+            // Allocated once a chunk has been read: a compressed chunk's size is only proven by
+            // decoding it, so a lying `.metadata` fails before the whole tensor is allocated.
+            if out.len() != total {
+                out = vec![0u8; total];
+            }
             copy_box(&mut out, &strides, &c.offsets, &c.sizes, &data.bytes, item);
         }
         Ok(TensorData {

@@ -103,10 +103,13 @@ impl<'a> Reader<'a> {
                 entry.key
             );
         }
-        if buf.len() < total {
-            buf.resize(total, 0);
-        }
-        let out = &mut buf[..total];
+        // Allocated before the first chunk is copied, and after decoding it when it is compressed
+        // (a compressed chunk's size is only proven by decoding it).
+        let ensure = |buf: &mut Vec<u8>| {
+            if buf.len() < total {
+                buf.resize(total, 0);
+            }
+        };
         let strides = contiguous_strides(shape);
         let row_bytes = shape.iter().skip(1).product::<u64>() * item as u64;
         let mut done: BTreeSet<(&[u64], &[u64])> = BTreeSet::new();
@@ -124,8 +127,9 @@ impl<'a> Reader<'a> {
                 // A compressed item has no byte range to read in place: decompress it (memory
                 // bounded by the chunk) and copy its elements.
                 let data = self.index.read_chunk(self.source, entry, chunk)?;
+                ensure(buf);
                 copy_box(
-                    out,
+                    &mut buf[..total],
                     &strides,
                     &chunk.offsets,
                     &chunk.sizes,
@@ -135,6 +139,8 @@ impl<'a> Reader<'a> {
                 .with_context(|| entry.key.clone())?;
                 continue;
             }
+            ensure(buf);
+            let out = &mut buf[..total];
             let location = self.index.locate_chunk(self.source, entry, chunk)?;
             let slab = shape.is_empty() || chunk.sizes[1..] == shape[1..];
             match location.contiguous_range(&chunk.sizes, item as u64) {
@@ -169,6 +175,7 @@ impl<'a> Reader<'a> {
                 }
             }
         }
+        ensure(buf);
         Ok(total)
     }
 
