@@ -70,20 +70,18 @@ def dcp_load(path: Path, like: dict) -> dict:
 def torch_view_of_zstd() -> dict:
     """torch's own read of the compressed fixture (the template comes from its metadata)."""
     meta = dcp.FileSystemReader(str(FIX / "dcp_zstd")).read_metadata()
-    model = {}
+    state = {"model": {}, "extra": {}, "step": 0}
     for key, md in meta.state_dict_metadata.items():
-        if key.startswith("model."):
-            model[key.removeprefix("model.")] = torch.empty(
-                md.size, dtype=md.properties.dtype
-            )
-    state = {"model": model, "step": 0}
+        group, _, name = key.partition(".")
+        if group in ("model", "extra"):
+            state[group][name] = torch.empty(md.size, dtype=md.properties.dtype)
     dcp.load(state, storage_reader=dcp.FileSystemReader(str(FIX / "dcp_zstd")))
     return state
 
 
 def main() -> None:
     want = torch_view_of_zstd()
-    if want["step"] != 7 or len(want["model"]) < 6:
+    if want["step"] != 7 or len(want["model"]) < 6 or len(want["extra"]) < 4:
         sys.exit(f"unexpected fixture content: {want.keys()}, step {want['step']}")
 
     run("convert", str(FIX / "dcp_zstd"), "-o", str(WORK / "zstd.safetensors"), "--select", "model")
@@ -92,12 +90,14 @@ def main() -> None:
     run("convert", str(FIX / "dcp_zstd"), "-o", str(WORK / "zstd.pt"))
     got = torch.load(WORK / "zstd.pt", weights_only=True)
     same("dcp_zstd -> torch.save (model)", got["model"], want["model"])
+    same("dcp_zstd -> torch.save (extra)", got["extra"], want["extra"])
     if got["step"] != 7:
         sys.exit(f"dcp_zstd -> torch.save: step = {got['step']!r}, torch says 7")
 
     run("convert", str(FIX / "dcp_zstd"), "-o", str(WORK / "zstd_dcp2"), "--world-size", "2")
     back = dcp_load(WORK / "zstd_dcp2", want)
     same("dcp_zstd -> DCP (2 ranks)", back["model"], want["model"])
+    same("dcp_zstd -> DCP (2 ranks), extra", back["extra"], want["extra"])
 
     every = torch.load(FIX / "all_dtypes.pt", weights_only=True)
     dtypes = {v.dtype for v in every.values()}

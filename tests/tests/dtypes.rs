@@ -44,6 +44,26 @@ fn close(got: f64, want: f64) -> bool {
 }
 
 #[test]
+fn every_float8_byte_decodes_as_torch_decodes_it() {
+    let expected = expected();
+    let table = expected["float8_decoding"].as_object().unwrap();
+    assert_eq!(table.len(), 5);
+    for (name, values) in table {
+        let dtype: shardscope_core::DType = name.parse().unwrap();
+        let values = values.as_array().unwrap();
+        assert_eq!(values.len(), 256);
+        for (byte, want) in values.iter().enumerate() {
+            let want: f64 = want.as_str().unwrap().parse().unwrap();
+            let got = dtype.element_f64(&[byte as u8])[0];
+            assert!(
+                got.to_bits() == want.to_bits() || (got.is_nan() && want.is_nan()),
+                "{name} byte {byte:#04x}: {got} vs torch {want}"
+            );
+        }
+    }
+}
+
+#[test]
 fn inspect_values_equal_torch_statistics() {
     let expected = expected();
     for (fixture, section) in FIXTURES {
@@ -221,7 +241,14 @@ fn corrupt_zstd_item_exits_2_naming_key_and_file() {
 
     let out = tempfile::tempdir().unwrap();
     let dst = out.path().join("out.safetensors");
-    let (code, _, stderr) = run(&["convert", dir, "-o", dst.to_str().unwrap()]);
+    let (code, _, stderr) = run(&[
+        "convert",
+        dir,
+        "-o",
+        dst.to_str().unwrap(),
+        "--select",
+        "model",
+    ]);
     assert_eq!(code, 2, "{stderr}");
     assert!(
         stderr.contains("model.w_f32") && stderr.contains("zstd"),
