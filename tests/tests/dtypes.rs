@@ -203,6 +203,22 @@ fn float8_diff_compares_float8_values() {
     assert_eq!(e["max_abs_diff"].as_f64().unwrap(), (before - after).abs());
 }
 
+#[test]
+fn diff_of_zstd_dcp_against_torch_safetensors_is_equal() {
+    let dir = dtypes_dir();
+    let dcp = dir.join("dcp_zstd");
+    let st = dir.join("dcp_zstd_model.safetensors");
+    let (code, stdout, stderr) = run(&[
+        "diff",
+        dcp.to_str().unwrap(),
+        st.to_str().unwrap(),
+        "--select",
+        "model",
+    ]);
+    assert_eq!(code, 0, "{stdout}{stderr}");
+    assert!(stdout.contains("8 match, 0 mismatch, 0 missing"), "{stdout}");
+}
+
 /// Copies a fixture folder into a fresh temporary folder.
 fn copy_dir(from: &Path) -> tempfile::TempDir {
     let tmp = tempfile::tempdir().unwrap();
