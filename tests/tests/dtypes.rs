@@ -216,7 +216,10 @@ fn diff_of_zstd_dcp_against_torch_safetensors_is_equal() {
         "model",
     ]);
     assert_eq!(code, 0, "{stdout}{stderr}");
-    assert!(stdout.contains("8 match, 0 mismatch, 0 missing"), "{stdout}");
+    assert!(
+        stdout.contains("8 match, 0 mismatch, 0 missing"),
+        "{stdout}"
+    );
 }
 
 /// Copies a fixture folder into a fresh temporary folder.
