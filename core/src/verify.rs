@@ -541,66 +541,16 @@ fn unravel(mut i: u64, shape: &[u64]) -> Vec<u64> {
     out
 }
 
-/// One element as one or two (complex) f64 components; `None` for nothing numeric.
+/// One element as one or two (complex) f64 components.
 fn components(dtype: DType, b: &[u8]) -> [f64; 2] {
-    let f32_at = |o: usize| f64::from(f32::from_le_bytes([b[o], b[o + 1], b[o + 2], b[o + 3]]));
-    let f64_at = |o: usize| {
-        f64::from_le_bytes([
-            b[o],
-            b[o + 1],
-            b[o + 2],
-            b[o + 3],
-            b[o + 4],
-            b[o + 5],
-            b[o + 6],
-            b[o + 7],
-        ])
-    };
-    match dtype {
-        DType::Bool | DType::UInt8 => [f64::from(b[0]), 0.0],
-        DType::Int8 => [f64::from(b[0] as i8), 0.0],
-        DType::Int16 => [f64::from(i16::from_le_bytes([b[0], b[1]])), 0.0],
-        DType::UInt16 => [f64::from(u16::from_le_bytes([b[0], b[1]])), 0.0],
-        DType::Int32 => [f64::from(i32::from_le_bytes([b[0], b[1], b[2], b[3]])), 0.0],
-        DType::UInt32 => [f64::from(u32::from_le_bytes([b[0], b[1], b[2], b[3]])), 0.0],
-        DType::Int64 => [
-            i64::from_le_bytes([b[0], b[1], b[2], b[3], b[4], b[5], b[6], b[7]]) as f64,
-            0.0,
-        ],
-        DType::UInt64 => [
-            u64::from_le_bytes([b[0], b[1], b[2], b[3], b[4], b[5], b[6], b[7]]) as f64,
-            0.0,
-        ],
-        DType::Float16 => [half::f16::from_le_bytes([b[0], b[1]]).to_f64(), 0.0],
-        DType::BFloat16 => [half::bf16::from_le_bytes([b[0], b[1]]).to_f64(), 0.0],
-        DType::Float32 => [f32_at(0), 0.0],
-        DType::Float64 => [f64_at(0), 0.0],
-        DType::Complex64 => [f32_at(0), f32_at(4)],
-        DType::Complex128 => [f64_at(0), f64_at(8)],
-        // e5m2 is the high byte of an IEEE half.
-        DType::Float8E5M2 => [half::f16::from_bits(u16::from(b[0]) << 8).to_f64(), 0.0],
-        DType::Float8E4M3Fn => [f8e4m3fn(b[0]), 0.0],
-    }
-}
-
-/// float8_e4m3fn: 1 sign, 4 exponent (bias 7), 3 mantissa bits; no infinities; S.1111.111 is NaN.
-fn f8e4m3fn(byte: u8) -> f64 {
-    let sign = if byte & 0x80 == 0 { 1.0 } else { -1.0 };
-    let exp = i32::from((byte >> 3) & 0x0f);
-    let man = f64::from(byte & 0x07);
-    if exp == 0x0f && byte & 0x07 == 0x07 {
-        return f64::NAN;
-    }
-    if exp == 0 {
-        sign * man / 8.0 * 2f64.powi(-6)
-    } else {
-        sign * (1.0 + man / 8.0) * 2f64.powi(exp - 7)
-    }
+    dtype.element_f64(b)
 }
 
 fn value_text(dtype: DType, c: [f64; 2]) -> String {
     match dtype {
-        DType::Complex64 | DType::Complex128 => format!("{}{:+}j", c[0], c[1]),
+        DType::Complex32 | DType::Complex64 | DType::Complex128 => {
+            format!("{}{:+}j", c[0], c[1])
+        }
         DType::Bool => (c[0] != 0.0).to_string(),
         _ => format!("{}", c[0]),
     }
@@ -615,8 +565,7 @@ pub fn compare_values(dtype: DType, a: &[u8], b: &[u8], tolerance: Option<Tolera
         d.mismatched = (a.len().max(b.len()) / item) as u64;
         return d;
     }
-    let inexact =
-        dtype.is_floating_point() || matches!(dtype, DType::Complex64 | DType::Complex128);
+    let inexact = dtype.is_floating_point() || dtype.is_complex();
     let tolerance = tolerance.filter(|_| inexact);
     let note = |d: &mut ValueDiff, i: usize, ea: &[u8], eb: &[u8]| {
         let ca = components(dtype, ea);
@@ -1127,6 +1076,7 @@ mod tests {
     #[test]
     fn fp8_decoding() {
         // torch.tensor([1.0, -2.0, 448.0, 0.001953125]).to(torch.float8_e4m3fn) bytes: 0x38 0xc0 0x7e 0x01
+        let f8e4m3fn = |b: u8| components(DType::Float8E4M3Fn, &[b])[0];
         assert_eq!(f8e4m3fn(0x38), 1.0);
         assert_eq!(f8e4m3fn(0xc0), -2.0);
         assert_eq!(f8e4m3fn(0x7e), 448.0);

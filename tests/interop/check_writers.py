@@ -22,7 +22,13 @@ import sys
 import torch
 
 FLOATS = {torch.float16, torch.bfloat16, torch.float32, torch.float64}
-FLOAT8 = {torch.float8_e4m3fn, torch.float8_e5m2}
+FLOAT8 = {
+    torch.float8_e4m3fn,
+    torch.float8_e5m2,
+    torch.float8_e4m3fnuz,
+    torch.float8_e5m2fnuz,
+    torch.float8_e8m0fnu,
+}
 BITS = {1: torch.uint8, 2: torch.int16, 4: torch.int32, 8: torch.int64}
 
 failures = []

@@ -68,8 +68,9 @@ pub struct StorageInfo {
     pub relative_path: String,
     pub offset: u64,
     pub length: u64,
-    /// True when transform descriptors (compression extensions) were recorded.
-    pub has_transforms: bool,
+    /// `transform_descriptors`: the stream transform extensions the item's bytes went through
+    /// when saved, in the order they were applied (`["stream.zstd/1"]`); empty when none.
+    pub transforms: Vec<String>,
 }
 
 /// The `.metadata` file.
@@ -246,15 +247,21 @@ fn tensor_meta(key: &str, o: ObjRef<'_>) -> Result<ItemMeta, DcpError> {
         .ok_or_else(|| malformed(format!("{key}: no properties")))?;
     // TensorProperties pickles its state as a tuple whose first element is the dtype; older
     // releases used a dict state.
-    let dtype = props.object().and_then(|p| {
+    let dtype_ref = props.object().and_then(|p| {
         let state = p.state()?;
         match state.items() {
-            Some(mut it) => it.next()?.dtype(),
-            None => p.attr("dtype")?.dtype(),
+            Some(mut it) => it.next(),
+            None => p.attr("dtype"),
         }
     });
-    let Some(dtype) = dtype else {
-        return Err(malformed(format!("{key}: properties hold no torch dtype")));
+    let Some(dtype) = dtype_ref.and_then(|d| d.dtype()) else {
+        return Err(match dtype_ref.and_then(|d| d.global()) {
+            Some(g) if g.module == "torch" => malformed(format!(
+                "{key}: dtype torch.{} is not one shardscope reads",
+                g.name
+            )),
+            _ => malformed(format!("{key}: properties hold no torch dtype")),
+        });
     };
     let size = dims(o.attr("size"), &format!("{key}: size"))?;
     let chunk_list = o
@@ -315,12 +322,216 @@ fn storage_info(v: PyRef<'_>) -> Result<StorageInfo, DcpError> {
             "_StorageInfo.relative_path {relative_path:?} leaves the checkpoint folder"
         )));
     }
+    let transforms = match o.attr("transform_descriptors") {
+        None => Vec::new(),
+        Some(t) if t.is_none() => Vec::new(),
+        Some(t) => t
+            .items()
+            .and_then(|it| {
+                it.map(|d| d.as_str().map(str::to_owned))
+                    .collect::<Option<Vec<_>>>()
+            })
+            .ok_or_else(|| {
+                malformed(format!(
+                    "_StorageInfo({relative_path}).transform_descriptors is a {}, not a list of str",
+                    t.type_name()
+                ))
+            })?,
+    };
     Ok(StorageInfo {
         offset: u64_of(o.attr("offset"), "_StorageInfo.offset")?,
         length: u64_of(o.attr("length"), "_StorageInfo.length")?,
-        has_transforms: o
-            .attr("transform_descriptors")
-            .is_some_and(|t| !t.is_none()),
+        transforms,
         relative_path,
     })
+}
+
+/// A stream transform of DCP items that shardscope can undo.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum ItemTransform {
+    /// `stream.zstd/1` (`torch.distributed.checkpoint._extension.ZStandard`): the item's bytes are
+    /// one zstd frame.
+    Zstd,
+}
+
+/// Reads `transform_descriptors` as torch's `ExtensionRegistry.from_descriptor_list` does
+/// (`name[@domain]/version`, version major `1`). An empty list means the bytes are stored as they
+/// are. Any extension other than `stream.zstd/1`, or several stacked ones, is refused with an error
+/// naming it.
+pub fn item_transform(descriptors: &[String]) -> Result<Option<ItemTransform>, String> {
+    match descriptors {
+        [] => Ok(None),
+        [one] => {
+            let (name, version) = one.split_once('/').unwrap_or((one.as_str(), ""));
+            if name == "stream.zstd" && version.split('.').next() == Some("1") {
+                Ok(Some(ItemTransform::Zstd))
+            } else if name == "stream.zstd" {
+                Err(format!(
+                    "the item uses the transform extension `{one}`: version {version:?} of stream.zstd is unknown (only version 1 is supported)"
+                ))
+            } else {
+                Err(format!(
+                    "the item uses the transform extension `{one}`, which shardscope cannot read (only `stream.zstd/1` is supported)"
+                ))
+            }
+        }
+        several => Err(format!(
+            "the item uses the stacked transform extensions {several:?}; shardscope reads only a single `stream.zstd/1`"
+        )),
+    }
+}
+
+/// The largest output one byte of zstd input can produce: a block decodes to at most 128 KiB and
+/// the smallest block (an RLE block) takes 4 bytes (3-byte header + the repeated byte).
+pub const ZSTD_MAX_EXPANSION: u64 = 128 * 1024 / 4;
+
+/// The zstd window shardscope accepts whatever the item size: that of zstd's levels up to 19
+/// (`windowLog` 23). A frame with a larger window is accepted only when the item may be that large.
+pub const ZSTD_DEFAULT_MAX_WINDOW: u64 = 8 << 20;
+
+/// Why a zstd item could not be decompressed.
+#[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
+pub enum ZstdError {
+    /// The bytes are not a valid zstd frame (bad magic, corrupt block, truncated stream).
+    #[error("corrupt zstd stream: {message}")]
+    Corrupt { message: String },
+    /// The frame decompresses to more bytes than the metadata justifies.
+    #[error("the zstd stream decompresses to more than the {limit} bytes the metadata justifies")]
+    TooLarge { limit: u64 },
+}
+
+/// Decompresses the single zstd frame in `compressed` (bytes after the frame are ignored, as
+/// torch's `ZstdDecompressor().stream_reader` does). At most `limit` bytes are produced: a frame
+/// that declares, or decodes to, more is refused before more than `limit` bytes (or the frame's
+/// window, at most `max(limit, ZSTD_DEFAULT_MAX_WINDOW)`) are held in memory.
+pub fn decompress_zstd(compressed: &[u8], limit: u64) -> Result<Vec<u8>, ZstdError> {
+    use ruzstd::decoding::{BlockDecodingStrategy, FrameDecoder};
+    let corrupt = |e: &dyn std::fmt::Display| ZstdError::Corrupt {
+        message: e.to_string(),
+    };
+    let too_large = ZstdError::TooLarge { limit };
+    let mut source = compressed;
+    let mut decoder = FrameDecoder::new();
+    decoder.set_max_window_size(limit.max(ZSTD_DEFAULT_MAX_WINDOW));
+    decoder.init(&mut source).map_err(|e| corrupt(&e))?;
+    // The frame content size, when the frame declares one (0 otherwise).
+    if decoder.content_size() > limit {
+        return Err(too_large);
+    }
+    let mut out = Vec::new();
+    loop {
+        // One block (at most 128 KiB) at a time; the decoder keeps at most its window besides.
+        let finished = decoder
+            .decode_blocks(&mut source, BlockDecodingStrategy::UptoBlocks(1))
+            .map_err(|e| corrupt(&e))?;
+        if let Some(bytes) = decoder.collect() {
+            if (out.len() as u64).saturating_add(bytes.len() as u64) > limit {
+                return Err(too_large);
+            }
+            out.extend_from_slice(&bytes);
+        }
+        if finished && decoder.is_finished() {
+            break;
+        }
+    }
+    if let Some(bytes) = decoder.collect() {
+        if (out.len() as u64).saturating_add(bytes.len() as u64) > limit {
+            return Err(too_large);
+        }
+        out.extend_from_slice(&bytes);
+    }
+    if let (Some(stored), Some(computed)) = (
+        decoder.get_checksum_from_data(),
+        decoder.get_calculated_checksum(),
+    ) && stored != computed
+    {
+        return Err(ZstdError::Corrupt {
+            message: format!(
+                "content checksum mismatch (stored {stored:#010x}, computed {computed:#010x})"
+            ),
+        });
+    }
+    let declared = decoder.content_size();
+    if declared != 0 && declared != out.len() as u64 {
+        return Err(ZstdError::Corrupt {
+            message: format!(
+                "the frame declares {declared} bytes but decodes to {}",
+                out.len()
+            ),
+        });
+    }
+    Ok(out)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use std::io::Read;
+
+    /// `zstandard.ZstdCompressor().compress(b"hello hello hello hello")` (content size and no
+    /// checksum, python-zstandard 0.25).
+    const HELLO: &[u8] = &[
+        0x28, 0xb5, 0x2f, 0xfd, 0x20, 0x17, 0x65, 0x00, 0x00, 0x30, 0x68, 0x65, 0x6c, 0x6c, 0x6f,
+        0x20, 0x01, 0x00, 0x99, 0x4b, 0x11,
+    ];
+
+    #[test]
+    fn transform_descriptors() {
+        assert_eq!(item_transform(&[]), Ok(None));
+        assert_eq!(
+            item_transform(&["stream.zstd/1".into()]),
+            Ok(Some(ItemTransform::Zstd))
+        );
+        let err = item_transform(&["stream.rot13/1".into()]).unwrap_err();
+        assert!(err.contains("`stream.rot13/1`"), "{err}");
+        assert!(item_transform(&["stream.zstd/2".into()]).is_err());
+        assert!(item_transform(&["stream.zstd/1".into(), "stream.zstd/1".into()]).is_err());
+    }
+
+    #[test]
+    fn zstd_limits_and_corruption() {
+        assert!(matches!(
+            decompress_zstd(b"not zstd at all", 100),
+            Err(ZstdError::Corrupt { .. })
+        ));
+        assert!(matches!(
+            decompress_zstd(&[], 100),
+            Err(ZstdError::Corrupt { .. })
+        ));
+    }
+
+    #[test]
+    fn zstd_round_trip_of_a_known_frame() {
+        assert_eq!(
+            decompress_zstd(HELLO, 1000).as_deref(),
+            Ok(&b"hello hello hello hello"[..])
+        );
+        // The declared content size (23) is over the limit: refused before decoding.
+        assert_eq!(
+            decompress_zstd(HELLO, 5),
+            Err(ZstdError::TooLarge { limit: 5 })
+        );
+        // A truncated frame.
+        assert!(matches!(
+            decompress_zstd(&HELLO[..HELLO.len() - 3], 1000),
+            Err(ZstdError::Corrupt { .. })
+        ));
+    }
+
+    #[test]
+    fn zstd_bomb_is_refused_within_its_limit() {
+        // 16 MiB of zeros in a frame of a few KiB (streamed: no declared content size).
+        let zeros = std::io::repeat(0).take(16 << 20);
+        let bomb =
+            ruzstd::encoding::compress_to_vec(zeros, ruzstd::encoding::CompressionLevel::Fastest);
+        assert!(bomb.len() < 64 << 10, "{} bytes", bomb.len());
+        assert_eq!(
+            decompress_zstd(&bomb, 1 << 20),
+            Err(ZstdError::TooLarge { limit: 1 << 20 })
+        );
+        assert_eq!(
+            decompress_zstd(&bomb, 16 << 20).map(|v| v.len()),
+            Ok(16 << 20)
+        );
+    }
 }

@@ -1563,8 +1563,41 @@ fn tensor_from_args(name: &str, args: &[PyValue]) -> Result<TensorRef, PickleErr
         ));
     }
     let requires_grad = args.get(4).and_then(PyValue::as_i64) == Some(1);
+    let mut storage = (**storage).clone();
+    if name == "_rebuild_tensor_v3" {
+        // `_rebuild_tensor_v3(storage, offset, size, stride, requires_grad, hooks, dtype)`: torch
+        // writes dtypes without a typed storage class (float8, uint16/32/64, ...) as an
+        // `UntypedStorage` (sized in bytes) and names the dtype here.
+        let dtype = match args.get(6) {
+            Some(PyValue::DType(d)) => *d,
+            Some(PyValue::Global(g)) => {
+                return Err(bad(name, format!("unknown dtype {g}")));
+            }
+            Some(other) => {
+                return Err(bad(
+                    name,
+                    format!("argument 6 is a {}, not a dtype", other.type_name()),
+                ));
+            }
+            None => return Err(bad(name, "no dtype argument (expected 7 arguments)")),
+        };
+        if storage.dtype != DType::UInt8 && storage.dtype != dtype {
+            return Err(bad(
+                name,
+                format!(
+                    "a {} storage rebuilt as {dtype}: expected an UntypedStorage",
+                    storage.dtype
+                ),
+            ));
+        }
+        if storage.dtype != dtype {
+            // Bytes past the last whole element are ignored, as torch's `set_` does.
+            storage.numel /= dtype.size_bytes() as u64;
+            storage.dtype = dtype;
+        }
+    }
     Ok(TensorRef {
-        storage: (**storage).clone(),
+        storage,
         storage_offset,
         shape,
         stride,

@@ -67,7 +67,22 @@ pub enum IndexError {
     /// The entry has no values to read this way (bytes item, rank-local tensor without a global shape).
     #[error("{key}: {what}")]
     NotReadable { key: String, what: String },
+    /// The checkpoint uses a feature shardscope cannot read (a DCP transform extension other than
+    /// `stream.zstd/1`).
+    #[error("{key} in {file}: {what}")]
+    Unsupported {
+        key: String,
+        file: String,
+        what: String,
+    },
 }
+
+/// Bytes a DCP item's `torch.save` archive may hold besides the tensor's elements (zip headers,
+/// pickle, records): bounds the decompression of `stream.zstd/1` tensor items.
+pub const ITEM_ARCHIVE_OVERHEAD: u64 = 64 * 1024;
+
+/// The most bytes a compressed DCP bytes item (a pickled non-tensor value) may decompress to.
+pub const MAX_BYTES_ITEM: u64 = 64 << 20;
 
 /// The on-disk format of the checkpoint.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, PartialOrd, Ord, Serialize)]
@@ -171,6 +186,23 @@ pub enum ChunkEncoding {
     },
     /// The byte range is a complete `torch.save` archive holding the chunk (DCP default items).
     TorchSaveItem,
+    /// The byte range is one zstd frame (DCP's `stream.zstd/1` transform extension) that
+    /// decompresses to a complete `torch.save` archive holding the chunk.
+    ZstdTorchSaveItem,
+}
+
+impl Chunk {
+    /// The most bytes the chunk's data can decode to: its byte length, or for a compressed item
+    /// the byte length times zstd's largest expansion. Allocations for reading it are capped by
+    /// this.
+    pub fn max_decoded_bytes(&self) -> u64 {
+        match self.encoding {
+            ChunkEncoding::ZstdTorchSaveItem => {
+                self.byte_length.saturating_mul(dcp::ZSTD_MAX_EXPANSION)
+            }
+            ChunkEncoding::Raw { .. } | ChunkEncoding::TorchSaveItem => self.byte_length,
+        }
+    }
 }
 
 /// One stored piece of an entry.
@@ -1121,6 +1153,17 @@ pub fn index_dcp(source: &dyn Source, metadata_name: &str) -> Result<CheckpointI
         let (kind, dtype, shape) = match item {
             ItemMeta::Bytes => {
                 let info = lookup(None)?;
+                let encoding = match dcp::item_transform(&info.transforms) {
+                    Ok(None) => ChunkEncoding::TorchSaveItem,
+                    Ok(Some(dcp::ItemTransform::Zstd)) => ChunkEncoding::ZstdTorchSaveItem,
+                    Err(what) => {
+                        return Err(IndexError::Unsupported {
+                            key: key.clone(),
+                            file: format!("{dir}{}", info.relative_path),
+                            what,
+                        });
+                    }
+                };
                 chunks.push(Chunk {
                     offsets: Vec::new(),
                     sizes: Vec::new(),
@@ -1128,7 +1171,7 @@ pub fn index_dcp(source: &dyn Source, metadata_name: &str) -> Result<CheckpointI
                     byte_offset: info.offset,
                     byte_length: info.length,
                     rank: dcp_rank(&info.relative_path),
-                    encoding: ChunkEncoding::TorchSaveItem,
+                    encoding,
                 });
                 (EntryKind::Bytes, None, None)
             }
@@ -1156,13 +1199,22 @@ pub fn index_dcp(source: &dyn Source, metadata_name: &str) -> Result<CheckpointI
                         rank: dcp_rank(&info.relative_path),
                         encoding: ChunkEncoding::TorchSaveItem,
                     };
-                    if info.has_transforms {
-                        return Err(IndexError::Inconsistent {
-                            file: file.clone(),
-                            what: format!(
-                                "{key}: items with transform extensions (compression) are not supported"
-                            ),
-                        });
+                    match dcp::item_transform(&info.transforms) {
+                        Ok(None) => {}
+                        Ok(Some(dcp::ItemTransform::Zstd)) => {
+                            // A compressed torch.save archive (torch applies extensions to the
+                            // TORCH_SAVE serialization): nothing to read while indexing.
+                            chunk.encoding = ChunkEncoding::ZstdTorchSaveItem;
+                            chunks.push(chunk);
+                            continue;
+                        }
+                        Err(what) => {
+                            return Err(IndexError::Unsupported {
+                                key: key.clone(),
+                                file,
+                                what,
+                            });
+                        }
                     }
                     // The serialization is decided once per file, from its first tensor item:
                     // a torch.save archive (default) or a safetensors blob (SAFETENSORS). Only
@@ -1409,9 +1461,11 @@ impl CheckpointIndex {
                                 None
                             }
                         }
-                        ChunkEncoding::TorchSaveItem => numel.checked_mul(item),
+                        ChunkEncoding::TorchSaveItem | ChunkEncoding::ZstdTorchSaveItem => {
+                            numel.checked_mul(item)
+                        }
                     };
-                    if needed.is_none_or(|n| n > c.byte_length) {
+                    if needed.is_none_or(|n| n > c.max_decoded_bytes()) {
                         problems.push(Problem {
                             key: e.key.clone(),
                             file: Some(c.file.clone()),
@@ -1570,7 +1624,19 @@ impl CheckpointIndex {
             end: chunk.byte_offset.saturating_add(chunk.byte_length),
             what,
         };
-        let bytes = source.read_range(&chunk.file, chunk.byte_offset, chunk.byte_length)?;
+        let mut bytes = source.read_range(&chunk.file, chunk.byte_offset, chunk.byte_length)?;
+        if chunk.encoding == ChunkEncoding::ZstdTorchSaveItem {
+            // The archive holds the chunk's elements and a few KiB of zip and pickle.
+            let limit = chunk
+                .numel()
+                .and_then(|n| n.checked_mul(dtype.size_bytes() as u64))
+                .and_then(|n| n.checked_add(ITEM_ARCHIVE_OVERHEAD))
+                .ok_or_else(|| bad("the chunk's size overflows".into()))?;
+            bytes = Cow::Owned(
+                dcp::decompress_zstd(&bytes, limit)
+                    .map_err(|e| bad(format!("stream.zstd/1 item: {e}")))?,
+            );
+        }
         let data = match &chunk.encoding {
             ChunkEncoding::Raw {
                 storage_offset,
@@ -1595,7 +1661,7 @@ impl CheckpointIndex {
                 }
                 torch_zip::gather_view(&bytes, &view).map_err(|e| bad(e.to_string()))?
             }
-            ChunkEncoding::TorchSaveItem => {
+            ChunkEncoding::TorchSaveItem | ChunkEncoding::ZstdTorchSaveItem => {
                 let archive = torch_zip::read_archive(&bytes).map_err(|e| bad(e.to_string()))?;
                 let PyValue::Tensor(t) = &archive.root else {
                     return Err(bad(format!(
@@ -1621,6 +1687,27 @@ impl CheckpointIndex {
         })
     }
 
+    /// The most bytes the chunks of `entry` can decode to: the sizes of the files holding them
+    /// (a compressed chunk counts its byte length times zstd's largest expansion instead).
+    pub fn max_decoded_bytes(&self, entry: &IndexEntry) -> u64 {
+        let files: BTreeSet<&str> = entry
+            .chunks
+            .iter()
+            .filter(|c| c.encoding != ChunkEncoding::ZstdTorchSaveItem)
+            .map(|c| c.file.as_str())
+            .collect();
+        let plain = files
+            .iter()
+            .map(|f| self.files.get(*f).map_or(0, |i| i.size))
+            .fold(0, u64::saturating_add);
+        entry
+            .chunks
+            .iter()
+            .filter(|c| c.encoding == ChunkEncoding::ZstdTorchSaveItem)
+            .map(Chunk::max_decoded_bytes)
+            .fold(plain, u64::saturating_add)
+    }
+
     /// The whole tensor, assembled from its chunks (replicas are read once).
     pub fn read_tensor(
         &self,
@@ -1637,12 +1724,8 @@ impl CheckpointIndex {
         })?;
         let item = dtype.size_bytes();
         let nbytes = entry.nbytes().ok_or_else(|| not("size overflows"))?;
-        // Never allocate more than the files holding the chunks could fill.
-        let files: BTreeSet<&str> = entry.chunks.iter().map(|c| c.file.as_str()).collect();
-        let available: u64 = files
-            .iter()
-            .map(|f| self.files.get(*f).map_or(0, |i| i.size))
-            .fold(0, u64::saturating_add);
+        // Never allocate more than the chunks' bytes could fill.
+        let available = self.max_decoded_bytes(entry);
         if nbytes > available {
             return Err(not(
                 "the tensor is larger than the files holding its chunks",
@@ -1656,7 +1739,8 @@ impl CheckpointIndex {
         if let Some(p) = problems.first() {
             return Err(not(&p.what));
         }
-        let mut out = vec![0u8; usize::try_from(nbytes).map_err(|_| not("too large"))?];
+        let total = usize::try_from(nbytes).map_err(|_| not("too large"))?;
+        let mut out = Vec::new();
         let strides = contiguous_strides(&shape);
         let mut done: BTreeSet<(Vec<u64>, Vec<u64>)> = BTreeSet::new();
         for c in &entry.chunks {
@@ -1664,6 +1748,11 @@ impl CheckpointIndex {
                 continue;
             }
             let data = self.read_chunk(source, entry, c)?;
+            // Allocated once a chunk has been read: a compressed chunk's size is only proven by
+            // decoding it, so a lying `.metadata` fails before the whole tensor is allocated.
+            if out.len() != total {
+                out = vec![0u8; total];
+            }
             copy_box(&mut out, &strides, &c.offsets, &c.sizes, &data.bytes, item);
         }
         Ok(TensorData {
@@ -1706,6 +1795,13 @@ impl CheckpointIndex {
                 storage_offset: *storage_offset,
                 strides: strides.clone(),
             },
+            ChunkEncoding::ZstdTorchSaveItem => {
+                return Err(bad(
+                    "a stream.zstd/1 (compressed) item: its elements have no location in the file; \
+                     read it with read_chunk"
+                        .into(),
+                ));
+            }
             ChunkEncoding::TorchSaveItem => {
                 let bytes = source.read_range(&chunk.file, chunk.byte_offset, chunk.byte_length)?;
                 let archive = torch_zip::read_archive(&bytes).map_err(|e| bad(e.to_string()))?;
@@ -1756,6 +1852,29 @@ impl CheckpointIndex {
         }
     }
 
+    /// The `torch.save` archive of a bytes item, decompressed when it is a `stream.zstd/1` item
+    /// (to at most [`MAX_BYTES_ITEM`] bytes).
+    fn bytes_item<'s>(
+        source: &'s dyn Source,
+        entry: &IndexEntry,
+        c: &Chunk,
+    ) -> Result<Cow<'s, [u8]>, IndexError> {
+        let bytes = source.read_range(&c.file, c.byte_offset, c.byte_length)?;
+        if c.encoding != ChunkEncoding::ZstdTorchSaveItem {
+            return Ok(bytes);
+        }
+        let limit = c.max_decoded_bytes().min(MAX_BYTES_ITEM);
+        dcp::decompress_zstd(&bytes, limit)
+            .map(Cow::Owned)
+            .map_err(|e| IndexError::BadChunk {
+                key: entry.key.clone(),
+                file: c.file.clone(),
+                offset: c.byte_offset,
+                end: c.byte_offset.saturating_add(c.byte_length),
+                what: format!("stream.zstd/1 item: {e}"),
+            })
+    }
+
     /// Decodes a bytes item (DCP) into the Python value the reader rebuilt (tuples stay tuples):
     /// what a converter writes back with `formats::write::pickle::PyValue::from_read_value`.
     pub fn read_bytes_object(
@@ -1771,7 +1890,7 @@ impl CheckpointIndex {
                 key: entry.key.clone(),
                 what: "not a bytes item".into(),
             })?;
-        let bytes: Cow<'_, [u8]> = source.read_range(&c.file, c.byte_offset, c.byte_length)?;
+        let bytes = Self::bytes_item(source, entry, c)?;
         let archive = torch_zip::read_archive(&bytes).map_err(|e| IndexError::BadChunk {
             key: entry.key.clone(),
             file: c.file.clone(),
@@ -1799,7 +1918,7 @@ impl CheckpointIndex {
                 key: entry.key.clone(),
                 what: "not a bytes item".into(),
             })?;
-        let bytes: Cow<'_, [u8]> = source.read_range(&c.file, c.byte_offset, c.byte_length)?;
+        let bytes = Self::bytes_item(source, entry, c)?;
         let archive = torch_zip::read_archive(&bytes).map_err(|e| IndexError::BadChunk {
             key: entry.key.clone(),
             file: c.file.clone(),
@@ -1908,59 +2027,34 @@ pub struct ValueStats {
 }
 
 impl TensorData {
-    /// Values as f64 (`None` for complex and fp8 types).
+    /// Values as f64, one per element (`None` for complex types: see [`TensorData::components`]).
     pub fn to_f64(&self) -> Option<Vec<f64>> {
-        let b = &self.bytes;
-        let n = self.dtype.size_bytes();
-        let it = b.chunks_exact(n);
-        Some(match self.dtype {
-            DType::Bool | DType::UInt8 => it.map(|c| f64::from(c[0])).collect(),
-            DType::Int8 => it.map(|c| f64::from(c[0] as i8)).collect(),
-            DType::Int16 => it
-                .map(|c| f64::from(i16::from_le_bytes([c[0], c[1]])))
-                .collect(),
-            DType::UInt16 => it
-                .map(|c| f64::from(u16::from_le_bytes([c[0], c[1]])))
-                .collect(),
-            DType::Int32 => it
-                .map(|c| f64::from(i32::from_le_bytes([c[0], c[1], c[2], c[3]])))
-                .collect(),
-            DType::UInt32 => it
-                .map(|c| f64::from(u32::from_le_bytes([c[0], c[1], c[2], c[3]])))
-                .collect(),
-            DType::Int64 => it
-                .map(|c| {
-                    i64::from_le_bytes([c[0], c[1], c[2], c[3], c[4], c[5], c[6], c[7]]) as f64
-                })
-                .collect(),
-            DType::UInt64 => it
-                .map(|c| {
-                    u64::from_le_bytes([c[0], c[1], c[2], c[3], c[4], c[5], c[6], c[7]]) as f64
-                })
-                .collect(),
-            DType::Float16 => it
-                .map(|c| half::f16::from_le_bytes([c[0], c[1]]).to_f64())
-                .collect(),
-            DType::BFloat16 => it
-                .map(|c| half::bf16::from_le_bytes([c[0], c[1]]).to_f64())
-                .collect(),
-            DType::Float32 => it
-                .map(|c| f64::from(f32::from_le_bytes([c[0], c[1], c[2], c[3]])))
-                .collect(),
-            DType::Float64 => it
-                .map(|c| f64::from_le_bytes([c[0], c[1], c[2], c[3], c[4], c[5], c[6], c[7]]))
-                .collect(),
-            DType::Complex64 | DType::Complex128 | DType::Float8E4M3Fn | DType::Float8E5M2 => {
-                return None;
-            }
-        })
+        if self.dtype.is_complex() {
+            return None;
+        }
+        Some(self.components().collect())
     }
 
-    /// min / max / mean over finite values, and the number of NaN and infinite values.
+    /// Every real component as f64: one per element, two (real, imaginary) per complex element,
+    /// the order of `torch.view_as_real(t).double().flatten()`. Float8 values are decoded exactly
+    /// (see [`crate::dtype::f64_from_float8`]).
+    pub fn components(&self) -> impl Iterator<Item = f64> + '_ {
+        let complex = self.dtype.is_complex();
+        self.bytes
+            .chunks_exact(self.dtype.size_bytes())
+            .flat_map(move |c| {
+                let [re, im] = self.dtype.element_f64(c);
+                std::iter::once(re).chain(complex.then_some(im))
+            })
+    }
+
+    /// min / max / mean over finite values, and the number of NaN and infinite values. Complex
+    /// tensors count their real and imaginary parts as separate values (`count` stays the number
+    /// of elements), as statistics of `torch.view_as_real(t)` do.
     pub fn stats(&self) -> Option<ValueStats> {
-        let values = self.to_f64()?;
+        let values = self.components();
         let mut s = ValueStats {
-            count: values.len() as u64,
+            count: (self.bytes.len() / self.dtype.size_bytes()) as u64,
             min: None,
             max: None,
             mean: None,

@@ -178,8 +178,15 @@ fn probe(
             continue;
         }
         out.extend(format!("{:?}{:?}|", c.offsets, c.sizes).bytes());
-        let location = index.locate_chunk(source, e, c)?;
-        if let Some((start, len)) = location.contiguous_range(&c.sizes, item) {
+        let location = match c.encoding {
+            // A compressed item's elements have no place in the file: decode it.
+            ChunkEncoding::ZstdTorchSaveItem => None,
+            _ => Some(index.locate_chunk(source, e, c)?),
+        };
+        let range = location
+            .as_ref()
+            .and_then(|l| Some((l, l.contiguous_range(&c.sizes, item)?)));
+        if let Some((location, (start, len))) = range {
             out.extend_from_slice(&source.read_range(
                 &location.file,
                 start,

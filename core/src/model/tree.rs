@@ -111,38 +111,14 @@ impl Tensor {
         Some(self)
     }
 
-    /// Value of a 0-dim or one-element tensor as `f64` (floating and integer dtypes).
+    /// Value of a 0-dim or one-element tensor as `f64` (every real dtype, float8 included;
+    /// `None` for complex).
     pub fn scalar_f64(&self) -> Option<f64> {
-        if self.numel() != 1 {
+        if self.numel() != 1 || self.dtype.is_complex() || self.data.len() < self.dtype.size_bytes()
+        {
             return None;
         }
-        let b = &self.data;
-        Some(match self.dtype {
-            DType::Float32 => f64::from(f32::from_le_bytes(b[..4].try_into().ok()?)),
-            DType::Float64 => f64::from_le_bytes(b[..8].try_into().ok()?),
-            DType::Float16 => f16_to_f64(u16::from_le_bytes(b[..2].try_into().ok()?)),
-            DType::BFloat16 => f64::from(f32::from_bits(
-                u32::from(u16::from_le_bytes(b[..2].try_into().ok()?)) << 16,
-            )),
-            DType::Int64 => i64::from_le_bytes(b[..8].try_into().ok()?) as f64,
-            DType::Int32 => f64::from(i32::from_le_bytes(b[..4].try_into().ok()?)),
-            DType::Int16 => f64::from(i16::from_le_bytes(b[..2].try_into().ok()?)),
-            DType::Int8 => f64::from(b[0] as i8),
-            DType::UInt8 | DType::Bool => f64::from(b[0]),
-            _ => return None,
-        })
-    }
-}
-
-fn f16_to_f64(bits: u16) -> f64 {
-    let sign = if bits >> 15 == 1 { -1.0 } else { 1.0 };
-    let exp = i32::from((bits >> 10) & 0x1f);
-    let frac = f64::from(bits & 0x3ff);
-    match exp {
-        0 => sign * frac * 2f64.powi(-24),
-        31 if frac == 0.0 => sign * f64::INFINITY,
-        31 => f64::NAN,
-        _ => sign * (1.0 + frac / 1024.0) * 2f64.powi(exp - 15),
+        Some(self.dtype.element_f64(&self.data)[0])
     }
 }
 

@@ -98,7 +98,14 @@ fn shape_text(entry: &IndexEntry) -> String {
 }
 
 fn fmt_num(v: Option<f64>) -> String {
-    v.map_or("-".into(), |x| format!("{x:.6}"))
+    // Fixed point, unless that would hide the value (float8_e8m0fnu spans 2^-127..2^127).
+    v.map_or("-".into(), |x| {
+        if x != 0.0 && !(1e-4..1e12).contains(&x.abs()) {
+            format!("{x:.6e}")
+        } else {
+            format!("{x:.6}")
+        }
+    })
 }
 
 /// Runs `inspect`; exit 0 when the checkpoint is consistent, 2 when a problem was found.
@@ -399,6 +406,18 @@ fn render(
             d.version.as_deref().unwrap_or("?"),
             d.checkpoint_id.as_deref().unwrap_or("?")
         );
+        let compressed = idx
+            .entries
+            .iter()
+            .flat_map(|e| &e.chunks)
+            .filter(|c| c.encoding == index::ChunkEncoding::ZstdTorchSaveItem)
+            .count();
+        if compressed > 0 {
+            let _ = writeln!(
+                out,
+                "compression: {compressed} items zstd-compressed (stream.zstd/1)"
+            );
+        }
     }
     out
 }

@@ -35,7 +35,9 @@ use shardscope_core::formats::write::safetensors::{
 };
 use shardscope_core::formats::write::torch_save::TorchSaveWriter;
 use shardscope_core::formats::write::{contiguous_strides, nbytes};
-use shardscope_core::model::index::{CheckpointIndex, EntryKind, IndexEntry, PathSeg};
+use shardscope_core::model::index::{
+    CheckpointIndex, ChunkEncoding, EntryKind, IndexEntry, PathSeg,
+};
 
 use crate::atomic;
 use crate::file_source::FileSource;
@@ -112,22 +114,22 @@ impl<'a> Reader<'a> {
         let total = nbytes(dtype, shape)
             .and_then(|n| usize::try_from(n).ok())
             .with_context(|| format!("{}: tensor size overflows", entry.key))?;
-        // Never allocate more than the files holding the chunks could fill.
-        let files: BTreeSet<&str> = entry.chunks.iter().map(|c| c.file.as_str()).collect();
-        let available: u64 = files
-            .iter()
-            .map(|f| self.index.files.get(*f).map_or(0, |i| i.size))
-            .fold(0, u64::saturating_add);
+        // Never allocate more than the chunks could fill (the files holding them, or for
+        // compressed items what zstd can expand them to).
+        let available = self.index.max_decoded_bytes(entry);
         if total as u64 > available {
             bail!(
-                "{}: the tensor ({total} bytes) is larger than the files holding its chunks ({available} bytes)",
+                "{}: the tensor ({total} bytes) is larger than the chunks holding it can decode to ({available} bytes)",
                 entry.key
             );
         }
-        if buf.len() < total {
-            buf.resize(total, 0);
-        }
-        let out = &mut buf[..total];
+        // Allocated before the first chunk is copied, and after decoding it when it is compressed
+        // (a compressed chunk's size is only proven by decoding it).
+        let ensure = |buf: &mut Vec<u8>| {
+            if buf.len() < total {
+                buf.resize(total, 0);
+            }
+        };
         let strides = contiguous_strides(shape);
         let row_bytes = shape.iter().skip(1).product::<u64>() * item as u64;
         let mut done: BTreeSet<(&[u64], &[u64])> = BTreeSet::new();
@@ -141,6 +143,24 @@ impl<'a> Reader<'a> {
             if chunk.offsets.len() != shape.len() || chunk.sizes.len() != shape.len() {
                 bail!("{}: a chunk's rank differs from the tensor's", entry.key);
             }
+            if chunk.encoding == ChunkEncoding::ZstdTorchSaveItem {
+                // A compressed item has no byte range to read in place: decompress it (memory
+                // bounded by the chunk) and copy its elements.
+                let data = self.index.read_chunk(self.source, entry, chunk)?;
+                ensure(buf);
+                copy_box(
+                    &mut buf[..total],
+                    &strides,
+                    &chunk.offsets,
+                    &chunk.sizes,
+                    &data.bytes,
+                    item,
+                )
+                .with_context(|| entry.key.clone())?;
+                continue;
+            }
+            ensure(buf);
+            let out = &mut buf[..total];
             let location = self.index.locate_chunk(self.source, entry, chunk)?;
             let slab = shape.is_empty() || chunk.sizes[1..] == shape[1..];
             match location.contiguous_range(&chunk.sizes, item as u64) {
@@ -175,6 +195,7 @@ impl<'a> Reader<'a> {
                 }
             }
         }
+        ensure(buf);
         Ok(total)
     }
 
@@ -199,6 +220,7 @@ impl<'a> Reader<'a> {
         }
         if to == dtype
             && let [chunk] = entry.chunks.as_slice()
+            && chunk.encoding != ChunkEncoding::ZstdTorchSaveItem
             && chunk.sizes == *shape
             && chunk.offsets.iter().all(|&o| o == 0)
         {

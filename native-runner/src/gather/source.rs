@@ -293,11 +293,14 @@ pub fn dtype_from_safetensors(dtype: safetensors::Dtype) -> Option<DType> {
         S::C64 => DType::Complex64,
         S::F8_E4M3 => DType::Float8E4M3Fn,
         S::F8_E5M2 => DType::Float8E5M2,
+        S::F8_E8M0 => DType::Float8E8M0Fnu,
+        S::F8_E4M3FNUZ => DType::Float8E4M3Fnuz,
+        S::F8_E5M2FNUZ => DType::Float8E5M2Fnuz,
         _ => return None,
     })
 }
 
-/// Maps torch's dtype to safetensors'. `complex128` has no safetensors dtype.
+/// Maps torch's dtype to safetensors'. `complex32` and `complex128` have no safetensors dtype.
 pub fn dtype_to_safetensors(dtype: DType) -> Option<safetensors::Dtype> {
     use safetensors::Dtype as S;
     Some(match dtype {
@@ -317,7 +320,10 @@ pub fn dtype_to_safetensors(dtype: DType) -> Option<safetensors::Dtype> {
         DType::Complex64 => S::C64,
         DType::Float8E4M3Fn => S::F8_E4M3,
         DType::Float8E5M2 => S::F8_E5M2,
-        DType::Complex128 => return None,
+        DType::Float8E8M0Fnu => S::F8_E8M0,
+        DType::Float8E4M3Fnuz => S::F8_E4M3FNUZ,
+        DType::Float8E5M2Fnuz => S::F8_E5M2FNUZ,
+        DType::Complex32 | DType::Complex128 => return None,
     })
 }
 

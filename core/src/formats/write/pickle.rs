@@ -321,7 +321,15 @@ pub fn typed_storage_name(dtype: DType) -> Option<&'static str> {
         DType::Float64 => "DoubleStorage",
         DType::Complex64 => "ComplexFloatStorage",
         DType::Complex128 => "ComplexDoubleStorage",
-        DType::UInt16 | DType::UInt32 | DType::UInt64 | DType::Float8E4M3Fn | DType::Float8E5M2 => {
+        DType::Complex32
+        | DType::UInt16
+        | DType::UInt32
+        | DType::UInt64
+        | DType::Float8E4M3Fn
+        | DType::Float8E5M2
+        | DType::Float8E4M3Fnuz
+        | DType::Float8E5M2Fnuz
+        | DType::Float8E8M0Fnu => {
             return None;
         }
     })
