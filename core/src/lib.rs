@@ -5,6 +5,7 @@
 //! of the code uses; `layout` computes FSDP layouts exactly as PyTorch does. This crate does no file
 //! I/O at its centre and builds for `wasm32-unknown-unknown`.
 
+pub mod doctor;
 pub mod dtype;
 pub mod formats;
 pub mod layout;
