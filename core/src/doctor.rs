@@ -58,7 +58,8 @@ pub struct Report {
 
 impl Report {
     /// A report of these findings, sorted (errors first, then by code and keys).
-    pub fn new(mut findings: Vec<Finding>) -> Report {
+    pub fn new(findings: Vec<Finding>) -> Report {
+        let mut findings = merge_alike(findings);
         findings.sort_by(|a, b| {
             (a.severity, code_rank(a.code), &a.keys).cmp(&(b.severity, code_rank(b.code), &b.keys))
         });
@@ -74,6 +75,36 @@ impl Report {
     pub fn exit_code(&self) -> u8 {
         u8::from(!self.loadable)
     }
+}
+
+/// Findings of one code with the same fix (one per key: local shards, casts, empty views) become
+/// one finding naming every key.
+fn merge_alike(findings: Vec<Finding>) -> Vec<Finding> {
+    let mut out: Vec<Finding> = Vec::with_capacity(findings.len());
+    let mut extra: Vec<Vec<String>> = Vec::new();
+    for f in findings {
+        if let Some(i) = out
+            .iter()
+            .position(|o| o.code == f.code && o.severity == f.severity && o.fix == f.fix)
+        {
+            extra[i].extend(f.keys.iter().cloned());
+            out[i].keys.extend(f.keys);
+        } else {
+            out.push(f);
+            extra.push(Vec::new());
+        }
+    }
+    for (f, more) in out.iter_mut().zip(extra) {
+        if !more.is_empty() {
+            f.message = format!(
+                "{} (and {} more key(s) alike: {})",
+                f.message,
+                more.len(),
+                list(&more)
+            );
+        }
+    }
+    out
 }
 
 const CODES: [&str; 15] = [
@@ -236,14 +267,25 @@ pub struct Options<'a> {
     pub model_path: Option<String>,
     /// FSDP1 `use_orig_params=True` (passed on to fix commands).
     pub use_orig_params: bool,
+    /// `fsdp1` or `fsdp2`: the chunking of suggested DCP conversions.
+    pub api: Option<&'static str>,
 }
 
 /// Which globals of a pickle `torch.load(weights_only=True)` refuses and that are not torch's own
 /// classes: what `weights_only=False` would import and could run.
 pub fn unsafe_globals(globals: &[Global]) -> Vec<String> {
+    // ShardedTensor pickles (FSDP1 LOCAL/SHARDED) look up a memory format with `getattr` on
+    // torch's own `MEM_FORMAT_ENCODING` enum.
+    let sharded_tensor = globals.iter().any(|g| {
+        g.module == "torch.distributed._shard.sharded_tensor.metadata"
+            && g.name == "MEM_FORMAT_ENCODING"
+    });
+    let getattr = |g: &Global| {
+        sharded_tensor && matches!(g.module.as_str(), "builtins" | "__builtin__") && g.name == "getattr"
+    };
     globals
         .iter()
-        .filter(|g| !weights_only_allows(g) && !torch_own(g))
+        .filter(|g| !weights_only_allows(g) && !torch_own(g) && !getattr(g))
         .map(ToString::to_string)
         .collect()
 }
@@ -569,6 +611,19 @@ pub fn diagnose(
     for part in &parts.models {
         diagnose_model(index, source, part, options, &mut findings);
     }
+    if parts.models.is_empty() && parts.optims.is_empty() && index.entries.iter().all(|e| e.kind != EntryKind::Tensor) {
+        findings.push(Finding {
+            code: "empty-tensor",
+            severity: Severity::Error,
+            keys: index.files.keys().cloned().collect(),
+            message: format!(
+                "the checkpoint holds no tensors at all ({} key(s)){}: a state dict taken with rank0_only=True (FSDP1 FullStateDictConfig, or get_model_state_dict with full_state_dict and cpu_offload) is empty on every rank but 0, and this file was written by one of them",
+                index.entries.len(),
+                options.target.map_or_else(String::new, |t| format!(", where the target expects {} tensors", t.tensors.len()))
+            ),
+            fix: "save on rank 0 only: `if dist.get_rank() == 0: torch.save(sd, path)`, and use rank 0's file".into(),
+        });
+    }
     for part in &parts.optims {
         diagnose_optim(part, &flat_model, &parts, options, &mut findings);
     }
@@ -602,7 +657,7 @@ fn coverage(index: &CheckpointIndex, problems: &[Problem], out: &mut Vec<Finding
     if index.format == Format::TorchSave {
         let have: BTreeSet<u32> = index.files.values().filter_map(|f| f.rank).collect();
         if let Some(expected) = written_world_size(index)
-            && have.len() > 1
+            && !have.is_empty()
         {
             let missing: Vec<String> = (0..expected)
                 .filter(|r| u32::try_from(*r).is_ok_and(|r| !have.contains(&r)))
@@ -680,7 +735,10 @@ fn world_size(index: &CheckpointIndex, options: &Options<'_>, out: &mut Vec<Find
             }
         )
     } else {
-        format!("shardscope convert {ckpt} --world-size {want} -o ckpt_dcp  # then dcp.load on {want} ranks")
+        format!(
+            "shardscope convert {ckpt} --world-size {want}{} -o ckpt_dcp  # then dcp.load on {want} ranks",
+            options.api.map_or_else(String::new, |a| format!(" --api {a}"))
+        )
     };
     out.push(Finding {
         code: "world-size",

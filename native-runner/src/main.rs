@@ -33,6 +33,9 @@ enum Command {
     Verify(cli::verify::VerifyArgs),
     /// Convert a DCP, full or per-rank checkpoint to safetensors, torch.save or DCP for N ranks.
     Convert(cli::convert::ConvertArgs),
+    /// Say why a checkpoint will not load into a model, and how to fix it (exit 0 loadable, 1 not,
+    /// 2 unreadable).
+    Doctor(cli::doctor::DoctorArgs),
 }
 
 fn main() -> ExitCode {
@@ -45,6 +48,7 @@ fn main() -> ExitCode {
         Command::Diff(args) => cli::diff::run(&args),
         Command::Verify(args) => cli::verify::run(&args),
         Command::Convert(args) => cli::convert::run(&args),
+        Command::Doctor(args) => cli::doctor::run(&args),
     };
     match result {
         Ok(code) => code,
