@@ -11,6 +11,7 @@
 //! model part against the target, each optimizer part against the target's parameters.
 
 use std::collections::{BTreeMap, BTreeSet};
+use std::fmt::Write as _;
 
 use serde::Serialize;
 
@@ -19,7 +20,7 @@ use crate::formats::pickle::Global;
 use crate::model::description::ModelDescription;
 use crate::model::fqn::{CHECKPOINT_WRAPPED_MODULE, FLAT_PARAM, FSDP_WRAPPED_MODULE, is_under};
 use crate::model::index::{
-    ChunkEncoding, CheckpointIndex, CheckpointKind, EntryKind, Format, FsdpInfo, IndexEntry,
+    CheckpointIndex, CheckpointKind, ChunkEncoding, EntryKind, Format, FsdpInfo, IndexEntry,
     PathSeg, Problem, Role,
 };
 use crate::source::Source;
@@ -177,16 +178,13 @@ impl Target {
                     dtype: Some(p.dtype),
                 },
             );
-            match &p.shared_with {
-                Some(partner) => {
-                    let group = ties.entry(partner.clone()).or_default();
-                    group.insert(partner.clone());
-                    group.insert(p.fqn.clone());
-                }
-                None => {
-                    params += 1;
-                    trainable += usize::from(p.requires_grad);
-                }
+            if let Some(partner) = &p.shared_with {
+                let group = ties.entry(partner.clone()).or_default();
+                group.insert(partner.clone());
+                group.insert(p.fqn.clone());
+            } else {
+                params += 1;
+                trainable += usize::from(p.requires_grad);
             }
         }
         Target {
@@ -234,7 +232,8 @@ impl Target {
                 }
             }
         }
-        let ties: Vec<BTreeSet<String>> = by_storage.into_values().filter(|g| g.len() > 1).collect();
+        let ties: Vec<BTreeSet<String>> =
+            by_storage.into_values().filter(|g| g.len() > 1).collect();
         let tied_extra: usize = ties.iter().map(|g| g.len() - 1).sum();
         Target {
             kind: TargetKind::Reference,
@@ -247,10 +246,11 @@ impl Target {
     }
 
     fn tied_partner_present(&self, key: &str, present: &BTreeSet<String>) -> Option<String> {
-        self.ties
-            .iter()
-            .find(|g| g.contains(key))
-            .and_then(|g| g.iter().find(|k| *k != key && present.contains(*k)).cloned())
+        self.ties.iter().find(|g| g.contains(key)).and_then(|g| {
+            g.iter()
+                .find(|k| *k != key && present.contains(*k))
+                .cloned()
+        })
     }
 }
 
@@ -281,7 +281,9 @@ pub fn unsafe_globals(globals: &[Global]) -> Vec<String> {
             && g.name == "MEM_FORMAT_ENCODING"
     });
     let getattr = |g: &Global| {
-        sharded_tensor && matches!(g.module.as_str(), "builtins" | "__builtin__") && g.name == "getattr"
+        sharded_tensor
+            && matches!(g.module.as_str(), "builtins" | "__builtin__")
+            && g.name == "getattr"
     };
     globals
         .iter()
@@ -397,7 +399,10 @@ fn torch_own(g: &Global) -> bool {
         && !g.module.contains(".elastic")
         && !g.module.contains(".rpc")
         && !g.module.contains(".launcher")
-        && g.name.chars().next().is_some_and(|c| c.is_ascii_uppercase() || c == '_')
+        && g.name
+            .chars()
+            .next()
+            .is_some_and(|c| c.is_ascii_uppercase() || c == '_')
         && !g.name.starts_with("__")
 }
 
@@ -467,7 +472,9 @@ fn split_parts(index: &CheckpointIndex) -> Parts<'_> {
                 Some(Role::OptimizerState { param, .. }) => {
                     part.state_params.insert(param.clone());
                 }
-                Some(Role::ParamGroup { .. }) if e.path.last() == Some(&PathSeg::Key("params".into())) => {
+                Some(Role::ParamGroup { .. })
+                    if e.path.last() == Some(&PathSeg::Key("params".into())) =>
+                {
                     if let Some(serde_json::Value::Array(items)) = &e.value {
                         for v in items {
                             if let Some(i) = v.as_i64() {
@@ -536,7 +543,10 @@ fn strip_compile_ddp(key: &str) -> String {
 fn shape_text(s: &[u64]) -> String {
     format!(
         "[{}]",
-        s.iter().map(ToString::to_string).collect::<Vec<_>>().join(", ")
+        s.iter()
+            .map(ToString::to_string)
+            .collect::<Vec<_>>()
+            .join(", ")
     )
 }
 
@@ -553,7 +563,7 @@ fn list(keys: &[String]) -> String {
         .collect::<Vec<_>>()
         .join(", ");
     if keys.len() > SHOWN {
-        text.push_str(&format!(" and {} more", keys.len() - SHOWN));
+        let _ = write!(text, " and {} more", keys.len() - SHOWN);
     }
     text
 }
@@ -571,11 +581,7 @@ fn quote(path: &str) -> String {
 }
 
 fn ckpt_arg(label: &str) -> String {
-    label
-        .split(' ')
-        .map(quote)
-        .collect::<Vec<_>>()
-        .join(" ")
+    label.split(' ').map(quote).collect::<Vec<_>>().join(" ")
 }
 
 fn fixed_name(label: &str) -> String {
@@ -611,7 +617,10 @@ pub fn diagnose(
     for part in &parts.models {
         diagnose_model(index, source, part, options, &mut findings);
     }
-    if parts.models.is_empty() && parts.optims.is_empty() && index.entries.iter().all(|e| e.kind != EntryKind::Tensor) {
+    if parts.models.is_empty()
+        && parts.optims.is_empty()
+        && index.entries.iter().all(|e| e.kind != EntryKind::Tensor)
+    {
         findings.push(Finding {
             code: "empty-tensor",
             severity: Severity::Error,
@@ -722,10 +731,10 @@ fn world_size(index: &CheckpointIndex, options: &Options<'_>, out: &mut Vec<Find
     }
     let ckpt = ckpt_arg(&options.label);
     let fix = if index.kind == CheckpointKind::Fsdp1Local {
-        let model = options.model_path.as_deref().map_or_else(
-            || "MODEL.json".to_owned(),
-            quote,
-        );
+        let model = options
+            .model_path
+            .as_deref()
+            .map_or_else(|| "MODEL.json".to_owned(), quote);
         format!(
             "shardscope reshard {ckpt} --model {model}{} --to-world-size {want} -o resharded",
             if options.use_orig_params {
@@ -737,7 +746,9 @@ fn world_size(index: &CheckpointIndex, options: &Options<'_>, out: &mut Vec<Find
     } else {
         format!(
             "shardscope convert {ckpt} --world-size {want}{} -o ckpt_dcp  # then dcp.load on {want} ranks",
-            options.api.map_or_else(String::new, |a| format!(" --api {a}"))
+            options
+                .api
+                .map_or_else(String::new, |a| format!(" --api {a}"))
         )
     };
     out.push(Finding {
@@ -772,7 +783,9 @@ fn diagnose_model(
     let all_module = part.entries.keys().all(|k| k.starts_with("module."));
     for (key, e) in &part.entries {
         let raw = raw_rel(e, part_name);
-        if raw.contains(&format!("{FSDP_WRAPPED_MODULE}.")) || raw.contains(&format!("{CHECKPOINT_WRAPPED_MODULE}.")) {
+        if raw.contains(&format!("{FSDP_WRAPPED_MODULE}."))
+            || raw.contains(&format!("{CHECKPOINT_WRAPPED_MODULE}."))
+        {
             wrapped.push(raw.clone());
         }
         if e.flat_param || key.ends_with(FLAT_PARAM) {
@@ -805,10 +818,19 @@ fn diagnose_model(
         if keys.iter().any(|k| k.split('.').any(|s| s == "_orig_mod")) {
             which.push("`_orig_mod.` (torch.compile)");
         }
-        if keys.iter().any(|k| k.starts_with("module.") || k.contains("._orig_mod.module.")) {
+        if keys
+            .iter()
+            .any(|k| k.starts_with("module.") || k.contains("._orig_mod.module."))
+        {
             which.push("`module.` (DistributedDataParallel / DataParallel)");
         }
-        let only_leading = |p: &str| keys.iter().all(|k| k.starts_with(p) && !k[p.len()..].contains(FSDP_WRAPPED_MODULE) && !k[p.len()..].contains(CHECKPOINT_WRAPPED_MODULE));
+        let only_leading = |p: &str| {
+            keys.iter().all(|k| {
+                k.starts_with(p)
+                    && !k[p.len()..].contains(FSDP_WRAPPED_MODULE)
+                    && !k[p.len()..].contains(CHECKPOINT_WRAPPED_MODULE)
+            })
+        };
         let select = part_name.map_or_else(String::new, |p| format!("{p}."));
         let fix = if compile_ddp.is_empty() {
             // The index already removes FSDP/checkpoint wrapper names: converting writes clean keys.
@@ -817,9 +839,14 @@ fn diagnose_model(
                 part_name.map_or_else(String::new, |p| format!(" --select {p}")),
                 fixed_name(&options.label)
             )
-        } else if let Some(p) = ["_orig_mod.module.", "module._orig_mod.", "_orig_mod.", "module."]
-            .into_iter()
-            .find(|p| only_leading(p))
+        } else if let Some(p) = [
+            "_orig_mod.module.",
+            "module._orig_mod.",
+            "_orig_mod.",
+            "module.",
+        ]
+        .into_iter()
+        .find(|p| only_leading(p))
         {
             format!(
                 "shardscope convert {ckpt} --select {select}{} -o {}",
@@ -1062,30 +1089,30 @@ fn compare(
         ));
         return;
     }
-    let same_rest = shape.len() == want.shape.len()
-        && !shape.is_empty()
-        && shape[1..] == want.shape[1..];
-    if same_rest && want.shape[0] > 0 && shape[0] > want.shape[0] && shape[0] % want.shape[0] == 0 {
+    let same_rest =
+        shape.len() == want.shape.len() && !shape.is_empty() && shape[1..] == want.shape[1..];
+    if same_rest
+        && want.shape[0] > 0
+        && shape[0] > want.shape[0]
+        && shape[0].is_multiple_of(want.shape[0])
+    {
         let n = shape[0] / want.shape[0];
-        match pieces_identical(index, source, e, n) {
-            Some(true) => {
-                out.push(finding(
-                    "replicated-concatenated",
-                    format!(
-                        "`{key}`{in_part} is {hs}: {n} identical copies of the target's {ws} stacked on dim 0; a replicated tensor (a buffer every rank holds whole) was concatenated across {n} ranks as if it were sharded"
-                    ),
-                    format!("sd[{key:?}] = sd[{key:?}][:{}].clone()", want.shape[0]),
-                ));
-                return;
-            }
-            Some(false) | None => {}
+        if pieces_identical(index, source, e, n) == Some(true) {
+            out.push(finding(
+                "replicated-concatenated",
+                format!(
+                    "`{key}`{in_part} is {hs}: {n} identical copies of the target's {ws} stacked on dim 0; a replicated tensor (a buffer every rank holds whole) was concatenated across {n} ranks as if it were sharded"
+                ),
+                format!("sd[{key:?}] = sd[{key:?}][:{}].clone()", want.shape[0]),
+            ));
+            return;
         }
     }
     if same_rest && shape[0] > 0 && shape[0] < want.shape[0] {
         let d = want.shape[0];
         // torch.chunk / Shard(0): every rank but the last holds ceil(d / n) rows.
         let ways: Vec<u64> = (2..=d.min(4096))
-            .filter(|&n| d.div_ceil(n) == shape[0] || (d % n == 0 && d / n == shape[0]))
+            .filter(|&n| d.div_ceil(n) == shape[0] || (d.is_multiple_of(n) && d / n == shape[0]))
             .collect();
         if let Some(&n) = ways.first() {
             out.push(finding(
@@ -1170,14 +1197,22 @@ fn diagnose_optim(
     {
         let unknown: Vec<String> = names
             .iter()
-            .filter(|n| !params.contains(*n) && !params.contains(&strip_compile_ddp(&crate::model::fqn::clean_tensor_name(n))))
+            .filter(|n| {
+                !params.contains(*n)
+                    && !params
+                        .contains(&strip_compile_ddp(&crate::model::fqn::clean_tensor_name(n)))
+            })
             .cloned()
             .collect();
         if !unknown.is_empty() {
             reasons.push(format!(
                 "it names {} parameter(s) the {} does not have: {}",
                 unknown.len(),
-                if options.target.is_some() { "target" } else { "model part" },
+                if options.target.is_some() {
+                    "target"
+                } else {
+                    "model part"
+                },
                 list(&unknown)
             ));
             bad.extend(unknown);
@@ -1237,8 +1272,12 @@ pub fn unreadable_file(file: &str, what: &str) -> Finding {
         code: "coverage",
         severity: Severity::Error,
         keys: vec![file.to_owned()],
-        message: format!("{file} cannot be read: {what}; the tensors it holds are lost for this checkpoint"),
-        fix: format!("copy {file} again from where the checkpoint was written (it is cut short or damaged); `ls -l` it against the original"),
+        message: format!(
+            "{file} cannot be read: {what}; the tensors it holds are lost for this checkpoint"
+        ),
+        fix: format!(
+            "copy {file} again from where the checkpoint was written (it is cut short or damaged); `ls -l` it against the original"
+        ),
     }
 }
 
@@ -1310,7 +1349,10 @@ mod tests {
 
     #[test]
     fn compile_and_ddp_prefixes_strip() {
-        assert_eq!(strip_compile_ddp("_orig_mod.block.0.weight"), "block.0.weight");
+        assert_eq!(
+            strip_compile_ddp("_orig_mod.block.0.weight"),
+            "block.0.weight"
+        );
         assert_eq!(strip_compile_ddp("module._orig_mod.a"), "a");
         assert_eq!(strip_compile_ddp("block._orig_mod.w"), "block.w");
         assert_eq!(strip_compile_ddp("module"), "module");

@@ -127,7 +127,10 @@ fn torch_named_keys(msg: &str) -> (BTreeSet<String>, BTreeSet<String>) {
 fn check_case(name: &str, codes: &[&str], cause: &str) {
     let run = against_reference(name);
     let torch = torch_says(name);
-    assert_ne!(torch, "ok", "{name}: torch loaded it; the fixture is not broken");
+    assert_ne!(
+        torch, "ok",
+        "{name}: torch loaded it; the fixture is not broken"
+    );
     assert_eq!(run.code, 1, "{name}: {:#}\n{}", run.report, run.stderr);
     assert_eq!(run.report["loadable"], false);
     let want: BTreeSet<String> = codes.iter().map(|c| (*c).to_owned()).collect();
@@ -149,9 +152,15 @@ fn check_case(name: &str, codes: &[&str], cause: &str) {
     }
     let text = messages(&run);
     assert!(text.contains(cause), "{name}: no `{cause}` in\n{text}");
-    assert!(!torch.contains(cause), "{name}: torch already says `{cause}`");
+    assert!(
+        !torch.contains(cause),
+        "{name}: torch already says `{cause}`"
+    );
     for f in findings(&run) {
-        assert!(!f["fix"].as_str().unwrap_or("").is_empty(), "{name}: empty fix");
+        assert!(
+            !f["fix"].as_str().unwrap_or("").is_empty(),
+            "{name}: empty fix"
+        );
     }
 }
 
@@ -162,7 +171,10 @@ fn wrapper_prefixes_from_fsdp_compile_and_ddp() {
     check_case("ddp.pt", &["wrapper-prefix"], "DistributedDataParallel");
     let run = against_reference("compiled.pt");
     let fix = findings(&run)[0]["fix"].as_str().unwrap().to_owned();
-    assert!(fix.starts_with("shardscope convert ") && fix.contains("--select _orig_mod"), "{fix}");
+    assert!(
+        fix.starts_with("shardscope convert ") && fix.contains("--select _orig_mod"),
+        "{fix}"
+    );
 }
 
 #[test]
@@ -181,13 +193,19 @@ fn local_state_dict_is_flat_params() {
         .as_str()
         .unwrap()
         .to_owned();
-    assert!(fix.contains("--model") && fix.contains("model.json"), "{fix}");
+    assert!(
+        fix.contains("--model") && fix.contains("model.json"),
+        "{fix}"
+    );
     // In a process group, torch's strict load into Net fails naming the flat parameters as
     // unexpected (and every parameter as missing); doctor names them and says what they are.
     let torch = torch_says("local/rank0.pt");
     let (_, unexpected) = torch_named_keys(&torch);
     assert!(!unexpected.is_empty(), "{torch}");
-    assert!(unexpected.is_subset(&keys_of(&run, "flat-param")), "{torch}");
+    assert!(
+        unexpected.is_subset(&keys_of(&run, "flat-param")),
+        "{torch}"
+    );
     assert!(messages(&run).contains("LOCAL_STATE_DICT") && !torch.contains("LOCAL_STATE_DICT"));
     // One rank's file alone: the other rank is missing too.
     let run = doctor(&["local/rank0.pt"], &[]);
@@ -232,7 +250,10 @@ fn rank0_only_state_dict_seen_from_rank1() {
     assert!(torch.contains("Missing key(s)"), "{torch}");
     let run = against_reference("empty_rank1.pt");
     assert_eq!(run.code, 1);
-    assert_eq!(error_codes(&run), BTreeSet::from(["empty-tensor".to_owned()]));
+    assert_eq!(
+        error_codes(&run),
+        BTreeSet::from(["empty-tensor".to_owned()])
+    );
     assert!(messages(&run).contains("rank0_only"));
 }
 
@@ -277,7 +298,11 @@ fn optimizer_of_another_model() {
         error_codes(&run),
         BTreeSet::from(["optimizer-mismatch".to_owned()])
     );
-    assert!(messages(&run).contains("10 parameter ids"), "{}", messages(&run));
+    assert!(
+        messages(&run).contains("10 parameter ids"),
+        "{}",
+        messages(&run)
+    );
 }
 
 #[test]
@@ -285,7 +310,10 @@ fn pickle_naming_os_system() {
     let torch = torch_says("unsafe.pt");
     let run = against_reference("unsafe.pt");
     assert_eq!(run.code, 1);
-    assert_eq!(error_codes(&run), BTreeSet::from(["unsafe-pickle".to_owned()]));
+    assert_eq!(
+        error_codes(&run),
+        BTreeSet::from(["unsafe-pickle".to_owned()])
+    );
     // The global doctor names is the one torch's weights_only unpickler refused.
     assert!(torch.contains("posix.system"), "{torch}");
     assert!(messages(&run).contains("`posix.system`"));
@@ -301,7 +329,11 @@ fn damaged_and_missing_files() {
     let torch = torch_says("truncated.pt");
     assert!(torch.contains("central directory"), "{torch}");
     let run = against_reference("truncated.pt");
-    assert_eq!(run.code, 1, "partly readable input is exit 1: {}", run.stderr);
+    assert_eq!(
+        run.code, 1,
+        "partly readable input is exit 1: {}",
+        run.stderr
+    );
     assert_eq!(error_codes(&run), BTreeSet::from(["coverage".to_owned()]));
     let run = against_reference("dcp_missing");
     assert_eq!(run.code, 1, "{}", run.stderr);
@@ -311,7 +343,11 @@ fn damaged_and_missing_files() {
     let run = doctor(&["fsdp2_ranks/rank0.pt"], &[]);
     assert_eq!(run.code, 1);
     assert!(error_codes(&run).contains("coverage"));
-    assert!(keys_of(&run, "coverage").contains("rank 1"), "{:#}", run.report);
+    assert!(
+        keys_of(&run, "coverage").contains("rank 1"),
+        "{:#}",
+        run.report
+    );
     // Nothing readable: a Git LFS pointer.
     let run = doctor(&["lfs_pointer.pt"], &[]);
     assert_eq!(run.code, 2);

@@ -170,7 +170,10 @@ fn salvage_torch(source: &dyn Source) -> Option<Salvage> {
         match index::index_torch_files(source, &readable) {
             Ok(idx) => Some(idx),
             Err(e) => {
-                findings.push(doctor::unreadable_file(&readable.join(", "), &e.to_string()));
+                findings.push(doctor::unreadable_file(
+                    &readable.join(", "),
+                    &e.to_string(),
+                ));
                 None
             }
         }
@@ -217,24 +220,22 @@ pub fn run(args: &DoctorArgs) -> anyhow::Result<ExitCode> {
             } else {
                 salvage_torch(&source)
             };
-            match salvage {
-                Some(s) => (s.index, s.findings),
-                None => {
-                    let lfs = source.names().iter().any(|n| {
-                        source
-                            .read_range(n, 0, 24.min(source.size(n).unwrap_or(0)))
-                            .is_ok_and(|h| h.starts_with(b"version https://git-lfs"))
-                    });
-                    let hint = if lfs {
-                        " (a Git LFS pointer is there in place of the file: run `git lfs pull`)"
-                    } else {
-                        ""
-                    };
-                    return Err(anyhow::Error::new(err).context(format!(
-                        "cannot read {label}: nothing in it reads as a checkpoint{hint}"
-                    )));
-                }
-            }
+            let Some(s) = salvage else {
+                let lfs = source.names().iter().any(|n| {
+                    source
+                        .read_range(n, 0, 24.min(source.size(n).unwrap_or(0)))
+                        .is_ok_and(|h| h.starts_with(b"version https://git-lfs"))
+                });
+                let hint = if lfs {
+                    " (a Git LFS pointer is there in place of the file: run `git lfs pull`)"
+                } else {
+                    ""
+                };
+                return Err(anyhow::Error::new(err).context(format!(
+                    "cannot read {label}: nothing in it reads as a checkpoint{hint}"
+                )));
+            };
+            (s.index, s.findings)
         }
     };
     let options = Options {
