@@ -925,8 +925,15 @@ fn diagnose_model(
     }
     // 3. Against the target, or alone.
     let Some(t) = target else {
-        for (name, (raw, e)) in &names {
-            if e.numel() == Some(0) && e.role.is_none() {
+        // Alone, a 0-element tensor may be real (an empty buffer); a part whose every tensor is
+        // empty is the signature of another rank's view.
+        let empty: Vec<(&String, &String)> = names
+            .iter()
+            .filter(|(_, (_, e))| e.numel() == Some(0))
+            .map(|(name, (raw, _))| (name, raw))
+            .collect();
+        if empty.len() >= 2 && empty.len() == names.len() {
+            for (name, raw) in empty {
                 out.push(empty_finding(raw, name, None, &in_part));
             }
         }
@@ -1187,8 +1194,8 @@ fn diagnose_optim(
         .state_params
         .iter()
         .filter_map(|p| match p {
-            PathSeg::Key(k) => Some(k.clone()),
-            PathSeg::Index(_) => None,
+            PathSeg::Key(k) if k.parse::<i64>().is_err() => Some(k.clone()),
+            PathSeg::Key(_) | PathSeg::Index(_) => None,
         })
         .chain(part.group_names.iter().cloned())
         .collect();
@@ -1224,24 +1231,54 @@ fn diagnose_optim(
         .iter()
         .filter_map(|p| match p {
             PathSeg::Index(i) => Some(*i),
-            PathSeg::Key(_) => None,
+            PathSeg::Key(k) => k.parse().ok(),
         })
         .collect();
+    let at = |what: String| {
+        if prefix.is_empty() {
+            what
+        } else {
+            format!("{prefix}.{what}")
+        }
+    };
     let group_ids: BTreeSet<i64> = part.group_ids.iter().copied().collect();
     let stray: Vec<i64> = ids.difference(&group_ids).copied().collect();
     if !stray.is_empty() && !group_ids.is_empty() {
         reasons.push(format!(
             "state holds parameter ids {stray:?} that no param_group lists"
         ));
-        bad.extend(stray.iter().map(|i| format!("{prefix}.state.{i}")));
+        bad.extend(stray.iter().map(|i| at(format!("state.{i}"))));
     }
+    // torch numbers the parameters of all param_groups 0..n-1 in order.
+    let listed = i64::try_from(part.group_ids.len()).unwrap_or(i64::MAX);
+    let gaps: Vec<i64> = group_ids
+        .iter()
+        .copied()
+        .filter(|&i| i < 0 || i >= listed)
+        .collect();
+    if !gaps.is_empty() || group_ids.len() != part.group_ids.len() {
+        reasons.push(format!(
+            "its param_groups list ids {:?}, not 0..{}: optimizer.state_dict() numbers parameters consecutively, so these ids were edited or merged from another optimizer",
+            part.group_ids,
+            part.group_ids.len()
+        ));
+        bad.extend(gaps.iter().map(|i| at(format!("state.{i}"))));
+        bad.push(at("param_groups".into()));
+    }
+    // Without listed ids (DCP keeps param_groups as bytes items): the state's ids.
+    let count = if group_ids.is_empty() {
+        ids.last()
+            .and_then(|&m| usize::try_from(m).ok())
+            .map_or(0, |m| m.saturating_add(1))
+    } else {
+        group_ids.len()
+    };
     if let Some(t) = options.target
         && !has_flat
-        && !group_ids.is_empty()
+        && count > 0
     {
-        let count = group_ids.len();
+        let too_few = !group_ids.is_empty() && t.trainable.is_some_and(|min| count < min);
         let too_many = count > t.params;
-        let too_few = t.trainable.is_some_and(|min| count < min);
         if too_many || too_few {
             reasons.push(format!(
                 "its param_groups list {count} parameter ids but the target has {} parameter(s){}; optimizer.load_state_dict pairs ids with model.parameters() by position, so it belongs to another model",
@@ -1249,7 +1286,7 @@ fn diagnose_optim(
                 t.trainable
                     .map_or_else(String::new, |m| format!(" ({m} trainable)"))
             ));
-            bad.push(format!("{prefix}.param_groups"));
+            bad.push(at("param_groups".into()));
         }
     }
     if reasons.is_empty() {

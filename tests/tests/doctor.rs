@@ -431,3 +431,53 @@ fn text_output_and_exit_codes() {
 fn fixes_work_in_torch() {
     shardscope_tests::run_interop_script("check_doctor.py");
 }
+
+#[test]
+fn tied_alias_needs_its_partner_tied() {
+    // Against TiedNet the missing `head.weight` is the alias of `embed.weight` (shared storage in
+    // the reference): fine. Against Net, whose head is its own parameter, it is missing.
+    let run = doctor(&["tied_noalias.pt"], &["--reference", "reference.pt"]);
+    assert_eq!(run.code, 1, "{:#}", run.report);
+    assert_eq!(
+        error_codes(&run),
+        BTreeSet::from(["missing-key".to_owned()])
+    );
+    assert_eq!(
+        keys_of(&run, "missing-key"),
+        BTreeSet::from(["head.weight".to_owned()])
+    );
+}
+
+#[test]
+fn optimizer_ids_edited() {
+    // fsdp2_optim/bad_id: torch's per-rank optimizer files with id 7 renamed to 9 everywhere.
+    let run = doctor(&["../fsdp2_optim/bad_id"], &[]);
+    assert_eq!(run.code, 1, "{:#}", run.report);
+    assert_eq!(
+        error_codes(&run),
+        BTreeSet::from(["optimizer-mismatch".to_owned()])
+    );
+    assert!(keys_of(&run, "optimizer-mismatch").contains("state.9"));
+    // The unedited files of the same run have no finding.
+    let run = doctor(&["../fsdp2_optim/ws3"], &[]);
+    assert_eq!(run.code, 0, "{:#}", run.report);
+}
+
+#[test]
+fn alone_without_a_target() {
+    // Signatures visible without a model: wrapper names, flat parameters, all-empty state dicts.
+    let run = doctor(&["several.pt"], &[]);
+    assert!(
+        error_codes(&run).contains("wrapper-prefix"),
+        "{:#}",
+        run.report
+    );
+    let run = doctor(&["empty_rank1.pt"], &[]);
+    assert_eq!(
+        error_codes(&run),
+        BTreeSet::from(["empty-tensor".to_owned()])
+    );
+    // A DCP with optimizer state nested under app-state keys is diagnosed part by part.
+    let run = doctor(&["../formats/dcp_torch_save"], &[]);
+    assert_eq!(run.code, 0, "{:#}", run.report);
+}
