@@ -38,6 +38,9 @@ enum Command {
         #[arg(value_enum)]
         shell: clap_complete::Shell,
     },
+    /// Say why a checkpoint will not load into a model, and how to fix it (exit 0 loadable, 1 not,
+    /// 2 unreadable).
+    Doctor(cli::doctor::DoctorArgs),
 }
 
 fn main() -> ExitCode {
@@ -56,6 +59,7 @@ fn main() -> ExitCode {
             clap_complete::generate(shell, &mut cmd, "shardscope", &mut out);
             cli::print_stdout(&String::from_utf8_lossy(&out)).map(|()| ExitCode::SUCCESS)
         }
+        Command::Doctor(args) => cli::doctor::run(&args),
     };
     match result {
         Ok(code) => code,

@@ -716,18 +716,32 @@ impl Viewer {
                     ui.label("Open a runner trace (Chrome trace JSON) to see the timeline.");
                 }
             },
-            Tab::Verify => match &self.report {
-                Some(r) => {
-                    let view = self.view.as_ref();
-                    let known = |fqn: &str| view.is_some_and(|v| v.by_fqn.contains_key(fqn));
-                    crate::panels::verify::ui(ui, r, &mut self.verify, &mut self.selection, &known);
+            Tab::Verify => {
+                if let Some(c) = &self.checkpoint
+                    && !c.findings.is_empty()
+                {
+                    crate::panels::verify::doctor_ui(ui, &c.findings, &mut self.selection);
+                    ui.separator();
                 }
-                None => {
-                    ui.label(
-                        "Open a verification report (shardscope verify --json) to list mismatches.",
-                    );
+                match &self.report {
+                    Some(r) => {
+                        let view = self.view.as_ref();
+                        let known = |fqn: &str| view.is_some_and(|v| v.by_fqn.contains_key(fqn));
+                        crate::panels::verify::ui(
+                            ui,
+                            r,
+                            &mut self.verify,
+                            &mut self.selection,
+                            &known,
+                        );
+                    }
+                    None => {
+                        ui.label(
+                            "Open a verification report (shardscope verify --json) to list mismatches.",
+                        );
+                    }
                 }
-            },
+            }
             tab => {
                 let Some(view) = &self.view else {
                     empty_state(ui, self.layout_error.as_deref());

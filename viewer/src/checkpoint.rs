@@ -263,6 +263,9 @@ pub struct CheckpointView {
     pub param_groups: BTreeMap<i64, Vec<(String, String)>>,
     /// Counts rebuilds of cached panel state.
     pub generation: u64,
+    /// `shardscope doctor` findings on the checkpoint alone (no target model), shown in the
+    /// Verify tab next to the keys they name.
+    pub findings: Vec<shardscope_core::doctor::Finding>,
 }
 
 /// Scalar tensors no larger than this are read to show their value (`step`).
@@ -319,7 +322,15 @@ impl CheckpointView {
                 scalar_values.insert(i, text);
             }
         }
-        Ok(Self::from_index(name, index, &scalar_values))
+        let mut view = Self::from_index(name, index, &scalar_values);
+        let options = shardscope_core::doctor::Options {
+            label: name.to_owned(),
+            ..shardscope_core::doctor::Options::default()
+        };
+        view.findings =
+            shardscope_core::doctor::diagnose(&view.index, source, &view.index.check(), &options);
+        view.findings = shardscope_core::doctor::Report::new(view.findings).findings;
+        Ok(view)
     }
 
     /// Derives the panel data; `scalars` holds values read for scalar tensors (by entry).
@@ -385,6 +396,7 @@ impl CheckpointView {
             optimizer,
             param_groups,
             generation: 0,
+            findings: Vec::new(),
         }
     }
 

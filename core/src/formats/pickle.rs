@@ -425,6 +425,21 @@ pub fn parse_arena(data: &[u8]) -> Result<PickleArena, PickleError> {
     })
 }
 
+/// Every global the pickle names (`GLOBAL`, `STACK_GLOBAL`), once each, in first-seen order.
+/// Pass 1 only: nothing is imported, called or built.
+pub fn globals(data: &[u8]) -> Result<Vec<Global>, PickleError> {
+    let arena = parse_arena(data)?;
+    let mut out: Vec<Global> = Vec::new();
+    for node in &arena.nodes {
+        if let Node::Global(g) = node
+            && !out.contains(g)
+        {
+            out.push((**g).clone());
+        }
+    }
+    Ok(out)
+}
+
 impl PickleArena {
     /// A view of the root value.
     pub fn root(&self) -> PyRef<'_> {

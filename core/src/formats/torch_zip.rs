@@ -109,7 +109,7 @@ pub fn read_archive(bytes: &[u8]) -> Result<TorchArchive, TorchZipError> {
     };
     let mut archive = zip::ZipArchive::new(Cursor::new(bytes)).map_err(zip_err)?;
     let total = bytes.len() as u64;
-    let mut members: BTreeMap<String, (MemberRange, zip::CompressionMethod)> = BTreeMap::new();
+    let mut members: Members = BTreeMap::new();
     for i in 0..archive.len() {
         let file = archive.by_index_raw(i).map_err(zip_err)?;
         let name = file.name().map_err(zip_err)?.into_owned();
@@ -131,13 +131,7 @@ pub fn read_archive(bytes: &[u8]) -> Result<TorchArchive, TorchZipError> {
             (MemberRange { offset: start, len }, file.compression()),
         );
     }
-    // The pickle is `<prefix>/data.pkl` where prefix has no further `/`.
-    let (pkl_name, pkl) = members
-        .iter()
-        .find(|(n, _)| n.ends_with("/data.pkl") && n.matches('/').count() == 1)
-        .or_else(|| members.iter().find(|(n, _)| n.as_str() == "data.pkl"))
-        .map(|(n, r)| (n.clone(), *r))
-        .ok_or(TorchZipError::NoPickle)?;
+    let (pkl_name, pkl) = pickle_member(&members).ok_or(TorchZipError::NoPickle)?;
     let prefix = pkl_name
         .strip_suffix("data.pkl")
         .unwrap_or("")
@@ -195,6 +189,65 @@ pub fn read_archive(bytes: &[u8]) -> Result<TorchArchive, TorchZipError> {
     };
     archive.check_views()?;
     Ok(archive)
+}
+
+type Members = BTreeMap<String, (MemberRange, zip::CompressionMethod)>;
+
+/// The pickle member: `<prefix>/data.pkl` where prefix has no further `/`, or `data.pkl`.
+fn pickle_member(members: &Members) -> Option<(String, (MemberRange, zip::CompressionMethod))> {
+    members
+        .iter()
+        .find(|(n, _)| n.ends_with("/data.pkl") && n.matches('/').count() == 1)
+        .or_else(|| members.iter().find(|(n, _)| n.as_str() == "data.pkl"))
+        .map(|(n, r)| (n.clone(), *r))
+}
+
+/// The globals `data.pkl` of the archive in `bytes` names ([`pickle::globals`]): what
+/// `torch.load(weights_only=False)` would import and may call. Nothing is imported or run here.
+pub fn pickle_globals(bytes: &[u8]) -> Result<Vec<pickle::Global>, TorchZipError> {
+    if !looks_like_zip(bytes) {
+        return Err(TorchZipError::NotZip {
+            head: bytes.iter().take(4).copied().collect(),
+        });
+    }
+    let zip_err = |e: zip::result::ZipError| TorchZipError::Zip {
+        message: e.to_string(),
+    };
+    let mut archive = zip::ZipArchive::new(Cursor::new(bytes)).map_err(zip_err)?;
+    let total = bytes.len() as u64;
+    let mut members: Members = BTreeMap::new();
+    for i in 0..archive.len() {
+        let file = archive.by_index_raw(i).map_err(zip_err)?;
+        let name = file.name().map_err(zip_err)?.into_owned();
+        if !name.ends_with("data.pkl") {
+            continue;
+        }
+        let start = file.data_start().ok_or_else(|| TorchZipError::Zip {
+            message: format!("member `{name}` has no data offset"),
+        })?;
+        let len = file.compressed_size();
+        let end = start.saturating_add(len);
+        if end > total {
+            return Err(TorchZipError::MemberOutOfBounds {
+                member: name,
+                start,
+                end,
+                len: total,
+            });
+        }
+        members.insert(
+            name,
+            (MemberRange { offset: start, len }, file.compression()),
+        );
+    }
+    let (name, (range, method)) = pickle_member(&members).ok_or(TorchZipError::NoPickle)?;
+    if method != zip::CompressionMethod::Stored {
+        return Err(TorchZipError::Compressed {
+            member: name,
+            method: format!("{method:?}"),
+        });
+    }
+    pickle::globals(slice(bytes, range)).map_err(|source| TorchZipError::Pickle { source })
 }
 
 fn slice(bytes: &[u8], r: MemberRange) -> &[u8] {

@@ -2,6 +2,7 @@
 
 pub mod convert;
 pub mod diff;
+pub mod doctor;
 pub mod gather;
 pub mod inspect;
 pub mod layout;

@@ -111,3 +111,48 @@ pub fn ui(
             });
         });
 }
+
+/// Draws `shardscope doctor` findings (the opened checkpoint checked alone): severity, code,
+/// message, fix, and the keys, each of which selects its tensor when clicked.
+pub fn doctor_ui(
+    ui: &mut Ui,
+    findings: &[shardscope_core::doctor::Finding],
+    selection: &mut Selection,
+) {
+    use shardscope_core::doctor::Severity;
+    ui.strong(format!("doctor: {} finding(s)", findings.len()));
+    for (i, f) in findings.iter().enumerate() {
+        let color = match f.severity {
+            Severity::Error => ui.visuals().error_fg_color,
+            Severity::Warning => ui.visuals().warn_fg_color,
+        };
+        ui.horizontal_wrapped(|ui| {
+            ui.colored_label(color, format!("{}[{}]", severity_label(f.severity), f.code));
+            ui.label(&f.message);
+        });
+        ui.horizontal_wrapped(|ui| {
+            ui.weak("fix:");
+            ui.monospace(&f.fix);
+        });
+        egui::CollapsingHeader::new(format!("{} key(s)", f.keys.len()))
+            .id_salt(("doctor_keys", i))
+            .show(ui, |ui| {
+                ui.horizontal_wrapped(|ui| {
+                    for k in &f.keys {
+                        let key = shardscope_core::model::fqn::clean_tensor_name(k);
+                        let selected = selection.fqn.as_deref() == Some(key.as_str());
+                        if ui.selectable_label(selected, k).clicked() {
+                            selection.select(key);
+                        }
+                    }
+                });
+            });
+    }
+}
+
+fn severity_label(s: shardscope_core::doctor::Severity) -> &'static str {
+    match s {
+        shardscope_core::doctor::Severity::Error => "error",
+        shardscope_core::doctor::Severity::Warning => "warning",
+    }
+}

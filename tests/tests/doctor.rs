@@ -1,0 +1,483 @@
+//! `shardscope doctor` on checkpoints written by real torch the way users end up with them
+//! (`tests/fixtures/doctor`, see its `gen_doctor.py`). `expected.json` holds what torch itself
+//! said for each strict `load_state_dict` (or `torch.load(weights_only=True)`): doctor must find an
+//! error exactly when torch failed (the documented exception: a tied alias missing next to its
+//! partner, which `from_pretrained` ties again), name every key torch's message names, and say
+//! more than torch does (the cause). The interop test runs doctor's fixes and loads the results in
+//! torch.
+
+use std::collections::BTreeSet;
+use std::path::PathBuf;
+use std::process::Command;
+
+use serde_json::Value;
+
+fn fixtures() -> PathBuf {
+    shardscope_tests::fixtures_dir().join("doctor")
+}
+
+struct Run {
+    code: i32,
+    report: Value,
+    stderr: String,
+}
+
+fn doctor(ckpt: &[&str], extra: &[&str]) -> Run {
+    let dir = fixtures();
+    let mut cmd = Command::new(shardscope_tests::shardscope_bin());
+    cmd.arg("doctor");
+    for c in ckpt {
+        cmd.arg(dir.join(c));
+    }
+    for e in extra {
+        if std::path::Path::new(e)
+            .extension()
+            .is_some_and(|x| x == "pt" || x == "json")
+        {
+            cmd.arg(dir.join(e));
+        } else {
+            cmd.arg(e);
+        }
+    }
+    cmd.arg("--json");
+    let out = cmd.output().expect("run shardscope doctor");
+    let code = out.status.code().expect("exit code");
+    let stdout = String::from_utf8_lossy(&out.stdout);
+    let report = if code == 2 {
+        Value::Null
+    } else {
+        serde_json::from_str(&stdout)
+            .unwrap_or_else(|e| panic!("doctor {ckpt:?}: bad JSON ({e}):\n{stdout}"))
+    };
+    Run {
+        code,
+        report,
+        stderr: String::from_utf8_lossy(&out.stderr).into_owned(),
+    }
+}
+
+fn against_reference(ckpt: &str) -> Run {
+    doctor(&[ckpt], &["--reference", "reference.pt"])
+}
+
+fn findings(run: &Run) -> Vec<&Value> {
+    run.report["findings"]
+        .as_array()
+        .map(|a| a.iter().collect())
+        .unwrap_or_default()
+}
+
+fn error_codes(run: &Run) -> BTreeSet<String> {
+    findings(run)
+        .into_iter()
+        .filter(|f| f["severity"] == "error")
+        .map(|f| f["code"].as_str().expect("code").to_owned())
+        .collect()
+}
+
+fn keys_of(run: &Run, code: &str) -> BTreeSet<String> {
+    findings(run)
+        .into_iter()
+        .filter(|f| f["code"] == code)
+        .flat_map(|f| f["keys"].as_array().cloned().unwrap_or_default())
+        .map(|k| k.as_str().expect("key").to_owned())
+        .collect()
+}
+
+fn messages(run: &Run) -> String {
+    findings(run)
+        .into_iter()
+        .map(|f| f["message"].as_str().unwrap_or("").to_owned())
+        .collect::<Vec<_>>()
+        .join("\n")
+}
+
+fn torch_says(name: &str) -> String {
+    let text = std::fs::read_to_string(fixtures().join("expected.json")).expect("expected.json");
+    let v: Value = serde_json::from_str(&text).expect("expected.json is JSON");
+    v[name]
+        .as_str()
+        .unwrap_or_else(|| panic!("expected.json has no {name}"))
+        .to_owned()
+}
+
+/// The keys torch's `load_state_dict` error names in `size mismatch for KEY:` and in its
+/// `Unexpected key(s) in state_dict: "a", "b"` list.
+fn torch_named_keys(msg: &str) -> (BTreeSet<String>, BTreeSet<String>) {
+    let mut size = BTreeSet::new();
+    let mut unexpected = BTreeSet::new();
+    for line in msg.lines() {
+        let line = line.trim();
+        if let Some(rest) = line.strip_prefix("size mismatch for ")
+            && let Some((key, _)) = rest.split_once(':')
+        {
+            size.insert(key.to_owned());
+        }
+        if let Some(rest) = line.strip_prefix("Unexpected key(s) in state_dict: ") {
+            for k in rest.split(", ") {
+                unexpected.insert(k.trim().trim_end_matches('.').trim_matches('"').to_owned());
+            }
+        }
+    }
+    (size, unexpected)
+}
+
+/// Doctor fails a checkpoint exactly when torch did, with these codes, naming every key torch
+/// named, and its messages carry `cause` (which torch's does not).
+fn check_case(name: &str, codes: &[&str], cause: &str) {
+    let run = against_reference(name);
+    let torch = torch_says(name);
+    assert_ne!(
+        torch, "ok",
+        "{name}: torch loaded it; the fixture is not broken"
+    );
+    assert_eq!(run.code, 1, "{name}: {:#}\n{}", run.report, run.stderr);
+    assert_eq!(run.report["loadable"], false);
+    let want: BTreeSet<String> = codes.iter().map(|c| (*c).to_owned()).collect();
+    assert_eq!(error_codes(&run), want, "{name}: {:#}", run.report);
+    let (size, unexpected) = torch_named_keys(&torch);
+    let named: BTreeSet<String> = findings(&run)
+        .into_iter()
+        .flat_map(|f| f["keys"].as_array().cloned().unwrap_or_default())
+        .filter_map(|k| k.as_str().map(ToOwned::to_owned))
+        .collect();
+    let clean = |k: &str| k.replace("_fsdp_wrapped_module.", "");
+    let named_clean: BTreeSet<String> = named.iter().map(|k| clean(k)).collect();
+    for k in size.iter().chain(&unexpected) {
+        assert!(
+            named.contains(k) || named_clean.contains(&clean(k)),
+            "{name}: torch names `{k}`, doctor does not: {:#}",
+            run.report
+        );
+    }
+    let text = messages(&run);
+    assert!(text.contains(cause), "{name}: no `{cause}` in\n{text}");
+    assert!(
+        !torch.contains(cause),
+        "{name}: torch already says `{cause}`"
+    );
+    for f in findings(&run) {
+        assert!(
+            !f["fix"].as_str().unwrap_or("").is_empty(),
+            "{name}: empty fix"
+        );
+    }
+}
+
+#[test]
+fn wrapper_prefixes_from_fsdp_compile_and_ddp() {
+    check_case("fsdp_wrapped.pt", &["wrapper-prefix"], "FSDP1 wrapping");
+    check_case("compiled.pt", &["wrapper-prefix"], "torch.compile");
+    check_case("ddp.pt", &["wrapper-prefix"], "DistributedDataParallel");
+    let run = against_reference("compiled.pt");
+    let fix = findings(&run)[0]["fix"].as_str().unwrap().to_owned();
+    assert!(
+        fix.starts_with("shardscope convert ") && fix.contains("--select _orig_mod"),
+        "{fix}"
+    );
+}
+
+#[test]
+fn local_state_dict_is_flat_params() {
+    let run = doctor(&["local"], &["--model", "model.json"]);
+    assert_eq!(run.code, 1, "{:#}", run.report);
+    assert_eq!(error_codes(&run), BTreeSet::from(["flat-param".to_owned()]));
+    assert_eq!(
+        keys_of(&run, "flat-param"),
+        BTreeSet::from(["_flat_param".to_owned(), "block._flat_param".to_owned()])
+    );
+    let fix = findings(&run)
+        .into_iter()
+        .find(|f| f["code"] == "flat-param")
+        .unwrap()["fix"]
+        .as_str()
+        .unwrap()
+        .to_owned();
+    assert!(
+        fix.contains("--model") && fix.contains("model.json"),
+        "{fix}"
+    );
+    // In a process group, torch's strict load into Net fails naming the flat parameters as
+    // unexpected (and every parameter as missing); doctor names them and says what they are.
+    let torch = torch_says("local/rank0.pt");
+    let (_, unexpected) = torch_named_keys(&torch);
+    assert!(!unexpected.is_empty(), "{torch}");
+    assert!(
+        unexpected.is_subset(&keys_of(&run, "flat-param")),
+        "{torch}"
+    );
+    assert!(messages(&run).contains("LOCAL_STATE_DICT") && !torch.contains("LOCAL_STATE_DICT"));
+    // One rank's file alone: the other rank is missing too.
+    let run = doctor(&["local/rank0.pt"], &[]);
+    assert!(error_codes(&run).contains("flat-param"), "{:#}", run.report);
+}
+
+#[test]
+fn one_ranks_shard_saved_as_full() {
+    check_case("fsdp2_rank1_local.pt", &["local-shard"], "split 2 ways");
+    let run = against_reference("fsdp2_rank1_local.pt");
+    // The replicated buffer `scale` is whole on every rank: not a shard.
+    assert!(!keys_of(&run, "local-shard").contains("scale"));
+    assert_eq!(keys_of(&run, "local-shard").len(), 8);
+}
+
+#[test]
+fn replicated_buffer_concatenated() {
+    check_case(
+        "replicated_concat.pt",
+        &["replicated-concatenated"],
+        "identical copies",
+    );
+    let run = against_reference("replicated_concat.pt");
+    assert_eq!(
+        keys_of(&run, "replicated-concatenated"),
+        BTreeSet::from(["scale".to_owned()])
+    );
+}
+
+#[test]
+fn flat_views_outside_summon() {
+    check_case(
+        "flattened.pt",
+        &["flattened-shape", "empty-tensor"],
+        "FSDP flat view",
+    );
+}
+
+#[test]
+fn rank0_only_state_dict_seen_from_rank1() {
+    let torch = torch_says("empty_rank1.pt");
+    assert!(torch.contains("Missing key(s)"), "{torch}");
+    let run = against_reference("empty_rank1.pt");
+    assert_eq!(run.code, 1);
+    assert_eq!(
+        error_codes(&run),
+        BTreeSet::from(["empty-tensor".to_owned()])
+    );
+    assert!(messages(&run).contains("rank0_only"));
+}
+
+#[test]
+fn several_problems_at_once() {
+    check_case(
+        "several.pt",
+        &["wrapper-prefix", "flattened-shape", "empty-tensor"],
+        "FSDP1 wrapping",
+    );
+}
+
+#[test]
+fn another_model_configuration() {
+    check_case(
+        "other_config.pt",
+        &["missing-key", "unexpected-key", "shape-mismatch"],
+        "another configuration",
+    );
+    let run = against_reference("other_config.pt");
+    assert_eq!(
+        keys_of(&run, "missing-key"),
+        BTreeSet::from(["norm.bias".to_owned(), "norm.weight".to_owned()])
+    );
+    // With a description (parameters only), the same extra keys could be buffers: warnings.
+    let run = doctor(&["other_config.pt"], &["--model", "model.json"]);
+    let unexpected: Vec<&Value> = findings(&run)
+        .into_iter()
+        .filter(|f| f["code"] == "unexpected-key")
+        .collect();
+    assert!(unexpected.iter().all(|f| f["severity"] == "warning"));
+    assert!(!unexpected.is_empty());
+}
+
+#[test]
+fn optimizer_of_another_model() {
+    let torch = torch_says("optim_bad.pt");
+    assert!(torch.contains("doesn't match the size"), "{torch}");
+    let run = against_reference("optim_bad.pt");
+    assert_eq!(run.code, 1, "{:#}", run.report);
+    assert_eq!(
+        error_codes(&run),
+        BTreeSet::from(["optimizer-mismatch".to_owned()])
+    );
+    assert!(
+        messages(&run).contains("10 parameter ids"),
+        "{}",
+        messages(&run)
+    );
+}
+
+#[test]
+fn pickle_naming_os_system() {
+    let torch = torch_says("unsafe.pt");
+    let run = against_reference("unsafe.pt");
+    assert_eq!(run.code, 1);
+    assert_eq!(
+        error_codes(&run),
+        BTreeSet::from(["unsafe-pickle".to_owned()])
+    );
+    // The global doctor names is the one torch's weights_only unpickler refused.
+    assert!(torch.contains("posix.system"), "{torch}");
+    assert!(messages(&run).contains("`posix.system`"));
+    // torch's own records are not flagged: ShardedTensor (LOCAL) and DTensor files.
+    for ckpt in ["local", "fsdp2_ranks", "optim_ok.pt"] {
+        let run = doctor(&[ckpt], &[]);
+        assert!(!error_codes(&run).contains("unsafe-pickle"), "{ckpt}");
+    }
+}
+
+#[test]
+fn damaged_and_missing_files() {
+    let torch = torch_says("truncated.pt");
+    assert!(torch.contains("central directory"), "{torch}");
+    let run = against_reference("truncated.pt");
+    assert_eq!(
+        run.code, 1,
+        "partly readable input is exit 1: {}",
+        run.stderr
+    );
+    assert_eq!(error_codes(&run), BTreeSet::from(["coverage".to_owned()]));
+    let run = against_reference("dcp_missing");
+    assert_eq!(run.code, 1, "{}", run.stderr);
+    assert_eq!(error_codes(&run), BTreeSet::from(["coverage".to_owned()]));
+    assert!(messages(&run).contains("__1_0.distcp"));
+    // One rank's DTensor file without the other.
+    let run = doctor(&["fsdp2_ranks/rank0.pt"], &[]);
+    assert_eq!(run.code, 1);
+    assert!(error_codes(&run).contains("coverage"));
+    assert!(
+        keys_of(&run, "coverage").contains("rank 1"),
+        "{:#}",
+        run.report
+    );
+    // Nothing readable: a Git LFS pointer.
+    let run = doctor(&["lfs_pointer.pt"], &[]);
+    assert_eq!(run.code, 2);
+    assert!(run.stderr.contains("git lfs pull"), "{}", run.stderr);
+}
+
+#[test]
+fn per_rank_files_for_another_world_size() {
+    let run = doctor(&["fsdp2_ranks"], &["--world-size", "4"]);
+    assert_eq!(run.code, 1);
+    assert_eq!(error_codes(&run), BTreeSet::from(["world-size".to_owned()]));
+    let run = doctor(&["fsdp2_ranks"], &["--world-size", "2"]);
+    assert_eq!(run.code, 0, "{:#}", run.report);
+    let run = doctor(&["local"], &["--world-size", "3", "--model", "model.json"]);
+    let ws: Vec<&Value> = findings(&run)
+        .into_iter()
+        .filter(|f| f["code"] == "world-size")
+        .collect();
+    assert_eq!(ws.len(), 1, "{:#}", run.report);
+    assert!(ws[0]["fix"].as_str().unwrap().contains("reshard"));
+    // A DCP reshards on load: no world-size finding.
+    let run = doctor(&["dcp"], &["--world-size", "3"]);
+    assert_eq!(run.code, 0, "{:#}", run.report);
+}
+
+#[test]
+fn healthy_controls_have_no_error() {
+    for (ckpt, reference) in [
+        ("clean.pt", "reference.pt"),
+        ("dcp", "reference.pt"),
+        ("fsdp2_ranks", "reference.pt"),
+        ("optim_ok.pt", "reference.pt"),
+        ("bf16.pt", "reference.pt"),
+        ("tied_noalias.pt", "tied_reference.pt"),
+    ] {
+        let run = doctor(&[ckpt], &["--reference", reference]);
+        assert_eq!(run.code, 0, "{ckpt}: {:#}\n{}", run.report, run.stderr);
+        assert_eq!(run.report["loadable"], true);
+        assert_eq!(run.report["version"], 1);
+        assert!(error_codes(&run).is_empty());
+        // Alone, too.
+        let run = doctor(&[ckpt], &[]);
+        assert_eq!(run.code, 0, "{ckpt} alone: {:#}", run.report);
+    }
+    for name in ["clean.pt", "bf16.pt", "optim_ok.pt"] {
+        assert_eq!(torch_says(name), "ok", "{name}");
+    }
+    // torch's strict load wants the alias; doctor follows from_pretrained, which ties it again.
+    assert!(torch_says("tied_noalias.pt").contains("head.weight"));
+    // dtype differences are warnings (torch casts).
+    let run = against_reference("bf16.pt");
+    assert!(findings(&run).iter().all(|f| f["code"] == "dtype-mismatch"));
+    assert_eq!(keys_of(&run, "dtype-mismatch").len(), 9);
+    // A description lists parameters only: the buffer `scale` is a warning, not an error.
+    let run = doctor(&["clean.pt"], &["--model", "model.json"]);
+    assert_eq!(run.code, 0, "{:#}", run.report);
+    assert_eq!(
+        keys_of(&run, "unexpected-key"),
+        BTreeSet::from(["scale".to_owned()])
+    );
+}
+
+#[test]
+fn text_output_and_exit_codes() {
+    let dir = fixtures();
+    let out = Command::new(shardscope_tests::shardscope_bin())
+        .args(["doctor"])
+        .arg(dir.join("compiled.pt"))
+        .arg("--reference")
+        .arg(dir.join("reference.pt"))
+        .output()
+        .expect("run doctor");
+    assert_eq!(out.status.code(), Some(1));
+    let text = String::from_utf8_lossy(&out.stdout);
+    assert!(text.contains("error[wrapper-prefix]"), "{text}");
+    assert!(text.contains("fix: shardscope convert"), "{text}");
+    assert!(text.contains("not loadable: 1 error(s)"), "{text}");
+}
+
+#[test]
+fn fixes_work_in_torch() {
+    shardscope_tests::run_interop_script("check_doctor.py");
+}
+
+#[test]
+fn tied_alias_needs_its_partner_tied() {
+    // Against TiedNet the missing `head.weight` is the alias of `embed.weight` (shared storage in
+    // the reference): fine. Against Net, whose head is its own parameter, it is missing.
+    let run = doctor(&["tied_noalias.pt"], &["--reference", "reference.pt"]);
+    assert_eq!(run.code, 1, "{:#}", run.report);
+    assert_eq!(
+        error_codes(&run),
+        BTreeSet::from(["missing-key".to_owned()])
+    );
+    assert_eq!(
+        keys_of(&run, "missing-key"),
+        BTreeSet::from(["head.weight".to_owned()])
+    );
+}
+
+#[test]
+fn optimizer_ids_edited() {
+    // fsdp2_optim/bad_id: torch's per-rank optimizer files with id 7 renamed to 9 everywhere.
+    let run = doctor(&["../fsdp2_optim/bad_id"], &[]);
+    assert_eq!(run.code, 1, "{:#}", run.report);
+    assert_eq!(
+        error_codes(&run),
+        BTreeSet::from(["optimizer-mismatch".to_owned()])
+    );
+    assert!(keys_of(&run, "optimizer-mismatch").contains("state.9"));
+    // The unedited files of the same run have no finding.
+    let run = doctor(&["../fsdp2_optim/ws3"], &[]);
+    assert_eq!(run.code, 0, "{:#}", run.report);
+}
+
+#[test]
+fn alone_without_a_target() {
+    // Signatures visible without a model: wrapper names, flat parameters, all-empty state dicts.
+    let run = doctor(&["several.pt"], &[]);
+    assert!(
+        error_codes(&run).contains("wrapper-prefix"),
+        "{:#}",
+        run.report
+    );
+    let run = doctor(&["empty_rank1.pt"], &[]);
+    assert_eq!(
+        error_codes(&run),
+        BTreeSet::from(["empty-tensor".to_owned()])
+    );
+    // A DCP with optimizer state nested under app-state keys is diagnosed part by part.
+    let run = doctor(&["../formats/dcp_torch_save"], &[]);
+    assert_eq!(run.code, 0, "{:#}", run.report);
+}
