@@ -99,38 +99,7 @@ pub fn looks_like_zip(bytes: &[u8]) -> bool {
 
 /// Opens a torch archive held in `bytes` (a whole file, or one DCP item).
 pub fn read_archive(bytes: &[u8]) -> Result<TorchArchive, TorchZipError> {
-    if !looks_like_zip(bytes) {
-        return Err(TorchZipError::NotZip {
-            head: bytes.iter().take(4).copied().collect(),
-        });
-    }
-    let zip_err = |e: zip::result::ZipError| TorchZipError::Zip {
-        message: e.to_string(),
-    };
-    let mut archive = zip::ZipArchive::new(Cursor::new(bytes)).map_err(zip_err)?;
-    let total = bytes.len() as u64;
-    let mut members: Members = BTreeMap::new();
-    for i in 0..archive.len() {
-        let file = archive.by_index_raw(i).map_err(zip_err)?;
-        let name = file.name().map_err(zip_err)?.into_owned();
-        let start = file.data_start().ok_or_else(|| TorchZipError::Zip {
-            message: format!("member `{name}` has no data offset"),
-        })?;
-        let len = file.compressed_size();
-        let end = start.saturating_add(len);
-        if end > total {
-            return Err(TorchZipError::MemberOutOfBounds {
-                member: name,
-                start,
-                end,
-                len: total,
-            });
-        }
-        members.insert(
-            name,
-            (MemberRange { offset: start, len }, file.compression()),
-        );
-    }
+    let members = zip_members(bytes, |_| true)?;
     let (pkl_name, pkl) = pickle_member(&members).ok_or(TorchZipError::NoPickle)?;
     let prefix = pkl_name
         .strip_suffix("data.pkl")
@@ -193,18 +162,9 @@ pub fn read_archive(bytes: &[u8]) -> Result<TorchArchive, TorchZipError> {
 
 type Members = BTreeMap<String, (MemberRange, zip::CompressionMethod)>;
 
-/// The pickle member: `<prefix>/data.pkl` where prefix has no further `/`, or `data.pkl`.
-fn pickle_member(members: &Members) -> Option<(String, (MemberRange, zip::CompressionMethod))> {
-    members
-        .iter()
-        .find(|(n, _)| n.ends_with("/data.pkl") && n.matches('/').count() == 1)
-        .or_else(|| members.iter().find(|(n, _)| n.as_str() == "data.pkl"))
-        .map(|(n, r)| (n.clone(), *r))
-}
-
-/// The globals `data.pkl` of the archive in `bytes` names ([`pickle::globals`]): what
-/// `torch.load(weights_only=False)` would import and may call. Nothing is imported or run here.
-pub fn pickle_globals(bytes: &[u8]) -> Result<Vec<pickle::Global>, TorchZipError> {
+/// The zip directory of `bytes`: every member `keep` accepts, with its data's byte range (checked
+/// to lie inside `bytes`) and compression method. Only the central directory is read.
+fn zip_members(bytes: &[u8], keep: impl Fn(&str) -> bool) -> Result<Members, TorchZipError> {
     if !looks_like_zip(bytes) {
         return Err(TorchZipError::NotZip {
             head: bytes.iter().take(4).copied().collect(),
@@ -219,7 +179,7 @@ pub fn pickle_globals(bytes: &[u8]) -> Result<Vec<pickle::Global>, TorchZipError
     for i in 0..archive.len() {
         let file = archive.by_index_raw(i).map_err(zip_err)?;
         let name = file.name().map_err(zip_err)?.into_owned();
-        if !name.ends_with("data.pkl") {
+        if !keep(&name) {
             continue;
         }
         let start = file.data_start().ok_or_else(|| TorchZipError::Zip {
@@ -240,6 +200,22 @@ pub fn pickle_globals(bytes: &[u8]) -> Result<Vec<pickle::Global>, TorchZipError
             (MemberRange { offset: start, len }, file.compression()),
         );
     }
+    Ok(members)
+}
+
+/// The pickle member: `<prefix>/data.pkl` where prefix has no further `/`, or `data.pkl`.
+fn pickle_member(members: &Members) -> Option<(String, (MemberRange, zip::CompressionMethod))> {
+    members
+        .iter()
+        .find(|(n, _)| n.ends_with("/data.pkl") && n.matches('/').count() == 1)
+        .or_else(|| members.iter().find(|(n, _)| n.as_str() == "data.pkl"))
+        .map(|(n, r)| (n.clone(), *r))
+}
+
+/// The globals `data.pkl` of the archive in `bytes` names ([`pickle::globals`]): what
+/// `torch.load(weights_only=False)` would import and may call. Nothing is imported or run here.
+pub fn pickle_globals(bytes: &[u8]) -> Result<Vec<pickle::Global>, TorchZipError> {
+    let members = zip_members(bytes, |name| name.ends_with("data.pkl"))?;
     let (name, (range, method)) = pickle_member(&members).ok_or(TorchZipError::NoPickle)?;
     if method != zip::CompressionMethod::Stored {
         return Err(TorchZipError::Compressed {

@@ -143,48 +143,49 @@ impl<'a> Reader<'a> {
             if chunk.offsets.len() != shape.len() || chunk.sizes.len() != shape.len() {
                 bail!("{}: a chunk's rank differs from the tensor's", entry.key);
             }
-            if chunk.encoding == ChunkEncoding::ZstdTorchSaveItem {
-                // A compressed item has no byte range to read in place: decompress it (memory
-                // bounded by the chunk) and copy its elements.
-                let data = self.index.read_chunk(self.source, entry, chunk)?;
-                ensure(buf);
-                copy_box(
-                    &mut buf[..total],
-                    &strides,
-                    &chunk.offsets,
-                    &chunk.sizes,
-                    &data.bytes,
-                    item,
-                )
-                .with_context(|| entry.key.clone())?;
-                continue;
-            }
-            ensure(buf);
-            let out = &mut buf[..total];
-            let location = self.index.locate_chunk(self.source, entry, chunk)?;
+            // A compressed item has no byte range to read in place.
+            let location = match chunk.encoding {
+                ChunkEncoding::ZstdTorchSaveItem => None,
+                _ => Some(self.index.locate_chunk(self.source, entry, chunk)?),
+            };
+            let range = location
+                .as_ref()
+                .and_then(|l| Some((l, l.contiguous_range(&chunk.sizes, item as u64)?)));
             let slab = shape.is_empty() || chunk.sizes[1..] == shape[1..];
-            match location.contiguous_range(&chunk.sizes, item as u64) {
-                Some((start, len)) if slab => {
+            match range {
+                Some((location, (start, len))) if slab => {
+                    ensure(buf);
                     let dst = chunk.offsets.first().map_or(0, |&o| o * row_bytes) as usize;
                     let end = dst.checked_add(len as usize).filter(|&e| e <= total);
                     let Some(end) = end else {
                         bail!("{}: a chunk reaches past the tensor", entry.key);
                     };
-                    self.pread(&location.file, start, &mut out[dst..end])?;
+                    self.pread(&location.file, start, &mut buf[dst..end])?;
                 }
-                Some((start, len)) => {
+                Some((location, (start, len))) => {
+                    ensure(buf);
                     let mut scratch = std::mem::take(&mut self.scratch);
                     scratch.resize(len as usize, 0);
                     self.pread(&location.file, start, &mut scratch)?;
-                    copy_box(out, &strides, &chunk.offsets, &chunk.sizes, &scratch, item)
-                        .with_context(|| entry.key.clone())?;
+                    copy_box(
+                        &mut buf[..total],
+                        &strides,
+                        &chunk.offsets,
+                        &chunk.sizes,
+                        &scratch,
+                        item,
+                    )
+                    .with_context(|| entry.key.clone())?;
                     self.scratch = scratch;
                 }
                 None => {
-                    // A strided view (never written by DCP, possible in torch.save files).
+                    // A strided view (never written by DCP, possible in torch.save files) or a
+                    // compressed item, decoded (memory bounded by the chunk) before the tensor's
+                    // buffer is allocated: its size is only proven by decoding it.
                     let data = self.index.read_chunk(self.source, entry, chunk)?;
+                    ensure(buf);
                     copy_box(
-                        out,
+                        &mut buf[..total],
                         &strides,
                         &chunk.offsets,
                         &chunk.sizes,
