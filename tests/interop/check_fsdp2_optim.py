@@ -133,6 +133,19 @@ def main():
         if err:
             sys.exit(f"per-rank ws{ws} -> full differs from torch's get_*_state_dict: {err}")
         print(f"per-rank ws{ws} -> full.pt equals torch's full state dicts")
+    # 1b. HSDP per-rank files (mesh (2 replicas, 2 shards)): the first replica's pieces make the
+    #     full state, equal to torch's own full state dicts.
+    hsdp = FIXTURES.parent / "fsdp2_hsdp"
+    out = work / "hsdp_full.pt"
+    convert(bin_path, hsdp / "ws4_2x2", "-o", out)
+    err = same(
+        torch.load(out, weights_only=True),
+        torch.load(hsdp / "expected" / "ws4_2x2_full.pt", weights_only=True),
+        "hsdp",
+    )
+    if err:
+        sys.exit(f"HSDP per-rank files -> full differs from torch's get_*_state_dict: {err}")
+    print("HSDP per-rank files -> full.pt equals torch's full state dicts")
     # 2. our full state -> DCP for N ranks -> a real FSDP2 model + optimizer.
     for n in (2, 3, 4):
         dcp_dir = work / f"dcp{n}"

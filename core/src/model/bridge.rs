@@ -296,33 +296,52 @@ impl Reader<'_> {
         let t = self.tensor(&dt.local, path)?;
         let dim0 = dt.global_shape.first().copied().unwrap_or(0);
         let mut offsets = vec![0u64; dt.global_shape.len()];
-        match dt.placements.as_slice() {
-            [Placement::Replicate] => {}
-            [Placement::Shard { dim: 0 }] => {
-                let (Some(&[n]), Some(&[c])) = (
-                    dt.mesh_shape.as_deref().map(<[u64]>::as_ref),
-                    dt.mesh_coordinate.as_deref().map(<[u64]>::as_ref),
-                ) else {
-                    return Err(self.bad_dist(
-                        path,
-                        "DTensor Shard(0) without a readable 1-D mesh shape and coordinate",
-                    ));
-                };
-                // torch.chunk: every chunk but the last has ceil(dim0 / n) rows.
-                let chunk = dim0.div_ceil(n.max(1));
-                if let Some(o) = offsets.first_mut() {
-                    *o = c.saturating_mul(chunk).min(dim0);
-                }
-            }
-            other => {
-                let names: Vec<String> = other.iter().map(ToString::to_string).collect();
+        // Shard(0) over at most one mesh dim, Replicate over the others: FSDP2 on a 1-D mesh,
+        // HSDP `(Replicate, Shard(0))`, or plain replication.
+        let shard_dims: Vec<usize> = dt
+            .placements
+            .iter()
+            .enumerate()
+            .filter(|(_, p)| **p == Placement::Shard { dim: 0 })
+            .map(|(i, _)| i)
+            .collect();
+        let supported = shard_dims.len() <= 1
+            && dt
+                .placements
+                .iter()
+                .all(|p| matches!(p, Placement::Replicate | Placement::Shard { dim: 0 }));
+        if !supported {
+            let names: Vec<String> = dt.placements.iter().map(ToString::to_string).collect();
+            return Err(self.bad_dist(
+                path,
+                format!(
+                    "DTensor placements [{}] are not supported (Shard(0) on at most one mesh dim, Replicate on the others)",
+                    names.join(", ")
+                ),
+            ));
+        }
+        if let [dim] = shard_dims.as_slice() {
+            let (Some(shape), Some(coord)) =
+                (dt.mesh_shape.as_deref(), dt.mesh_coordinate.as_deref())
+            else {
+                return Err(self.bad_dist(
+                    path,
+                    "DTensor Shard(0) without a readable mesh shape and coordinate",
+                ));
+            };
+            let (Some(&n), Some(&c)) = (shape.get(*dim), coord.get(*dim)) else {
                 return Err(self.bad_dist(
                     path,
                     format!(
-                        "DTensor placements [{}] are not supported (only Shard(0) or Replicate on a 1-D mesh)",
-                        names.join(", ")
+                        "DTensor mesh shape {shape:?} and coordinate {coord:?} do not cover its {} placements",
+                        dt.placements.len()
                     ),
                 ));
+            };
+            // torch.chunk: every chunk but the last has ceil(dim0 / n) rows.
+            let chunk = dim0.div_ceil(n.max(1));
+            if let Some(o) = offsets.first_mut() {
+                *o = c.saturating_mul(chunk).min(dim0);
             }
         }
         Ok(DistTensor {

@@ -260,6 +260,12 @@ fn placement(pieces: &[&DistTensor], key: &str, file: &str) -> Result<Vec<(u64, 
             .checked_add(rows_here)
             .filter(|&e| e <= rows)
             .ok_or_else(|| bad(format!("local shard at row {start} runs past {shape:?}")))?;
+        // The same rows as an earlier rank: a replica (HSDP `(Replicate, Shard(0))`: rank r and
+        // r + S hold one shard); the first replica's piece is read.
+        if claimed.contains(&(start, end)) {
+            out.push((0, 0));
+            continue;
+        }
         // The first row of this piece that an earlier piece holds.
         if let Some(row) = claimed
             .iter()
@@ -295,6 +301,8 @@ fn gather_value(
     if let Node::Dist(d0) = first.value {
         let mut pieces = Vec::with_capacity(ranks.len());
         let mut local_numel: u64 = 0;
+        // Pieces of replicas (the same offsets and shape as an earlier rank's) count once.
+        let mut seen: Vec<(&[u64], &[u64])> = Vec::new();
         for r in ranks {
             let Node::Dist(d) = r.value else {
                 return Err(Fsdp2OptimError::KindDiffers {
@@ -305,8 +313,12 @@ fn gather_value(
                     first_file: first.file.to_owned(),
                 });
             };
-            if let Some((_, t)) = &d.local {
-                local_numel = local_numel.saturating_add(t.numel());
+            if let Some((offsets, t)) = &d.local {
+                let place = (offsets.as_slice(), t.shape.as_slice());
+                if !seen.contains(&place) {
+                    seen.push(place);
+                    local_numel = local_numel.saturating_add(t.numel());
+                }
             }
             pieces.push(d);
         }
