@@ -16,6 +16,7 @@ Fixtures: tests/fixtures/fsdp2_optim (written by its gen_fsdp2_optim.py with tor
 Exits non-zero with a message on the first mismatch; prints "ok" last.
 """
 
+import json
 import os
 import subprocess
 import sys
@@ -146,6 +147,22 @@ def main():
     if err:
         sys.exit(f"HSDP per-rank files -> full differs from torch's get_*_state_dict: {err}")
     print("HSDP per-rank files -> full.pt equals torch's full state dicts")
+    # The same folder is one checkpoint for inspect/verify: `model` and `optim` subtrees.
+    out = subprocess.run([bin_path, "inspect", hsdp / "ws4_2x2", "--json"], capture_output=True, text=True)
+    if out.returncode != 0:
+        sys.exit(f"inspect of the HSDP folder failed: {out.stderr}")
+    keys = {e["key"] for e in json.loads(out.stdout)["entries"]}
+    torch_model = torch.load(hsdp / "ws4_2x2" / "rank0_model.pt", weights_only=True)
+    torch_optim = torch.load(hsdp / "ws4_2x2" / "rank0_optim.pt", weights_only=True)
+    want = {f"model.{k}" for k in torch_model} | {
+        f"optim.state.{i}.{name}" for i, st in torch_optim["state"].items() for name in st
+    }
+    if want - keys or {k for k in keys if k.startswith("model.")} - want:
+        sys.exit(f"inspect of the HSDP folder: missing {sorted(want - keys)}, keys {sorted(keys)}")
+    out = subprocess.run([bin_path, "verify", hsdp / "ws4_2x2"], capture_output=True, text=True)
+    if out.returncode != 0:
+        sys.exit(f"verify of the HSDP folder: {out.stdout}{out.stderr}")
+    print("inspect/verify read the HSDP folder as one checkpoint (model + optim)")
     # 2. our full state -> DCP for N ranks -> a real FSDP2 model + optimizer.
     for n in (2, 3, 4):
         dcp_dir = work / f"dcp{n}"

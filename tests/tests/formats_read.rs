@@ -513,8 +513,17 @@ fn cli_inspect_human_summary() {
     assert!(out.contains("FSDP1 LOCAL_STATE_DICT"), "{out}");
     assert!(out.contains("bytes per rank: rank 0:"), "{out}");
     assert!(out.contains("block._flat_param"), "{out}");
-    // A folder with several checkpoints is refused with the list of groups.
-    let (code, _, err) = run_cli(&["inspect", p(&formats().join("fsdp1_orig0"))]);
-    assert_eq!(code, 2);
-    assert!(err.contains("rank{R}_optim_raw.pt"), "{err}");
+    // A folder with several sets of per-rank files is one checkpoint, a subtree per set (told
+    // apart by their file names when two sets are of one kind).
+    let (code, out, err) = run_cli(&["inspect", p(&formats().join("fsdp1_orig0"))]);
+    assert_eq!(code, 0, "{err}");
+    for subtree in [
+        "model.rank{R}_full.",
+        "model.rank{R}_sharded.",
+        "model.rank{R}_local.",
+        "optim.rank{R}_optim_raw.state.",
+        "optim.rank{R}_optim_full.param_groups.",
+    ] {
+        assert!(out.contains(subtree), "{subtree} missing:\n{out}");
+    }
 }

@@ -455,9 +455,7 @@ pub fn index_source(source: &dyn Source) -> Result<CheckpointIndex, IndexError> 
             groups.entry(rank_from_name(n).1).or_default().push(n);
         }
         if groups.len() > 1 {
-            return Err(IndexError::SeveralCheckpoints {
-                groups: groups.keys().cloned().collect(),
-            });
+            return index_file_sets(source, &groups);
         }
         let files: Vec<String> = torch.iter().map(|s| (*s).clone()).collect();
         return index_torch_files(source, &files);
@@ -683,6 +681,79 @@ struct Partial {
 }
 
 /// Indexes one or more per-rank `torch.save` files of the same checkpoint.
+/// A folder of several sets of per-rank files, as training runs write them (model, optimizer and
+/// extra state, e.g. `model_world_size_2_rank_{r}.pt`, `optim_…`, `extra_state_…`): one checkpoint
+/// with a subtree per set, as a DCP app state nests them. Each set is classified by its content:
+/// `optim` (optimizer state: `state`/`param_groups`), `model` (floating-point tensors), `extra`
+/// (the rest: schedulers, RNG state); two sets of one class are told apart by their name patterns
+/// (`model.rank{R}_full`, `model.rank{R}_sharded`, ...). Every set must index on its own.
+fn index_file_sets(
+    source: &dyn Source,
+    groups: &BTreeMap<String, Vec<&String>>,
+) -> Result<CheckpointIndex, IndexError> {
+    let mut parts = Vec::with_capacity(groups.len());
+    for (pattern, files) in groups {
+        let files: Vec<String> = files.iter().map(|s| (*s).clone()).collect();
+        let index = index_torch_files(source, &files)?;
+        let class =
+            if index.has_optimizer_state || index.entries.iter().any(|e| e.role.is_some()) {
+                "optim"
+            } else if index.entries.iter().any(|e| {
+                e.kind == EntryKind::Tensor && e.dtype.is_some_and(DType::is_floating_point)
+            }) {
+                "model"
+            } else {
+                "extra"
+            };
+        parts.push((class, pattern.clone(), index));
+    }
+    let count = |class: &str| parts.iter().filter(|(c, _, _)| *c == class).count();
+    let names: Vec<String> = parts
+        .iter()
+        .map(|(class, pattern, _)| {
+            if count(class) == 1 {
+                (*class).to_owned()
+            } else {
+                // The set's name pattern without its extension, one path segment.
+                let stem = pattern
+                    .rsplit_once('.')
+                    .map_or(pattern.as_str(), |(s, _)| s);
+                format!("{class}.{}", stem.replace('.', "_"))
+            }
+        })
+        .collect();
+    let kind = parts
+        .iter()
+        .find(|(c, _, _)| *c == "model")
+        .or(parts.first())
+        .map_or(CheckpointKind::Plain, |(_, _, i)| i.kind);
+    let mut merged = CheckpointIndex {
+        format: parts
+            .first()
+            .map_or(Format::TorchSave, |(_, _, i)| i.format),
+        kind,
+        has_optimizer_state: parts.iter().any(|(_, _, i)| i.has_optimizer_state),
+        entries: Vec::new(),
+        files: BTreeMap::new(),
+        dcp: None,
+    };
+    for ((_, _, index), name) in parts.into_iter().zip(names) {
+        let prefix: Vec<PathSeg> = name
+            .split('.')
+            .map(|s| PathSeg::Key(s.to_owned()))
+            .collect();
+        for mut e in index.entries {
+            e.key = format!("{name}.{}", e.key);
+            e.raw_key = e.raw_key.map(|k| format!("{name}.{k}"));
+            e.path.splice(0..0, prefix.iter().cloned());
+            merged.entries.push(e);
+        }
+        merged.files.extend(index.files);
+    }
+    merged.entries.sort_by(|a, b| a.key.cmp(&b.key));
+    Ok(merged)
+}
+
 pub fn index_torch_files(
     source: &dyn Source,
     files: &[String],
