@@ -163,6 +163,25 @@ def main():
     if out.returncode != 0:
         sys.exit(f"verify of the HSDP folder: {out.stdout}{out.stderr}")
     print("inspect/verify read the HSDP folder as one checkpoint (model + optim)")
+    # 1c. A folder as verl leaves it (model, optim and extra_state sets, FSDP2): the conversion
+    #     takes the model and optimizer sets, the index shows all three subtrees.
+    trainer = FIXTURES.parent / "trainer_folders"
+    out = work / "verl_full.pt"
+    convert(bin_path, trainer / "verl_fsdp2", "-o", out)
+    err = same(
+        torch.load(out, weights_only=True),
+        torch.load(trainer / "expected" / "verl_fsdp2_full.pt", weights_only=True),
+        "verl",
+    )
+    if err:
+        sys.exit(f"verl-style folder -> full differs from torch's get_*_state_dict: {err}")
+    out = subprocess.run([bin_path, "inspect", trainer / "verl_fsdp2", "--json"], capture_output=True, text=True)
+    if out.returncode != 0:
+        sys.exit(f"inspect of the verl-style folder failed: {out.stderr}")
+    tops = {e["key"].split(".")[0] for e in json.loads(out.stdout)["entries"]}
+    if tops != {"model", "optim", "extra"}:
+        sys.exit(f"verl-style folder: subtrees {sorted(tops)}")
+    print("verl-style folder (model + optim + extra_state sets) converts and inspects")
     # 2. our full state -> DCP for N ranks -> a real FSDP2 model + optimizer.
     for n in (2, 3, 4):
         dcp_dir = work / f"dcp{n}"

@@ -229,7 +229,14 @@ pub fn find_rank_files(
                 };
                 if is_optimizer_dict(&node) {
                     optims.push(p.clone());
-                } else if node.as_dict().is_some() {
+                } else if node.as_dict().is_some_and(|d| {
+                    // A model state dict maps names to tensors (or nests one under `model`);
+                    // extra state (lr_scheduler, rng, as trainers save it next to the model)
+                    // nests dicts of other things.
+                    d.get_str("model").is_some()
+                        || d.iter()
+                            .any(|(_, v)| matches!(v, Node::Tensor(_) | Node::Dist(_)))
+                }) {
                     models.push(p.clone());
                 }
             }
