@@ -227,8 +227,11 @@ impl LazySource {
         for (name, offset, len) in ranges {
             if len > MAX_READ {
                 return Err(format!(
-                    "{name}: a read of {len} bytes at offset {offset} is more than the browser \
-                     viewer reads at once ({MAX_READ} bytes)"
+                    "{name}: indexing needs {len} bytes at offset {offset} at once, more than the \
+                     browser viewer reads in one piece ({} MiB); this format is indexed from whole \
+                     files (DCP checkpoints are read by byte range); inspect it with the \
+                     `shardscope` command line",
+                    MAX_READ >> 20
                 ));
             }
             let cached = self.cached.checked_add(len).filter(|&c| c <= MAX_CACHED);

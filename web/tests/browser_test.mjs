@@ -188,6 +188,10 @@ function makeLargeCheckpoints(dir) {
   // A .metadata cut in half: the page must say what is wrong.
   const meta = readFileSync(path.join(src, ".metadata"));
   writeFileSync(path.join(dir, "broken/.metadata"), meta.subarray(0, meta.length >> 1));
+  // HF sharded safetensors, opened by the URL of its index.
+  const hf = path.join(root, "tests/fixtures/formats/hf_sharded");
+  mkdirSync(path.join(dir, "hf"));
+  for (const f of readdirSync(hf)) copyFileSync(path.join(hf, f), path.join(dir, "hf", f));
   for (const f of readdirSync(dist)) symlinkSync(path.join(dist, f), path.join(dir, f));
   return files;
 }
@@ -271,8 +275,24 @@ async function largeTest(launch) {
     const missing = await waitStatus(page, (s) => s.includes("error:"), "the error of a missing URL", 60000);
     console.log(`missing URL: ${missing}`);
     if (!missing.includes("404")) fail(`a missing .metadata should say 404: ${missing}`);
+    // Other formats, lazily too: HF sharded safetensors by the URL of its index, a torch.save
+    // file through the picker; entry counts from the generator's dumps of what torch wrote.
+    const want = (f) => Object.keys(JSON.parse(readFileSync(
+      path.join(root, "tests/fixtures/formats/expected", f), "utf8")).entries).length;
+    await page.goto(`http://127.0.0.1:${port2}/index.html?url=hf/model.safetensors.index.json`);
+    const hfStatus = await waitStatus(page, (s) => s.includes(" entries") || s.includes("error:"),
+      "the HF checkpoint to open by URL", 60000);
+    console.log(`HF index by URL: ${hfStatus}`);
+    if (!hfStatus.includes(`${want("hf_sharded.json")} entries`)) fail(`HF index by URL: ${hfStatus}`);
+    await page.goto(`http://127.0.0.1:${port2}/index.html?empty`);
+    await waitFor(() => page.evaluate(() => document.body.dataset.ready === "1"), "the viewer to start");
+    await page.setInputFiles("#files", path.join(root, "tests/fixtures/formats/plain/state_dict.pt"));
+    const pt = await waitStatus(page, (s) => s.includes(" entries") || s.includes("error:"),
+      "the torch.save file to open", 60000);
+    console.log(`torch.save file: ${pt}`);
+    if (!pt.includes(`${want("plain__state_dict.json")} entries`)) fail(`torch.save file: ${pt}`);
     if (errors.length) fail(`page errors: ${errors.join("\n")}`);
-    console.log("PASS: browser test, 20 GiB sparse DCP (picker, URL, broken file)");
+    console.log("PASS: browser test, 20 GiB sparse DCP (picker, URL, broken file), HF index by URL, torch.save");
   } finally {
     if (browser2) await browser2.close();
     if (server2) server2.kill();
