@@ -188,6 +188,14 @@ function makeLargeCheckpoints(dir) {
   // A .metadata cut in half: the page must say what is wrong.
   const meta = readFileSync(path.join(src, ".metadata"));
   writeFileSync(path.join(dir, "broken/.metadata"), meta.subarray(0, meta.length >> 1));
+  // A sparse 10 GiB safetensors file (one F32 tensor): only its header may be read.
+  const header = Buffer.from(JSON.stringify({
+    big: { dtype: "F32", shape: [2684354560], data_offsets: [0, 10 * 1024 * MiB] },
+  }).padEnd(104, " "));
+  const len = Buffer.alloc(8);
+  len.writeBigUInt64LE(BigInt(header.length));
+  writeFileSync(path.join(dir, "big.safetensors"), Buffer.concat([len, header]));
+  truncateSync(path.join(dir, "big.safetensors"), 8 + header.length + 10 * 1024 * MiB);
   // HF sharded safetensors, opened by the URL of its index.
   const hf = path.join(root, "tests/fixtures/formats/hf_sharded");
   mkdirSync(path.join(dir, "hf"));
@@ -291,8 +299,14 @@ async function largeTest(launch) {
       "the torch.save file to open", 60000);
     console.log(`torch.save file: ${pt}`);
     if (!pt.includes(`${want("plain__state_dict.json")} entries`)) fail(`torch.save file: ${pt}`);
+    await page.setInputFiles("#files", path.join(tmp, "big.safetensors"));
+    const st = await waitStatus(page, (s) => (s.includes("checkpoint big.safetensors: ") && !s.includes("indexing")) || s.includes("error:"),
+      "the 10 GiB safetensors file to open", 60000);
+    console.log(`10 GiB sparse safetensors: ${st}`);
+    if (!st.includes("1 entries")) fail(`10 GiB safetensors: ${st}`);
     if (errors.length) fail(`page errors: ${errors.join("\n")}`);
-    console.log("PASS: browser test, 20 GiB sparse DCP (picker, URL, broken file), HF index by URL, torch.save");
+    console.log("PASS: browser test, 20 GiB sparse DCP (picker, URL, broken file), HF index by URL, " +
+      "torch.save, 10 GiB safetensors");
   } finally {
     if (browser2) await browser2.close();
     if (server2) server2.kill();
