@@ -5,9 +5,11 @@
 //! second wasm instance: it answers `read_range` from the ranges fetched so far and records every
 //! range it could not answer (a *miss*). [`LazySource::run`] runs a synchronous step (indexing,
 //! reading the values the panels show), fetches what it missed — adjacent ranges coalesced — and
-//! runs it again, until a run misses nothing. Indexing reads a handful of ranges (`.metadata`,
-//! safetensors headers, zip central directories, `data.pkl`), so a checkpoint opens in a few
-//! rounds and holds in memory only what its indexing touched, whatever the size of its data files.
+//! runs it again, until a run misses nothing. Indexing reads a handful of ranges (DCP `.metadata`,
+//! safetensors headers, bytes items), so a checkpoint opens in a few rounds and holds in memory
+//! only what its indexing touched, whatever the size of its data files. (`torch.save` archives are
+//! still parsed from their whole bytes by the core reader: one read of the file, up to
+//! [`MAX_READ`].)
 //! Each round re-runs a metadata-only step, so the cost of a round is that of parsing the
 //! metadata; the first round prefetches what every format reads first (see [`first_ranges`]).
 
