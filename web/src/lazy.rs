@@ -278,14 +278,18 @@ fn find(segments: &[(u64, Vec<u8>)], offset: u64, len: u64) -> Option<&[u8]> {
 /// other files but DCP data files (safetensors headers, zip directories and `data.pkl`).
 pub fn first_ranges(name: &str, size: u64) -> Vec<(String, u64, u64)> {
     let base = name.rsplit('/').next().unwrap_or(name);
-    if base == ".metadata" || base.ends_with(".json") {
+    let ext = base
+        .rsplit_once('.')
+        .map(|(_, e)| e.to_ascii_lowercase())
+        .unwrap_or_default();
+    if base == ".metadata" || ext == "json" {
         return if size <= PREFETCH_WHOLE {
             vec![(name.to_owned(), 0, size)]
         } else {
             Vec::new()
         };
     }
-    if base.ends_with(".distcp") {
+    if ext == "distcp" {
         return Vec::new();
     }
     if size <= 2 * PREFETCH_ENDS {

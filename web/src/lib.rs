@@ -99,10 +99,13 @@ mod handle {
                 self.seen_messages = self.viewer.messages.len();
                 let mut status = self.viewer.status_line();
                 for b in s.busy.values() {
-                    status.push_str(&format!(" · {b}..."));
+                    status.push_str(" · ");
+                    status.push_str(b);
+                    status.push_str("...");
                 }
                 if let Some(e) = &s.error {
-                    status.push_str(&format!(" · error: {e}"));
+                    status.push_str(" · error: ");
+                    status.push_str(e);
                 }
                 s.status = status;
                 s.selected.clone_from(&self.viewer.selection.fqn);
