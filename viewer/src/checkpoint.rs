@@ -273,6 +273,16 @@ const MAX_SCALAR_BYTES: u64 = 16;
 /// Most stored copies of a scalar that are read (one per rank).
 const MAX_SCALAR_CHUNKS: usize = 4096;
 
+/// A scalar `step` tensor (optimizer step counters), whose value the panels show.
+fn is_step_scalar(e: &IndexEntry) -> bool {
+    let is_step = matches!(e.path.last(), Some(PathSeg::Key(k)) if k == "step");
+    let scalar_chunks = e.chunks.len() <= MAX_SCALAR_CHUNKS
+        && e.chunks
+            .iter()
+            .all(|c| c.numel() == Some(1) && c.byte_length <= MAX_SCALAR_BYTES);
+    is_step && e.kind == EntryKind::Tensor && scalar_chunks
+}
+
 impl CheckpointView {
     /// Indexes `source` and reads the few values the panels show (bytes items, scalar `step`
     /// tensors); no other tensor bytes are read.
@@ -281,17 +291,27 @@ impl CheckpointView {
             name: name.to_owned(),
             source: Box::new(source),
         };
-        let mut index = index_source(source).map_err(index_err)?;
+        let index = index_source(source).map_err(index_err)?;
+        Self::from_source_index(name, index, source)
+    }
+
+    /// The part of [`CheckpointView::build`] after indexing: reads the few values the panels
+    /// show (bytes items, scalar `step` tensors) from `source` for an index built from it. The
+    /// browser indexes first, then fetches exactly these ranges ([`CheckpointView::value_ranges`]).
+    pub fn from_source_index(
+        name: &str,
+        mut index: CheckpointIndex,
+        source: &dyn Source,
+    ) -> Result<Self, CheckpointError> {
+        let index_err = |source| CheckpointError::Index {
+            name: name.to_owned(),
+            source: Box::new(source),
+        };
         // Bytes items hold small pickled Python values (step counters, hyper-parameters).
         index.decode_bytes_values(source).map_err(index_err)?;
         let mut scalar_values = BTreeMap::new();
         for (i, e) in index.entries.iter().enumerate() {
-            let is_step = matches!(e.path.last(), Some(PathSeg::Key(k)) if k == "step");
-            let scalar_chunks = e.chunks.len() <= MAX_SCALAR_CHUNKS
-                && e.chunks
-                    .iter()
-                    .all(|c| c.numel() == Some(1) && c.byte_length <= MAX_SCALAR_BYTES);
-            if !(is_step && e.kind == EntryKind::Tensor && scalar_chunks) {
+            if !is_step_scalar(e) {
                 continue;
             }
             // Global scalars and replicated rank-local scalars alike: read each stored copy.
@@ -331,6 +351,29 @@ impl CheckpointView {
             shardscope_core::doctor::diagnose(&view.index, source, &view.index.check(), &options);
         view.findings = shardscope_core::doctor::Report::new(view.findings).findings;
         Ok(view)
+    }
+
+    /// The byte ranges `(file, offset, length)` that [`CheckpointView::from_source_index`] reads:
+    /// every bytes item and every stored copy of a scalar `step` tensor. Nothing else of the
+    /// data files is read to show a checkpoint.
+    pub fn value_ranges(index: &CheckpointIndex) -> Vec<(String, u64, u64)> {
+        let mut out = Vec::new();
+        for e in &index.entries {
+            if e.kind == EntryKind::Bytes {
+                out.extend(
+                    e.chunks
+                        .first()
+                        .map(|c| (c.file.clone(), c.byte_offset, c.byte_length)),
+                );
+            } else if is_step_scalar(e) {
+                out.extend(
+                    e.chunks
+                        .iter()
+                        .map(|c| (c.file.clone(), c.byte_offset, c.byte_length)),
+                );
+            }
+        }
+        out
     }
 
     /// Derives the panel data; `scalars` holds values read for scalar tensors (by entry).

@@ -131,7 +131,7 @@ pub fn is_checkpoint_part(name: &str, bytes: &[u8]) -> bool {
 }
 
 /// A name for a set of checkpoint files: their common folder, or the single file.
-fn group_name(names: &[&str]) -> String {
+pub fn group_name(names: &[&str]) -> String {
     match names {
         [] => "checkpoint".to_owned(),
         [one] => (*one).to_owned(),

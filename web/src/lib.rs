@@ -1,16 +1,32 @@
 //! WebAssembly entry of the shardscope viewer: a [`WebHandle`] the page creates, starts on a canvas
-//! and feeds with files (`open_bytes`, or `add_file`... `finish_batch` for files that form one
-//! checkpoint). Everything else is the same `shardscope-viewer` code the
-//! desktop binary runs.
+//! and feeds with files (`add_blob`... `finish_batch` for picked files that form one checkpoint,
+//! read lazily by byte range; `open_url` for a checkpoint behind HTTP; `open_bytes` for bytes).
+//! Everything else is the same `shardscope-viewer` code the desktop binary runs.
 
 pub use shardscope_viewer as viewer;
 
 #[cfg(target_arch = "wasm32")]
+pub mod lazy;
+
+#[cfg(target_arch = "wasm32")]
 mod handle {
+    use std::collections::BTreeMap;
     use std::sync::{Arc, Mutex};
 
+    use shardscope_core::model::index::index_source;
     use shardscope_viewer::Viewer;
+    use shardscope_viewer::checkpoint::CheckpointView;
+    use shardscope_viewer::docs::Document;
     use wasm_bindgen::prelude::*;
+
+    use crate::lazy::{self, LazySource};
+
+    /// Files that are read whole (JSON documents, zips) may be at most this large.
+    const MAX_WHOLE: u64 = 1 << 30;
+    /// Files of unknown kind larger than this are taken for checkpoint files (read lazily).
+    const LAZY_UNKNOWN: f64 = 64.0 * 1_048_576.0;
+    /// An HF index is at most this large.
+    const MAX_HF_INDEX: u64 = 64 << 20;
 
     /// What the page reads back between frames.
     #[derive(Debug, Default)]
@@ -22,17 +38,33 @@ mod handle {
         example: bool,
         probe: Option<String>,
         probe_result: Option<(f32, f32)>,
+        /// What background opens are doing, by job.
+        busy: BTreeMap<u64, String>,
+        next_job: u64,
+        /// The last failure, shown in the page's status line until the next open.
+        error: Option<String>,
+        /// Checkpoints opened (or not) in the background, for the viewer's next frame.
+        opened: Vec<Result<Box<CheckpointView>, String>>,
     }
 
     /// The app the runner drives: the viewer plus the shared state.
     struct WebApp {
         viewer: Viewer,
         shared: Arc<Mutex<Shared>>,
+        /// Viewer messages already looked at for errors.
+        seen_messages: usize,
     }
 
     impl eframe::App for WebApp {
         fn ui(&mut self, ui: &mut egui::Ui, _frame: &mut eframe::Frame) {
             if let Ok(mut s) = self.shared.lock() {
+                for result in std::mem::take(&mut s.opened) {
+                    match result {
+                        Ok(view) => self.viewer.open_document(Ok(Document::Checkpoint(view))),
+                        Err(e) => self.viewer.messages.push(format!("error: {e}")),
+                    }
+                    ui.ctx().request_repaint();
+                }
                 if let Some(fqn) = s.select_request.take() {
                     if fqn.is_empty() {
                         self.viewer.selection.fqn = None;
@@ -58,7 +90,24 @@ mod handle {
             }
             self.viewer.ui(ui);
             if let Ok(mut s) = self.shared.lock() {
-                s.status = self.viewer.status_line();
+                // Errors of the viewer's own loader (documents, zips) reach the page too.
+                for m in self.viewer.messages.iter().skip(self.seen_messages) {
+                    if let Some(e) = m.strip_prefix("error: ") {
+                        s.error = Some(e.to_owned());
+                    }
+                }
+                self.seen_messages = self.viewer.messages.len();
+                let mut status = self.viewer.status_line();
+                for b in s.busy.values() {
+                    status.push_str(" · ");
+                    status.push_str(b);
+                    status.push_str("...");
+                }
+                if let Some(e) = &s.error {
+                    status.push_str(" · error: ");
+                    status.push_str(e);
+                }
+                s.status = status;
                 s.selected.clone_from(&self.viewer.selection.fqn);
                 s.probe_result = s
                     .probe
@@ -69,8 +118,200 @@ mod handle {
         }
     }
 
-    /// A file of a batch: its name and its bytes (or why it could not be read).
-    type BatchFile = (String, Result<Vec<u8>, String>);
+    /// A file of a batch.
+    enum BatchFile {
+        /// Its name and its bytes (or why it could not be read).
+        Bytes(String, Result<Vec<u8>, String>),
+        /// A picked file, read when needed.
+        Blob(String, web_sys::Blob),
+    }
+
+    /// True for files read by byte range: checkpoint files but zips, and large files of unknown
+    /// kind. JSON documents and zips are read whole.
+    fn reads_lazily(name: &str, size: f64) -> bool {
+        let ext = name
+            .rsplit_once('.')
+            .map(|(_, e)| e.to_ascii_lowercase())
+            .unwrap_or_default();
+        if name.ends_with(".safetensors.index.json") {
+            return true;
+        }
+        if ext == "zip" || ext == "json" {
+            return false;
+        }
+        shardscope_viewer::checkpoint::is_checkpoint_name(name) || size > LAZY_UNKNOWN
+    }
+
+    fn mib(bytes: u64) -> String {
+        shardscope_viewer::format::bytes(bytes)
+    }
+
+    /// Starts a background job: its status text is shown until it ends.
+    fn begin(shared: &Mutex<Shared>, text: String) -> u64 {
+        let Ok(mut s) = shared.lock() else { return 0 };
+        s.error = None;
+        s.next_job += 1;
+        let job = s.next_job;
+        s.busy.insert(job, text);
+        job
+    }
+
+    fn set_busy(shared: &Mutex<Shared>, job: u64, text: String) {
+        if let Ok(mut s) = shared.lock() {
+            s.busy.insert(job, text);
+        }
+    }
+
+    fn repaint_ctx(ctx: &Mutex<Option<egui::Context>>) {
+        if let Ok(slot) = ctx.lock()
+            && let Some(ctx) = slot.as_ref()
+        {
+            ctx.request_repaint();
+        }
+    }
+
+    /// Ends a job with its result.
+    fn finish(
+        shared: &Mutex<Shared>,
+        ctx: &Mutex<Option<egui::Context>>,
+        job: u64,
+        result: Result<Box<CheckpointView>, String>,
+    ) {
+        if let Ok(mut s) = shared.lock() {
+            s.busy.remove(&job);
+            if let Err(e) = &result {
+                log::error!("{e}");
+                s.error = Some(e.clone());
+            }
+            s.opened.push(result);
+        }
+        repaint_ctx(ctx);
+    }
+
+    /// Indexes a lazily read checkpoint, then reads the few values the panels show.
+    async fn index_lazily(
+        name: &str,
+        src: &mut LazySource,
+        shared: &Mutex<Shared>,
+        ctx: &Mutex<Option<egui::Context>>,
+        job: u64,
+    ) -> Result<Box<CheckpointView>, String> {
+        let total = src.total_size();
+        let files = src.file_count();
+        let mut progress = |s: &LazySource| {
+            set_busy(
+                shared,
+                job,
+                format!(
+                    "indexing checkpoint {name}: {files} files, {}; read {} in {} requests",
+                    mib(total),
+                    mib(s.cached_bytes()),
+                    s.requests
+                ),
+            );
+            repaint_ctx(ctx);
+        };
+        src.prefetch_first().await?;
+        progress(src);
+        let index = src
+            .run(
+                |s| index_source(s).map_err(|e| format!("{name}: {e}")),
+                &mut progress,
+            )
+            .await?;
+        src.prefetch(CheckpointView::value_ranges(&index)).await?;
+        let view = src
+            .run(
+                |s| CheckpointView::from_source_index(name, index.clone(), s),
+                &mut progress,
+            )
+            .await?;
+        Ok(Box::new(view))
+    }
+
+    /// Opens picked files as one checkpoint, read by byte range.
+    async fn open_blobs(
+        files: Vec<(String, web_sys::Blob)>,
+        shared: Arc<Mutex<Shared>>,
+        ctx: Arc<Mutex<Option<egui::Context>>>,
+    ) {
+        let names: Vec<&str> = files.iter().map(|(n, _)| n.as_str()).collect();
+        let name = shardscope_viewer::docs::group_name(&names);
+        let job = begin(
+            &shared,
+            format!("indexing checkpoint {name}: {} files", files.len()),
+        );
+        repaint_ctx(&ctx);
+        let mut src = LazySource::new();
+        let mut result = Ok(());
+        for (n, b) in files {
+            if let Err(e) = src.add_blob(n, b) {
+                result = Err(e);
+            }
+        }
+        let result = match result {
+            Ok(()) => index_lazily(&name, &mut src, &shared, &ctx, job).await,
+            Err(e) => Err(e),
+        };
+        finish(&shared, &ctx, job, result);
+    }
+
+    /// Opens a checkpoint behind HTTP(S): a DCP folder (URL ending with `/`), a safetensors
+    /// file or an HF `*.safetensors.index.json`.
+    async fn open_url_lazily(
+        url: &str,
+        shared: &Mutex<Shared>,
+        ctx: &Mutex<Option<egui::Context>>,
+        job: u64,
+    ) -> Result<Box<CheckpointView>, String> {
+        let page = web_sys::window()
+            .and_then(|w| w.location().href().ok())
+            .unwrap_or_default();
+        let abs = web_sys::Url::new_with_base(url.trim(), &page)
+            .map_err(|_| format!("`{url}` is not a URL"))?;
+        if !matches!(abs.protocol().as_str(), "http:" | "https:") {
+            return Err(format!(
+                "{url}: only http and https URLs can be opened in the browser"
+            ));
+        }
+        abs.set_hash("");
+        let query = abs.search();
+        abs.set_search("");
+        let href = abs.href();
+        let (base, file) = href
+            .rsplit_once('/')
+            .map(|(b, f)| (format!("{b}/"), f.to_owned()))
+            .ok_or_else(|| format!("`{url}` is not a URL"))?;
+        if !query.is_empty() {
+            return Err(format!(
+                "{url}: URLs with a query string are not supported (files are looked up next to \
+                 the URL)"
+            ));
+        }
+        let mut src = LazySource::new();
+        src.set_base_url(base);
+        if file.is_empty() {
+            // A DCP folder: its `.metadata` names every data file (looked up as it is read).
+            src.add_url_file(".metadata").await?;
+        } else if file.ends_with(".safetensors.index.json") {
+            let bytes = lazy::get_small(&href, MAX_HF_INDEX).await?;
+            let index = shardscope_core::formats::safetensors::read_index(&bytes)
+                .map_err(|e| format!("{href}: {e}"))?;
+            src.add_url_file(&file).await?;
+            let shards: std::collections::BTreeSet<&String> = index.weight_map.values().collect();
+            for (i, shard) in shards.iter().enumerate() {
+                set_busy(
+                    shared,
+                    job,
+                    format!("opening {href}: {}/{} files", i + 1, shards.len()),
+                );
+                src.add_url_file(shard).await?;
+            }
+        } else {
+            src.add_url_file(&file).await?;
+        }
+        index_lazily(&href, &mut src, shared, ctx, job).await
+    }
 
     /// The handle the page holds.
     #[wasm_bindgen]
@@ -79,7 +320,7 @@ mod handle {
         inbox: shardscope_viewer::app::Inbox,
         shared: Arc<Mutex<Shared>>,
         ctx: Arc<Mutex<Option<egui::Context>>>,
-        /// Files added with `add_file`, handed over together by `finish_batch`.
+        /// Files added with `add_file` or `add_blob`, handed over together by `finish_batch`.
         batch: Mutex<Vec<BatchFile>>,
     }
 
@@ -128,7 +369,11 @@ mod handle {
                         if let Ok(mut slot) = ctx_slot.lock() {
                             *slot = Some(cc.egui_ctx.clone());
                         }
-                        Ok(Box::new(WebApp { viewer, shared }))
+                        Ok(Box::new(WebApp {
+                            viewer,
+                            shared,
+                            seen_messages: 0,
+                        }))
                     }),
                 )
                 .await
@@ -143,11 +388,34 @@ mod handle {
             self.repaint();
         }
 
-        /// Adds a file to the current batch; nothing is opened before `finish_batch`.
+        /// Adds a file's bytes to the current batch; nothing is opened before `finish_batch`.
         pub fn add_file(&self, name: String, bytes: Vec<u8>) {
             if let Ok(mut b) = self.batch.lock() {
-                b.push((name, Ok(bytes)));
+                b.push(BatchFile::Bytes(name, Ok(bytes)));
             }
+        }
+
+        /// Adds a picked `File` (any `Blob`) to the current batch. Checkpoint files are read by
+        /// byte range when opened (only their metadata), so files of any size open; JSON
+        /// documents and zips are read whole.
+        pub fn add_blob(&self, name: String, blob: web_sys::Blob) {
+            if let Ok(mut b) = self.batch.lock() {
+                b.push(BatchFile::Blob(name, blob));
+            }
+        }
+
+        /// Opens a checkpoint behind HTTP(S), read with `Range` requests: a DCP folder (URL
+        /// ending with `/`; its `.metadata` names the data files), a `.safetensors` file or an
+        /// HF `model.safetensors.index.json`.
+        pub fn open_url(&self, url: String) {
+            let shared = self.shared.clone();
+            let ctx = self.ctx.clone();
+            let job = begin(&shared, format!("opening {url}"));
+            self.repaint();
+            wasm_bindgen_futures::spawn_local(async move {
+                let result = open_url_lazily(&url, &shared, &ctx, job).await;
+                finish(&shared, &ctx, job, result);
+            });
         }
 
         /// Files added so far and not yet handed over.
@@ -158,15 +426,58 @@ mod handle {
         /// Hands every file added since the last batch to the viewer at once: the checkpoint
         /// files among them form one checkpoint (per-rank files, a DCP folder), the other inputs
         /// (models, traces, reports) open on their own. The viewer announces the work in the
-        /// status line for a frame, then indexes the checkpoint in the next frame.
+        /// status line while it reads and indexes. Picked checkpoint files (`add_blob`) are
+        /// indexed in the background from byte ranges; the rest goes to the viewer's loader.
         pub fn finish_batch(&self) {
             let files = self
                 .batch
                 .lock()
                 .map(|mut b| std::mem::take(&mut *b))
                 .unwrap_or_default();
-            if let Ok(mut q) = self.inbox.lock() {
-                q.extend(files);
+            if let Ok(mut s) = self.shared.lock() {
+                s.error = None;
+            }
+            let mut ready = Vec::new();
+            let mut whole = Vec::new();
+            let mut lazy_files = Vec::new();
+            for f in files {
+                match f {
+                    BatchFile::Bytes(name, bytes) => ready.push((name, bytes)),
+                    BatchFile::Blob(name, blob) if reads_lazily(&name, blob.size()) => {
+                        lazy_files.push((name, blob));
+                    }
+                    BatchFile::Blob(name, blob) => whole.push((name, blob)),
+                }
+            }
+            if whole.is_empty() {
+                if let Ok(mut q) = self.inbox.lock() {
+                    q.extend(ready);
+                }
+            } else {
+                let inbox = self.inbox.clone();
+                let shared = self.shared.clone();
+                let ctx = self.ctx.clone();
+                let job = begin(&shared, format!("reading {} files", whole.len()));
+                wasm_bindgen_futures::spawn_local(async move {
+                    for (name, blob) in whole {
+                        let bytes = lazy::read_whole(&name, &blob, MAX_WHOLE).await;
+                        ready.push((name, bytes));
+                    }
+                    if let Ok(mut q) = inbox.lock() {
+                        q.extend(ready);
+                    }
+                    if let Ok(mut s) = shared.lock() {
+                        s.busy.remove(&job);
+                    }
+                    repaint_ctx(&ctx);
+                });
+            }
+            if !lazy_files.is_empty() {
+                wasm_bindgen_futures::spawn_local(open_blobs(
+                    lazy_files,
+                    self.shared.clone(),
+                    self.ctx.clone(),
+                ));
             }
             self.repaint();
         }
@@ -225,11 +536,7 @@ mod handle {
         }
 
         fn repaint(&self) {
-            if let Ok(slot) = self.ctx.lock()
-                && let Some(ctx) = slot.as_ref()
-            {
-                ctx.request_repaint();
-            }
+            repaint_ctx(&self.ctx);
         }
     }
 }

@@ -3,7 +3,7 @@
 
 use std::collections::BTreeMap;
 
-use safetensors::{Dtype, SafeTensors};
+use safetensors::Dtype;
 
 use crate::dtype::DType;
 
@@ -115,17 +115,71 @@ pub fn blob_len(bytes: &[u8]) -> Result<u64, SafetensorsError> {
         .ok_or_else(|| invalid("data offsets overflow"))
 }
 
+/// The most bytes a header may claim (the `safetensors` crate's limit).
+pub const MAX_HEADER_LEN: u64 = 100_000_000;
+
+/// Bytes `8 + n` that hold the header of the blob starting with `first8` (its 8-byte length
+/// prefix): what [`read_header_prefix`] needs.
+pub fn header_end(first8: &[u8]) -> Result<u64, SafetensorsError> {
+    let invalid = |m: &str| SafetensorsError::Invalid {
+        message: m.to_owned(),
+    };
+    let n = first8
+        .get(..8)
+        .map(|b| u64::from_le_bytes([b[0], b[1], b[2], b[3], b[4], b[5], b[6], b[7]]))
+        .ok_or_else(|| invalid("shorter than the 8-byte header length"))?;
+    if n > MAX_HEADER_LEN {
+        return Err(invalid("header longer than 100 MB"));
+    }
+    Ok(8 + n)
+}
+
 /// Reads the header of the safetensors bytes (which must be exactly one blob: header and data).
 pub fn read_header(bytes: &[u8]) -> Result<SafetensorsHeader, SafetensorsError> {
-    let (n, meta) = SafeTensors::read_metadata(bytes).map_err(|e| SafetensorsError::Invalid {
-        message: format!("{e:?}"),
+    let end = usize::try_from(header_end(bytes)?).unwrap_or(usize::MAX);
+    let prefix = bytes.get(..end).ok_or_else(|| SafetensorsError::Invalid {
+        message: "header runs past the end of the data".to_owned(),
     })?;
-    let data_start = 8 + n as u64;
-    let metadata: BTreeMap<String, String> = meta
-        .metadata()
-        .as_ref()
-        .map(|m| m.iter().map(|(k, v)| (k.clone(), v.clone())).collect())
-        .unwrap_or_default();
+    read_header_prefix(prefix, bytes.len() as u64)
+}
+
+/// One tensor as the header describes it (offsets as `u64`: files over 4 GiB on 32-bit targets).
+#[derive(serde::Deserialize)]
+struct RawTensor {
+    dtype: Dtype,
+    shape: Vec<u64>,
+    data_offsets: (u64, u64),
+}
+
+/// Reads a safetensors header from the blob's first [`header_end`] bytes alone, for a blob of
+/// `total_len` bytes (header and data): no tensor bytes are needed. Checked as the `safetensors`
+/// crate checks a whole file: tensors tile the data exactly, each as long as its dtype and shape
+/// say, and the data ends where the blob does.
+pub fn read_header_prefix(
+    prefix: &[u8],
+    total_len: u64,
+) -> Result<SafetensorsHeader, SafetensorsError> {
+    let invalid = |m: String| SafetensorsError::Invalid { message: m };
+    let end = header_end(prefix)?;
+    let header = usize::try_from(end)
+        .ok()
+        .and_then(|e| prefix.get(8..e))
+        .ok_or_else(|| invalid("header runs past the end of the data".to_owned()))?;
+    let data_start = end;
+    let fields: BTreeMap<String, serde_json::Value> =
+        serde_json::from_slice(header).map_err(|e| invalid(format!("header: {e}")))?;
+    let mut metadata: BTreeMap<String, String> = BTreeMap::new();
+    let mut raw = Vec::with_capacity(fields.len());
+    for (name, value) in fields {
+        if name == "__metadata__" {
+            metadata =
+                serde_json::from_value(value).map_err(|e| invalid(format!("__metadata__: {e}")))?;
+        } else {
+            let t: RawTensor = serde_json::from_value(value)
+                .map_err(|e| invalid(format!("tensor `{name}`: {e}")))?;
+            raw.push((name, t));
+        }
+    }
     let sharding = match metadata.get("DCP_SHARDING_INFO") {
         Some(json) => Some(
             serde_json::from_str::<serde_json::Value>(json).map_err(|e| {
@@ -137,14 +191,34 @@ pub fn read_header(bytes: &[u8]) -> Result<SafetensorsHeader, SafetensorsError> 
         ),
         None => None,
     };
-    let mut tensors = Vec::new();
-    for (name, info) in meta.tensors() {
+    raw.sort_by(|(an, a), (bn, b)| (a.data_offsets, an).cmp(&(b.data_offsets, bn)));
+    let mut tensors = Vec::with_capacity(raw.len());
+    let mut next = 0u64;
+    for (name, info) in raw {
         let dtype = dtype_from_safetensors(info.dtype).ok_or_else(|| {
             SafetensorsError::UnsupportedDtype {
                 name: name.clone(),
                 dtype: format!("{:?}", info.dtype),
             }
         })?;
+        let (b, e) = info.data_offsets;
+        if b != next || e < b {
+            return Err(invalid(format!(
+                "tensor `{name}`: data offsets [{b}, {e}] do not follow the previous tensor (ending at {next})"
+            )));
+        }
+        next = e;
+        let bytes = info
+            .shape
+            .iter()
+            .try_fold(dtype.size_bytes() as u64, |a, &d| a.checked_mul(d));
+        if bytes != Some(e - b) {
+            return Err(invalid(format!(
+                "tensor `{name}`: {} bytes of data for a {dtype:?} tensor of shape {:?}",
+                e - b,
+                info.shape
+            )));
+        }
         let saved_offsets = match sharding.as_ref().and_then(|s| s.get(&name)) {
             Some(entry) => {
                 let offs = entry
@@ -173,21 +247,29 @@ pub fn read_header(bytes: &[u8]) -> Result<SafetensorsHeader, SafetensorsError> 
             }
             None => None,
         };
-        let (b, e) = info.data_offsets;
+        let offset = data_start
+            .checked_add(b)
+            .ok_or_else(|| invalid(format!("tensor `{name}`: data offsets overflow")))?;
         tensors.push(SafetensorsTensor {
             name,
             dtype,
-            shape: info.shape.iter().map(|&d| d as u64).collect(),
-            offset: data_start + b as u64,
-            len: (e - b) as u64,
+            shape: info.shape,
+            offset,
+            len: e - b,
             saved_offsets,
         });
     }
-    tensors.sort_by(|a, b| (a.offset, &a.name).cmp(&(b.offset, &b.name)));
+    if data_start.checked_add(next) != Some(total_len) {
+        return Err(invalid(format!(
+            "incomplete metadata: the header describes {} bytes, the data holds {}",
+            data_start.saturating_add(next),
+            total_len
+        )));
+    }
     Ok(SafetensorsHeader {
         tensors,
         metadata,
-        total_len: bytes.len() as u64,
+        total_len,
     })
 }
 

@@ -1088,11 +1088,8 @@ fn index_safetensors(source: &dyn Source, names: &[String]) -> Result<Checkpoint
     let mut file_infos = BTreeMap::new();
     let mut sharding_info = false; // DCP_SHARDING_INFO seen (HF writer); pieces only if offsets say so
     for file in &files {
-        let bytes = source.read_all(file)?;
-        let header = st::read_header(&bytes).map_err(|source| IndexError::Safetensors {
-            file: file.clone(),
-            source,
-        })?;
+        let size = source.size(file)?;
+        let header = read_st_header(source, file, 0, size)?;
         let (rank, _) = rank_from_name(file);
         for t in header.tensors {
             sharding_info |= t.saved_offsets.is_some();
@@ -1146,7 +1143,7 @@ fn index_safetensors(source: &dyn Source, names: &[String]) -> Result<Checkpoint
         file_infos.insert(
             file.clone(),
             FileInfo {
-                size: bytes.len() as u64,
+                size,
                 rank,
                 unreferenced_bytes: 0,
             },
@@ -1422,6 +1419,29 @@ pub fn index_dcp(source: &dyn Source, metadata_name: &str) -> Result<CheckpointI
     })
 }
 
+/// Reads the header of the safetensors blob `offset..offset + len` of `file` from its first bytes
+/// alone (the 8-byte length, then the header): no tensor bytes are read.
+fn read_st_header(
+    source: &dyn Source,
+    file: &str,
+    offset: u64,
+    len: u64,
+) -> Result<st::SafetensorsHeader, IndexError> {
+    let st_err = |source| IndexError::Safetensors {
+        file: file.to_owned(),
+        source,
+    };
+    let first = source.read_range(file, offset, 8.min(len))?;
+    let end = st::header_end(&first).map_err(st_err)?;
+    if end > len {
+        return Err(st_err(SafetensorsError::Invalid {
+            message: format!("the header claims {} bytes, the file holds {len}", end - 8),
+        }));
+    }
+    let prefix = source.read_range(file, offset, end)?;
+    st::read_header_prefix(&prefix, len).map_err(st_err)
+}
+
 /// Reads the header of the safetensors blob at `offset` of `file`: name -> absolute byte range.
 fn read_blob(
     source: &dyn Source,
@@ -1461,8 +1481,8 @@ fn read_blob(
             message: format!("safetensors blob at byte {offset} ({len} bytes) runs past the end of the file ({size})"),
         })
     })?;
-    let blob = source.read_range(file, offset, end - offset)?;
-    let parsed = st::read_header(&blob).map_err(st_err)?;
+    // The header alone: tensor bytes are never read (browsers read by range).
+    let parsed = st::read_header_prefix(&header, end - offset).map_err(st_err)?;
     Ok(parsed
         .tensors
         .into_iter()

@@ -1,0 +1,493 @@
+//! A [`Source`] over browser `File`/`Blob` objects and HTTP(S) URLs, read lazily by byte range.
+//!
+//! The readers in `shardscope-core` are synchronous; browser reads are not (`Blob.slice(a, b)`
+//! then `arrayBuffer()`, `fetch` with a `Range` header). [`LazySource`] bridges the two without a
+//! second wasm instance: it answers `read_range` from the ranges fetched so far and records every
+//! range it could not answer (a *miss*). [`LazySource::run`] runs a synchronous step (indexing,
+//! reading the values the panels show), fetches what it missed — adjacent ranges coalesced — and
+//! runs it again, until a run misses nothing. Indexing reads a handful of ranges (DCP `.metadata`,
+//! safetensors headers, bytes items), so a checkpoint opens in a few rounds and holds in memory
+//! only what its indexing touched, whatever the size of its data files. (`torch.save` archives are
+//! still parsed from their whole bytes by the core reader: one read of the file, up to
+//! [`MAX_READ`].)
+//! Each round re-runs a metadata-only step, so the cost of a round is that of parsing the
+//! metadata; the first round prefetches what every format reads first (see [`first_ranges`]).
+
+use std::borrow::Cow;
+use std::cell::RefCell;
+use std::collections::BTreeMap;
+
+use shardscope_core::source::{Source, SourceError};
+use wasm_bindgen::JsCast;
+use wasm_bindgen_futures::JsFuture;
+
+/// The most bytes one range read may ask for.
+pub const MAX_READ: u64 = 1 << 30;
+/// The most bytes held for one checkpoint (everything its indexing read).
+pub const MAX_CACHED: u64 = 1536 << 20;
+/// The most fetch rounds for one step.
+const MAX_ROUNDS: usize = 4096;
+/// Misses closer than this are fetched as one range.
+const COALESCE_GAP: u64 = 64 << 10;
+/// What is prefetched at each end of a zip-like file (the zip directory, `data.pkl`).
+const PREFETCH_ENDS: u64 = 64 << 10;
+/// Whole-file prefetch for metadata files up to this size.
+const PREFETCH_WHOLE: u64 = 64 << 20;
+
+/// Where a file's bytes come from.
+#[derive(Debug, Clone)]
+pub enum Origin {
+    /// A picked or dropped file.
+    Blob(web_sys::Blob),
+    /// A URL read with `Range` requests.
+    Url(String),
+}
+
+#[derive(Debug)]
+struct LazyFile {
+    origin: Origin,
+    size: u64,
+    /// Fetched ranges: (offset, bytes).
+    segments: Vec<(u64, Vec<u8>)>,
+}
+
+/// What a step asked for and did not get.
+#[derive(Debug, Clone, PartialEq, Eq, PartialOrd, Ord)]
+enum Miss {
+    Range {
+        name: String,
+        offset: u64,
+        len: u64,
+    },
+    /// A file not known yet, looked up under the base URL (DCP data files named by `.metadata`).
+    File(String),
+}
+
+/// Files read lazily; see the module documentation.
+#[derive(Debug, Default)]
+pub struct LazySource {
+    files: BTreeMap<String, LazyFile>,
+    /// Names not added explicitly are looked up under this URL (ends with `/`).
+    base_url: Option<String>,
+    misses: RefCell<Vec<Miss>>,
+    cached: u64,
+    /// Reads (requests) done so far.
+    pub requests: u64,
+}
+
+impl LazySource {
+    pub fn new() -> Self {
+        Self::default()
+    }
+
+    /// Looks names that were not added up under `base` (a folder URL ending with `/`).
+    pub fn set_base_url(&mut self, base: String) {
+        self.base_url = Some(base);
+    }
+
+    /// Adds a file of known size.
+    pub fn add(&mut self, name: String, origin: Origin, size: u64) {
+        self.files.insert(
+            name,
+            LazyFile {
+                origin,
+                size,
+                segments: Vec::new(),
+            },
+        );
+    }
+
+    /// Adds a picked file (its size is the Blob's).
+    pub fn add_blob(&mut self, name: String, blob: web_sys::Blob) -> Result<(), String> {
+        let size = blob.size();
+        if !(0.0..=9_007_199_254_740_992.0).contains(&size) {
+            return Err(format!(
+                "{name}: the browser reports an invalid size ({size})"
+            ));
+        }
+        // Exact: the size is a whole number below 2^53.
+        self.add(name, Origin::Blob(blob), size as u64);
+        Ok(())
+    }
+
+    /// Adds a file under the base URL, asking the server for its size.
+    pub async fn add_url_file(&mut self, name: &str) -> Result<(), String> {
+        let url = self.url_of(name)?;
+        let size = head_size(&url).await?;
+        self.requests += 1;
+        self.add(name.to_owned(), Origin::Url(url), size);
+        Ok(())
+    }
+
+    fn url_of(&self, name: &str) -> Result<String, String> {
+        let base = self
+            .base_url
+            .as_deref()
+            .ok_or_else(|| format!("no file `{name}` was opened"))?;
+        let safe = !name.is_empty()
+            && !name.starts_with('/')
+            && !name.contains("://")
+            && name
+                .split('/')
+                .all(|seg| !seg.is_empty() && seg != "." && seg != "..");
+        if !safe {
+            return Err(format!("`{name}` is not a file name under {base}"));
+        }
+        Ok(format!("{base}{name}"))
+    }
+
+    /// Bytes held (everything fetched so far).
+    pub fn cached_bytes(&self) -> u64 {
+        self.cached
+    }
+
+    /// Total size of the files.
+    pub fn total_size(&self) -> u64 {
+        self.files
+            .values()
+            .fold(0u64, |a, f| a.saturating_add(f.size))
+    }
+
+    pub fn file_count(&self) -> usize {
+        self.files.len()
+    }
+
+    /// Fetches ranges (file, offset, length) now, e.g. the values a view will read. Ranges of
+    /// unknown files are skipped; ranges outside their file are left to the reader to report.
+    pub async fn prefetch(&mut self, ranges: Vec<(String, u64, u64)>) -> Result<(), String> {
+        let misses: Vec<Miss> = ranges
+            .into_iter()
+            .filter(|(name, offset, len)| {
+                self.files.get(name).is_some_and(|f| {
+                    offset.checked_add(*len).is_some_and(|end| end <= f.size)
+                        && find(&f.segments, *offset, *len).is_none()
+                })
+            })
+            .map(|(name, offset, len)| Miss::Range { name, offset, len })
+            .collect();
+        self.fetch(misses).await
+    }
+
+    /// Prefetches what the readers read first: metadata files whole, both ends of other files.
+    pub async fn prefetch_first(&mut self) -> Result<(), String> {
+        let ranges = self
+            .files
+            .iter()
+            .flat_map(|(name, f)| first_ranges(name, f.size))
+            .collect();
+        self.prefetch(ranges).await
+    }
+
+    /// Runs `step` until it reads only fetched ranges (see the module documentation). A step that
+    /// missed a range is run again even when it succeeded (readers may skip unreadable values).
+    pub async fn run<T, E: std::fmt::Display>(
+        &mut self,
+        mut step: impl FnMut(&Self) -> Result<T, E>,
+        mut progress: impl FnMut(&Self),
+    ) -> Result<T, String> {
+        for _ in 0..MAX_ROUNDS {
+            self.misses.borrow_mut().clear();
+            let result = step(self);
+            let misses = std::mem::take(&mut *self.misses.borrow_mut());
+            if misses.is_empty() {
+                return result.map_err(|e| e.to_string());
+            }
+            self.fetch(misses).await?;
+            progress(self);
+        }
+        Err(format!(
+            "reading the checkpoint's metadata took more than {MAX_ROUNDS} rounds of reads"
+        ))
+    }
+
+    /// Fetches missed ranges (coalesced per file) and looks up missed files.
+    async fn fetch(&mut self, mut misses: Vec<Miss>) -> Result<(), String> {
+        misses.sort();
+        misses.dedup();
+        let mut ranges: Vec<(String, u64, u64)> = Vec::new();
+        for miss in misses {
+            match miss {
+                Miss::File(name) => {
+                    if !self.files.contains_key(&name) {
+                        self.add_url_file(&name).await?;
+                    }
+                }
+                Miss::Range { name, offset, len } => {
+                    let end = offset.saturating_add(len);
+                    if let Some(last) = ranges.last_mut()
+                        && last.0 == name
+                        && offset <= last.1.saturating_add(last.2).saturating_add(COALESCE_GAP)
+                        && end.max(last.1 + last.2) - last.1 <= MAX_READ
+                    {
+                        last.2 = end.max(last.1 + last.2) - last.1;
+                    } else {
+                        ranges.push((name, offset, len));
+                    }
+                }
+            }
+        }
+        for (name, offset, len) in ranges {
+            if len > MAX_READ {
+                return Err(format!(
+                    "{name}: indexing needs {len} bytes at offset {offset} at once, more than the \
+                     browser viewer reads in one piece ({} MiB); this format is indexed from whole \
+                     files (DCP checkpoints are read by byte range); inspect it with the \
+                     `shardscope` command line",
+                    MAX_READ >> 20
+                ));
+            }
+            let cached = self.cached.checked_add(len).filter(|&c| c <= MAX_CACHED);
+            let Some(cached) = cached else {
+                return Err(format!(
+                    "{name}: opening this checkpoint would hold more than {} MiB of metadata in \
+                     the browser",
+                    MAX_CACHED >> 20
+                ));
+            };
+            let file = self
+                .files
+                .get(&name)
+                .ok_or_else(|| format!("no file `{name}` was opened"))?;
+            let bytes = read(&name, &file.origin, offset, len).await?;
+            self.requests += 1;
+            self.cached = cached;
+            if let Some(file) = self.files.get_mut(&name) {
+                file.segments.push((offset, bytes));
+            }
+        }
+        Ok(())
+    }
+}
+
+/// The fetched segment holding `offset..offset + len`, as a slice.
+fn find(segments: &[(u64, Vec<u8>)], offset: u64, len: u64) -> Option<&[u8]> {
+    let end = offset.checked_add(len)?;
+    segments.iter().find_map(|(start, bytes)| {
+        let seg_end = start.checked_add(bytes.len() as u64)?;
+        if *start <= offset && end <= seg_end {
+            let a = usize::try_from(offset - start).ok()?;
+            let b = usize::try_from(end - start).ok()?;
+            bytes.get(a..b)
+        } else {
+            None
+        }
+    })
+}
+
+/// What is read first of a file: metadata (`.metadata`, JSON indexes) whole, and both ends of
+/// other files but DCP data files (safetensors headers, zip directories and `data.pkl`).
+pub fn first_ranges(name: &str, size: u64) -> Vec<(String, u64, u64)> {
+    let base = name.rsplit('/').next().unwrap_or(name);
+    let ext = base
+        .rsplit_once('.')
+        .map(|(_, e)| e.to_ascii_lowercase())
+        .unwrap_or_default();
+    if base == ".metadata" || ext == "json" {
+        return if size <= PREFETCH_WHOLE {
+            vec![(name.to_owned(), 0, size)]
+        } else {
+            Vec::new()
+        };
+    }
+    if ext == "distcp" {
+        return Vec::new();
+    }
+    if size <= 2 * PREFETCH_ENDS {
+        return vec![(name.to_owned(), 0, size)];
+    }
+    vec![
+        (name.to_owned(), 0, PREFETCH_ENDS),
+        (name.to_owned(), size - PREFETCH_ENDS, PREFETCH_ENDS),
+    ]
+}
+
+impl Source for LazySource {
+    fn names(&self) -> Vec<String> {
+        self.files.keys().cloned().collect()
+    }
+
+    fn size(&self, name: &str) -> Result<u64, SourceError> {
+        if let Some(f) = self.files.get(name) {
+            return Ok(f.size);
+        }
+        if self.url_of(name).is_ok() {
+            self.misses.borrow_mut().push(Miss::File(name.to_owned()));
+        }
+        Err(SourceError::NotFound {
+            name: name.to_owned(),
+        })
+    }
+
+    fn read_range(&self, name: &str, offset: u64, len: u64) -> Result<Cow<'_, [u8]>, SourceError> {
+        let Some(file) = self.files.get(name) else {
+            return self.size(name).map(|_| Cow::Borrowed(&[][..]));
+        };
+        let end = offset.checked_add(len).filter(|&e| e <= file.size);
+        if end.is_none() {
+            return Err(SourceError::OutOfRange {
+                name: name.to_owned(),
+                offset,
+                len,
+                size: file.size,
+            });
+        }
+        if len == 0 {
+            return Ok(Cow::Borrowed(&[]));
+        }
+        if let Some(bytes) = find(&file.segments, offset, len) {
+            return Ok(Cow::Borrowed(bytes));
+        }
+        self.misses.borrow_mut().push(Miss::Range {
+            name: name.to_owned(),
+            offset,
+            len,
+        });
+        Err(SourceError::Io {
+            name: name.to_owned(),
+            message: format!("bytes {offset}..{} not fetched yet", offset + len),
+        })
+    }
+}
+
+/// Converts a JS error to text.
+fn js_text(e: &wasm_bindgen::JsValue) -> String {
+    if let Some(err) = e.dyn_ref::<js_sys::Error>() {
+        return format!("{}: {}", err.name(), err.message());
+    }
+    e.as_string().unwrap_or_else(|| format!("{e:?}"))
+}
+
+/// Reads `offset..offset + len` of a file.
+async fn read(name: &str, origin: &Origin, offset: u64, len: u64) -> Result<Vec<u8>, String> {
+    let end = offset + len;
+    let fail = |what: String| format!("cannot read `{name}` (bytes {offset}..{end}): {what}");
+    let buffer = match origin {
+        Origin::Blob(blob) => {
+            // Exact: offsets of browser files are below 2^53.
+            let slice = blob
+                .slice_with_f64_and_f64(offset as f64, end as f64)
+                .map_err(|e| fail(js_text(&e)))?;
+            JsFuture::from(slice.array_buffer())
+                .await
+                .map_err(|e| fail(js_text(&e)))?
+        }
+        Origin::Url(url) => {
+            let headers = web_sys::Headers::new().map_err(|e| fail(js_text(&e)))?;
+            headers
+                .set("Range", &format!("bytes={offset}-{}", end - 1))
+                .map_err(|e| fail(js_text(&e)))?;
+            let resp = fetch(url, "GET", Some(&headers))
+                .await
+                .map_err(|e| fail(format!("{url}: {e}")))?;
+            let status = resp.status();
+            // A 200 is the whole file: accepted only when that is what was asked for.
+            let whole = status == 200
+                && offset == 0
+                && resp
+                    .headers()
+                    .get("Content-Length")
+                    .ok()
+                    .flatten()
+                    .is_some_and(|l| l.trim() == len.to_string());
+            if status != 206 && !whole {
+                return Err(fail(format!("{url}: {}", status_text(status, true))));
+            }
+            JsFuture::from(resp.array_buffer().map_err(|e| fail(js_text(&e)))?)
+                .await
+                .map_err(|e| fail(js_text(&e)))?
+        }
+    };
+    let array = js_sys::Uint8Array::new(&buffer);
+    if u64::from(array.length()) < len {
+        return Err(fail(format!(
+            "got {} bytes, expected {len} (the file is shorter than it was)",
+            array.length()
+        )));
+    }
+    let take = u32::try_from(len).map_err(|_| fail("range too large".to_owned()))?;
+    Ok(array.subarray(0, take).to_vec())
+}
+
+fn status_text(status: u16, range: bool) -> String {
+    match status {
+        200 if range => "the server ignores Range requests (answered 200 to a range)".to_owned(),
+        401 | 403 => format!("HTTP {status}: access denied; check credentials or the URL"),
+        404 => "HTTP 404: not found".to_owned(),
+        416 => "HTTP 416: the range lies outside the file".to_owned(),
+        s => format!("HTTP {s}"),
+    }
+}
+
+async fn fetch(
+    url: &str,
+    method: &str,
+    headers: Option<&web_sys::Headers>,
+) -> Result<web_sys::Response, String> {
+    let init = web_sys::RequestInit::new();
+    init.set_method(method);
+    if let Some(h) = headers {
+        init.set_headers(h);
+    }
+    let global = js_sys::global();
+    let promise = if let Some(w) = global.dyn_ref::<web_sys::Window>() {
+        w.fetch_with_str_and_init(url, &init)
+    } else {
+        return Err("no window to fetch from".to_owned());
+    };
+    let resp = JsFuture::from(promise).await.map_err(|e| js_text(&e))?;
+    resp.dyn_into::<web_sys::Response>()
+        .map_err(|_| "fetch returned no response".to_owned())
+}
+
+/// The size of the file at `url` (`HEAD`, `Content-Length`).
+async fn head_size(url: &str) -> Result<u64, String> {
+    let resp = fetch(url, "HEAD", None)
+        .await
+        .map_err(|e| format!("cannot reach {url}: {e}"))?;
+    if !resp.ok() {
+        return Err(format!("{url}: {}", status_text(resp.status(), false)));
+    }
+    let len = resp
+        .headers()
+        .get("Content-Length")
+        .map_err(|e| format!("{url}: {}", js_text(&e)))?
+        .ok_or_else(|| format!("{url}: the server sent no Content-Length"))?;
+    len.trim()
+        .parse::<u64>()
+        .map_err(|_| format!("{url}: bad Content-Length `{len}`"))
+}
+
+/// Reads a whole small file at `url` (a JSON index), at most `limit` bytes.
+pub async fn get_small(url: &str, limit: u64) -> Result<Vec<u8>, String> {
+    let size = head_size(url).await?;
+    if size > limit {
+        return Err(format!("{url}: {size} bytes, more than {limit} expected"));
+    }
+    let resp = fetch(url, "GET", None)
+        .await
+        .map_err(|e| format!("cannot reach {url}: {e}"))?;
+    if !resp.ok() {
+        return Err(format!("{url}: {}", status_text(resp.status(), false)));
+    }
+    let buf = JsFuture::from(resp.array_buffer().map_err(|e| js_text(&e))?)
+        .await
+        .map_err(|e| format!("{url}: {}", js_text(&e)))?;
+    Ok(js_sys::Uint8Array::new(&buf).to_vec())
+}
+
+/// Reads a whole picked file (JSON documents, zips), refusing files over `limit` bytes.
+pub async fn read_whole(name: &str, blob: &web_sys::Blob, limit: u64) -> Result<Vec<u8>, String> {
+    let size = blob.size();
+    if size > limit as f64 {
+        return Err(format!(
+            "{name}: {} MiB; files of this kind are read whole, and the browser viewer reads at \
+             most {} MiB of them",
+            (size / 1_048_576.0).round(),
+            limit >> 20
+        ));
+    }
+    let buf = JsFuture::from(blob.array_buffer())
+        .await
+        .map_err(|e| format!("cannot read `{name}`: {}", js_text(&e)))?;
+    Ok(js_sys::Uint8Array::new(&buf).to_vec())
+}
