@@ -120,6 +120,15 @@ def convert(bin_path, *args):
         sys.exit(f"shardscope convert {' '.join(map(str, args))} failed:\n{out.stderr}")
 
 
+def converts_to_torch_full(bin_path, src, expected, work, what):
+    """`convert SRC -o full.pt` equals torch's get_model/optimizer_state_dict(full_state_dict=True)."""
+    out = work / f"{src.name}_full.pt"
+    convert(bin_path, src, "-o", out)
+    err = same(torch.load(out, weights_only=True), torch.load(expected, weights_only=True), what)
+    if err:
+        sys.exit(f"{what} per-rank files -> full differs from torch's get_*_state_dict: {err}")
+
+
 def main():
     bin_path, work = sys.argv[1], Path(sys.argv[2])
     # 1. per-rank files -> full state, against torch's full state dicts.
@@ -137,15 +146,7 @@ def main():
     # 1b. HSDP per-rank files (mesh (2 replicas, 2 shards)): the first replica's pieces make the
     #     full state, equal to torch's own full state dicts.
     hsdp = FIXTURES.parent / "fsdp2_hsdp"
-    out = work / "hsdp_full.pt"
-    convert(bin_path, hsdp / "ws4_2x2", "-o", out)
-    err = same(
-        torch.load(out, weights_only=True),
-        torch.load(hsdp / "expected" / "ws4_2x2_full.pt", weights_only=True),
-        "hsdp",
-    )
-    if err:
-        sys.exit(f"HSDP per-rank files -> full differs from torch's get_*_state_dict: {err}")
+    converts_to_torch_full(bin_path, hsdp / "ws4_2x2", hsdp / "expected" / "ws4_2x2_full.pt", work, "HSDP")
     print("HSDP per-rank files -> full.pt equals torch's full state dicts")
     # The same folder is one checkpoint for inspect/verify: `model` and `optim` subtrees.
     out = subprocess.run([bin_path, "inspect", hsdp / "ws4_2x2", "--json"], capture_output=True, text=True)
@@ -166,15 +167,9 @@ def main():
     # 1c. A folder as verl leaves it (model, optim and extra_state sets, FSDP2): the conversion
     #     takes the model and optimizer sets, the index shows all three subtrees.
     trainer = FIXTURES.parent / "trainer_folders"
-    out = work / "verl_full.pt"
-    convert(bin_path, trainer / "verl_fsdp2", "-o", out)
-    err = same(
-        torch.load(out, weights_only=True),
-        torch.load(trainer / "expected" / "verl_fsdp2_full.pt", weights_only=True),
-        "verl",
+    converts_to_torch_full(
+        bin_path, trainer / "verl_fsdp2", trainer / "expected" / "verl_fsdp2_full.pt", work, "verl-style"
     )
-    if err:
-        sys.exit(f"verl-style folder -> full differs from torch's get_*_state_dict: {err}")
     out = subprocess.run([bin_path, "inspect", trainer / "verl_fsdp2", "--json"], capture_output=True, text=True)
     if out.returncode != 0:
         sys.exit(f"inspect of the verl-style folder failed: {out.stderr}")
