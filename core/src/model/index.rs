@@ -116,6 +116,9 @@ pub enum CheckpointKind {
     Fsdp1Local,
     /// FSDP2 / DTensor state dicts.
     Fsdp2,
+    /// FSDP1 per-rank files read through the model's layout: original parameters and FQN-keyed
+    /// optimizer state (`core::model::fsdp1_view`).
+    Fsdp1Unflattened,
     /// Per-rank optimizer state with rank-local (flat or per-parameter) pieces and no global metadata.
     RankLocal,
     /// A plain `torch.save` state dict.
@@ -137,6 +140,9 @@ impl CheckpointKind {
             CheckpointKind::Fsdp1Full => "FSDP1 FULL_STATE_DICT (full tensors on every rank)",
             CheckpointKind::Fsdp1Sharded => "FSDP1 SHARDED_STATE_DICT (ShardedTensor)",
             CheckpointKind::Fsdp1Local => "FSDP1 LOCAL_STATE_DICT (flat parameters)",
+            CheckpointKind::Fsdp1Unflattened => {
+                "FSDP1 per-rank files read through the model's layout (original parameters)"
+            }
             CheckpointKind::Fsdp2 => "FSDP2 (DTensor)",
             CheckpointKind::RankLocal => {
                 "per-rank local state (no global metadata, e.g. raw FSDP1 optimizer state)"

@@ -7,6 +7,7 @@ pub mod bridge;
 pub mod description;
 pub mod fqn;
 pub mod from_index;
+pub mod fsdp1_view;
 pub mod hints;
 pub mod index;
 pub mod ties;

@@ -44,6 +44,9 @@ pub struct DiffArgs {
     /// No progress on stderr.
     #[arg(long, short)]
     pub quiet: bool,
+    /// With --model: whichever side holds FSDP1 per-rank files is read as original parameters.
+    #[command(flatten)]
+    pub layout: super::model_layout::ModelLayoutArgs,
 }
 
 /// Runs `diff`: exit 0 when equal, 1 when they differ, 2 when something cannot be read.
@@ -70,8 +73,10 @@ pub fn run(args: &DiffArgs) -> anyhow::Result<ExitCode> {
     let right_source = open(std::slice::from_ref(&args.right))?;
     let left_index =
         index::index_source(&left_source).with_context(|| format!("cannot read {left_label}"))?;
+    let left_index = args.layout.apply(left_index, &left_label)?;
     let right_index =
         index::index_source(&right_source).with_context(|| format!("cannot read {right_label}"))?;
+    let right_index = args.layout.apply(right_index, &right_label)?;
     let options = DiffOptions {
         tolerance,
         select: args.select.clone(),

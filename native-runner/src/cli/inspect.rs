@@ -30,6 +30,8 @@ pub struct InspectArgs {
     /// Read the values: per-tensor min, max, mean, NaN and inf counts; decoded non-tensor values.
     #[arg(long)]
     pub values: bool,
+    #[command(flatten)]
+    pub layout: super::model_layout::ModelLayoutArgs,
 }
 
 pub(super) fn open(paths: &[PathBuf]) -> anyhow::Result<FileSource> {
@@ -123,7 +125,8 @@ pub fn run(args: &InspectArgs) -> anyhow::Result<ExitCode> {
         .map(|p| p.display().to_string())
         .collect::<Vec<_>>()
         .join(" ");
-    let mut idx = index::index_source(&source).with_context(|| format!("cannot read {where_}"))?;
+    let idx = index::index_source(&source).with_context(|| format!("cannot read {where_}"))?;
+    let mut idx = args.layout.apply(idx, &where_)?;
     let problems = idx.check();
     if let Some(re) = &filter {
         idx.entries.retain(|e| re.is_match(&e.key));

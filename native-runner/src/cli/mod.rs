@@ -6,6 +6,7 @@ pub mod doctor;
 pub mod gather;
 pub mod inspect;
 pub mod layout;
+pub mod model_layout;
 pub mod report_text;
 pub mod reshard;
 pub mod verify;

@@ -1,0 +1,621 @@
+//! FSDP1 per-rank checkpoints read through the model's layout: every original parameter, and its
+//! optimizer state, as a logical tensor whose pieces are taken from the ranks' files.
+//!
+//! A LOCAL state dict stores each FSDP unit as one `_flat_param` (a `ShardedTensor` over the
+//! flattened, padded concatenation of the unit's parameters); a raw `optimizer.state_dict()` holds
+//! int ids over flat parameters (`use_orig_params=False`) or over each rank's slice of the
+//! original parameters (`use_orig_params=True`). With the layout ([`Fsdp1Layout`]) each such piece
+//! is a contiguous range of an original parameter's flattened elements. A contiguous range of a
+//! row-major tensor is the union of at most `2·ndim − 1` boxes ([`flat_range_boxes`]), so every
+//! range piece becomes ordinary [`Chunk`]s (raw views into the same storage bytes, with the
+//! parameter's contiguous strides) and everything downstream (`check`, `read_tensor`, `diff`,
+//! `convert`, the viewer) reads original parameters without knowing where they came from.
+//!
+//! Keys follow torch's own full dicts: `FULL_STATE_DICT` names for the model, and
+//! `FSDP.optim_state_dict` for the optimizer (`state.<fqn>.<name>`, `param_groups[i].params` as
+//! FQNs). Padding segments and shard tails are not part of any parameter and are left out
+//! (`verify --model` checks them).
+
+use std::collections::{BTreeMap, HashMap};
+
+use crate::layout::{FlatParamLayout, Fsdp1Layout};
+use crate::model::ModelDescription;
+use crate::model::index::{
+    CheckpointIndex, CheckpointKind, Chunk, ChunkEncoding, EntryKind, IndexEntry, PathSeg, Role,
+};
+use crate::transform::{Fsdp1Model, ParamRef};
+
+/// Why a per-rank checkpoint cannot be read through a layout.
+#[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
+pub enum ViewError {
+    /// The layout and the checkpoint disagree (sizes, dtypes, missing keys).
+    #[error("`{key}`: {what}")]
+    Mismatch { key: String, what: String },
+    /// The description and the layout do not go together.
+    #[error("the model description does not match its layout: {0}")]
+    Layout(String),
+}
+
+fn mismatch(key: &str, what: impl Into<String>) -> ViewError {
+    ViewError::Mismatch {
+        key: key.to_owned(),
+        what: what.into(),
+    }
+}
+
+/// Row-major strides of `shape`, or `None` on overflow.
+fn contiguous_strides(shape: &[u64]) -> Option<Vec<u64>> {
+    let mut strides = vec![0u64; shape.len()];
+    let mut acc = 1u64;
+    for d in (0..shape.len()).rev() {
+        strides[d] = acc;
+        acc = acc.checked_mul(shape[d].max(1))?;
+    }
+    Some(strides)
+}
+
+/// One box of a flat range: `(offsets, sizes, flat index of its first element)`.
+pub type FlatBox = (Vec<u64>, Vec<u64>, u64);
+
+/// The boxes whose union is the flat range `[start, end)` of a row-major tensor of `shape`, in
+/// flat order (at most `2·ndim − 1` of them). `None` when the range lies outside the tensor or
+/// sizes overflow.
+pub fn flat_range_boxes(shape: &[u64], start: u64, end: u64) -> Option<Vec<FlatBox>> {
+    let numel = shape.iter().try_fold(1u64, |a, &d| a.checked_mul(d))?;
+    if start > end || end > numel {
+        return None;
+    }
+    let mut out = Vec::new();
+    let mut prefix = Vec::with_capacity(shape.len());
+    boxes_rec(shape, start, end, &mut prefix, 0, &mut out);
+    Some(out)
+}
+
+fn boxes_rec(
+    shape: &[u64],
+    start: u64,
+    end: u64,
+    prefix: &mut Vec<u64>,
+    flat_base: u64,
+    out: &mut Vec<FlatBox>,
+) {
+    if start >= end {
+        return;
+    }
+    let Some((&dim0, rest)) = shape.split_first() else {
+        // A 0-d tensor: its one element.
+        out.push((prefix.clone(), Vec::new(), flat_base));
+        return;
+    };
+    let inner: u64 = rest.iter().product();
+    if inner == 0 || dim0 == 0 {
+        return;
+    }
+    let (row0, col0) = (start / inner, start % inner);
+    let (row1, col1) = (end / inner, end % inner);
+    let push_rows = |prefix: &mut Vec<u64>, from: u64, to: u64, out: &mut Vec<FlatBox>| {
+        if from < to {
+            let mut offsets = prefix.clone();
+            offsets.push(from);
+            offsets.extend(std::iter::repeat_n(0, rest.len()));
+            let mut sizes = vec![1; prefix.len()];
+            sizes.push(to - from);
+            sizes.extend_from_slice(rest);
+            out.push((offsets, sizes, flat_base + from * inner));
+        }
+    };
+    if row0 == row1 {
+        prefix.push(row0);
+        boxes_rec(rest, col0, col1, prefix, flat_base + row0 * inner, out);
+        prefix.pop();
+        return;
+    }
+    let mut first_full = row0;
+    if col0 != 0 {
+        prefix.push(row0);
+        boxes_rec(rest, col0, inner, prefix, flat_base + row0 * inner, out);
+        prefix.pop();
+        first_full += 1;
+    }
+    push_rows(prefix, first_full, row1, out);
+    if col1 != 0 {
+        prefix.push(row1);
+        boxes_rec(rest, 0, col1, prefix, flat_base + row1 * inner, out);
+        prefix.pop();
+    }
+}
+
+/// The chunks of a parameter of `shape` for the flat elements `[intra_start, intra_start + len)`
+/// stored contiguously in `src` (a 1-D raw chunk) from its element `at`.
+fn range_chunks(
+    key: &str,
+    shape: &[u64],
+    intra_start: u64,
+    len: u64,
+    src: &Chunk,
+    at: u64,
+) -> Result<Vec<Chunk>, ViewError> {
+    let ChunkEncoding::Raw {
+        storage_offset,
+        strides,
+    } = &src.encoding
+    else {
+        return Err(mismatch(
+            key,
+            "the piece is not a raw storage view (only torch.save per-rank files are read through a layout)",
+        ));
+    };
+    if strides.len() > 1 || (strides.first().is_some_and(|&s| s != 1) && src.sizes[0] > 1) {
+        return Err(mismatch(
+            key,
+            format!("the flat piece is not contiguous (strides {strides:?})"),
+        ));
+    }
+    let end = intra_start
+        .checked_add(len)
+        .ok_or_else(|| mismatch(key, "range overflows"))?;
+    let boxes = flat_range_boxes(shape, intra_start, end).ok_or_else(|| {
+        mismatch(
+            key,
+            format!("elements {intra_start}..{end} lie outside shape {shape:?}"),
+        )
+    })?;
+    let pstrides =
+        contiguous_strides(shape).ok_or_else(|| mismatch(key, "shape overflows 64 bits"))?;
+    boxes
+        .into_iter()
+        .map(|(offsets, sizes, flat)| {
+            let storage = storage_offset
+                .checked_add(at)
+                .and_then(|s| s.checked_add(flat - intra_start))
+                .ok_or_else(|| mismatch(key, "storage offset overflows"))?;
+            Ok(Chunk {
+                offsets,
+                sizes,
+                file: src.file.clone(),
+                byte_offset: src.byte_offset,
+                byte_length: src.byte_length,
+                rank: src.rank,
+                encoding: ChunkEncoding::Raw {
+                    storage_offset: storage,
+                    strides: pstrides.clone(),
+                },
+            })
+        })
+        .collect()
+}
+
+/// Splits the flat elements `[flat_start, flat_start + n)` of `fp` (stored in `src` from its
+/// element 0) over the real parameters: `(param index, chunks)`; padding is skipped.
+fn split_flat(
+    fp: &FlatParamLayout,
+    shapes: &[Vec<u64>],
+    flat_start: u64,
+    n: u64,
+    src: &Chunk,
+) -> Result<Vec<(usize, Vec<Chunk>)>, ViewError> {
+    let flat_end = flat_start
+        .checked_add(n)
+        .ok_or_else(|| mismatch(&fp.flat_param_fqn, "range overflows"))?;
+    let mut out = Vec::new();
+    let mut seg_start = 0u64;
+    let mut param = 0usize;
+    for (&len, &pad) in fp.numels_with_padding.iter().zip(&fp.is_padding_mask) {
+        let seg_end = seg_start + len;
+        let lo = seg_start.max(flat_start);
+        let hi = seg_end.min(flat_end);
+        if !pad {
+            if lo < hi {
+                let chunks = range_chunks(
+                    &fp.fqns[param],
+                    &shapes[param],
+                    lo - seg_start,
+                    hi - lo,
+                    src,
+                    lo - flat_start,
+                )?;
+                out.push((param, chunks));
+            }
+            param += 1;
+        }
+        seg_start = seg_end;
+    }
+    Ok(out)
+}
+
+/// The key prefix (`"model."`, `"optim."` or `""`) and its path.
+fn prefix_of(path: &[PathSeg], drop: usize) -> (String, Vec<PathSeg>) {
+    let keep = &path[..path.len().saturating_sub(drop)];
+    let mut key = String::new();
+    for seg in keep {
+        key.push_str(&seg.to_string());
+        key.push('.');
+    }
+    (key, keep.to_vec())
+}
+
+/// The per-rank checkpoint `index` (FSDP1 LOCAL model files and/or raw optimizer files, as
+/// [`crate::model::index::index_source`] reads a folder) with every flat parameter replaced by
+/// the original parameters it holds and raw optimizer state keyed by FQN, as torch's
+/// `FULL_STATE_DICT` and `FSDP.optim_state_dict` key them. `layout` is the layout the files were
+/// written with. Entries that are neither are kept as they are.
+pub fn original_params(
+    index: &CheckpointIndex,
+    description: &ModelDescription,
+    layout: &Fsdp1Layout,
+) -> Result<CheckpointIndex, ViewError> {
+    let model =
+        Fsdp1Model::new(description, layout).map_err(|e| ViewError::Layout(e.to_string()))?;
+    let shapes_of = |fp: &FlatParamLayout| fp.shapes.clone();
+    let by_key: HashMap<&str, usize> = index
+        .entries
+        .iter()
+        .enumerate()
+        .map(|(i, e)| (e.key.as_str(), i))
+        .collect();
+    let mut removed = vec![false; index.entries.len()];
+    let mut added: Vec<IndexEntry> = Vec::new();
+
+    // Model: flat parameters -> original parameters.
+    for fp in &layout.flat_params {
+        let shapes = shapes_of(fp);
+        let Some((flat_i, flat)) = ["", "model."].iter().find_map(|p| {
+            let i = *by_key.get(format!("{p}{}", fp.flat_param_fqn).as_str())?;
+            Some((i, &index.entries[i]))
+        }) else {
+            continue;
+        };
+        let (prefix, prefix_path) = prefix_of(&flat.path, 1);
+        if flat.kind != EntryKind::Tensor || flat.dtype != Some(fp.dtype) {
+            return Err(mismatch(
+                &flat.key,
+                format!(
+                    "holds {:?} {}, the layout gives a {} flat parameter",
+                    flat.kind,
+                    flat.dtype.map_or("-", |d| d.name()),
+                    fp.dtype.name()
+                ),
+            ));
+        }
+        if flat.shape.as_deref() != Some(&[fp.unpadded_unsharded_numel][..]) {
+            return Err(mismatch(
+                &flat.key,
+                format!(
+                    "holds {:?} elements, the layout for this model gives {} (padding included)\nhint: check --use-orig-params, --world-size, --strategy and --param-dtype against how the model was wrapped",
+                    flat.shape, fp.unpadded_unsharded_numel
+                ),
+            ));
+        }
+        removed[flat_i] = true;
+        let mut pieces: Vec<Vec<Chunk>> = vec![Vec::new(); fp.fqns.len()];
+        for c in &flat.chunks {
+            let (Some(&o), Some(&n)) = (c.offsets.first(), c.sizes.first()) else {
+                return Err(mismatch(&flat.key, "a flat parameter piece is not 1-D"));
+            };
+            for (p, chunks) in split_flat(fp, &shapes, o, n, c)? {
+                pieces[p].extend(chunks);
+            }
+        }
+        let mut put = |fqn: &str, shape: &[u64], chunks: Vec<Chunk>| -> Result<(), ViewError> {
+            let key = format!("{prefix}{fqn}");
+            if let Some(&i) = by_key.get(key.as_str()) {
+                // use_orig_params LOCAL dicts also hold each rank's flattened view of the
+                // parameter: the same bytes, rank-local. A full tensor under the name is a conflict.
+                if index.entries[i].shape.is_some() {
+                    return Err(mismatch(
+                        &key,
+                        "stored both in a flat parameter and as a tensor of its own",
+                    ));
+                }
+                removed[i] = true;
+            }
+            let mut path = prefix_path.clone();
+            path.push(PathSeg::Key(fqn.to_owned()));
+            added.push(IndexEntry {
+                key,
+                raw_key: None,
+                path,
+                kind: EntryKind::Tensor,
+                dtype: Some(fp.dtype),
+                shape: Some(shape.to_vec()),
+                chunks,
+                fsdp: None,
+                role: None,
+                flat_param: false,
+                value: None,
+            });
+            Ok(())
+        };
+        let by_fqn: HashMap<&str, usize> = fp
+            .fqns
+            .iter()
+            .enumerate()
+            .map(|(i, f)| (f.as_str(), i))
+            .collect();
+        for (i, chunks) in pieces.iter().enumerate() {
+            put(&fp.fqns[i], &shapes[i], chunks.clone())?;
+        }
+        for shared in &fp.shared_params {
+            let Some(&i) = by_fqn.get(shared.prim_fqn.as_str()) else {
+                continue;
+            };
+            put(&shared.fqn, &shapes[i], pieces[i].clone())?;
+        }
+    }
+
+    // Optimizer: int ids -> FQNs.
+    let ids = model.wrapped_params();
+    let plain_shapes: HashMap<&str, &[u64]> = description
+        .params
+        .iter()
+        .map(|p| (p.fqn.as_str(), p.shape.as_slice()))
+        .collect();
+    let group_rank = |r: Option<u32>| u64::from(r.unwrap_or(0)) % layout.shard_group_size.max(1);
+    // (prefix key, prefix path) -> new entries by key, to merge the pieces of scalar states.
+    let mut optim: BTreeMap<String, IndexEntry> = BTreeMap::new();
+    for (i, e) in index.entries.iter().enumerate() {
+        let Some(Role::OptimizerState {
+            param: PathSeg::Index(id),
+            state,
+        }) = &e.role
+        else {
+            continue;
+        };
+        let Some((_, pref)) = usize::try_from(*id).ok().and_then(|id| ids.get(id)) else {
+            return Err(mismatch(
+                &e.key,
+                format!(
+                    "optimizer id {id} does not exist: the FSDP-wrapped model has {} parameters\nhint: the optimizer must be built over model.parameters() of the wrapped model, and --use-orig-params must match how it was wrapped",
+                    ids.len()
+                ),
+            ));
+        };
+        removed[i] = true;
+        let (prefix, prefix_path) = prefix_of(&e.path, 3);
+        let dtype = e.dtype;
+        let mut emit = |fqn: &str, shape: Option<Vec<u64>>, chunks: Vec<Chunk>| {
+            let key = format!("{prefix}state.{fqn}.{state}");
+            let entry = optim.entry(key.clone()).or_insert_with(|| {
+                let mut path = prefix_path.clone();
+                path.extend([
+                    PathSeg::Key("state".to_owned()),
+                    PathSeg::Key(fqn.to_owned()),
+                    PathSeg::Key(state.clone()),
+                ]);
+                IndexEntry {
+                    key,
+                    raw_key: None,
+                    path,
+                    kind: e.kind,
+                    dtype,
+                    shape,
+                    chunks: Vec::new(),
+                    fsdp: None,
+                    role: Some(Role::OptimizerState {
+                        param: PathSeg::Key(fqn.to_owned()),
+                        state: state.clone(),
+                    }),
+                    flat_param: false,
+                    value: e.value.clone(),
+                }
+            });
+            entry.chunks.extend(chunks);
+        };
+        if e.kind != EntryKind::Tensor {
+            // Non-tensor state (an int `step`): the same value for every FQN the id stands for.
+            for fqn in id_fqns(&model, pref) {
+                emit(&fqn, None, Vec::new());
+            }
+            continue;
+        }
+        for c in &e.chunks {
+            if c.sizes.is_empty() {
+                // A 0-d state (`step`): one value shared by every FQN of the id.
+                for fqn in id_fqns(&model, pref) {
+                    emit(&fqn, Some(Vec::new()), vec![c.clone()]);
+                }
+                continue;
+            }
+            let (Some(&n), true) = (c.sizes.first(), c.sizes.len() == 1 || matches!(pref, ParamRef::Plain(_))) else {
+                return Err(mismatch(&e.key, format!("a state piece of shape {:?} is not 1-D", c.sizes)));
+            };
+            match pref {
+                ParamRef::Flat(f) => {
+                    let fp = model.flat(*f);
+                    let rank = group_rank(c.rank);
+                    let (start, end) = fp.rank_window(rank);
+                    if n != end - start {
+                        return Err(mismatch(
+                            &e.key,
+                            format!(
+                                "rank {} holds {n} elements of `{}`, the layout gives its shard {}",
+                                c.rank.unwrap_or(0),
+                                fp.flat_param_fqn,
+                                end - start
+                            ),
+                        ));
+                    }
+                    for (p, chunks) in split_flat(fp, &fp.shapes, start, n, c)? {
+                        emit(&fp.fqns[p], Some(fp.shapes[p].clone()), chunks);
+                    }
+                }
+                ParamRef::Orig { flat, index: p } => {
+                    let fp = model.flat(*flat);
+                    let rank = group_rank(c.rank);
+                    let info = fp
+                        .ranks
+                        .get(rank as usize)
+                        .and_then(|r| r.shard_param_infos.get(*p))
+                        .copied();
+                    let fqn = &fp.fqns[*p];
+                    let shape = fp.shapes[*p].clone();
+                    match info {
+                        Some(info) if info.in_shard => {
+                            let start = info.intra_param_start_idx.unwrap_or(0);
+                            if info.numel_in_shard != Some(n) {
+                                return Err(mismatch(
+                                    &e.key,
+                                    format!(
+                                        "rank {} holds {n} elements of `{fqn}`, the layout gives {}",
+                                        c.rank.unwrap_or(0),
+                                        info.numel_in_shard.unwrap_or(0)
+                                    ),
+                                ));
+                            }
+                            let chunks = range_chunks(&e.key, &shape, start, n, c, 0)?;
+                            emit(fqn, Some(shape), chunks);
+                        }
+                        _ if n == 0 => emit(fqn, Some(shape), Vec::new()),
+                        _ => {
+                            return Err(mismatch(
+                                &e.key,
+                                format!(
+                                    "rank {} holds {n} elements of `{fqn}`, which the layout puts on other ranks",
+                                    c.rank.unwrap_or(0)
+                                ),
+                            ));
+                        }
+                    }
+                }
+                ParamRef::Plain(fqn) => {
+                    let shape = plain_shapes.get(fqn.as_str()).copied().unwrap_or(&[]);
+                    if c.sizes != shape || c.offsets.iter().any(|&o| o != 0) {
+                        return Err(mismatch(
+                            &e.key,
+                            format!(
+                                "`{fqn}` is not sharded by FSDP, but rank {} holds a piece of shape {:?} (the description says {shape:?})",
+                                c.rank.unwrap_or(0),
+                                c.sizes
+                            ),
+                        ));
+                    }
+                    emit(fqn, Some(shape.to_vec()), vec![c.clone()]);
+                }
+            }
+        }
+    }
+    // `param_groups[i].params`: ids -> FQNs, as `FSDP.optim_state_dict` lists them.
+    let mut entries: Vec<IndexEntry> = Vec::with_capacity(index.entries.len() + added.len());
+    for (i, e) in index.entries.iter().enumerate() {
+        if removed[i] {
+            continue;
+        }
+        let mut e = e.clone();
+        if matches!(e.role, Some(Role::ParamGroup { .. }))
+            && e.path.last() == Some(&PathSeg::Key("params".to_owned()))
+            && let Some(serde_json::Value::Array(list)) = &e.value
+        {
+            let mut names = Vec::new();
+            for v in list {
+                let pref = v
+                    .as_u64()
+                    .and_then(|id| ids.get(usize::try_from(id).ok()?))
+                    .ok_or_else(|| {
+                        mismatch(
+                            &e.key,
+                            format!("`{v}` is not an optimizer id of the wrapped model ({} parameters)", ids.len()),
+                        )
+                    })?;
+                names.extend(id_fqns(&model, &pref.1).into_iter().map(serde_json::Value::String));
+            }
+            e.value = Some(serde_json::Value::Array(names));
+        }
+        entries.push(e);
+    }
+    entries.extend(added);
+    entries.extend(optim.into_values());
+    entries.sort_by(|a, b| a.key.cmp(&b.key));
+    for w in entries.windows(2) {
+        if w[0].key == w[1].key {
+            return Err(mismatch(&w[0].key, "two entries map to this key"));
+        }
+    }
+    let kind = if entries.iter().any(|e| e.flat_param) {
+        index.kind
+    } else {
+        CheckpointKind::Fsdp1Unflattened
+    };
+    Ok(CheckpointIndex {
+        format: index.format,
+        kind,
+        has_optimizer_state: index.has_optimizer_state,
+        entries,
+        files: index.files.clone(),
+        dcp: index.dcp.clone(),
+    })
+}
+
+/// The FQNs an optimizer id stands for: a flat parameter's real parameters in flat order, or the
+/// one parameter.
+fn id_fqns(model: &Fsdp1Model<'_>, pref: &ParamRef) -> Vec<String> {
+    match pref {
+        ParamRef::Flat(f) => model.flat(*f).fqns.clone(),
+        ParamRef::Orig { flat, index } => vec![model.flat(*flat).fqns[*index].clone()],
+        ParamRef::Plain(fqn) => vec![fqn.clone()],
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn covered(shape: &[u64], start: u64, end: u64) -> Vec<u64> {
+        let strides = contiguous_strides(shape).unwrap();
+        let mut flat = Vec::new();
+        for (offsets, sizes, first) in flat_range_boxes(shape, start, end).unwrap() {
+            assert_eq!(offsets.len(), shape.len());
+            let first_of_box: u64 = offsets.iter().zip(&strides).map(|(o, s)| o * s).sum();
+            assert_eq!(first_of_box, first);
+            let n: u64 = sizes.iter().product();
+            let mut idx = vec![0u64; sizes.len()];
+            for _ in 0..n {
+                flat.push(
+                    idx.iter()
+                        .zip(&offsets)
+                        .zip(&strides)
+                        .map(|((i, o), s)| (i + o) * s)
+                        .sum(),
+                );
+                for d in (0..idx.len()).rev() {
+                    idx[d] += 1;
+                    if idx[d] < sizes[d] {
+                        break;
+                    }
+                    idx[d] = 0;
+                }
+            }
+        }
+        flat
+    }
+
+    #[test]
+    fn boxes_tile_every_range_in_order() {
+        for shape in [
+            vec![],
+            vec![7],
+            vec![3, 4],
+            vec![2, 3, 4],
+            vec![3, 1, 5],
+            vec![2, 2, 2, 3],
+        ] {
+            let numel: u64 = shape.iter().product();
+            for start in 0..=numel {
+                for end in start..=numel {
+                    let got = covered(&shape, start, end);
+                    let want: Vec<u64> = (start..end).collect();
+                    assert_eq!(got, want, "shape {shape:?} range {start}..{end}");
+                    let boxes = flat_range_boxes(&shape, start, end).unwrap();
+                    assert!(boxes.len() <= (2 * shape.len()).max(1), "{shape:?}");
+                }
+            }
+        }
+    }
+
+    #[test]
+    fn ranges_outside_are_refused() {
+        assert!(flat_range_boxes(&[2, 3], 0, 7).is_none());
+        assert!(flat_range_boxes(&[2, 3], 4, 3).is_none());
+        assert!(flat_range_boxes(&[u64::MAX, 3], 0, 1).is_none());
+        assert_eq!(flat_range_boxes(&[0, 3], 0, 0).unwrap(), Vec::new());
+    }
+}

@@ -1,0 +1,131 @@
+//! `--model MODEL.json` and the FSDP1 layout flags, shared by the commands that read checkpoints
+//! (`inspect`, `diff`, `verify`): with them an FSDP1 per-rank folder (LOCAL model files and/or raw
+//! optimizer files) is read as the original parameters and FQN-keyed optimizer state
+//! (`shardscope_core::model::fsdp1_view`).
+
+use std::path::PathBuf;
+
+use anyhow::{Context, bail};
+use clap::Args;
+use shardscope_core::DType;
+use shardscope_core::layout::{self, Api, Fsdp1Layout, Layout, LayoutConfig, Strategy};
+use shardscope_core::model::ModelDescription;
+use shardscope_core::model::fsdp1_view;
+use shardscope_core::model::index::{CheckpointIndex, CheckpointKind, Role};
+
+#[derive(Debug, Clone, Args)]
+pub struct ModelLayoutArgs {
+    /// Model description (as for `shardscope layout`): read FSDP1 per-rank files (LOCAL model
+    /// state dicts, raw optimizer state dicts) as the original parameters and FQN-keyed optimizer
+    /// state, as torch's FULL_STATE_DICT and FSDP.optim_state_dict name them.
+    #[arg(long, value_name = "MODEL.json")]
+    pub model: Option<PathBuf>,
+    /// Number of ranks the checkpoint was written with (with --model; default: the number of
+    /// rank files).
+    #[arg(long, value_name = "N", requires = "model")]
+    pub world_size: Option<u64>,
+    /// FSDP1 `use_orig_params=True` (with --model).
+    #[arg(long, requires = "model")]
+    pub use_orig_params: bool,
+    /// FSDP1 sharding strategy (with --model): full_shard, shard_grad_op, hybrid_shard, ...
+    #[arg(long, default_value = "full_shard", value_parser = parse_strategy)]
+    pub strategy: Strategy,
+    /// Ranks per shard group for hybrid_shard (with --model).
+    #[arg(long, value_name = "S", requires = "model")]
+    pub shard_group_size: Option<u64>,
+    /// Mixed-precision compute dtype (with --model; sets the alignment unit).
+    #[arg(long, value_name = "DTYPE", value_parser = parse_dtype, requires = "model")]
+    pub param_dtype: Option<DType>,
+}
+
+fn parse_strategy(s: &str) -> Result<Strategy, String> {
+    s.parse().map_err(|e: layout::LayoutError| e.to_string())
+}
+
+fn parse_dtype(s: &str) -> Result<DType, String> {
+    s.parse()
+        .map_err(|e: shardscope_core::dtype::UnknownDType| e.to_string())
+}
+
+/// The number of ranks whose files `index` holds (highest rank + 1), or 1.
+pub fn ranks_in(index: &CheckpointIndex) -> u64 {
+    index
+        .files
+        .values()
+        .filter_map(|f| f.rank)
+        .max()
+        .map_or(1, |r| u64::from(r) + 1)
+}
+
+/// True when `index` has pieces that only a layout can place (flat parameters, raw optimizer ids).
+pub fn needs_layout(index: &CheckpointIndex) -> bool {
+    matches!(
+        index.kind,
+        CheckpointKind::Fsdp1Local | CheckpointKind::RankLocal
+    ) || index.entries.iter().any(|e| {
+        e.flat_param
+            || matches!(
+                &e.role,
+                Some(Role::OptimizerState {
+                    param: shardscope_core::model::index::PathSeg::Index(_),
+                    ..
+                })
+            )
+    })
+}
+
+impl ModelLayoutArgs {
+    /// The description and the FSDP1 layout for `world_size` ranks, or `None` without `--model`.
+    pub fn layout(&self, world_size: u64) -> anyhow::Result<Option<(ModelDescription, Fsdp1Layout)>> {
+        let Some(path) = &self.model else {
+            return Ok(None);
+        };
+        let bytes = std::fs::read(path)
+            .with_context(|| format!("cannot read model description {}", path.display()))?;
+        let model = ModelDescription::from_json_bytes(&bytes, &path.display().to_string())?;
+        let config = LayoutConfig {
+            api: Api::Fsdp1,
+            world_size: self.world_size.unwrap_or(world_size),
+            shard_group_size: self.shard_group_size,
+            use_orig_params: self.use_orig_params,
+            strategy: self.strategy,
+            param_dtype: self.param_dtype,
+        };
+        match layout::compute(&model, &config)? {
+            Layout::Fsdp1(l) => Ok(Some((model, l))),
+            Layout::Fsdp2(_) => bail!("expected an FSDP1 layout"),
+        }
+    }
+
+    /// `index` read through the layout when `--model` is given and it holds FSDP1 per-rank pieces;
+    /// otherwise `index` itself. `label` names the checkpoint in errors.
+    pub fn apply(&self, index: CheckpointIndex, label: &str) -> anyhow::Result<CheckpointIndex> {
+        if self.model.is_none() || !needs_layout(&index) {
+            return Ok(index);
+        }
+        let Some((description, layout)) = self.layout(ranks_in(&index))? else {
+            return Ok(index);
+        };
+        let view = fsdp1_view::original_params(&index, &description, &layout).with_context(|| {
+            format!(
+                "{label}: cannot read it through the FSDP1 layout of {} ({} ranks{})",
+                self.model.as_deref().unwrap_or_else(|| std::path::Path::new("")).display(),
+                layout.world_size,
+                if layout.use_orig_params {
+                    ", use_orig_params"
+                } else {
+                    ""
+                }
+            )
+        })?;
+        let problems = view.check();
+        if let Some(first) = problems.first() {
+            bail!(
+                "{label}: read through the FSDP1 layout of {}, its pieces do not cover the parameters ({} problems; first: {first})\nhint: check --use-orig-params, --world-size, --strategy and --param-dtype against how the model was wrapped",
+                self.model.as_deref().unwrap_or_else(|| std::path::Path::new("")).display(),
+                problems.len()
+            );
+        }
+        Ok(view)
+    }
+}
