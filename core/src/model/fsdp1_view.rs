@@ -281,8 +281,11 @@ pub fn original_params(
             return Err(mismatch(
                 &flat.key,
                 format!(
-                    "holds {:?} elements, the layout for this model gives {} (padding included)\nhint: check --use-orig-params, --world-size, --strategy and --param-dtype against how the model was wrapped",
-                    flat.shape, fp.unpadded_unsharded_numel
+                    "holds {} elements, the layout for this model gives {} (padding included)\nhint: check --use-orig-params, --world-size, --strategy and --param-dtype against how the model was wrapped",
+                    flat.shape
+                        .as_deref()
+                        .map_or_else(|| "rank-local".to_owned(), |s| format!("{s:?}")),
+                    fp.unpadded_unsharded_numel
                 ),
             ));
         }
@@ -299,9 +302,13 @@ pub fn original_params(
         let mut put = |fqn: &str, shape: &[u64], chunks: Vec<Chunk>| -> Result<(), ViewError> {
             let key = format!("{prefix}{fqn}");
             if let Some(&i) = by_key.get(key.as_str()) {
-                // use_orig_params LOCAL dicts also hold each rank's flattened view of the
-                // parameter: the same bytes, rank-local. A full tensor under the name is a conflict.
-                if index.entries[i].shape.is_some() {
+                // use_orig_params LOCAL dicts also hold each rank's flattened (1-D) view of the
+                // parameter: the same bytes. Equal sizes on every rank make it look like a
+                // replicated tensor; only a tensor of another shape under the name is a conflict.
+                let other = &index.entries[i];
+                let view = other.kind == EntryKind::Tensor
+                    && other.chunks.iter().all(|c| c.sizes.len() == 1);
+                if !view {
                     return Err(mismatch(
                         &key,
                         "stored both in a flat parameter and as a tensor of its own",
@@ -416,8 +423,14 @@ pub fn original_params(
                 }
                 continue;
             }
-            let (Some(&n), true) = (c.sizes.first(), c.sizes.len() == 1 || matches!(pref, ParamRef::Plain(_))) else {
-                return Err(mismatch(&e.key, format!("a state piece of shape {:?} is not 1-D", c.sizes)));
+            let (Some(&n), true) = (
+                c.sizes.first(),
+                c.sizes.len() == 1 || matches!(pref, ParamRef::Plain(_)),
+            ) else {
+                return Err(mismatch(
+                    &e.key,
+                    format!("a state piece of shape {:?} is not 1-D", c.sizes),
+                ));
             };
             match pref {
                 ParamRef::Flat(f) => {
@@ -513,10 +526,17 @@ pub fn original_params(
                     .ok_or_else(|| {
                         mismatch(
                             &e.key,
-                            format!("`{v}` is not an optimizer id of the wrapped model ({} parameters)", ids.len()),
+                            format!(
+                                "`{v}` is not an optimizer id of the wrapped model ({} parameters)",
+                                ids.len()
+                            ),
                         )
                     })?;
-                names.extend(id_fqns(&model, &pref.1).into_iter().map(serde_json::Value::String));
+                names.extend(
+                    id_fqns(&model, &pref.1)
+                        .into_iter()
+                        .map(serde_json::Value::String),
+                );
             }
             e.value = Some(serde_json::Value::Array(names));
         }

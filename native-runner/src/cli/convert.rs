@@ -182,13 +182,54 @@ pub fn run(args: &ConvertArgs) -> Result<ExitCode> {
         return convert_fsdp2_ranks(args, ranks);
     }
     if let Some(model) = &args.model {
+        // The full model file + `.optim.pt` pair is written by the per-rank engine; every other
+        // output (DCP, `--select`, `--dtype`, optimizer-only folders) reads the folder through
+        // the layout (`core::model::fsdp1_view`) and goes the streaming index path.
+        let other_output = args.select.is_some()
+            || args.dtype.is_some()
+            || args.world_size.is_some()
+            || target_of(args)? == Target::Dcp;
+        if other_output || !has_flat_params(&args.src)? {
+            if args.optim_output.is_some() {
+                bail!(
+                    "--optim-output applies when the model and optimizer go to two files (no --select, --dtype or DCP output, model files present)"
+                );
+            }
+            let layout = super::model_layout::ModelLayoutArgs {
+                model: Some(model.clone()),
+                world_size: None,
+                use_orig_params: args.use_orig_params,
+                strategy: args
+                    .strategy
+                    .unwrap_or(shardscope_core::layout::Strategy::FullShard),
+                shard_group_size: args.shard_group_size,
+                param_dtype: None,
+            };
+            return run_index_with(args, &args.src, per_rank, Some(&layout));
+        }
         return convert_fsdp1_local(args, model);
     }
     run_index(args, &args.src, per_rank)
 }
 
+/// True when the checkpoint at `src` holds FSDP1 flat parameters (LOCAL model files).
+fn has_flat_params(src: &Path) -> Result<bool> {
+    let (_, index) = convert::open(src)?;
+    Ok(index.entries.iter().any(|e| e.flat_param))
+}
+
 /// The streaming path: any indexed checkpoint at `src` (`args.src`, or a staged file).
 fn run_index(args: &ConvertArgs, src: &Path, per_rank: Detected) -> Result<ExitCode> {
+    run_index_with(args, src, per_rank, None)
+}
+
+/// [`run_index`], reading FSDP1 per-rank pieces through `layout` when given.
+fn run_index_with(
+    args: &ConvertArgs,
+    src: &Path,
+    per_rank: Detected,
+    layout: Option<&super::model_layout::ModelLayoutArgs>,
+) -> Result<ExitCode> {
     let target = target_of(args)?;
     if args.max_shard_size.is_some() && target != Target::Safetensors {
         bail!("--max-shard-size applies to safetensors output only");
@@ -211,6 +252,10 @@ fn run_index(args: &ConvertArgs, src: &Path, per_rank: Detected) -> Result<ExitC
             Detected::Incomplete(why) => bail!("{e:#}\nas per-rank files: {why:#}"),
             _ => return Err(e),
         },
+    };
+    let index = match layout {
+        Some(layout) => layout.apply(index, &args.src.display().to_string())?,
+        None => index,
     };
     if matches!(
         index.kind,

@@ -76,7 +76,10 @@ pub fn needs_layout(index: &CheckpointIndex) -> bool {
 
 impl ModelLayoutArgs {
     /// The description and the FSDP1 layout for `world_size` ranks, or `None` without `--model`.
-    pub fn layout(&self, world_size: u64) -> anyhow::Result<Option<(ModelDescription, Fsdp1Layout)>> {
+    pub fn layout(
+        &self,
+        world_size: u64,
+    ) -> anyhow::Result<Option<(ModelDescription, Fsdp1Layout)>> {
         let Some(path) = &self.model else {
             return Ok(None);
         };
@@ -106,23 +109,30 @@ impl ModelLayoutArgs {
         let Some((description, layout)) = self.layout(ranks_in(&index))? else {
             return Ok(index);
         };
-        let view = fsdp1_view::original_params(&index, &description, &layout).with_context(|| {
-            format!(
-                "{label}: cannot read it through the FSDP1 layout of {} ({} ranks{})",
-                self.model.as_deref().unwrap_or_else(|| std::path::Path::new("")).display(),
-                layout.world_size,
-                if layout.use_orig_params {
-                    ", use_orig_params"
-                } else {
-                    ""
-                }
-            )
-        })?;
+        let view =
+            fsdp1_view::original_params(&index, &description, &layout).with_context(|| {
+                format!(
+                    "{label}: cannot read it through the FSDP1 layout of {} ({} ranks{})",
+                    self.model
+                        .as_deref()
+                        .unwrap_or_else(|| std::path::Path::new(""))
+                        .display(),
+                    layout.world_size,
+                    if layout.use_orig_params {
+                        ", use_orig_params"
+                    } else {
+                        ""
+                    }
+                )
+            })?;
         let problems = view.check();
         if let Some(first) = problems.first() {
             bail!(
                 "{label}: read through the FSDP1 layout of {}, its pieces do not cover the parameters ({} problems; first: {first})\nhint: check --use-orig-params, --world-size, --strategy and --param-dtype against how the model was wrapped",
-                self.model.as_deref().unwrap_or_else(|| std::path::Path::new("")).display(),
+                self.model
+                    .as_deref()
+                    .unwrap_or_else(|| std::path::Path::new(""))
+                    .display(),
                 problems.len()
             );
         }

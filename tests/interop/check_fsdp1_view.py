@@ -1,0 +1,73 @@
+"""Torch side of the FSDP1 per-rank layout view test (native-runner/tests/fsdp1_view.rs).
+
+usage:
+  check_fsdp1_view.py same OURS.pt TORCH.pt
+      `torch.load` both (weights_only) and require the same nested structure, the same keys in
+      the same order, tensors equal bit for bit with equal dtype and shape, other values equal.
+  check_fsdp1_view.py dcp OURS_DCP_DIR FULL_MODEL.pt
+      `dcp_to_torch_save` the DCP we wrote (torch's own reader) and require its `model` subtree
+      (`--nest model`) to equal torch's FULL_STATE_DICT.
+Prints "ok" on success; exits 1 with every difference otherwise.
+"""
+
+import sys
+import tempfile
+from pathlib import Path
+
+import torch
+from torch.distributed.checkpoint.format_utils import dcp_to_torch_save
+
+
+def compare(a, b, path, errors, ordered=True):
+    if isinstance(b, dict):
+        if not isinstance(a, dict):
+            errors.append(f"{path}: ours is {type(a).__name__}, torch's a dict")
+            return
+        if set(a) != set(b):
+            errors.append(f"{path}: keys differ: only ours {sorted(map(str, set(a) - set(b)))}, only torch's {sorted(map(str, set(b) - set(a)))}")
+        elif ordered and list(a) != list(b):
+            errors.append(f"{path}: key order differs: ours {list(a)[:6]}..., torch's {list(b)[:6]}...")
+        for k in b:
+            if k in a:
+                compare(a[k], b[k], f"{path}.{k}", errors, ordered)
+    elif isinstance(b, (list, tuple)):
+        if not isinstance(a, (list, tuple)) or len(a) != len(b):
+            errors.append(f"{path}: ours {a!r}, torch's {b!r}")
+            return
+        for i, (x, y) in enumerate(zip(a, b)):
+            compare(x, y, f"{path}[{i}]", errors, ordered)
+    elif isinstance(b, torch.Tensor):
+        if not isinstance(a, torch.Tensor):
+            errors.append(f"{path}: ours is {type(a).__name__}, torch's a tensor")
+        elif a.dtype != b.dtype or a.shape != b.shape:
+            errors.append(f"{path}: ours {a.dtype} {tuple(a.shape)}, torch's {b.dtype} {tuple(b.shape)}")
+        elif not torch.equal(a.reshape(-1).view(torch.uint8), b.reshape(-1).view(torch.uint8)):
+            errors.append(f"{path}: values differ")
+    elif a != b:
+        errors.append(f"{path}: ours {a!r}, torch's {b!r}")
+
+
+def main():
+    mode = sys.argv[1]
+    errors = []
+    if mode == "same":
+        ours = torch.load(sys.argv[2], weights_only=True)
+        theirs = torch.load(sys.argv[3], weights_only=True)
+        compare(ours, theirs, "", errors, ordered=False)
+    elif mode == "dcp":
+        with tempfile.TemporaryDirectory() as tmp:
+            out = Path(tmp) / "full.pt"
+            dcp_to_torch_save(sys.argv[2], out)
+            ours = torch.load(out, weights_only=True)
+        model = torch.load(sys.argv[3], weights_only=True)
+        compare(ours.get("model"), model, "model", errors, ordered=False)
+    else:
+        raise SystemExit(f"unknown mode {mode}")
+    if errors:
+        print("\n".join(errors))
+        sys.exit(1)
+    print("ok")
+
+
+if __name__ == "__main__":
+    main()
