@@ -728,13 +728,23 @@ fn check_fsdp1_local(
     report: &mut Report,
 ) {
     let index = side.index;
-    let expected: BTreeSet<&str> = layout
+    // A folder of model and optimizer files keeps the model under `model.`.
+    let prefix = if layout
         .flat_params
         .iter()
-        .map(|f| f.flat_param_fqn.as_str())
+        .any(|f| index.entry(&f.flat_param_fqn).is_some())
+    {
+        ""
+    } else {
+        "model."
+    };
+    let expected: BTreeSet<String> = layout
+        .flat_params
+        .iter()
+        .map(|f| format!("{prefix}{}", f.flat_param_fqn))
         .collect();
     for e in index.entries.iter().filter(|e| e.flat_param) {
-        if !expected.contains(e.key.as_str())
+        if !expected.contains(&e.key)
             && let Some(entry) = report.entries.get_mut(&e.key)
         {
             entry.add_problem(
@@ -744,8 +754,9 @@ fn check_fsdp1_local(
         }
     }
     for fp in &layout.flat_params {
-        let Some(e) = index.entry(&fp.flat_param_fqn) else {
-            let mut entry = Entry::new(&fp.flat_param_fqn, Status::Missing).with_message(
+        let flat_key = format!("{prefix}{}", fp.flat_param_fqn);
+        let Some(e) = index.entry(&flat_key) else {
+            let mut entry = Entry::new(&flat_key, Status::Missing).with_message(
                 "the layout has this flat parameter, the checkpoint does not (different wrapping?)",
             );
             entry.dtype = Some(fp.dtype);
@@ -814,7 +825,7 @@ fn check_fsdp1_local(
             None
         };
         if problems.is_empty() {
-            check_param_views(side, fp, flat.as_deref(), report);
+            check_param_views(side, fp, prefix, flat.as_deref(), report);
         }
         if let Some(entry) = report.entries.get_mut(&e.key) {
             for p in problems {
@@ -895,6 +906,7 @@ fn check_chunks(
 fn check_param_views(
     side: Side<'_>,
     fp: &FlatParamLayout,
+    prefix: &str,
     flat: Option<&[u8]>,
     report: &mut Report,
 ) {
@@ -904,7 +916,7 @@ fn check_param_views(
     let group = fp.ranks.len().max(1) as u64;
     for (i, fqn) in fp.fqns.iter().enumerate() {
         let Some(e) = index
-            .entry(fqn)
+            .entry(&format!("{prefix}{fqn}"))
             .filter(|e| e.shape.is_none() && e.kind == EntryKind::Tensor)
         else {
             continue;

@@ -6,7 +6,7 @@
 //! - `diff FOLDER --model` equals torch's full model and full optimizer state bit for bit
 //!   (`use_orig_params` False at 2 ranks, True at 3 ranks with uneven shards), and so does a folder
 //!   holding only the optimizer files;
-//! - `inspect --model` lists the original parameters (no `_flat_param`);
+//! - `inspect --model` lists the original parameters (no `_flat_param`); `verify --model` passes;
 //! - `convert` of an optimizer-only folder gives a file torch loads equal to
 //!   `FSDP.optim_state_dict`; `convert --select model` to DCP for 3 ranks gives what torch's
 //!   `dcp_to_torch_save` reads as the FULL_STATE_DICT;

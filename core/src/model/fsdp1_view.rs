@@ -565,6 +565,31 @@ pub fn original_params(
     })
 }
 
+/// Marks the per-rank 1-D parameter views that `use_orig_params=True` LOCAL state dicts hold next
+/// to each flat parameter as rank-local (no global shape). The indexer cannot tell them from
+/// replicated tensors when every rank's view has the same length; the layout can.
+pub fn mark_param_views(index: &mut CheckpointIndex, layout: &Fsdp1Layout) {
+    for fp in &layout.flat_params {
+        for prefix in ["", "model."] {
+            if index
+                .entry(&format!("{prefix}{}", fp.flat_param_fqn))
+                .is_none()
+            {
+                continue;
+            }
+            for fqn in &fp.fqns {
+                let key = format!("{prefix}{fqn}");
+                if let Ok(i) = index.entries.binary_search_by(|e| e.key.as_str().cmp(&key)) {
+                    let e = &mut index.entries[i];
+                    if e.kind == EntryKind::Tensor && e.chunks.iter().all(|c| c.sizes.len() == 1) {
+                        e.shape = None;
+                    }
+                }
+            }
+        }
+    }
+}
+
 /// The FQNs an optimizer id stands for: a flat parameter's real parameters in flat order, or the
 /// one parameter.
 fn id_fqns(model: &Fsdp1Model<'_>, pref: &ParamRef) -> Vec<String> {

@@ -5,9 +5,6 @@ use std::process::ExitCode;
 
 use anyhow::Context;
 use clap::Args;
-use shardscope_core::DType;
-use shardscope_core::layout::{self, Api, Fsdp1Layout, Layout, LayoutConfig, Strategy};
-use shardscope_core::model::ModelDescription;
 use shardscope_core::model::index;
 use shardscope_core::verify::{self, Side, VerifyOptions};
 
@@ -31,55 +28,10 @@ pub struct VerifyArgs {
     /// No progress on stderr.
     #[arg(long, short)]
     pub quiet: bool,
-    /// Model description (as for `shardscope layout`): check an FSDP1 LOCAL_STATE_DICT's flat
-    /// parameters (sizes, rank pieces, zero padding segments) against the FSDP1 layout.
-    #[arg(long, value_name = "MODEL.json", requires = "world_size")]
-    pub model: Option<PathBuf>,
-    /// Number of ranks the checkpoint was written with (with --model).
-    #[arg(long, value_name = "N", requires = "model")]
-    pub world_size: Option<u64>,
-    /// FSDP1 `use_orig_params=True` (with --model).
-    #[arg(long, requires = "model")]
-    pub use_orig_params: bool,
-    /// FSDP1 sharding strategy (with --model): full_shard, shard_grad_op, hybrid_shard, ...
-    #[arg(long, default_value = "full_shard", value_parser = parse_strategy)]
-    pub strategy: Strategy,
-    /// Ranks per shard group for hybrid_shard (with --model).
-    #[arg(long, value_name = "S", requires = "model")]
-    pub shard_group_size: Option<u64>,
-    /// Mixed-precision compute dtype (with --model; sets the alignment unit).
-    #[arg(long, value_name = "DTYPE", value_parser = parse_dtype, requires = "model")]
-    pub param_dtype: Option<DType>,
-}
-
-fn parse_strategy(s: &str) -> Result<Strategy, String> {
-    s.parse().map_err(|e: layout::LayoutError| e.to_string())
-}
-
-fn parse_dtype(s: &str) -> Result<DType, String> {
-    s.parse()
-        .map_err(|e: shardscope_core::dtype::UnknownDType| e.to_string())
-}
-
-fn fsdp1_layout(args: &VerifyArgs) -> anyhow::Result<Option<Fsdp1Layout>> {
-    let (Some(path), Some(world_size)) = (&args.model, args.world_size) else {
-        return Ok(None);
-    };
-    let bytes = std::fs::read(path)
-        .with_context(|| format!("cannot read model description {}", path.display()))?;
-    let model = ModelDescription::from_json_bytes(&bytes, &path.display().to_string())?;
-    let config = LayoutConfig {
-        api: Api::Fsdp1,
-        world_size,
-        shard_group_size: args.shard_group_size,
-        use_orig_params: args.use_orig_params,
-        strategy: args.strategy,
-        param_dtype: args.param_dtype,
-    };
-    match layout::compute(&model, &config)? {
-        Layout::Fsdp1(l) => Ok(Some(l)),
-        Layout::Fsdp2(_) => anyhow::bail!("expected an FSDP1 layout"),
-    }
+    /// With --model: FSDP1 flat parameters are checked against the layout (sizes, rank pieces,
+    /// zero padding segments), and the per-rank files must read as every original parameter.
+    #[command(flatten)]
+    pub layout: super::model_layout::ModelLayoutArgs,
 }
 
 /// Runs `verify`: exit 0 when consistent, 1 when parts disagree, 2 when something cannot be read
@@ -91,9 +43,16 @@ pub fn run(args: &VerifyArgs) -> anyhow::Result<ExitCode> {
         .map(|p| p.display().to_string())
         .collect::<Vec<_>>()
         .join(" ");
-    let layout = fsdp1_layout(args)?;
     let source = open(&args.paths)?;
-    let idx = index::index_source(&source).with_context(|| format!("cannot read {label}"))?;
+    let mut idx = index::index_source(&source).with_context(|| format!("cannot read {label}"))?;
+    let layout = args
+        .layout
+        .layout(super::model_layout::ranks_in(&idx))?
+        .map(|(_, layout)| layout);
+    if let Some(layout) = &layout {
+        shardscope_core::model::fsdp1_view::mark_param_views(&mut idx, layout);
+    }
+
     let mut progress = Progress::new(args.quiet, "verify");
     let report = verify::verify(
         Side {
@@ -107,6 +66,11 @@ pub fn run(args: &VerifyArgs) -> anyhow::Result<ExitCode> {
         },
         &mut |done, total, key| progress.update(done, total, key),
     );
+    if report.exit_code() == 0 {
+        // The files fit the layout: the original parameters must come out of them too (an error
+        // names what does not fit).
+        args.layout.apply(idx.clone(), &label)?;
+    }
     if args.json {
         print_stdout(&report.to_json())?;
     } else {
