@@ -239,3 +239,97 @@ fn flat_parameters_at_two_ranks() {
 fn original_params_at_three_ranks() {
     case(3, true);
 }
+
+/// A folder as verl leaves it with FSDP1 (`tests/fixtures/trainer_folders/gen_trainer_folders.py`):
+/// DTensor model files (SHARDED_STATE_DICT with a device mesh), raw optimizer files whose ids are
+/// flat parameters (3 units' worth for 6 parameters), and extra state. With the layout every command
+/// reads it as torch's FULL_STATE_DICT and `FSDP.optim_state_dict` (torch wrote the expected files).
+#[test]
+fn verl_fsdp1_folder_with_flat_optimizer_state() {
+    let t = manifest().join("../tests/fixtures/trainer_folders");
+    let folder = t.join("verl_fsdp1");
+    let model = t.join("verl_fsdp1_model.json");
+    let s = |p: &Path| p.to_str().unwrap().to_owned();
+    let full_model = t.join("expected/verl_fsdp1_model.pt");
+    let full_optim = t.join("expected/verl_fsdp1_optim.pt");
+    for (side, reference) in [("model", &full_model), ("optim", &full_optim)] {
+        let out = shardscope(&[
+            "diff",
+            &s(&folder),
+            &s(reference),
+            "--select",
+            side,
+            "--model",
+            &s(&model),
+            "-q",
+        ]);
+        let text = ok(&out, &format!("diff {side}"));
+        assert!(
+            text.contains(" 0 mismatch, 0 missing, 0 unexpected, 0 error"),
+            "{text}"
+        );
+    }
+    // Without the layout: the model converts alone; the optimizer is refused with the way out.
+    let tmp = tempfile::tempdir().unwrap();
+    let st = tmp.path().join("model.safetensors");
+    ok(
+        &shardscope(&[
+            "convert",
+            &s(&folder),
+            "--select",
+            "model",
+            "-o",
+            &s(&st),
+            "-q",
+        ]),
+        "convert --select model",
+    );
+    let text = ok(
+        &shardscope(&["diff", &s(&st), &s(&full_model), "-q"]),
+        "diff",
+    );
+    assert!(
+        text.contains(" 0 mismatch, 0 missing, 0 unexpected"),
+        "{text}"
+    );
+    let out = shardscope(&["convert", &s(&folder), "-o", &s(&tmp.path().join("x.pt"))]);
+    let stderr = String::from_utf8_lossy(&out.stderr);
+    assert_eq!(out.status.code(), Some(2), "{stderr}");
+    assert!(
+        stderr.contains("rank-local") && stderr.contains("--model"),
+        "{stderr}"
+    );
+    assert!(!tmp.path().join("x.pt").exists());
+    // With it: the optimizer converts to what FSDP.optim_state_dict returned.
+    let optim = tmp.path().join("optim.pt");
+    ok(
+        &shardscope(&[
+            "convert",
+            &s(&folder),
+            "--model",
+            &s(&model),
+            "--select",
+            "optim",
+            "-o",
+            &s(&optim),
+            "-q",
+        ]),
+        "convert --select optim",
+    );
+    let text = ok(
+        &shardscope(&["diff", &s(&optim), &s(&full_optim), "-q"]),
+        "diff optim",
+    );
+    assert!(
+        text.contains(" 0 mismatch, 0 missing, 0 unexpected"),
+        "{text}"
+    );
+    if let Some(python) = python() {
+        let said = run_python(
+            &python,
+            &manifest().join("../tests/interop/check_fsdp1_view.py"),
+            &["same", &s(&optim), &s(&full_optim)],
+        );
+        assert!(said.contains("ok"), "{said}");
+    }
+}

@@ -179,7 +179,21 @@ impl Progress for Bar {
 pub fn run(args: &ConvertArgs) -> Result<ExitCode> {
     let per_rank = fsdp2_ranks::detect(&args.src);
     if let Detected::Fsdp2(ranks) = &per_rank {
-        return convert_fsdp2_ranks(args, ranks);
+        // DTensor model files next to raw FSDP1 optimizer files (FSDP1 SHARDED_STATE_DICT with a
+        // device mesh, as verl writes them): the optimizer ids are flat parameters, which only
+        // the FSDP1 layout places.
+        if !has_rank_local_optimizer_state(&args.src)? {
+            return convert_fsdp2_ranks(args, ranks);
+        }
+        if args.model.is_none() && args.select.as_deref() == Some("model") {
+            return run_index(args, &args.src, per_rank);
+        }
+        if args.model.is_none() {
+            bail!(
+                "{}: the model files hold DTensors but the optimizer files hold rank-local state (FSDP1 flat parameters, as FSDP1 SHARDED_STATE_DICT with a device mesh saves them): which parameters each optimizer id holds depends on how FSDP1 wrapped the model\nhint: pass --model MODEL.json (the `shardscope layout` description; `shardscope layout --from` derives one) and --use-orig-params if it was wrapped so; or convert the model alone with --select model",
+                args.src.display()
+            );
+        }
     }
     if let Some(model) = &args.model {
         // The full model file + `.optim.pt` pair is written by the per-rank engine; every other
@@ -210,6 +224,24 @@ pub fn run(args: &ConvertArgs) -> Result<ExitCode> {
         return convert_fsdp1_local(args, model);
     }
     run_index(args, &args.src, per_rank)
+}
+
+/// True when the checkpoint at `src` holds optimizer state tensors with no global shape (raw FSDP1
+/// `optimizer.state_dict()` pieces, as opposed to FSDP2's DTensor state).
+fn has_rank_local_optimizer_state(src: &Path) -> Result<bool> {
+    use shardscope_core::model::index::{EntryKind, PathSeg, Role};
+    let (_, index) = convert::open(src)?;
+    Ok(index.entries.iter().any(|e| {
+        e.kind == EntryKind::Tensor
+            && e.shape.is_none()
+            && matches!(
+                &e.role,
+                Some(Role::OptimizerState {
+                    param: PathSeg::Index(_),
+                    ..
+                })
+            )
+    }))
 }
 
 /// True when the checkpoint at `src` holds FSDP1 flat parameters (LOCAL model files).
