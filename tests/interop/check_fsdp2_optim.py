@@ -64,7 +64,12 @@ def same(a, b, path="", local=False):
                 return err
         return None
     if isinstance(b, (list, tuple)):
-        if type(a) is not type(b) or len(a) != len(b):
+        # After a load (`local`), a tuple and a list of equal items are the same state: torch's
+        # own full-state path (`set_optimizer_state_dict(full_state_dict=True)`) hands the
+        # optimizer lists (`betas`), while a DCP keeps the tuple it saved, as torch's
+        # `torch_save_to_dcp` does.
+        kind_differs = type(a) is not type(b) and not (local and isinstance(a, (list, tuple)))
+        if kind_differs or len(a) != len(b):
             return f"{path}: {a!r} vs {b!r}"
         for i, (x, y) in enumerate(zip(a, b)):
             err = same(x, y, f"{path}.{i}", local)

@@ -76,6 +76,8 @@ fn synthetic_checkpoint(tensors: usize, grid: (u64, u64), ranks: u32) -> Checkpo
             role: None,
             flat_param: false,
             value: None,
+            position: None,
+            object: None,
         });
     }
     entries.sort_by(|a, b| a.key.cmp(&b.key));

@@ -299,40 +299,44 @@ pub fn original_params(
                 pieces[p].extend(chunks);
             }
         }
-        let mut put = |fqn: &str, shape: &[u64], chunks: Vec<Chunk>| -> Result<(), ViewError> {
-            let key = format!("{prefix}{fqn}");
-            if let Some(&i) = by_key.get(key.as_str()) {
-                // use_orig_params LOCAL dicts also hold each rank's flattened (1-D) view of the
-                // parameter: the same bytes. Equal sizes on every rank make it look like a
-                // replicated tensor; only a tensor of another shape under the name is a conflict.
-                let other = &index.entries[i];
-                let view = other.kind == EntryKind::Tensor
-                    && other.chunks.iter().all(|c| c.sizes.len() == 1);
-                if !view {
-                    return Err(mismatch(
-                        &key,
-                        "stored both in a flat parameter and as a tensor of its own",
-                    ));
+        let flat_position = flat.position;
+        let mut put =
+            |fqn: &str, shape: &[u64], chunks: Vec<Chunk>, k: u64| -> Result<(), ViewError> {
+                let key = format!("{prefix}{fqn}");
+                if let Some(&i) = by_key.get(key.as_str()) {
+                    // use_orig_params LOCAL dicts also hold each rank's flattened (1-D) view of the
+                    // parameter: the same bytes. Equal sizes on every rank make it look like a
+                    // replicated tensor; only a tensor of another shape under the name is a conflict.
+                    let other = &index.entries[i];
+                    let view = other.kind == EntryKind::Tensor
+                        && other.chunks.iter().all(|c| c.sizes.len() == 1);
+                    if !view {
+                        return Err(mismatch(
+                            &key,
+                            "stored both in a flat parameter and as a tensor of its own",
+                        ));
+                    }
+                    removed[i] = true;
                 }
-                removed[i] = true;
-            }
-            let mut path = prefix_path.clone();
-            path.push(PathSeg::Key(fqn.to_owned()));
-            added.push(IndexEntry {
-                key,
-                raw_key: None,
-                path,
-                kind: EntryKind::Tensor,
-                dtype: Some(fp.dtype),
-                shape: Some(shape.to_vec()),
-                chunks,
-                fsdp: None,
-                role: None,
-                flat_param: false,
-                value: None,
-            });
-            Ok(())
-        };
+                let mut path = prefix_path.clone();
+                path.push(PathSeg::Key(fqn.to_owned()));
+                added.push(IndexEntry {
+                    key,
+                    raw_key: None,
+                    path,
+                    kind: EntryKind::Tensor,
+                    dtype: Some(fp.dtype),
+                    shape: Some(shape.to_vec()),
+                    chunks,
+                    fsdp: None,
+                    role: None,
+                    flat_param: false,
+                    value: None,
+                    position: flat_position.map(|p| scaled(p) + k),
+                    object: None,
+                });
+                Ok(())
+            };
         let by_fqn: HashMap<&str, usize> = fp
             .fqns
             .iter()
@@ -340,13 +344,18 @@ pub fn original_params(
             .map(|(i, f)| (f.as_str(), i))
             .collect();
         for (i, chunks) in pieces.iter().enumerate() {
-            put(&fp.fqns[i], &shapes[i], chunks.clone())?;
+            put(&fp.fqns[i], &shapes[i], chunks.clone(), i as u64)?;
         }
         for shared in &fp.shared_params {
             let Some(&i) = by_fqn.get(shared.prim_fqn.as_str()) else {
                 continue;
             };
-            put(&shared.fqn, &shapes[i], pieces[i].clone())?;
+            put(
+                &shared.fqn,
+                &shapes[i],
+                pieces[i].clone(),
+                (fp.fqns.len() + i) as u64,
+            )?;
         }
     }
 
@@ -380,7 +389,14 @@ pub fn original_params(
         removed[i] = true;
         let (prefix, prefix_path) = prefix_of(&e.path, 3);
         let dtype = e.dtype;
+        let fqn_rank = |fqn: &str| -> u64 {
+            id_fqns(&model, pref)
+                .iter()
+                .position(|f| f == fqn)
+                .unwrap_or(0) as u64
+        };
         let mut emit = |fqn: &str, shape: Option<Vec<u64>>, chunks: Vec<Chunk>| {
+            let k = fqn_rank(fqn);
             let key = format!("{prefix}state.{fqn}.{state}");
             let entry = optim.entry(key.clone()).or_insert_with(|| {
                 let mut path = prefix_path.clone();
@@ -404,6 +420,8 @@ pub fn original_params(
                     }),
                     flat_param: false,
                     value: e.value.clone(),
+                    position: e.position.map(|p| scaled(p) + k),
+                    object: e.object.clone(),
                 }
             });
             entry.chunks.extend(chunks);
@@ -514,9 +532,11 @@ pub fn original_params(
             continue;
         }
         let mut e = e.clone();
+        e.position = e.position.map(scaled);
         if matches!(e.role, Some(Role::ParamGroup { .. }))
             && e.path.last() == Some(&PathSeg::Key("params".to_owned()))
             && let Some(serde_json::Value::Array(list)) = &e.value
+            && list.iter().all(serde_json::Value::is_u64)
         {
             let mut names = Vec::new();
             for v in list {
@@ -539,6 +559,7 @@ pub fn original_params(
                 );
             }
             e.value = Some(serde_json::Value::Array(names));
+            e.object = None;
         }
         entries.push(e);
     }
@@ -588,6 +609,11 @@ pub fn mark_param_views(index: &mut CheckpointIndex, layout: &Fsdp1Layout) {
             }
         }
     }
+}
+
+/// An entry position with room for the parameters a flat parameter or an optimizer id expands to.
+fn scaled(position: u64) -> u64 {
+    position.saturating_mul(1 << 20)
 }
 
 /// The FQNs an optimizer id stands for: a flat parameter's real parameters in flat order, or the

@@ -293,6 +293,15 @@ pub struct IndexEntry {
     /// Scalars: the value; bytes items: filled in by [`CheckpointIndex::decode_bytes_values`].
     #[serde(skip_serializing_if = "Option::is_none")]
     pub value: Option<serde_json::Value>,
+    /// Where the key comes in the order the checkpoint stores its keys (a `torch.save` dict's
+    /// order, which is registration order for a state dict; `.metadata` order for DCP; header
+    /// order for safetensors). Entries are sorted by key; this keeps what the sort loses.
+    #[serde(skip)]
+    pub position: Option<u64>,
+    /// Scalars of `torch.save` files: the value as the pickle holds it (tuples stay tuples), for
+    /// writers that re-pickle it; `value` is its JSON form.
+    #[serde(skip)]
+    pub object: Option<Box<crate::formats::pickle::PyValue>>,
 }
 
 impl IndexEntry {
@@ -748,7 +757,9 @@ fn index_file_sets(
             .split('.')
             .map(|s| PathSeg::Key(s.to_owned()))
             .collect();
+        let base = merged.entries.len() as u64;
         for mut e in index.entries {
+            e.position = e.position.map(|p| p + base);
             e.key = format!("{name}.{}", e.key);
             e.raw_key = e.raw_key.map(|k| format!("{name}.{k}"));
             e.path.splice(0..0, prefix.iter().cloned());
@@ -787,6 +798,7 @@ pub fn index_torch_files(
             let flat_param = key.ends_with("_flat_param");
             let mut chunks = Vec::new();
             let mut plain_shape = None;
+            let mut object = None;
             let (kind, dtype, shape, fsdp, value) = match leaf.value {
                 PyValue::Tensor(t) => {
                     chunks.push(raw_chunk(file, rank, &archive, t, vec![0; t.shape.len()])?);
@@ -864,10 +876,15 @@ pub fn index_torch_files(
                         None,
                     )
                 }
-                other => (EntryKind::Scalar, None, None, None, Some(json_of(other))),
+                other => {
+                    object = Some(Box::new(other.clone()));
+                    (EntryKind::Scalar, None, None, None, Some(json_of(other)))
+                }
             };
+            let position = merged.len() as u64;
             let p = merged.entry(key.clone()).or_insert_with(|| Partial {
                 entry: IndexEntry {
+                    position: Some(position),
                     key: key.clone(),
                     raw_key: (raw_key != key).then(|| raw_key.clone()),
                     path,
@@ -879,6 +896,7 @@ pub fn index_torch_files(
                     role: None,
                     flat_param,
                     value: value.clone(),
+                    object,
                 },
                 plain_shapes: Vec::new(),
             });
@@ -1116,7 +1134,10 @@ fn index_safetensors(source: &dyn Source, names: &[String]) -> Result<Checkpoint
                 },
             };
             let clean = clean_tensor_name(&t.name);
+            let position = by_key.len() as u64;
             let e = by_key.entry(clean.clone()).or_insert_with(|| IndexEntry {
+                position: Some(position),
+                object: None,
                 key: clean.clone(),
                 raw_key: (clean != t.name).then(|| t.name.clone()),
                 path: vec![PathSeg::Key(clean.clone())],
@@ -1356,6 +1377,8 @@ pub fn index_dcp(source: &dyn Source, metadata_name: &str) -> Result<CheckpointI
             (clean_key, Some(key.clone()))
         };
         entries.push(IndexEntry {
+            position: Some(entries.len() as u64),
+            object: None,
             flat_param: key_out.ends_with("_flat_param"),
             key: key_out,
             raw_key,

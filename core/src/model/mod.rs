@@ -8,6 +8,7 @@ pub mod description;
 pub mod fqn;
 pub mod from_index;
 pub mod fsdp1_view;
+pub mod fsdp2_view;
 pub mod hints;
 pub mod index;
 pub mod ties;

@@ -8,7 +8,7 @@ use std::time::Instant;
 
 use anyhow::{Context, Result, bail};
 use clap::{Args, ValueEnum};
-use shardscope_core::model::index::CheckpointKind;
+use shardscope_core::model::index::{CheckpointKind, PathSeg};
 
 use super::{human_bytes, print_stdout};
 use crate::atomic;
@@ -183,7 +183,10 @@ pub fn run(args: &ConvertArgs) -> Result<ExitCode> {
         // device mesh, as verl writes them): the optimizer ids are flat parameters, which only
         // the FSDP1 layout places.
         if !has_rank_local_optimizer_state(&args.src)? {
-            return convert_fsdp2_ranks(args, ranks);
+            if std::env::var_os("SHARDSCOPE_OLD_FSDP2").is_some() {
+                return convert_fsdp2_ranks(args, ranks);
+            }
+            return run_index_view(args, &args.src, per_rank, &View::Fsdp2);
         }
         if args.model.is_none() && args.select.as_deref() == Some("model") {
             return run_index(args, &args.src, per_rank);
@@ -203,7 +206,7 @@ pub fn run(args: &ConvertArgs) -> Result<ExitCode> {
             || args.dtype.is_some()
             || args.world_size.is_some()
             || target_of(args)? == Target::Dcp;
-        if other_output || !has_flat_params(&args.src)? {
+        if other_output || optimizer_only(&args.src)? {
             if args.optim_output.is_some() {
                 bail!(
                     "--optim-output applies when the model and optimizer go to two files (no --select, --dtype or DCP output, model files present)"
@@ -219,21 +222,23 @@ pub fn run(args: &ConvertArgs) -> Result<ExitCode> {
                 shard_group_size: args.shard_group_size,
                 param_dtype: None,
             };
-            return run_index_with(args, &args.src, per_rank, Some(&layout));
+            return run_index_view(args, &args.src, per_rank, &View::Fsdp1(&layout));
         }
         return convert_fsdp1_local(args, model);
     }
     run_index(args, &args.src, per_rank)
 }
 
-/// True when the checkpoint at `src` holds optimizer state tensors with no global shape (raw FSDP1
-/// `optimizer.state_dict()` pieces, as opposed to FSDP2's DTensor state).
+/// True when the checkpoint at `src` holds optimizer state tensors of positive dimension with no
+/// global shape (raw FSDP1 `optimizer.state_dict()` pieces, as opposed to FSDP2's DTensor state;
+/// 0-d `step` tensors are plain on both).
 fn has_rank_local_optimizer_state(src: &Path) -> Result<bool> {
     use shardscope_core::model::index::{EntryKind, PathSeg, Role};
-    let (_, index) = convert::open(src)?;
+    let (_, index) = convert::open_unchecked(src)?;
     Ok(index.entries.iter().any(|e| {
         e.kind == EntryKind::Tensor
             && e.shape.is_none()
+            && e.chunks.iter().any(|c| !c.sizes.is_empty())
             && matches!(
                 &e.role,
                 Some(Role::OptimizerState {
@@ -244,23 +249,37 @@ fn has_rank_local_optimizer_state(src: &Path) -> Result<bool> {
     }))
 }
 
-/// True when the checkpoint at `src` holds FSDP1 flat parameters (LOCAL model files).
-fn has_flat_params(src: &Path) -> Result<bool> {
-    let (_, index) = convert::open(src)?;
-    Ok(index.entries.iter().any(|e| e.flat_param))
+/// True when every tensor of the checkpoint at `src` is optimizer state (no model files).
+fn optimizer_only(src: &Path) -> Result<bool> {
+    use shardscope_core::model::index::EntryKind;
+    let (_, index) = convert::open_unchecked(src)?;
+    Ok(index
+        .entries
+        .iter()
+        .filter(|e| e.kind == EntryKind::Tensor)
+        .all(|e| e.role.is_some()))
 }
 
 /// The streaming path: any indexed checkpoint at `src` (`args.src`, or a staged file).
 fn run_index(args: &ConvertArgs, src: &Path, per_rank: Detected) -> Result<ExitCode> {
-    run_index_with(args, src, per_rank, None)
+    run_index_view(args, src, per_rank, &View::AsIs)
 }
 
-/// [`run_index`], reading FSDP1 per-rank pieces through `layout` when given.
-fn run_index_with(
+/// How the streaming path reads the index of a per-rank folder.
+enum View<'a> {
+    AsIs,
+    /// FSDP1 per-rank pieces through the layout (`core::model::fsdp1_view`).
+    Fsdp1(&'a super::model_layout::ModelLayoutArgs),
+    /// FSDP2 per-rank files: optimizer ids named (`core::model::fsdp2_view`), by `--model` if given.
+    Fsdp2,
+}
+
+/// [`run_index`], reading per-rank pieces through `view`.
+fn run_index_view(
     args: &ConvertArgs,
     src: &Path,
     per_rank: Detected,
-    layout: Option<&super::model_layout::ModelLayoutArgs>,
+    view: &View<'_>,
 ) -> Result<ExitCode> {
     let target = target_of(args)?;
     if args.max_shard_size.is_some() && target != Target::Safetensors {
@@ -277,18 +296,58 @@ fn run_index_with(
         );
     }
     let started = Instant::now();
-    let (source, index) = match convert::open(src) {
-        Ok(opened) => opened,
-        Err(e) => match per_rank {
-            // Nothing reads the folder: say what is wrong with it as per-rank files too.
-            Detected::Incomplete(why) => bail!("{e:#}\nas per-rank files: {why:#}"),
-            _ => return Err(e),
-        },
+    // When nothing reads the folder, say what is wrong with it as per-rank files too.
+    let incomplete = match per_rank {
+        Detected::Incomplete(why) => Some(why),
+        _ => None,
     };
-    let index = match layout {
-        Some(layout) => layout.apply(index, &args.src.display().to_string())?,
-        None => index,
+    let with_why = |e: anyhow::Error| match &incomplete {
+        Some(why) => anyhow::anyhow!("{e:#}\nas per-rank files: {why:#}"),
+        None => e,
     };
+    let (source, index) = convert::open_unchecked(src).map_err(with_why)?;
+    let label = args.src.display().to_string();
+    let index = match view {
+        View::AsIs => index,
+        View::Fsdp1(layout) => layout.apply(index, &label)?,
+        View::Fsdp2 => {
+            if args.use_orig_params || args.optim_output.is_some() {
+                bail!(
+                    "--use-orig-params and --optim-output apply to FSDP1 per-rank files; {label} holds FSDP2 (DTensor) files, converted to one output holding `model` and `optim`\nhint: use --select model or --select optim to keep one of them"
+                );
+            }
+            let desc = match &args.model {
+                Some(p) => Some(shardscope_runner::fsdp1_local::read_description(p)?),
+                None => None,
+            };
+            let (view, naming) =
+                shardscope_core::model::fsdp2_view::fqn_keyed_optimizer(&index, desc.as_ref())
+                    .with_context(|| format!("{label}: cannot name the optimizer's parameters"))?;
+            if let Some(naming) = naming
+                && !args.quiet
+                && !args.json
+            {
+                eprintln!("note: optimizer ids named by {}", naming.how);
+            }
+            // torch's full state is the model and the optimizer; other per-rank sets (extra
+            // state: lr scheduler, RNG) are written only when selected.
+            let mut view = view;
+            if args.select.is_none() {
+                let before = view.entries.len();
+                view.entries.retain(|e| {
+                    matches!(e.path.first(), Some(PathSeg::Key(k)) if k == "model" || k == "optim")
+                });
+                if view.entries.len() < before && !args.quiet && !args.json {
+                    eprintln!(
+                        "note: {} entries outside `model` and `optim` (extra state) are not written; --select NAME writes one subtree",
+                        before - view.entries.len()
+                    );
+                }
+            }
+            view
+        }
+    };
+    convert::ensure_consistent(src, &index).map_err(with_why)?;
     if matches!(
         index.kind,
         CheckpointKind::Fsdp1Local | CheckpointKind::RankLocal

@@ -305,17 +305,8 @@ fn copy_box(
     Ok(())
 }
 
-/// Opens and indexes `src` (a file or a folder) and checks that its chunks tile every tensor.
-pub fn open(src: &Path) -> Result<(FileSource, CheckpointIndex)> {
-    let source = if src.is_dir() {
-        FileSource::dir(src)?
-    } else if src.file_name().is_some_and(|n| n == ".metadata") {
-        FileSource::dir(src.parent().unwrap_or(src))?
-    } else {
-        FileSource::file(src)?
-    };
-    let index = shardscope_core::model::index::index_source(&source)
-        .with_context(|| format!("cannot read the checkpoint {}", src.display()))?;
+/// Fails unless the chunks of `index` (read from `src`) tile every tensor.
+pub fn ensure_consistent(src: &Path, index: &CheckpointIndex) -> Result<()> {
     let problems = index.check();
     if let Some(first) = problems.first() {
         bail!(
@@ -325,6 +316,20 @@ pub fn open(src: &Path) -> Result<(FileSource, CheckpointIndex)> {
             src.display()
         );
     }
+    Ok(())
+}
+
+/// Opens and indexes `src` without checking the index (for views that fix it up first).
+pub fn open_unchecked(src: &Path) -> Result<(FileSource, CheckpointIndex)> {
+    let source = if src.is_dir() {
+        FileSource::dir(src)?
+    } else if src.file_name().is_some_and(|n| n == ".metadata") {
+        FileSource::dir(src.parent().unwrap_or(src))?
+    } else {
+        FileSource::file(src)?
+    };
+    let index = shardscope_core::model::index::index_source(&source)
+        .with_context(|| format!("cannot read the checkpoint {}", src.display()))?;
     Ok((source, index))
 }
 
@@ -622,12 +627,18 @@ fn py_from_json(v: &serde_json::Value) -> PyValue {
     }
 }
 
-/// The Python value of a non-tensor entry: the exact object for DCP bytes items (tuples kept), the
-/// decoded JSON for scalars of `torch.save` files (tuples come back as lists).
+/// The Python value of a non-tensor entry: the exact object for DCP bytes items and for scalars of
+/// `torch.save` files (tuples kept); the decoded JSON for values the index rewrote or that cannot be
+/// pickled for `weights_only` loads.
 fn py_value_of(reader: &Reader<'_>, e: &IndexEntry) -> Result<PyValue> {
     if e.kind == EntryKind::Bytes {
         let read = reader.index().read_bytes_object(reader.source(), e)?;
         return PyValue::from_read_value(&read).with_context(|| e.key.clone());
+    }
+    if let Some(object) = &e.object
+        && let Ok(v) = PyValue::from_read_value(object)
+    {
+        return Ok(v);
     }
     Ok(py_from_json(
         e.value.as_ref().unwrap_or(&serde_json::Value::Null),
@@ -712,8 +723,13 @@ pub fn to_torch_save(
     dest: &Path,
     progress: &dyn Progress,
 ) -> Result<Written> {
-    let leaves: Vec<(String, &IndexEntry)> =
+    // In stored order (registration order for state dicts, `.metadata` order for DCP), as torch
+    // nests them; entries without one (made by a view) after, by key.
+    let mut leaves: Vec<(String, &IndexEntry)> =
         sel.tensors.iter().chain(&sel.values).cloned().collect();
+    leaves.sort_by(|(a, ea), (b, eb)| {
+        (ea.position.is_none(), ea.position, a).cmp(&(eb.position.is_none(), eb.position, b))
+    });
     let strip = prefix.map_or(0, |p| p.matches('.').count() + 1);
     let mut root = Node::Map(Vec::new());
     for (i, (_, e)) in leaves.iter().enumerate() {
