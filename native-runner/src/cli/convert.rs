@@ -11,8 +11,7 @@ use clap::{Args, ValueEnum};
 use shardscope_core::model::index::{CheckpointKind, PathSeg};
 
 use super::{human_bytes, print_stdout};
-use crate::atomic;
-use crate::convert::fsdp2_ranks::{self, Detected, Fsdp2Ranks};
+use crate::convert::fsdp2_ranks::{self, Detected};
 use crate::convert::{self, Progress, Reader, ShardApi};
 
 #[derive(Debug, Clone, Copy, PartialEq, Eq, ValueEnum)]
@@ -179,13 +178,21 @@ impl Progress for Bar {
 pub fn run(args: &ConvertArgs) -> Result<ExitCode> {
     let per_rank = fsdp2_ranks::detect(&args.src);
     if let Detected::Fsdp2(ranks) = &per_rank {
+        if !args.quiet && !args.json {
+            eprintln!(
+                "note: FSDP2 per-rank files of {} ranks ({}): written as torch's full state dicts",
+                ranks.world_size,
+                if ranks.combined {
+                    "one {\"model\", \"optim\"} file per rank"
+                } else {
+                    "model and optimizer files"
+                }
+            );
+        }
         // DTensor model files next to raw FSDP1 optimizer files (FSDP1 SHARDED_STATE_DICT with a
         // device mesh, as verl writes them): the optimizer ids are flat parameters, which only
         // the FSDP1 layout places.
         if !has_rank_local_optimizer_state(&args.src)? {
-            if std::env::var_os("SHARDSCOPE_OLD_FSDP2").is_some() {
-                return convert_fsdp2_ranks(args, ranks);
-            }
             return run_index_view(args, &args.src, per_rank, &View::Fsdp2);
         }
         if args.model.is_none() && args.select.as_deref() == Some("model") {
@@ -488,68 +495,6 @@ fn convert_fsdp1_local(args: &ConvertArgs, model: &std::path::Path) -> Result<Ex
         super::print_stdout(&format!("{}\n", serde_json::json!({ "written": names })))?;
     } else if !args.quiet {
         eprintln!("wrote {}", names.join(", "));
-    }
-    Ok(ExitCode::SUCCESS)
-}
-
-/// Per-rank FSDP2 files with optimizer state -> `{"model": full model state dict, "optim": full
-/// FQN-keyed optimizer state dict}` as torch's DSD returns them with `full_state_dict=True`
-/// (`crate::convert::fsdp2_ranks`). `torch.save` output is written a tensor at a time; other targets
-/// (and `--select`) go through a staged `torch.save` file (written the same way) and the streaming
-/// index path.
-fn convert_fsdp2_ranks(args: &ConvertArgs, ranks: &Fsdp2Ranks) -> Result<ExitCode> {
-    let target = target_of(args)?;
-    if args.use_orig_params || args.optim_output.is_some() {
-        bail!(
-            "--use-orig-params and --optim-output apply to FSDP1 per-rank files; {} holds FSDP2 (DTensor) files, converted to one output holding `model` and `optim`\nhint: use --select model or --select optim to keep one of them",
-            args.src.display()
-        );
-    }
-    let dir_output = target == Target::Dcp || args.max_shard_size.is_some();
-    if args.output.is_file() || (args.output.exists() && !dir_output) {
-        bail!(
-            "{} already exists\nhint: shardscope never overwrites; remove it or choose another path",
-            args.output.display()
-        );
-    }
-    let started = Instant::now();
-    let desc = match &args.model {
-        Some(p) => Some((shardscope_runner::fsdp1_local::read_description(p)?, p)),
-        None => None,
-    };
-    let state = fsdp2_ranks::FullState::open(ranks, desc.as_ref().map(|(d, p)| (d, p.as_path())))?;
-    if target != Target::Torch || args.select.is_some() || args.dtype.is_some() {
-        // Staged as a `torch.save` file (written a tensor at a time), then converted by the
-        // streaming index path.
-        let stage = tempfile::tempdir().context("cannot create a temporary directory")?;
-        let staged = stage.path().join("full.pt");
-        let file = std::fs::File::create(&staged)
-            .with_context(|| format!("cannot write {}", staged.display()))?;
-        let mut out = state.write(std::io::BufWriter::new(file))?;
-        std::io::Write::flush(&mut out)
-            .with_context(|| format!("cannot write {}", staged.display()))?;
-        drop(out);
-        drop(state);
-        return run_index(args, &staged, Detected::Other);
-    }
-    atomic::write_file(&args.output, |out| state.write(out).map(|_| ()))?;
-    let seconds = started.elapsed().as_secs_f64();
-    if args.json {
-        let summary = serde_json::json!({
-            "source": args.src.display().to_string(),
-            "source_kind": "fsdp2_per_rank",
-            "world_size": ranks.world_size(),
-            "to": "torch",
-            "outputs": [args.output.display().to_string()],
-            "seconds": seconds,
-        });
-        print_stdout(&format!("{}\n", serde_json::to_string_pretty(&summary)?))?;
-    } else if !args.quiet {
-        eprintln!(
-            "wrote {} (full model and optimizer state of {} FSDP2 ranks) in {seconds:.2} s",
-            args.output.display(),
-            ranks.world_size()
-        );
     }
     Ok(ExitCode::SUCCESS)
 }

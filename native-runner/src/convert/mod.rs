@@ -11,8 +11,10 @@
 //! peak memory is the largest tensor plus small metadata, and page-cache pages of the input never
 //! count against the process (as they would when copying out of the mmap).
 //!
-//! FSDP2 per-rank folders with optimizer state (DTensor model and raw `optim.state_dict()` files)
-//! are first combined into the full `{"model", "optim"}` state by [`fsdp2_ranks`].
+//! Per-rank folders go the same way: their index is read through a view first (FSDP2:
+//! `shardscope_core::model::fsdp2_view` names the optimizer ids; FSDP1 with `--model`:
+//! `shardscope_core::model::fsdp1_view` turns flat pieces into original parameters);
+//! [`fsdp2_ranks`] only recognises FSDP2 folders.
 
 pub mod fsdp2_ranks;
 
