@@ -270,3 +270,65 @@ fn bad_input_exits_2_with_a_message_naming_the_problem() {
         assert!(String::from_utf8_lossy(&out.stderr).contains("--features cuda"));
     }
 }
+
+/// Without --model, a checkpoint whose parameters have two dtypes (a bf16 model with float32
+/// norms) gets one unit per module instead of torch's "Must flatten tensors with uniform dtype",
+/// says so, and gathers back to the same bytes.
+#[test]
+fn mixed_dtypes_without_model_get_one_unit_per_module() {
+    use safetensors::tensor::{Dtype, TensorView};
+    let dir = tempdir();
+    let ckpt = dir.path().join("mixed.safetensors");
+    let bf16: Vec<u8> = (0..48u8).collect();
+    let f32s: Vec<u8> = (0..24u8).map(|b| b.wrapping_mul(7)).collect();
+    let tensors = vec![
+        (
+            "emb.weight",
+            TensorView::new(Dtype::BF16, vec![4, 6], &bf16).unwrap(),
+        ),
+        (
+            "norm.weight",
+            TensorView::new(Dtype::F32, vec![6], &f32s).unwrap(),
+        ),
+        (
+            "layers.0.w",
+            TensorView::new(Dtype::BF16, vec![6, 4], &bf16).unwrap(),
+        ),
+    ];
+    safetensors::serialize_to_file(tensors, None, &ckpt).unwrap();
+    let out_path = dir.path().join("out.safetensors");
+    let out = shardscope(&[
+        "gather",
+        s(&ckpt),
+        "--world-size",
+        "2",
+        "--api",
+        "fsdp1",
+        "--verify",
+        "-o",
+        s(&out_path),
+    ]);
+    let text = format!(
+        "{}{}",
+        String::from_utf8_lossy(&out.stdout),
+        String::from_utf8_lossy(&out.stderr)
+    );
+    assert!(out.status.success(), "{text}");
+    assert!(
+        text.contains("3 units, one per module") && text.contains("bfloat16, float32"),
+        "{text}"
+    );
+    assert!(text.contains("verify: OK"), "{text}");
+    let read = |p: &std::path::Path| {
+        let bytes = std::fs::read(p).unwrap();
+        let st = safetensors::SafeTensors::deserialize(&bytes).unwrap();
+        let mut v: Vec<(String, Vec<u8>)> = st
+            .tensors()
+            .into_iter()
+            .map(|(k, t)| (k, t.data().to_vec()))
+            .collect();
+        v.sort();
+        v
+    };
+    assert_eq!(read(&ckpt), read(&out_path));
+}

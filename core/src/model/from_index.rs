@@ -279,3 +279,125 @@ pub fn description_from_index(
     let model = ModelDescription::new(params, units, Vec::new())?;
     Ok(Derived { model, skipped })
 }
+
+/// How [`uniform_dtype_units`] grouped the parameters.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum UnitChoice {
+    /// Every parameter has one dtype: the description is kept (one flat parameter may hold all).
+    Uniform,
+    /// Several dtypes: one unit per module that holds parameters (and the root), so that each
+    /// unit's parameters share a dtype, as FSDP1 requires of a flat parameter.
+    PerModule { units: usize, dtypes: Vec<String> },
+}
+
+/// `model` with units FSDP accepts when its parameters have several dtypes (FSDP1 refuses to
+/// flatten "tensors with uniform dtype" otherwise): every module prefix that holds parameters
+/// directly becomes a unit, after the root. Fails, naming the module, when one module's own
+/// parameters have different dtypes (no wrapping can separate them).
+pub fn uniform_dtype_units(
+    model: &ModelDescription,
+) -> Result<(ModelDescription, UnitChoice), String> {
+    let dtypes: BTreeSet<&str> = model.params.iter().map(|p| p.dtype.name()).collect();
+    if dtypes.len() <= 1 {
+        return Ok((model.clone(), UnitChoice::Uniform));
+    }
+    let parent = |fqn: &str| fqn.rsplit_once('.').map_or("", |(m, _)| m).to_owned();
+    let mut units = vec![String::new()];
+    let mut dtype_of: std::collections::BTreeMap<String, &str> = std::collections::BTreeMap::new();
+    for p in model.params.iter().filter(|p| p.shared_with.is_none()) {
+        let module = parent(&p.fqn);
+        match dtype_of.get(&module) {
+            Some(&d) if d != p.dtype.name() => {
+                return Err(format!(
+                    "module `{}` holds parameters of two dtypes ({d} and {}, e.g. `{}`): no FSDP1 wrapping puts them in flat parameters of one dtype",
+                    if module.is_empty() { "<root>" } else { &module },
+                    p.dtype.name(),
+                    p.fqn
+                ));
+            }
+            Some(_) => {}
+            None => {
+                dtype_of.insert(module.clone(), p.dtype.name());
+                if !module.is_empty() {
+                    units.push(module);
+                }
+            }
+        }
+    }
+    // Units that hold parameters (the root is a unit even when it holds none of its own).
+    let count = dtype_of.len();
+    let described = ModelDescription::new(
+        model.params.clone(),
+        units,
+        model.ignored.iter().cloned().collect(),
+    )
+    .map_err(|e| e.to_string())?;
+    Ok((
+        described,
+        UnitChoice::PerModule {
+            units: count,
+            dtypes: dtypes.into_iter().map(str::to_owned).collect(),
+        },
+    ))
+}
+
+#[cfg(test)]
+mod unit_choice_tests {
+    use super::*;
+    use crate::DType;
+
+    fn param(fqn: &str, dtype: DType) -> ParamSpec {
+        ParamSpec {
+            fqn: fqn.to_owned(),
+            shape: vec![2],
+            dtype,
+            requires_grad: true,
+            shared_with: None,
+        }
+    }
+
+    #[test]
+    fn mixed_dtypes_get_one_unit_per_module() {
+        let model = ModelDescription::new(
+            vec![
+                param("emb.weight", DType::BFloat16),
+                param("norm.weight", DType::Float32),
+                param("layers.0.w", DType::BFloat16),
+                param("layers.0.b", DType::BFloat16),
+            ],
+            vec![String::new()],
+            Vec::new(),
+        )
+        .unwrap();
+        let (m, choice) = uniform_dtype_units(&model).unwrap();
+        assert_eq!(m.units, vec!["", "emb", "norm", "layers.0"]);
+        assert_eq!(
+            choice,
+            UnitChoice::PerModule {
+                units: 3,
+                dtypes: vec!["bfloat16".into(), "float32".into()]
+            }
+        );
+        let uniform = ModelDescription::new(
+            vec![param("a.w", DType::Float32), param("b.w", DType::Float32)],
+            vec![String::new()],
+            Vec::new(),
+        )
+        .unwrap();
+        assert_eq!(
+            uniform_dtype_units(&uniform).unwrap().1,
+            UnitChoice::Uniform
+        );
+        let clash = ModelDescription::new(
+            vec![param("a.w", DType::Float32), param("a.s", DType::Float16)],
+            vec![String::new()],
+            Vec::new(),
+        )
+        .unwrap();
+        let err = uniform_dtype_units(&clash).unwrap_err();
+        assert!(
+            err.contains("module `a`") && err.contains("float32"),
+            "{err}"
+        );
+    }
+}

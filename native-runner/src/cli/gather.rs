@@ -182,16 +182,26 @@ fn derive_model(
     .with_context(|| {
         format!("{name}: no --model, and none can be derived from the checkpoint\nhint: pass --model MODEL.json (`shardscope layout --from CKPT --units REGEX --emit-model MODEL.json` writes one)")
     })?;
+    let (model, choice) = from_index::uniform_dtype_units(&derived.model).map_err(|why| {
+        anyhow::anyhow!("{name}: {why}\nhint: pass --model MODEL.json with units of one dtype each")
+    })?;
+    let units = match choice {
+        from_index::UnitChoice::Uniform => "one root unit".to_owned(),
+        from_index::UnitChoice::PerModule { units, dtypes } => format!(
+            "{units} units, one per module that holds parameters (they have dtypes {}: an FSDP1 flat parameter holds one dtype)",
+            dtypes.join(", ")
+        ),
+    };
     notes.push(format!(
-        "no --model: one root unit with the {} floating-point tensors of {name} in {} (torch flattens in registration order; buffers are included: pass --model to leave them out)",
-        derived.model.params.len(),
+        "no --model: {units} with the {} floating-point tensors of {name} in {} (torch flattens in registration order; buffers are included: pass --model to leave them out)",
+        model.params.len(),
         if order.registration_order {
             "stored order"
         } else {
             "sorted key order"
         }
     ));
-    Ok(derived.model)
+    Ok(model)
 }
 
 fn prepare(args: &GatherArgs) -> anyhow::Result<Prepared> {
