@@ -144,7 +144,16 @@ def check_ties(bin_path, work):
         got = load_file(bf16)
         for k, v in got.items():
             bits_equal(v, sd[k].to(torch.bfloat16) if sd[k].is_floating_point() else sd[k], f"bf16 {k}")
-    print("tied weights exported once and load with load_model")
+    # torch.save -> torch.save keeps torch's key order (registration order, not sorted) and the
+    # tie itself: both names view one storage after torch.load, as in the source.
+    again = os.path.join(work, "tied_again.pt")
+    run(bin_path, "convert", pt, "-o", again, "--quiet")
+    back = torch.load(again, weights_only=True)
+    assert list(back) == list(sd), (list(back), list(sd))
+    assert back["lm_head.weight"].untyped_storage().data_ptr() == back["wte.weight"].untyped_storage().data_ptr()
+    for k, v in sd.items():
+        assert torch.equal(back[k], v), k
+    print("tied weights exported once and load with load_model; .pt -> .pt keeps order and the tie")
     return dcp_dir
 
 

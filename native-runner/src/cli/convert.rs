@@ -231,6 +231,8 @@ pub fn run(args: &ConvertArgs) -> Result<ExitCode> {
             };
             return run_index_view(args, &args.src, per_rank, &View::Fsdp1(&layout));
         }
+        // The full model file + `.optim.pt` pair: the per-rank engine, whose optimizer output
+        // follows torch's key order and checks (`core::transform::optim_state`).
         return convert_fsdp1_local(args, model);
     }
     run_index(args, &args.src, per_rank)

@@ -647,12 +647,20 @@ fn py_value_of(reader: &Reader<'_>, e: &IndexEntry) -> Result<PyValue> {
     ))
 }
 
+/// The storage table of a `torch.save` output: `(spec, leaf)` in table order, and which table
+/// entry holds the bytes of a given chunk list (tied names share one).
+#[derive(Default)]
+struct Storages {
+    list: Vec<(StorageSpec, usize)>,
+    by_chunks: std::collections::HashMap<String, usize>,
+}
+
 fn to_py(
     node: &Node,
     leaves: &[(String, &IndexEntry)],
     reader: &Reader<'_>,
     sel: &Selection<'_>,
-    storages: &mut Vec<(StorageSpec, usize)>,
+    storages: &mut Storages,
 ) -> Result<PyValue> {
     match node {
         Node::Leaf(i) => {
@@ -660,11 +668,30 @@ fn to_py(
             if e.kind == EntryKind::Tensor {
                 let (dtype, shape) = sel.out_meta(e)?;
                 let numel = shape.iter().product();
-                storages.push((StorageSpec { dtype, numel }, *i));
+                // Names whose chunks are the same storage views (tied weights: one storage in a
+                // `torch.save` source) share one storage, as torch saved them. DCP items are
+                // separate objects even when their bytes coincide, so they never share.
+                let raw_views = !e.chunks.is_empty()
+                    && e.chunks
+                        .iter()
+                        .all(|c| matches!(c.encoding, ChunkEncoding::Raw { .. }));
+                let signature =
+                    raw_views.then(|| format!("{dtype:?} {:?} {:?}", e.shape, e.chunks));
+                let same = signature
+                    .as_ref()
+                    .and_then(|sig| storages.by_chunks.get(sig).copied());
+                let storage = if let Some(k) = same {
+                    k
+                } else {
+                    storages.list.push((StorageSpec { dtype, numel }, *i));
+                    let k = storages.list.len() - 1;
+                    if let Some(sig) = signature {
+                        storages.by_chunks.insert(sig, k);
+                    }
+                    k
+                };
                 Ok(PyValue::Tensor(TensorPickle::contiguous(
-                    storages.len() - 1,
-                    dtype,
-                    shape,
+                    storage, dtype, shape,
                 )))
             } else {
                 py_value_of(reader, e)
@@ -751,7 +778,7 @@ pub fn to_torch_save(
             };
         insert(&mut root, &path, i, &e.key)?;
     }
-    let mut storages = Vec::new();
+    let mut storages = Storages::default();
     let value = to_py(&root, &leaves, reader, sel, &mut storages)?;
     let archive = dest
         .file_stem()
@@ -761,9 +788,9 @@ pub fn to_torch_save(
         .to_owned();
     let mut buf = Vec::new();
     atomic::write_file(dest, |out| {
-        let table = storages.iter().map(|(s, _)| *s).collect();
+        let table = storages.list.iter().map(|(s, _)| *s).collect();
         let mut writer = TorchSaveWriter::new(out, &archive, &value, table)?;
-        for (spec, leaf) in &storages {
+        for (spec, leaf) in &storages.list {
             let n = reader.tensor_as(leaves[*leaf].1, spec.dtype, &mut buf)?;
             writer.write_storage(&buf[..n])?;
             progress.advance(n as u64);
