@@ -204,7 +204,7 @@ fn run_index(args: &ConvertArgs, src: &Path, per_rank: Detected) -> Result<ExitC
         );
     }
     let started = Instant::now();
-    let (source, index) = match convert::open(src) {
+    let (source, index) = match convert::open(src, false) {
         Ok(opened) => opened,
         Err(e) => match per_rank {
             // Nothing reads the folder: say what is wrong with it as per-rank files too.

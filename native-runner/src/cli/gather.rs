@@ -26,7 +26,7 @@ use shardscope_runner::trace::{Clock, Span, names};
 
 use super::layout::open_checkpoint;
 use super::print_stdout;
-use crate::file_source::FileSource;
+use crate::input::Input;
 
 #[derive(Debug, Clone, Copy, PartialEq, Eq, ValueEnum)]
 pub enum Backend {
@@ -159,7 +159,7 @@ struct Prepared {
 
 /// A description from the checkpoint's own entries (stored order, one root unit).
 fn derive_model(
-    source: &FileSource,
+    source: &Input,
     index: &CheckpointIndex,
     select: Option<&str>,
     name: &str,
@@ -281,7 +281,7 @@ fn prepare(args: &GatherArgs) -> anyhow::Result<Prepared> {
     };
     let prefix = match &select {
         Some(s) => format!("{s}."),
-        None => Indexed::<FileSource>::find_prefix(&index, &model),
+        None => Indexed::<Input>::find_prefix(&index, &model),
     };
     if !prefix.is_empty() {
         notes.push(format!(
