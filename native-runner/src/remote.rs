@@ -174,7 +174,21 @@ pub fn describe_error(err: &object_store::Error) -> String {
                 error_chain(err)
             )
         }
-        other => error_chain(other),
+        other => {
+            let chain = error_chain(other);
+            let lower = chain.to_ascii_lowercase();
+            if lower.contains("body error") || lower.contains("before message length") {
+                format!(
+                    "short body: the connection closed before the whole range arrived ({chain})"
+                )
+            } else if lower.contains("connection refused") || lower.contains("connect error") {
+                format!("cannot connect to the server ({chain})")
+            } else if lower.contains("timed out") || lower.contains("timeout") {
+                format!("timed out ({chain})")
+            } else {
+                chain
+            }
+        }
     }
 }
 
@@ -502,7 +516,50 @@ impl RemoteSource {
                     bytes: None,
                 });
         }
+        self.head_all(&meta_url)?;
         self.insert_fetched(".metadata", bytes);
+        Ok(())
+    }
+
+    /// Sizes of every file named by `named_by` (a `.metadata`, an index), by `HEAD` requests in
+    /// parallel: a missing file is reported here, with its URL.
+    fn head_all(&self, named_by: &str) -> anyhow::Result<()> {
+        let names: Vec<&String> = self
+            .files
+            .iter()
+            .filter(|(_, f)| f.size.get().is_none())
+            .map(|(n, _)| n)
+            .collect();
+        let sizes: Vec<Result<u64, (String, object_store::Error)>> = self.runtime.block_on(
+            futures::stream::iter(names.iter().map(|n| {
+                let location = self.location(n);
+                let store = Arc::clone(&self.store);
+                let name = (*n).clone();
+                async move {
+                    store
+                        .head(&location)
+                        .await
+                        .map(|m| m.size)
+                        .map_err(|e| (name, e))
+                }
+            }))
+            .buffered(PARALLEL_REQUESTS)
+            .collect(),
+        );
+        for (name, size) in names.iter().zip(sizes) {
+            match size {
+                Ok(size) => {
+                    if let Some(f) = self.files.get(*name) {
+                        let _ = f.size.set(size);
+                    }
+                }
+                Err((name, e)) => bail!(
+                    "{}: {} (named by {named_by})",
+                    self.url.url_of(&name),
+                    describe_error(&e)
+                ),
+            }
+        }
         Ok(())
     }
 
@@ -524,6 +581,7 @@ impl RemoteSource {
                 bytes: None,
             });
         }
+        self.head_all(&index_url)?;
         self.insert_fetched(name, bytes);
         Ok(())
     }
@@ -831,6 +889,22 @@ mod tests {
             source: "connection reset".into(),
         };
         assert!(describe_error(&other).contains("connection reset"));
+        let cut = object_store::Error::Generic {
+            store: "HTTP",
+            source:
+                "error reading a body from connection: end of file before message length reached"
+                    .into(),
+        };
+        assert!(
+            describe_error(&cut).starts_with("short body"),
+            "{}",
+            describe_error(&cut)
+        );
+        let refused = object_store::Error::Generic {
+            store: "HTTP",
+            source: "tcp connect error: Connection refused (os error 111)".into(),
+        };
+        assert!(describe_error(&refused).starts_with("cannot connect"));
     }
 
     /// The source over an in-memory object store: names, sizes, ranges, read-ahead and errors.
