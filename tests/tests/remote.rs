@@ -11,6 +11,8 @@
 //! "skipped" line and pass, unless `SHARDSCOPE_REQUIRE_REMOTE=1` (CI sets it; `.ci/run` installs
 //! nginx and moto), where a missing server fails them.
 
+#![allow(clippy::unwrap_used)]
+
 use std::io::{BufRead, BufReader};
 use std::net::{TcpListener, TcpStream};
 use std::path::{Path, PathBuf};
@@ -286,7 +288,7 @@ fn convert_of_a_url_equals_convert_of_the_local_copy() {
         let l = out.path().join(format!("local{i}"));
         std::fs::create_dir_all(&r).unwrap();
         std::fs::create_dir_all(&l).unwrap();
-        let extra: &[&str] = if name.ends_with(".dcp") {
+        let extra: &[&str] = if *name == "x.dcp" {
             &["--to", "dcp", "--world-size", "3"]
         } else {
             &[]
@@ -500,7 +502,7 @@ fn faults_mid_convert_fail_cleanly() {
             "{mode:?}: something was left at the destination"
         );
         assert!(
-            started.elapsed() < Duration::from_secs(120),
+            started.elapsed() < Duration::from_mins(2),
             "{mode:?}: retries took too long"
         );
     }

@@ -11,7 +11,6 @@ use shardscope_core::model::ModelDescription;
 use shardscope_core::model::index;
 use shardscope_core::verify::{self, Side, VerifyOptions};
 
-use super::inspect::open;
 use super::print_stdout;
 use super::report_text::{Progress, render};
 
@@ -92,7 +91,8 @@ pub fn run(args: &VerifyArgs) -> anyhow::Result<ExitCode> {
         .collect::<Vec<_>>()
         .join(" ");
     let layout = fsdp1_layout(args)?;
-    let source = open(&args.paths)?;
+    // Its own progress line: no second one for remote reads.
+    let source = crate::input::open(&args.paths, false)?;
     let idx = index::index_source(&source).with_context(|| format!("cannot read {label}"))?;
     let mut progress = Progress::new(args.quiet, "verify");
     let report = verify::verify(
