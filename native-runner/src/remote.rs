@@ -394,11 +394,6 @@ impl RemoteSource {
         Ok(source)
     }
 
-    /// The folder URL (with a trailing `/`) the names are relative to.
-    pub fn folder_url(&self) -> String {
-        self.url.folder_url()
-    }
-
     /// Bytes fetched so far (bodies only), and the number of GET requests.
     #[cfg(test)]
     pub fn fetched(&self) -> (u64, u64) {
@@ -602,10 +597,18 @@ impl RemoteSource {
         })
     }
 
-    /// Fetches `range` of `name` (parts in parallel), checking that every byte came back.
-    fn fetch(&self, name: &str, range: Range<u64>) -> Result<Bytes, SourceError> {
+    /// Fetches `range` of `name` into `out` (its length is the range's): parts in parallel, each
+    /// copied into place as it arrives (memory: `out` plus the parts in flight), every part checked
+    /// to be complete.
+    fn fetch_into(&self, name: &str, range: Range<u64>, out: &mut [u8]) -> Result<(), SourceError> {
         let location = self.location(name);
         let want = range.end - range.start;
+        if out.len() as u64 != want {
+            return Err(SourceError::Io {
+                name: self.url.url_of(name),
+                message: format!("internal: a {}-byte buffer for {want} bytes", out.len()),
+            });
+        }
         let parts = split_parts(range.clone(), PART_BYTES);
         let bar = (self.progress && want >= PROGRESS_MIN_BYTES).then(|| {
             let bar = indicatif::ProgressBar::new(want);
@@ -617,54 +620,110 @@ impl RemoteSource {
             bar.set_message(format!("fetching {}", self.url.url_of(name)));
             bar
         });
-        let result: Result<Vec<Bytes>, object_store::Error> = self.runtime.block_on(
-            futures::stream::iter(parts.iter().cloned())
+        let short = |part: &Range<u64>, got: usize| SourceError::Io {
+            name: self.url.url_of(name),
+            message: format!(
+                "short body: asked for bytes {}..{} ({} bytes), got {got} bytes",
+                part.start,
+                part.end,
+                part.end - part.start
+            ),
+        };
+        let result: Result<(), SourceError> = self.runtime.block_on(async {
+            let mut pieces = futures::stream::iter(parts.iter().cloned())
                 .map(|r| {
                     let location = location.clone();
                     let store = Arc::clone(&self.store);
-                    let bar = bar.clone();
-                    async move {
-                        let got = store.get_range(&location, r).await;
-                        if let (Some(bar), Ok(b)) = (&bar, &got) {
-                            bar.inc(b.len() as u64);
-                        }
-                        got
-                    }
+                    async move { (store.get_range(&location, r.clone()).await, r) }
                 })
-                .buffered(PARALLEL_REQUESTS)
-                .try_collect(),
-        );
+                .buffered(PARALLEL_REQUESTS);
+            while let Some((got, part)) = pieces.next().await {
+                let bytes = got.map_err(|e| self.io_error(name, &e))?;
+                self.requests.fetch_add(1, Ordering::Relaxed);
+                self.fetched
+                    .fetch_add(bytes.len() as u64, Ordering::Relaxed);
+                let at = usize::try_from(part.start - range.start).unwrap_or(usize::MAX);
+                let dst = at
+                    .checked_add(bytes.len())
+                    .and_then(|end| out.get_mut(at..end))
+                    .filter(|d| d.len() as u64 == part.end - part.start)
+                    .ok_or_else(|| short(&part, bytes.len()))?;
+                dst.copy_from_slice(&bytes);
+                if let Some(bar) = &bar {
+                    bar.inc(bytes.len() as u64);
+                }
+            }
+            Ok(())
+        });
         if let Some(bar) = bar {
             bar.finish_and_clear();
         }
-        let pieces = result.map_err(|e| self.io_error(name, &e))?;
-        self.requests
-            .fetch_add(pieces.len() as u64, Ordering::Relaxed);
-        let mut got: u64 = 0;
-        for (piece, part) in pieces.iter().zip(&parts) {
-            let asked = part.end - part.start;
-            got = got.saturating_add(piece.len() as u64);
-            if piece.len() as u64 != asked {
-                return Err(SourceError::Io {
-                    name: self.url.url_of(name),
-                    message: format!(
-                        "short body: asked for bytes {}..{} ({asked} bytes), got {} bytes",
-                        part.start,
-                        part.end,
-                        piece.len()
-                    ),
-                });
+        result
+    }
+
+    /// Reads `offset..offset + out.len()` of `name` into `out`: small reads through the
+    /// read-ahead block, large ones straight into `out` ([`Source::read_range`] reads here too).
+    pub fn read_into(&self, name: &str, offset: u64, out: &mut [u8]) -> Result<(), SourceError> {
+        let len = out.len() as u64;
+        let size = self.size(name)?;
+        let (start, end) = checked_range(name, offset, len, size)?;
+        let file = self.file(name)?;
+        if let Some(bytes) = &file.bytes {
+            out.copy_from_slice(&bytes[start..end]);
+            return Ok(());
+        }
+        if len == 0 {
+            return Ok(());
+        }
+        let end_offset = offset + len; // checked above
+        let poisoned = || SourceError::Io {
+            name: self.url.url_of(name),
+            message: "a reader thread panicked".into(),
+        };
+        let sequential = {
+            let mut blocks = self.blocks.lock().map_err(|_| poisoned())?;
+            if let Some(b) = blocks.get_mut(name) {
+                let b_end = b.start.saturating_add(b.data.len() as u64);
+                if offset >= b.start && end_offset <= b_end {
+                    let from = usize::try_from(offset - b.start).unwrap_or(usize::MAX);
+                    let to = usize::try_from(end_offset - b.start).unwrap_or(usize::MAX);
+                    if let Some(slice) = b.data.get(from..to) {
+                        out.copy_from_slice(slice);
+                        b.last_start = offset;
+                        b.last_end = end_offset;
+                        return Ok(());
+                    }
+                }
+                b.is_sequential(offset)
+            } else {
+                false
             }
+        };
+        let range = fetch_range(offset, len, size, sequential);
+        let block = if range.end > end_offset {
+            let too_big = || SourceError::Io {
+                name: self.url.url_of(name),
+                message: "the read-ahead block does not fit in memory".into(),
+            };
+            let block_len = usize::try_from(range.end - range.start).map_err(|_| too_big())?;
+            let mut block = vec![0u8; block_len];
+            self.fetch_into(name, range.clone(), &mut block)?;
+            out.copy_from_slice(block.get(..out.len()).ok_or_else(too_big)?);
+            Bytes::from(block)
+        } else {
+            self.fetch_into(name, range.clone(), out)?;
+            Bytes::new()
+        };
+        let mut blocks = self.blocks.lock().map_err(|_| poisoned())?;
+        if blocks.len() >= MAX_BLOCKS && !blocks.contains_key(name) {
+            blocks.clear();
         }
-        self.fetched.fetch_add(got, Ordering::Relaxed);
-        if let [one] = pieces.as_slice() {
-            return Ok(one.clone());
-        }
-        let mut joined = Vec::with_capacity(usize::try_from(want).unwrap_or(0));
-        for piece in &pieces {
-            joined.extend_from_slice(piece);
-        }
-        Ok(Bytes::from(joined))
+        let b = blocks.entry(name.to_owned()).or_default();
+        b.last_start = offset;
+        b.last_end = end_offset;
+        b.start = range.start;
+        b.data = block;
+        Ok(())
     }
 }
 
@@ -689,55 +748,11 @@ impl Source for RemoteSource {
     fn read_range(&self, name: &str, offset: u64, len: u64) -> Result<Cow<'_, [u8]>, SourceError> {
         let size = self.size(name)?;
         let (start, end) = checked_range(name, offset, len, size)?;
-        let file = self.file(name)?;
-        if let Some(bytes) = &file.bytes {
+        if let Some(bytes) = &self.file(name)?.bytes {
             return Ok(Cow::Borrowed(&bytes[start..end]));
         }
-        if len == 0 {
-            return Ok(Cow::Owned(Vec::new()));
-        }
-        let end_offset = offset + len; // checked above
-        let sequential = {
-            let mut blocks = self.blocks.lock().map_err(|_| SourceError::Io {
-                name: self.url.url_of(name),
-                message: "a reader thread panicked".into(),
-            })?;
-            if let Some(b) = blocks.get_mut(name) {
-                let b_end = b.start.saturating_add(b.data.len() as u64);
-                if offset >= b.start && end_offset <= b_end {
-                    let from = usize::try_from(offset - b.start).unwrap_or(usize::MAX);
-                    let to = usize::try_from(end_offset - b.start).unwrap_or(usize::MAX);
-                    if let Some(slice) = b.data.get(from..to) {
-                        b.last_start = offset;
-                        b.last_end = end_offset;
-                        return Ok(Cow::Owned(slice.to_vec()));
-                    }
-                }
-                b.is_sequential(offset)
-            } else {
-                false
-            }
-        };
-        let range = fetch_range(offset, len, size, sequential);
-        let data = self.fetch(name, range.clone())?;
-        let out = data
-            .get(..end - start)
-            .map(<[u8]>::to_vec)
-            .ok_or_else(|| SourceError::Io {
-                name: self.url.url_of(name),
-                message: "short body".into(),
-            })?;
-        if let Ok(mut blocks) = self.blocks.lock() {
-            if blocks.len() >= MAX_BLOCKS && !blocks.contains_key(name) {
-                blocks.clear();
-            }
-            let keep = range.end > end_offset;
-            let b = blocks.entry(name.to_owned()).or_default();
-            b.last_start = offset;
-            b.last_end = end_offset;
-            b.start = range.start;
-            b.data = if keep { data } else { Bytes::new() };
-        }
+        let mut out = vec![0u8; end - start];
+        self.read_into(name, offset, &mut out)?;
         Ok(Cow::Owned(out))
     }
 }

@@ -72,22 +72,7 @@ impl<'a> Reader<'a> {
     fn pread(&mut self, name: &str, offset: u64, out: &mut [u8]) -> Result<()> {
         let root = match self.source {
             Input::Local(local) => local.root(),
-            Input::Remote(remote) => {
-                let bytes = shardscope_core::source::Source::read_range(
-                    &**remote,
-                    name,
-                    offset,
-                    out.len() as u64,
-                )?;
-                let got = bytes.get(..out.len()).with_context(|| {
-                    format!(
-                        "{}{name}: short read at offset {offset}",
-                        remote.folder_url()
-                    )
-                })?;
-                out.copy_from_slice(got);
-                return Ok(());
-            }
+            Input::Remote(remote) => return Ok(remote.read_into(name, offset, out)?),
         };
         let path = root.join(name);
         if !self.files.contains_key(name) {
