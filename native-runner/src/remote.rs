@@ -161,10 +161,19 @@ fn percent_decode(s: &str) -> Option<String> {
     String::from_utf8(out).ok()
 }
 
-/// What went wrong, in words a user can act on.
-pub fn describe_error(err: &object_store::Error) -> String {
+/// What went wrong, in words a user can act on (`scheme`: which credentials to check).
+pub fn describe_error(scheme: Scheme, err: &object_store::Error) -> String {
     match err {
         object_store::Error::NotFound { .. } => "not found (HTTP 404)".into(),
+        object_store::Error::PermissionDenied { .. }
+        | object_store::Error::Unauthenticated { .. }
+            if scheme == Scheme::Http =>
+        {
+            format!(
+                "access denied ({}): the server refuses this URL (HTTP(S) URLs are read without credentials)",
+                error_chain(err)
+            )
+        }
         object_store::Error::PermissionDenied { .. }
         | object_store::Error::Unauthenticated { .. } => {
             format!(
@@ -381,7 +390,16 @@ impl RemoteSource {
             if file.ends_with(".index.json") {
                 source.open_hf_index(&file)?;
             } else {
-                let size = source.head(&file)?;
+                let size = match source.head(&file) {
+                    Ok(size) => size,
+                    // `…/ckpt` for `…/ckpt/`: say how a folder is named.
+                    Err(e) if !file.contains('.') => {
+                        bail!(
+                            "{e}\nhint: this URL names a file; a folder (DCP directory, prefix) URL ends with `/`"
+                        );
+                    }
+                    Err(e) => return Err(e),
+                };
                 source.files.insert(
                     file,
                     RemoteFile {
@@ -414,7 +432,7 @@ impl RemoteSource {
     fn io_error(&self, name: &str, err: &object_store::Error) -> SourceError {
         SourceError::Io {
             name: self.url.url_of(name),
-            message: describe_error(err),
+            message: describe_error(self.url.scheme, err),
         }
     }
 
@@ -448,7 +466,12 @@ impl RemoteSource {
         let metas: Vec<object_store::ObjectMeta> = self
             .runtime
             .block_on(self.store.list(prefix.as_ref()).try_collect())
-            .map_err(|e| anyhow::anyhow!("cannot list {folder_url}: {}", describe_error(&e)))?;
+            .map_err(|e| {
+                anyhow::anyhow!(
+                    "cannot list {folder_url}: {}",
+                    describe_error(self.url.scheme, &e)
+                )
+            })?;
         let skip = prefix.as_ref().map_or(0, |p| p.parts().count());
         for meta in metas {
             let parts: Vec<String> = meta
@@ -498,7 +521,7 @@ impl RemoteSource {
                      `model.safetensors.index.json`; name a single file by its own URL"
                 );
             }
-            Err(e) => bail!("{meta_url}: {}", describe_error(&e)),
+            Err(e) => bail!("{meta_url}: {}", describe_error(self.url.scheme, &e)),
         };
         let meta = shardscope_core::formats::dcp::read_metadata(&bytes)
             .with_context(|| format!("cannot read {meta_url}"))?;
@@ -551,7 +574,7 @@ impl RemoteSource {
                 Err((name, e)) => bail!(
                     "{}: {} (named by {named_by})",
                     self.url.url_of(&name),
-                    describe_error(&e)
+                    describe_error(self.url.scheme, &e)
                 ),
             }
         }
@@ -559,9 +582,13 @@ impl RemoteSource {
     }
 
     fn open_hf_index(&mut self, name: &str) -> anyhow::Result<()> {
-        let bytes = self
-            .get_whole(name)
-            .map_err(|e| anyhow::anyhow!("{}: {}", self.url.url_of(name), describe_error(&e)))?;
+        let bytes = self.get_whole(name).map_err(|e| {
+            anyhow::anyhow!(
+                "{}: {}",
+                self.url.url_of(name),
+                describe_error(self.url.scheme, &e)
+            )
+        })?;
         self.add_hf_index(name, bytes)
     }
 
@@ -884,12 +911,12 @@ mod tests {
             path: "x".into(),
             source: "404".into(),
         };
-        assert_eq!(describe_error(&nf), "not found (HTTP 404)");
+        assert_eq!(describe_error(Scheme::S3, &nf), "not found (HTTP 404)");
         let denied = object_store::Error::PermissionDenied {
             path: "x".into(),
             source: "403 Forbidden".into(),
         };
-        let text = describe_error(&denied);
+        let text = describe_error(Scheme::S3, &denied);
         assert!(
             text.contains("check credentials") && text.contains("AWS_ACCESS_KEY_ID"),
             "{text}"
@@ -898,12 +925,17 @@ mod tests {
             path: "x".into(),
             source: "401".into(),
         };
-        assert!(describe_error(&unauth).contains("check credentials"));
+        assert!(describe_error(Scheme::S3, &unauth).contains("check credentials"));
+        let http = describe_error(Scheme::Http, &unauth);
+        assert!(
+            http.contains("access denied") && !http.contains("AWS_"),
+            "{http}"
+        );
         let other = object_store::Error::Generic {
             store: "HTTP",
             source: "connection reset".into(),
         };
-        assert!(describe_error(&other).contains("connection reset"));
+        assert!(describe_error(Scheme::S3, &other).contains("connection reset"));
         let cut = object_store::Error::Generic {
             store: "HTTP",
             source:
@@ -911,15 +943,15 @@ mod tests {
                     .into(),
         };
         assert!(
-            describe_error(&cut).starts_with("short body"),
+            describe_error(Scheme::S3, &cut).starts_with("short body"),
             "{}",
-            describe_error(&cut)
+            describe_error(Scheme::S3, &cut)
         );
         let refused = object_store::Error::Generic {
             store: "HTTP",
             source: "tcp connect error: Connection refused (os error 111)".into(),
         };
-        assert!(describe_error(&refused).starts_with("cannot connect"));
+        assert!(describe_error(Scheme::S3, &refused).starts_with("cannot connect"));
     }
 
     /// The source over an in-memory object store: names, sizes, ranges, read-ahead and errors.

@@ -421,6 +421,15 @@ fn missing_urls_are_named_in_the_error() {
         );
         assert!(dir_is_empty(tmp.path()));
     }
+    // A folder named without its trailing `/`: a hint says how.
+    copy_dir(&examples_dir().join("fsdp2_dcp"), &nginx.www().join("ck2"));
+    let out = shardscope(&["inspect", &nginx.url("ck2")]);
+    assert_eq!(out.status.code(), Some(2), "{}", text(&out.stderr));
+    let err = text(&out.stderr);
+    assert!(
+        err.contains(&nginx.url("ck2")) && err.contains("ends with `/`"),
+        "{err}"
+    );
     // A data file named by `.metadata` but absent on the server.
     copy_dir(&examples_dir().join("fsdp2_dcp"), &nginx.www().join("ck"));
     std::fs::remove_file(nginx.www().join("ck/__1_0.distcp")).unwrap();
