@@ -8,6 +8,7 @@ Serves the files under ROOT on 127.0.0.1 (a free port, printed as `ready PORT` o
 - `short`: a range response of more than 64 bytes promises its full length in Content-Length, sends
   half of it and closes the connection (a body cut short).
 - `die N`: serves N GET requests, then stops listening and exits (a server gone mid-transfer).
+- `flaky`: every other GET answers 503 Service Unavailable (a transient failure to retry).
 - `ok`: serves everything (to check the server itself).
 """
 
@@ -55,6 +56,11 @@ class Handler(BaseHTTPRequestHandler):
             count = served
         if MODE == "die" and count > LIMIT:
             os._exit(0)
+        if MODE == "flaky" and count % 2 == 1:
+            self.send_response(503)
+            self.send_header("Content-Length", "0")
+            self.end_headers()
+            return
         path = self.file()
         if path is None:
             return

@@ -470,8 +470,9 @@ fn faulty_server(root: &Path, mode: &[&str]) -> (Server, u16) {
     (server, port)
 }
 
-/// A body cut short, and a server that stops after indexing: `convert` fails with a message
-/// naming the URL, and leaves nothing at the destination (no output, no temporary file).
+/// Transient 503s are retried (the output equals the local one); a body cut short, and a server
+/// that stops after indexing: `convert` fails with a message naming the URL, and leaves nothing at
+/// the destination (no output, no temporary file).
 #[test]
 fn faults_mid_convert_fail_cleanly() {
     let root = tempfile::tempdir().unwrap();
@@ -486,6 +487,30 @@ fn faults_mid_convert_fail_cleanly() {
             &shardscope(&["convert", &url, "-o", dst.to_str().unwrap(), "-q"]),
             "convert from the honest server",
         );
+    }
+    // Every other GET answers 503: retried with backoff, the output equals the local one.
+    {
+        let (_server, port) = faulty_server(root.path(), &["flaky"]);
+        let tmp = tempfile::tempdir().unwrap();
+        let dst = tmp.path().join("out.safetensors");
+        let url = format!("http://127.0.0.1:{port}/ck/");
+        assert_ok(
+            &shardscope(&["convert", &url, "-o", dst.to_str().unwrap(), "-q"]),
+            "convert from a server failing every other request",
+        );
+        let local = tmp.path().join("local.safetensors");
+        let src = examples_dir().join("fsdp2_dcp");
+        assert_ok(
+            &shardscope(&[
+                "convert",
+                src.to_str().unwrap(),
+                "-o",
+                local.to_str().unwrap(),
+                "-q",
+            ]),
+            "convert local",
+        );
+        assert!(std::fs::read(&dst).unwrap() == std::fs::read(&local).unwrap());
     }
     // Indexing reads `.metadata` (1 GET) and 4 bytes of each data file (2 GETs): both faults
     // strike when tensor data is read.
