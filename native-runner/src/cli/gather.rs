@@ -24,7 +24,6 @@ use shardscope_runner::gather::{
 };
 use shardscope_runner::trace::{Clock, Span, names};
 
-use super::layout::open_checkpoint;
 use super::print_stdout;
 use crate::input::Input;
 
@@ -222,7 +221,8 @@ fn prepare(args: &GatherArgs) -> anyhow::Result<Prepared> {
         [p] => p.is_file() && p.extension().is_some_and(|e| e == "safetensors"),
         _ => false,
     };
-    let files = open_checkpoint(paths)?;
+    // Its own progress bar: no second one for remote reads.
+    let files = crate::input::open(paths, false)?;
     let index = index::index_source(&files).with_context(|| {
         if single_safetensors {
             format!("{name}: not a valid safetensors file")
