@@ -10,7 +10,18 @@ cd "$(dirname "$0")/.."
 TARGET=x86_64-unknown-linux-musl
 PROFILE="${PROFILE:-release}"
 rustup target list --installed | grep -qx "$TARGET" || rustup target add "$TARGET"
-# musl's C runtime is linked in statically (Rust's self-contained crt objects; no musl-gcc needed).
+# musl's C runtime is linked in statically (Rust's self-contained crt objects). aws-lc-sys (TLS for
+# remote inputs, through object_store/reqwest/rustls) compiles C for the target: with musl-gcc
+# (Debian: musl-tools), installed here when missing and running as root.
+if [ -z "${CC_x86_64_unknown_linux_musl:-}" ] && ! command -v musl-gcc >/dev/null; then
+  if [ "$(id -u)" = 0 ] && command -v apt-get >/dev/null; then
+    apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq musl-tools
+  else
+    echo "build-static.sh needs musl-gcc (apt-get install musl-tools) or CC_x86_64_unknown_linux_musl" >&2
+    exit 1
+  fi
+fi
+export CC_x86_64_unknown_linux_musl="${CC_x86_64_unknown_linux_musl:-musl-gcc}"
 RUSTFLAGS="${RUSTFLAGS:-} -C target-feature=+crt-static" \
   cargo build --profile "$PROFILE" --target "$TARGET" -p shardscope-runner --bin shardscope
 dir=$([ "$PROFILE" = dev ] && echo debug || echo "$PROFILE")

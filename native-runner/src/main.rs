@@ -4,6 +4,8 @@ mod atomic;
 mod cli;
 mod convert;
 mod file_source;
+mod input;
+mod remote;
 
 use std::process::ExitCode;
 

@@ -243,7 +243,7 @@ pub fn run(args: &ConvertArgs) -> Result<ExitCode> {
 /// 0-d `step` tensors are plain on both).
 fn has_rank_local_optimizer_state(src: &Path) -> Result<bool> {
     use shardscope_core::model::index::{EntryKind, PathSeg, Role};
-    let (_, index) = convert::open_unchecked(src)?;
+    let (_, index) = convert::open_unchecked(src, false)?;
     Ok(index.entries.iter().any(|e| {
         e.kind == EntryKind::Tensor
             && e.shape.is_none()
@@ -261,7 +261,7 @@ fn has_rank_local_optimizer_state(src: &Path) -> Result<bool> {
 /// True when every tensor of the checkpoint at `src` is optimizer state (no model files).
 fn optimizer_only(src: &Path) -> Result<bool> {
     use shardscope_core::model::index::EntryKind;
-    let (_, index) = convert::open_unchecked(src)?;
+    let (_, index) = convert::open_unchecked(src, false)?;
     Ok(index
         .entries
         .iter()
@@ -314,7 +314,7 @@ fn run_index_view(
         Some(why) => anyhow::anyhow!("{e:#}\nas per-rank files: {why:#}"),
         None => e,
     };
-    let (source, index) = convert::open_unchecked(src).map_err(with_why)?;
+    let (source, index) = convert::open_unchecked(src, false).map_err(with_why)?;
     let label = args.src.display().to_string();
     let index = match view {
         View::AsIs => index,

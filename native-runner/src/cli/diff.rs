@@ -8,7 +8,6 @@ use clap::Args;
 use shardscope_core::model::index;
 use shardscope_core::verify::{self, DiffOptions, Side, Tolerance};
 
-use super::inspect::open;
 use super::print_stdout;
 use super::report_text::{Progress, render};
 
@@ -69,8 +68,9 @@ pub fn run(args: &DiffArgs) -> anyhow::Result<ExitCode> {
     };
     let left_label = args.left.display().to_string();
     let right_label = args.right.display().to_string();
-    let left_source = open(std::slice::from_ref(&args.left))?;
-    let right_source = open(std::slice::from_ref(&args.right))?;
+    // Its own progress line: no second one for remote reads.
+    let left_source = crate::input::open(std::slice::from_ref(&args.left), false)?;
+    let right_source = crate::input::open(std::slice::from_ref(&args.right), false)?;
     let left_index =
         index::index_source(&left_source).with_context(|| format!("cannot read {left_label}"))?;
     let left_index = args.layout.apply(left_index, &left_label)?;

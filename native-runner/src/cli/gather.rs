@@ -24,9 +24,8 @@ use shardscope_runner::gather::{
 };
 use shardscope_runner::trace::{Clock, Span, names};
 
-use super::layout::open_checkpoint;
 use super::print_stdout;
-use crate::file_source::FileSource;
+use crate::input::Input;
 
 #[derive(Debug, Clone, Copy, PartialEq, Eq, ValueEnum)]
 pub enum Backend {
@@ -159,7 +158,7 @@ struct Prepared {
 
 /// A description from the checkpoint's own entries (stored order, one root unit).
 fn derive_model(
-    source: &FileSource,
+    source: &Input,
     index: &CheckpointIndex,
     select: Option<&str>,
     name: &str,
@@ -232,7 +231,8 @@ fn prepare(args: &GatherArgs) -> anyhow::Result<Prepared> {
         [p] => p.is_file() && p.extension().is_some_and(|e| e == "safetensors"),
         _ => false,
     };
-    let files = open_checkpoint(paths)?;
+    // Its own progress bar: no second one for remote reads.
+    let files = crate::input::open(paths, false)?;
     let index = index::index_source(&files).with_context(|| {
         if single_safetensors {
             format!("{name}: not a valid safetensors file")
@@ -291,7 +291,7 @@ fn prepare(args: &GatherArgs) -> anyhow::Result<Prepared> {
     };
     let prefix = match &select {
         Some(s) => format!("{s}."),
-        None => Indexed::<FileSource>::find_prefix(&index, &model),
+        None => Indexed::<Input>::find_prefix(&index, &model),
     };
     if !prefix.is_empty() {
         notes.push(format!(

@@ -13,7 +13,7 @@ use shardscope_core::model::index::{self, CheckpointIndex, EntryKind, IndexEntry
 use shardscope_core::source::Source;
 
 use super::{human_bytes, print_stdout};
-use crate::file_source::FileSource;
+use crate::input::Input;
 
 #[derive(Debug, Args)]
 pub struct InspectArgs {
@@ -34,18 +34,9 @@ pub struct InspectArgs {
     pub layout: super::model_layout::ModelLayoutArgs,
 }
 
-pub(super) fn open(paths: &[PathBuf]) -> anyhow::Result<FileSource> {
-    if let [path] = paths {
-        if path.is_dir() {
-            return FileSource::dir(path);
-        }
-        // `.metadata` given directly: the DCP directory around it.
-        if path.file_name().is_some_and(|n| n == ".metadata") {
-            return FileSource::dir(path.parent().unwrap_or(path));
-        }
-        return FileSource::file(path);
-    }
-    FileSource::files(paths)
+/// Opens the checkpoint named by paths or one URL ([`crate::input::open`]).
+pub(super) fn open(paths: &[PathBuf]) -> anyhow::Result<Input> {
+    crate::input::open(paths, true)
 }
 
 fn ranks_text(entry: &IndexEntry) -> String {

@@ -13,7 +13,7 @@ use shardscope_core::layout::{
 };
 use shardscope_core::model::{ModelDescription, from_index, index};
 
-use crate::file_source::FileSource;
+use crate::input::Input;
 
 use super::{human_bytes, print_stdout};
 
@@ -93,17 +93,8 @@ fn parse_dtype(s: &str) -> Result<DType, String> {
 
 /// Opens a checkpoint given as one file, a directory (DCP, per-rank files, sharded safetensors),
 /// a DCP `.metadata` file, or several per-rank files.
-pub(crate) fn open_checkpoint(paths: &[PathBuf]) -> anyhow::Result<FileSource> {
-    if let [path] = paths {
-        if path.is_dir() {
-            return FileSource::dir(path);
-        }
-        if path.file_name().is_some_and(|n| n == ".metadata") {
-            return FileSource::dir(path.parent().unwrap_or(path));
-        }
-        return FileSource::file(path);
-    }
-    FileSource::files(paths)
+pub(crate) fn open_checkpoint(paths: &[PathBuf]) -> anyhow::Result<Input> {
+    crate::input::open(paths, true)
 }
 
 fn full_match(pattern: &str, what: &str) -> anyhow::Result<regex::Regex> {
@@ -114,7 +105,7 @@ fn full_match(pattern: &str, what: &str) -> anyhow::Result<regex::Regex> {
 /// Tied weights among the floating-point entries (under `select.` when given): alias key -> the key
 /// it shares its tensor with.
 fn tied_keys(
-    source: &FileSource,
+    source: &Input,
     index: &index::CheckpointIndex,
     order: &from_index::KeyOrder,
     select: Option<&str>,

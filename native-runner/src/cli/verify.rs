@@ -8,7 +8,6 @@ use clap::Args;
 use shardscope_core::model::index;
 use shardscope_core::verify::{self, Side, VerifyOptions};
 
-use super::inspect::open;
 use super::print_stdout;
 use super::report_text::{Progress, render};
 
@@ -43,7 +42,8 @@ pub fn run(args: &VerifyArgs) -> anyhow::Result<ExitCode> {
         .map(|p| p.display().to_string())
         .collect::<Vec<_>>()
         .join(" ");
-    let source = open(&args.paths)?;
+    // Its own progress line: no second one for remote reads.
+    let source = crate::input::open(&args.paths, false)?;
     let mut idx = index::index_source(&source).with_context(|| format!("cannot read {label}"))?;
     let layout = args
         .layout

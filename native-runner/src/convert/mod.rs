@@ -42,19 +42,19 @@ use shardscope_core::model::index::{
 };
 
 use crate::atomic;
-use crate::file_source::FileSource;
+use crate::input::Input;
 
 /// Reads tensor values of an indexed checkpoint into caller buffers.
 #[derive(Debug)]
 pub struct Reader<'a> {
-    source: &'a FileSource,
+    source: &'a Input,
     index: &'a CheckpointIndex,
     files: BTreeMap<String, File>,
     scratch: Vec<u8>,
 }
 
 impl<'a> Reader<'a> {
-    pub fn new(source: &'a FileSource, index: &'a CheckpointIndex) -> Self {
+    pub fn new(source: &'a Input, index: &'a CheckpointIndex) -> Self {
         Self {
             source,
             index,
@@ -67,12 +67,16 @@ impl<'a> Reader<'a> {
         self.index
     }
 
-    pub fn source(&self) -> &'a FileSource {
+    pub fn source(&self) -> &'a Input {
         self.source
     }
 
     fn pread(&mut self, name: &str, offset: u64, out: &mut [u8]) -> Result<()> {
-        let path = self.source.root().join(name);
+        let root = match self.source {
+            Input::Local(local) => local.root(),
+            Input::Remote(remote) => return Ok(remote.read_into(name, offset, out)?),
+        };
+        let path = root.join(name);
         if !self.files.contains_key(name) {
             let file =
                 File::open(&path).with_context(|| format!("cannot open {}", path.display()))?;
@@ -321,15 +325,11 @@ pub fn ensure_consistent(src: &Path, index: &CheckpointIndex) -> Result<()> {
     Ok(())
 }
 
-/// Opens and indexes `src` without checking the index (for views that fix it up first).
-pub fn open_unchecked(src: &Path) -> Result<(FileSource, CheckpointIndex)> {
-    let source = if src.is_dir() {
-        FileSource::dir(src)?
-    } else if src.file_name().is_some_and(|n| n == ".metadata") {
-        FileSource::dir(src.parent().unwrap_or(src))?
-    } else {
-        FileSource::file(src)?
-    };
+/// Opens and indexes `src` (a file, a folder or a URL: [`crate::input::open`]) without checking
+/// the index (views fix it up first; then [`ensure_consistent`]). `progress`: long remote reads may
+/// show a progress line.
+pub fn open_unchecked(src: &Path, progress: bool) -> Result<(Input, CheckpointIndex)> {
+    let source = crate::input::open(std::slice::from_ref(&src.to_path_buf()), progress)?;
     let index = shardscope_core::model::index::index_source(&source)
         .with_context(|| format!("cannot read the checkpoint {}", src.display()))?;
     Ok((source, index))
@@ -410,7 +410,7 @@ pub fn select<'a>(index: &'a CheckpointIndex, prefix: Option<&str>) -> Result<Se
 /// returns `(kept, dropped)` output names. The name kept is the one that comes first in the
 /// checkpoint.
 pub fn drop_tied(
-    source: &FileSource,
+    source: &Input,
     index: &CheckpointIndex,
     sel: &mut Selection<'_>,
 ) -> Result<Vec<(String, String)>> {

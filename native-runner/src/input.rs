@@ -1,0 +1,73 @@
+//! One place that turns command-line inputs (paths or URLs) into a [`Source`]: every command that
+//! reads a checkpoint opens it here, so every command takes `http(s)://`, `s3://`, `gs://` and
+//! `az://` URLs as well as local paths.
+
+use std::borrow::Cow;
+use std::path::{Path, PathBuf};
+
+use shardscope_core::source::{Source, SourceError};
+
+use crate::file_source::FileSource;
+use crate::remote::{self, RemoteSource};
+
+/// A checkpoint's files: memory-mapped local files, or objects behind a URL.
+#[derive(Debug)]
+pub enum Input {
+    Local(FileSource),
+    Remote(Box<RemoteSource>),
+}
+
+/// The argument as a URL, when it is one (`s3://…`, `http://…`).
+pub fn as_url(path: &Path) -> Option<&str> {
+    path.to_str().filter(|s| remote::is_url(s))
+}
+
+/// Opens one checkpoint given as one file, a directory (DCP, per-rank files, sharded safetensors),
+/// a DCP `.metadata` file, several per-rank files, or one URL. `progress`: long remote reads may
+/// draw a progress line on stderr (only when it is a terminal).
+pub fn open(paths: &[PathBuf], progress: bool) -> anyhow::Result<Input> {
+    if let Some(url) = paths.iter().find_map(|p| as_url(p)) {
+        if paths.len() > 1 {
+            anyhow::bail!(
+                "{url}: a URL names the whole checkpoint; give it alone\nhint: a folder URL ends with `/`"
+            );
+        }
+        return Ok(Input::Remote(Box::new(RemoteSource::open(url, progress)?)));
+    }
+    let local = if let [path] = paths {
+        if path.is_dir() {
+            FileSource::dir(path)?
+        } else if path.file_name().is_some_and(|n| n == ".metadata") {
+            // `.metadata` given directly: the DCP directory around it.
+            FileSource::dir(path.parent().unwrap_or(path))?
+        } else {
+            FileSource::file(path)?
+        }
+    } else {
+        FileSource::files(paths)?
+    };
+    Ok(Input::Local(local))
+}
+
+impl Source for Input {
+    fn names(&self) -> Vec<String> {
+        match self {
+            Input::Local(s) => s.names(),
+            Input::Remote(s) => s.names(),
+        }
+    }
+
+    fn size(&self, name: &str) -> Result<u64, SourceError> {
+        match self {
+            Input::Local(s) => s.size(name),
+            Input::Remote(s) => s.size(name),
+        }
+    }
+
+    fn read_range(&self, name: &str, offset: u64, len: u64) -> Result<Cow<'_, [u8]>, SourceError> {
+        match self {
+            Input::Local(s) => s.read_range(name, offset, len),
+            Input::Remote(s) => s.read_range(name, offset, len),
+        }
+    }
+}
