@@ -216,9 +216,14 @@ fn prepare(plan: &Plan<'_>, part: Part) -> Result<()> {
         );
     }
     fs::create_dir_all(dest).with_context(|| format!("cannot create {}", dest.display()))?;
+    let mut names = Vec::new();
     for entry in fs::read_dir(dest).with_context(|| format!("cannot list {}", dest.display()))? {
         let entry = entry.with_context(|| format!("cannot list {}", dest.display()))?;
-        let name = entry.file_name().to_string_lossy().into_owned();
+        names.push(entry.file_name().to_string_lossy().into_owned());
+    }
+    // Markers first: "another conversion" says more than "a file this plan does not name".
+    names.sort_by_key(|n| !n.starts_with(MARKER_PREFIX));
+    for name in names {
         if plan.final_names.contains(&name.as_str()) {
             bail!(
                 "{} already holds {name}: the output is complete (or another conversion's)\nhint: shardscope never overwrites; remove it or choose another path",
