@@ -245,7 +245,16 @@ fn prepare(plan: &Plan<'_>, part: Part) -> Result<()> {
                 dest.join(LOCK_NAME).display()
             );
         }
-        if atomic::is_temp_of(&name, &marker_name(part)) {
+        // Another part writing its marker right now.
+        if (0..part.count).any(|rank| {
+            atomic::is_temp_of(
+                &name,
+                &marker_name(Part {
+                    rank,
+                    count: part.count,
+                }),
+            )
+        }) {
             continue;
         }
         bail!(
@@ -522,6 +531,14 @@ mod tests {
         let dir = tempfile::tempdir().unwrap();
         let dest = dir.path().join("out");
         let files = plan_files();
+        // Part 0 writing its marker at this moment: not a stranger (and a leftover once done).
+        fs::create_dir_all(&dest).unwrap();
+        let other_marker = marker_name(Part { rank: 0, count: 2 });
+        fs::write(
+            dest.join(format!(".{other_marker}.shardscope-tmp-7-0")),
+            b"{",
+        )
+        .unwrap();
         let a = run_part(&dest, &files, "fp", Part { rank: 1, count: 2 }).unwrap();
         assert_eq!(a.written, ["f1", "f3"]);
         assert!(!a.finalized);
