@@ -68,7 +68,7 @@ impl Job<'_> {
     /// can be read in place).
     fn cost_bytes(&self, reader: &Reader<'_>) -> Result<u64> {
         if let Some(range) = &self.range
-            && reader.range_in_place(self.entry, self.to).is_some()
+            && reader.slab_pieces(self.entry, self.to).is_some()
         {
             return Ok(range.end.saturating_sub(range.start));
         }

@@ -202,31 +202,57 @@ impl<'a> Reader<'a> {
         Ok(total)
     }
 
-    /// Where the (uncast) bytes of `entry` lie in one file, when the tensor is stored as one
-    /// contiguous chunk and no cast applies: its byte ranges can then be read in place.
-    pub fn range_in_place(&self, entry: &IndexEntry, to: DType) -> Option<(String, u64)> {
+    /// Where the (uncast) bytes of `entry` lie when every chunk is a dim-0 slab stored
+    /// contiguously (one chunk holding the whole tensor, FSDP's dim-0 shards), and no cast applies:
+    /// `(byte offset in the tensor, length, file, byte offset in the file)` per distinct chunk,
+    /// covering the tensor exactly. Any byte range of it can then be read in place.
+    pub fn slab_pieces(&self, entry: &IndexEntry, to: DType) -> Option<Vec<SlabPiece>> {
         let (dtype, shape) = tensor_meta(entry).ok()?;
         if to != dtype {
             return None;
         }
-        let [chunk] = entry.chunks.as_slice() else {
-            return None;
-        };
-        if chunk.encoding == ChunkEncoding::ZstdTorchSaveItem
-            || chunk.sizes != *shape
-            || chunk.offsets.iter().any(|&o| o != 0)
-        {
-            return None;
+        let item = dtype.size_bytes() as u64;
+        let row_bytes = shape
+            .iter()
+            .skip(1)
+            .try_fold(item, |n, &d| n.checked_mul(d))?;
+        let total = nbytes(dtype, shape)?;
+        let mut seen: BTreeSet<(&[u64], &[u64])> = BTreeSet::new();
+        let mut pieces = Vec::new();
+        let mut covered = 0u64;
+        for chunk in &entry.chunks {
+            if !seen.insert((&chunk.offsets, &chunk.sizes)) || chunk.numel() == Some(0) {
+                continue;
+            }
+            if chunk.encoding == ChunkEncoding::ZstdTorchSaveItem
+                || chunk.offsets.len() != shape.len()
+                || chunk.sizes.len() != shape.len()
+                || (!shape.is_empty() && chunk.sizes[1..] != shape[1..])
+            {
+                return None;
+            }
+            let location = self.index.locate_chunk(self.source, entry, chunk).ok()?;
+            let (file_start, len) = location.contiguous_range(&chunk.sizes, item)?;
+            let tensor_start = chunk
+                .offsets
+                .first()
+                .map_or(Some(0), |&o| o.checked_mul(row_bytes))?;
+            covered = covered.checked_add(len)?;
+            pieces.push(SlabPiece {
+                tensor_start,
+                len,
+                file: location.file,
+                file_start,
+            });
         }
-        let location = self.index.locate_chunk(self.source, entry, chunk).ok()?;
-        let (start, _) = location.contiguous_range(&chunk.sizes, dtype.size_bytes() as u64)?;
-        Some((location.file, start))
+        // The index check proved the chunks tile the tensor; count once more before trusting it.
+        (covered == total).then_some(pieces)
     }
 
     /// Reads the contiguous byte range `range` of the full tensor of `entry`, cast to `to` (its own
-    /// dtype: no cast), into `buf[..len]` and returns `len`. A tensor stored as one contiguous
-    /// chunk is read in place ([`Self::range_in_place`]); any other is assembled whole into `buf`
-    /// and the range moved to its front (no second buffer).
+    /// dtype: no cast), into `buf[..len]` and returns `len`. A tensor stored as contiguous dim-0
+    /// slabs is read in place ([`Self::slab_pieces`]); any other is assembled whole into `buf` and
+    /// the range moved to its front (no second buffer).
     pub fn range_as(
         &mut self,
         entry: &IndexEntry,
@@ -242,14 +268,31 @@ impl<'a> Reader<'a> {
         if len == 0 {
             return Ok(0);
         }
-        if let Some((file, start)) = self.range_in_place(entry, to) {
+        if let Some(pieces) = self.slab_pieces(entry, to) {
             if buf.len() < len {
                 buf.resize(len, 0);
             }
-            let at = start
-                .checked_add(range.start)
-                .with_context(|| format!("{}: byte offset overflows", entry.key))?;
-            self.pread(&file, at, &mut buf[..len])?;
+            let mut filled = 0u64;
+            for piece in pieces {
+                let start = range.start.max(piece.tensor_start);
+                let end = range.end.min(piece.tensor_start.saturating_add(piece.len));
+                if start >= end {
+                    continue;
+                }
+                let at = piece
+                    .file_start
+                    .checked_add(start - piece.tensor_start)
+                    .with_context(|| format!("{}: byte offset overflows", entry.key))?;
+                let dst = (start - range.start) as usize..(end - range.start) as usize;
+                self.pread(&piece.file, at, &mut buf[dst])?;
+                filled += end - start;
+            }
+            if filled != len as u64 {
+                bail!(
+                    "{}: the byte range {range:?} reaches past the tensor",
+                    entry.key
+                );
+            }
             return Ok(len);
         }
         let n = self.tensor_as(entry, to, buf)?;
@@ -267,6 +310,19 @@ impl<'a> Reader<'a> {
         Ok(len)
     }
 }
+
+/// A contiguous piece of a tensor's bytes in one file (see [`Reader::slab_pieces`]).
+#[derive(Debug, Clone)]
+pub struct SlabPiece {
+    pub tensor_start: u64,
+    pub len: u64,
+    pub file: String,
+    pub file_start: u64,
+}
+
+/// Tensors that can be read in place by byte range are read in pieces of at most this many bytes,
+/// so reads of one large tensor overlap its writing and memory stays far below the tensor's size.
+pub const PIECE_BYTES: u64 = 16 << 20;
 
 /// The buffer [`Reader::tensor_as`] needs for `entry` cast to `to`: its elements at the larger of
 /// the two dtype sizes (the cast happens in place).
@@ -653,35 +709,55 @@ pub fn to_safetensors(
     }
     let by_name: BTreeMap<&str, &IndexEntry> =
         sel.tensors.iter().map(|(n, e)| (n.as_str(), *e)).collect();
-    let jobs_of = |file_specs: &[TensorSpec]| -> Result<(Vec<String>, Vec<exec::Job<'_>>)> {
-        // The data order the writer wants (dtype rank, then name), without writing a header.
-        let order: Vec<String> = SafetensorsWriter::new(std::io::sink(), file_specs, None)?
-            .data_order()
-            .map(str::to_owned)
-            .collect();
-        let jobs = order
-            .iter()
-            .map(|name| {
+    let piece_reader = Reader::new(reader.source(), reader.index());
+    // Per file: tensor names in the writer's data order (dtype rank, then name), and the reads:
+    // whole tensors, or pieces of at most `PIECE_BYTES` of those read in place by byte range.
+    let jobs_of =
+        |file_specs: &[TensorSpec]| -> Result<(Vec<String>, Vec<usize>, Vec<exec::Job<'_>>)> {
+            let order: Vec<String> = SafetensorsWriter::new(std::io::sink(), file_specs, None)?
+                .data_order()
+                .map(str::to_owned)
+                .collect();
+            let mut jobs = Vec::new();
+            let mut job_tensor = Vec::new();
+            for (t, name) in order.iter().enumerate() {
                 let entry = by_name[name.as_str()];
                 let (to, _) = sel.out_meta(entry)?;
-                Ok(exec::Job {
-                    entry,
-                    to,
-                    range: None,
-                })
-            })
-            .collect::<Result<_>>()?;
-        Ok((order, jobs))
-    };
-    let (_, all_jobs) = jobs_of(&specs)?;
+                let n = sel
+                    .out_nbytes(entry)
+                    .with_context(|| format!("{}: tensor size overflows", entry.key))?;
+                if n > PIECE_BYTES && piece_reader.slab_pieces(entry, to).is_some() {
+                    let mut start = 0;
+                    while start < n {
+                        let end = start.saturating_add(PIECE_BYTES).min(n);
+                        jobs.push(exec::Job {
+                            entry,
+                            to,
+                            range: Some(start..end),
+                        });
+                        job_tensor.push(t);
+                        start = end;
+                    }
+                } else {
+                    jobs.push(exec::Job {
+                        entry,
+                        to,
+                        range: None,
+                    });
+                    job_tensor.push(t);
+                }
+            }
+            Ok((order, job_tensor, jobs))
+        };
+    let (_, _, all_jobs) = jobs_of(&specs)?;
     let (exec_opts, limit) = fix_limit(reader, &all_jobs, &opts.exec)?;
     let source = reader.source();
     let index = reader.index();
     let write_one = |out: &mut dyn Write, file_specs: &[TensorSpec]| -> Result<()> {
-        let (order, jobs) = jobs_of(file_specs)?;
+        let (order, job_tensor, jobs) = jobs_of(file_specs)?;
         let mut writer = SafetensorsWriter::new(out, file_specs, Some(&metadata))?;
         exec::run(source, index, &jobs, &exec_opts, |i, bytes| {
-            writer.write_tensor(&order[i], bytes)?;
+            writer.write_tensor_part(&order[job_tensor[i]], bytes)?;
             progress.advance(bytes.len() as u64);
             Ok(())
         })?;
