@@ -1,5 +1,5 @@
 #!/usr/bin/env python3
-"""Benchmark: `shardscope convert` of a ~2.1 GiB DCP checkpoint at one reader thread, at the default
+"""Benchmark: `shardscope convert` of a ~2.1 GiB DCP checkpoint at one reader thread, at one per core
 thread count, and split over two processes (`--part 0/2`, `--part 1/2` at once), against a durable
 plain copy of the same bytes, in the same run.
 
@@ -10,9 +10,9 @@ plain copy of the same bytes, in the same run.
    command starts with it in the page cache). `--runs N` (default 3) runs every command N times in
    turn; the median is shown.
    - plain copy: `cat` of the `.distcp` files into one file, then `sync FILE`;
-   - DCP -> one safetensors file (`--select model`), `--threads 1` and default;
-   - DCP -> HF shards (`--max-shard-size 500MB`: 6 files), `--threads 1`, default, and two
-     processes `--part 0/2` + `--part 1/2` started together.
+   - DCP -> one safetensors file (`--select model`), `--threads 1` and `--threads <cores>`;
+   - DCP -> HF shards (`--max-shard-size 500MB`: 6 files), `--threads 1`, `--threads <cores>`, and
+     two processes `--part 0/2` + `--part 1/2` started together (default threads each).
 3. Checks: the shards of every variant are byte-identical.
 
 usage: python bench/convert_parallel.py [--shardscope target/release/shardscope] [--dir /tmp] [--runs 3]
@@ -58,6 +58,7 @@ def main() -> None:
         one = os.path.join(work, "one.safetensors")
         shards = {k: os.path.join(work, f"shards-{k}") for k in ("t1", "default", "parts")}
         base = [shardscope, "convert", src, "--select", "model", "--quiet"]
+        cores = os.cpu_count() or 1
         shard_args = ["--max-shard-size", "500MB"]
         # Both parts at once; fails when either does.
         parts_cmd = [
@@ -67,9 +68,9 @@ def main() -> None:
         commands = {
             "plain copy (cat + sync)": (["sh", "-c", 'out="$1"; shift; cat "$@" > "$out" && sync "$out"', "sh", copy, *data_files], copy),
             "-> one safetensors, --threads 1": ([*base, "-o", one, "--threads", "1"], one),
-            "-> one safetensors, default threads": ([*base, "-o", one], one),
+            f"-> one safetensors, --threads {cores}": ([*base, "-o", one, "--threads", str(cores)], one),
             "-> HF shards, --threads 1": ([*base, "-o", shards["t1"], *shard_args, "--threads", "1"], shards["t1"]),
-            "-> HF shards, default threads": ([*base, "-o", shards["default"], *shard_args], shards["default"]),
+            f"-> HF shards, --threads {cores}": ([*base, "-o", shards["default"], *shard_args, "--threads", str(cores)], shards["default"]),
             "-> HF shards, 2 processes (--part)": (parts_cmd, shards["parts"]),
         }
         runs = {name: [] for name in commands}

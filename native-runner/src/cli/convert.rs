@@ -89,7 +89,8 @@ pub struct ConvertArgs {
     #[arg(long)]
     pub keep_tied: bool,
     /// Reader threads: tensors are read in parallel while the output is written in order (the
-    /// output is the same for any count). Default: the available cores, at most 8.
+    /// output is the same for any count). Default: the available cores less one (for the writer),
+    /// at least 1, at most 8.
     #[arg(long, value_name = "N", value_parser = crate::convert::exec::parse_threads)]
     pub threads: Option<usize>,
     /// At most this many bytes of tensor buffers alive at once (`2GiB`, `500MB`, bytes); must hold

@@ -46,10 +46,13 @@ impl Default for ExecOptions {
 }
 
 impl ExecOptions {
-    /// The default thread count: the available parallelism, at most [`DEFAULT_MAX_THREADS`].
+    /// The default thread count: the available parallelism less one core for the writing thread
+    /// (and the kernel's writeback), at least 1, at most [`DEFAULT_MAX_THREADS`]. On 2 cores that
+    /// is 1: a second reader made `bench/convert_parallel.py` slower there (BENCHMARKS.md).
     pub fn default_threads() -> usize {
         std::thread::available_parallelism()
             .map_or(1, std::num::NonZeroUsize::get)
+            .saturating_sub(1)
             .clamp(1, DEFAULT_MAX_THREADS)
     }
 }

@@ -3,13 +3,18 @@
 //! nested as `dcp_to_torch_save` nests it, or to a DCP directory sharded for N ranks.
 //!
 //! # Streaming
-//! One tensor at a time. The checkpoint is indexed through the memory-mapped [`FileSource`] (only
-//! metadata and each DCP item's small zip directory are touched there); tensor bytes are read with
-//! `pread` straight into the output buffer ([`Reader::tensor_as`]): a dim-0 slab chunk (the FSDP
+//! The reads of each output file are jobs run by [`exec`] (`--threads` readers, `--memory-limit`,
+//! written in order: the same bytes for any thread count); tensors stored as contiguous dim-0 slabs
+//! are read by byte range ([`Reader::slab_pieces`]: 16 MiB pieces for safetensors, DCP output
+//! chunks in place). Multi-file outputs can be split over processes with [`part`].
+//!
+//! The checkpoint is indexed through the memory-mapped [`FileSource`] (only metadata and each DCP
+//! item's small zip directory are touched there); tensor bytes are read with `pread` straight into
+//! the job's buffer ([`Reader::tensor_as`], [`Reader::range_as`]): a dim-0 slab chunk (the FSDP
 //! case, and every single-chunk tensor) lands at its place with one read and no intermediate copy;
-//! other boxes go through one reusable scratch buffer. The buffer is reused from tensor to tensor, so
-//! peak memory is the largest tensor plus small metadata, and page-cache pages of the input never
-//! count against the process (as they would when copying out of the mmap).
+//! other boxes go through a reusable scratch buffer. Buffers are pooled under the memory limit, and
+//! page-cache pages of the input never count against the process (as they would when copying out
+//! of the mmap).
 //!
 //! FSDP2 per-rank folders with optimizer state (DTensor model and raw `optim.state_dict()` files)
 //! are first combined into the full `{"model", "optim"}` state by [`fsdp2_ranks`].
