@@ -29,7 +29,25 @@ pub fn write_file<T>(
     dest: &Path,
     write: impl FnOnce(&mut BufWriter<File>) -> Result<T>,
 ) -> Result<T> {
-    let tmp = temp_path(dest)?;
+    write_file_inner(dest, true, write)
+}
+
+/// [`write_file`] into a folder that other processes, maybe on other machines, write at the same
+/// time (`convert --part`): leftovers are not swept, since a process id says nothing about a
+/// process of another machine.
+pub fn write_file_shared<T>(
+    dest: &Path,
+    write: impl FnOnce(&mut BufWriter<File>) -> Result<T>,
+) -> Result<T> {
+    write_file_inner(dest, false, write)
+}
+
+fn write_file_inner<T>(
+    dest: &Path,
+    sweep: bool,
+    write: impl FnOnce(&mut BufWriter<File>) -> Result<T>,
+) -> Result<T> {
+    let tmp = temp_path(dest, sweep)?;
     let file = OpenOptions::new()
         .write(true)
         .create_new(true)
@@ -80,7 +98,7 @@ pub fn write_dir<T>(dest: &Path, write: impl FnOnce(&Path) -> Result<T>) -> Resu
         }
         Err(e) => return Err(e).with_context(|| format!("cannot inspect {}", dest.display())),
     };
-    let tmp = temp_path(dest)?;
+    let tmp = temp_path(dest, true)?;
     fs::create_dir(&tmp)
         .with_context(|| format!("cannot create temporary directory {}", tmp.display()))?;
     let guard = Cleanup::dir(tmp.clone());
@@ -109,17 +127,28 @@ fn parent_dir(dest: &Path) -> PathBuf {
 }
 
 /// `.{name}.shardscope-tmp-{pid}-{n}` in the destination's directory (hidden, unique per process).
-fn temp_path(dest: &Path) -> Result<PathBuf> {
+fn temp_path(dest: &Path, sweep: bool) -> Result<PathBuf> {
     let name = dest
         .file_name()
         .with_context(|| format!("output path has no file name: {}", dest.display()))?;
-    remove_stale_temps(dest);
+    if sweep {
+        remove_stale_temps(dest);
+    }
     let n = COUNTER.fetch_add(1, Ordering::Relaxed);
     Ok(parent_dir(dest).join(format!(
         ".{}.shardscope-tmp-{}-{n}",
         name.to_string_lossy(),
         std::process::id()
     )))
+}
+
+/// Whether `entry` is a temporary name `.{name}.shardscope-tmp-{pid}-{n}` for the output `name`.
+pub fn is_temp_of(entry: &str, name: &str) -> bool {
+    temp_owner(entry).is_some()
+        && entry
+            .strip_prefix('.')
+            .and_then(|e| e.rsplit_once(".shardscope-tmp-"))
+            .is_some_and(|(n, _)| n == name)
 }
 
 /// The pid in a temporary name `.{name}.shardscope-tmp-{pid}-{n}` (any non-empty `name`).
@@ -191,7 +220,7 @@ fn sync_tree(dir: &Path) -> Result<()> {
 }
 
 /// Best effort: some file systems do not allow opening or syncing a directory.
-fn sync_dir(dir: &Path) {
+pub fn sync_dir(dir: &Path) {
     if let Ok(d) = File::open(dir) {
         let _ = d.sync_all();
     }

@@ -87,6 +87,24 @@ pub struct ConvertArgs {
     /// the name that comes first in the checkpoint, as `save_pretrained` does).
     #[arg(long)]
     pub keep_tied: bool,
+    /// Reader threads: tensors are read in parallel while the output is written in order (the
+    /// output is the same for any count). Default: the available cores less one (for the writer),
+    /// at least 1, at most 8.
+    #[arg(long, value_name = "N", value_parser = crate::convert::exec::parse_threads)]
+    pub threads: Option<usize>,
+    /// At most this many bytes of tensor buffers alive at once (`2GiB`, `500MB`, bytes); must hold
+    /// the largest tensor. Default: the largest tensor plus 64 MiB.
+    #[arg(long, value_name = "SIZE", value_parser = parse_size)]
+    pub memory_limit: Option<u64>,
+    /// Write part R of N of a multi-file output (HF shards with --max-shard-size, DCP rank files):
+    /// files i with i % N == R, then the last part to finish writes the index. `auto` takes R/N from
+    /// RANK/WORLD_SIZE (torchrun) or SLURM_PROCID/SLURM_NTASKS (srun).
+    #[arg(long, value_name = "R/N|auto", value_parser = crate::convert::part::parse_part)]
+    pub part: Option<crate::convert::part::PartArg>,
+    /// With --part: write only the index of an output whose N parts have all finished (after the
+    /// process that should have written it died).
+    #[arg(long, requires = "part")]
+    pub finalize: bool,
     /// Print a JSON summary on stdout.
     #[arg(long)]
     pub json: bool,
@@ -177,6 +195,12 @@ impl Progress for Bar {
 
 pub fn run(args: &ConvertArgs) -> Result<ExitCode> {
     let per_rank = fsdp2_ranks::detect(&args.src);
+    if args.part.is_some() && (args.model.is_some() || matches!(per_rank, Detected::Fsdp2(_))) {
+        bail!(
+            "--part applies to DCP directories and full checkpoints; {} holds per-rank FSDP files\nhint: convert them to a full file first, then split that conversion with --part",
+            args.src.display()
+        );
+    }
     if let Detected::Fsdp2(ranks) = &per_rank {
         if !args.quiet && !args.json {
             eprintln!(
@@ -304,6 +328,7 @@ fn run_index_view(
             args.output.display()
         );
     }
+    let opts = write_options(args, dir_output)?;
     let started = Instant::now();
     // When nothing reads the folder, say what is wrong with it as per-rank files too.
     let incomplete = match per_rank {
@@ -395,14 +420,20 @@ fn run_index_view(
     }));
     let mut reader = Reader::new(&source, &index);
     let written = match target {
-        Target::Safetensors => {
-            convert::to_safetensors(&mut reader, &sel, &args.output, args.max_shard_size, &bar)
-        }
+        Target::Safetensors => convert::to_safetensors(
+            &mut reader,
+            &sel,
+            &args.output,
+            args.max_shard_size,
+            &opts,
+            &bar,
+        ),
         Target::Torch => convert::to_torch_save(
             &mut reader,
             &sel,
             args.select.as_deref(),
             &args.output,
+            &opts,
             &bar,
         ),
         Target::Dcp => {
@@ -414,6 +445,7 @@ fn run_index_view(
                 world_size,
                 args.api,
                 args.nest.as_deref(),
+                &opts,
                 &bar,
             )
         }
@@ -439,18 +471,61 @@ fn run_index_view(
                 .map(|(kept, dropped)| serde_json::json!({"kept": kept, "dropped": dropped}))
                 .collect::<Vec<_>>(),
             "seconds": seconds,
+            "threads": opts.exec.threads,
+            "memory_limit_bytes": written.memory_limit_bytes,
+            "part": opts.part.map(|p| p.to_string()),
+            "complete": written.complete,
         });
         print_stdout(&format!("{}\n", serde_json::to_string_pretty(&summary)?))?;
     } else if !args.quiet {
-        eprintln!(
-            "wrote {} ({} tensors, {}, {} other values) in {seconds:.2} s",
-            args.output.display(),
-            written.tensors,
-            human_bytes(written.tensor_bytes),
-            written.values
-        );
+        match opts.part {
+            Some(part) if opts.finalize_only => eprintln!(
+                "wrote the index of {} ({part_count} parts) in {seconds:.2} s",
+                args.output.display(),
+                part_count = part.count
+            ),
+            Some(part) => eprintln!(
+                "wrote part {part} of {} ({} files) in {seconds:.2} s; {}",
+                args.output.display(),
+                written.outputs.len().saturating_sub(1),
+                if written.complete {
+                    "all parts are done: wrote the index"
+                } else {
+                    "the last part to finish writes the index"
+                }
+            ),
+            None => eprintln!(
+                "wrote {} ({} tensors, {}, {} other values) in {seconds:.2} s",
+                args.output.display(),
+                written.tensors,
+                human_bytes(written.tensor_bytes),
+                written.values
+            ),
+        }
     }
     Ok(ExitCode::SUCCESS)
+}
+
+/// `--threads`, `--memory-limit`, `--part`, `--finalize`: checked against the output kind.
+fn write_options(args: &ConvertArgs, dir_output: bool) -> Result<convert::WriteOptions> {
+    use crate::convert::exec::ExecOptions;
+    use crate::convert::part::{PartArg, part_from_env};
+    let part = match args.part {
+        None => None,
+        Some(_) if !dir_output => bail!(
+            "--part splits a multi-file output: HF shards (--max-shard-size) or DCP (--world-size)\nhint: one safetensors or torch.save file is written by one process"
+        ),
+        Some(PartArg::Given(p)) => Some(p),
+        Some(PartArg::Auto) => Some(part_from_env(|k| std::env::var(k).ok())?),
+    };
+    Ok(convert::WriteOptions {
+        exec: ExecOptions {
+            threads: args.threads.unwrap_or_else(ExecOptions::default_threads),
+            memory_limit_bytes: args.memory_limit,
+        },
+        part,
+        finalize_only: args.finalize,
+    })
 }
 
 fn parse_fsdp1_strategy(s: &str) -> Result<shardscope_core::layout::Strategy, String> {

@@ -3,20 +3,28 @@
 //! nested as `dcp_to_torch_save` nests it, or to a DCP directory sharded for N ranks.
 //!
 //! # Streaming
-//! One tensor at a time. The checkpoint is indexed through the memory-mapped [`FileSource`] (only
-//! metadata and each DCP item's small zip directory are touched there); tensor bytes are read with
-//! `pread` straight into the output buffer ([`Reader::tensor_as`]): a dim-0 slab chunk (the FSDP
+//! The reads of each output file are jobs run by [`exec`] (`--threads` readers, `--memory-limit`,
+//! written in order: the same bytes for any thread count); tensors stored as contiguous dim-0 slabs
+//! are read by byte range ([`Reader::slab_pieces`]: 16 MiB pieces for safetensors, DCP output
+//! chunks in place). Multi-file outputs can be split over processes with [`part`].
+//!
+//! The checkpoint is indexed through [`Input`] (a memory-mapped local file set, or range reads of a
+//! remote one; only metadata and each DCP
+//! item's small zip directory are touched there); tensor bytes are read with `pread` straight into
+//! the job's buffer ([`Reader::tensor_as`], [`Reader::range_as`]): a dim-0 slab chunk (the FSDP
 //! case, and every single-chunk tensor) lands at its place with one read and no intermediate copy;
-//! other boxes go through one reusable scratch buffer. The buffer is reused from tensor to tensor, so
-//! peak memory is the largest tensor plus small metadata, and page-cache pages of the input never
-//! count against the process (as they would when copying out of the mmap).
+//! other boxes go through a reusable scratch buffer. Buffers are pooled under the memory limit, and
+//! page-cache pages of the input never count against the process (as they would when copying out
+//! of the mmap).
 //!
 //! Per-rank folders go the same way: their index is read through a view first (FSDP2:
 //! `shardscope_core::model::fsdp2_view` names the optimizer ids; FSDP1 with `--model`:
 //! `shardscope_core::model::fsdp1_view` turns flat pieces into original parameters);
 //! [`fsdp2_ranks`] only recognises FSDP2 folders.
 
+pub mod exec;
 pub mod fsdp2_ranks;
+pub mod part;
 
 use std::collections::{BTreeMap, BTreeSet};
 use std::fs::File;
@@ -28,8 +36,8 @@ use anyhow::{Context, Result, bail};
 use shardscope_core::DType;
 use shardscope_core::cast::{cast_in_place, cast_target};
 use shardscope_core::formats::write::dcp::{
-    BytesValue, DcpChunk, DcpEntry, DcpFileWriter, DcpMetadataOptions, DcpPlan, DcpValue,
-    EmptyRanks, PathKey, chunk_dim0, metadata_pickle,
+    BytesValue, DcpChunk, DcpEntry, DcpFileRecord, DcpFileWriter, DcpItemRef, DcpMetadataOptions,
+    DcpPlan, DcpValue, EmptyRanks, PathKey, StoredItem, chunk_dim0, metadata_pickle,
 };
 use shardscope_core::formats::write::pickle::{PyValue, StorageSpec, TensorPickle};
 use shardscope_core::formats::write::safetensors::{
@@ -206,47 +214,137 @@ impl<'a> Reader<'a> {
         Ok(total)
     }
 
-    /// Reads the contiguous byte range `range` of the full tensor of `entry` into `out`. A tensor
-    /// stored as one contiguous chunk is read in place; any other is assembled into `whole` first
-    /// (kept, so consecutive ranges of one entry assemble it once).
-    /// The range is of the tensor cast to `to` (its own dtype: no cast).
-    fn tensor_range_into(
+    /// Where the (uncast) bytes of `entry` lie when every chunk is a dim-0 slab stored
+    /// contiguously (one chunk holding the whole tensor, FSDP's dim-0 shards), and no cast applies:
+    /// `(byte offset in the tensor, length, file, byte offset in the file)` per distinct chunk,
+    /// covering the tensor exactly. Any byte range of it can then be read in place.
+    pub fn slab_pieces(&self, entry: &IndexEntry, to: DType) -> Option<Vec<SlabPiece>> {
+        let (dtype, shape) = tensor_meta(entry).ok()?;
+        if to != dtype {
+            return None;
+        }
+        let item = dtype.size_bytes() as u64;
+        let row_bytes = shape
+            .iter()
+            .skip(1)
+            .try_fold(item, |n, &d| n.checked_mul(d))?;
+        let total = nbytes(dtype, shape)?;
+        let mut seen: BTreeSet<(&[u64], &[u64])> = BTreeSet::new();
+        let mut pieces = Vec::new();
+        let mut covered = 0u64;
+        for chunk in &entry.chunks {
+            if !seen.insert((&chunk.offsets, &chunk.sizes)) || chunk.numel() == Some(0) {
+                continue;
+            }
+            if chunk.encoding == ChunkEncoding::ZstdTorchSaveItem
+                || chunk.offsets.len() != shape.len()
+                || chunk.sizes.len() != shape.len()
+                || (!shape.is_empty() && chunk.sizes[1..] != shape[1..])
+            {
+                return None;
+            }
+            let location = self.index.locate_chunk(self.source, entry, chunk).ok()?;
+            let (file_start, len) = location.contiguous_range(&chunk.sizes, item)?;
+            let tensor_start = chunk
+                .offsets
+                .first()
+                .map_or(Some(0), |&o| o.checked_mul(row_bytes))?;
+            covered = covered.checked_add(len)?;
+            pieces.push(SlabPiece {
+                tensor_start,
+                len,
+                file: location.file,
+                file_start,
+            });
+        }
+        // The index check proved the chunks tile the tensor; count once more before trusting it.
+        (covered == total).then_some(pieces)
+    }
+
+    /// Reads the contiguous byte range `range` of the full tensor of `entry`, cast to `to` (its own
+    /// dtype: no cast), into `buf[..len]` and returns `len`. A tensor stored as contiguous dim-0
+    /// slabs is read in place ([`Self::slab_pieces`]); any other is assembled whole into `buf` and
+    /// the range moved to its front (no second buffer).
+    pub fn range_as(
         &mut self,
         entry: &IndexEntry,
         to: DType,
         range: std::ops::Range<u64>,
-        out: &mut Vec<u8>,
-        whole: &mut (Option<String>, Vec<u8>),
-    ) -> Result<()> {
-        let (dtype, shape) = tensor_meta(entry)?;
-        let len = (range.end - range.start) as usize;
-        out.clear();
-        out.resize(len, 0);
+        buf: &mut Vec<u8>,
+    ) -> Result<usize> {
+        let len = range
+            .end
+            .checked_sub(range.start)
+            .and_then(|n| usize::try_from(n).ok())
+            .with_context(|| format!("{}: a bad byte range {range:?}", entry.key))?;
         if len == 0 {
-            return Ok(());
+            return Ok(0);
         }
-        if to == dtype
-            && let [chunk] = entry.chunks.as_slice()
-            && chunk.encoding != ChunkEncoding::ZstdTorchSaveItem
-            && chunk.sizes == *shape
-            && chunk.offsets.iter().all(|&o| o == 0)
-        {
-            let location = self.index.locate_chunk(self.source, entry, chunk)?;
-            if let Some((start, _)) =
-                location.contiguous_range(&chunk.sizes, dtype.size_bytes() as u64)
-            {
-                return self.pread(&location.file, start + range.start, out);
+        if let Some(pieces) = self.slab_pieces(entry, to) {
+            if buf.len() < len {
+                buf.resize(len, 0);
             }
+            let mut filled = 0u64;
+            for piece in pieces {
+                let start = range.start.max(piece.tensor_start);
+                let end = range.end.min(piece.tensor_start.saturating_add(piece.len));
+                if start >= end {
+                    continue;
+                }
+                let at = piece
+                    .file_start
+                    .checked_add(start - piece.tensor_start)
+                    .with_context(|| format!("{}: byte offset overflows", entry.key))?;
+                let dst = (start - range.start) as usize..(end - range.start) as usize;
+                self.pread(&piece.file, at, &mut buf[dst])?;
+                filled += end - start;
+            }
+            if filled != len as u64 {
+                bail!(
+                    "{}: the byte range {range:?} reaches past the tensor",
+                    entry.key
+                );
+            }
+            return Ok(len);
         }
-        if whole.0.as_deref() != Some(entry.key.as_str()) {
-            whole.0 = None;
-            let n = self.tensor_as(entry, to, &mut whole.1)?;
-            whole.1.truncate(n);
-            whole.0 = Some(entry.key.clone());
+        let n = self.tensor_as(entry, to, buf)?;
+        let start = usize::try_from(range.start).ok();
+        let Some((start, end)) = start.and_then(|s| Some((s, s.checked_add(len)?))) else {
+            bail!("{}: a byte range past the tensor", entry.key);
+        };
+        if end > n {
+            bail!(
+                "{}: the byte range {range:?} reaches past the tensor ({n} bytes)",
+                entry.key
+            );
         }
-        out.copy_from_slice(&whole.1[range.start as usize..range.end as usize]);
-        Ok(())
+        buf.copy_within(start..end, 0);
+        Ok(len)
     }
+}
+
+/// A contiguous piece of a tensor's bytes in one file (see [`Reader::slab_pieces`]).
+#[derive(Debug, Clone)]
+pub struct SlabPiece {
+    pub tensor_start: u64,
+    pub len: u64,
+    pub file: String,
+    pub file_start: u64,
+}
+
+/// Tensors that can be read in place by byte range are read in pieces of at most this many bytes,
+/// so reads of one large tensor overlap its writing and memory stays far below the tensor's size.
+pub const PIECE_BYTES: u64 = 16 << 20;
+
+/// The buffer [`Reader::tensor_as`] needs for `entry` cast to `to`: its elements at the larger of
+/// the two dtype sizes (the cast happens in place).
+pub fn read_cost_bytes(entry: &IndexEntry, to: DType) -> Result<u64> {
+    let (dtype, shape) = tensor_meta(entry)?;
+    shape
+        .iter()
+        .try_fold(1u64, |n, &d| n.checked_mul(d))
+        .and_then(|numel| numel.checked_mul(to.size_bytes().max(dtype.size_bytes()) as u64))
+        .with_context(|| format!("{}: tensor size overflows", entry.key))
 }
 
 fn tensor_meta(entry: &IndexEntry) -> Result<(DType, &[u64])> {
@@ -464,13 +562,120 @@ pub trait Progress {
 /// What a conversion wrote.
 #[derive(Debug, Clone, serde::Serialize)]
 pub struct Written {
-    /// The output paths (a file, or a directory and its files).
+    /// The output paths (a file, or a directory and its files); with `--part`, what this process
+    /// wrote.
     pub outputs: Vec<String>,
     pub tensors: usize,
     pub values: usize,
     pub tensor_bytes: u64,
     /// The largest tensor, which bounds the memory the conversion needs.
     pub largest_tensor_bytes: u64,
+    /// The limit on tensor buffers alive at once that the executor ran under.
+    pub memory_limit_bytes: u64,
+    /// `--part`: whether this process wrote the index (the output is complete). Always true
+    /// without `--part`.
+    pub complete: bool,
+}
+
+/// How a conversion runs: the executor's threads and memory, and which part of a multi-process
+/// conversion this process writes.
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
+pub struct WriteOptions {
+    pub exec: exec::ExecOptions,
+    /// `--part R/N`: write the files `i % N == R` of a multi-file output (see [`part`]).
+    pub part: Option<part::Part>,
+    /// `--finalize`: write no data, only the index of a multi-part output whose parts are done.
+    pub finalize_only: bool,
+}
+
+/// The names, sizes and modification times of the source's files: part of a `--part` plan's
+/// fingerprint, so parts of runs over different input bytes never mix.
+fn source_identity(source: &Input) -> String {
+    use shardscope_core::source::Source;
+    use std::fmt::Write as _;
+    let mut text = String::new();
+    for name in source.names() {
+        let size = source.size(&name).ok();
+        // Remote objects: names and sizes (their listings carry no modification time here).
+        let modified = match source {
+            Input::Local(local) => std::fs::metadata(local.root().join(&name))
+                .and_then(|m| m.modified())
+                .ok()
+                .and_then(|t| t.duration_since(std::time::UNIX_EPOCH).ok())
+                .map(|d| d.as_nanos()),
+            Input::Remote(_) => None,
+        };
+        let _ = writeln!(text, "{name:?} {size:?} {modified:?}");
+    }
+    text
+}
+
+/// Checks the memory limit for every job of the conversion at once (a too-small limit fails
+/// before anything is written) and returns the options with the limit fixed.
+fn fix_limit(
+    reader: &Reader<'_>,
+    jobs: &[exec::Job<'_>],
+    options: &exec::ExecOptions,
+) -> Result<(exec::ExecOptions, u64)> {
+    let stats = exec::memory_limit(reader.source(), reader.index(), jobs, options)?;
+    Ok((
+        exec::ExecOptions {
+            threads: options.threads,
+            memory_limit_bytes: Some(stats.memory_limit_bytes),
+        },
+        stats.memory_limit_bytes,
+    ))
+}
+
+/// Writes a multi-file output: all of it atomically (a temporary directory renamed into place),
+/// or with `--part` this process's files and, when all parts are done, the index (see [`part`]).
+fn write_multi(
+    plan: &part::Plan<'_>,
+    opts: &WriteOptions,
+    write_one: &mut dyn FnMut(usize, &mut dyn Write) -> Result<serde_json::Value>,
+    finish: &part::FinishFn<'_>,
+) -> Result<part::Outcome> {
+    if opts.finalize_only {
+        let p = opts
+            .part
+            .context("--finalize needs --part R/N or --part auto (N: the number of parts)")?;
+        let written = part::finalize(plan, p.count, true, finish)?
+            .context("another process holds the finalize lock")?;
+        return Ok(part::Outcome {
+            written,
+            finalized: true,
+        });
+    }
+    if let Some(p) = opts.part {
+        return part::write_part(plan, p, write_one, finish);
+    }
+    atomic::write_dir(plan.dest, |tmp| {
+        let mut records = Vec::with_capacity(plan.files.len());
+        for (i, name) in plan.files.iter().enumerate() {
+            let path = tmp.join(name);
+            let f =
+                File::create(&path).with_context(|| format!("cannot create {}", path.display()))?;
+            let mut out = BufWriter::new(f);
+            records.push(write_one(i, &mut out)?);
+            out.flush()
+                .with_context(|| format!("cannot write {}", path.display()))?;
+        }
+        for (name, bytes) in plan.final_names.iter().zip(finish(&records)?) {
+            let path = tmp.join(name);
+            std::fs::write(&path, bytes)
+                .with_context(|| format!("cannot write {}", path.display()))?;
+        }
+        Ok(())
+    })?;
+    Ok(part::Outcome {
+        written: plan
+            .files
+            .iter()
+            .cloned()
+            .chain(plan.final_names.iter().map(|s| (*s).to_owned()))
+            .collect(),
+        finalized: true,
+    })
 }
 
 fn largest(sel: &Selection<'_>) -> u64 {
@@ -491,6 +696,7 @@ pub fn to_safetensors(
     sel: &Selection<'_>,
     dest: &Path,
     max_shard_bytes: Option<u64>,
+    opts: &WriteOptions,
     progress: &dyn Progress,
 ) -> Result<Written> {
     let specs: Vec<TensorSpec> = sel
@@ -520,53 +726,110 @@ pub fn to_safetensors(
     }
     let by_name: BTreeMap<&str, &IndexEntry> =
         sel.tensors.iter().map(|(n, e)| (n.as_str(), *e)).collect();
-    let mut buf = Vec::new();
-    let mut write_one = |out: &mut dyn Write, file_specs: &[TensorSpec]| -> Result<()> {
+    let piece_reader = Reader::new(reader.source(), reader.index());
+    // Per file: tensor names in the writer's data order (dtype rank, then name), and the reads:
+    // whole tensors, or pieces of at most `PIECE_BYTES` of those read in place by byte range.
+    let jobs_of =
+        |file_specs: &[TensorSpec]| -> Result<(Vec<String>, Vec<usize>, Vec<exec::Job<'_>>)> {
+            let order: Vec<String> = SafetensorsWriter::new(std::io::sink(), file_specs, None)?
+                .data_order()
+                .map(str::to_owned)
+                .collect();
+            let mut jobs = Vec::new();
+            let mut job_tensor = Vec::new();
+            for (t, name) in order.iter().enumerate() {
+                let entry = by_name[name.as_str()];
+                let (to, _) = sel.out_meta(entry)?;
+                let n = sel
+                    .out_nbytes(entry)
+                    .with_context(|| format!("{}: tensor size overflows", entry.key))?;
+                if n > PIECE_BYTES && piece_reader.slab_pieces(entry, to).is_some() {
+                    let mut start = 0;
+                    while start < n {
+                        let end = start.saturating_add(PIECE_BYTES).min(n);
+                        jobs.push(exec::Job {
+                            entry,
+                            to,
+                            range: Some(start..end),
+                        });
+                        job_tensor.push(t);
+                        start = end;
+                    }
+                } else {
+                    jobs.push(exec::Job {
+                        entry,
+                        to,
+                        range: None,
+                    });
+                    job_tensor.push(t);
+                }
+            }
+            Ok((order, job_tensor, jobs))
+        };
+    let (_, _, all_jobs) = jobs_of(&specs)?;
+    let (exec_opts, limit) = fix_limit(reader, &all_jobs, &opts.exec)?;
+    let source = reader.source();
+    let index = reader.index();
+    let write_one = |out: &mut dyn Write, file_specs: &[TensorSpec]| -> Result<()> {
+        let (order, job_tensor, jobs) = jobs_of(file_specs)?;
         let mut writer = SafetensorsWriter::new(out, file_specs, Some(&metadata))?;
-        let order: Vec<String> = writer.data_order().map(str::to_owned).collect();
-        for name in order {
-            let entry = by_name[name.as_str()];
-            let (dtype, _) = sel.out_meta(entry)?;
-            let n = reader.tensor_as(entry, dtype, &mut buf)?;
-            writer.write_tensor(&name, &buf[..n])?;
-            progress.advance(n as u64);
-        }
+        exec::run(source, index, &jobs, &exec_opts, |i, bytes| {
+            writer.write_tensor_part(&order[job_tensor[i]], bytes)?;
+            progress.advance(bytes.len() as u64);
+            Ok(())
+        })?;
         writer.finish()?;
         Ok(())
     };
     let mut outputs = vec![dest.display().to_string()];
+    let mut complete = true;
     match max_shard_bytes {
         None => atomic::write_file(dest, |out| write_one(out, &specs))?,
         Some(limit) => {
             let plan = plan_shards(&specs, Some(limit), "model")?;
             let names: Vec<String> = plan.files.iter().map(|f| f.file_name.clone()).collect();
-            atomic::write_dir(dest, |tmp| {
-                for file in &plan.files {
-                    let file_specs: Vec<TensorSpec> =
-                        file.tensors.iter().map(|&i| specs[i].clone()).collect();
-                    let path = tmp.join(&file.file_name);
-                    let f = File::create(&path)
-                        .with_context(|| format!("cannot create {}", path.display()))?;
-                    let mut out = BufWriter::new(f);
-                    write_one(&mut out, &file_specs)?;
-                    out.flush()
-                        .with_context(|| format!("cannot write {}", path.display()))?;
-                }
-                if plan.needs_index() {
-                    let path = tmp.join("model.safetensors.index.json");
-                    std::fs::write(&path, index_json(&plan, &specs))
-                        .with_context(|| format!("cannot write {}", path.display()))?;
-                }
-                Ok(())
-            })?;
-            outputs.extend(names.iter().map(|n| dest.join(n).display().to_string()));
-            if plan.needs_index() {
-                outputs.push(
-                    dest.join("model.safetensors.index.json")
-                        .display()
-                        .to_string(),
-                );
-            }
+            let final_names: &[&str] = if plan.needs_index() {
+                &["model.safetensors.index.json"]
+            } else {
+                &[]
+            };
+            let fingerprint = part::fingerprint(&format!(
+                "safetensors shards\n{specs:?}\n{metadata:?}\n{plan:?}\n{}",
+                source_identity(source)
+            ));
+            let multi = part::Plan {
+                dest,
+                files: &names,
+                final_names,
+                fingerprint: &fingerprint,
+            };
+            let outcome = write_multi(
+                &multi,
+                opts,
+                &mut |i, out| {
+                    let file_specs: Vec<TensorSpec> = plan.files[i]
+                        .tensors
+                        .iter()
+                        .map(|&t| specs[t].clone())
+                        .collect();
+                    write_one(out, &file_specs)?;
+                    Ok(serde_json::Value::Null)
+                },
+                &|_| {
+                    Ok(if plan.needs_index() {
+                        vec![index_json(&plan, &specs).into_bytes()]
+                    } else {
+                        Vec::new()
+                    })
+                },
+            )?;
+            complete = outcome.finalized;
+            outputs.extend(
+                outcome
+                    .written
+                    .iter()
+                    .map(|n| dest.join(n).display().to_string()),
+            );
         }
     }
     Ok(Written {
@@ -575,6 +838,8 @@ pub fn to_safetensors(
         values: sel.values.len(),
         tensor_bytes: sel.tensor_bytes(),
         largest_tensor_bytes: largest(sel),
+        memory_limit_bytes: limit,
+        complete,
     })
 }
 
@@ -750,6 +1015,7 @@ pub fn to_torch_save(
     sel: &Selection<'_>,
     prefix: Option<&str>,
     dest: &Path,
+    opts: &WriteOptions,
     progress: &dyn Progress,
 ) -> Result<Written> {
     // In stored order (registration order for state dicts, `.metadata` order for DCP), as torch
@@ -786,15 +1052,30 @@ pub fn to_torch_save(
         .filter(|s| !s.is_empty() && !s.contains('\n'))
         .unwrap_or("archive")
         .to_owned();
-    let mut buf = Vec::new();
+    let jobs: Vec<exec::Job<'_>> = storages
+        .list
+        .iter()
+        .map(|(spec, leaf)| exec::Job {
+            entry: leaves[*leaf].1,
+            to: spec.dtype,
+            range: None,
+        })
+        .collect();
+    let (exec_opts, limit) = fix_limit(reader, &jobs, &opts.exec)?;
     atomic::write_file(dest, |out| {
         let table = storages.list.iter().map(|(s, _)| *s).collect();
         let mut writer = TorchSaveWriter::new(out, &archive, &value, table)?;
-        for (spec, leaf) in &storages.list {
-            let n = reader.tensor_as(leaves[*leaf].1, spec.dtype, &mut buf)?;
-            writer.write_storage(&buf[..n])?;
-            progress.advance(n as u64);
-        }
+        exec::run(
+            reader.source(),
+            reader.index(),
+            &jobs,
+            &exec_opts,
+            |_, bytes| {
+                writer.write_storage(bytes)?;
+                progress.advance(bytes.len() as u64);
+                Ok(())
+            },
+        )?;
         writer.finish()?;
         Ok(())
     })?;
@@ -804,6 +1085,8 @@ pub fn to_torch_save(
         values: sel.values.len(),
         tensor_bytes: sel.tensor_bytes(),
         largest_tensor_bytes: largest(sel),
+        memory_limit_bytes: limit,
+        complete: true,
     })
 }
 
@@ -829,6 +1112,10 @@ pub enum ShardApi {
 /// dim-0 chunks as FSDP shards it, non-tensor values as bytes items on rank 0. `nest` puts every
 /// key under one more level (`--nest model` gives the `{"model": ...}` that `dcp.load` of an
 /// `{"model": model.state_dict()}` expects).
+#[expect(
+    clippy::too_many_arguments,
+    reason = "the DCP options are the CLI's flags, passed through one by one"
+)]
 pub fn to_dcp(
     reader: &mut Reader<'_>,
     sel: &Selection<'_>,
@@ -836,6 +1123,7 @@ pub fn to_dcp(
     world_size: usize,
     api: ShardApi,
     nest: Option<&str>,
+    opts: &WriteOptions,
     progress: &dyn Progress,
 ) -> Result<Written> {
     let empty = match api {
@@ -881,42 +1169,133 @@ pub fn to_dcp(
         entries.push(DcpEntry { fqn, path, value });
     }
     let plan = DcpPlan::new(world_size, entries)?;
-    let mut outputs = vec![dest.display().to_string()];
-    atomic::write_dir(dest, |tmp| {
-        let mut records = Vec::new();
-        let mut buf = Vec::new();
-        let mut whole = (None, Vec::new());
-        for rank in 0..world_size {
-            let name = DcpPlan::file_name(rank);
-            let path = tmp.join(&name);
-            let f =
-                File::create(&path).with_context(|| format!("cannot create {}", path.display()))?;
-            let mut out = BufWriter::new(f);
-            let mut writer = DcpFileWriter::new(&plan, rank, &mut out)?;
-            while let Some((entry, chunk)) = writer.next_chunk() {
-                let range = ranges[entry][chunk].clone();
-                let (dtype, _) = sel.out_meta(sources[entry])?;
-                reader.tensor_range_into(sources[entry], dtype, range, &mut buf, &mut whole)?;
-                writer.write_chunk(&buf)?;
-                progress.advance(buf.len() as u64);
-            }
+    // Per rank file: its chunk items, in write order, as executor jobs.
+    let rank_jobs: Vec<Vec<exec::Job<'_>>> = (0..world_size)
+        .map(|rank| {
+            plan.items(rank)
+                .iter()
+                .filter_map(|item| match *item {
+                    DcpItemRef::Chunk { entry, chunk } => Some((entry, chunk)),
+                    DcpItemRef::Bytes { .. } => None,
+                })
+                .map(|(entry, chunk)| {
+                    let (to, _) = sel.out_meta(sources[entry])?;
+                    Ok(exec::Job {
+                        entry: sources[entry],
+                        to,
+                        range: Some(ranges[entry][chunk].clone()),
+                    })
+                })
+                .collect::<Result<_>>()
+        })
+        .collect::<Result<_>>()?;
+    let all_jobs: Vec<exec::Job<'_>> = rank_jobs.iter().flatten().cloned().collect();
+    let (exec_opts, limit) = fix_limit(reader, &all_jobs, &opts.exec)?;
+    let names: Vec<String> = (0..world_size).map(DcpPlan::file_name).collect();
+    let fingerprint = part::fingerprint(&format!(
+        "dcp\n{plan:?}\n{ranges:?}\n{}",
+        source_identity(reader.source())
+    ));
+    let multi = part::Plan {
+        dest,
+        files: &names,
+        final_names: &[".metadata"],
+        fingerprint: &fingerprint,
+    };
+    let source = reader.source();
+    let index = reader.index();
+    let outcome = write_multi(
+        &multi,
+        opts,
+        &mut |rank, out| {
+            let mut writer = DcpFileWriter::new(&plan, rank, out)?;
+            exec::run(source, index, &rank_jobs[rank], &exec_opts, |_, bytes| {
+                writer.write_chunk(bytes)?;
+                progress.advance(bytes.len() as u64);
+                Ok(())
+            })?;
             let (_, record) = writer.finish()?;
-            records.push(record);
-            out.flush()
-                .with_context(|| format!("cannot write {}", path.display()))?;
-        }
-        let meta = metadata_pickle(&plan, &records, &DcpMetadataOptions::default())?;
-        std::fs::write(tmp.join(".metadata"), meta)
-            .with_context(|| format!("cannot write {}", tmp.join(".metadata").display()))?;
-        Ok(())
-    })?;
-    outputs.extend((0..world_size).map(|r| dest.join(DcpPlan::file_name(r)).display().to_string()));
-    outputs.push(dest.join(".metadata").display().to_string());
+            Ok(record_to_json(&record))
+        },
+        &|records| {
+            let records = records
+                .iter()
+                .map(record_from_json)
+                .collect::<Result<Vec<_>>>()?;
+            Ok(vec![metadata_pickle(
+                &plan,
+                &records,
+                &DcpMetadataOptions::default(),
+            )?])
+        },
+    )?;
+    let mut outputs = vec![dest.display().to_string()];
+    outputs.extend(
+        outcome
+            .written
+            .iter()
+            .map(|n| dest.join(n).display().to_string()),
+    );
     Ok(Written {
         outputs,
         tensors: sel.tensors.len(),
         values: sel.values.len(),
         tensor_bytes: sel.tensor_bytes(),
         largest_tensor_bytes: largest(sel),
+        memory_limit_bytes: limit,
+        complete: outcome.finalized,
+    })
+}
+
+/// A rank file's record as JSON for its part marker: `[[kind, entry, chunk, offset, length]]`,
+/// kind `0` a bytes item (chunk 0), `1` a tensor chunk.
+fn record_to_json(record: &DcpFileRecord) -> serde_json::Value {
+    let items: Vec<[u64; 5]> = record
+        .items
+        .iter()
+        .map(|s| {
+            let (kind, entry, chunk) = match s.item {
+                DcpItemRef::Bytes { entry } => (0, entry, 0),
+                DcpItemRef::Chunk { entry, chunk } => (1, entry, chunk),
+            };
+            [kind, entry as u64, chunk as u64, s.offset, s.length]
+        })
+        .collect();
+    serde_json::json!({ "rank": record.rank, "items": items })
+}
+
+fn record_from_json(value: &serde_json::Value) -> Result<DcpFileRecord> {
+    #[derive(serde::Deserialize)]
+    struct Json {
+        rank: usize,
+        items: Vec<[u64; 5]>,
+    }
+    let json: Json =
+        serde_json::from_value(value.clone()).context("a part marker's DCP record is malformed")?;
+    let index = |v: u64| usize::try_from(v).context("a part marker's DCP record is malformed");
+    let items = json
+        .items
+        .iter()
+        .map(|&[kind, entry, chunk, offset, length]| {
+            let item = match kind {
+                0 => DcpItemRef::Bytes {
+                    entry: index(entry)?,
+                },
+                1 => DcpItemRef::Chunk {
+                    entry: index(entry)?,
+                    chunk: index(chunk)?,
+                },
+                _ => bail!("a part marker's DCP record has an unknown item kind {kind}"),
+            };
+            Ok(StoredItem {
+                item,
+                offset,
+                length,
+            })
+        })
+        .collect::<Result<_>>()?;
+    Ok(DcpFileRecord {
+        rank: json.rank,
+        items,
     })
 }

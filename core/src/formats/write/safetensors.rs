@@ -179,6 +179,8 @@ pub struct SafetensorsWriter<W: Write> {
     out: CountingWriter<W>,
     order: Vec<Planned>,
     next: usize,
+    /// Bytes of tensor `next` already passed to [`SafetensorsWriter::write_tensor_part`].
+    partial_bytes: u64,
 }
 
 impl<W: Write> SafetensorsWriter<W> {
@@ -256,6 +258,7 @@ impl<W: Write> SafetensorsWriter<W> {
             out,
             order,
             next: 0,
+            partial_bytes: 0,
         })
     }
 
@@ -264,8 +267,55 @@ impl<W: Write> SafetensorsWriter<W> {
         self.order.iter().map(|p| p.name.as_str())
     }
 
+    /// Appends the next `data.len()` bytes of tensor `name`, which must be the next one in
+    /// [`Self::data_order`]: a tensor can be passed in pieces (in order), and is done when its
+    /// bytes are all there. An empty piece of a tensor of 0 bytes completes it.
+    pub fn write_tensor_part(
+        &mut self,
+        name: &str,
+        data: &[u8],
+    ) -> Result<(), SafetensorsWriteError> {
+        let planned =
+            self.order
+                .get(self.next)
+                .ok_or_else(|| SafetensorsWriteError::TooManyTensors {
+                    name: name.to_owned(),
+                })?;
+        if planned.name != name {
+            return Err(SafetensorsWriteError::OutOfOrder {
+                expected: planned.name.clone(),
+                got: name.to_owned(),
+            });
+        }
+        let total = self
+            .partial_bytes
+            .checked_add(data.len() as u64)
+            .filter(|&t| t <= planned.nbytes)
+            .ok_or_else(|| SafetensorsWriteError::DataLength {
+                name: name.to_owned(),
+                expected_bytes: planned.nbytes,
+                actual_bytes: self.partial_bytes.saturating_add(data.len() as u64),
+            })?;
+        self.out.write_all(data)?;
+        if total == planned.nbytes {
+            self.next += 1;
+            self.partial_bytes = 0;
+        } else {
+            self.partial_bytes = total;
+        }
+        Ok(())
+    }
+
     /// Appends the data of tensor `name`, which must be the next one in [`Self::data_order`].
     pub fn write_tensor(&mut self, name: &str, data: &[u8]) -> Result<(), SafetensorsWriteError> {
+        if self.partial_bytes > 0 {
+            let expected = self.order.get(self.next).map_or(0, |p| p.nbytes);
+            return Err(SafetensorsWriteError::DataLength {
+                name: name.to_owned(),
+                expected_bytes: expected,
+                actual_bytes: self.partial_bytes,
+            });
+        }
         let planned =
             self.order
                 .get(self.next)
@@ -463,6 +513,49 @@ mod tests {
             r#"{"__metadata__":{"format":"pt"},"b":{"dtype":"F32","shape":[3],"data_offsets":[0,12]},"a":{"dtype":"BF16","shape":[2],"data_offsets":[12,16]}}  "#
         );
         assert_eq!(bytes.len(), 8 + n + 16);
+    }
+
+    #[test]
+    fn tensors_written_in_pieces_equal_whole_writes() {
+        let specs = [
+            spec("b", DType::Float32, &[3]),
+            spec("e", DType::Float32, &[0]),
+            spec("a", DType::UInt8, &[5]),
+        ];
+        let data_b: Vec<u8> = (0..12).collect();
+        let mut whole = SafetensorsWriter::new(Vec::new(), &specs, None).unwrap();
+        whole.write_tensor("b", &data_b).unwrap();
+        whole.write_tensor("e", &[]).unwrap();
+        whole.write_tensor("a", b"hello").unwrap();
+        let whole = whole.finish().unwrap();
+
+        let mut parts = SafetensorsWriter::new(Vec::new(), &specs, None).unwrap();
+        parts.write_tensor_part("b", &data_b[..5]).unwrap();
+        // A whole write in the middle of a tensor, a piece past its end, another name: refused.
+        assert!(matches!(
+            parts.write_tensor("b", &data_b),
+            Err(SafetensorsWriteError::DataLength { .. })
+        ));
+        assert!(matches!(
+            parts.write_tensor_part("b", &data_b[..8]),
+            Err(SafetensorsWriteError::DataLength { .. })
+        ));
+        assert!(matches!(
+            parts.write_tensor_part("a", b"x"),
+            Err(SafetensorsWriteError::OutOfOrder { .. })
+        ));
+        parts.write_tensor_part("b", &data_b[5..]).unwrap();
+        parts.write_tensor_part("e", &[]).unwrap();
+        parts.write_tensor_part("a", b"hel").unwrap();
+        // Unfinished: refused.
+        let mut early = SafetensorsWriter::new(Vec::new(), &specs, None).unwrap();
+        early.write_tensor_part("b", &data_b[..1]).unwrap();
+        assert!(matches!(
+            early.finish(),
+            Err(SafetensorsWriteError::MissingTensor { .. })
+        ));
+        parts.write_tensor_part("a", b"lo").unwrap();
+        assert_eq!(parts.finish().unwrap(), whole);
     }
 
     #[test]
