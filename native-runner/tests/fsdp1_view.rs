@@ -210,6 +210,36 @@ fn case(world_size: usize, uop: bool) {
     let said = run_python(&python, &check, &["dcp", &s(&out_dcp), &s(&full_model)]);
     assert!(said.contains("ok"), "{said}");
 
+    // Two model file sets (an EMA copy next to the model): convert names the flag that chooses.
+    let two_sets = tmp.path().join("two_sets");
+    copy_rank_files(&made, &two_sets, &["model_rank", "optim_rank"]);
+    for r in 0..world_size {
+        std::fs::copy(
+            made.join(format!("model_rank{r}.pt")),
+            two_sets.join(format!("ema_rank{r}.pt")),
+        )
+        .unwrap();
+    }
+    let out_pt = tmp.path().join("out/two.pt");
+    let o = run(with(&["convert", &s(&two_sets), "-o", &s(&out_pt)]));
+    let stderr = String::from_utf8_lossy(&o.stderr);
+    assert_eq!(o.status.code(), Some(2), "{stderr}");
+    assert!(stderr.contains("--model-files"), "{stderr}");
+    ok(
+        &run(with(&[
+            "convert",
+            &s(&two_sets),
+            "-o",
+            &s(&out_pt),
+            "--model-files",
+            "model_rank{r}.pt",
+            "-q",
+        ])),
+        "convert --model-files",
+    );
+    let said = run_python(&python, &check, &["same", &s(&out_pt), &s(&full_model)]);
+    assert!(said.contains("ok"), "{said}");
+
     // The wrong layout: exit 2, naming the flat parameter and the flags to check.
     let mut wrong: Vec<String> = ["diff", &s(&folder), &s(&full_model), "--select", "model"]
         .iter()

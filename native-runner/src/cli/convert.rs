@@ -74,6 +74,13 @@ pub struct ConvertArgs {
     /// Per-rank FSDP1 files with a hybrid strategy: ranks per shard group (the first group is read).
     #[arg(long, value_name = "S", requires = "model")]
     pub shard_group_size: Option<u64>,
+    /// Per-rank FSDP1 files: file-name pattern of the model files, `{r}` for the rank (default:
+    /// detected by content), when the folder holds several sets.
+    #[arg(long, value_name = "PATTERN", requires = "model")]
+    pub model_files: Option<String>,
+    /// Per-rank FSDP1 files: file-name pattern of the optimizer files, `{r}` for the rank.
+    #[arg(long, value_name = "PATTERN", requires = "model")]
+    pub optim_files: Option<String>,
     /// Per-rank FSDP1 files: where the full optimizer state dict goes (default `<DST stem>.optim.pt`).
     #[arg(long, value_name = "PATH", requires = "model")]
     pub optim_output: Option<PathBuf>,
@@ -233,11 +240,17 @@ pub fn run(args: &ConvertArgs) -> Result<ExitCode> {
         // The full model file + `.optim.pt` pair is written by the per-rank engine; every other
         // output (DCP, `--select`, `--dtype`, optimizer-only folders) reads the folder through
         // the layout (`core::model::fsdp1_view`) and goes the streaming index path.
+        let explicit = args.model_files.is_some() || args.optim_files.is_some();
         let other_output = args.select.is_some()
             || args.dtype.is_some()
             || args.world_size.is_some()
             || target_of(args)? == Target::Dcp;
-        if other_output || optimizer_only(&args.src)? {
+        if explicit && other_output {
+            bail!(
+                "--model-files and --optim-files choose the files of the two-file output (model file + .optim.pt); with --select, --dtype or DCP output the folder's file sets are told apart by content\nhint: move other per-rank sets out of the folder, or drop --select/--dtype/--world-size"
+            );
+        }
+        if other_output || (!explicit && optimizer_only(&args.src)?) {
             if args.optim_output.is_some() {
                 bail!(
                     "--optim-output applies when the model and optimizer go to two files (no --select, --dtype or DCP output, model files present)"
@@ -561,8 +574,8 @@ fn convert_fsdp1_local(args: &ConvertArgs, model: &std::path::Path) -> Result<Ex
             strategy: args.strategy.unwrap_or(LayoutFlags::default().strategy),
             shard_group_size: args.shard_group_size,
         },
-        model_pattern: None,
-        optim_pattern: None,
+        model_pattern: args.model_files.clone(),
+        optim_pattern: args.optim_files.clone(),
         model_format,
     };
     let written =
