@@ -16,6 +16,9 @@
 use std::path::{Path, PathBuf};
 use std::process::{Command, Output};
 
+mod common;
+use common::python;
+
 fn manifest() -> PathBuf {
     PathBuf::from(env!("CARGO_MANIFEST_DIR"))
 }
@@ -29,31 +32,6 @@ fn shardscope(args: &[&str]) -> Output {
         .args(args)
         .output()
         .unwrap()
-}
-
-/// Python with torch, or `None` (then the test skips). A `SHARDSCOPE_PYTHON` without torch is an
-/// error: CI sets it and must not skip silently.
-fn python() -> Option<PathBuf> {
-    let explicit = std::env::var_os("SHARDSCOPE_PYTHON");
-    let python = if let Some(p) = &explicit {
-        PathBuf::from(p)
-    } else {
-        let p = PathBuf::from(std::env::var_os("HOME")?).join("torch-venv/bin/python");
-        if !p.exists() {
-            return None;
-        }
-        p
-    };
-    let ok = Command::new(&python)
-        .args(["-c", "import torch"])
-        .status()
-        .is_ok_and(|s| s.success());
-    assert!(
-        ok || explicit.is_none(),
-        "SHARDSCOPE_PYTHON={} cannot import torch",
-        python.display()
-    );
-    ok.then_some(python)
 }
 
 fn run_python(python: &Path, script: &Path, args: &[&str]) -> String {

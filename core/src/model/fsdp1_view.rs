@@ -223,8 +223,9 @@ fn split_flat(
     Ok(out)
 }
 
-/// The key prefix (`"model."`, `"optim."` or `""`) and its path.
-fn prefix_of(path: &[PathSeg], drop: usize) -> (String, Vec<PathSeg>) {
+/// The key prefix (`"model."`, `"optim."` or `""`) and its path: `path` less its last `drop`
+/// segments.
+pub(crate) fn prefix_of(path: &[PathSeg], drop: usize) -> (String, Vec<PathSeg>) {
     let keep = &path[..path.len().saturating_sub(drop)];
     let mut key = String::new();
     for seg in keep {

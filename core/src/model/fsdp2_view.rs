@@ -18,6 +18,7 @@
 use std::collections::{BTreeMap, HashMap};
 
 use crate::model::ModelDescription;
+use crate::model::fsdp1_view::prefix_of;
 use crate::model::index::{CheckpointIndex, EntryKind, FsdpInfo, IndexEntry, PathSeg, Role};
 
 /// Why a per-rank FSDP2 optimizer cannot be keyed by FQN.
@@ -96,16 +97,6 @@ fn check_state_names(index: &CheckpointIndex, optim_prefix: &str) -> Result<(), 
 pub struct Naming {
     pub names: Vec<String>,
     pub how: String,
-}
-
-fn prefix_of(path: &[PathSeg], drop: usize) -> (String, Vec<PathSeg>) {
-    let keep = &path[..path.len().saturating_sub(drop)];
-    let mut key = String::new();
-    for seg in keep {
-        key.push_str(&seg.to_string());
-        key.push('.');
-    }
-    (key, keep.to_vec())
 }
 
 /// The ids listed in the `param_groups[*].params` entries under `prefix`, in group order.

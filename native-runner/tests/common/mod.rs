@@ -1,0 +1,30 @@
+//! Helpers shared by the runner's integration tests.
+#![allow(dead_code, clippy::missing_panics_doc)]
+
+use std::path::PathBuf;
+use std::process::Command;
+
+/// Python with torch, or `None` (then the test skips). A `SHARDSCOPE_PYTHON` without torch is an
+/// error: CI sets it and must not skip silently.
+pub fn python() -> Option<PathBuf> {
+    let explicit = std::env::var_os("SHARDSCOPE_PYTHON");
+    let python = if let Some(p) = &explicit {
+        PathBuf::from(p)
+    } else {
+        let p = PathBuf::from(std::env::var_os("HOME")?).join("torch-venv/bin/python");
+        if !p.exists() {
+            return None;
+        }
+        p
+    };
+    let ok = Command::new(&python)
+        .args(["-c", "import torch"])
+        .status()
+        .is_ok_and(|s| s.success());
+    assert!(
+        ok || explicit.is_none(),
+        "SHARDSCOPE_PYTHON={} cannot import torch",
+        python.display()
+    );
+    ok.then_some(python)
+}
