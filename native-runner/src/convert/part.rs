@@ -281,6 +281,14 @@ fn read_marker(path: &Path) -> Result<Marker> {
 }
 
 fn check_marker(plan: &Plan<'_>, marker: &Marker, count: usize, path: &Path) -> Result<()> {
+    let version = env!("CARGO_PKG_VERSION");
+    if marker.shardscope_version != version {
+        bail!(
+            "a part written by shardscope {}, this is {version}: {}\nhint: run every part with the same shardscope",
+            marker.shardscope_version,
+            path.display()
+        );
+    }
     if marker.fingerprint != plan.fingerprint {
         bail!(
             "a part of another conversion (other input, options or shardscope version {}; plan {} here, {} there): {}\nhint: remove DST and run every part again with the same input and options",
@@ -550,6 +558,18 @@ mod tests {
         );
         assert!(err.contains("another conversion"), "{err}");
         assert!(!dest.join("f0").exists());
+        // And a part written by another shardscope version.
+        let marker_path = dest.join(marker_name(Part { rank: 1, count: 2 }));
+        let original = fs::read_to_string(&marker_path).unwrap();
+        let mut marker: Marker = serde_json::from_str(&original).unwrap();
+        marker.shardscope_version = "0.0.0-other".to_owned();
+        fs::write(&marker_path, serde_json::to_string(&marker).unwrap()).unwrap();
+        let err = format!(
+            "{:#}",
+            run_part(&dest, &files, "fp", Part { rank: 0, count: 2 }).unwrap_err()
+        );
+        assert!(err.contains("written by shardscope 0.0.0-other"), "{err}");
+        fs::write(&marker_path, original).unwrap();
         // So is a part of another split.
         let err = format!(
             "{:#}",
