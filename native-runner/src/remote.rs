@@ -707,26 +707,37 @@ impl RemoteSource {
             name: self.url.url_of(name),
             message: "a reader thread panicked".into(),
         };
-        let sequential = {
+        // Served from the read-ahead block: whole, or its front part (then the rest is fetched).
+        let (done, sequential) = {
             let mut blocks = self.blocks.lock().map_err(|_| poisoned())?;
             if let Some(b) = blocks.get_mut(name) {
                 let b_end = b.start.saturating_add(b.data.len() as u64);
-                if offset >= b.start && end_offset <= b_end {
+                if offset >= b.start && offset < b_end {
                     let from = usize::try_from(offset - b.start).unwrap_or(usize::MAX);
-                    let to = usize::try_from(end_offset - b.start).unwrap_or(usize::MAX);
-                    if let Some(slice) = b.data.get(from..to) {
-                        out.copy_from_slice(slice);
+                    let to = usize::try_from(end_offset.min(b_end) - b.start).unwrap_or(usize::MAX);
+                    let n = to.saturating_sub(from);
+                    if let (Some(src), Some(dst)) = (b.data.get(from..to), out.get_mut(..n)) {
+                        dst.copy_from_slice(src);
                         b.last_start = offset;
                         b.last_end = end_offset;
-                        return Ok(());
+                        if end_offset <= b_end {
+                            return Ok(());
+                        }
+                        // The rest exactly: the block stays for reads that come back to it.
+                        (n, false)
+                    } else {
+                        (0, b.is_sequential(offset))
                     }
+                } else {
+                    (0, b.is_sequential(offset))
                 }
-                b.is_sequential(offset)
             } else {
-                false
+                (0, false)
             }
         };
-        let range = fetch_range(offset, len, size, sequential);
+        let rest_offset = offset + done as u64; // done <= len
+        let rest = out.get_mut(done..).ok_or_else(poisoned)?;
+        let range = fetch_range(rest_offset, rest.len() as u64, size, sequential);
         let block = if range.end > end_offset {
             let too_big = || SourceError::Io {
                 name: self.url.url_of(name),
@@ -735,11 +746,11 @@ impl RemoteSource {
             let block_len = usize::try_from(range.end - range.start).map_err(|_| too_big())?;
             let mut block = vec![0u8; block_len];
             self.fetch_into(name, range.clone(), &mut block)?;
-            out.copy_from_slice(block.get(..out.len()).ok_or_else(too_big)?);
-            Bytes::from(block)
+            rest.copy_from_slice(block.get(..rest.len()).ok_or_else(too_big)?);
+            Some(Bytes::from(block))
         } else {
-            self.fetch_into(name, range.clone(), out)?;
-            Bytes::new()
+            self.fetch_into(name, range.clone(), rest)?;
+            None
         };
         let mut blocks = self.blocks.lock().map_err(|_| poisoned())?;
         if blocks.len() >= MAX_BLOCKS && !blocks.contains_key(name) {
@@ -748,8 +759,11 @@ impl RemoteSource {
         let b = blocks.entry(name.to_owned()).or_default();
         b.last_start = offset;
         b.last_end = end_offset;
-        b.start = range.start;
-        b.data = block;
+        // An exact fetch keeps the block: a reader may still come back to it (zip ends, then data).
+        if let Some(block) = block {
+            b.start = range.start;
+            b.data = block;
+        }
         Ok(())
     }
 }
@@ -780,6 +794,35 @@ impl Source for RemoteSource {
         }
         let mut out = vec![0u8; end - start];
         self.read_into(name, offset, &mut out)?;
+        Ok(Cow::Owned(out))
+    }
+
+    /// Both ends only, the middle left zero: a zeroed allocation whose untouched pages the OS
+    /// never backs, so a 128 MiB `torch.save` item costs its 128 KiB of ends, not 128 MiB.
+    fn read_ends(
+        &self,
+        name: &str,
+        offset: u64,
+        len: u64,
+        head_bytes: u64,
+        tail_bytes: u64,
+    ) -> Result<Cow<'_, [u8]>, SourceError> {
+        let size = self.size(name)?;
+        let (start, end) = checked_range(name, offset, len, size)?;
+        let ends = head_bytes.saturating_add(tail_bytes);
+        if self.file(name)?.bytes.is_some() || len <= ends {
+            return self.read_range(name, offset, len);
+        }
+        let mut out = vec![0u8; end - start];
+        let head = usize::try_from(head_bytes)
+            .unwrap_or(usize::MAX)
+            .min(out.len());
+        let tail = usize::try_from(tail_bytes)
+            .unwrap_or(usize::MAX)
+            .min(out.len());
+        let tail_at = out.len() - tail;
+        self.read_into(name, offset, &mut out[..head])?;
+        self.read_into(name, offset + tail_at as u64, &mut out[tail_at..])?;
         Ok(Cow::Owned(out))
     }
 }
@@ -1025,6 +1068,15 @@ mod tests {
             requests,
             "served from the read-ahead block"
         );
+        // Both ends only: the middle stays zero and is never fetched.
+        let before = source.fetched().0;
+        let ends = source.read_ends("big.bin", 5, PART_BYTES, 100, 50).unwrap();
+        assert_eq!(ends.len() as u64, PART_BYTES);
+        assert_eq!(&ends[..100], &data[5..105]);
+        let tail_at = usize::try_from(PART_BYTES).unwrap() - 50;
+        assert_eq!(&ends[tail_at..], &data[5 + tail_at..5 + tail_at + 50]);
+        assert!(ends[100..tail_at].iter().all(|&b| b == 0));
+        assert!(source.fetched().0 - before <= 2 * READAHEAD_BYTES);
         // Out of range, unknown names, missing objects: errors naming the URL.
         assert!(matches!(
             source.read_range("big.bin", data.len() as u64, 1),
