@@ -1906,14 +1906,13 @@ impl CheckpointIndex {
                     HEAD_BYTES,
                     TAIL_BYTES,
                 )?;
-                let archive = match torch_zip::read_archive(&ends) {
-                    Ok(archive) => archive,
-                    Err(_) => {
-                        drop(ends);
-                        let bytes =
-                            source.read_range(&chunk.file, chunk.byte_offset, chunk.byte_length)?;
-                        torch_zip::read_archive(&bytes).map_err(|e| bad(e.to_string()))?
-                    }
+                let archive = if let Ok(archive) = torch_zip::read_archive(&ends) {
+                    archive
+                } else {
+                    drop(ends);
+                    let bytes =
+                        source.read_range(&chunk.file, chunk.byte_offset, chunk.byte_length)?;
+                    torch_zip::read_archive(&bytes).map_err(|e| bad(e.to_string()))?
                 };
                 let PyValue::Tensor(t) = &archive.root else {
                     return Err(bad(format!(
