@@ -656,29 +656,51 @@ impl RemoteSource {
                 part.end - part.start
             ),
         };
+        let part_len = usize::try_from(PART_BYTES).unwrap_or(usize::MAX);
+        // Each part streams straight into its own slice of `out` (no intermediate buffer).
         let result: Result<(), SourceError> = self.runtime.block_on(async {
-            let mut pieces = futures::stream::iter(parts.iter().cloned())
-                .map(|r| {
+            let tasks = parts
+                .iter()
+                .cloned()
+                .zip(out.chunks_mut(part_len))
+                .map(|(part, dst)| {
                     let location = location.clone();
                     let store = Arc::clone(&self.store);
-                    async move { (store.get_range(&location, r.clone()).await, r) }
-                })
-                .buffered(PARALLEL_REQUESTS);
-            while let Some((got, part)) = pieces.next().await {
-                let bytes = got.map_err(|e| self.io_error(name, &e))?;
+                    let bar = bar.clone();
+                    async move {
+                        let options = object_store::GetOptions {
+                            range: Some(part.clone().into()),
+                            ..Default::default()
+                        };
+                        let got = store
+                            .get_opts(&location, options)
+                            .await
+                            .map_err(|e| self.io_error(name, &e))?;
+                        let mut body = got.into_stream();
+                        let mut filled = 0usize;
+                        while let Some(chunk) = body.next().await {
+                            let chunk = chunk.map_err(|e| self.io_error(name, &e))?;
+                            let end = filled
+                                .checked_add(chunk.len())
+                                .filter(|&e| e <= dst.len())
+                                .ok_or_else(|| short(&part, filled.saturating_add(chunk.len())))?;
+                            dst[filled..end].copy_from_slice(&chunk);
+                            filled = end;
+                            if let Some(bar) = &bar {
+                                bar.inc(chunk.len() as u64);
+                            }
+                        }
+                        if filled != dst.len() {
+                            return Err(short(&part, filled));
+                        }
+                        Ok(filled as u64)
+                    }
+                });
+            let mut pieces = futures::stream::iter(tasks).buffer_unordered(PARALLEL_REQUESTS);
+            while let Some(got) = pieces.next().await {
+                let got = got?;
                 self.requests.fetch_add(1, Ordering::Relaxed);
-                self.fetched
-                    .fetch_add(bytes.len() as u64, Ordering::Relaxed);
-                let at = usize::try_from(part.start - range.start).unwrap_or(usize::MAX);
-                let dst = at
-                    .checked_add(bytes.len())
-                    .and_then(|end| out.get_mut(at..end))
-                    .filter(|d| d.len() as u64 == part.end - part.start)
-                    .ok_or_else(|| short(&part, bytes.len()))?;
-                dst.copy_from_slice(&bytes);
-                if let Some(bar) = &bar {
-                    bar.inc(bytes.len() as u64);
-                }
+                self.fetched.fetch_add(got, Ordering::Relaxed);
             }
             Ok(())
         });
