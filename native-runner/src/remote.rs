@@ -2,11 +2,12 @@
 //! `object_store` crate, with a small tokio runtime inside and a blocking API outside).
 //!
 //! What is read stays lazy: opening a DCP folder fetches its `.metadata` only (it names every data
-//! file; HTTP cannot list, object stores list the prefix), sizes come from the listing or a `HEAD`
-//! on first use, and every other byte is fetched by range when a reader asks for it. Large ranges
-//! are split into parts fetched in parallel (bounded); small reads that follow each other in a file
-//! are served from one read-ahead block, so a reader walking many small adjacent items makes few
-//! requests. Transient failures (5xx, resets, timeouts) are retried with backoff by
+//! file; HTTP cannot list, object stores list the prefix), sizes come from the listing or from
+//! `HEAD` requests, and every other byte is fetched by range when a reader asks for it
+//! ([`Source::read_ends`]: a `torch.save` item's two ends, not its tensor bytes). Large ranges are
+//! split into parts fetched in parallel (bounded), each streamed into its place in the caller's
+//! buffer; small reads that walk a file forward are served from one read-ahead block, so a reader
+//! going through many small adjacent items makes few requests. Transient failures (5xx, resets, timeouts) are retried with backoff by
 //! `object_store`'s `RetryConfig`; a body shorter than the range asked for is an error. Every error
 //! names the object's URL.
 
@@ -33,11 +34,12 @@ pub const PARALLEL_REQUESTS: usize = 8;
 /// A small read that moves forward near where the last read of its file ended (the reader is
 /// walking the file) fetches this much, and the reads that follow are served from it.
 pub const READAHEAD_BYTES: u64 = 1 << 20;
-/// How far past the furthest byte read a forward read still counts as walking the file.
+/// How far from where the last read ended a forward read still counts as walking the file.
 pub const SEQUENTIAL_GAP_BYTES: u64 = 64 << 10;
 /// Reads at least this large show a progress line (stderr is a terminal, progress asked for).
 const PROGRESS_MIN_BYTES: u64 = 32 << 20;
-/// Read-ahead blocks kept at most (one per file, oldest dropped first).
+/// Files with a read-ahead block at most (one block per file; all dropped when a new file would
+/// exceed this).
 const MAX_BLOCKS: usize = 16;
 
 /// Which kind of store a URL names.
