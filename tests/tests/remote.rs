@@ -114,6 +114,13 @@ impl Nginx {
         for d in ["www", "logs", "tmp"] {
             std::fs::create_dir_all(prefix.path().join(d)).unwrap();
         }
+        // nginx started as root serves as `nobody`: the served tree must be world-readable.
+        {
+            use std::os::unix::fs::PermissionsExt as _;
+            for d in [prefix.path().to_path_buf(), prefix.path().join("www")] {
+                std::fs::set_permissions(&d, std::fs::Permissions::from_mode(0o755)).unwrap();
+            }
+        }
         for _attempt in 0..5 {
             let port = free_port();
             let p = prefix.path().display();
