@@ -106,6 +106,7 @@ def main() -> None:
     args = parser.parse_args()
     shardscope = os.path.abspath(args.shardscope)
     work = tempfile.mkdtemp(prefix="shardscope-bench-remote-", dir=args.dir)
+    os.chmod(work, 0o755)  # nginx workers (`nobody` when started as root) read the served files
     server = None
     try:
         www = os.path.join(work, "www")

@@ -37,6 +37,24 @@ pub trait Source {
     /// The bytes `offset..offset + len` of a file. Borrowed where the source can (memory, mmap).
     fn read_range(&self, name: &str, offset: u64, len: u64) -> Result<Cow<'_, [u8]>, SourceError>;
 
+    /// The bytes `offset..offset + len` of a file, of which only the first `head_bytes` and the
+    /// last `tail_bytes` must be read: a source for which reading is costly (the network) may
+    /// leave the middle zero. For readers that need only both ends of a large range (a
+    /// `torch.save` item's zip headers and central directory, not its tensor bytes); they fall
+    /// back to [`Source::read_range`] when the ends alone do not parse. By default the whole range
+    /// (memory and mmap sources: a page is touched only when a reader looks at it).
+    fn read_ends(
+        &self,
+        name: &str,
+        offset: u64,
+        len: u64,
+        head_bytes: u64,
+        tail_bytes: u64,
+    ) -> Result<Cow<'_, [u8]>, SourceError> {
+        let _ = (head_bytes, tail_bytes);
+        self.read_range(name, offset, len)
+    }
+
     /// The whole file.
     fn read_all(&self, name: &str) -> Result<Cow<'_, [u8]>, SourceError> {
         let size = self.size(name)?;
@@ -138,6 +156,16 @@ impl<S: Source + ?Sized> Source for &S {
     fn read_range(&self, name: &str, offset: u64, len: u64) -> Result<Cow<'_, [u8]>, SourceError> {
         (**self).read_range(name, offset, len)
     }
+    fn read_ends(
+        &self,
+        name: &str,
+        offset: u64,
+        len: u64,
+        head_bytes: u64,
+        tail_bytes: u64,
+    ) -> Result<Cow<'_, [u8]>, SourceError> {
+        (**self).read_ends(name, offset, len, head_bytes, tail_bytes)
+    }
 }
 
 #[cfg(test)]
@@ -157,6 +185,12 @@ mod tests {
             Err(SourceError::OutOfRange { .. })
         ));
         assert!(matches!(s.size("b"), Err(SourceError::NotFound { .. })));
+        // By default both ends are the whole range, read through `read_range`.
+        assert_eq!(&*s.read_ends("a", 0, 3, 1, 1).unwrap(), &[1, 2, 3]);
+        assert!(matches!(
+            s.read_ends("a", 2, 2, 1, 1),
+            Err(SourceError::OutOfRange { .. })
+        ));
         assert_eq!(s.names(), vec!["a".to_owned()]);
     }
 }

@@ -70,4 +70,18 @@ impl Source for Input {
             Input::Remote(s) => s.read_range(name, offset, len),
         }
     }
+
+    fn read_ends(
+        &self,
+        name: &str,
+        offset: u64,
+        len: u64,
+        head_bytes: u64,
+        tail_bytes: u64,
+    ) -> Result<Cow<'_, [u8]>, SourceError> {
+        match self {
+            Input::Local(s) => s.read_ends(name, offset, len, head_bytes, tail_bytes),
+            Input::Remote(s) => s.read_ends(name, offset, len, head_bytes, tail_bytes),
+        }
+    }
 }

@@ -2,11 +2,12 @@
 //! `object_store` crate, with a small tokio runtime inside and a blocking API outside).
 //!
 //! What is read stays lazy: opening a DCP folder fetches its `.metadata` only (it names every data
-//! file; HTTP cannot list, object stores list the prefix), sizes come from the listing or a `HEAD`
-//! on first use, and every other byte is fetched by range when a reader asks for it. Large ranges
-//! are split into parts fetched in parallel (bounded); small reads that follow each other in a file
-//! are served from one read-ahead block, so a reader walking many small adjacent items makes few
-//! requests. Transient failures (5xx, resets, timeouts) are retried with backoff by
+//! file; HTTP cannot list, object stores list the prefix), sizes come from the listing or from
+//! `HEAD` requests, and every other byte is fetched by range when a reader asks for it
+//! ([`Source::read_ends`]: a `torch.save` item's two ends, not its tensor bytes). Large ranges are
+//! split into parts fetched in parallel (bounded), each streamed into its place in the caller's
+//! buffer; small reads that walk a file forward are served from one read-ahead block, so a reader
+//! going through many small adjacent items makes few requests. Transient failures (5xx, resets, timeouts) are retried with backoff by
 //! `object_store`'s `RetryConfig`; a body shorter than the range asked for is an error. Every error
 //! names the object's URL.
 
@@ -33,11 +34,12 @@ pub const PARALLEL_REQUESTS: usize = 8;
 /// A small read that moves forward near where the last read of its file ended (the reader is
 /// walking the file) fetches this much, and the reads that follow are served from it.
 pub const READAHEAD_BYTES: u64 = 1 << 20;
-/// How far past the furthest byte read a forward read still counts as walking the file.
+/// How far from where the last read ended a forward read still counts as walking the file.
 pub const SEQUENTIAL_GAP_BYTES: u64 = 64 << 10;
 /// Reads at least this large show a progress line (stderr is a terminal, progress asked for).
 const PROGRESS_MIN_BYTES: u64 = 32 << 20;
-/// Read-ahead blocks kept at most (one per file, oldest dropped first).
+/// Files with a read-ahead block at most (one block per file; all dropped when a new file would
+/// exceed this).
 const MAX_BLOCKS: usize = 16;
 
 /// Which kind of store a URL names.
@@ -656,29 +658,51 @@ impl RemoteSource {
                 part.end - part.start
             ),
         };
+        let part_len = usize::try_from(PART_BYTES).unwrap_or(usize::MAX);
+        // Each part streams straight into its own slice of `out` (no intermediate buffer).
         let result: Result<(), SourceError> = self.runtime.block_on(async {
-            let mut pieces = futures::stream::iter(parts.iter().cloned())
-                .map(|r| {
+            let tasks = parts
+                .iter()
+                .cloned()
+                .zip(out.chunks_mut(part_len))
+                .map(|(part, dst)| {
                     let location = location.clone();
                     let store = Arc::clone(&self.store);
-                    async move { (store.get_range(&location, r.clone()).await, r) }
-                })
-                .buffered(PARALLEL_REQUESTS);
-            while let Some((got, part)) = pieces.next().await {
-                let bytes = got.map_err(|e| self.io_error(name, &e))?;
+                    let bar = bar.clone();
+                    async move {
+                        let options = object_store::GetOptions {
+                            range: Some(part.clone().into()),
+                            ..Default::default()
+                        };
+                        let got = store
+                            .get_opts(&location, options)
+                            .await
+                            .map_err(|e| self.io_error(name, &e))?;
+                        let mut body = got.into_stream();
+                        let mut filled = 0usize;
+                        while let Some(chunk) = body.next().await {
+                            let chunk = chunk.map_err(|e| self.io_error(name, &e))?;
+                            let end = filled
+                                .checked_add(chunk.len())
+                                .filter(|&e| e <= dst.len())
+                                .ok_or_else(|| short(&part, filled.saturating_add(chunk.len())))?;
+                            dst[filled..end].copy_from_slice(&chunk);
+                            filled = end;
+                            if let Some(bar) = &bar {
+                                bar.inc(chunk.len() as u64);
+                            }
+                        }
+                        if filled != dst.len() {
+                            return Err(short(&part, filled));
+                        }
+                        Ok(filled as u64)
+                    }
+                });
+            let mut pieces = futures::stream::iter(tasks).buffer_unordered(PARALLEL_REQUESTS);
+            while let Some(got) = pieces.next().await {
+                let got = got?;
                 self.requests.fetch_add(1, Ordering::Relaxed);
-                self.fetched
-                    .fetch_add(bytes.len() as u64, Ordering::Relaxed);
-                let at = usize::try_from(part.start - range.start).unwrap_or(usize::MAX);
-                let dst = at
-                    .checked_add(bytes.len())
-                    .and_then(|end| out.get_mut(at..end))
-                    .filter(|d| d.len() as u64 == part.end - part.start)
-                    .ok_or_else(|| short(&part, bytes.len()))?;
-                dst.copy_from_slice(&bytes);
-                if let Some(bar) = &bar {
-                    bar.inc(bytes.len() as u64);
-                }
+                self.fetched.fetch_add(got, Ordering::Relaxed);
             }
             Ok(())
         });
@@ -707,26 +731,37 @@ impl RemoteSource {
             name: self.url.url_of(name),
             message: "a reader thread panicked".into(),
         };
-        let sequential = {
+        // Served from the read-ahead block: whole, or its front part (then the rest is fetched).
+        let (done, sequential) = {
             let mut blocks = self.blocks.lock().map_err(|_| poisoned())?;
             if let Some(b) = blocks.get_mut(name) {
                 let b_end = b.start.saturating_add(b.data.len() as u64);
-                if offset >= b.start && end_offset <= b_end {
+                if offset >= b.start && offset < b_end {
                     let from = usize::try_from(offset - b.start).unwrap_or(usize::MAX);
-                    let to = usize::try_from(end_offset - b.start).unwrap_or(usize::MAX);
-                    if let Some(slice) = b.data.get(from..to) {
-                        out.copy_from_slice(slice);
+                    let to = usize::try_from(end_offset.min(b_end) - b.start).unwrap_or(usize::MAX);
+                    let n = to.saturating_sub(from);
+                    if let (Some(src), Some(dst)) = (b.data.get(from..to), out.get_mut(..n)) {
+                        dst.copy_from_slice(src);
                         b.last_start = offset;
                         b.last_end = end_offset;
-                        return Ok(());
+                        if end_offset <= b_end {
+                            return Ok(());
+                        }
+                        // The rest exactly: the block stays for reads that come back to it.
+                        (n, false)
+                    } else {
+                        (0, b.is_sequential(offset))
                     }
+                } else {
+                    (0, b.is_sequential(offset))
                 }
-                b.is_sequential(offset)
             } else {
-                false
+                (0, false)
             }
         };
-        let range = fetch_range(offset, len, size, sequential);
+        let rest_offset = offset + done as u64; // done <= len
+        let rest = out.get_mut(done..).ok_or_else(poisoned)?;
+        let range = fetch_range(rest_offset, rest.len() as u64, size, sequential);
         let block = if range.end > end_offset {
             let too_big = || SourceError::Io {
                 name: self.url.url_of(name),
@@ -735,11 +770,11 @@ impl RemoteSource {
             let block_len = usize::try_from(range.end - range.start).map_err(|_| too_big())?;
             let mut block = vec![0u8; block_len];
             self.fetch_into(name, range.clone(), &mut block)?;
-            out.copy_from_slice(block.get(..out.len()).ok_or_else(too_big)?);
-            Bytes::from(block)
+            rest.copy_from_slice(block.get(..rest.len()).ok_or_else(too_big)?);
+            Some(Bytes::from(block))
         } else {
-            self.fetch_into(name, range.clone(), out)?;
-            Bytes::new()
+            self.fetch_into(name, range.clone(), rest)?;
+            None
         };
         let mut blocks = self.blocks.lock().map_err(|_| poisoned())?;
         if blocks.len() >= MAX_BLOCKS && !blocks.contains_key(name) {
@@ -748,8 +783,11 @@ impl RemoteSource {
         let b = blocks.entry(name.to_owned()).or_default();
         b.last_start = offset;
         b.last_end = end_offset;
-        b.start = range.start;
-        b.data = block;
+        // An exact fetch keeps the block: a reader may still come back to it (zip ends, then data).
+        if let Some(block) = block {
+            b.start = range.start;
+            b.data = block;
+        }
         Ok(())
     }
 }
@@ -780,6 +818,35 @@ impl Source for RemoteSource {
         }
         let mut out = vec![0u8; end - start];
         self.read_into(name, offset, &mut out)?;
+        Ok(Cow::Owned(out))
+    }
+
+    /// Both ends only, the middle left zero: a zeroed allocation whose untouched pages the OS
+    /// never backs, so a 128 MiB `torch.save` item costs its 128 KiB of ends, not 128 MiB.
+    fn read_ends(
+        &self,
+        name: &str,
+        offset: u64,
+        len: u64,
+        head_bytes: u64,
+        tail_bytes: u64,
+    ) -> Result<Cow<'_, [u8]>, SourceError> {
+        let size = self.size(name)?;
+        let (start, end) = checked_range(name, offset, len, size)?;
+        let ends = head_bytes.saturating_add(tail_bytes);
+        if self.file(name)?.bytes.is_some() || len <= ends {
+            return self.read_range(name, offset, len);
+        }
+        let mut out = vec![0u8; end - start];
+        let head = usize::try_from(head_bytes)
+            .unwrap_or(usize::MAX)
+            .min(out.len());
+        let tail = usize::try_from(tail_bytes)
+            .unwrap_or(usize::MAX)
+            .min(out.len());
+        let tail_at = out.len() - tail;
+        self.read_into(name, offset, &mut out[..head])?;
+        self.read_into(name, offset + tail_at as u64, &mut out[tail_at..])?;
         Ok(Cow::Owned(out))
     }
 }
@@ -1025,6 +1092,15 @@ mod tests {
             requests,
             "served from the read-ahead block"
         );
+        // Both ends only: the middle stays zero and is never fetched.
+        let before = source.fetched().0;
+        let ends = source.read_ends("big.bin", 5, PART_BYTES, 100, 50).unwrap();
+        assert_eq!(ends.len() as u64, PART_BYTES);
+        assert_eq!(&ends[..100], &data[5..105]);
+        let tail_at = usize::try_from(PART_BYTES).unwrap() - 50;
+        assert_eq!(&ends[tail_at..], &data[5 + tail_at..5 + tail_at + 50]);
+        assert!(ends[100..tail_at].iter().all(|&b| b == 0));
+        assert!(source.fetched().0 - before <= 2 * READAHEAD_BYTES);
         // Out of range, unknown names, missing objects: errors naming the URL.
         assert!(matches!(
             source.read_range("big.bin", data.len() as u64, 1),

@@ -114,6 +114,13 @@ impl Nginx {
         for d in ["www", "logs", "tmp"] {
             std::fs::create_dir_all(prefix.path().join(d)).unwrap();
         }
+        // nginx started as root serves as `nobody`: the served tree must be world-readable.
+        {
+            use std::os::unix::fs::PermissionsExt as _;
+            for d in [prefix.path().to_path_buf(), prefix.path().join("www")] {
+                std::fs::set_permissions(&d, std::fs::Permissions::from_mode(0o755)).unwrap();
+            }
+        }
         for _attempt in 0..5 {
             let port = free_port();
             let p = prefix.path().display();
@@ -335,6 +342,91 @@ fn assert_same_tree(a: &Path, b: &Path) {
         assert!(!x.is_empty(), "{} is empty", a.display());
         assert!(x == y, "{} differs from {}", a.display(), b.display());
     }
+}
+
+/// A DCP of 8 x 2 MiB tensors (written by the binary from a safetensors file): `convert URL/`
+/// transfers each tensor's bytes once (its `torch.save` item's zip ends, not the whole item, to
+/// find them; nothing read twice): at most 10% over the data files' size.
+#[test]
+fn convert_of_a_url_reads_each_tensor_once() {
+    use shardscope_core::DType;
+    use shardscope_core::formats::write::safetensors::{SafetensorsWriter, TensorSpec};
+
+    let Some(nginx) = Nginx::start() else { return };
+    let tmp = tempfile::tempdir().unwrap();
+    let (rows, cols) = (1024u64, 512u64); // 2 MiB of float32
+    let specs: Vec<TensorSpec> = (0..8)
+        .map(|i| TensorSpec {
+            name: format!("layers.{i}.weight"),
+            dtype: DType::Float32,
+            shape: vec![rows, cols],
+        })
+        .collect();
+    let st = tmp.path().join("in.safetensors");
+    {
+        let mut file = std::io::BufWriter::new(std::fs::File::create(&st).unwrap());
+        let mut writer = SafetensorsWriter::new(&mut file, &specs, None).unwrap();
+        let order: Vec<String> = writer.data_order().map(str::to_owned).collect();
+        for (k, name) in order.iter().enumerate() {
+            let data: Vec<u8> = (0..rows * cols)
+                .flat_map(|i| ((i * 7 + k as u64 * 1_000_003) as f32).to_le_bytes())
+                .collect();
+            writer.write_tensor(name, &data).unwrap();
+        }
+        writer.finish().unwrap();
+    }
+    let dcp = nginx.www().join("big");
+    assert_ok(
+        &shardscope(&[
+            "convert",
+            st.to_str().unwrap(),
+            "-o",
+            dcp.to_str().unwrap(),
+            "--to",
+            "dcp",
+            "--world-size",
+            "2",
+            "-q",
+        ]),
+        "convert to DCP",
+    );
+    let data_bytes: u64 = std::fs::read_dir(&dcp)
+        .unwrap()
+        .map(|e| e.unwrap())
+        .filter(|e| e.file_name() != ".metadata")
+        .map(|e| e.metadata().unwrap().len())
+        .sum();
+    let metadata_bytes = std::fs::metadata(dcp.join(".metadata")).unwrap().len();
+    assert!(data_bytes > 16 << 20, "{data_bytes}");
+
+    let (r, l) = (tmp.path().join("r"), tmp.path().join("l"));
+    std::fs::create_dir_all(&r).unwrap();
+    std::fs::create_dir_all(&l).unwrap();
+    nginx.take_log();
+    let url = nginx.url("big/");
+    let rout = r.join("x.safetensors");
+    assert_ok(
+        &shardscope(&["convert", &url, "-o", rout.to_str().unwrap(), "-q"]),
+        "convert URL",
+    );
+    let log = nginx.take_log();
+    let lout = l.join("x.safetensors");
+    assert_ok(
+        &shardscope(&[
+            "convert",
+            dcp.to_str().unwrap(),
+            "-o",
+            lout.to_str().unwrap(),
+            "-q",
+        ]),
+        "convert local",
+    );
+    assert_same_tree(&rout, &lout);
+    let sent: u64 = log.iter().map(|r| r.3).sum();
+    assert!(
+        sent <= metadata_bytes + data_bytes + data_bytes / 10,
+        "convert transferred {sent} bytes for {data_bytes} bytes of data files: {log:?}"
+    );
 }
 
 /// `diff` and `verify` read URLs; a difference is still found over HTTP.
