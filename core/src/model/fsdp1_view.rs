@@ -370,6 +370,8 @@ pub fn original_params(
     let group_rank = |r: Option<u32>| u64::from(r.unwrap_or(0)) % layout.shard_group_size.max(1);
     // (prefix key, prefix path) -> new entries by key, to merge the pieces of scalar states.
     let mut optim: BTreeMap<String, IndexEntry> = BTreeMap::new();
+    // key -> (the optimizer id, FQN and state name it came from), for torch's key order.
+    let mut order_of: HashMap<String, (i64, String, String)> = HashMap::new();
     for (i, e) in index.entries.iter().enumerate() {
         let Some(Role::OptimizerState {
             param: PathSeg::Index(id),
@@ -390,15 +392,20 @@ pub fn original_params(
         removed[i] = true;
         let (prefix, prefix_path) = prefix_of(&e.path, 3);
         let dtype = e.dtype;
-        let fqn_rank = |fqn: &str| -> u64 {
-            id_fqns(&model, pref)
-                .iter()
-                .position(|f| f == fqn)
-                .unwrap_or(0) as u64
-        };
+        // The FQNs this id stands for, and each one's place among them (once per entry: an id
+        // of a flat parameter stands for every parameter of its unit).
+        let fqns = id_fqns(&model, pref);
+        let fqn_rank: HashMap<&str, u64> = fqns
+            .iter()
+            .enumerate()
+            .map(|(k, f)| (f.as_str(), k as u64))
+            .collect();
         let mut emit = |fqn: &str, shape: Option<Vec<u64>>, chunks: Vec<Chunk>| {
-            let k = fqn_rank(fqn);
+            let k = fqn_rank.get(fqn).copied().unwrap_or(0);
             let key = format!("{prefix}state.{fqn}.{state}");
+            order_of
+                .entry(key.clone())
+                .or_insert_with(|| (*id, fqn.to_owned(), state.clone()));
             let entry = optim.entry(key.clone()).or_insert_with(|| {
                 let mut path = prefix_path.clone();
                 path.extend([
@@ -429,16 +436,16 @@ pub fn original_params(
         };
         if e.kind != EntryKind::Tensor {
             // Non-tensor state (an int `step`): the same value for every FQN the id stands for.
-            for fqn in id_fqns(&model, pref) {
-                emit(&fqn, None, Vec::new());
+            for fqn in &fqns {
+                emit(fqn, None, Vec::new());
             }
             continue;
         }
         for c in &e.chunks {
             if c.sizes.is_empty() {
                 // A 0-d state (`step`): one value shared by every FQN of the id.
-                for fqn in id_fqns(&model, pref) {
-                    emit(&fqn, Some(Vec::new()), vec![c.clone()]);
+                for fqn in &fqns {
+                    emit(fqn, Some(Vec::new()), vec![c.clone()]);
                 }
                 continue;
             }
@@ -565,6 +572,7 @@ pub fn original_params(
         entries.push(e);
     }
     entries.extend(added);
+    torch_optim_order(&model, layout, &mut optim, &order_of);
     entries.extend(optim.into_values());
     entries.sort_by(|a, b| a.key.cmp(&b.key));
     for w in entries.windows(2) {
@@ -608,6 +616,108 @@ pub fn mark_param_views(index: &mut CheckpointIndex, layout: &Fsdp1Layout) {
                     }
                 }
             }
+        }
+    }
+}
+
+/// Reorders the optimizer state entries (by permuting the positions they hold, so they keep
+/// their place among the other entries) into the order of `FSDP.optim_state_dict`:
+///
+/// - `use_orig_params=False`: optimizer ids in order, a flat parameter's FQNs in flat order; in a
+///   sharded flat parameter's state, positive-dimension tensors, then 0-d tensors, then other
+///   values, each sorted by name;
+/// - `use_orig_params=True`: parameters FSDP does not manage first, sorted by FQN, then the managed
+///   ones unit by unit (units in the order of their first FQN, FQNs sorted); in a sharded
+///   parameter's state, other values, then 0-d tensors, then tensors, each sorted by name.
+///
+/// Unsharded state (no padding, one rank per shard group, unmanaged parameters) keeps the order
+/// of the rank's own dict.
+fn torch_optim_order(
+    model: &Fsdp1Model<'_>,
+    layout: &Fsdp1Layout,
+    optim: &mut BTreeMap<String, IndexEntry>,
+    order_of: &HashMap<String, (i64, String, String)>,
+) {
+    let ids = model.wrapped_params();
+    let unsharded =
+        |f: usize| model.flat(f).padded_unsharded_numel.is_none() || layout.shard_group_size <= 1;
+    // Per managed flat parameter (use_orig_params): the smallest FQN that has state.
+    let mut first_fqn: HashMap<usize, &str> = HashMap::new();
+    for (id, fqn, _) in order_of.values() {
+        if let Some((_, ParamRef::Orig { flat, .. })) =
+            usize::try_from(*id).ok().and_then(|i| ids.get(i))
+        {
+            let slot = first_fqn.entry(*flat).or_insert(fqn.as_str());
+            if fqn.as_str() < *slot {
+                *slot = fqn.as_str();
+            }
+        }
+    }
+    // (unmanaged first?, group, id, place in the flat parameter, FQN, state class, name, position)
+    type SortKey<'a> = (u8, &'a str, u64, u64, &'a str, u8, &'a str, u64);
+    let mut keyed: Vec<(SortKey<'_>, &String)> = Vec::with_capacity(optim.len());
+    for (key, e) in optim.iter() {
+        let Some((id, fqn, state)) = order_of.get(key) else {
+            continue;
+        };
+        let pref = usize::try_from(*id)
+            .ok()
+            .and_then(|i| ids.get(i))
+            .map(|p| &p.1);
+        // 0: positive-dimension tensor, 1: 0-d tensor, 2: other value.
+        let class = match (&e.kind, e.shape.as_deref()) {
+            (EntryKind::Tensor, Some([])) => 1,
+            (EntryKind::Tensor, _) => 0,
+            _ => 2,
+        };
+        let position = e.position.unwrap_or(u64::MAX);
+        let id_u = u64::try_from(*id).unwrap_or(u64::MAX);
+        let sort: SortKey<'_> = match pref {
+            Some(ParamRef::Flat(f)) => {
+                let k = model
+                    .flat(*f)
+                    .fqns
+                    .iter()
+                    .position(|x| x == fqn)
+                    .unwrap_or(0) as u64;
+                if unsharded(*f) {
+                    (0, "", id_u, k, "", 0, "", position)
+                } else {
+                    (0, "", id_u, k, "", class, state, 0)
+                }
+            }
+            Some(ParamRef::Orig { flat, .. }) => {
+                let group = first_fqn.get(flat).copied().unwrap_or("");
+                if unsharded(*flat) {
+                    (1, group, 0, 0, fqn, 0, "", position)
+                } else {
+                    (1, group, 0, 0, fqn, 2 - class, state, 0)
+                }
+            }
+            Some(ParamRef::Plain(_)) | None if layout.use_orig_params => {
+                (0, fqn, 0, 0, "", 0, "", position)
+            }
+            Some(ParamRef::Plain(_)) | None => (0, "", id_u, 0, "", 0, "", position),
+        };
+        keyed.push((sort, key));
+    }
+    let mut positions: Vec<u64> = keyed
+        .iter()
+        .filter_map(|(_, k)| optim.get(*k).and_then(|e| e.position))
+        .collect();
+    if positions.len() != keyed.len() {
+        return;
+    }
+    positions.sort_unstable();
+    keyed.sort();
+    let order: Vec<(String, u64)> = keyed
+        .into_iter()
+        .zip(positions)
+        .map(|((_, k), p)| (k.clone(), p))
+        .collect();
+    for (key, position) in order {
+        if let Some(e) = optim.get_mut(&key) {
+            e.position = Some(position);
         }
     }
 }

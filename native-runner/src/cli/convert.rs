@@ -8,11 +8,12 @@ use std::time::Instant;
 
 use anyhow::{Context, Result, bail};
 use clap::{Args, ValueEnum};
-use shardscope_core::model::index::{CheckpointKind, PathSeg};
+use shardscope_core::model::index::{CheckpointIndex, CheckpointKind, PathSeg};
 
 use super::{human_bytes, print_stdout};
 use crate::convert::fsdp2_ranks::{self, Detected};
 use crate::convert::{self, Progress, Reader, ShardApi};
+use crate::input::Input;
 
 #[derive(Debug, Clone, Copy, PartialEq, Eq, ValueEnum)]
 pub enum Target {
@@ -202,6 +203,8 @@ impl Progress for Bar {
 
 pub fn run(args: &ConvertArgs) -> Result<ExitCode> {
     let per_rank = fsdp2_ranks::detect(&args.src);
+    // The folder's index, read once whichever way it is converted.
+    let mut opened: Option<Opened> = None;
     if args.part.is_some() && (args.model.is_some() || matches!(per_rank, Detected::Fsdp2(_))) {
         bail!(
             "--part applies to DCP directories and full checkpoints; {} holds per-rank FSDP files\nhint: convert them to a full file first, then split that conversion with --part",
@@ -223,12 +226,14 @@ pub fn run(args: &ConvertArgs) -> Result<ExitCode> {
         // DTensor model files next to raw FSDP1 optimizer files (FSDP1 SHARDED_STATE_DICT with a
         // device mesh, as verl writes them): the optimizer ids are flat parameters, which only
         // the FSDP1 layout places.
-        if !has_rank_local_optimizer_state(&args.src)? {
-            return run_index_view(args, &args.src, per_rank, &View::Fsdp2);
+        let folder = open_with_why(&args.src, &per_rank)?;
+        if !has_rank_local_optimizer_state(&folder.1) {
+            return run_index_view(args, &args.src, per_rank, Some(folder), &View::Fsdp2);
         }
         if args.model.is_none() && args.select.as_deref() == Some("model") {
-            return run_index(args, &args.src, per_rank);
+            return run_index_view(args, &args.src, per_rank, Some(folder), &View::AsIs);
         }
+        opened = Some(folder);
         if args.model.is_none() {
             bail!(
                 "{}: the model files hold DTensors but the optimizer files hold rank-local state (FSDP1 flat parameters, as FSDP1 SHARDED_STATE_DICT with a device mesh saves them): which parameters each optimizer id holds depends on how FSDP1 wrapped the model\nhint: pass --model MODEL.json (the `shardscope layout` description; `shardscope layout --from` derives one) and --use-orig-params if it was wrapped so; or convert the model alone with --select model",
@@ -250,7 +255,18 @@ pub fn run(args: &ConvertArgs) -> Result<ExitCode> {
                 "--model-files and --optim-files choose the files of the two-file output (model file + .optim.pt); with --select, --dtype or DCP output the folder's file sets are told apart by content\nhint: move other per-rank sets out of the folder, or drop --select/--dtype/--world-size"
             );
         }
-        if other_output || (!explicit && optimizer_only(&args.src)?) {
+        let optim_only = if other_output || explicit {
+            false
+        } else {
+            let folder = match opened.take() {
+                Some(folder) => folder,
+                None => open_with_why(&args.src, &per_rank)?,
+            };
+            let only = optimizer_only(&folder.1);
+            opened = Some(folder);
+            only
+        };
+        if other_output || optim_only {
             if args.optim_output.is_some() {
                 bail!(
                     "--optim-output applies when the model and optimizer go to two files (no --select, --dtype or DCP output, model files present)"
@@ -266,22 +282,32 @@ pub fn run(args: &ConvertArgs) -> Result<ExitCode> {
                 shard_group_size: args.shard_group_size,
                 param_dtype: None,
             };
-            return run_index_view(args, &args.src, per_rank, &View::Fsdp1(&layout));
+            return run_index_view(args, &args.src, per_rank, opened, &View::Fsdp1(&layout));
         }
         // The full model file + `.optim.pt` pair: the per-rank engine, whose optimizer output
         // follows torch's key order and checks (`core::transform::optim_state`).
         return convert_fsdp1_local(args, model);
     }
-    run_index(args, &args.src, per_rank)
+    run_index_view(args, &args.src, per_rank, opened, &View::AsIs)
+}
+
+/// A checkpoint's source and index, as [`convert::open_unchecked`] returns them.
+type Opened = (Input, CheckpointIndex);
+
+/// Opens `src`; when it does not open, says also what is wrong with it as per-rank files.
+fn open_with_why(src: &Path, per_rank: &Detected) -> Result<Opened> {
+    convert::open_unchecked(src, false).map_err(|e| match per_rank {
+        Detected::Incomplete(why) => anyhow::anyhow!("{e:#}\nas per-rank files: {why:#}"),
+        _ => e,
+    })
 }
 
 /// True when the checkpoint at `src` holds optimizer state tensors of positive dimension with no
 /// global shape (raw FSDP1 `optimizer.state_dict()` pieces, as opposed to FSDP2's DTensor state;
 /// 0-d `step` tensors are plain on both).
-fn has_rank_local_optimizer_state(src: &Path) -> Result<bool> {
+fn has_rank_local_optimizer_state(index: &CheckpointIndex) -> bool {
     use shardscope_core::model::index::{EntryKind, PathSeg, Role};
-    let (_, index) = convert::open_unchecked(src, false)?;
-    Ok(index.entries.iter().any(|e| {
+    index.entries.iter().any(|e| {
         e.kind == EntryKind::Tensor
             && e.shape.is_none()
             && e.chunks.iter().any(|c| !c.sizes.is_empty())
@@ -292,23 +318,17 @@ fn has_rank_local_optimizer_state(src: &Path) -> Result<bool> {
                     ..
                 })
             )
-    }))
+    })
 }
 
-/// True when every tensor of the checkpoint at `src` is optimizer state (no model files).
-fn optimizer_only(src: &Path) -> Result<bool> {
+/// True when every tensor of the checkpoint is optimizer state (no model files).
+fn optimizer_only(index: &CheckpointIndex) -> bool {
     use shardscope_core::model::index::EntryKind;
-    let (_, index) = convert::open_unchecked(src, false)?;
-    Ok(index
+    index
         .entries
         .iter()
         .filter(|e| e.kind == EntryKind::Tensor)
-        .all(|e| e.role.is_some()))
-}
-
-/// The streaming path: any indexed checkpoint at `src` (`args.src`, or a staged file).
-fn run_index(args: &ConvertArgs, src: &Path, per_rank: Detected) -> Result<ExitCode> {
-    run_index_view(args, src, per_rank, &View::AsIs)
+        .all(|e| e.role.is_some())
 }
 
 /// How the streaming path reads the index of a per-rank folder.
@@ -320,11 +340,13 @@ enum View<'a> {
     Fsdp2,
 }
 
-/// [`run_index`], reading per-rank pieces through `view`.
+/// The streaming path: the checkpoint at `src` (opened already, or now), its per-rank pieces read
+/// through `view`.
 fn run_index_view(
     args: &ConvertArgs,
     src: &Path,
     per_rank: Detected,
+    opened: Option<Opened>,
     view: &View<'_>,
 ) -> Result<ExitCode> {
     let target = target_of(args)?;
@@ -343,16 +365,15 @@ fn run_index_view(
     }
     let opts = write_options(args, dir_output)?;
     let started = Instant::now();
+    let (source, index) = match opened {
+        Some(opened) => opened,
+        None => open_with_why(src, &per_rank)?,
+    };
     // When nothing reads the folder, say what is wrong with it as per-rank files too.
-    let incomplete = match per_rank {
-        Detected::Incomplete(why) => Some(why),
-        _ => None,
+    let with_why = |e: anyhow::Error| match &per_rank {
+        Detected::Incomplete(why) => anyhow::anyhow!("{e:#}\nas per-rank files: {why:#}"),
+        _ => e,
     };
-    let with_why = |e: anyhow::Error| match &incomplete {
-        Some(why) => anyhow::anyhow!("{e:#}\nas per-rank files: {why:#}"),
-        None => e,
-    };
-    let (source, index) = convert::open_unchecked(src, false).map_err(with_why)?;
     let label = args.src.display().to_string();
     let index = match view {
         View::AsIs => index,
