@@ -632,6 +632,10 @@ pub fn mark_param_views(index: &mut CheckpointIndex, layout: &Fsdp1Layout) {
 ///
 /// Unsharded state (no padding, one rank per shard group, unmanaged parameters) keeps the order
 /// of the rank's own dict.
+/// (managed by a unit with `use_orig_params`, unit's first FQN, optimizer id, place in the flat
+/// parameter, FQN, state class, state name, position)
+type SortKey<'a> = (u8, &'a str, u64, u64, &'a str, u8, &'a str, u64);
+
 fn torch_optim_order(
     model: &Fsdp1Model<'_>,
     layout: &Fsdp1Layout,
@@ -653,8 +657,6 @@ fn torch_optim_order(
             }
         }
     }
-    // (unmanaged first?, group, id, place in the flat parameter, FQN, state class, name, position)
-    type SortKey<'a> = (u8, &'a str, u64, u64, &'a str, u8, &'a str, u64);
     let mut keyed: Vec<(SortKey<'_>, &String)> = Vec::with_capacity(optim.len());
     for (key, e) in optim.iter() {
         let Some((id, fqn, state)) = order_of.get(key) else {
