@@ -228,10 +228,10 @@ pub fn run(args: &ConvertArgs) -> Result<ExitCode> {
         // the FSDP1 layout places.
         let folder = open_with_why(&args.src, &per_rank)?;
         if !has_rank_local_optimizer_state(&folder.1) {
-            return run_index_view(args, &args.src, per_rank, Some(folder), &View::Fsdp2);
+            return run_index_view(args, &args.src, &per_rank, Some(folder), &View::Fsdp2);
         }
         if args.model.is_none() && args.select.as_deref() == Some("model") {
-            return run_index_view(args, &args.src, per_rank, Some(folder), &View::AsIs);
+            return run_index_view(args, &args.src, &per_rank, Some(folder), &View::AsIs);
         }
         opened = Some(folder);
         if args.model.is_none() {
@@ -282,13 +282,13 @@ pub fn run(args: &ConvertArgs) -> Result<ExitCode> {
                 shard_group_size: args.shard_group_size,
                 param_dtype: None,
             };
-            return run_index_view(args, &args.src, per_rank, opened, &View::Fsdp1(&layout));
+            return run_index_view(args, &args.src, &per_rank, opened, &View::Fsdp1(&layout));
         }
         // The full model file + `.optim.pt` pair: the per-rank engine, whose optimizer output
         // follows torch's key order and checks (`core::transform::optim_state`).
         return convert_fsdp1_local(args, model);
     }
-    run_index_view(args, &args.src, per_rank, opened, &View::AsIs)
+    run_index_view(args, &args.src, &per_rank, opened, &View::AsIs)
 }
 
 /// A checkpoint's source and index, as [`convert::open_unchecked`] returns them.
@@ -345,7 +345,7 @@ enum View<'a> {
 fn run_index_view(
     args: &ConvertArgs,
     src: &Path,
-    per_rank: Detected,
+    per_rank: &Detected,
     opened: Option<Opened>,
     view: &View<'_>,
 ) -> Result<ExitCode> {
@@ -367,10 +367,10 @@ fn run_index_view(
     let started = Instant::now();
     let (source, index) = match opened {
         Some(opened) => opened,
-        None => open_with_why(src, &per_rank)?,
+        None => open_with_why(src, per_rank)?,
     };
     // When nothing reads the folder, say what is wrong with it as per-rank files too.
-    let with_why = |e: anyhow::Error| match &per_rank {
+    let with_why = |e: anyhow::Error| match per_rank {
         Detected::Incomplete(why) => anyhow::anyhow!("{e:#}\nas per-rank files: {why:#}"),
         _ => e,
     };
