@@ -23,6 +23,7 @@ use crate::model::ModelDescription;
 use crate::model::index::{
     CheckpointIndex, CheckpointKind, Chunk, ChunkEncoding, EntryKind, IndexEntry, PathSeg, Role,
 };
+use crate::transform::reshard::full_key_plan;
 use crate::transform::{Fsdp1Model, ParamRef};
 
 /// Why a per-rank checkpoint cannot be read through a layout.
@@ -258,6 +259,7 @@ pub fn original_params(
     let mut added: Vec<IndexEntry> = Vec::new();
 
     // Model: flat parameters -> original parameters.
+    let mut model_prefix: Option<String> = None;
     for fp in &layout.flat_params {
         let shapes = shapes_of(fp);
         let Some((flat_i, flat)) = ["", "model."].iter().find_map(|p| {
@@ -267,6 +269,7 @@ pub fn original_params(
             continue;
         };
         let (prefix, prefix_path) = prefix_of(&flat.path, 1);
+        model_prefix.get_or_insert_with(|| prefix.clone());
         if flat.kind != EntryKind::Tensor || flat.dtype != Some(fp.dtype) {
             return Err(mismatch(
                 &flat.key,
@@ -572,6 +575,9 @@ pub fn original_params(
         entries.push(e);
     }
     entries.extend(added);
+    if let Some(prefix) = &model_prefix {
+        torch_model_order(&model, index, prefix, &mut entries);
+    }
     torch_optim_order(&model, layout, &mut optim, &order_of);
     entries.extend(optim.into_values());
     entries.sort_by(|a, b| a.key.cmp(&b.key));
@@ -617,6 +623,41 @@ pub fn mark_param_views(index: &mut CheckpointIndex, layout: &Fsdp1Layout) {
                 }
             }
         }
+    }
+}
+
+/// Reorders the model entries (by permuting the positions they hold) into the key order of
+/// torch's `FULL_STATE_DICT`, which [`full_key_plan`] derives from the keys of rank 0's LOCAL
+/// state dict (the model entries of `index`, under `prefix`, in their stored order).
+fn torch_model_order(
+    model: &Fsdp1Model<'_>,
+    index: &CheckpointIndex,
+    prefix: &str,
+    entries: &mut [IndexEntry],
+) {
+    let mut local: Vec<(u64, &str)> = index
+        .entries
+        .iter()
+        .filter_map(|e| Some((e.position?, e.key.strip_prefix(prefix)?)))
+        .collect();
+    local.sort_unstable();
+    let names: Vec<String> = local.iter().map(|(_, k)| (*k).to_owned()).collect();
+    let at: HashMap<&str, usize> = entries
+        .iter()
+        .enumerate()
+        .map(|(i, e)| (e.key.as_str(), i))
+        .collect();
+    let order: Vec<usize> = full_key_plan(model, &names)
+        .iter()
+        .filter_map(|(name, _)| at.get(format!("{prefix}{name}").as_str()).copied())
+        .collect();
+    let mut positions: Vec<u64> = order.iter().filter_map(|&i| entries[i].position).collect();
+    if positions.len() != order.len() {
+        return;
+    }
+    positions.sort_unstable();
+    for (i, position) in order.into_iter().zip(positions) {
+        entries[i].position = Some(position);
     }
 }
 

@@ -25,7 +25,7 @@ pub enum Target {
     Dcp,
 }
 
-#[derive(Debug, Args)]
+#[derive(Debug, Clone, Args)]
 pub struct ConvertArgs {
     /// The checkpoint to read: a DCP directory, a safetensors or `torch.save` file, or a folder of
     /// per-rank files. FSDP2 per-rank files with optimizer state (`rank{r}_model.pt` +
@@ -284,9 +284,18 @@ pub fn run(args: &ConvertArgs) -> Result<ExitCode> {
             };
             return run_index_view(args, &args.src, &per_rank, opened, &View::Fsdp1(&layout));
         }
-        // The full model file + `.optim.pt` pair: the per-rank engine, whose optimizer output
-        // follows torch's key order and checks (`core::transform::optim_state`).
-        return convert_fsdp1_local(args, model);
+        // The full model file + `.optim.pt` pair.
+        let layout = super::model_layout::ModelLayoutArgs {
+            model: Some(model.clone()),
+            world_size: None,
+            use_orig_params: args.use_orig_params,
+            strategy: args
+                .strategy
+                .unwrap_or(shardscope_core::layout::Strategy::FullShard),
+            shard_group_size: args.shard_group_size,
+            param_dtype: None,
+        };
+        return convert_fsdp1_two_files(args, &layout, &per_rank);
     }
     run_index_view(args, &args.src, &per_rank, opened, &View::AsIs)
 }
@@ -349,6 +358,15 @@ fn run_index_view(
     opened: Option<Opened>,
     view: &View<'_>,
 ) -> Result<ExitCode> {
+    check_output(args)?;
+    let started = Instant::now();
+    let (source, index) = prepare(args, src, per_rank, opened, view)?;
+    let (written, untied) = write_index(args, &source, &index)?;
+    report(args, &index, &written, &untied, started.elapsed().as_secs_f64())
+}
+
+/// Refuses output flags that do not fit the output kind, and an output that exists.
+fn check_output(args: &ConvertArgs) -> Result<()> {
     let target = target_of(args)?;
     if args.max_shard_size.is_some() && target != Target::Safetensors {
         bail!("--max-shard-size applies to safetensors output only");
@@ -363,8 +381,17 @@ fn run_index_view(
             args.output.display()
         );
     }
-    let opts = write_options(args, dir_output)?;
-    let started = Instant::now();
+    Ok(())
+}
+
+/// The checkpoint at `src` (opened already, or now) read through `view`, and checked.
+fn prepare(
+    args: &ConvertArgs,
+    src: &Path,
+    per_rank: &Detected,
+    opened: Option<Opened>,
+    view: &View<'_>,
+) -> Result<Opened> {
     let (source, index) = match opened {
         Some(opened) => opened,
         None => open_with_why(src, per_rank)?,
@@ -426,11 +453,26 @@ fn run_index_view(
             index.kind.describe()
         );
     }
-    let mut sel = convert::select(&index, args.select.as_deref())?;
+    Ok((source, index))
+}
+
+/// Tied names of a safetensors output: `(kept, dropped)`.
+type Untied = Vec<(String, String)>;
+
+/// Writes `args.output` from the prepared checkpoint, with a progress bar on a terminal.
+fn write_index(
+    args: &ConvertArgs,
+    source: &Input,
+    index: &CheckpointIndex,
+) -> Result<(convert::Written, Untied)> {
+    let target = target_of(args)?;
+    let dir_output = target == Target::Dcp || args.max_shard_size.is_some();
+    let opts = write_options(args, dir_output)?;
+    let mut sel = convert::select(index, args.select.as_deref())?;
     sel.cast = args.dtype;
     // safetensors cannot share storage: one copy of a tied weight, as `save_pretrained` writes.
     let untied = if target == Target::Safetensors && !args.keep_tied {
-        convert::drop_tied(&source, &index, &mut sel)?
+        convert::drop_tied(source, index, &mut sel)?
     } else {
         Vec::new()
     };
@@ -452,7 +494,7 @@ fn run_index_view(
         }
         bar
     }));
-    let mut reader = Reader::new(&source, &index);
+    let mut reader = Reader::new(source, index);
     let written = match target {
         Target::Safetensors => convert::to_safetensors(
             &mut reader,
@@ -487,8 +529,20 @@ fn run_index_view(
     if let Some(bar) = &bar.0 {
         bar.finish_and_clear();
     }
-    let written = written?;
-    let seconds = started.elapsed().as_secs_f64();
+    Ok((written?, untied))
+}
+
+/// Says what [`write_index`] wrote: a JSON summary on stdout, or a line on stderr.
+fn report(
+    args: &ConvertArgs,
+    index: &CheckpointIndex,
+    written: &convert::Written,
+    untied: &Untied,
+    seconds: f64,
+) -> Result<ExitCode> {
+    let target = target_of(args)?;
+    let dir_output = target == Target::Dcp || args.max_shard_size.is_some();
+    let opts = write_options(args, dir_output)?;
     if args.json {
         let summary = serde_json::json!({
             "source": args.src.display().to_string(),
@@ -569,43 +623,83 @@ fn parse_fsdp1_strategy(s: &str) -> Result<shardscope_core::layout::Strategy, St
 
 /// Per-rank FSDP1 LOCAL files + a model description -> the full model state dict (`torch.save` or
 /// safetensors) and the full FQN-keyed optimizer state dict, as `FSDP.optim_state_dict` returns it.
-fn convert_fsdp1_local(args: &ConvertArgs, model: &std::path::Path) -> Result<ExitCode> {
-    use shardscope_runner::fsdp1_local::{self, LayoutFlags, ModelFormat};
-    let model_format = match target_of(args)? {
-        Target::Torch => ModelFormat::TorchSave,
-        Target::Safetensors => ModelFormat::Safetensors,
-        Target::Dcp => bail!("per-rank FSDP1 files convert to --to torch or --to safetensors"),
+/// FSDP1 per-rank model (and optimizer) files to the full model state dict at `args.output`
+/// (`torch.save` or safetensors) and `FSDP.optim_state_dict` at `--optim-output` (default
+/// `<DST stem>.optim.pt` next to it), both read through the layout
+/// (`core::model::fsdp1_view`) by the streaming index path. The files are the folder's model and
+/// optimizer sets (`--model-files`/`--optim-files`, or found by name); other sets are not read.
+fn convert_fsdp1_two_files(
+    args: &ConvertArgs,
+    layout: &super::model_layout::ModelLayoutArgs,
+    per_rank: &Detected,
+) -> Result<ExitCode> {
+    let started = Instant::now();
+    check_output(args)?;
+    let files = shardscope_runner::fsdp1_local::find_rank_files(
+        &args.src,
+        args.model_files.as_deref(),
+        args.optim_files.as_deref(),
+    )?;
+    let optim_path = match (&files.optim_pattern, &args.optim_output) {
+        (None, _) => None,
+        (Some(_), Some(path)) => Some(path.clone()),
+        (Some(_), None) => {
+            let stem = args
+                .output
+                .file_stem()
+                .map_or_else(|| "model".into(), |s| s.to_string_lossy().into_owned());
+            Some(args.output.with_file_name(format!("{stem}.optim.pt")))
+        }
     };
-    if args.output.exists() {
+    if let Some(path) = &optim_path
+        && (path.exists() || *path == args.output)
+    {
         bail!(
-            "{} already exists\nhint: shardscope never overwrites; remove it or choose another path",
-            args.output.display()
+            "{} already exists\nhint: shardscope never overwrites; remove it or choose another --optim-output",
+            path.display()
         );
     }
-    if let Some(dtype) = args.dtype {
-        bail!(
-            "--dtype does not apply to per-rank FSDP1 files yet\nhint: convert them to a full file first, then `shardscope convert FULL.pt -o OUT.safetensors --dtype {dtype}`"
-        );
+    let mut paths = Vec::with_capacity(files.world_size * 2);
+    for rank in 0..files.world_size {
+        paths.push(files.model_file(rank));
+        paths.extend(files.optim_file(rank));
     }
-    let convert_args = fsdp1_local::ConvertArgs {
-        src: args.src.clone(),
-        model: model.to_path_buf(),
-        flags: LayoutFlags {
-            use_orig_params: args.use_orig_params,
-            strategy: args.strategy.unwrap_or(LayoutFlags::default().strategy),
-            shard_group_size: args.shard_group_size,
-        },
-        model_pattern: args.model_files.clone(),
-        optim_pattern: args.optim_files.clone(),
-        model_format,
-    };
-    let written =
-        super::reshard::write_convert(&convert_args, &args.output, args.optim_output.as_deref())?;
-    let names: Vec<String> = written.iter().map(|p| p.display().to_string()).collect();
+    let source = crate::input::open(&paths, false)?;
+    let index = shardscope_core::model::index::index_source(&source)
+        .with_context(|| format!("cannot read the per-rank files of {}", args.src.display()))?;
+    let (source, index) = prepare(
+        args,
+        &args.src,
+        per_rank,
+        Some((source, index)),
+        &View::Fsdp1(layout),
+    )?;
+    // With optimizer files the folder indexes as `model` and `optim` subtrees.
+    let mut model_args = args.clone();
+    model_args.select = optim_path.is_some().then(|| "model".to_owned());
+    write_index(&model_args, &source, &index)?;
+    let mut written = vec![args.output.display().to_string()];
+    if let Some(path) = &optim_path {
+        let mut optim_args = args.clone();
+        optim_args.select = Some("optim".to_owned());
+        optim_args.output.clone_from(path);
+        optim_args.to = Some(Target::Torch);
+        optim_args.max_shard_size = None;
+        if let Err(e) = write_index(&optim_args, &source, &index) {
+            // Both or neither: the model file written a moment ago goes too.
+            let _ = std::fs::remove_file(&args.output);
+            return Err(e);
+        }
+        written.push(path.display().to_string());
+    }
+    let seconds = started.elapsed().as_secs_f64();
     if args.json {
-        super::print_stdout(&format!("{}\n", serde_json::json!({ "written": names })))?;
+        print_stdout(&format!(
+            "{}\n",
+            serde_json::json!({ "written": written, "seconds": seconds })
+        ))?;
     } else if !args.quiet {
-        eprintln!("wrote {}", names.join(", "));
+        eprintln!("wrote {} in {seconds:.2} s", written.join(", "));
     }
     Ok(ExitCode::SUCCESS)
 }

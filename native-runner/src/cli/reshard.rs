@@ -1,15 +1,13 @@
 //! `shardscope reshard`: FSDP1 per-rank LOCAL checkpoints (model state dicts + raw optimizer state
-//! dicts) from one world size to another. Also the writer behind the per-rank branch of
-//! `shardscope convert` ([`write_convert`]). The logic lives in
-//! [`shardscope_runner::fsdp1_local`].
+//! dicts) from one world size to another. The logic lives in [`shardscope_runner::fsdp1_local`].
 
 use std::fmt::Write as _;
-use std::path::{Path, PathBuf};
+use std::path::PathBuf;
 use std::process::ExitCode;
 
 use clap::Args;
 use shardscope_core::layout::{self, Strategy};
-use shardscope_runner::fsdp1_local::{self, ConvertArgs, LayoutFlags, ReshardArgs};
+use shardscope_runner::fsdp1_local::{self, LayoutFlags, ReshardArgs};
 
 use super::print_stdout;
 
@@ -146,39 +144,4 @@ pub fn run(args: &ReshardCliArgs) -> anyhow::Result<ExitCode> {
     };
     print_stdout(&text)?;
     Ok(ExitCode::SUCCESS)
-}
-
-/// Runs [`fsdp1_local::Converter`] and writes its outputs atomically, a tensor at a time: the full
-/// model state dict to `out_model` and, when the folder has optimizer files, the full optimizer
-/// state dict to `out_optim` (default: `<out_model stem>.optim.pt` next to it). Returns the paths
-/// written.
-pub fn write_convert(
-    args: &ConvertArgs,
-    out_model: &Path,
-    out_optim: Option<&Path>,
-) -> anyhow::Result<Vec<PathBuf>> {
-    let conv = fsdp1_local::Converter::open(args)?;
-    let mut written = Vec::new();
-    crate::atomic::write_file(out_model, |w| {
-        conv.write_model(w)?;
-        Ok(())
-    })?;
-    written.push(out_model.to_path_buf());
-    if conv.has_optim() {
-        let path = out_optim.map_or_else(
-            || {
-                let stem = out_model
-                    .file_stem()
-                    .map_or_else(|| "model".into(), |s| s.to_string_lossy().into_owned());
-                out_model.with_file_name(format!("{stem}.optim.pt"))
-            },
-            Path::to_path_buf,
-        );
-        crate::atomic::write_file(&path, |w| {
-            conv.write_optim(w)?;
-            Ok(())
-        })?;
-        written.push(path);
-    }
-    Ok(written)
 }
