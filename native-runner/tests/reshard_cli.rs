@@ -634,7 +634,11 @@ fn streaming_outputs_equal_the_in_memory_transforms() {
         let want = bridge::to_torch_save(&Node::Dict(full.clone()), RootDict::Ordered, 0, 1);
         assert_eq!(read(&full_pt), back(want.unwrap()), "{case}: full model");
         let keys = |n: &Node| -> Vec<String> {
-            n.as_dict().unwrap().keys().map(ToString::to_string).collect()
+            n.as_dict()
+                .unwrap()
+                .keys()
+                .map(ToString::to_string)
+                .collect()
         };
         assert_eq!(
             keys(&read(&full_pt)),

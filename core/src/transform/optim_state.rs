@@ -88,12 +88,118 @@ fn is_zero_dim(n: &Node) -> bool {
     matches!(n, Node::Tensor(t) if t.dim() == 0)
 }
 
+/// Elements `[start, start + numel)` of `t` with `shape`; a structure-only tensor (no bytes, see
+/// [`local_optim_from_full`]) gives one too.
 fn slice_elems(t: &Tensor, start: u64, numel: u64, shape: Vec<u64>) -> Tensor {
     let s = t.dtype.size_bytes();
+    let data = if is_structure_only(t) {
+        Vec::new()
+    } else {
+        t.data[start as usize * s..(start + numel) as usize * s].to_vec()
+    };
     Tensor {
         dtype: t.dtype,
         shape,
-        data: t.data[start as usize * s..(start + numel) as usize * s].to_vec(),
+        data,
+    }
+}
+
+/// A tensor given by dtype and shape only (positive size, no bytes).
+fn is_structure_only(t: &Tensor) -> bool {
+    t.data.is_empty() && t.numel() > 0
+}
+
+/// A run of elements of a rank's raw optimizer state tensor, as [`local_optim_from_full`] lays
+/// it out: elements `[start, start + len)` of parameter `fqn`'s flattened full state, or zeros.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum StateRun {
+    Param { fqn: String, start: u64, len: u64 },
+    Zeros(u64),
+}
+
+/// The runs of a positive-dimension state of optimizer parameter `param` on `rank`, in the raw
+/// `optim.state_dict()` that [`local_optim_from_full`] builds (`_flatten_optim_state` and
+/// `_shard_orig_param_state`): a flat parameter's state is its parameters' flattened states
+/// concatenated (zeros for a parameter `has_state` says has none), cut to the rank's `torch.chunk`
+/// piece and right-padded with zeros; an original parameter's is its slice in the rank's shard
+/// (none when it has no elements there); an unmanaged parameter's is all of it.
+pub fn local_state_runs(
+    model: &Fsdp1Model<'_>,
+    param: &ParamRef,
+    rank: u64,
+    has_state: impl Fn(&str) -> bool,
+) -> Vec<StateRun> {
+    let numel = |shape: &[u64]| shape.iter().product::<u64>();
+    match param {
+        ParamRef::Flat(f) => {
+            let flat = model.flat(*f);
+            let mut runs = Vec::with_capacity(flat.fqns.len() + 1);
+            let mut total = 0u64;
+            for (i, fqn) in flat.fqns.iter().enumerate() {
+                let n = flat.numels[i];
+                runs.push((total, n, has_state(fqn).then_some(fqn)));
+                total += n;
+            }
+            let ws = flat.ranks.len() as u64;
+            let (lo, hi, padded) = if flat.padded_unsharded_numel.is_none() || ws == 1 {
+                (0, total, total)
+            } else {
+                let (lo, hi) = crate::layout::chunk::chunk_range(total, ws, rank);
+                (lo, hi, crate::layout::chunk::chunk_size(total, ws))
+            };
+            let mut out = Vec::new();
+            for (at, n, fqn) in runs {
+                let (a, b) = (at.max(lo), (at + n).min(hi));
+                if a >= b {
+                    continue;
+                }
+                out.push(match fqn {
+                    Some(fqn) => StateRun::Param {
+                        fqn: fqn.clone(),
+                        start: a - at,
+                        len: b - a,
+                    },
+                    None => StateRun::Zeros(b - a),
+                });
+            }
+            if padded > hi - lo {
+                out.push(StateRun::Zeros(padded - (hi - lo)));
+            }
+            out
+        }
+        ParamRef::Orig { flat, index } => {
+            let layout = model.flat(*flat);
+            let fqn = layout.fqns[*index].clone();
+            let info = layout
+                .ranks
+                .get(rank as usize)
+                .and_then(|r| r.shard_param_infos.get(*index));
+            match info.map(|i| (i.in_shard, i.intra_param_start_idx, i.intra_param_end_idx)) {
+                Some((true, Some(_), Some(_))) if layout.padded_unsharded_numel.is_none() => {
+                    let len = numel(&layout.shapes[*index]);
+                    vec![StateRun::Param { fqn, start: 0, len }]
+                }
+                Some((true, Some(start), Some(end))) => vec![StateRun::Param {
+                    fqn,
+                    start,
+                    len: end - start + 1,
+                }],
+                _ => Vec::new(),
+            }
+        }
+        ParamRef::Plain(fqn) => {
+            let len = model
+                .description
+                .params
+                .iter()
+                .find(|p| &p.fqn == fqn)
+                .map_or(0, |p| numel(&p.shape));
+            vec![StateRun::Param {
+                fqn: fqn.clone(),
+                start: 0,
+                len,
+            }]
+        }
     }
 }
 
@@ -884,8 +990,6 @@ fn flatten_optim_state(
             return Err(TransformError::DifferingStateNames { names: names_repr });
         }
     }
-    let ws = flat.ranks.len() as u64;
-    let no_shard = flat.padded_unsharded_numel.is_none() || ws == 1;
     let mut out = Dict::new();
     for name in first.keys() {
         let values: Vec<Option<&Node>> = per_param
@@ -939,39 +1043,58 @@ fn flatten_optim_state(
             }
             let dtype = *dtypes.iter().next().unwrap_or(&flat.dtype);
             let itemsize = dtype.size_bytes();
-            let mut data = Vec::with_capacity(flat.unpadded_unsharded_numel as usize * itemsize);
+            let mut by_fqn: HashMap<&str, &Tensor> = HashMap::new();
             for (i, t) in tensors.iter().enumerate() {
                 let shape = &flat.shapes[i];
                 match t {
                     None if shape.is_empty() => return Err(TransformError::ZeroDimParam),
-                    None => data.resize(data.len() + flat.numels[i] as usize * itemsize, 0),
+                    None => {}
                     Some(t) if &t.shape != shape => {
                         return Err(TransformError::ShapeMismatch {
                             found: pyrepr::shape(&t.shape),
                             expected: pyrepr::shape(shape),
                         });
                     }
-                    Some(t) => data.extend_from_slice(&t.data),
+                    Some(t) => {
+                        by_fqn.insert(fqns[i].as_str(), t);
+                    }
                 }
             }
-            let total = data.len() as u64 / itemsize as u64;
-            let shard = if no_shard {
-                Tensor {
-                    dtype,
-                    shape: vec![total],
-                    data,
+            // The concatenation, cut to this rank's `torch.chunk` piece (`_get_shard`) and
+            // right-padded with zeros; unsharded: all of it.
+            let runs = local_state_runs(model, &ParamRef::Flat(f), rank, |fqn| {
+                by_fqn.contains_key(fqn)
+            });
+            let numel: u64 = runs
+                .iter()
+                .map(|r| match r {
+                    StateRun::Param { len, .. } | StateRun::Zeros(len) => *len,
+                })
+                .sum();
+            let structure_only = by_fqn.values().any(|t| is_structure_only(t));
+            let mut data = Vec::new();
+            if !structure_only {
+                data.reserve(numel as usize * itemsize);
+                for run in &runs {
+                    match run {
+                        StateRun::Param { fqn, start, len } => {
+                            let t = by_fqn[fqn.as_str()];
+                            let (a, b) = (
+                                *start as usize * itemsize,
+                                (start + len) as usize * itemsize,
+                            );
+                            data.extend_from_slice(&t.data[a..b]);
+                        }
+                        StateRun::Zeros(len) => {
+                            data.resize(data.len() + *len as usize * itemsize, 0)
+                        }
+                    }
                 }
-            } else {
-                // `_get_shard`: this rank's torch.chunk piece, right-padded with zeros.
-                let (lo, hi) = crate::layout::chunk::chunk_range(total, ws, rank);
-                let c = crate::layout::chunk::chunk_size(total, ws);
-                let mut piece = data[lo as usize * itemsize..hi as usize * itemsize].to_vec();
-                piece.resize(c as usize * itemsize, 0);
-                Tensor {
-                    dtype,
-                    shape: vec![c],
-                    data: piece,
-                }
+            }
+            let shard = Tensor {
+                dtype,
+                shape: vec![numel],
+                data,
             };
             out.insert(name.clone(), Node::Tensor(shard));
         } else if zero {

@@ -362,7 +362,13 @@ fn run_index_view(
     let started = Instant::now();
     let (source, index) = prepare(args, src, per_rank, opened, view)?;
     let (written, untied) = write_index(args, &source, &index)?;
-    report(args, &index, &written, &untied, started.elapsed().as_secs_f64())
+    report(
+        args,
+        &index,
+        &written,
+        &untied,
+        started.elapsed().as_secs_f64(),
+    )
 }
 
 /// Refuses output flags that do not fit the output kind, and an output that exists.
