@@ -125,6 +125,74 @@ pub fn node_from_source(source: &dyn Source, name: &str) -> Result<Node, BridgeE
     node_from_torch_save(&bytes, name)
 }
 
+/// A value without tensors (as the index keeps the non-tensor entries of a `torch.save` file)
+/// as a [`Node`]; `file` and `path` name it in errors.
+pub fn node_from_value(v: &ReadValue, file: &str, path: &str) -> Result<Node, BridgeError> {
+    convert_value(v, path, file, &|v, path| {
+        Err(BridgeError::Unsupported {
+            file: file.to_owned(),
+            path: display_path(path),
+            found: v.type_name(),
+        })
+    })
+}
+
+/// `v` as a [`Node`], containers and Python scalars here, anything else (tensors) by `leaf`.
+fn convert_value(
+    v: &ReadValue,
+    path: &str,
+    file: &str,
+    leaf: &dyn Fn(&ReadValue, &str) -> Result<Node, BridgeError>,
+) -> Result<Node, BridgeError> {
+    let items = |items: &[ReadValue]| -> Result<Vec<Node>, BridgeError> {
+        items
+            .iter()
+            .enumerate()
+            .map(|(i, x)| convert_value(x, &format!("{path}/{i}"), file, leaf))
+            .collect()
+    };
+    Ok(match v {
+        ReadValue::None => Node::None,
+        ReadValue::Bool(b) => Node::Bool(*b),
+        ReadValue::Int(i) => Node::Int(*i),
+        ReadValue::Float(f) => Node::Float(*f),
+        ReadValue::Str(s) => Node::Str(s.clone()),
+        ReadValue::Bytes(b) => Node::Bytes(b.clone()),
+        ReadValue::Tuple(xs) => Node::Tuple(items(xs)?),
+        ReadValue::List(xs) => Node::List(items(xs)?),
+        ReadValue::Size(dims) => Node::Tuple(
+            dims.iter()
+                .map(|&d| i64::try_from(d).map(Node::Int))
+                .collect::<Result<_, _>>()
+                .map_err(|_| BridgeError::Unsupported {
+                    file: file.to_owned(),
+                    path: display_path(path),
+                    found: v.type_name(),
+                })?,
+        ),
+        ReadValue::Dict(entries) => {
+            let mut d = Dict::new();
+            for (k, val) in entries {
+                let key = match k {
+                    ReadValue::Str(s) => Key::Str(s.clone()),
+                    ReadValue::Int(i) => Key::Int(*i),
+                    other => {
+                        return Err(BridgeError::BadKey {
+                            file: file.to_owned(),
+                            path: display_path(path),
+                            found: other.type_name(),
+                        });
+                    }
+                };
+                let sub = format!("{path}/{key}");
+                d.insert(key, convert_value(val, &sub, file, leaf)?);
+            }
+            Node::Dict(d)
+        }
+        other => leaf(other, path)?,
+    })
+}
+
 struct Reader<'a> {
     bytes: Bytes<'a>,
     archive: &'a TorchArchive,
@@ -195,58 +263,12 @@ impl Reader<'_> {
     }
 
     fn value(&self, v: &ReadValue, path: &str) -> Result<Node, BridgeError> {
-        Ok(match v {
-            ReadValue::None => Node::None,
-            ReadValue::Bool(b) => Node::Bool(*b),
-            ReadValue::Int(i) => Node::Int(*i),
-            ReadValue::Float(f) => Node::Float(*f),
-            ReadValue::Str(s) => Node::Str(s.clone()),
-            ReadValue::Bytes(b) => Node::Bytes(b.clone()),
-            ReadValue::Tuple(items) => Node::Tuple(self.items(items, path)?),
-            ReadValue::List(items) => Node::List(self.items(items, path)?),
-            ReadValue::Size(dims) => Node::Tuple(
-                dims.iter()
-                    .map(|&d| i64::try_from(d).map(Node::Int))
-                    .collect::<Result<_, _>>()
-                    .map_err(|_| self.unsupported(path, v))?,
-            ),
-            ReadValue::Dict(items) => {
-                let mut d = Dict::new();
-                for (k, val) in items {
-                    let key = match k {
-                        ReadValue::Str(s) => Key::Str(s.clone()),
-                        ReadValue::Int(i) => Key::Int(*i),
-                        other => {
-                            return Err(BridgeError::BadKey {
-                                file: self.file.to_owned(),
-                                path: display_path(path),
-                                found: other.type_name(),
-                            });
-                        }
-                    };
-                    let sub = format!("{path}/{key}");
-                    d.insert(key, self.value(val, &sub)?);
-                }
-                Node::Dict(d)
-            }
-            ReadValue::Tensor(t) => Node::Tensor(self.tensor(t, path)?),
-            ReadValue::ShardedTensor(st) => Node::Dist(self.sharded(st, path)?),
-            ReadValue::DTensor(dt) => Node::Dist(self.dtensor(dt, path)?),
-            ReadValue::BigInt(_)
-            | ReadValue::Set(_)
-            | ReadValue::Global(_)
-            | ReadValue::DType(_)
-            | ReadValue::Storage(_)
-            | ReadValue::Object(_) => return Err(self.unsupported(path, v)),
+        convert_value(v, path, self.file, &|v, path| match v {
+            ReadValue::Tensor(t) => Ok(Node::Tensor(self.tensor(t, path)?)),
+            ReadValue::ShardedTensor(st) => Ok(Node::Dist(self.sharded(st, path)?)),
+            ReadValue::DTensor(dt) => Ok(Node::Dist(self.dtensor(dt, path)?)),
+            other => Err(self.unsupported(path, other)),
         })
-    }
-
-    fn items(&self, items: &[ReadValue], path: &str) -> Result<Vec<Node>, BridgeError> {
-        items
-            .iter()
-            .enumerate()
-            .map(|(i, x)| self.value(x, &format!("{path}/{i}")))
-            .collect()
     }
 
     fn sharded(&self, st: &ShardedTensorRecord, path: &str) -> Result<DistTensor, BridgeError> {

@@ -7,7 +7,12 @@ use std::process::ExitCode;
 
 use clap::Args;
 use shardscope_core::layout::{self, Strategy};
-use shardscope_runner::fsdp1_local::{self, LayoutFlags, ReshardArgs};
+use anyhow::Context;
+use shardscope_core::layout::{Api, Layout, LayoutConfig};
+use shardscope_core::transform::Fsdp1Model;
+use shardscope_runner::fsdp1_local::{self, LayoutFlags};
+
+use crate::convert::to_fsdp1::{Fsdp1Target, to_fsdp1_local};
 
 use super::print_stdout;
 
@@ -66,11 +71,9 @@ fn parse_strategy(s: &str) -> Result<Strategy, String> {
 }
 
 pub fn run(args: &ReshardCliArgs) -> anyhow::Result<ExitCode> {
-    let flags = LayoutFlags {
-        use_orig_params: args.use_orig_params,
-        strategy: args.strategy,
-        shard_group_size: args.shard_group_size,
-    };
+    if args.to_world_size == 0 {
+        anyhow::bail!("--to-world-size must be at least 1");
+    }
     let to_strategy = args.to_strategy.unwrap_or(args.strategy);
     let dst_flags = LayoutFlags {
         use_orig_params: args.to_use_orig_params.unwrap_or(args.use_orig_params),
@@ -81,16 +84,57 @@ pub fn run(args: &ReshardCliArgs) -> anyhow::Result<ExitCode> {
             args.to_shard_group_size
         },
     };
-    let reshard_args = ReshardArgs {
-        src: args.src.clone(),
-        model: args.model.clone(),
-        flags,
-        dst_flags: Some(dst_flags),
-        to_world_size: args.to_world_size,
-        model_pattern: args.model_files.clone(),
-        optim_pattern: args.optim_files.clone(),
+    // The model and optimizer sets of the folder, read through the source layout.
+    let files = fsdp1_local::find_rank_files(
+        &args.src,
+        args.model_files.as_deref(),
+        args.optim_files.as_deref(),
+    )?;
+    let mut paths = Vec::with_capacity(files.world_size * 2);
+    for rank in 0..files.world_size {
+        paths.push(files.model_file(rank));
+        paths.extend(files.optim_file(rank));
+    }
+    let source = crate::input::open(&paths, false)?;
+    let index = shardscope_core::model::index::index_source(&source)
+        .with_context(|| format!("cannot read the per-rank files of {}", args.src.display()))?;
+    let src_layout = super::model_layout::ModelLayoutArgs {
+        model: Some(args.model.clone()),
+        world_size: Some(files.world_size as u64),
+        use_orig_params: args.use_orig_params,
+        strategy: args.strategy,
+        shard_group_size: args.shard_group_size,
+        param_dtype: None,
     };
-    // A spinner with the elapsed time on a terminal: the work is one call.
+    let label = args.src.display().to_string();
+    let index = src_layout.apply(index, &label)?;
+    crate::convert::ensure_consistent(&args.src, &index)?;
+    let desc = fsdp1_local::read_description(&args.model)?;
+    let config = LayoutConfig {
+        api: Api::Fsdp1,
+        world_size: args.to_world_size as u64,
+        shard_group_size: dst_flags.shard_group_size,
+        use_orig_params: dst_flags.use_orig_params,
+        strategy: dst_flags.strategy,
+        param_dtype: None,
+    };
+    let Layout::Fsdp1(dst_layout) = layout::compute(&desc, &config)? else {
+        anyhow::bail!("expected an FSDP1 layout");
+    };
+    let dst = Fsdp1Model::new(&desc, &dst_layout)
+        .map_err(|e| anyhow::anyhow!("destination layout: {e}"))?;
+    let target = Fsdp1Target {
+        model: &dst,
+        full_files: to_strategy == Strategy::NoShard,
+        model_pattern: &files.model_pattern,
+        optim_pattern: files.optim_pattern.as_deref(),
+    };
+    let model_prefix = if files.optim_pattern.is_some() {
+        "model."
+    } else {
+        ""
+    };
+    // A spinner with the elapsed time on a terminal.
     let spinner =
         (!args.quiet && std::io::IsTerminal::is_terminal(&std::io::stderr())).then(|| {
             let bar = indicatif::ProgressBar::new_spinner();
@@ -106,13 +150,14 @@ pub fn run(args: &ReshardCliArgs) -> anyhow::Result<ExitCode> {
             bar.enable_steady_tick(std::time::Duration::from_millis(200));
             bar
         });
+    let mut reader = crate::convert::Reader::new(&source, &index);
     let result = crate::atomic::write_dir(&args.dst, |tmp| {
-        Ok(fsdp1_local::reshard(&reshard_args, tmp)?)
+        to_fsdp1_local(&mut reader, model_prefix, &target, tmp)
     });
     if let Some(bar) = spinner {
         bar.finish_and_clear();
     }
-    let (files, outputs) = result?;
+    let outputs = result?;
     let written = outputs.len();
     let text = if args.json {
         let summary = serde_json::json!({

@@ -25,6 +25,7 @@
 pub mod exec;
 pub mod fsdp2_ranks;
 pub mod part;
+pub mod to_fsdp1;
 
 use std::collections::{BTreeMap, BTreeSet};
 use std::fs::File;
