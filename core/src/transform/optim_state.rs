@@ -1086,7 +1086,7 @@ fn flatten_optim_state(
                             data.extend_from_slice(&t.data[a..b]);
                         }
                         StateRun::Zeros(len) => {
-                            data.resize(data.len() + *len as usize * itemsize, 0)
+                            data.resize(data.len() + *len as usize * itemsize, 0);
                         }
                     }
                 }

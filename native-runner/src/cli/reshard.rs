@@ -5,9 +5,9 @@ use std::fmt::Write as _;
 use std::path::PathBuf;
 use std::process::ExitCode;
 
+use anyhow::Context;
 use clap::Args;
 use shardscope_core::layout::{self, Strategy};
-use anyhow::Context;
 use shardscope_core::layout::{Api, Layout, LayoutConfig};
 use shardscope_core::transform::Fsdp1Model;
 use shardscope_runner::fsdp1_local::{self, LayoutFlags};

@@ -54,7 +54,11 @@ enum Fill {
     /// Rank `rank`'s unpadded shard of destination flat parameter `flat`.
     Shard { flat: usize, rank: u64 },
     /// Rank `rank`'s 1-D view of parameter `param` of flat parameter `flat` (`use_orig_params`).
-    View { flat: usize, param: usize, rank: u64 },
+    View {
+        flat: usize,
+        param: usize,
+        rank: u64,
+    },
     /// State `name` of optimizer id `id` on `rank`.
     State {
         id: usize,
@@ -345,7 +349,14 @@ impl<'i> Filler<'_, 'i> {
     }
 
     /// Elements `[start, start + len)` of the logical tensor `key`, as `dtype`, appended to `out`.
-    fn append(&mut self, key: &str, dtype: DType, start: u64, len: u64, out: &mut Vec<u8>) -> Result<()> {
+    fn append(
+        &mut self,
+        key: &str,
+        dtype: DType,
+        start: u64,
+        len: u64,
+        out: &mut Vec<u8>,
+    ) -> Result<()> {
         if len == 0 {
             return Ok(());
         }
@@ -400,9 +411,11 @@ impl<'i> Filler<'_, 'i> {
                 let fp = self.dst.flat(*flat);
                 let info = fp.ranks[*rank as usize].shard_param_infos[*param];
                 let mut out = Vec::new();
-                if let (true, Some(start), Some(n)) =
-                    (info.in_shard, info.intra_param_start_idx, info.numel_in_shard)
-                {
+                if let (true, Some(start), Some(n)) = (
+                    info.in_shard,
+                    info.intra_param_start_idx,
+                    info.numel_in_shard,
+                ) {
                     let key = format!("{}{}", self.model_prefix, fp.fqns[*param]);
                     self.append(&key, fp.dtype, start, n, &mut out)?;
                 }
@@ -427,7 +440,9 @@ impl<'i> Filler<'_, 'i> {
                 for run in runs {
                     match run {
                         StateRun::Param { fqn, start, len } => {
-                            let key = self.parts.states[&(fqn.as_str(), name.as_str())].key.clone();
+                            let key = self.parts.states[&(fqn.as_str(), name.as_str())]
+                                .key
+                                .clone();
                             self.append(&key, dtype, start, len, &mut out)?;
                         }
                         StateRun::Zeros(len) => out.resize(out.len() + len as usize * item, 0),
@@ -480,9 +495,14 @@ pub fn to_fsdp1_local(
         let skeleton = model_skeleton(dst, &parts, rank, target.full_files, &mut fills)?;
         let name = target.model_pattern.replace("{r}", &global.to_string());
         written.push(write_file(out_dir, name, |out| {
-            lazy::write_torch_save(out, &Node::Dict(skeleton), RootDict::Ordered, pg.0, pg.1, |path| {
-                fill(&mut filler, &fills, path)
-            })
+            lazy::write_torch_save(
+                out,
+                &Node::Dict(skeleton),
+                RootDict::Ordered,
+                pg.0,
+                pg.1,
+                |path| fill(&mut filler, &fills, path),
+            )
         })?);
         if let Some((pattern, full)) = &optim {
             let local = local_optim_from_full(dst, full, rank, &dst_names)
@@ -491,9 +511,14 @@ pub fn to_fsdp1_local(
             optim_fills(&local, rank, &mut fills);
             let name = pattern.replace("{r}", &global.to_string());
             written.push(write_file(out_dir, name, |out| {
-                lazy::write_torch_save(out, &Node::Dict(local), RootDict::Plain, pg.0, pg.1, |path| {
-                    fill(&mut filler, &fills, path)
-                })
+                lazy::write_torch_save(
+                    out,
+                    &Node::Dict(local),
+                    RootDict::Plain,
+                    pg.0,
+                    pg.1,
+                    |path| fill(&mut filler, &fills, path),
+                )
             })?);
         }
     }
@@ -527,7 +552,7 @@ fn write_file(
     let out = write(BufWriter::new(file)).with_context(|| format!("writing {}", path.display()))?;
     let file = out
         .into_inner()
-        .map_err(|e| e.into_error())
+        .map_err(std::io::IntoInnerError::into_error)
         .with_context(|| format!("writing {}", path.display()))?;
     let bytes = file
         .metadata()
