@@ -24,6 +24,7 @@ one JSON line; cleans up its temp directory. See BENCHMARKS.md.
 from __future__ import annotations
 
 import argparse
+import sys
 import json
 import os
 import shutil
@@ -78,6 +79,7 @@ def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("--shardscope", default="target/release/shardscope")
     parser.add_argument("--dir", default=tempfile.gettempdir())
+    parser.add_argument("--keep", action="store_true", help="keep the source checkpoint (for profiling)")
     args = parser.parse_args()
     shardscope = os.path.abspath(args.shardscope)
     work = tempfile.mkdtemp(prefix="shardscope-bench-reshard-", dir=args.dir)
@@ -139,7 +141,10 @@ def main() -> None:
             }
         print(json.dumps(summary))
     finally:
-        shutil.rmtree(work, ignore_errors=True)
+        if args.keep:
+            print(f"kept {work}/src and {work}/model.json", file=sys.stderr)
+        else:
+            shutil.rmtree(work, ignore_errors=True)
 
 
 if __name__ == "__main__":

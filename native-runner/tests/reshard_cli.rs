@@ -257,6 +257,86 @@ fn interop_reshard_full_shard_to_no_shard_use_orig_params() {
     );
 }
 
+/// A checkpoint of full tensors (torch's FULL_STATE_DICT and `FSDP.optim_state_dict`, saved by
+/// torch as one `{"model", "optim"}` file) resharded to FSDP1 LOCAL files for 3 ranks, with and
+/// without `use_orig_params`: torch loads them and matches its own path, also after one more step.
+#[test]
+fn interop_reshard_from_full_checkpoint() {
+    let Some(python) = python() else {
+        eprintln!("skipped: no torch");
+        return;
+    };
+    let tmp = tempfile::tempdir().unwrap();
+    let src = tmp.path().join("src");
+    run_python(&python, &["make", src.to_str().unwrap(), "2", "0", "0"]);
+    let full = tmp.path().join("full.pt");
+    let out = Command::new(&python)
+        .args([
+            "-c",
+            "import sys, torch; torch.save({'model': torch.load(sys.argv[1] + '/full/full_model.pt', weights_only=True), 'optim': torch.load(sys.argv[1] + '/full/full_optim.pt', weights_only=True)}, sys.argv[2])",
+            src.to_str().unwrap(),
+            full.to_str().unwrap(),
+        ])
+        .output()
+        .unwrap();
+    assert!(
+        out.status.success(),
+        "{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    let model_json = fixtures().join("nested_ws2_uop0/model.json");
+    for uop in [false, true] {
+        let dst = tmp.path().join(format!("dst{uop}"));
+        let out = shardscope(&[
+            "reshard",
+            full.to_str().unwrap(),
+            "-o",
+            dst.to_str().unwrap(),
+            "--model",
+            model_json.to_str().unwrap(),
+            "--to-world-size",
+            "3",
+            "--to-use-orig-params",
+            if uop { "true" } else { "false" },
+            "--json",
+        ]);
+        assert!(out.status.success(), "reshard failed: {}", stderr_of(&out));
+        let summary: serde_json::Value = serde_json::from_slice(&out.stdout).unwrap();
+        assert_eq!(summary["files"].as_array().unwrap().len(), 6, "{summary}");
+        assert!(summary["from_world_size"].is_null(), "{summary}");
+        run_python(
+            &python,
+            &[
+                "check",
+                src.to_str().unwrap(),
+                dst.to_str().unwrap(),
+                "3",
+                if uop { "1" } else { "0" },
+                "0",
+            ],
+        );
+    }
+    // Layout flags of a per-rank folder do not apply to full tensors.
+    let out = shardscope(&[
+        "reshard",
+        full.to_str().unwrap(),
+        "-o",
+        tmp.path().join("bad").to_str().unwrap(),
+        "--model",
+        model_json.to_str().unwrap(),
+        "--to-world-size",
+        "3",
+        "--use-orig-params",
+    ]);
+    assert_eq!(out.status.code(), Some(2), "{}", stderr_of(&out));
+    assert!(
+        stderr_of(&out).contains("--use-orig-params"),
+        "{}",
+        stderr_of(&out)
+    );
+    assert!(!tmp.path().join("bad").exists());
+}
+
 /// A per-rank folder made without torch: the LOCAL model and raw optimizer state dicts of the
 /// `nested_ws2_uop0` fixture (written by torch), rewritten one object per file.
 fn fixture_folder(dir: &Path) {

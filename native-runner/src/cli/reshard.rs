@@ -2,7 +2,7 @@
 //! dicts) from one world size to another. The logic lives in [`shardscope_runner::fsdp1_local`].
 
 use std::fmt::Write as _;
-use std::path::PathBuf;
+use std::path::{Path, PathBuf};
 use std::process::ExitCode;
 
 use anyhow::Context;
@@ -19,8 +19,10 @@ use super::print_stdout;
 #[derive(Debug, Args)]
 pub struct ReshardCliArgs {
     /// Folder of per-rank files (e.g. model_rank0.pt, optim_rank0.pt, ...), written with
-    /// torch.save from LOCAL_STATE_DICT model state dicts and optim.state_dict().
-    #[arg(value_name = "SRC")]
+    /// torch.save from LOCAL_STATE_DICT model state dicts and optim.state_dict(); or any checkpoint
+    /// of full tensors (a `torch.save` or safetensors file of the FULL state dict, or
+    /// `{"model": ..., "optim": FSDP.optim_state_dict(...)}`; a DCP directory of the model), written
+    /// as `model_rank{r}.pt` (+ `optim_rank{r}.pt`).
     pub src: PathBuf,
     /// Output folder (must not exist or be empty); it appears complete or not at all.
     #[arg(short = 'o', long = "output", value_name = "DST")]
@@ -84,7 +86,110 @@ pub fn run(args: &ReshardCliArgs) -> anyhow::Result<ExitCode> {
             args.to_shard_group_size
         },
     };
-    // The model and optimizer sets of the folder, read through the source layout.
+    let desc = fsdp1_local::read_description(&args.model)?;
+    let full_source = is_full_checkpoint(&args.src);
+    let (source, index, files, model_prefix) = if full_source {
+        open_full(args, &desc)?
+    } else {
+        open_folder(args)?
+    };
+    let config = LayoutConfig {
+        api: Api::Fsdp1,
+        world_size: args.to_world_size as u64,
+        shard_group_size: dst_flags.shard_group_size,
+        use_orig_params: dst_flags.use_orig_params,
+        strategy: dst_flags.strategy,
+        param_dtype: None,
+    };
+    let Layout::Fsdp1(dst_layout) = layout::compute(&desc, &config)? else {
+        anyhow::bail!("expected an FSDP1 layout");
+    };
+    let dst = Fsdp1Model::new(&desc, &dst_layout)
+        .map_err(|e| anyhow::anyhow!("destination layout: {e}"))?;
+    let target = Fsdp1Target {
+        model: &dst,
+        full_files: to_strategy == Strategy::NoShard,
+        model_pattern: &files.model_pattern,
+        optim_pattern: files.optim_pattern.as_deref(),
+    };
+    // A spinner with the elapsed time on a terminal.
+    let spinner =
+        (!args.quiet && std::io::IsTerminal::is_terminal(&std::io::stderr())).then(|| {
+            let bar = indicatif::ProgressBar::new_spinner();
+            if let Ok(style) = indicatif::ProgressStyle::with_template("{spinner} {msg} {elapsed}")
+            {
+                bar.set_style(style);
+            }
+            bar.set_message(format!(
+                "resharding {} to {} ranks",
+                args.src.display(),
+                args.to_world_size
+            ));
+            bar.enable_steady_tick(std::time::Duration::from_millis(200));
+            bar
+        });
+    let mut reader = crate::convert::Reader::new(&source, &index);
+    let result = crate::atomic::write_dir(&args.dst, |tmp| {
+        to_fsdp1_local(&mut reader, &model_prefix, &target, tmp)
+    });
+    if let Some(bar) = spinner {
+        bar.finish_and_clear();
+    }
+    let outputs = result?;
+    let written = outputs.len();
+    let text = if args.json {
+        let summary = serde_json::json!({
+            "source": args.src.display().to_string(),
+            "output": args.dst.display().to_string(),
+            "from_world_size": (!full_source).then_some(files.world_size),
+            "to_world_size": args.to_world_size,
+            "model_files": files.model_pattern,
+            "optim_files": files.optim_pattern,
+            "files": outputs.iter().map(|f| serde_json::json!({"name": f.name, "bytes": f.bytes})).collect::<Vec<_>>(),
+        });
+        format!("{}\n", serde_json::to_string_pretty(&summary)?)
+    } else {
+        let mut s = String::new();
+        let from = if full_source {
+            "full tensors".to_owned()
+        } else {
+            format!(
+                "{} ranks, {}{}",
+                files.world_size,
+                files.model_pattern,
+                files
+                    .optim_pattern
+                    .as_ref()
+                    .map_or(String::new(), |o| format!(" + {o}"))
+            )
+        };
+        let _ = writeln!(
+            s,
+            "resharded {} ({from}) to {} ranks: {written} files in {}",
+            args.src.display(),
+            args.to_world_size,
+            args.dst.display()
+        );
+        s
+    };
+    print_stdout(&text)?;
+    Ok(ExitCode::SUCCESS)
+}
+
+/// A source that is not a folder of per-rank files: a file, or a DCP directory.
+fn is_full_checkpoint(src: &Path) -> bool {
+    src.is_file() || src.join(".metadata").is_file()
+}
+
+type Opened = (
+    crate::input::Input,
+    shardscope_core::model::index::CheckpointIndex,
+    fsdp1_local::RankFiles,
+    String,
+);
+
+/// A folder's model and optimizer sets, read through the source layout.
+fn open_folder(args: &ReshardCliArgs) -> anyhow::Result<Opened> {
     let files = fsdp1_local::find_rank_files(
         &args.src,
         args.model_files.as_deref(),
@@ -106,87 +211,84 @@ pub fn run(args: &ReshardCliArgs) -> anyhow::Result<ExitCode> {
         shard_group_size: args.shard_group_size,
         param_dtype: None,
     };
-    let label = args.src.display().to_string();
-    let index = src_layout.apply(index, &label)?;
+    let index = src_layout.apply(index, &args.src.display().to_string())?;
     crate::convert::ensure_consistent(&args.src, &index)?;
-    let desc = fsdp1_local::read_description(&args.model)?;
-    let config = LayoutConfig {
-        api: Api::Fsdp1,
-        world_size: args.to_world_size as u64,
-        shard_group_size: dst_flags.shard_group_size,
-        use_orig_params: dst_flags.use_orig_params,
-        strategy: dst_flags.strategy,
-        param_dtype: None,
-    };
-    let Layout::Fsdp1(dst_layout) = layout::compute(&desc, &config)? else {
-        anyhow::bail!("expected an FSDP1 layout");
-    };
-    let dst = Fsdp1Model::new(&desc, &dst_layout)
-        .map_err(|e| anyhow::anyhow!("destination layout: {e}"))?;
-    let target = Fsdp1Target {
-        model: &dst,
-        full_files: to_strategy == Strategy::NoShard,
-        model_pattern: &files.model_pattern,
-        optim_pattern: files.optim_pattern.as_deref(),
-    };
-    let model_prefix = if files.optim_pattern.is_some() {
+    // With optimizer files the folder indexes as `model` and `optim` subtrees.
+    let prefix = if files.optim_pattern.is_some() {
         "model."
     } else {
         ""
     };
-    // A spinner with the elapsed time on a terminal.
-    let spinner =
-        (!args.quiet && std::io::IsTerminal::is_terminal(&std::io::stderr())).then(|| {
-            let bar = indicatif::ProgressBar::new_spinner();
-            if let Ok(style) = indicatif::ProgressStyle::with_template("{spinner} {msg} {elapsed}")
-            {
-                bar.set_style(style);
-            }
-            bar.set_message(format!(
-                "resharding {} to {} ranks",
-                args.src.display(),
-                args.to_world_size
-            ));
-            bar.enable_steady_tick(std::time::Duration::from_millis(200));
-            bar
-        });
-    let mut reader = crate::convert::Reader::new(&source, &index);
-    let result = crate::atomic::write_dir(&args.dst, |tmp| {
-        to_fsdp1_local(&mut reader, model_prefix, &target, tmp)
-    });
-    if let Some(bar) = spinner {
-        bar.finish_and_clear();
+    Ok((source, index, files, prefix.to_owned()))
+}
+
+/// A checkpoint of full tensors: its model under `model.` or at the top (whichever holds the
+/// description's parameters), its optimizer state when it has `FSDP.optim_state_dict`'s form.
+fn open_full(
+    args: &ReshardCliArgs,
+    desc: &shardscope_core::model::ModelDescription,
+) -> anyhow::Result<Opened> {
+    use shardscope_core::model::index::Role;
+    for (flag, given) in [
+        ("--model-files", args.model_files.is_some()),
+        ("--optim-files", args.optim_files.is_some()),
+        ("--use-orig-params", args.use_orig_params),
+        ("--shard-group-size", args.shard_group_size.is_some()),
+    ] {
+        if given {
+            anyhow::bail!(
+                "{flag} describes a folder of per-rank files; {} is a checkpoint of full tensors",
+                args.src.display()
+            );
+        }
     }
-    let outputs = result?;
-    let written = outputs.len();
-    let text = if args.json {
-        let summary = serde_json::json!({
-            "source": args.src.display().to_string(),
-            "output": args.dst.display().to_string(),
-            "from_world_size": files.world_size,
-            "to_world_size": args.to_world_size,
-            "model_files": files.model_pattern,
-            "optim_files": files.optim_pattern,
-            "files": outputs.iter().map(|f| serde_json::json!({"name": f.name, "bytes": f.bytes})).collect::<Vec<_>>(),
-        });
-        format!("{}\n", serde_json::to_string_pretty(&summary)?)
-    } else {
-        let mut s = String::new();
-        let _ = writeln!(
-            s,
-            "resharded {} ({} ranks, {}{}) to {} ranks: {written} files in {}",
-            args.src.display(),
-            files.world_size,
-            files.model_pattern,
-            files
-                .optim_pattern
-                .as_ref()
-                .map_or(String::new(), |o| format!(" + {o}")),
-            args.to_world_size,
-            args.dst.display()
+    let (source, index) = crate::convert::open_unchecked(&args.src, false)?;
+    crate::convert::ensure_consistent(&args.src, &index)?;
+    if super::model_layout::needs_layout(&index) {
+        anyhow::bail!(
+            "{} holds rank-local pieces (flat parameters or raw optimizer state) but is not a folder of per-rank files\nhint: give the folder that holds every rank's files",
+            args.src.display()
         );
-        s
+    }
+    let first = desc
+        .params
+        .first()
+        .context("the model description has no parameters")?;
+    let prefix = ["", "model."]
+        .into_iter()
+        .find(|p| index.entry(&format!("{p}{}", first.fqn)).is_some())
+        .with_context(|| {
+            format!(
+                "{}: no `{}` (nor `model.{}`): it does not hold the model the description describes",
+                args.src.display(),
+                first.fqn,
+                first.fqn
+            )
+        })?;
+    let states = index.entries.iter().any(|e| {
+        matches!(
+            &e.role,
+            Some(Role::OptimizerState {
+                param: shardscope_core::model::index::PathSeg::Key(_),
+                ..
+            })
+        )
+    });
+    let groups = index
+        .entries
+        .iter()
+        .any(|e| matches!(e.role, Some(Role::ParamGroup { .. })));
+    if states && !groups {
+        anyhow::bail!(
+            "{}: the optimizer state has no `param_groups` list (as `FSDP.optim_state_dict` returns it), so the optimizer ids of the new ranks cannot be given\nhint: save the optimizer state with FSDP.optim_state_dict, or reshard the model alone",
+            args.src.display()
+        );
+    }
+    let names = fsdp1_local::RankFiles {
+        dir: args.src.clone(),
+        model_pattern: "model_rank{r}.pt".to_owned(),
+        optim_pattern: states.then(|| "optim_rank{r}.pt".to_owned()),
+        world_size: 1,
     };
-    print_stdout(&text)?;
-    Ok(ExitCode::SUCCESS)
+    Ok((source, index, names, prefix.to_owned()))
 }
