@@ -440,7 +440,13 @@ impl<'i> Filler<'_, 'i> {
                 for run in runs {
                     match run {
                         StateRun::Param { fqn, start, len } => {
-                            let key = self.parts.states[&(fqn.as_str(), name.as_str())]
+                            let key = self
+                                .parts
+                                .states
+                                .get(&(fqn.as_str(), name.as_str()))
+                                .with_context(|| {
+                                    format!("`{fqn}` has no optimizer state `{name}`")
+                                })?
                                 .key
                                 .clone();
                             self.append(&key, dtype, start, len, &mut out)?;
