@@ -189,17 +189,27 @@ pub fn local_flat_param_entry(
 ) -> Result<DistTensor, TransformError> {
     check_shard(flat, rank as usize, shard)?;
     let itemsize = flat.dtype.size_bytes();
-    let mut chunks = Vec::new();
-    for r in &flat.ranks {
-        let n = unpadded_shard_numel(flat, r.rank);
-        if n > 0 {
-            chunks.push(ChunkMeta {
-                offsets: vec![r.rank * flat.sharded_numel],
-                sizes: vec![n],
-                placement: Some(format!("rank:{}/cpu", r.rank)),
-            });
-        }
-    }
+    let n = unpadded_shard_numel(flat, rank) as usize;
+    Ok(local_flat_param_structure(
+        flat,
+        rank,
+        shard.data[..n * itemsize].to_vec(),
+    ))
+}
+
+/// [`local_flat_param_entry`] with the local shard's bytes given (`data`; empty for a
+/// structure-only entry, whose bytes a streaming writer produces later).
+pub fn local_flat_param_structure(flat: &FlatParamLayout, rank: u64, data: Vec<u8>) -> DistTensor {
+    let chunks = flat
+        .ranks
+        .iter()
+        .filter(|r| unpadded_shard_numel(flat, r.rank) > 0)
+        .map(|r| ChunkMeta {
+            offsets: vec![r.rank * flat.sharded_numel],
+            sizes: vec![unpadded_shard_numel(flat, r.rank)],
+            placement: Some(format!("rank:{}/cpu", r.rank)),
+        })
+        .collect();
     let n = unpadded_shard_numel(flat, rank);
     let local = (n > 0).then(|| {
         (
@@ -207,17 +217,17 @@ pub fn local_flat_param_entry(
             Tensor {
                 dtype: flat.dtype,
                 shape: vec![n],
-                data: shard.data[..n as usize * itemsize].to_vec(),
+                data,
             },
         )
     });
-    Ok(DistTensor {
+    DistTensor {
         kind: DistKind::ShardedTensor,
         dtype: flat.dtype,
         global_shape: vec![flat.unpadded_unsharded_numel],
         local,
         chunks,
-    })
+    }
 }
 
 /// With `use_orig_params=True` every original parameter is a 1-D view of its piece of the rank's

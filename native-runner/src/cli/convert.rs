@@ -266,25 +266,6 @@ pub fn run(args: &ConvertArgs) -> Result<ExitCode> {
             opened = Some(folder);
             only
         };
-        if other_output || optim_only {
-            if args.optim_output.is_some() {
-                bail!(
-                    "--optim-output applies when the model and optimizer go to two files (no --select, --dtype or DCP output, model files present)"
-                );
-            }
-            let layout = super::model_layout::ModelLayoutArgs {
-                model: Some(model.clone()),
-                world_size: None,
-                use_orig_params: args.use_orig_params,
-                strategy: args
-                    .strategy
-                    .unwrap_or(shardscope_core::layout::Strategy::FullShard),
-                shard_group_size: args.shard_group_size,
-                param_dtype: None,
-            };
-            return run_index_view(args, &args.src, &per_rank, opened, &View::Fsdp1(&layout));
-        }
-        // The full model file + `.optim.pt` pair.
         let layout = super::model_layout::ModelLayoutArgs {
             model: Some(model.clone()),
             world_size: None,
@@ -295,6 +276,15 @@ pub fn run(args: &ConvertArgs) -> Result<ExitCode> {
             shard_group_size: args.shard_group_size,
             param_dtype: None,
         };
+        if other_output || optim_only {
+            if args.optim_output.is_some() {
+                bail!(
+                    "--optim-output applies when the model and optimizer go to two files (no --select, --dtype or DCP output, model files present)"
+                );
+            }
+            return run_index_view(args, &args.src, &per_rank, opened, &View::Fsdp1(&layout));
+        }
+        // The full model file + `.optim.pt` pair.
         return convert_fsdp1_two_files(args, &layout, &per_rank);
     }
     run_index_view(args, &args.src, &per_rank, opened, &View::AsIs)
@@ -665,19 +655,12 @@ fn convert_fsdp1_two_files(
             path.display()
         );
     }
-    let mut paths = Vec::with_capacity(files.world_size * 2);
-    for rank in 0..files.world_size {
-        paths.push(files.model_file(rank));
-        paths.extend(files.optim_file(rank));
-    }
-    let source = crate::input::open(&paths, false)?;
-    let index = shardscope_core::model::index::index_source(&source)
-        .with_context(|| format!("cannot read the per-rank files of {}", args.src.display()))?;
+    let opened = convert::open_rank_files(&files)?;
     let (source, index) = prepare(
         args,
         &args.src,
         per_rank,
-        Some((source, index)),
+        Some(opened),
         &View::Fsdp1(layout),
     )?;
     // With optimizer files the folder indexes as `model` and `optim` subtrees.

@@ -195,14 +195,7 @@ fn open_folder(args: &ReshardCliArgs) -> anyhow::Result<Opened> {
         args.model_files.as_deref(),
         args.optim_files.as_deref(),
     )?;
-    let mut paths = Vec::with_capacity(files.world_size * 2);
-    for rank in 0..files.world_size {
-        paths.push(files.model_file(rank));
-        paths.extend(files.optim_file(rank));
-    }
-    let source = crate::input::open(&paths, false)?;
-    let index = shardscope_core::model::index::index_source(&source)
-        .with_context(|| format!("cannot read the per-rank files of {}", args.src.display()))?;
+    let (source, index) = crate::convert::open_rank_files(&files)?;
     let src_layout = super::model_layout::ModelLayoutArgs {
         model: Some(args.model.clone()),
         world_size: Some(files.world_size as u64),

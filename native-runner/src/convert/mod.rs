@@ -424,6 +424,23 @@ pub fn ensure_consistent(src: &Path, index: &CheckpointIndex) -> Result<()> {
     Ok(())
 }
 
+/// The model and optimizer file sets of a per-rank folder (as `fsdp1_local::find_rank_files`
+/// found them), opened and indexed together: with optimizer files the index has `model` and
+/// `optim` subtrees.
+pub fn open_rank_files(
+    files: &shardscope_runner::fsdp1_local::RankFiles,
+) -> Result<(Input, CheckpointIndex)> {
+    let mut paths = Vec::with_capacity(files.world_size * 2);
+    for rank in 0..files.world_size {
+        paths.push(files.model_file(rank));
+        paths.extend(files.optim_file(rank));
+    }
+    let source = crate::input::open(&paths, false)?;
+    let index = shardscope_core::model::index::index_source(&source)
+        .with_context(|| format!("cannot read the per-rank files of {}", files.dir.display()))?;
+    Ok((source, index))
+}
+
 /// Opens and indexes `src` (a file, a folder or a URL: [`crate::input::open`]) without checking
 /// the index (views fix it up first; then [`ensure_consistent`]). `progress`: long remote reads may
 /// show a progress line.

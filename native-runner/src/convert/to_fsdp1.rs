@@ -20,10 +20,10 @@ use anyhow::{Context, Result, bail};
 use shardscope_core::DType;
 use shardscope_core::model::bridge::{self, RootDict};
 use shardscope_core::model::index::{CheckpointIndex, EntryKind, IndexEntry, PathSeg, Role};
-use shardscope_core::model::tree::{
-    ChunkMeta, Dict, DistKind, DistTensor, Key, Node, Tensor, fill_bytes,
+use shardscope_core::model::tree::{Dict, Key, Node, Tensor, fill_bytes};
+use shardscope_core::transform::model_state::{
+    TORCH_PADDING_FILL, local_flat_param_structure, unpadded_shard_numel,
 };
-use shardscope_core::transform::model_state::{TORCH_PADDING_FILL, unpadded_shard_numel};
 use shardscope_core::transform::optim_state::{StateRun, local_optim_from_full, local_state_runs};
 use shardscope_core::transform::reshard::{FullKey, LocalKey, local_key_plan};
 use shardscope_core::transform::{Fsdp1Model, ParamRef};
@@ -188,36 +188,8 @@ fn model_skeleton(
         let path = format!("/{name}");
         let node = match key {
             LocalKey::Flat(i) => {
-                let flat = dst.flat(i);
-                let chunks = flat
-                    .ranks
-                    .iter()
-                    .filter(|r| unpadded_shard_numel(flat, r.rank) > 0)
-                    .map(|r| ChunkMeta {
-                        offsets: vec![r.rank * flat.sharded_numel],
-                        sizes: vec![unpadded_shard_numel(flat, r.rank)],
-                        placement: Some(format!("rank:{}/cpu", r.rank)),
-                    })
-                    .collect();
-                let n = unpadded_shard_numel(flat, rank);
-                let local = (n > 0).then(|| {
-                    (
-                        vec![rank * flat.sharded_numel],
-                        Tensor {
-                            dtype: flat.dtype,
-                            shape: vec![n],
-                            data: Vec::new(),
-                        },
-                    )
-                });
                 fills.insert(path, Fill::Shard { flat: i, rank });
-                Node::Dist(DistTensor {
-                    kind: DistKind::ShardedTensor,
-                    dtype: flat.dtype,
-                    global_shape: vec![flat.unpadded_unsharded_numel],
-                    local,
-                    chunks,
-                })
+                Node::Dist(local_flat_param_structure(dst.flat(i), rank, Vec::new()))
             }
             LocalKey::View { flat, param } => {
                 let f = dst.flat(flat);
