@@ -11,6 +11,11 @@ use std::process::ExitCode;
 
 use clap::{Parser, Subcommand};
 
+/// mimalloc rather than the C library's allocator: indexing a large `.metadata` makes millions of small
+/// allocations (BENCHMARKS.md, "inspect: DCP checkpoint with 100 000 chunks").
+#[global_allocator]
+static ALLOCATOR: mimalloc::MiMalloc = mimalloc::MiMalloc;
+
 /// Understand, convert and verify sharded PyTorch (FSDP, DCP) checkpoints, without Python or torch.
 #[derive(Debug, Parser)]
 #[command(name = "shardscope", version, about, long_about = None)]

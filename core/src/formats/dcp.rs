@@ -236,9 +236,11 @@ pub fn read_metadata(bytes: &[u8]) -> Result<DcpMetadata, DcpError> {
     })
 }
 
-fn dims(v: Option<PyRef<'_>>, what: &str) -> Result<Vec<u64>, DcpError> {
+/// `what` names the field in the error; it is built only when the field is not a `torch.Size`
+/// (a `.metadata` of a large job holds hundreds of thousands of chunk records).
+fn dims(v: Option<PyRef<'_>>, what: impl FnOnce() -> String) -> Result<Vec<u64>, DcpError> {
     v.and_then(|v| v.as_dims())
-        .ok_or_else(|| malformed(format!("{what} is not a torch.Size")))
+        .ok_or_else(|| malformed(format!("{} is not a torch.Size", what())))
 }
 
 fn tensor_meta(key: &str, o: ObjRef<'_>) -> Result<ItemMeta, DcpError> {
@@ -263,7 +265,7 @@ fn tensor_meta(key: &str, o: ObjRef<'_>) -> Result<ItemMeta, DcpError> {
             _ => malformed(format!("{key}: properties hold no torch dtype")),
         });
     };
-    let size = dims(o.attr("size"), &format!("{key}: size"))?;
+    let size = dims(o.attr("size"), || format!("{key}: size"))?;
     let chunk_list = o
         .attr("chunks")
         .and_then(PyRef::items)
@@ -271,8 +273,8 @@ fn tensor_meta(key: &str, o: ObjRef<'_>) -> Result<ItemMeta, DcpError> {
     let mut chunks = Vec::with_capacity(chunk_list.len());
     for c in chunk_list {
         let c = as_object(c, "ChunkStorageMetadata")?;
-        let offsets = dims(c.attr("offsets"), &format!("{key}: chunk offsets"))?;
-        let sizes = dims(c.attr("sizes"), &format!("{key}: chunk sizes"))?;
+        let offsets = dims(c.attr("offsets"), || format!("{key}: chunk offsets"))?;
+        let sizes = dims(c.attr("sizes"), || format!("{key}: chunk sizes"))?;
         if offsets.len() != size.len() || sizes.len() != size.len() {
             return Err(malformed(format!(
                 "{key}: chunk offsets {offsets:?} / sizes {sizes:?} do not match the {}-dim size",
@@ -533,5 +535,114 @@ mod tests {
             decompress_zstd(&bomb, 16 << 20).map(|v| v.len()),
             Ok(16 << 20)
         );
+    }
+
+    /// Robustness of the `.metadata` reader on untrusted bytes: every torch-written `.metadata` in
+    /// the repository parses; every truncation of one is an error; no byte flip panics.
+    mod robustness {
+        use super::super::*;
+        use std::path::PathBuf;
+
+        fn fixtures() -> Vec<(PathBuf, Vec<u8>)> {
+            let root = PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("..");
+            let mut out = Vec::new();
+            let mut stack = vec![root.join("tests/fixtures"), root.join("examples")];
+            while let Some(dir) = stack.pop() {
+                let Ok(entries) = std::fs::read_dir(&dir) else {
+                    continue;
+                };
+                for e in entries.flatten() {
+                    let p = e.path();
+                    if p.is_dir() {
+                        stack.push(p);
+                    } else if p.file_name().is_some_and(|n| n == ".metadata") {
+                        let bytes = std::fs::read(&p).unwrap();
+                        out.push((p, bytes));
+                    }
+                }
+            }
+            out.sort();
+            assert!(
+                out.len() >= 5,
+                "expected the torch-written DCP fixtures, found {}",
+                out.len()
+            );
+            out
+        }
+
+        #[test]
+        fn fixtures_parse() {
+            for (path, bytes) in fixtures() {
+                let meta =
+                    read_metadata(&bytes).unwrap_or_else(|e| panic!("{}: {e}", path.display()));
+                assert!(!meta.items.is_empty(), "{}", path.display());
+                assert!(!meta.storage.is_empty(), "{}", path.display());
+                for (_, item) in &meta.items {
+                    if let ItemMeta::Tensor { size, chunks, .. } = item {
+                        for c in chunks {
+                            assert_eq!(c.offsets.len(), size.len());
+                        }
+                    }
+                }
+            }
+        }
+
+        #[test]
+        fn every_truncation_is_an_error() {
+            for (path, bytes) in fixtures() {
+                // Every prefix of the small files; a stride through the large ones (debug builds).
+                let step = (bytes.len() / 1024).max(1);
+                for n in (0..bytes.len()).step_by(step) {
+                    assert!(
+                        read_metadata(&bytes[..n]).is_err(),
+                        "{}: the first {n} of {} bytes parsed",
+                        path.display(),
+                        bytes.len()
+                    );
+                }
+            }
+        }
+
+        #[test]
+        fn byte_flips_never_panic() {
+            // Deterministic xorshift: single-byte replacements at every position of the small
+            // fixtures (a stride through large ones), then bursts of random bytes.
+            let mut x: u64 = 0x9e37_79b9_7f4a_7c15;
+            let mut next = move || {
+                x ^= x << 13;
+                x ^= x >> 7;
+                x ^= x << 17;
+                x
+            };
+            let mut errors = 0usize;
+            let mut parsed = 0usize;
+            for (_, bytes) in fixtures() {
+                let step = (bytes.len() / 512).max(1);
+                for i in (0..bytes.len()).step_by(step) {
+                    for v in [0x00, bytes[i] ^ 0x80, bytes[i].wrapping_add(1)] {
+                        let mut b = bytes.clone();
+                        b[i] = v;
+                        match read_metadata(&b) {
+                            Ok(_) => parsed += 1,
+                            Err(e) => {
+                                assert!(!e.to_string().is_empty());
+                                errors += 1;
+                            }
+                        }
+                    }
+                }
+                for _ in 0..100 {
+                    let mut b = bytes.clone();
+                    for _ in 0..=(next() % 8) {
+                        let at = (next() % b.len() as u64) as usize;
+                        b[at] = next() as u8;
+                    }
+                    let _ = read_metadata(&b);
+                }
+            }
+            // Both outcomes occur: a flip inside a string or an int still parses, a flipped
+            // opcode does not. (A reader that refused everything would also "not panic".)
+            assert!(errors > 0 && parsed > 0, "{errors} errors, {parsed} parsed");
+        }
     }
 }

@@ -409,7 +409,7 @@ pub fn parse_with_limits(data: &[u8], limits: PickleLimits) -> Result<PyValue, P
 /// directly instead of building the owned [`PyValue`] tree.
 #[derive(Debug)]
 pub struct PickleArena {
-    nodes: Vec<Node>,
+    nodes: Arena,
     root: Val,
     limits: PickleLimits,
 }
@@ -430,7 +430,7 @@ pub fn parse_arena(data: &[u8]) -> Result<PickleArena, PickleError> {
 pub fn globals(data: &[u8]) -> Result<Vec<Global>, PickleError> {
     let arena = parse_arena(data)?;
     let mut out: Vec<Global> = Vec::new();
-    for node in &arena.nodes {
+    for node in &arena.nodes.nodes {
         if let Node::Global(g) = node
             && !out.contains(g)
         {
@@ -467,7 +467,7 @@ pub struct ObjRef<'a> {
 impl<'a> PyRef<'a> {
     fn node(&self) -> Option<&'a Node> {
         match self.val {
-            Val::Ref(i) => self.arena.nodes.get(i),
+            Val::Ref(i) => self.arena.nodes.nodes.get(i),
             _ => None,
         }
     }
@@ -504,10 +504,12 @@ impl<'a> PyRef<'a> {
     /// Items of a tuple or list.
     pub fn items(self) -> Option<impl ExactSizeIterator<Item = PyRef<'a>> + 'a> {
         let this = self;
-        match self.node()? {
-            Node::Tuple(v) | Node::List(v) => Some(v.iter().map(move |&x| this.at(x))),
-            _ => None,
-        }
+        let vals: &'a [Val] = match self.node()? {
+            Node::Tuple(span) => self.arena.nodes.vals(*span),
+            Node::List(v) => v,
+            _ => return None,
+        };
+        Some(vals.iter().map(move |&x| this.at(x)))
     }
 
     /// Items of a dict (or of an `OrderedDict` object).
@@ -515,7 +517,7 @@ impl<'a> PyRef<'a> {
         let this = self;
         let pairs: &'a [(Val, Val)] = match self.node()? {
             Node::Dict(d) => d,
-            Node::Object(o) => &o.dict_items,
+            Node::Object(o) => self.arena.nodes.objects[*o].dict_items(),
             _ => return None,
         };
         Some(pairs.iter().map(move |&(k, v)| (this.at(k), this.at(v))))
@@ -542,7 +544,7 @@ impl<'a> PyRef<'a> {
         match self.node()? {
             Node::Object(o) => Some(ObjRef {
                 arena: self.arena,
-                node: o,
+                node: &self.arena.nodes.objects[*o],
             }),
             _ => None,
         }
@@ -591,10 +593,12 @@ impl<'a> PyRef<'a> {
             Some(Node::Set(_)) => "set".into(),
             Some(Node::Global(g)) => format!("global {g}"),
             Some(Node::PersId(_)) => "persistent id".into(),
-            Some(Node::Object(o)) => match self.at(o.callable).global() {
-                Some(g) => format!("object {g}"),
-                None => "object".into(),
-            },
+            Some(Node::Object(o)) => {
+                match self.at(self.arena.nodes.objects[*o].callable).global() {
+                    Some(g) => format!("object {g}"),
+                    None => "object".into(),
+                }
+            }
         }
     }
 }
@@ -655,19 +659,45 @@ enum Val {
     Ref(usize),
 }
 
+/// A run of values in [`Arena::vals`] (tuples never change after they are built, so their items
+/// live in one shared pool rather than one allocation each).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+struct Span {
+    start: usize,
+    len: usize,
+}
+
 #[derive(Debug)]
 enum Node {
     Str(String),
     Bytes(Vec<u8>),
     BigInt(Vec<u8>),
-    Tuple(Vec<Val>),
+    Tuple(Span),
     List(Vec<Val>),
     Dict(Vec<(Val, Val)>),
     Set(Vec<Val>),
     Global(Box<Global>),
     PersId(Val),
-    /// Boxed: objects are a minority of nodes and the largest variant.
-    Object(Box<ObjNode>),
+    /// An index into [`Arena::objects`].
+    Object(usize),
+}
+
+/// Pass 1's output: the nodes, the pool of tuple items and the object records. A `.metadata` of
+/// 100 000 chunks holds about 1.5 million nodes, so nodes avoid an allocation each where they can.
+#[derive(Debug, Default)]
+struct Arena {
+    nodes: Vec<Node>,
+    vals: Vec<Val>,
+    objects: Vec<ObjNode>,
+}
+
+impl Arena {
+    fn vals(&self, span: Span) -> &[Val] {
+        // Spans are only made by `Machine::tuple` from values it pushed: always in bounds.
+        self.vals
+            .get(span.start..span.start + span.len)
+            .unwrap_or(&[])
+    }
 }
 
 #[derive(Debug)]
@@ -676,8 +706,28 @@ struct ObjNode {
     args: Val,
     kwargs: Option<Val>,
     state: Option<Val>,
+    /// `APPENDS`/`SETITEMS` on the object (an `OrderedDict`, a `defaultdict`): rare, so boxed.
+    items: Option<Box<ObjItems>>,
+}
+
+#[derive(Debug, Default)]
+struct ObjItems {
     list_items: Vec<Val>,
     dict_items: Vec<(Val, Val)>,
+}
+
+impl ObjNode {
+    fn list_items(&self) -> &[Val] {
+        self.items.as_ref().map_or(&[], |i| &i.list_items)
+    }
+
+    fn dict_items(&self) -> &[(Val, Val)] {
+        self.items.as_ref().map_or(&[], |i| &i.dict_items)
+    }
+
+    fn items_mut(&mut self) -> &mut ObjItems {
+        self.items.get_or_insert_with(Box::default)
+    }
 }
 
 #[derive(Debug, Clone, Copy)]
@@ -690,11 +740,14 @@ struct Machine<'a> {
     data: &'a [u8],
     pos: usize,
     limits: PickleLimits,
-    arena: Vec<Node>,
+    arena: Arena,
     stack: Vec<Slot>,
     /// Memo slots by index (torch and Python number them densely from 0).
     memo: Vec<Option<Val>>,
     memo_len: usize,
+    /// Reused buffer for the values of `SETITEMS`/`APPENDS` (one per object state: no allocation
+    /// each).
+    scratch: Vec<Val>,
 }
 
 impl<'a> Machine<'a> {
@@ -703,10 +756,17 @@ impl<'a> Machine<'a> {
             data,
             pos: 0,
             limits,
-            arena: Vec::new(),
+            // Capacities from the input's length (a pickled object takes several bytes): address
+            // space only until used, and no copies while a large pickle's arena grows.
+            arena: Arena {
+                nodes: Vec::with_capacity(data.len() / 16),
+                vals: Vec::with_capacity(data.len() / 32),
+                objects: Vec::with_capacity(data.len() / 64),
+            },
             stack: Vec::new(),
-            memo: Vec::new(),
+            memo: Vec::with_capacity(data.len() / 16),
             memo_len: 0,
+            scratch: Vec::new(),
         }
     }
 
@@ -754,14 +814,14 @@ impl<'a> Machine<'a> {
     fn alloc(&mut self, node: Node) -> Result<Val, PickleError> {
         // Every node-creating opcode consumes at least one byte, so this bound never triggers on
         // valid input; it keeps the arena proportional to the input regardless.
-        if self.arena.len() > self.data.len() + 16 {
+        if self.arena.nodes.len() > self.data.len() + 16 {
             return Err(PickleError::Limit {
                 what: "objects",
                 limit: self.data.len() + 16,
             });
         }
-        self.arena.push(node);
-        Ok(Val::Ref(self.arena.len() - 1))
+        self.arena.nodes.push(node);
+        Ok(Val::Ref(self.arena.nodes.len() - 1))
     }
 
     fn push(&mut self, v: Val) -> Result<(), PickleError> {
@@ -803,10 +863,66 @@ impl<'a> Machine<'a> {
         }
     }
 
-    fn pop_mark(&mut self, at: usize) -> Result<Vec<Val>, PickleError> {
-        let Some(mark) = self.stack.iter().rposition(|s| matches!(s, Slot::Mark)) else {
-            return Err(PickleError::NoMark { offset: at });
+    /// The position of the topmost mark on the stack.
+    fn mark(&self, at: usize) -> Result<usize, PickleError> {
+        self.stack
+            .iter()
+            .rposition(|s| matches!(s, Slot::Mark))
+            .ok_or(PickleError::NoMark { offset: at })
+    }
+
+    /// A tuple of the values above the topmost mark (`TUPLE`), or of the top `n` values
+    /// (`TUPLE1..3`), popped straight into the shared pool.
+    fn tuple(&mut self, n: Option<usize>, op: u8, at: usize) -> Result<Val, PickleError> {
+        let (first, drop_from) = match n {
+            None => {
+                let mark = self.mark(at)?;
+                (mark + 1, mark)
+            }
+            Some(n) => {
+                let first = self
+                    .stack
+                    .len()
+                    .checked_sub(n)
+                    .ok_or(PickleError::StackUnderflow {
+                        opcode: op,
+                        offset: at,
+                    })?;
+                (first, first)
+            }
         };
+        let start = self.arena.vals.len();
+        let items = &self.stack[first..];
+        if items.iter().any(|s| matches!(s, Slot::Mark)) {
+            return Err(PickleError::WrongType {
+                offset: at,
+                what: format!("opcode 0x{op:02x} found a MARK where a value was expected"),
+            });
+        }
+        self.arena.vals.extend(items.iter().map(|s| match s {
+            Slot::V(v) => *v,
+            Slot::Mark => Val::None, // checked above
+        }));
+        self.stack.truncate(drop_from);
+        let len = self.arena.vals.len() - start;
+        self.alloc(Node::Tuple(Span { start, len }))
+    }
+
+    /// Like [`Machine::pop_mark`], into the reused scratch buffer (the caller hands it back).
+    fn pop_mark_to_scratch(&mut self, at: usize) -> Result<Vec<Val>, PickleError> {
+        let mark = self.mark(at)?;
+        let mut items = std::mem::take(&mut self.scratch);
+        items.clear();
+        items.extend(self.stack.drain(mark + 1..).map(|s| match s {
+            Slot::V(v) => v,
+            Slot::Mark => Val::None, // unreachable: `mark` is the last mark
+        }));
+        self.stack.truncate(mark);
+        Ok(items)
+    }
+
+    fn pop_mark(&mut self, at: usize) -> Result<Vec<Val>, PickleError> {
+        let mark = self.mark(at)?;
         let items = self
             .stack
             .drain(mark + 1..)
@@ -829,7 +945,10 @@ impl<'a> Machine<'a> {
                 what: "memo entries",
                 limit: self.limits.max_memo,
             })?;
-        if slot >= self.memo.len() {
+        if slot == self.memo.len() {
+            // The usual case: indices are handed out in order.
+            self.memo.push(None);
+        } else if slot > self.memo.len() {
             self.memo.resize(slot + 1, None);
         }
         if self.memo[slot].is_none() {
@@ -875,9 +994,10 @@ impl<'a> Machine<'a> {
         self.alloc(Node::BigInt(bytes.to_vec()))
     }
 
-    fn container_mut(&mut self, target: Val, at: usize) -> Result<&mut Node, PickleError> {
+    /// The arena index of the container `target` names.
+    fn container(target: Val, at: usize) -> Result<usize, PickleError> {
         match target {
-            Val::Ref(i) => Ok(&mut self.arena[i]),
+            Val::Ref(i) => Ok(i),
             _ => Err(PickleError::WrongType {
                 offset: at,
                 what: "cannot add items to a scalar".into(),
@@ -885,15 +1005,14 @@ impl<'a> Machine<'a> {
         }
     }
 
-    fn add_list_items(
-        &mut self,
-        target: Val,
-        items: Vec<Val>,
-        at: usize,
-    ) -> Result<(), PickleError> {
-        match self.container_mut(target, at)? {
-            Node::List(v) | Node::Set(v) => v.extend(items),
-            Node::Object(o) => o.list_items.extend(items),
+    fn add_list_items(&mut self, target: Val, items: &[Val], at: usize) -> Result<(), PickleError> {
+        let i = Self::container(target, at)?;
+        match &mut self.arena.nodes[i] {
+            Node::List(v) | Node::Set(v) => v.extend_from_slice(items),
+            Node::Object(o) => self.arena.objects[*o]
+                .items_mut()
+                .list_items
+                .extend_from_slice(items),
             _ => {
                 return Err(PickleError::WrongType {
                     offset: at,
@@ -901,6 +1020,53 @@ impl<'a> Machine<'a> {
                 });
             }
         }
+        Ok(())
+    }
+
+    /// `SETITEMS`: the pairs above the topmost mark go straight from the stack into the dict (or
+    /// object) below it.
+    fn set_items(&mut self, op: u8, at: usize) -> Result<(), PickleError> {
+        let mark = self.mark(at)?;
+        let target = match mark.checked_sub(1).map(|i| self.stack[i]) {
+            Some(Slot::V(v)) => v,
+            Some(Slot::Mark) => {
+                return Err(PickleError::WrongType {
+                    offset: at,
+                    what: format!("opcode 0x{op:02x} found a MARK where a value was expected"),
+                });
+            }
+            None => {
+                return Err(PickleError::StackUnderflow {
+                    opcode: op,
+                    offset: at,
+                });
+            }
+        };
+        let items = &self.stack[mark + 1..];
+        if !items.len().is_multiple_of(2) {
+            return Err(PickleError::WrongType {
+                offset: at,
+                what: "SETITEMS with an odd number of values".into(),
+            });
+        }
+        // `mark` is the topmost mark: everything above it is a value.
+        let val = |s: Slot| match s {
+            Slot::V(v) => v,
+            Slot::Mark => Val::None,
+        };
+        let pairs = items.chunks_exact(2).map(|c| (val(c[0]), val(c[1])));
+        let i = Self::container(target, at)?;
+        match &mut self.arena.nodes[i] {
+            Node::Dict(d) => d.extend(pairs),
+            Node::Object(o) => self.arena.objects[*o].items_mut().dict_items.extend(pairs),
+            _ => {
+                return Err(PickleError::WrongType {
+                    offset: at,
+                    what: "SETITEM(S) on a value that is not a dict or object".into(),
+                });
+            }
+        }
+        self.stack.truncate(mark);
         Ok(())
     }
 
@@ -912,9 +1078,10 @@ impl<'a> Machine<'a> {
             });
         }
         let pairs = items.chunks_exact(2).map(|c| (c[0], c[1]));
-        match self.container_mut(target, at)? {
+        let i = Self::container(target, at)?;
+        match &mut self.arena.nodes[i] {
             Node::Dict(d) => d.extend(pairs),
-            Node::Object(o) => o.dict_items.extend(pairs),
+            Node::Object(o) => self.arena.objects[*o].items_mut().dict_items.extend(pairs),
             _ => {
                 return Err(PickleError::WrongType {
                     offset: at,
@@ -931,17 +1098,18 @@ impl<'a> Machine<'a> {
         args: Val,
         kwargs: Option<Val>,
     ) -> Result<Val, PickleError> {
-        self.alloc(Node::Object(Box::new(ObjNode {
+        let v = self.alloc(Node::Object(self.arena.objects.len()))?;
+        self.arena.objects.push(ObjNode {
             callable,
             args,
             kwargs,
             state: None,
-            list_items: Vec::new(),
-            dict_items: Vec::new(),
-        })))
+            items: None,
+        });
+        Ok(v)
     }
 
-    fn run(mut self) -> Result<(Vec<Node>, Val), PickleError> {
+    fn run(mut self) -> Result<(Arena, Val), PickleError> {
         loop {
             let at = self.pos;
             let op = self.u8()?;
@@ -1094,22 +1262,15 @@ impl<'a> Machine<'a> {
                 }
                 // EMPTY_TUPLE, TUPLE1..3, TUPLE
                 b')' => {
-                    let v = self.alloc(Node::Tuple(Vec::new()))?;
+                    let v = self.tuple(Some(0), op, at)?;
                     self.push(v)?;
                 }
                 0x85..=0x87 => {
-                    let n = usize::from(op - 0x84);
-                    let mut items = Vec::with_capacity(n);
-                    for _ in 0..n {
-                        items.push(self.pop(op, at)?);
-                    }
-                    items.reverse();
-                    let v = self.alloc(Node::Tuple(items))?;
+                    let v = self.tuple(Some(usize::from(op - 0x84)), op, at)?;
                     self.push(v)?;
                 }
                 b't' => {
-                    let items = self.pop_mark(at)?;
-                    let v = self.alloc(Node::Tuple(items))?;
+                    let v = self.tuple(None, op, at)?;
                     self.push(v)?;
                 }
                 // EMPTY_LIST, LIST, APPEND, APPENDS
@@ -1125,13 +1286,15 @@ impl<'a> Machine<'a> {
                 b'a' => {
                     let item = self.pop(op, at)?;
                     let target = self.top(op, at)?;
-                    self.add_list_items(target, vec![item], at)?;
+                    self.add_list_items(target, &[item], at)?;
                 }
                 // APPENDS, ADDITEMS
                 b'e' | 0x90 => {
-                    let items = self.pop_mark(at)?;
-                    let target = self.top(op, at)?;
-                    self.add_list_items(target, items, at)?;
+                    let items = self.pop_mark_to_scratch(at)?;
+                    let target = self.top(op, at);
+                    let done = target.and_then(|t| self.add_list_items(t, &items, at));
+                    self.scratch = items;
+                    done?;
                 }
                 // EMPTY_DICT, DICT, SETITEM, SETITEMS
                 b'}' => {
@@ -1156,11 +1319,7 @@ impl<'a> Machine<'a> {
                     let target = self.top(op, at)?;
                     self.add_dict_items(target, &[key, value], at)?;
                 }
-                b'u' => {
-                    let items = self.pop_mark(at)?;
-                    let target = self.top(op, at)?;
-                    self.add_dict_items(target, &items, at)?;
-                }
+                b'u' => self.set_items(op, at)?,
                 // EMPTY_SET, ADDITEMS, FROZENSET
                 0x8f => {
                     let v = self.alloc(Node::Set(Vec::new()))?;
@@ -1209,8 +1368,9 @@ impl<'a> Machine<'a> {
                 b'b' => {
                     let state = self.pop(op, at)?;
                     let target = self.top(op, at)?;
-                    match self.container_mut(target, at)? {
-                        Node::Object(o) => o.state = Some(state),
+                    let i = Self::container(target, at)?;
+                    match &self.arena.nodes[i] {
+                        Node::Object(o) => self.arena.objects[*o].state = Some(state),
                         _ => {
                             return Err(PickleError::WrongType {
                                 offset: at,
@@ -1285,7 +1445,7 @@ impl<'a> Machine<'a> {
 
     fn str_of(&self, v: Val) -> Option<String> {
         match v {
-            Val::Ref(i) => match &self.arena[i] {
+            Val::Ref(i) => match &self.arena.nodes[i] {
                 Node::Str(s) => Some(s.clone()),
                 _ => None,
             },
@@ -1298,7 +1458,7 @@ impl<'a> Machine<'a> {
 // Pass 2: the owned tree, with known torch classes turned into records.
 
 struct Converter<'a> {
-    arena: &'a [Node],
+    arena: &'a Arena,
     limits: PickleLimits,
     nodes: usize,
     bytes: usize,
@@ -1358,7 +1518,7 @@ impl Converter<'_> {
             Val::Bool(b) => PyValue::Bool(b),
             Val::Int(i) => PyValue::Int(i),
             Val::Float(f) => PyValue::Float(f),
-            Val::Ref(i) => match &self.arena[i] {
+            Val::Ref(i) => match &self.arena.nodes[i] {
                 Node::Str(s) => {
                     self.charge(0, s.len())?;
                     PyValue::Str(s.clone())
@@ -1371,7 +1531,10 @@ impl Converter<'_> {
                     self.charge(0, b.len())?;
                     PyValue::BigInt(b.clone())
                 }
-                Node::Tuple(items) => PyValue::Tuple(self.values(items, next)?),
+                Node::Tuple(span) => {
+                    let arena = self.arena;
+                    PyValue::Tuple(self.values(arena.vals(*span), next)?)
+                }
                 Node::List(items) => PyValue::List(self.values(items, next)?),
                 Node::Set(items) => PyValue::Set(self.values(items, next)?),
                 Node::Dict(items) => PyValue::Dict(self.pairs(items, next)?),
@@ -1384,14 +1547,15 @@ impl Converter<'_> {
                     storage_from_pid(&pid)?
                 }
                 Node::Object(o) => {
+                    let arena = self.arena;
                     let ObjNode {
                         callable,
                         args,
                         kwargs,
                         state,
-                        list_items,
-                        dict_items,
-                    } = &**o;
+                        items: _,
+                    } = &arena.objects[*o];
+                    let node = &arena.objects[*o];
                     let callable = self.value(*callable, next)?;
                     let args = match self.value(*args, next)? {
                         PyValue::Tuple(a) => a,
@@ -1413,8 +1577,8 @@ impl Converter<'_> {
                         args,
                         kwargs,
                         state,
-                        list_items: self.values(list_items, next)?,
-                        dict_items: self.pairs(dict_items, next)?,
+                        list_items: self.values(node.list_items(), next)?,
+                        dict_items: self.pairs(node.dict_items(), next)?,
                     };
                     recognise(obj)?
                 }

@@ -1200,6 +1200,55 @@ fn dcp_rank(file: &str) -> Option<u32> {
     base.strip_prefix("__")?.split('_').next()?.parse().ok()
 }
 
+/// `storage_data` looked up by (fqn, chunk offsets), as torch's `MetadataIndex` equality does.
+/// torch writes the records of a tensor's chunks in the order of its chunk list, so the `i`-th
+/// record of an fqn is tried first (no hashing of offsets); a per-fqn map is built only for a
+/// tensor whose records are in another order.
+struct StorageJoin<'m> {
+    storage: &'m [(dcp::StorageIndex, dcp::StorageInfo)],
+    by_fqn: FastMap<&'m str, Vec<usize>>,
+    by_offsets: FastMap<&'m str, FastMap<Option<&'m [u64]>, usize>>,
+}
+
+impl<'m> StorageJoin<'m> {
+    fn new(storage: &'m [(dcp::StorageIndex, dcp::StorageInfo)]) -> Self {
+        let mut by_fqn: FastMap<&str, Vec<usize>> = FastMap::default();
+        for (p, (idx, _)) in storage.iter().enumerate() {
+            by_fqn.entry(idx.fqn.as_str()).or_default().push(p);
+        }
+        StorageJoin {
+            storage,
+            by_fqn,
+            by_offsets: FastMap::default(),
+        }
+    }
+
+    /// The record of chunk `i` (at `offsets`; `None` for a bytes item) of `fqn`. torch's dict
+    /// cannot hold two records of one (fqn, offsets); when a hand-made pickle does, the record at
+    /// the chunk's own position is taken if it matches, otherwise the last one (as a dict would).
+    fn find(
+        &mut self,
+        fqn: &str,
+        i: usize,
+        offsets: Option<&[u64]>,
+    ) -> Option<&'m dcp::StorageInfo> {
+        let storage = self.storage;
+        let (&fqn_key, cands) = self.by_fqn.get_key_value(fqn)?;
+        if let Some(&p) = cands.get(i)
+            && storage[p].0.offset.as_deref() == offsets
+        {
+            return Some(&storage[p].1);
+        }
+        let map = self.by_offsets.entry(fqn_key).or_insert_with(|| {
+            cands
+                .iter()
+                .map(|&q| (storage[q].0.offset.as_deref(), q))
+                .collect()
+        });
+        map.get(&offsets).map(|&q| &storage[q].1)
+    }
+}
+
 /// Indexes a DCP directory given the name of its `.metadata` file in the source.
 pub fn index_dcp(source: &dyn Source, metadata_name: &str) -> Result<CheckpointIndex, IndexError> {
     let bytes = source.read_all(metadata_name)?;
@@ -1210,18 +1259,19 @@ pub fn index_dcp(source: &dyn Source, metadata_name: &str) -> Result<CheckpointI
     let dir = metadata_name
         .rsplit_once('/')
         .map_or(String::new(), |(d, _)| format!("{d}/"));
-    let mut where_: HashMap<(&str, Option<&[u64]>), &dcp::StorageInfo> =
-        HashMap::with_capacity(meta.storage.len());
-    for (idx, info) in &meta.storage {
-        where_.insert((idx.fqn.as_str(), idx.offset.as_deref()), info);
-    }
+    let mut join = StorageJoin::new(&meta.storage);
     // Per data file: its size, and (SAFETENSORS serialization) its blob header.
     let mut file_sizes: BTreeMap<String, u64> = BTreeMap::new();
+    // Per `relative_path`: the file's name in the source, its size and rank (100 000 chunks name
+    // a few hundred files).
+    let mut data_files: FastMap<&str, (String, u64, Option<u32>)> = FastMap::default();
     let mut blobs: HashMap<(String, u64), HashMap<String, (u64, u64)>> = HashMap::new();
     let mut safetensors_serialization = false;
-    let mut zip_files: HashMap<String, bool> = HashMap::new();
+    let mut zip_files: FastMap<String, bool> = FastMap::default();
     let mut entries = Vec::with_capacity(meta.items.len());
-    for (key, item) in &meta.items {
+    // The items are moved into the index (100 000 chunks' offsets and sizes are not copied).
+    for (key_owned, item) in meta.items {
+        let key = &key_owned;
         let path: Vec<PathSeg> = match meta.planner_data.get(key) {
             Some(steps) => steps
                 .iter()
@@ -1234,20 +1284,19 @@ pub fn index_dcp(source: &dyn Source, metadata_name: &str) -> Result<CheckpointI
         };
         let clean_path_v = clean_path(&path);
         let mut chunks = Vec::new();
-        let lookup = |offsets: Option<&[u64]>| -> Result<&dcp::StorageInfo, IndexError> {
-            where_
-                .get(&(key.as_str(), offsets))
-                .copied()
-                .ok_or_else(|| IndexError::Inconsistent {
-                    file: metadata_name.to_owned(),
-                    what: format!(
-                        "{key}: no storage_data record for the chunk at offsets {offsets:?}"
-                    ),
-                })
-        };
+        let mut lookup =
+            |i: usize, offsets: Option<&[u64]>| -> Result<&dcp::StorageInfo, IndexError> {
+                join.find(key, i, offsets)
+                    .ok_or_else(|| IndexError::Inconsistent {
+                        file: metadata_name.to_owned(),
+                        what: format!(
+                            "{key}: no storage_data record for the chunk at offsets {offsets:?}"
+                        ),
+                    })
+            };
         let (kind, dtype, shape) = match item {
             ItemMeta::Bytes => {
-                let info = lookup(None)?;
+                let info = lookup(0, None)?;
                 let encoding = match dcp::item_transform(&info.transforms) {
                     Ok(None) => ChunkEncoding::TorchSaveItem,
                     Ok(Some(dcp::ItemTransform::Zstd)) => ChunkEncoding::ZstdTorchSaveItem,
@@ -1275,23 +1324,31 @@ pub fn index_dcp(source: &dyn Source, metadata_name: &str) -> Result<CheckpointI
                 size,
                 chunks: metas,
             } => {
-                for c in metas {
-                    let info = lookup(Some(&c.offsets))?;
-                    let file = format!("{dir}{}", info.relative_path);
-                    if !file_sizes.contains_key(&file) {
+                chunks.reserve_exact(metas.len());
+                for (i, c) in metas.into_iter().enumerate() {
+                    let info = lookup(i, Some(&c.offsets))?;
+                    let (file, file_size, rank) = if let Some(facts) =
+                        data_files.get(info.relative_path.as_str())
+                    {
+                        facts.clone()
+                    } else {
+                        let file = format!("{dir}{}", info.relative_path);
                         let size = source.size(&file).map_err(|_| IndexError::Inconsistent {
                             file: metadata_name.to_owned(),
                             what: format!("{key}: data file `{file}` is missing"),
                         })?;
                         file_sizes.insert(file.clone(), size);
-                    }
+                        let facts = (file, size, dcp_rank(&info.relative_path));
+                        data_files.insert(info.relative_path.as_str(), facts.clone());
+                        facts
+                    };
                     let mut chunk = Chunk {
-                        offsets: c.offsets.clone(),
-                        sizes: c.sizes.clone(),
-                        file: file.clone(),
+                        offsets: c.offsets,
+                        sizes: c.sizes,
+                        file,
                         byte_offset: info.offset,
                         byte_length: info.length,
-                        rank: dcp_rank(&info.relative_path),
+                        rank,
                         encoding: ChunkEncoding::TorchSaveItem,
                     };
                     match dcp::item_transform(&info.transforms) {
@@ -1306,7 +1363,7 @@ pub fn index_dcp(source: &dyn Source, metadata_name: &str) -> Result<CheckpointI
                         Err(what) => {
                             return Err(IndexError::Unsupported {
                                 key: key.clone(),
-                                file,
+                                file: chunk.file,
                                 what,
                             });
                         }
@@ -1314,15 +1371,15 @@ pub fn index_dcp(source: &dyn Source, metadata_name: &str) -> Result<CheckpointI
                     // The serialization is decided once per file, from its first tensor item:
                     // a torch.save archive (default) or a safetensors blob (SAFETENSORS). Only
                     // that item's first bytes are read, never tensor data.
-                    let file_size = file_sizes[&file];
-                    let zip_file = if let Some(z) = zip_files.get(&file) {
+                    let file = &chunk.file;
+                    let zip_file = if let Some(z) = zip_files.get(file) {
                         *z
                     } else {
                         let is_zip = if info.offset >= file_size {
                             true // past the end: `check` reports it with the key
                         } else {
                             let head = source.read_range(
-                                &file,
+                                file,
                                 info.offset,
                                 4.min(file_size - info.offset),
                             )?;
@@ -1337,7 +1394,7 @@ pub fn index_dcp(source: &dyn Source, metadata_name: &str) -> Result<CheckpointI
                         if !blobs.contains_key(&blob_key) {
                             blobs.insert(
                                 blob_key.clone(),
-                                read_blob(source, &file, info.offset, file_size)?,
+                                read_blob(source, file, info.offset, file_size)?,
                             );
                         }
                         let Some((off, len)) = blobs[&blob_key].get(key.as_str()) else {
@@ -1353,12 +1410,12 @@ pub fn index_dcp(source: &dyn Source, metadata_name: &str) -> Result<CheckpointI
                         chunk.byte_length = *len;
                         chunk.encoding = ChunkEncoding::Raw {
                             storage_offset: 0,
-                            strides: contiguous_strides(&c.sizes),
+                            strides: contiguous_strides(&chunk.sizes),
                         };
                     }
                     chunks.push(chunk);
                 }
-                (EntryKind::Tensor, Some(*dtype), Some(size.clone()))
+                (EntryKind::Tensor, Some(dtype), Some(size))
             }
         };
         for c in &chunks {
@@ -1612,6 +1669,10 @@ impl CheckpointIndex {
 /// A chunk's `(offsets, sizes)`.
 type ChunkBox<'a> = (&'a [u64], &'a [u64]);
 
+/// A hash map for the per-chunk work of indexing (100 000 chunks and more): foldhash, seeded per
+/// process, instead of SipHash.
+type FastMap<K, V> = HashMap<K, V, foldhash::fast::RandomState>;
+
 fn check_tiling(e: &IndexEntry, shape: &[u64], problems: &mut Vec<Problem>) {
     let problem = |c: Option<&Chunk>, what: String| Problem {
         key: e.key.clone(),
@@ -1625,7 +1686,9 @@ fn check_tiling(e: &IndexEntry, shape: &[u64], problems: &mut Vec<Problem>) {
     };
     // Distinct boxes; identical boxes on different ranks are replicas.
     let mut boxes: Vec<&Chunk> = Vec::with_capacity(e.chunks.len());
-    let mut seen: HashMap<ChunkBox<'_>, BTreeSet<Option<u32>>> = HashMap::new();
+    // The ranks each box was seen on: almost always one, so no set is allocated for it.
+    let mut seen: FastMap<ChunkBox<'_>, (Option<u32>, Vec<Option<u32>>)> =
+        FastMap::with_capacity_and_hasher(e.chunks.len(), foldhash::fast::RandomState::default());
     for c in &e.chunks {
         if c.offsets.len() != shape.len() || c.sizes.len() != shape.len() {
             problems.push(problem(
@@ -1653,16 +1716,23 @@ fn check_tiling(e: &IndexEntry, shape: &[u64], problems: &mut Vec<Problem>) {
             ));
             return;
         }
-        let ranks = seen.entry((&c.offsets, &c.sizes)).or_default();
-        if ranks.is_empty() {
-            boxes.push(c);
-        } else if ranks.contains(&c.rank) || c.rank.is_none() {
-            problems.push(problem(
-                Some(c),
-                format!("chunk at {:?} is stored twice", c.offsets),
-            ));
+        match seen.entry((&c.offsets, &c.sizes)) {
+            std::collections::hash_map::Entry::Vacant(v) => {
+                boxes.push(c);
+                v.insert((c.rank, Vec::new()));
+            }
+            std::collections::hash_map::Entry::Occupied(mut o) => {
+                let (first, more) = o.get_mut();
+                if *first == c.rank || more.contains(&c.rank) || c.rank.is_none() {
+                    problems.push(problem(
+                        Some(c),
+                        format!("chunk at {:?} is stored twice", c.offsets),
+                    ));
+                } else {
+                    more.push(c.rank);
+                }
+            }
         }
-        ranks.insert(c.rank);
     }
     let mut volume = 0u64;
     for c in &boxes {
@@ -2223,6 +2293,64 @@ impl TensorData {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    fn record(
+        fqn: &str,
+        offsets: Option<Vec<u64>>,
+        file: &str,
+    ) -> (dcp::StorageIndex, dcp::StorageInfo) {
+        (
+            dcp::StorageIndex {
+                fqn: fqn.into(),
+                offset: offsets,
+                index: None,
+            },
+            dcp::StorageInfo {
+                relative_path: file.into(),
+                offset: 0,
+                length: 0,
+                transforms: Vec::new(),
+            },
+        )
+    }
+
+    #[test]
+    fn storage_join_in_order_out_of_order_and_missing() {
+        let storage = vec![
+            record("a", Some(vec![0, 0]), "a0"),
+            record("a", Some(vec![2, 0]), "a1"),
+            record("b", None, "b"),
+            // `c`'s records in the reverse order of its chunk list, and one repeated.
+            record("c", Some(vec![4]), "c2-first"),
+            record("c", Some(vec![2]), "c1"),
+            record("c", Some(vec![0]), "c0"),
+            record("c", Some(vec![4]), "c2-last"),
+        ];
+        let mut join = StorageJoin::new(&storage);
+        let path = |j: &mut StorageJoin<'_>, f: &str, i: usize, o: Option<&[u64]>| {
+            j.find(f, i, o).map(|info| info.relative_path.clone())
+        };
+        assert_eq!(
+            path(&mut join, "a", 0, Some(&[0, 0])).as_deref(),
+            Some("a0")
+        );
+        assert_eq!(
+            path(&mut join, "a", 1, Some(&[2, 0])).as_deref(),
+            Some("a1")
+        );
+        assert_eq!(path(&mut join, "b", 0, None).as_deref(), Some("b"));
+        assert_eq!(path(&mut join, "c", 0, Some(&[0])).as_deref(), Some("c0"));
+        assert_eq!(path(&mut join, "c", 1, Some(&[2])).as_deref(), Some("c1"));
+        // Not at its position: the last record of those offsets, as a dict keeps it.
+        assert_eq!(
+            path(&mut join, "c", 2, Some(&[4])).as_deref(),
+            Some("c2-last")
+        );
+        assert_eq!(path(&mut join, "a", 0, Some(&[1, 0])), None);
+        assert_eq!(path(&mut join, "a", 5, Some(&[9, 9])), None);
+        assert_eq!(path(&mut join, "zzz", 0, None), None);
+        assert_eq!(path(&mut join, "b", 0, Some(&[0])), None);
+    }
 
     #[test]
     fn ranks_from_names() {
