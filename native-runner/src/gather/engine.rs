@@ -356,6 +356,8 @@ struct Rank<'j, 'a, D: Device> {
     pending: Vec<Pending<D::Stamp>>,
     scratch: Scratch<D::Buffer>,
     result: RankResult,
+    /// This unit's all-gather was entered (so an error must not take another turn for it).
+    collective_taken: bool,
 }
 
 /// Runs rank `rank` of `job` on `dev`: every unit, in order. Errors end up in the result; a failing
@@ -377,6 +379,7 @@ pub(crate) fn run_rank<D: Device>(
         pending: Vec::new(),
         scratch: Scratch::default(),
         result: RankResult::default(),
+        collective_taken: false,
     };
     let mut error: Option<GatherError> = None;
     for (unit_index, unit) in job.plan.units.iter().enumerate() {
@@ -386,12 +389,17 @@ pub(crate) fn run_rank<D: Device>(
             break;
         }
         // 1. read + copy-in, 2. all-gather.
+        r.collective_taken = false;
         match r.copy_in(unit).and_then(|()| r.all_gather(unit)) {
             Ok(true) => {}
             Ok(false) => break,
             Err(e) => {
-                r.dev.fail();
                 error = Some(e);
+                if r.collective_taken {
+                    // The others are past this all-gather: they learn it at the next one.
+                    continue;
+                }
+                r.dev.fail();
                 break;
             }
         }
@@ -545,6 +553,7 @@ impl<D: Device> Rank<'_, '_, D> {
             job.observer.all_gather_input(rank, unit, b);
         })?;
         let start = dev.stamp()?;
+        self.collective_taken = true;
         if !dev.all_gather(input, in_len, output)? {
             return Ok(false);
         }
