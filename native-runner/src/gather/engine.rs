@@ -763,10 +763,16 @@ mod tests {
     use crate::gather::source::SyntheticSource;
     use crate::gather::{GatherOutcome, NoObserver};
 
-    /// A device that flips the first byte of every device-to-device copy on one rank.
+    /// A device that flips the first byte of every device-to-device copy (`on`), fails every copy
+    /// after the first `fails_after`, or reports an error from all-gather number `gather_fails`
+    /// after taking part in it.
     struct Corrupt<D> {
         inner: D,
         on: bool,
+        fails_after: Option<usize>,
+        copies: usize,
+        gather_fails: Option<usize>,
+        gathers: usize,
     }
 
     impl<D: Device> Device for Corrupt<D> {
@@ -801,6 +807,10 @@ mod tests {
             dst_offset: usize,
             len: usize,
         ) -> Result<(), GatherError> {
+            self.copies += 1;
+            if self.fails_after.is_some_and(|n| self.copies > n) {
+                return Err(GatherError::Device("injected copy failure".to_owned()));
+            }
             self.inner.copy(src, src_offset, dst, dst_offset, len)?;
             if self.on && len > 0 {
                 D::host_mut(dst).unwrap()[dst_offset] ^= 0x40;
@@ -813,7 +823,14 @@ mod tests {
             in_len: usize,
             output: &mut D::Buffer,
         ) -> Result<bool, GatherError> {
-            self.inner.all_gather(input, in_len, output)
+            let done = self.inner.all_gather(input, in_len, output)?;
+            self.gathers += 1;
+            if self.gather_fails == Some(self.gathers - 1) {
+                return Err(GatherError::Device(
+                    "injected all-gather failure".to_owned(),
+                ));
+            }
+            Ok(done)
         }
         fn fail(&mut self) {
             self.inner.fail();
@@ -872,7 +889,21 @@ mod tests {
         (desc, plan)
     }
 
+    #[derive(Debug, Clone, Copy)]
+    enum Failure {
+        CopiesAfter(usize),
+        AllGather(usize),
+    }
+
     fn run(api: Api, corrupt_rank: Option<u64>) -> GatherOutcome {
+        try_run(api, corrupt_rank, None).unwrap()
+    }
+
+    fn try_run(
+        api: Api,
+        corrupt_rank: Option<u64>,
+        failing_rank: Option<(u64, Failure)>,
+    ) -> Result<GatherOutcome, GatherError> {
         let (desc, plan) = plan(api);
         let source = Source::Full(Box::new(SyntheticSource::new(&desc, 3)));
         let job = Job {
@@ -893,8 +924,17 @@ mod tests {
                 origin,
             },
             on: corrupt_rank == Some(rank),
+            fails_after: match failing_rank {
+                Some((r, Failure::CopiesAfter(n))) if r == rank => Some(n),
+                _ => None,
+            },
+            copies: 0,
+            gather_fails: match failing_rank {
+                Some((r, Failure::AllGather(n))) if r == rank => Some(n),
+                _ => None,
+            },
+            gathers: 0,
         })
-        .unwrap()
     }
 
     #[test]
@@ -919,6 +959,33 @@ mod tests {
         assert_eq!(found, want);
         // Rank 0 kept its own (clean) parameters, equal to the clean run's.
         assert_eq!(bad.params, clean.params);
+    }
+
+    #[test]
+    fn a_rank_failing_before_or_after_the_all_gather_stops_every_rank() {
+        // FSDP2: rank 1 fails in its first copy-in, before the first all-gather.
+        let err = try_run(Api::Fsdp2, None, Some((1, Failure::CopiesAfter(0)))).unwrap_err();
+        assert_eq!(err.to_string(), "injected copy failure");
+        // FSDP1 (device copies are only the copy-out's): rank 1 fails in the first unit's copy-out;
+        // the others learn it at the next all-gather.
+        let err = try_run(Api::Fsdp1, None, Some((1, Failure::CopiesAfter(0)))).unwrap_err();
+        assert_eq!(err.to_string(), "injected copy failure");
+        // An error from the all-gather itself, once the others are past it: the first one, and the
+        // last one, after which there is no collective left to wait in. Neither hangs.
+        let units = plan(Api::Fsdp1).1.units.len();
+        assert!(units >= 2);
+        for (api, n) in [
+            (Api::Fsdp1, 0),
+            (Api::Fsdp1, units - 1),
+            (Api::Fsdp2, units - 1),
+        ] {
+            let err = try_run(api, None, Some((1, Failure::AllGather(n)))).unwrap_err();
+            assert_eq!(
+                err.to_string(),
+                "injected all-gather failure",
+                "{api:?} {n}"
+            );
+        }
     }
 
     #[test]
