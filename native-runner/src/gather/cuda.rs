@@ -17,8 +17,9 @@ use std::time::{Duration, Instant};
 use candle_core::cuda_backend::cudarc::driver::sys::CUevent_flags;
 use candle_core::cuda_backend::cudarc::driver::{CudaEvent, CudaSlice, CudaStream};
 use candle_core::cuda_backend::cudarc::nccl::safe::{Comm, Id};
-use candle_core::op::BackpropOp;
-use candle_core::{CudaDevice, CudaStorage, Device, Storage, Tensor};
+use candle_core::{
+    CpuStorage, CudaDevice, CudaStorage, Device, InplaceOp1, Layout, Storage, Tensor,
+};
 use serde::{Deserialize, Serialize};
 
 use crate::gather::candle::{CandleDevice, Collective};
@@ -44,12 +45,12 @@ fn drv_err<E: std::fmt::Debug>(what: &str) -> impl FnOnce(E) -> GatherError + '_
     move |e| GatherError::Device(format!("{what}: {e:?}"))
 }
 
-/// The collective of the GPU backend: NCCL over the whole world, CUDA events on the rank's stream.
+/// The collective of the GPU backend: NCCL over the whole world (the shard group, or a group of one
+/// rank, where the all-gather is a copy), CUDA events on the rank's stream.
 pub struct Nccl {
     comm: Comm,
     stream: Arc<CudaStream>,
-    device: CudaDevice,
-    world_size: usize,
+    group_size: usize,
     /// The common origin, at `origin_us` on the host timeline.
     origin: CudaEvent,
     origin_us: f64,
@@ -58,7 +59,7 @@ pub struct Nccl {
 impl std::fmt::Debug for Nccl {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
         f.debug_struct("Nccl")
-            .field("world_size", &self.world_size)
+            .field("group_size", &self.group_size)
             .finish_non_exhaustive()
     }
 }
@@ -73,24 +74,32 @@ impl Collective for Nccl {
         in_len: usize,
         output: &mut Tensor,
     ) -> Result<bool, GatherError> {
-        let out_len = in_len * self.world_size;
-        let mut out = self
-            .stream
-            .alloc_zeros::<u8>(out_len)
-            .map_err(drv_err("alloc all-gather output"))?;
-        let comm = &self.comm;
-        with_slice(input, |slice, offset, _len| {
-            let view = slice.slice(offset..offset + in_len);
-            comm.all_gather(&view, &mut out)
-                .map_err(drv_err("ncclAllGather"))?;
-            Ok(())
-        })?;
-        *output = Tensor::from_storage(
-            Storage::Cuda(CudaStorage::wrap_cuda_slice(out, self.device.clone())),
-            out_len,
-            BackpropOp::none(),
-            false,
-        );
+        let out_len = in_len * self.group_size;
+        if output.elem_count() < out_len {
+            return Err(GatherError::Device(format!(
+                "all-gather output of {} bytes, {out_len} needed",
+                output.elem_count()
+            )));
+        }
+        if self.group_size == 1 {
+            if in_len == 0 {
+                return Ok(true);
+            }
+            let mine = input.narrow(0, 0, in_len).map_err(dev_err("all-gather"))?;
+            output
+                .slice_set(&mine, 0, 0)
+                .map_err(dev_err("all-gather"))?;
+            return Ok(true);
+        }
+        // Straight into the engine's output buffer (allocated before the span starts).
+        output
+            .inplace_op1(&NcclAllGather {
+                comm: &self.comm,
+                input,
+                in_len,
+                out_len,
+            })
+            .map_err(dev_err("ncclAllGather"))?;
         Ok(true)
     }
 
@@ -113,6 +122,46 @@ impl Collective for Nccl {
             self.origin_us + f64::from(start_ms) * 1e3,
             f64::from(dur_ms) * 1e3,
         ))
+    }
+}
+
+/// NCCL's all-gather of `in_len` bytes of `input` into the first `out_len` bytes of the tensor it
+/// is applied to (candle hands an in-place op the tensor's storage mutably).
+struct NcclAllGather<'a> {
+    comm: &'a Comm,
+    input: &'a Tensor,
+    in_len: usize,
+    out_len: usize,
+}
+
+impl InplaceOp1 for NcclAllGather<'_> {
+    fn name(&self) -> &'static str {
+        "nccl-all-gather"
+    }
+
+    fn cpu_fwd(&self, _: &mut CpuStorage, _: &Layout) -> candle_core::Result<()> {
+        Err(candle_core::Error::Msg(
+            "the NCCL all-gather needs GPU tensors".to_owned(),
+        ))
+    }
+
+    fn cuda_fwd(&self, storage: &mut CudaStorage, layout: &Layout) -> candle_core::Result<()> {
+        if !layout.is_contiguous() {
+            return Err(candle_core::Error::Msg(
+                "all-gather output is not contiguous".to_owned(),
+            ));
+        }
+        let start = layout.start_offset();
+        let out = storage.as_cuda_slice_mut::<u8>()?;
+        let mut view = out.slice_mut(start..start + self.out_len);
+        with_slice(self.input, |slice, offset, _len| {
+            let send = slice.slice(offset..offset + self.in_len);
+            self.comm
+                .all_gather(&send, &mut view)
+                .map_err(drv_err("ncclAllGather"))?;
+            Ok(())
+        })
+        .map_err(|e| candle_core::Error::Msg(e.to_string()))
     }
 }
 
@@ -246,12 +295,11 @@ pub fn run_from_env(
     stream.synchronize().map_err(drv_err("synchronize"))?;
     let origin_us = origin_instant.elapsed().as_secs_f64() * 1e6;
     let mut dev = CandleDevice {
-        device: Device::Cuda(device.clone()),
+        device: Device::Cuda(device),
         collective: Nccl {
             comm,
             stream: stream.clone(),
-            device,
-            world_size: env.world_size as usize,
+            group_size: plan.group_size as usize,
             origin,
             origin_us,
         },
