@@ -150,24 +150,29 @@ impl Collective for ThreadExchange<'_> {
             .narrow(0, 0, in_len)
             .map_err(candle_err("all-gather"))?;
         let n = self.group.len();
+        let out: &Tensor = output;
+        // Like NCCL: every peer's input straight into this rank's output buffer, in group order.
         let done = self
             .exchange
             .all_gather(self.rank, self.group.clone(), mine, |peers| {
-                if peers.len() == n {
-                    Tensor::cat(peers, 0).map_err(candle_err("all-gather"))
-                } else {
-                    Err(GatherError::Device(format!(
+                if peers.len() != n {
+                    return Err(GatherError::Device(format!(
                         "all-gather: {} of {n} ranks published an input",
                         peers.len()
-                    )))
+                    )));
                 }
+                if in_len == 0 {
+                    return Ok(());
+                }
+                for (i, peer) in peers.iter().enumerate() {
+                    out.slice_set(peer, 0, i * in_len)
+                        .map_err(candle_err("all-gather"))?;
+                }
+                Ok(())
             });
         match done {
             None => Ok(false),
-            Some(gathered) => {
-                *output = gathered?;
-                Ok(true)
-            }
+            Some(done) => done.map(|()| true),
         }
     }
 
