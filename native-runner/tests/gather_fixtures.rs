@@ -3,6 +3,9 @@
 //! and the buffers every rank builds equal torch's own padded shards (FSDP1 flat shards, FSDP2
 //! `_sharded_param_data`) and FSDP2 all-gather inputs (`fsdp::all_gather_copy_in`), bit for bit. The
 //! gather is run twice: from the full parameters cut with our layout, and from torch's own shards.
+//!
+//! The same checks run on the `cuda` backend's candle device over candle's CPU device (feature
+//! `candle`, which the test build enables), and its results must equal the `cpu` backend's bit for bit.
 #![allow(clippy::unwrap_used, clippy::expect_used)]
 
 use std::collections::BTreeMap;
@@ -16,8 +19,13 @@ use shardscope_runner::gather::source::{
     RankPrefixedSafetensors, SafetensorsFile, SafetensorsFull,
 };
 use shardscope_runner::gather::{
-    self, GatherOptions, GatherPlan, Observer, ParamPlan, ShardPlan, Source, UnitPlan,
+    self, GatherError, GatherOptions, GatherOutcome, GatherPlan, Observer, ParamPlan, ShardPlan,
+    Source, UnitPlan,
 };
+
+/// A backend's entry point (`cpu::run`, `candle::run_threads`).
+type Backend =
+    fn(&GatherPlan, &Source, GatherOptions, &dyn Observer) -> Result<GatherOutcome, GatherError>;
 
 fn fixtures_dir() -> PathBuf {
     Path::new(env!("CARGO_MANIFEST_DIR")).join("../tests/fixtures/layout")
@@ -31,6 +39,9 @@ struct Seen {
 }
 
 impl Observer for Seen {
+    fn wants_device_buffers(&self) -> bool {
+        true
+    }
     fn shard(&self, rank: u64, _unit: &UnitPlan, shard: &ShardPlan, bytes: &[u8]) {
         self.shards
             .lock()
@@ -62,8 +73,9 @@ fn config(case: &Value) -> LayoutConfig {
     }
 }
 
-/// Runs one case; returns the number of bit-for-bit comparisons made against torch's buffers.
-fn check_case(dir: &Path) -> usize {
+/// Runs one case on `backend`; returns the number of bit-for-bit comparisons made against torch's
+/// buffers.
+fn check_case(dir: &Path, backend: Backend) -> usize {
     let name = dir.file_name().unwrap().to_string_lossy().into_owned();
     let case: Value =
         serde_json::from_slice(&std::fs::read(dir.join("case.json")).unwrap()).unwrap();
@@ -94,7 +106,7 @@ fn check_case(dir: &Path) -> usize {
     // 1. Shards cut from torch's full parameters with our layout.
     let full = SafetensorsFull::for_model(file.clone(), "full/", &model).unwrap();
     let seen = Seen::default();
-    let outcome = gather::cpu::run(&plan, &Source::Full(Box::new(full)), options, &seen).unwrap();
+    let outcome = backend(&plan, &Source::Full(Box::new(full)), options, &seen).unwrap();
     let v = outcome.verify.as_ref().unwrap();
     assert!(v.is_ok(), "{name}: {:?}", v.mismatches);
     let params = seen.params.lock().unwrap();
@@ -157,7 +169,7 @@ fn check_case(dir: &Path) -> usize {
 
     // 2. torch's own rank-local shards, all-gathered: the result is torch's full state dict.
     let seen = Seen::default();
-    let outcome = gather::cpu::run(
+    let outcome = backend(
         &plan,
         &Source::PerRank(Box::new(RankPrefixedSafetensors::new(file.clone()))),
         options,
@@ -183,13 +195,8 @@ fn check_case(dir: &Path) -> usize {
     compared
 }
 
-#[test]
-fn gathered_params_and_copy_in_buffers_equal_torch_for_every_fixture_case() {
+fn cases() -> Vec<PathBuf> {
     let dir = fixtures_dir();
-    if !dir.exists() {
-        println!("skipped: no layout fixtures at {} yet", dir.display());
-        return;
-    }
     let mut cases: Vec<PathBuf> = std::fs::read_dir(&dir)
         .unwrap()
         .map(|e| e.unwrap().path())
@@ -197,13 +204,76 @@ fn gathered_params_and_copy_in_buffers_equal_torch_for_every_fixture_case() {
         .collect();
     cases.sort();
     assert!(!cases.is_empty(), "no cases in {}", dir.display());
+    cases
+}
+
+#[test]
+fn gathered_params_and_copy_in_buffers_equal_torch_for_every_fixture_case() {
+    let dir = fixtures_dir();
+    if !dir.exists() {
+        println!("skipped: no layout fixtures at {} yet", dir.display());
+        return;
+    }
+    let cases = cases();
     let mut gathered = 0;
     for case in &cases {
-        let n = check_case(case);
+        let n = check_case(case, gather::cpu::run);
         if n > 0 {
             gathered += 1;
         }
     }
     assert!(gathered >= 1, "no case gathered");
     println!("{gathered} fixture cases gathered and compared with torch");
+}
+
+/// The `cuda` backend's engine and candle copy code (host-to-device, copy-in, copy-out,
+/// device-to-host as candle tensor copies), on candle's CPU device with the all-gather done by an
+/// in-process exchange: the torch checks above, then the whole outcome against the `cpu` backend's.
+#[cfg(feature = "candle")]
+#[test]
+fn candle_device_gathers_every_fixture_case_like_torch_and_the_cpu_backend() {
+    let mut gathered = 0;
+    for case in &cases() {
+        if check_case(case, gather::candle::run_threads) == 0 {
+            continue;
+        }
+        gathered += 1;
+        let name = case.file_name().unwrap().to_string_lossy().into_owned();
+        let spec: Value =
+            serde_json::from_slice(&std::fs::read(case.join("case.json")).unwrap()).unwrap();
+        let model = ModelDescription::from_json_bytes(
+            &std::fs::read(case.join("model.json")).unwrap(),
+            &name,
+        )
+        .unwrap();
+        let plan =
+            GatherPlan::from_layout(&layout::compute(&model, &config(&spec)).unwrap()).unwrap();
+        let file = Arc::new(SafetensorsFile::read(&case.join("values.safetensors")).unwrap());
+        let options = GatherOptions {
+            verify: true,
+            keep_params: true,
+        };
+        let source = Source::PerRank(Box::new(RankPrefixedSafetensors::new(file.clone())));
+        let cpu = gather::cpu::run(&plan, &source, options, &gather::NoObserver).unwrap();
+        let candle =
+            gather::candle::run_threads(&plan, &source, options, &gather::NoObserver).unwrap();
+        assert_eq!(candle.params, cpu.params, "{name}: gathered parameters");
+        assert_eq!(candle.verify, cpu.verify, "{name}: verify report");
+        // The candle run really went through its device: uploads and downloads on every rank.
+        for rank in 0..plan.world_size {
+            for step in ["host-to-device", "copy-out", "device-to-host"] {
+                assert!(
+                    candle
+                        .trace
+                        .spans
+                        .iter()
+                        .any(|s| s.rank == rank && s.name == step),
+                    "{name}: rank {rank} has no {step} span"
+                );
+                let on_cpu = cpu.trace.spans.iter().any(|s| s.name == step);
+                assert_eq!(on_cpu, step == "copy-out", "{name}: cpu backend {step}");
+            }
+        }
+    }
+    assert!(gathered >= 1, "no case gathered");
 }

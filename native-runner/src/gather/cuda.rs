@@ -1,10 +1,8 @@
 //! The `cuda` backend: one process per GPU, launched like training (`torchrun` or `srun`).
 //!
-//! Per unit, each rank loads its padded shards on the host (`read`), uploads them
-//! (`host-to-device`), concatenates them into its all-gather input with candle (`copy-in`, FSDP2;
-//! FSDP1's flat shard is the input), all-gathers with NCCL (`all-gather`), splits the output back into
-//! the parameters with candle narrows/concatenations (`copy-out`), downloads them (`device-to-host`)
-//! and verifies them on the host. Device spans are timed with CUDA events on the rank's stream.
+//! Each rank runs the [engine](super::engine) on a [`CandleDevice`] over its GPU, with [`Nccl`] as the
+//! collective: this file is only the GPU's allocation, NCCL and the launch. Device spans are timed
+//! with CUDA events on the rank's stream.
 //!
 //! NCCL's unique id goes from rank 0 to the others through [`rendezvous`] (port `MASTER_PORT + 1`, or
 //! `SHARDSCOPE_RDZV_PORT`). At the end every rank's spans and verify results are all-gathered over
@@ -13,24 +11,24 @@
 //! The binary links `libcuda` and `libnccl` dynamically (candle forces cudarc's dynamic linking): a
 //! machine without them fails at start with the loader's message.
 
-use std::collections::BTreeMap;
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 use candle_core::cuda_backend::cudarc::driver::sys::CUevent_flags;
 use candle_core::cuda_backend::cudarc::driver::{CudaEvent, CudaSlice, CudaStream};
 use candle_core::cuda_backend::cudarc::nccl::safe::{Comm, Id};
-use candle_core::op::BackpropOp;
-use candle_core::{CudaDevice, CudaStorage, Device, Storage, Tensor};
+use candle_core::{
+    CpuStorage, CudaDevice, CudaStorage, Device, InplaceOp1, Layout, Storage, Tensor,
+};
 use serde::{Deserialize, Serialize};
 
-use crate::gather::cpu::{Timer, load_shard, reference};
-use crate::gather::plan::{GatherPlan, UnitPlan};
+use crate::gather::candle::{CandleDevice, Collective};
+use crate::gather::engine::{self, Job, Timer};
+use crate::gather::plan::GatherPlan;
 use crate::gather::rendezvous::{self, LaunchEnv};
 use crate::gather::source::Source;
 use crate::gather::{
-    GatherError, GatherOptions, GatherOutcome, GatheredParam, Mismatch, Summary, VerifyReport,
-    compare,
+    GatherError, GatherOptions, GatherOutcome, Mismatch, NoObserver, Summary, VerifyReport,
 };
 use crate::trace::{Clock, Span, Trace, names};
 
@@ -47,68 +45,123 @@ fn drv_err<E: std::fmt::Debug>(what: &str) -> impl FnOnce(E) -> GatherError + '_
     move |e| GatherError::Device(format!("{what}: {e:?}"))
 }
 
-/// A device span waiting for its events to complete.
-struct Pending {
-    name: &'static str,
-    start: CudaEvent,
-    end: CudaEvent,
-    unit: String,
-    bytes: u64,
-    dtype: String,
-}
-
-struct Events {
+/// The collective of the GPU backend: NCCL over the whole world (the shard group, or a group of one
+/// rank, where the all-gather is a copy), CUDA events on the rank's stream.
+pub struct Nccl {
+    comm: Comm,
     stream: Arc<CudaStream>,
+    group_size: usize,
+    /// The common origin, at `origin_us` on the host timeline.
     origin: CudaEvent,
     origin_us: f64,
-    pending: Vec<Pending>,
 }
 
-impl Events {
-    fn record(&self) -> Result<CudaEvent, GatherError> {
+impl std::fmt::Debug for Nccl {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("Nccl")
+            .field("group_size", &self.group_size)
+            .finish_non_exhaustive()
+    }
+}
+
+impl Collective for Nccl {
+    type Stamp = CudaEvent;
+    const CLOCK: Clock = Clock::Device;
+
+    fn all_gather(
+        &mut self,
+        input: &Tensor,
+        in_len: usize,
+        output: &mut Tensor,
+    ) -> Result<bool, GatherError> {
+        let out_len = in_len * self.group_size;
+        if output.elem_count() < out_len {
+            return Err(GatherError::Device(format!(
+                "all-gather output of {} bytes, {out_len} needed",
+                output.elem_count()
+            )));
+        }
+        if self.group_size == 1 {
+            if in_len == 0 {
+                return Ok(true);
+            }
+            let mine = input.narrow(0, 0, in_len).map_err(dev_err("all-gather"))?;
+            output
+                .slice_set(&mine, 0, 0)
+                .map_err(dev_err("all-gather"))?;
+            return Ok(true);
+        }
+        // Straight into the engine's output buffer (allocated before the span starts).
+        output
+            .inplace_op1(&NcclAllGather {
+                comm: &self.comm,
+                input,
+                in_len,
+                out_len,
+            })
+            .map_err(dev_err("ncclAllGather"))?;
+        Ok(true)
+    }
+
+    /// A failing rank leaves the process; NCCL has no way to tell the others.
+    fn fail(&mut self) {}
+
+    fn stamp(&mut self) -> Result<CudaEvent, GatherError> {
         self.stream
             .record_event(Some(CUevent_flags::CU_EVENT_DEFAULT))
             .map_err(drv_err("record CUDA event"))
     }
 
-    fn span(
-        &mut self,
-        name: &'static str,
-        start: CudaEvent,
-        unit: &UnitPlan,
-        bytes: u64,
-    ) -> Result<(), GatherError> {
-        let end = self.record()?;
-        self.pending.push(Pending {
-            name,
-            start,
-            end,
-            unit: unit.display_name().to_owned(),
-            bytes,
-            dtype: unit.dtype_label(),
-        });
-        Ok(())
+    fn span_us(&self, start: &CudaEvent, end: &CudaEvent) -> Result<(f64, f64), GatherError> {
+        let start_ms = self
+            .origin
+            .elapsed_ms(start)
+            .map_err(drv_err("event time"))?;
+        let dur_ms = start.elapsed_ms(end).map_err(drv_err("event time"))?;
+        Ok((
+            self.origin_us + f64::from(start_ms) * 1e3,
+            f64::from(dur_ms) * 1e3,
+        ))
+    }
+}
+
+/// NCCL's all-gather of `in_len` bytes of `input` into the first `out_len` bytes of the tensor it
+/// is applied to (candle hands an in-place op the tensor's storage mutably).
+struct NcclAllGather<'a> {
+    comm: &'a Comm,
+    input: &'a Tensor,
+    in_len: usize,
+    out_len: usize,
+}
+
+impl InplaceOp1 for NcclAllGather<'_> {
+    fn name(&self) -> &'static str {
+        "nccl-all-gather"
     }
 
-    /// Resolves the pending spans into `timer` (waits for their events).
-    fn flush(&mut self, timer: &mut Timer) -> Result<(), GatherError> {
-        for p in self.pending.drain(..) {
-            let start_ms = self
-                .origin
-                .elapsed_ms(&p.start)
-                .map_err(drv_err("event time"))?;
-            let dur_ms = p.start.elapsed_ms(&p.end).map_err(drv_err("event time"))?;
-            timer.push(
-                p.name,
-                Clock::Device,
-                self.origin_us + f64::from(start_ms) * 1e3,
-                f64::from(dur_ms) * 1e3,
-                &p.unit,
-                p.bytes,
-                p.dtype,
-            );
+    fn cpu_fwd(&self, _: &mut CpuStorage, _: &Layout) -> candle_core::Result<()> {
+        Err(candle_core::Error::Msg(
+            "the NCCL all-gather needs GPU tensors".to_owned(),
+        ))
+    }
+
+    fn cuda_fwd(&self, storage: &mut CudaStorage, layout: &Layout) -> candle_core::Result<()> {
+        if !layout.is_contiguous() {
+            return Err(candle_core::Error::Msg(
+                "all-gather output is not contiguous".to_owned(),
+            ));
         }
-        Ok(())
+        let start = layout.start_offset();
+        let out = storage.as_cuda_slice_mut::<u8>()?;
+        let mut view = out.slice_mut(start..start + self.out_len);
+        with_slice(self.input, |slice, offset, _len| {
+            let send = slice.slice(offset..offset + self.in_len);
+            self.comm
+                .all_gather(&send, &mut view)
+                .map_err(drv_err("ncclAllGather"))?;
+            Ok(())
+        })
+        .map_err(|e| candle_core::Error::Msg(e.to_string()))
     }
 }
 
@@ -224,11 +277,8 @@ pub fn run_from_env(
             .join()
             .map_err(|_| GatherError::Device("rendezvous thread panicked".to_owned()))??;
     }
-    let dev = Device::Cuda(device.clone());
     let rank = env.rank;
     let n = plan.group_size;
-    let group_rank = rank % n;
-    let group_base = rank - group_rank;
 
     // A common origin: the comm init is a barrier; one more tiny all-gather lines the clocks up.
     let warm = stream.alloc_zeros::<u8>(1).map_err(drv_err("alloc"))?;
@@ -239,164 +289,34 @@ pub fn run_from_env(
         .map_err(drv_err("ncclAllGather"))?;
     stream.synchronize().map_err(drv_err("synchronize"))?;
     let origin_instant = Instant::now();
-    let mut timer = Timer::new(origin_instant, rank);
-    let mut events = Events {
-        origin: stream
-            .record_event(Some(CUevent_flags::CU_EVENT_DEFAULT))
-            .map_err(drv_err("record CUDA event"))?,
-        stream: stream.clone(),
-        origin_us: 0.0,
-        pending: Vec::new(),
-    };
+    let origin = stream
+        .record_event(Some(CUevent_flags::CU_EVENT_DEFAULT))
+        .map_err(drv_err("record CUDA event"))?;
     stream.synchronize().map_err(drv_err("synchronize"))?;
-    events.origin_us = timer.now_us();
-
-    let mut verify = VerifyReport::default();
-    let mut kept: BTreeMap<String, GatheredParam> = BTreeMap::new();
-    let flat = plan.api == shardscope_core::layout::Api::Fsdp1;
-    for unit in &plan.units {
-        // read (host)
-        let start = timer.now_us();
-        let mut host_shards = Vec::with_capacity(unit.shards.len());
-        let mut read_bytes = 0;
-        for shard in &unit.shards {
-            let mut buf = vec![0u8; shard.padded_bytes as usize];
-            read_bytes += load_shard(source, unit, shard, rank, group_rank, &mut buf)?;
-            host_shards.push(buf);
-        }
-        let end = timer.now_us();
-        timer.push(
-            names::READ,
-            Clock::Host,
-            start,
-            end - start,
-            unit.display_name(),
-            read_bytes,
-            unit.dtype_label(),
-        );
-
-        // host-to-device
-        let ev = events.record()?;
-        let shards: Vec<Tensor> = host_shards
-            .iter()
-            .map(|h| Tensor::from_slice(h, h.len(), &dev))
-            .collect::<Result<_, _>>()
-            .map_err(dev_err("upload shard"))?;
-        events.span(names::HOST_TO_DEVICE, ev, unit, unit.input_bytes)?;
-
-        // copy-in (FSDP2): the padded shards into one all-gather input
-        let input = if flat {
-            shards[0].clone()
-        } else {
-            let ev = events.record()?;
-            let input = Tensor::cat(&shards, 0).map_err(dev_err("copy-in"))?;
-            events.span(names::COPY_IN, ev, unit, unit.input_bytes)?;
-            input
-        };
-
-        // all-gather (NCCL)
-        let out_len = unit.output_bytes(n) as usize;
-        let mut output = stream
-            .alloc_zeros::<u8>(out_len)
-            .map_err(drv_err("alloc all-gather output"))?;
-        let ev = events.record()?;
-        with_slice(&input, |slice, offset, len| {
-            let view = slice.slice(offset..offset + len);
-            comm.all_gather(&view, &mut output)
-                .map_err(drv_err("ncclAllGather"))?;
-            Ok(())
-        })?;
-        events.span(names::ALL_GATHER, ev, unit, unit.output_bytes(n))?;
-
-        // copy-out: narrow the output into every parameter
-        let out_t = Tensor::from_storage(
-            Storage::Cuda(CudaStorage::wrap_cuda_slice(output, device.clone())),
-            out_len,
-            BackpropOp::none(),
-            false,
-        );
-        let ev = events.record()?;
-        let mut params = Vec::with_capacity(unit.params.len());
-        for p in &unit.params {
-            let pieces: Vec<Tensor> = p
-                .copy_out
-                .iter()
-                .map(|c| out_t.narrow(0, c.src_offset as usize, c.len as usize))
-                .collect::<Result<_, _>>()
-                .map_err(dev_err("copy-out"))?;
-            let t = match pieces.len() {
-                0 => Tensor::zeros(0, candle_core::DType::U8, &dev),
-                1 => pieces[0].copy(),
-                _ => Tensor::cat(&pieces, 0),
-            }
-            .map_err(dev_err("copy-out"))?;
-            params.push(t);
-        }
-        events.span(names::COPY_OUT, ev, unit, unit.param_bytes())?;
-
-        // device-to-host
-        let ev = events.record()?;
-        let host: Vec<Vec<u8>> = params
-            .iter()
-            .map(Tensor::to_vec1::<u8>)
-            .collect::<Result<_, _>>()
-            .map_err(dev_err("download"))?;
-        events.span(names::DEVICE_TO_HOST, ev, unit, unit.param_bytes())?;
-        events.flush(&mut timer)?;
-
-        // verify (host)
-        if options.verify {
-            let start = timer.now_us();
-            let mut compared = 0;
-            for (p, got) in unit.params.iter().zip(&host) {
-                match reference(source, unit, p, rank, group_base)? {
-                    Some(want) => {
-                        verify.checks += 1;
-                        compared += p.bytes;
-                        if let Some(m) = compare(rank, &p.fqn, p.dtype.size_bytes(), got, &want) {
-                            verify.mismatches.push(m);
-                        }
-                    }
-                    None => verify.unchecked.push(p.fqn.clone()),
-                }
-            }
-            verify.bytes_compared += compared;
-            let end = timer.now_us();
-            timer.push(
-                names::VERIFY,
-                Clock::Host,
-                start,
-                end - start,
-                unit.display_name(),
-                compared,
-                unit.dtype_label(),
-            );
-        }
-        if options.keep_params && rank == 0 {
-            for (p, bytes) in unit.params.iter().zip(host) {
-                for (alias, primary) in &plan.aliases {
-                    if primary == &p.fqn {
-                        kept.insert(
-                            alias.clone(),
-                            GatheredParam {
-                                dtype: p.dtype,
-                                shape: p.shape.clone(),
-                                bytes: bytes.clone(),
-                            },
-                        );
-                    }
-                }
-                kept.insert(
-                    p.fqn.clone(),
-                    GatheredParam {
-                        dtype: p.dtype,
-                        shape: p.shape.clone(),
-                        bytes,
-                    },
-                );
-            }
-        }
+    let origin_us = origin_instant.elapsed().as_secs_f64() * 1e6;
+    let mut dev = CandleDevice {
+        device: Device::Cuda(device),
+        collective: Nccl {
+            comm,
+            stream: stream.clone(),
+            group_size: plan.group_size as usize,
+            origin,
+            origin_us,
+        },
+    };
+    let job = Job {
+        plan,
+        source,
+        options,
+        observer: &NoObserver,
+    };
+    let result = engine::run_rank(&job, &mut dev, rank, Timer::new(origin_instant, rank));
+    if let Some(e) = result.error {
+        return Err(e);
     }
+    let comm = dev.collective.comm;
+    let verify = result.verify;
+    let kept = result.params;
     let wall_secs = origin_instant.elapsed().as_secs_f64();
 
     // The device's own device-to-device copy bandwidth, same run: the baseline for copy-in/out.
@@ -404,7 +324,7 @@ pub fn run_from_env(
 
     // Every rank's spans and verify results to every rank (rank 0 writes them).
     let report = Report {
-        spans: timer
+        spans: result
             .spans
             .iter()
             .map(|s| {

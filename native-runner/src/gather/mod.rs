@@ -8,15 +8,21 @@
 //! - [`plan`]: the byte-level plan computed from core's layout.
 //! - [`source`]: where shards come from (full checkpoint, synthetic data, rank-local tensors).
 //! - [`ckpt`]: those sources over any checkpoint core's index reads (`.pt`, DCP, safetensors), lazily.
+//! - [`engine`]: the per-rank loop every backend runs, over a small [`engine::Device`] trait.
 //! - [`cpu`]: the `cpu` backend, N ranks as threads of one process with a real exchange.
 //! - [`summary`]: per-unit bandwidth table (nccl-tests' algbw/busbw).
 //! - [`rendezvous`]: the TCP exchange of the NCCL unique id for the `cuda` backend.
-//! - `cuda` (feature `cuda`): one process per GPU, candle tensors and NCCL.
+//! - `candle` (feature `candle`): the engine's device over candle tensors; without a GPU it runs on
+//!   candle's CPU device with ranks as threads (what the default tests check).
+//! - `cuda` (feature `cuda`): one process per GPU, the candle device on the GPU with NCCL.
 
+#[cfg(feature = "candle")]
+pub mod candle;
 pub mod ckpt;
 pub mod cpu;
 #[cfg(feature = "cuda")]
 pub mod cuda;
+pub mod engine;
 pub mod output;
 pub mod plan;
 pub mod rendezvous;
@@ -88,6 +94,12 @@ pub struct GatherOptions {
 /// Hooks into the executor (tests look at the copy-in buffers; the CLI drives its progress bar).
 /// Called from the rank threads.
 pub trait Observer: Sync {
+    /// Whether the all-gather input and output should be downloaded for [`Observer::all_gather_input`]
+    /// and [`Observer::all_gather_output`] on a device with its own memory (host-memory devices
+    /// always call them).
+    fn wants_device_buffers(&self) -> bool {
+        false
+    }
     /// A rank's padded shard, as loaded, before copy-in.
     fn shard(&self, _rank: u64, _unit: &UnitPlan, _shard: &ShardPlan, _bytes: &[u8]) {}
     /// A rank's all-gather input after copy-in.
