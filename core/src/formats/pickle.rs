@@ -736,6 +736,27 @@ enum Slot {
     V(Val),
 }
 
+/// `SETITEM(S)`: adds pairs to the dict (or object) `target` names.
+fn add_pairs(
+    arena: &mut Arena,
+    target: Val,
+    pairs: impl Iterator<Item = (Val, Val)>,
+    at: usize,
+) -> Result<(), PickleError> {
+    let i = Machine::container(target, at)?;
+    match &mut arena.nodes[i] {
+        Node::Dict(d) => d.extend(pairs),
+        Node::Object(o) => arena.objects[*o].items_mut().dict_items.extend(pairs),
+        _ => {
+            return Err(PickleError::WrongType {
+                offset: at,
+                what: "SETITEM(S) on a value that is not a dict or object".into(),
+            });
+        }
+    }
+    Ok(())
+}
+
 struct Machine<'a> {
     data: &'a [u8],
     pos: usize,
@@ -1055,17 +1076,7 @@ impl<'a> Machine<'a> {
             Slot::Mark => Val::None,
         };
         let pairs = items.chunks_exact(2).map(|c| (val(c[0]), val(c[1])));
-        let i = Self::container(target, at)?;
-        match &mut self.arena.nodes[i] {
-            Node::Dict(d) => d.extend(pairs),
-            Node::Object(o) => self.arena.objects[*o].items_mut().dict_items.extend(pairs),
-            _ => {
-                return Err(PickleError::WrongType {
-                    offset: at,
-                    what: "SETITEM(S) on a value that is not a dict or object".into(),
-                });
-            }
-        }
+        add_pairs(&mut self.arena, target, pairs, at)?;
         self.stack.truncate(mark);
         Ok(())
     }
@@ -1077,19 +1088,12 @@ impl<'a> Machine<'a> {
                 what: "SETITEMS with an odd number of values".into(),
             });
         }
-        let pairs = items.chunks_exact(2).map(|c| (c[0], c[1]));
-        let i = Self::container(target, at)?;
-        match &mut self.arena.nodes[i] {
-            Node::Dict(d) => d.extend(pairs),
-            Node::Object(o) => self.arena.objects[*o].items_mut().dict_items.extend(pairs),
-            _ => {
-                return Err(PickleError::WrongType {
-                    offset: at,
-                    what: "SETITEM(S) on a value that is not a dict or object".into(),
-                });
-            }
-        }
-        Ok(())
+        add_pairs(
+            &mut self.arena,
+            target,
+            items.chunks_exact(2).map(|c| (c[0], c[1])),
+            at,
+        )
     }
 
     fn object(
