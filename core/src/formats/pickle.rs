@@ -736,6 +736,35 @@ enum Slot {
     V(Val),
 }
 
+/// A stack slot above the topmost mark (always a value there).
+fn slot_val(s: &Slot) -> Val {
+    match s {
+        Slot::V(v) => *v,
+        Slot::Mark => Val::None,
+    }
+}
+
+/// `APPEND(S)`/`ADDITEMS`: adds values to the list, set (or object) `target` names.
+fn add_items(
+    arena: &mut Arena,
+    target: Val,
+    items: impl Iterator<Item = Val>,
+    at: usize,
+) -> Result<(), PickleError> {
+    let i = Machine::container(target, at)?;
+    match &mut arena.nodes[i] {
+        Node::List(v) | Node::Set(v) => v.extend(items),
+        Node::Object(o) => arena.objects[*o].items_mut().list_items.extend(items),
+        _ => {
+            return Err(PickleError::WrongType {
+                offset: at,
+                what: "APPEND(S)/ADDITEMS on a value that is not a list, set or object".into(),
+            });
+        }
+    }
+    Ok(())
+}
+
 /// `SETITEM(S)`: adds pairs to the dict (or object) `target` names.
 fn add_pairs(
     arena: &mut Arena,
@@ -766,9 +795,6 @@ struct Machine<'a> {
     /// Memo slots by index (torch and Python number them densely from 0).
     memo: Vec<Option<Val>>,
     memo_len: usize,
-    /// Reused buffer for the values of `SETITEMS`/`APPENDS` (one per object state: no allocation
-    /// each).
-    scratch: Vec<Val>,
 }
 
 impl<'a> Machine<'a> {
@@ -787,7 +813,6 @@ impl<'a> Machine<'a> {
             stack: Vec::new(),
             memo: Vec::with_capacity(data.len() / 16),
             memo_len: 0,
-            scratch: Vec::new(),
         }
     }
 
@@ -929,19 +954,6 @@ impl<'a> Machine<'a> {
         self.alloc(Node::Tuple(Span { start, len }))
     }
 
-    /// Like [`Machine::pop_mark`], into the reused scratch buffer (the caller hands it back).
-    fn pop_mark_to_scratch(&mut self, at: usize) -> Result<Vec<Val>, PickleError> {
-        let mark = self.mark(at)?;
-        let mut items = std::mem::take(&mut self.scratch);
-        items.clear();
-        items.extend(self.stack.drain(mark + 1..).map(|s| match s {
-            Slot::V(v) => v,
-            Slot::Mark => Val::None, // unreachable: `mark` is the last mark
-        }));
-        self.stack.truncate(mark);
-        Ok(items)
-    }
-
     fn pop_mark(&mut self, at: usize) -> Result<Vec<Val>, PickleError> {
         let mark = self.mark(at)?;
         let items = self
@@ -1026,27 +1038,9 @@ impl<'a> Machine<'a> {
         }
     }
 
-    fn add_list_items(&mut self, target: Val, items: &[Val], at: usize) -> Result<(), PickleError> {
-        let i = Self::container(target, at)?;
-        match &mut self.arena.nodes[i] {
-            Node::List(v) | Node::Set(v) => v.extend_from_slice(items),
-            Node::Object(o) => self.arena.objects[*o]
-                .items_mut()
-                .list_items
-                .extend_from_slice(items),
-            _ => {
-                return Err(PickleError::WrongType {
-                    offset: at,
-                    what: "APPEND(S)/ADDITEMS on a value that is not a list, set or object".into(),
-                });
-            }
-        }
-        Ok(())
-    }
-
-    /// `SETITEMS`: the pairs above the topmost mark go straight from the stack into the dict (or
-    /// object) below it.
-    fn set_items(&mut self, op: u8, at: usize) -> Result<(), PickleError> {
+    /// The topmost mark's position and the value below it (the container `APPENDS`/`SETITEMS`
+    /// add to).
+    fn mark_and_target(&self, op: u8, at: usize) -> Result<(usize, Val), PickleError> {
         let mark = self.mark(at)?;
         let target = match mark.checked_sub(1).map(|i| self.stack[i]) {
             Some(Slot::V(v)) => v,
@@ -1063,6 +1057,27 @@ impl<'a> Machine<'a> {
                 });
             }
         };
+        Ok((mark, target))
+    }
+
+    /// `APPENDS`/`ADDITEMS`: the values above the topmost mark go straight from the stack into the
+    /// list, set or object below it.
+    fn append_items(&mut self, op: u8, at: usize) -> Result<(), PickleError> {
+        let (mark, target) = self.mark_and_target(op, at)?;
+        add_items(
+            &mut self.arena,
+            target,
+            self.stack[mark + 1..].iter().map(slot_val),
+            at,
+        )?;
+        self.stack.truncate(mark);
+        Ok(())
+    }
+
+    /// `SETITEMS`: the pairs above the topmost mark go straight from the stack into the dict (or
+    /// object) below it.
+    fn set_items(&mut self, op: u8, at: usize) -> Result<(), PickleError> {
+        let (mark, target) = self.mark_and_target(op, at)?;
         let items = &self.stack[mark + 1..];
         if !items.len().is_multiple_of(2) {
             return Err(PickleError::WrongType {
@@ -1070,11 +1085,7 @@ impl<'a> Machine<'a> {
                 what: "SETITEMS with an odd number of values".into(),
             });
         }
-        // `mark` is the topmost mark: everything above it is a value.
-        let val = |s: Slot| match s {
-            Slot::V(v) => v,
-            Slot::Mark => Val::None,
-        };
+        let val = |s: Slot| slot_val(&s);
         let pairs = items.chunks_exact(2).map(|c| (val(c[0]), val(c[1])));
         add_pairs(&mut self.arena, target, pairs, at)?;
         self.stack.truncate(mark);
@@ -1290,16 +1301,10 @@ impl<'a> Machine<'a> {
                 b'a' => {
                     let item = self.pop(op, at)?;
                     let target = self.top(op, at)?;
-                    self.add_list_items(target, &[item], at)?;
+                    add_items(&mut self.arena, target, std::iter::once(item), at)?;
                 }
                 // APPENDS, ADDITEMS
-                b'e' | 0x90 => {
-                    let items = self.pop_mark_to_scratch(at)?;
-                    let target = self.top(op, at);
-                    let done = target.and_then(|t| self.add_list_items(t, &items, at));
-                    self.scratch = items;
-                    done?;
-                }
+                b'e' | 0x90 => self.append_items(op, at)?,
                 // EMPTY_DICT, DICT, SETITEM, SETITEMS
                 b'}' => {
                     let v = self.alloc(Node::Dict(Vec::new()))?;
