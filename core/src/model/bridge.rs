@@ -393,11 +393,124 @@ pub enum RootDict {
     Ordered,
 }
 
+/// The device mesh of every `DTensor` of an FSDP2 per-rank file, as torch 2.15's
+/// `init_device_mesh("cpu", shape, mesh_dim_names=names)` builds it on `rank`: a 1-D mesh of
+/// the world (`Shard(0)`), or HSDP's `(replicas, shards)` (`(Replicate(), Shard(0))`). Its process
+/// groups are named as that call names them in a fresh process group (1-D: the default group
+/// `"0"`; 2-D: the replicate groups `"1"..="S"`, then the shard groups), which is what
+/// `DeviceMesh.__setstate__` looks up when a file is loaded.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct DeviceMeshSpec {
+    shape: Vec<u64>,
+    dim_names: Option<Vec<String>>,
+    rank: u64,
+    /// `_rank_map`: `arange(numel)` as int32, little-endian.
+    rank_map: Vec<u8>,
+}
+
+impl DeviceMeshSpec {
+    /// A 1-D (`[world]`) or 2-D (`[replicas, shards]`) mesh seen from global rank `rank`.
+    pub fn new(
+        shape: &[u64],
+        dim_names: Option<Vec<String>>,
+        rank: u64,
+    ) -> Result<Self, BridgeError> {
+        let bad = |reason: String| BridgeError::BadTensor {
+            path: "<device mesh>".to_owned(),
+            reason,
+        };
+        if shape.is_empty() || shape.len() > 2 || shape.contains(&0) {
+            return Err(bad(format!(
+                "a mesh of shape {shape:?}: only 1-D (FSDP2) and 2-D (HSDP) meshes of positive sizes are written"
+            )));
+        }
+        let numel = shape
+            .iter()
+            .try_fold(1u64, |acc, &d| acc.checked_mul(d))
+            .filter(|&n| n <= i32::MAX as u64)
+            .ok_or_else(|| bad(format!("a mesh of shape {shape:?} has too many ranks")))?;
+        if rank >= numel {
+            return Err(bad(format!(
+                "rank {rank} is not in a mesh of {numel} ranks"
+            )));
+        }
+        if let Some(names) = &dim_names
+            && names.len() != shape.len()
+        {
+            return Err(bad(format!(
+                "{} mesh dimension names for a {}-D mesh",
+                names.len(),
+                shape.len()
+            )));
+        }
+        let rank_map = (0..numel as u32).flat_map(|r| r.to_le_bytes()).collect();
+        Ok(Self {
+            shape: shape.to_vec(),
+            dim_names,
+            rank,
+            rank_map,
+        })
+    }
+
+    /// The mesh's shape.
+    pub fn shape(&self) -> &[u64] {
+        &self.shape
+    }
+
+    /// This rank's coordinate on the mesh (row-major).
+    pub fn coordinate(&self) -> Vec<u64> {
+        let mut rest = self.rank;
+        let mut coord = vec![0; self.shape.len()];
+        for (c, &d) in coord.iter_mut().zip(&self.shape).rev() {
+            *c = rest % d;
+            rest /= d;
+        }
+        coord
+    }
+
+    /// This rank's index along the sharded (last) mesh dimension, and that dimension's size.
+    pub fn shard(&self) -> (u64, u64) {
+        let coord = self.coordinate();
+        let last = self.shape.len() - 1;
+        (coord[last], self.shape[last])
+    }
+
+    /// The process-group name of each mesh dimension, as `init_device_mesh` names them on a CPU
+    /// machine: a dimension spanning the world is the default group `"0"`; every other
+    /// dimension makes one group per slice of the mesh (numbered on from 1 across dimensions, in
+    /// row-major slice order), and this rank's is the one holding it.
+    fn group_names(&self) -> Vec<String> {
+        let world: u64 = self.shape.iter().product();
+        let coord = self.coordinate();
+        let mut next = 1u64;
+        let mut names = Vec::with_capacity(self.shape.len());
+        for (dim, &size) in self.shape.iter().enumerate() {
+            if size == world {
+                names.push("0".to_owned());
+                continue;
+            }
+            // The slice holding this rank: its coordinates on the other dimensions, row-major.
+            let mut slice = 0u64;
+            for (d, (&n, &c)) in self.shape.iter().zip(&coord).enumerate() {
+                if d != dim {
+                    slice = slice * n + c;
+                }
+            }
+            names.push((next + slice).to_string());
+            next += world / size;
+        }
+        names
+    }
+}
+
 /// A [`Node`] as the writer sees it: the object tree and the storages in table order.
 #[derive(Debug)]
 pub struct TorchSavePlan<'n> {
     pub root: PyValue,
     pub storages: Vec<(StorageSpec, &'n [u8])>,
+    /// Per storage: true when it holds a tensor of the tree (in depth-first order), false when
+    /// the writer made it (a `DeviceMesh`'s rank map; its bytes are in `storages`).
+    pub from_tree: Vec<bool>,
     /// True when the tree holds objects `weights_only=True` refuses (ShardedTensors).
     pub needs_globals: bool,
 }
@@ -423,13 +536,39 @@ pub fn plan_torch_save_in_group(
     group: (u64, u64),
     global: (u64, u64),
 ) -> Result<TorchSavePlan<'_>, BridgeError> {
+    plan(node, root_dict, group, global, None)
+}
+
+/// As [`plan_torch_save`] for an FSDP2 per-rank file: every [`DistKind::DTensor`] of `node` is
+/// written as torch 2.15 pickles a `DTensor` on `mesh` (its local piece is the node's local
+/// tensor); such archives load with `torch.load(weights_only=True)` once
+/// `torch.distributed.tensor` is imported.
+pub fn plan_torch_save_on_mesh<'n>(
+    node: &'n Node,
+    root_dict: RootDict,
+    mesh: &'n DeviceMeshSpec,
+) -> Result<TorchSavePlan<'n>, BridgeError> {
+    let n = mesh.rank_map.len() as u64 / 4;
+    plan(node, root_dict, (mesh.rank, n), (mesh.rank, n), Some(mesh))
+}
+
+fn plan<'n>(
+    node: &'n Node,
+    root_dict: RootDict,
+    group: (u64, u64),
+    global: (u64, u64),
+    mesh: Option<&'n DeviceMeshSpec>,
+) -> Result<TorchSavePlan<'n>, BridgeError> {
     let mut w = Writer {
         storages: Vec::new(),
+        from_tree: Vec::new(),
         needs_globals: false,
         rank: group.0,
         world_size: group.1,
         global_rank: global.0,
         global_world_size: global.1,
+        mesh,
+        rank_map: None,
     };
     let root = match (node, root_dict) {
         (Node::Dict(d), RootDict::Ordered) => PyValue::OrderedDict(w.entries(d, "")?),
@@ -438,6 +577,7 @@ pub fn plan_torch_save_in_group(
     Ok(TorchSavePlan {
         root,
         storages: w.storages,
+        from_tree: w.from_tree,
         needs_globals: w.needs_globals,
     })
 }
@@ -466,7 +606,11 @@ pub fn to_torch_save(
 
 struct Writer<'n> {
     storages: Vec<(StorageSpec, &'n [u8])>,
+    from_tree: Vec<bool>,
     needs_globals: bool,
+    mesh: Option<&'n DeviceMeshSpec>,
+    /// The storage of the mesh's `_rank_map`, once written (torch shares one per mesh).
+    rank_map: Option<usize>,
     rank: u64,
     world_size: u64,
     global_rank: u64,
@@ -539,6 +683,7 @@ impl<'n> Writer<'n> {
             },
             &t.data,
         ));
+        self.from_tree.push(true);
         PyValue::Tensor(TensorPickle::contiguous(index, t.dtype, &t.shape))
     }
 
@@ -586,15 +731,201 @@ impl<'n> Writer<'n> {
             Node::Dict(d) => PyValue::Dict(self.entries(d, path)?),
             Node::Dist(dist) => match dist.kind {
                 DistKind::ShardedTensor => self.sharded_tensor(dist, path)?,
-                DistKind::DTensor => {
-                    return Err(BridgeError::Unsupported {
-                        file: "<output>".to_owned(),
-                        path: display_path(path),
-                        found: "DTensor (writing DTensors is not supported)".to_owned(),
-                    });
-                }
+                DistKind::DTensor => match self.mesh {
+                    Some(mesh) => self.dtensor(dist, mesh, path)?,
+                    None => {
+                        return Err(BridgeError::Unsupported {
+                            file: "<output>".to_owned(),
+                            path: display_path(path),
+                            found: "DTensor (a DTensor is written only with its device mesh)"
+                                .to_owned(),
+                        });
+                    }
+                },
             },
         })
+    }
+
+    /// The pickle torch 2.15 writes for a `DTensor` on `mesh`: `Shard(0)` on the last mesh
+    /// dimension, `Replicate()` on the others.
+    fn dtensor(
+        &mut self,
+        d: &'n DistTensor,
+        mesh: &'n DeviceMeshSpec,
+        path: &str,
+    ) -> Result<PyValue, BridgeError> {
+        const SPEC: &str = "torch.distributed.tensor._dtensor_spec";
+        const PLACEMENT: &str = "torch.distributed.tensor.placement_types";
+        let Some((_, local)) = &d.local else {
+            return Err(BridgeError::BadTensor {
+                path: display_path(path),
+                reason: "a DTensor without its local tensor".to_owned(),
+            });
+        };
+        if local.dtype != d.dtype
+            || local.shape.len() != d.global_shape.len()
+            || local.shape.is_empty()
+            || local.shape[1..] != d.global_shape[1..]
+            || local.shape[0] > d.global_shape[0]
+        {
+            return Err(BridgeError::BadTensor {
+                path: display_path(path),
+                reason: format!(
+                    "local tensor {} {:?} is not a dim-0 shard of the DTensor's {} {:?}",
+                    local.dtype, local.shape, d.dtype, d.global_shape
+                ),
+            });
+        }
+        self.needs_globals = true;
+        let local_tensor = self.tensor(local);
+        let rank_map = match self.rank_map {
+            Some(index) => index,
+            None => {
+                let index = self.storages.len();
+                self.storages.push((
+                    StorageSpec {
+                        dtype: DType::Int32,
+                        numel: mesh.rank_map.len() as u64 / 4,
+                    },
+                    &mesh.rank_map,
+                ));
+                self.from_tree.push(false);
+                self.rank_map = Some(index);
+                index
+            }
+        };
+        let dims = mesh.shape.len();
+        // A size-1 axis coalesces to the 0-dimensional layout `((), ())`.
+        let flat = |shape: u64, stride: u64| {
+            let (shape, stride): (&[u64], &[u64]) = if shape == 1 {
+                (&[], &[])
+            } else {
+                (&[shape], &[stride])
+            };
+            PyValue::object(
+                "torch.distributed._mesh_layout",
+                "_FlatLayout",
+                vec![
+                    ("shape", PyValue::int_tuple(shape)),
+                    ("stride", PyValue::int_tuple(stride)),
+                ],
+            )
+        };
+        let strides = crate::formats::write::contiguous_strides(&mesh.shape);
+        let layout = PyValue::object(
+            "torch.distributed._mesh_layout",
+            "_MeshLayout",
+            vec![(
+                "axes",
+                PyValue::Tuple(
+                    mesh.shape
+                        .iter()
+                        .zip(&strides)
+                        .map(|(&n, &s)| flat(n, s))
+                        .collect(),
+                ),
+            )],
+        );
+        let numel = mesh.rank_map.len() as u64 / 4;
+        let all_ranks: Vec<u64> = (0..numel).collect();
+        let device_mesh = PyValue::object(
+            "torch.distributed.device_mesh",
+            "DeviceMesh",
+            vec![
+                ("_device_type", PyValue::str("cpu")),
+                ("_layout", layout),
+                (
+                    "_rank_map",
+                    PyValue::Tensor(TensorPickle::contiguous(rank_map, DType::Int32, &[numel])),
+                ),
+                (
+                    "_mesh_dim_names",
+                    match &mesh.dim_names {
+                        Some(names) => {
+                            PyValue::Tuple(names.iter().map(|n| PyValue::str(n.clone())).collect())
+                        }
+                        None => PyValue::None,
+                    },
+                ),
+                ("_root_mesh", PyValue::None),
+                ("_preserve_rank_order", PyValue::Bool(false)),
+                ("_flatten_rank_map", PyValue::int_tuple(&all_ranks)),
+                ("_thread_id", PyValue::None),
+                ("_flatten_mapping", PyValue::Dict(Vec::new())),
+                (
+                    "_dim_group_names",
+                    PyValue::List(mesh.group_names().into_iter().map(PyValue::str).collect()),
+                ),
+                ("_rank", int(mesh.rank)),
+                ("_coordinate_on_dim", PyValue::int_tuple(&mesh.coordinate())),
+                ("_hash", PyValue::None),
+            ],
+        );
+        let placements = (0..dims)
+            .map(|i| {
+                if i + 1 == dims {
+                    PyValue::object(PLACEMENT, "Shard", vec![("dim", PyValue::Int(0))])
+                } else {
+                    PyValue::object(PLACEMENT, "Replicate", Vec::new())
+                }
+            })
+            .collect();
+        let global_strides = crate::formats::write::contiguous_strides(&d.global_shape);
+        let size = PyValue::call("torch", "Size", vec![PyValue::int_tuple(&d.global_shape)]);
+        let tensor_meta = PyValue::call(
+            SPEC,
+            "TensorMeta",
+            vec![
+                size,
+                PyValue::int_tuple(&global_strides),
+                dtype_global(d.dtype),
+            ],
+        );
+        let shard_order = PyValue::Tuple(vec![PyValue::call(
+            SPEC,
+            "ShardOrderEntry",
+            vec![PyValue::Int(0), PyValue::int_tuple(&[dims as u64 - 1])],
+        )]);
+        let spec = PyValue::object(
+            SPEC,
+            "DTensorSpec",
+            vec![
+                ("mesh", device_mesh),
+                ("placements", PyValue::Tuple(placements)),
+                ("tensor_meta", tensor_meta),
+                ("shard_order", shard_order),
+                ("use_strided_shard_as_shard_order", PyValue::Bool(false)),
+                ("_hash", PyValue::None),
+            ],
+        );
+        let class = PyValue::global("torch.distributed.tensor", "DTensor");
+        let args = PyValue::Tuple(vec![
+            class.clone(),
+            dtype_global(d.dtype),
+            PyValue::int_tuple(&d.global_shape),
+            PyValue::int_tuple(&global_strides),
+            PyValue::Int(0),
+            PyValue::call(
+                "torch.serialization",
+                "_get_layout",
+                vec![PyValue::str("torch.strided")],
+            ),
+            cpu_device(),
+            PyValue::Bool(false),
+        ]);
+        Ok(PyValue::call(
+            "torch._tensor",
+            "_rebuild_from_type_v2",
+            vec![
+                PyValue::global("torch._utils", "_rebuild_wrapper_subclass"),
+                class,
+                args,
+                PyValue::Dict(vec![
+                    (PyValue::str("_local_tensor"), local_tensor),
+                    (PyValue::str("_spec"), spec),
+                ]),
+            ],
+        ))
     }
 
     /// The pickle torch 2.15 writes for an FSDP1 `ShardedTensor` on this rank.
@@ -728,5 +1059,80 @@ impl<'n> Writer<'n> {
                 state,
             ],
         ))
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    #![allow(clippy::unwrap_used)]
+    use super::*;
+
+    #[test]
+    fn mesh_coordinates_and_group_names_follow_init_device_mesh() {
+        // torch 2.15, init_device_mesh("cpu", (2, 2)) on 4 gloo ranks
+        // (tests/fixtures/fsdp2_hsdp/ws4_2x2/rank{r}_model.pt): `_dim_group_names` per rank.
+        let torch = [["1", "3"], ["2", "3"], ["1", "4"], ["2", "4"]];
+        for (rank, names) in torch.iter().enumerate() {
+            let mesh = DeviceMeshSpec::new(&[2, 2], None, rank as u64).unwrap();
+            assert_eq!(mesh.group_names(), names.to_vec(), "rank {rank}");
+            assert_eq!(mesh.coordinate(), [rank as u64 / 2, rank as u64 % 2]);
+        }
+        // A 1-D mesh of the world is the default group.
+        let mesh = DeviceMeshSpec::new(&[3], None, 2).unwrap();
+        assert_eq!(mesh.group_names(), ["0"]);
+        assert_eq!(mesh.shard(), (2, 3));
+        // (3, 1): the replicate dimension spans the world; the shard groups are singletons.
+        let mesh = DeviceMeshSpec::new(&[3, 1], None, 2).unwrap();
+        assert_eq!(mesh.group_names(), ["0", "3"]);
+        assert_eq!(mesh.shard(), (0, 1));
+        for bad in [&[][..], &[0], &[2, 0], &[2, 2, 2]] {
+            assert!(DeviceMeshSpec::new(bad, None, 0).is_err(), "{bad:?}");
+        }
+        assert!(DeviceMeshSpec::new(&[2, 2], None, 4).is_err());
+        assert!(DeviceMeshSpec::new(&[2, 2], Some(vec!["dp".into()]), 0).is_err());
+    }
+
+    #[test]
+    fn dtensors_written_on_a_mesh_read_back_as_the_same_shards() {
+        let mut tree = Dict::new();
+        for rank in 0..3u64 {
+            let mesh = DeviceMeshSpec::new(&[3], Some(vec!["dp".into()]), rank).unwrap();
+            // A (5, 2) tensor over 3 ranks: rows 0..2, 2..4, 4..5.
+            let (start, rows) = [(0, 2), (2, 2), (4, 1)][rank as usize];
+            let data: Vec<u8> = (0..rows * 2)
+                .flat_map(|i| ((start * 2 + i) as f32).to_le_bytes())
+                .collect();
+            let local = Tensor::new(DType::Float32, vec![rows, 2], data).unwrap();
+            tree.insert(
+                Key::str("w"),
+                Node::Dist(DistTensor {
+                    kind: DistKind::DTensor,
+                    dtype: DType::Float32,
+                    global_shape: vec![5, 2],
+                    local: Some((vec![start, 0], local)),
+                    chunks: Vec::new(),
+                }),
+            );
+            tree.insert(
+                Key::str("buf"),
+                Node::Tensor(
+                    Tensor::new(DType::Int64, vec![1], 7i64.to_le_bytes().to_vec()).unwrap(),
+                ),
+            );
+            let node = Node::Dict(tree.clone());
+            let plan = plan_torch_save_on_mesh(&node, RootDict::Ordered, &mesh).unwrap();
+            // The local shard, the mesh's rank map (made by the writer), the buffer.
+            assert_eq!(plan.from_tree, [true, false, true]);
+            let specs = plan.storages.iter().map(|(s, _)| *s).collect();
+            let mut w =
+                TorchSaveWriter::with_globals(Vec::new(), "archive", &plan.root, specs, true)
+                    .unwrap();
+            for (_, data) in &plan.storages {
+                w.write_storage(data).unwrap();
+            }
+            let bytes = w.finish().unwrap();
+            let back = node_from_torch_save(&bytes, "rank").unwrap();
+            assert_eq!(back, node, "rank {rank}");
+        }
     }
 }

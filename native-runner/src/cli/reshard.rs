@@ -1,5 +1,7 @@
-//! `shardscope reshard`: FSDP1 per-rank LOCAL checkpoints (model state dicts + raw optimizer state
-//! dicts) from one world size to another. The logic lives in [`shardscope_runner::fsdp1_local`].
+//! `shardscope reshard`: per-rank checkpoints (model state dicts + raw optimizer state dicts) from
+//! one world size to another: FSDP1 LOCAL files ([`crate::convert::to_fsdp1`]) or FSDP2 DTensor
+//! files on a 1-D or HSDP mesh ([`crate::convert::to_fsdp2`]), from FSDP1 or FSDP2 per-rank
+//! folders or any checkpoint of full tensors.
 
 use std::fmt::Write as _;
 use std::path::{Path, PathBuf};
@@ -12,17 +14,21 @@ use shardscope_core::layout::{Api, Layout, LayoutConfig};
 use shardscope_core::transform::Fsdp1Model;
 use shardscope_runner::fsdp1_local::{self, LayoutFlags};
 
+use crate::convert::fsdp2_ranks::{self, Detected};
 use crate::convert::to_fsdp1::{Fsdp1Target, to_fsdp1_local};
+use crate::convert::to_fsdp2::{Fsdp2Target, to_fsdp2_ranks};
 
 use super::print_stdout;
 
 #[derive(Debug, Args)]
 pub struct ReshardCliArgs {
     /// Folder of per-rank files (e.g. model_rank0.pt, optim_rank0.pt, ...), written with
-    /// torch.save from LOCAL_STATE_DICT model state dicts and optim.state_dict(); or any checkpoint
-    /// of full tensors (a `torch.save` or safetensors file of the FULL state dict, or
-    /// `{"model": ..., "optim": FSDP.optim_state_dict(...)}`; a DCP directory of the model), written
-    /// as `model_rank{r}.pt` (+ `optim_rank{r}.pt`).
+    /// torch.save from FSDP1 LOCAL_STATE_DICT model state dicts and optim.state_dict(), or FSDP2
+    /// per-rank files (`rank{r}_model.pt` + `rank{r}_optim.pt`, DTensors, 1-D or HSDP mesh); or
+    /// any checkpoint of full tensors (a `torch.save` or safetensors file of the FULL state dict,
+    /// or `{"model": ..., "optim": FSDP.optim_state_dict(...)}`; a DCP directory). FSDP1 output
+    /// is written as the input's file names (full tensors: `model_rank{r}.pt` +
+    /// `optim_rank{r}.pt`), FSDP2 output as `rank{r}_model.pt` + `rank{r}_optim.pt`.
     pub src: PathBuf,
     /// Output folder (must not exist or be empty); it appears complete or not at all.
     #[arg(short = 'o', long = "output", value_name = "DST")]
@@ -33,6 +39,16 @@ pub struct ReshardCliArgs {
     /// Number of ranks of the output.
     #[arg(long, value_name = "B")]
     pub to_world_size: usize,
+    /// FSDP API of the output: `fsdp1` (LOCAL_STATE_DICT files) or `fsdp2` (DTensor files, as
+    /// `model.state_dict()` / `optim.state_dict()` of `fully_shard` give them). Default: fsdp2 for
+    /// a folder of FSDP2 files, fsdp1 otherwise.
+    #[arg(long, value_enum, value_name = "API")]
+    pub to_api: Option<ToApi>,
+    /// FSDP2 output: the `mesh_dim_names` of the mesh the files will be loaded on, comma-separated
+    /// (`dp`, or `replicate,shard` for HSDP); they must match it. Default: none for a 1-D mesh,
+    /// `replicate,shard` for HSDP.
+    #[arg(long, value_name = "NAMES", value_delimiter = ',')]
+    pub to_mesh_dim_names: Option<Vec<String>>,
     /// The checkpoint was written with FSDP1 `use_orig_params=True`.
     #[arg(long)]
     pub use_orig_params: bool,
@@ -51,7 +67,8 @@ pub struct ReshardCliArgs {
     #[arg(long, value_parser = parse_strategy)]
     pub to_strategy: Option<Strategy>,
     /// Hybrid output: ranks per shard group of the output (default: --shard-group-size); every
-    /// replica's ranks get their files.
+    /// replica's ranks get their files. FSDP2: an HSDP mesh `(B / S, S)`, placements
+    /// `(Replicate(), Shard(0))`.
     #[arg(long, value_name = "S")]
     pub to_shard_group_size: Option<u64>,
     /// File-name pattern of the model files, `{r}` for the rank (default: detected).
@@ -66,6 +83,13 @@ pub struct ReshardCliArgs {
     /// No progress indicator on stderr.
     #[arg(long, short)]
     pub quiet: bool,
+}
+
+/// The FSDP API of `reshard`'s output.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, clap::ValueEnum)]
+pub enum ToApi {
+    Fsdp1,
+    Fsdp2,
 }
 
 fn parse_strategy(s: &str) -> Result<Strategy, String> {
@@ -88,11 +112,33 @@ pub fn run(args: &ReshardCliArgs) -> anyhow::Result<ExitCode> {
     };
     let desc = fsdp1_local::read_description(&args.model)?;
     let full_source = is_full_checkpoint(&args.src);
+    let fsdp2_source = !full_source && matches!(fsdp2_ranks::detect(&args.src), Detected::Fsdp2(_));
     let (source, index, files, model_prefix) = if full_source {
         open_full(args, &desc)?
+    } else if fsdp2_source {
+        open_fsdp2(args, &desc)?
     } else {
         open_folder(args)?
     };
+    let to_api = args.to_api.unwrap_or(if fsdp2_source {
+        ToApi::Fsdp2
+    } else {
+        ToApi::Fsdp1
+    });
+    if to_api == ToApi::Fsdp2 {
+        return write_fsdp2(
+            args,
+            &desc,
+            &source,
+            &index,
+            &files,
+            &model_prefix,
+            full_source,
+        );
+    }
+    if args.to_mesh_dim_names.is_some() {
+        anyhow::bail!("--to-mesh-dim-names applies to FSDP2 output (--to-api fsdp2)");
+    }
     let config = LayoutConfig {
         api: Api::Fsdp1,
         world_size: args.to_world_size as u64,
@@ -176,6 +222,147 @@ pub fn run(args: &ReshardCliArgs) -> anyhow::Result<ExitCode> {
     Ok(ExitCode::SUCCESS)
 }
 
+/// Writes FSDP2 per-rank files for `--to-world-size` ranks.
+fn write_fsdp2(
+    args: &ReshardCliArgs,
+    desc: &shardscope_core::model::ModelDescription,
+    source: &crate::input::Input,
+    index: &shardscope_core::model::index::CheckpointIndex,
+    files: &fsdp1_local::RankFiles,
+    model_prefix: &str,
+    full_source: bool,
+) -> anyhow::Result<ExitCode> {
+    for (flag, given) in [
+        ("--to-strategy", args.to_strategy.is_some()),
+        ("--to-use-orig-params", args.to_use_orig_params.is_some()),
+    ] {
+        if given {
+            anyhow::bail!(
+                "{flag} describes FSDP1 output; FSDP2 output (--to-api fsdp2) takes --to-shard-group-size for HSDP"
+            );
+        }
+    }
+    let hsdp = args.to_shard_group_size;
+    let names = args
+        .to_mesh_dim_names
+        .clone()
+        .or_else(|| hsdp.map(|_| vec!["replicate".to_owned(), "shard".to_owned()]));
+    let dims = if hsdp.is_some() { 2 } else { 1 };
+    if let Some(names) = &names
+        && names.len() != dims
+    {
+        anyhow::bail!(
+            "--to-mesh-dim-names gives {} mesh dimension name(s) for a {dims}-D mesh ({})",
+            names.len(),
+            if dims == 2 {
+                "HSDP: replicate, shard"
+            } else {
+                "FSDP2 without --to-shard-group-size"
+            }
+        );
+    }
+    let target = Fsdp2Target {
+        desc,
+        world_size: args.to_world_size as u64,
+        shard_group_size: hsdp,
+        mesh_dim_names: names,
+        model_pattern: "rank{r}_model.pt",
+        optim_pattern: files.optim_pattern.is_some().then_some("rank{r}_optim.pt"),
+    };
+    let mesh = target.mesh_shape()?;
+    let mut reader = crate::convert::Reader::new(source, index);
+    let outputs = crate::atomic::write_dir(&args.dst, |tmp| {
+        to_fsdp2_ranks(&mut reader, model_prefix, &target, tmp)
+    })?;
+    let mesh_text = match mesh.as_slice() {
+        [r, s] => format!("an HSDP mesh of {r} replicas x {s} shards"),
+        _ => format!("a 1-D mesh of {} ranks", args.to_world_size),
+    };
+    let text = if args.json {
+        let summary = serde_json::json!({
+            "source": args.src.display().to_string(),
+            "output": args.dst.display().to_string(),
+            "from_world_size": (!full_source).then_some(files.world_size),
+            "to_world_size": args.to_world_size,
+            "to_api": "fsdp2",
+            "mesh": mesh,
+            "mesh_dim_names": target.mesh_dim_names,
+            "files": outputs.iter().map(|f| serde_json::json!({"name": f.name, "bytes": f.bytes})).collect::<Vec<_>>(),
+        });
+        format!("{}\n", serde_json::to_string_pretty(&summary)?)
+    } else {
+        format!(
+            "resharded {} to FSDP2 on {mesh_text}: {} files in {}\n",
+            args.src.display(),
+            outputs.len(),
+            args.dst.display()
+        )
+    };
+    print_stdout(&text)?;
+    Ok(ExitCode::SUCCESS)
+}
+
+/// Flags that describe an FSDP1 per-rank input, refused for other inputs (`what` says which).
+fn refuse_fsdp1_input_flags(args: &ReshardCliArgs, what: &str) -> anyhow::Result<()> {
+    for (flag, given) in [
+        ("--model-files", args.model_files.is_some()),
+        ("--optim-files", args.optim_files.is_some()),
+        ("--use-orig-params", args.use_orig_params),
+        ("--shard-group-size", args.shard_group_size.is_some()),
+    ] {
+        if given {
+            anyhow::bail!(
+                "{flag} describes a folder of FSDP1 per-rank files; {} is {what}",
+                args.src.display()
+            );
+        }
+    }
+    Ok(())
+}
+
+/// A folder of FSDP2 per-rank files, read as `model` and FQN-keyed `optim` subtrees.
+fn open_fsdp2(
+    args: &ReshardCliArgs,
+    desc: &shardscope_core::model::ModelDescription,
+) -> anyhow::Result<Opened> {
+    use shardscope_core::model::index::PathSeg;
+    refuse_fsdp1_input_flags(args, "a folder of FSDP2 (DTensor) per-rank files")?;
+    let Detected::Fsdp2(ranks) = fsdp2_ranks::detect(&args.src) else {
+        anyhow::bail!(
+            "{}: not a folder of FSDP2 per-rank files",
+            args.src.display()
+        );
+    };
+    let label = args.src.display().to_string();
+    let (source, index) = crate::convert::open_unchecked(&args.src, false)?;
+    let (mut view, naming) =
+        shardscope_core::model::fsdp2_view::fqn_keyed_optimizer(&index, Some(desc))
+            .with_context(|| format!("{label}: cannot name the optimizer's parameters"))?;
+    if let Some(naming) = naming
+        && !args.quiet
+        && !args.json
+    {
+        eprintln!("note: optimizer ids named by {}", naming.how);
+    }
+    view.entries.retain(
+        |e| matches!(e.path.first(), Some(PathSeg::Key(k)) if k == "model" || k == "optim"),
+    );
+    crate::convert::ensure_consistent(&args.src, &view)?;
+    let states = view.entries.iter().any(|e| {
+        matches!(
+            e.role,
+            Some(shardscope_core::model::index::Role::OptimizerState { .. })
+        )
+    });
+    let names = fsdp1_local::RankFiles {
+        dir: args.src.clone(),
+        model_pattern: "model_rank{r}.pt".to_owned(),
+        optim_pattern: states.then(|| "optim_rank{r}.pt".to_owned()),
+        world_size: ranks.world_size,
+    };
+    Ok((source, view, names, "model.".to_owned()))
+}
+
 /// A source that is not a folder of per-rank files: a file, or a DCP directory.
 fn is_full_checkpoint(src: &Path) -> bool {
     src.is_file() || src.join(".metadata").is_file()
@@ -222,19 +409,7 @@ fn open_full(
     desc: &shardscope_core::model::ModelDescription,
 ) -> anyhow::Result<Opened> {
     use shardscope_core::model::index::Role;
-    for (flag, given) in [
-        ("--model-files", args.model_files.is_some()),
-        ("--optim-files", args.optim_files.is_some()),
-        ("--use-orig-params", args.use_orig_params),
-        ("--shard-group-size", args.shard_group_size.is_some()),
-    ] {
-        if given {
-            anyhow::bail!(
-                "{flag} describes a folder of per-rank files; {} is a checkpoint of full tensors",
-                args.src.display()
-            );
-        }
-    }
+    refuse_fsdp1_input_flags(args, "a checkpoint of full tensors")?;
     let (source, index) = crate::convert::open_unchecked(&args.src, false)?;
     crate::convert::ensure_consistent(&args.src, &index)?;
     if super::model_layout::needs_layout(&index) {

@@ -26,6 +26,7 @@ pub mod exec;
 pub mod fsdp2_ranks;
 pub mod part;
 pub mod to_fsdp1;
+pub mod to_fsdp2;
 
 use std::collections::{BTreeMap, BTreeSet};
 use std::fs::File;

@@ -48,7 +48,7 @@ pub struct OutputFile {
 }
 
 /// Where the bytes of one destination tensor come from.
-enum Fill {
+pub(super) enum Fill {
     /// A whole logical tensor (buffers, unmanaged parameters, NO_SHARD files).
     Whole(String),
     /// Rank `rank`'s unpadded shard of destination flat parameter `flat`.
@@ -72,16 +72,16 @@ enum Fill {
 
 /// The checkpoint's entries by role: model entries (keys without the model prefix) in stored
 /// order, and the optimizer's.
-struct Parts<'i> {
-    model: Vec<(String, &'i IndexEntry)>,
-    by_key: HashMap<&'i str, &'i IndexEntry>,
+pub(super) struct Parts<'i> {
+    pub(super) model: Vec<(String, &'i IndexEntry)>,
+    pub(super) by_key: HashMap<&'i str, &'i IndexEntry>,
     /// `(fqn, state name)` -> entry.
-    states: HashMap<(&'i str, &'i str), &'i IndexEntry>,
-    state_order: Vec<&'i IndexEntry>,
-    groups: Vec<&'i IndexEntry>,
+    pub(super) states: HashMap<(&'i str, &'i str), &'i IndexEntry>,
+    pub(super) state_order: Vec<&'i IndexEntry>,
+    pub(super) groups: Vec<&'i IndexEntry>,
 }
 
-fn parts<'i>(index: &'i CheckpointIndex, model_prefix: &str) -> Parts<'i> {
+pub(super) fn parts<'i>(index: &'i CheckpointIndex, model_prefix: &str) -> Parts<'i> {
     let mut sorted: Vec<&IndexEntry> = index.entries.iter().collect();
     sorted.sort_by_key(|e| e.position.unwrap_or(u64::MAX));
     let mut p = Parts {
@@ -114,7 +114,7 @@ fn parts<'i>(index: &'i CheckpointIndex, model_prefix: &str) -> Parts<'i> {
 }
 
 /// A non-tensor entry as a value of the output.
-fn value_node(e: &IndexEntry) -> Result<Node> {
+pub(super) fn value_node(e: &IndexEntry) -> Result<Node> {
     if let Some(object) = &e.object {
         return bridge::node_from_value(object, "checkpoint", &e.key)
             .with_context(|| format!("`{}`", e.key));
@@ -141,7 +141,7 @@ fn json_node(v: &serde_json::Value) -> Result<Node> {
 }
 
 /// A tensor of `e`'s dtype and shape without bytes.
-fn structure(e: &IndexEntry) -> Result<Tensor> {
+pub(super) fn structure(e: &IndexEntry) -> Result<Tensor> {
     let (Some(dtype), Some(shape)) = (e.dtype, &e.shape) else {
         bail!("`{}` has no global shape", e.key);
     };
@@ -152,7 +152,11 @@ fn structure(e: &IndexEntry) -> Result<Tensor> {
     })
 }
 
-fn entry_node(e: &IndexEntry, path: String, fills: &mut HashMap<String, Fill>) -> Result<Node> {
+pub(super) fn entry_node(
+    e: &IndexEntry,
+    path: String,
+    fills: &mut HashMap<String, Fill>,
+) -> Result<Node> {
     if e.kind == EntryKind::Tensor {
         fills.insert(path, Fill::Whole(e.key.clone()));
         Ok(Node::Tensor(structure(e)?))
@@ -503,24 +507,28 @@ pub fn to_fsdp1_local(
     Ok(written)
 }
 
+/// An error producing the bytes of an output tensor.
+pub(super) fn fill_error(reason: String) -> Fsdp1LocalError {
+    Fsdp1LocalError::Content {
+        file: PathBuf::from("<output>"),
+        reason,
+    }
+}
+
 fn fill(
     filler: &mut Filler<'_, '_>,
     fills: &HashMap<String, Fill>,
     path: &str,
 ) -> std::result::Result<Vec<u8>, Fsdp1LocalError> {
-    let to_err = |reason: String| Fsdp1LocalError::Content {
-        file: PathBuf::from("<output>"),
-        reason,
-    };
     let f = fills
         .get(path)
-        .ok_or_else(|| to_err(format!("no source for the tensor at {path}")))?;
+        .ok_or_else(|| fill_error(format!("no source for the tensor at {path}")))?;
     filler
         .bytes(f)
-        .map_err(|e| to_err(format!("{path}: {e:#}")))
+        .map_err(|e| fill_error(format!("{path}: {e:#}")))
 }
 
-fn write_file(
+pub(super) fn write_file(
     dir: &Path,
     name: String,
     write: impl FnOnce(BufWriter<File>) -> std::result::Result<BufWriter<File>, Fsdp1LocalError>,

@@ -271,19 +271,38 @@ pub fn write_torch_save<W: Write>(
     root: RootDict,
     group: (u64, u64),
     global: (u64, u64),
-    mut fill: impl FnMut(&str) -> Result<Vec<u8>>,
+    fill: impl FnMut(&str) -> Result<Vec<u8>>,
 ) -> Result<W> {
     let plan = bridge::plan_torch_save_in_group(skeleton, root, group, global)?;
+    write_plan(out, skeleton, &plan, fill)
+}
+
+/// As [`write_torch_save`] for an FSDP2 per-rank file: DTensors on `mesh` (see
+/// [`bridge::plan_torch_save_on_mesh`]).
+pub fn write_torch_save_on_mesh<W: Write>(
+    out: W,
+    skeleton: &Node,
+    root: RootDict,
+    mesh: &bridge::DeviceMeshSpec,
+    fill: impl FnMut(&str) -> Result<Vec<u8>>,
+) -> Result<W> {
+    let plan = bridge::plan_torch_save_on_mesh(skeleton, root, mesh)?;
+    write_plan(out, skeleton, &plan, fill)
+}
+
+fn write_plan<W: Write>(
+    out: W,
+    skeleton: &Node,
+    plan: &bridge::TorchSavePlan<'_>,
+    mut fill: impl FnMut(&str) -> Result<Vec<u8>>,
+) -> Result<W> {
     let mut paths = Vec::new();
     tensor_paths(skeleton, "", &mut paths);
-    if paths.len() != plan.storages.len() {
+    let from_tree = plan.from_tree.iter().filter(|&&t| t).count();
+    if paths.len() != from_tree || plan.from_tree.len() != plan.storages.len() {
         return Err(Fsdp1LocalError::Content {
             file: PathBuf::from("<output>"),
-            reason: format!(
-                "{} tensors but {} storages planned",
-                paths.len(),
-                plan.storages.len()
-            ),
+            reason: format!("{} tensors but {from_tree} storages planned", paths.len(),),
         });
     }
     let specs = plan.storages.iter().map(|(s, _)| *s).collect();
@@ -295,9 +314,18 @@ pub fn write_torch_save<W: Write>(
         plan.needs_globals,
     )
     .map_err(BridgeError::from)?;
-    for path in &paths {
-        let data = fill(path)?;
-        writer.write_storage(&data).map_err(BridgeError::from)?;
+    let mut paths = paths.iter();
+    for ((_, bytes), &tree) in plan.storages.iter().zip(&plan.from_tree) {
+        if tree {
+            let path = paths.next().ok_or_else(|| Fsdp1LocalError::Content {
+                file: PathBuf::from("<output>"),
+                reason: "more storages than tensors".to_owned(),
+            })?;
+            let data = fill(path)?;
+            writer.write_storage(&data).map_err(BridgeError::from)?;
+        } else {
+            writer.write_storage(bytes).map_err(BridgeError::from)?;
+        }
     }
     Ok(writer.finish().map_err(BridgeError::from)?)
 }
