@@ -24,6 +24,7 @@ one JSON line; cleans up its temp directory. See BENCHMARKS.md.
 from __future__ import annotations
 
 import argparse
+import filecmp
 import sys
 import json
 import os
@@ -78,6 +79,7 @@ def save_worker(rank: int, store: str, out_dir: str) -> None:
 def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("--shardscope", default="target/release/shardscope")
+    parser.add_argument("--baseline", help="another shardscope build whose reshard is timed on the same input")
     parser.add_argument("--dir", default=tempfile.gettempdir())
     parser.add_argument("--keep", action="store_true", help="keep the source checkpoint (for profiling)")
     args = parser.parse_args()
@@ -106,6 +108,14 @@ def main() -> None:
             [shardscope, "reshard", src, "-o", dst, "--model", model_json, "--to-world-size", "2"]
         )
         out_bytes = {"shardscope reshard 4 -> 2": sum(os.path.getsize(os.path.join(dst, f)) for f in os.listdir(dst))}
+        if args.baseline:
+            base = os.path.join(work, "baseline")
+            results["baseline reshard 4 -> 2"] = timed(
+                [os.path.abspath(args.baseline), "reshard", src, "-o", base, "--model", model_json, "--to-world-size", "2"]
+            )
+            for f in os.listdir(dst):
+                assert filecmp.cmp(os.path.join(dst, f), os.path.join(base, f), shallow=False), f"{f} differs from the baseline's"
+            shutil.rmtree(base)
         shutil.rmtree(dst)
         results["shardscope convert -> safetensors"] = timed(
             [shardscope, "convert", src, "-o", full_st, "--model", model_json, "--quiet"]

@@ -71,6 +71,14 @@ def save_worker(rank: int, store: str, out_dir: str, ref_path: str) -> None:
     dist.destroy_process_group()
 
 
+def description() -> dict:
+    params = []
+    for i in range(LAYERS):
+        shape = [BIG, SMALL] if i % 2 == 0 else [SMALL, BIG]
+        params.append({"fqn": f"layers.{i}.weight", "shape": shape, "dtype": "float32"})
+    return {"params": params, "units": [f"layers.{i}" for i in range(LAYERS)] + [""], "ignored": []}
+
+
 def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("--shardscope", default="target/release/shardscope")
@@ -103,6 +111,16 @@ def main() -> None:
             )
             assert filecmp.cmp(full, base, shallow=False), "outputs differ from the baseline's"
             os.remove(base)
+
+        # FSDP2 per-rank files for 4 ranks (reshard, DTensor output), from the 2-rank folder.
+        model_json = os.path.join(work, "model.json")
+        with open(model_json, "w") as f:
+            json.dump(description(), f)
+        dst = os.path.join(work, "ranks4")
+        results["shardscope reshard 2 -> 4 (FSDP2)"] = timed(
+            [shardscope, "reshard", src, "-o", dst, "--model", model_json, "--to-world-size", "4", "--quiet"]
+        )
+        shutil.rmtree(dst)
 
         # --select model to safetensors: staged through a temporary full .pt (TMPDIR, under --dir).
         sel = os.path.join(work, "model.safetensors")

@@ -427,7 +427,7 @@ impl DeviceMeshSpec {
         let numel = shape
             .iter()
             .try_fold(1u64, |acc, &d| acc.checked_mul(d))
-            .filter(|&n| n <= i32::MAX as u64)
+            .filter(|&n| i32::try_from(n).is_ok())
             .ok_or_else(|| bad(format!("a mesh of shape {shape:?} has too many ranks")))?;
         if rank >= numel {
             return Err(bad(format!(
@@ -443,7 +443,7 @@ impl DeviceMeshSpec {
                 shape.len()
             )));
         }
-        let rank_map = (0..numel as u32).flat_map(|r| r.to_le_bytes()).collect();
+        let rank_map = (0..numel as u32).flat_map(u32::to_le_bytes).collect();
         Ok(Self {
             shape: shape.to_vec(),
             dim_names,
@@ -778,21 +778,20 @@ impl<'n> Writer<'n> {
         }
         self.needs_globals = true;
         let local_tensor = self.tensor(local);
-        let rank_map = match self.rank_map {
-            Some(index) => index,
-            None => {
-                let index = self.storages.len();
-                self.storages.push((
-                    StorageSpec {
-                        dtype: DType::Int32,
-                        numel: mesh.rank_map.len() as u64 / 4,
-                    },
-                    &mesh.rank_map,
-                ));
-                self.from_tree.push(false);
-                self.rank_map = Some(index);
-                index
-            }
+        let rank_map = if let Some(index) = self.rank_map {
+            index
+        } else {
+            let index = self.storages.len();
+            self.storages.push((
+                StorageSpec {
+                    dtype: DType::Int32,
+                    numel: mesh.rank_map.len() as u64 / 4,
+                },
+                &mesh.rank_map,
+            ));
+            self.from_tree.push(false);
+            self.rank_map = Some(index);
+            index
         };
         let dims = mesh.shape.len();
         // A size-1 axis coalesces to the 0-dimensional layout `((), ())`.

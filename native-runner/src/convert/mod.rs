@@ -61,6 +61,8 @@ pub struct Reader<'a> {
     index: &'a CheckpointIndex,
     files: BTreeMap<String, File>,
     scratch: Vec<u8>,
+    /// The buffer of [`Reader::append_range_as`] for tensors that are not slabs.
+    range_scratch: Vec<u8>,
 }
 
 impl<'a> Reader<'a> {
@@ -70,6 +72,7 @@ impl<'a> Reader<'a> {
             index,
             files: BTreeMap::new(),
             scratch: Vec::new(),
+            range_scratch: Vec::new(),
         }
     }
 
@@ -286,27 +289,7 @@ impl<'a> Reader<'a> {
             if buf.len() < len {
                 buf.resize(len, 0);
             }
-            let mut filled = 0u64;
-            for piece in pieces {
-                let start = range.start.max(piece.tensor_start);
-                let end = range.end.min(piece.tensor_start.saturating_add(piece.len));
-                if start >= end {
-                    continue;
-                }
-                let at = piece
-                    .file_start
-                    .checked_add(start - piece.tensor_start)
-                    .with_context(|| format!("{}: byte offset overflows", entry.key))?;
-                let dst = (start - range.start) as usize..(end - range.start) as usize;
-                self.pread(&piece.file, at, &mut buf[dst])?;
-                filled += end - start;
-            }
-            if filled != len as u64 {
-                bail!(
-                    "{}: the byte range {range:?} reaches past the tensor",
-                    entry.key
-                );
-            }
+            self.read_slab_range(entry, &pieces, &range, &mut buf[..len])?;
             return Ok(len);
         }
         let n = self.tensor_as(entry, to, buf)?;
@@ -322,6 +305,74 @@ impl<'a> Reader<'a> {
         }
         buf.copy_within(start..end, 0);
         Ok(len)
+    }
+}
+
+impl Reader<'_> {
+    /// Reads `range` of a tensor stored as `pieces` into `dst` (exactly `range`'s length).
+    fn read_slab_range(
+        &mut self,
+        entry: &IndexEntry,
+        pieces: &[SlabPiece],
+        range: &std::ops::Range<u64>,
+        dst: &mut [u8],
+    ) -> Result<()> {
+        let mut filled = 0u64;
+        for piece in pieces {
+            let start = range.start.max(piece.tensor_start);
+            let end = range.end.min(piece.tensor_start.saturating_add(piece.len));
+            if start >= end {
+                continue;
+            }
+            let at = piece
+                .file_start
+                .checked_add(start - piece.tensor_start)
+                .with_context(|| format!("{}: byte offset overflows", entry.key))?;
+            let part = (start - range.start) as usize..(end - range.start) as usize;
+            self.pread(&piece.file, at, &mut dst[part])?;
+            filled += end - start;
+        }
+        if filled != dst.len() as u64 {
+            bail!(
+                "{}: the byte range {range:?} reaches past the tensor",
+                entry.key
+            );
+        }
+        Ok(())
+    }
+
+    /// As [`Self::range_as`], appending the bytes to `out`: a tensor stored as contiguous dim-0
+    /// slabs is read straight into `out`, with no intermediate copy.
+    pub fn append_range_as(
+        &mut self,
+        entry: &IndexEntry,
+        to: DType,
+        range: std::ops::Range<u64>,
+        out: &mut Vec<u8>,
+    ) -> Result<()> {
+        let len = range
+            .end
+            .checked_sub(range.start)
+            .and_then(|n| usize::try_from(n).ok())
+            .with_context(|| format!("{}: a bad byte range {range:?}", entry.key))?;
+        if len == 0 {
+            return Ok(());
+        }
+        let old = out.len();
+        let new_len = old
+            .checked_add(len)
+            .with_context(|| format!("{}: output size overflows", entry.key))?;
+        if let Some(pieces) = self.slab_pieces(entry, to) {
+            out.resize(new_len, 0);
+            return self.read_slab_range(entry, &pieces, &range, &mut out[old..]);
+        }
+        let mut tmp = std::mem::take(&mut self.range_scratch);
+        let read = self.range_as(entry, to, range, &mut tmp);
+        if let Ok(n) = &read {
+            out.extend_from_slice(&tmp[..*n]);
+        }
+        self.range_scratch = tmp;
+        read.map(|_| ())
     }
 }
 

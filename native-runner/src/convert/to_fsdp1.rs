@@ -312,7 +312,6 @@ struct Filler<'r, 'i> {
     dst: &'r Fsdp1Model<'r>,
     model_prefix: &'r str,
     dst_params: &'r [ParamRef],
-    buf: Vec<u8>,
 }
 
 impl<'i> Filler<'_, 'i> {
@@ -338,10 +337,11 @@ impl<'i> Filler<'_, 'i> {
         }
         let e = self.entry(key)?;
         let item = dtype.size_bytes() as u64;
-        let range = start * item..(start + len) * item;
-        let n = self.reader.range_as(e, dtype, range, &mut self.buf)?;
-        out.extend_from_slice(&self.buf[..n]);
-        Ok(())
+        let range = start
+            .checked_mul(item)
+            .and_then(|a| Some(a..start.checked_add(len)?.checked_mul(item)?))
+            .with_context(|| format!("`{key}`: element range overflows"))?;
+        self.reader.append_range_as(e, dtype, range, out)
     }
 
     fn bytes(&mut self, fill: &Fill) -> Result<Vec<u8>> {
@@ -350,8 +350,10 @@ impl<'i> Filler<'_, 'i> {
             Fill::Whole(key) => {
                 let e = self.entry(key)?;
                 let dtype = e.dtype.context("a tensor without dtype")?;
-                let n = self.reader.tensor_as(e, dtype, &mut self.buf)?;
-                Ok(self.buf[..n].to_vec())
+                let mut out = Vec::new();
+                let n = self.reader.tensor_as(e, dtype, &mut out)?;
+                out.truncate(n);
+                Ok(out)
             }
             Fill::Shard { flat, rank } => {
                 let fp = self.dst.flat(*flat);
@@ -467,7 +469,6 @@ pub fn to_fsdp1_local(
         dst,
         model_prefix,
         dst_params: &dst_params,
-        buf: Vec::new(),
     };
     let mut written = Vec::new();
     for global in 0..ws {

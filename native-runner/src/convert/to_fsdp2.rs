@@ -271,7 +271,7 @@ fn optim_skeleton(
                 fills.insert(path, fill);
                 node
             };
-            d.insert(Key::str(*name), node);
+            d.insert(Key::str(name), node);
         }
         state.insert(Key::Int(id as i64), Node::Dict(d));
     }
@@ -300,12 +300,7 @@ fn optim_skeleton(
     Ok(out)
 }
 
-fn bytes(
-    reader: &mut Reader<'_>,
-    parts: &Parts<'_>,
-    fill: &Fill,
-    buf: &mut Vec<u8>,
-) -> Result<Vec<u8>> {
+fn bytes(reader: &mut Reader<'_>, parts: &Parts<'_>, fill: &Fill) -> Result<Vec<u8>> {
     let entry = |key: &str| {
         parts
             .by_key
@@ -318,8 +313,10 @@ fn bytes(
         Fill::Whole(key) => {
             let e = entry(key)?;
             let dtype = e.dtype.context("a tensor without dtype")?;
-            let n = reader.tensor_as(e, dtype, buf)?;
-            Ok(buf[..n].to_vec())
+            let mut out = Vec::new();
+            let n = reader.tensor_as(e, dtype, &mut out)?;
+            out.truncate(n);
+            Ok(out)
         }
         Fill::Rows { key, start, rows } => {
             let e = entry(key)?;
@@ -332,11 +329,9 @@ fn bytes(
                 .checked_mul(row_bytes)
                 .and_then(|a| Some(a..a.checked_add(rows.checked_mul(row_bytes)?)?))
                 .with_context(|| format!("`{key}`: tensor size overflows"))?;
-            if range.is_empty() {
-                return Ok(Vec::new());
-            }
-            let n = reader.range_as(e, t.dtype, range, buf)?;
-            Ok(buf[..n].to_vec())
+            let mut out = Vec::new();
+            reader.append_range_as(e, t.dtype, range, &mut out)?;
+            Ok(out)
         }
     }
 }
@@ -370,7 +365,6 @@ pub fn to_fsdp2_ranks(
         _ => None,
     };
     let mut written = Vec::new();
-    let mut buf = Vec::new();
     for rank in 0..target.world_size {
         let mesh = DeviceMeshSpec::new(&shape, target.mesh_dim_names.clone(), rank)?;
         let shard = mesh.shard();
@@ -382,7 +376,7 @@ pub fn to_fsdp2_ranks(
                 let f = fills
                     .get(path)
                     .ok_or_else(|| fill_error(format!("no source for the tensor at {path}")))?;
-                bytes(reader, &parts, f, &mut buf).map_err(|e| fill_error(format!("{path}: {e:#}")))
+                bytes(reader, &parts, f).map_err(|e| fill_error(format!("{path}: {e:#}")))
             })
         })?);
         if let Some((pattern, o)) = &optim {
@@ -394,8 +388,7 @@ pub fn to_fsdp2_ranks(
                     let f = fills
                         .get(path)
                         .ok_or_else(|| fill_error(format!("no source for the tensor at {path}")))?;
-                    bytes(reader, &parts, f, &mut buf)
-                        .map_err(|e| fill_error(format!("{path}: {e:#}")))
+                    bytes(reader, &parts, f).map_err(|e| fill_error(format!("{path}: {e:#}")))
                 })
             })?);
         }

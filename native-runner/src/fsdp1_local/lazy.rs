@@ -271,7 +271,7 @@ pub fn write_torch_save<W: Write>(
     root: RootDict,
     group: (u64, u64),
     global: (u64, u64),
-    fill: impl FnMut(&str) -> Result<Vec<u8>>,
+    fill: impl FnMut(&str) -> Result<Vec<u8>> + Send,
 ) -> Result<W> {
     let plan = bridge::plan_torch_save_in_group(skeleton, root, group, global)?;
     write_plan(out, skeleton, &plan, fill)
@@ -284,27 +284,52 @@ pub fn write_torch_save_on_mesh<W: Write>(
     skeleton: &Node,
     root: RootDict,
     mesh: &bridge::DeviceMeshSpec,
-    fill: impl FnMut(&str) -> Result<Vec<u8>>,
+    fill: impl FnMut(&str) -> Result<Vec<u8>> + Send,
 ) -> Result<W> {
     let plan = bridge::plan_torch_save_on_mesh(skeleton, root, mesh)?;
     write_plan(out, skeleton, &plan, fill)
 }
 
+/// Bytes of tensor buffers a writer may hold beyond the largest one: while one storage is
+/// written, the next ones are read if they fit (so reads and writes overlap).
+const OVERLAP_BYTES: u64 = 64 << 20;
+
+/// Writes `plan`: a reader thread produces each tree storage with `fill` (in order) while this
+/// thread writes the previous ones; the buffers alive at once stay within the largest storage +
+/// [`OVERLAP_BYTES`]. The output is the same as writing one storage after the other.
 fn write_plan<W: Write>(
     out: W,
     skeleton: &Node,
     plan: &bridge::TorchSavePlan<'_>,
-    mut fill: impl FnMut(&str) -> Result<Vec<u8>>,
+    fill: impl FnMut(&str) -> Result<Vec<u8>> + Send,
 ) -> Result<W> {
+    use std::sync::{Condvar, Mutex, PoisonError, mpsc};
+
     let mut paths = Vec::new();
     tensor_paths(skeleton, "", &mut paths);
     let from_tree = plan.from_tree.iter().filter(|&&t| t).count();
     if paths.len() != from_tree || plan.from_tree.len() != plan.storages.len() {
         return Err(Fsdp1LocalError::Content {
             file: PathBuf::from("<output>"),
-            reason: format!("{} tensors but {from_tree} storages planned", paths.len(),),
+            reason: format!("{} tensors but {from_tree} storages planned", paths.len()),
         });
     }
+    let bytes_of = |spec: &shardscope_core::formats::write::pickle::StorageSpec| {
+        spec.numel.saturating_mul(spec.dtype.size_bytes() as u64)
+    };
+    let sizes: Vec<u64> = plan
+        .storages
+        .iter()
+        .zip(&plan.from_tree)
+        .filter(|(_, t)| **t)
+        .map(|((spec, _), _)| bytes_of(spec))
+        .collect();
+    let budget = sizes
+        .iter()
+        .copied()
+        .max()
+        .unwrap_or(0)
+        .saturating_add(OVERLAP_BYTES);
     let specs = plan.storages.iter().map(|(s, _)| *s).collect();
     let mut writer = shardscope_core::formats::write::torch_save::TorchSaveWriter::with_globals(
         out,
@@ -314,18 +339,55 @@ fn write_plan<W: Write>(
         plan.needs_globals,
     )
     .map_err(BridgeError::from)?;
-    let mut paths = paths.iter();
-    for ((_, bytes), &tree) in plan.storages.iter().zip(&plan.from_tree) {
-        if tree {
-            let path = paths.next().ok_or_else(|| Fsdp1LocalError::Content {
-                file: PathBuf::from("<output>"),
-                reason: "more storages than tensors".to_owned(),
-            })?;
-            let data = fill(path)?;
-            writer.write_storage(&data).map_err(BridgeError::from)?;
-        } else {
-            writer.write_storage(bytes).map_err(BridgeError::from)?;
-        }
-    }
-    Ok(writer.finish().map_err(BridgeError::from)?)
+    // (bytes held by filled buffers not yet written, the writer stopped)
+    let gate = (Mutex::new((0u64, false)), Condvar::new());
+    let lock = || gate.0.lock().unwrap_or_else(PoisonError::into_inner);
+    std::thread::scope(|scope| {
+        let (tx, rx) = mpsc::channel::<Result<Vec<u8>>>();
+        let (paths, sizes, gate, lock) = (&paths, &sizes, &gate, &lock);
+        scope.spawn(move || {
+            let mut fill = fill;
+            for (path, &size) in paths.iter().zip(sizes) {
+                {
+                    let mut held = lock();
+                    while !held.1 && held.0 > 0 && held.0.saturating_add(size) > budget {
+                        held = gate.1.wait(held).unwrap_or_else(PoisonError::into_inner);
+                    }
+                    if held.1 {
+                        return;
+                    }
+                    held.0 = held.0.saturating_add(size);
+                }
+                let data = fill(path);
+                let failed = data.is_err();
+                if tx.send(data).is_err() || failed {
+                    return;
+                }
+            }
+        });
+        let mut written = sizes.iter();
+        let result = (|| {
+            for ((_, bytes), &tree) in plan.storages.iter().zip(&plan.from_tree) {
+                if tree {
+                    let data = rx.recv().map_err(|_| Fsdp1LocalError::Content {
+                        file: PathBuf::from("<output>"),
+                        reason: "the reader of the tensors stopped".to_owned(),
+                    })??;
+                    writer.write_storage(&data).map_err(BridgeError::from)?;
+                    drop(data);
+                    let size = written.next().copied().unwrap_or(0);
+                    let mut held = lock();
+                    held.0 = held.0.saturating_sub(size);
+                    gate.1.notify_all();
+                } else {
+                    writer.write_storage(bytes).map_err(BridgeError::from)?;
+                }
+            }
+            Ok(writer.finish().map_err(BridgeError::from)?)
+        })();
+        lock().1 = true;
+        gate.1.notify_all();
+        drop(rx);
+        result
+    })
 }
