@@ -48,23 +48,39 @@ pub fn read_archive_from(
     source: &dyn Source,
     name: &str,
 ) -> Result<TorchArchive, ArchiveFileError> {
-    if let Some(archive) = read_lazily(source, name)? {
+    if let Some(archive) = read_lazily(source, name, Limits::DEFAULT)? {
         return Ok(archive);
     }
     let bytes = source.read_all(name)?;
     Ok(super::read_archive(&bytes)?)
 }
 
+/// How much [`read_lazily`] fetches at first and how far apart ranges may be to share a request
+/// (tests make both tiny, to take every path on small fixtures).
+#[derive(Debug, Clone, Copy)]
+struct Limits {
+    tail: u64,
+    coalesce_gap: u64,
+}
+
+impl Limits {
+    const DEFAULT: Limits = Limits {
+        tail: TAIL_BYTES,
+        coalesce_gap: COALESCE_GAP,
+    };
+}
+
 /// `Ok(None)`: not parsed from ranges (fall back to the whole file).
 fn read_lazily(
     source: &dyn Source,
     name: &str,
+    limits: Limits,
 ) -> Result<Option<TorchArchive>, ArchiveFileError> {
     let size = source.size(name)?;
-    let store = RefCell::new(Store::new(size));
+    let store = RefCell::new(Store::new(size, limits.coalesce_gap));
     store
         .borrow_mut()
-        .fetch(source, name, vec![(size.saturating_sub(TAIL_BYTES), size)])?;
+        .fetch(source, name, vec![(size.saturating_sub(limits.tail), size)])?;
 
     // The end records and the central directory. The directory runs up to the end records: a
     // miss fetches everything from it to the bytes already held, in one request.
@@ -156,14 +172,16 @@ fn read_lazily(
 /// that asked for bytes not held.
 struct Store {
     size: u64,
+    coalesce_gap: u64,
     segments: BTreeMap<u64, Vec<u8>>,
     miss: Option<(u64, u64)>,
 }
 
 impl Store {
-    fn new(size: u64) -> Self {
+    fn new(size: u64, coalesce_gap: u64) -> Self {
         Store {
             size,
+            coalesce_gap,
             segments: BTreeMap::new(),
             miss: None,
         }
@@ -195,7 +213,7 @@ impl Store {
     }
 
     /// Fetches the bytes of `ranges` (`start..end`, clamped to the file) not held yet: ranges
-    /// less than [`COALESCE_GAP`] apart in one request, each request from its first byte not held
+    /// at most `coalesce_gap` apart in one request, each request from its first byte not held
     /// to its last (bytes held in between are fetched again rather than split the request).
     fn fetch(
         &mut self,
@@ -211,7 +229,7 @@ impl Store {
         let mut merged: Vec<(u64, u64)> = Vec::new();
         for (start, end) in ranges {
             match merged.last_mut() {
-                Some(last) if start <= last.1.saturating_add(COALESCE_GAP) => {
+                Some(last) if start <= last.1.saturating_add(self.coalesce_gap) => {
                     last.1 = last.1.max(end);
                 }
                 _ => merged.push((start, end)),
@@ -332,3 +350,6 @@ impl Seek for Sparse<'_> {
         Ok(pos)
     }
 }
+
+#[cfg(test)]
+mod tests;
