@@ -775,3 +775,107 @@ fn s3_prefixes_and_objects_read_like_local_files() {
         assert!(err.contains(named) && err.contains("not found"), "{err}");
     }
 }
+
+// ----- torch.save files by range ---------------------------------------------------------------
+
+/// Writes `path` with real torch: 4 x 8 MiB float32 tensors, a bfloat16 and a float16 tensor, a
+/// small bias and a non-tensor value (~33 MiB in all, a few KiB of metadata). Returns the sizes of
+/// `data.pkl` and of the zip tail from the central directory on (as Python's zipfile sees them),
+/// or None without torch.
+fn write_big_torch_save(path: &Path) -> Option<(u64, u64)> {
+    let Some(python) = shardscope_tests::torch_python() else {
+        skip("the test venv (SHARDSCOPE_PYTHON)");
+        return None;
+    };
+    let script = r#"
+import os, sys, zipfile, torch
+torch.manual_seed(0)
+sd = {f"layers.{i}.weight": torch.randn(1024, 2048) for i in range(4)}
+sd["emb.weight"] = torch.randn(256, 64).to(torch.bfloat16)
+sd["head.weight"] = torch.randn(64, 32).to(torch.float16)
+sd["head.bias"] = torch.randn(32)
+sd["step"] = 7
+torch.save(sd, sys.argv[1])
+with zipfile.ZipFile(sys.argv[1]) as z:
+    pkl = [i for i in z.infolist() if i.filename.endswith("/data.pkl")][0]
+    print(pkl.file_size, os.path.getsize(sys.argv[1]) - z.start_dir)
+"#;
+    let out = Command::new(&python)
+        .args(["-c", script])
+        .arg(path)
+        .output()
+        .unwrap();
+    assert_ok(&out, "torch.save");
+    let line = text(&out.stdout);
+    let mut f = line.split_whitespace().map(|s| s.parse::<u64>().unwrap());
+    Some((f.next().unwrap(), f.next().unwrap()))
+}
+
+/// `inspect URL` of a 33 MiB `torch.save` file fetches its end records, central directory, local
+/// headers and data.pkl only (at most 256 KiB more than data.pkl and the directory), and prints
+/// what a local `inspect` prints; `inspect --values` and `convert` to safetensors equal the local
+/// runs byte for byte.
+#[test]
+fn inspect_of_a_torch_save_url_reads_only_its_metadata() {
+    let Some(nginx) = Nginx::start() else { return };
+    let local = nginx.www().join("model.pt");
+    let Some((pkl_bytes, tail_bytes)) = write_big_torch_save(&local) else {
+        return;
+    };
+    let size = std::fs::metadata(&local).unwrap().len();
+    assert!(size >= 32 << 20, "{size}");
+    let url = nginx.url("model.pt");
+    let local_str = local.to_str().unwrap();
+    nginx.take_log();
+    for extra in [&[][..], &["--json"][..]] {
+        let mut args = vec!["inspect", url.as_str()];
+        args.extend_from_slice(extra);
+        let remote = shardscope(&args);
+        assert_ok(&remote, "inspect URL");
+        let log = nginx.take_log();
+        let mut args = vec!["inspect", local_str];
+        args.extend_from_slice(extra);
+        let expected = shardscope(&args);
+        assert_ok(&expected, "inspect local");
+        assert_eq!(text(&remote.stdout), text(&expected.stdout));
+        assert!(text(&remote.stdout).contains("layers.3.weight"));
+        let sent: u64 = log.iter().map(|r| r.3).sum();
+        eprintln!(
+            "inspect {extra:?}: {sent} bytes in {} requests (data.pkl {pkl_bytes}, directory and end records {tail_bytes}, file {size})",
+            log.len()
+        );
+        assert!(
+            sent <= pkl_bytes + tail_bytes + (256 << 10),
+            "inspect transferred {sent} bytes of {size} (data.pkl {pkl_bytes}, tail {tail_bytes}): {log:?}"
+        );
+        assert!(log.iter().all(|r| r.2 == 200 || r.2 == 206), "{log:?}");
+    }
+
+    // Values: every tensor byte is read, each once (not the whole file twice).
+    let remote = shardscope(&["inspect", &url, "--values"]);
+    assert_ok(&remote, "inspect --values URL");
+    let log = nginx.take_log();
+    let expected = shardscope(&["inspect", local_str, "--values"]);
+    assert_ok(&expected, "inspect --values local");
+    assert_eq!(text(&remote.stdout), text(&expected.stdout));
+    let sent: u64 = log.iter().map(|r| r.3).sum();
+    assert!(sent <= size + size / 10, "{sent} bytes for {size}: {log:?}");
+
+    let tmp = tempfile::tempdir().unwrap();
+    let (r, l) = (tmp.path().join("r"), tmp.path().join("l"));
+    std::fs::create_dir_all(&r).unwrap();
+    std::fs::create_dir_all(&l).unwrap();
+    let (rout, lout) = (r.join("x.safetensors"), l.join("x.safetensors"));
+    assert_ok(
+        &shardscope(&["convert", &url, "-o", rout.to_str().unwrap(), "-q"]),
+        "convert URL",
+    );
+    let log = nginx.take_log();
+    assert_ok(
+        &shardscope(&["convert", local_str, "-o", lout.to_str().unwrap(), "-q"]),
+        "convert local",
+    );
+    assert_same_tree(&rout, &lout);
+    let sent: u64 = log.iter().map(|r| r.3).sum();
+    assert!(sent <= size + size / 10, "{sent} bytes for {size}: {log:?}");
+}

@@ -95,7 +95,9 @@ fn read_lazily(
             }
             (_, Some((offset, _))) => {
                 let end = store.borrow().next_held(offset).unwrap_or(size);
-                store.borrow_mut().fetch(source, name, vec![(offset, end)])?;
+                store
+                    .borrow_mut()
+                    .fetch(source, name, vec![(offset, end)])?;
             }
             (Err(_), None) => return Ok(None),
         }
@@ -134,7 +136,9 @@ fn read_lazily(
             }
             (_, Some((offset, len))) => {
                 let end = offset.saturating_add(len.max(LOCAL_HEADER_BYTES));
-                store.borrow_mut().fetch(source, name, vec![(offset, end)])?;
+                store
+                    .borrow_mut()
+                    .fetch(source, name, vec![(offset, end)])?;
             }
             (Err(_), None) => return Ok(None),
         }
@@ -274,7 +278,11 @@ impl Store {
         let lo = touching.first().map_or(start, |&s| s.min(start));
         let hi = touching
             .iter()
-            .filter_map(|s| self.segments.get(s).map(|b| s.saturating_add(b.len() as u64)))
+            .filter_map(|s| {
+                self.segments
+                    .get(s)
+                    .map(|b| s.saturating_add(b.len() as u64))
+            })
             .fold(end, u64::max);
         let Ok(total) = usize::try_from(hi - lo) else {
             return; // cannot be held in memory: later reads miss, and the lazy path gives up
@@ -343,9 +351,8 @@ impl Seek for Sparse<'_> {
             SeekFrom::End(d) => size.checked_add_signed(d),
             SeekFrom::Current(d) => self.pos.checked_add_signed(d),
         };
-        let pos = pos.ok_or_else(|| {
-            io::Error::new(io::ErrorKind::InvalidInput, "seek before the start")
-        })?;
+        let pos = pos
+            .ok_or_else(|| io::Error::new(io::ErrorKind::InvalidInput, "seek before the start"))?;
         self.pos = pos;
         Ok(pos)
     }

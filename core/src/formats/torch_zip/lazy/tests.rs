@@ -62,7 +62,10 @@ impl<S: Source> Source for Counting<S> {
         self.inner.size(name)
     }
     fn read_range(&self, name: &str, offset: u64, len: u64) -> Result<Cow<'_, [u8]>, SourceError> {
-        if self.fail_from.is_some_and(|f| offset.saturating_add(len) > f) {
+        if self
+            .fail_from
+            .is_some_and(|f| offset.saturating_add(len) > f)
+        {
             return Err(SourceError::Io {
                 name: name.to_owned(),
                 message: "connection reset".into(),
@@ -97,7 +100,14 @@ fn lazy_archive_equals_read_archive_for_every_fixture() {
     for path in fixtures() {
         let bytes = std::fs::read(&path).unwrap();
         let whole = read_archive(&bytes);
-        for limits in [Limits::DEFAULT, TINY, Limits { tail: 100, coalesce_gap: 64 }] {
+        for limits in [
+            Limits::DEFAULT,
+            TINY,
+            Limits {
+                tail: 100,
+                coalesce_gap: 64,
+            },
+        ] {
             let source = Counting::new(MemorySource::new().with("f.pt", bytes.clone()));
             let got = match read_lazily(&source, "f.pt", limits) {
                 Ok(Some(a)) => Ok(a),
