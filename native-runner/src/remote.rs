@@ -179,16 +179,22 @@ pub fn describe_error(scheme: Scheme, err: &object_store::Error) -> String {
         object_store::Error::PermissionDenied { .. }
         | object_store::Error::Unauthenticated { .. } => {
             format!(
-                "access denied ({}): check credentials (AWS_ACCESS_KEY_ID/AWS_SECRET_ACCESS_KEY/AWS_SESSION_TOKEN \
-                 for s3://, GOOGLE_SERVICE_ACCOUNT or GOOGLE_APPLICATION_CREDENTIALS for gs://, \
-                 AZURE_STORAGE_ACCOUNT_NAME/AZURE_STORAGE_ACCOUNT_KEY for az://)",
-                error_chain(err)
+                "access denied ({}): check credentials ({})",
+                error_chain(err),
+                credential_hint(scheme)
             )
         }
         other => {
             let chain = error_chain(other);
             let lower = chain.to_ascii_lowercase();
-            if lower.contains("body error") || lower.contains("before message length") {
+            if lower.contains("nosuchbucket") {
+                format!("not found: the bucket does not exist ({chain})")
+            } else if scheme != Scheme::Http && is_credential_error(&lower) {
+                format!(
+                    "no credentials ({chain}): check credentials ({})",
+                    credential_hint(scheme)
+                )
+            } else if lower.contains("body error") || lower.contains("before message length") {
                 format!(
                     "short body: the connection closed before the whole range arrived ({chain})"
                 )
@@ -201,6 +207,35 @@ pub fn describe_error(scheme: Scheme, err: &object_store::Error) -> String {
             }
         }
     }
+}
+
+/// Where credentials for `scheme` come from.
+fn credential_hint(scheme: Scheme) -> &'static str {
+    match scheme {
+        Scheme::S3 => {
+            "AWS_ACCESS_KEY_ID/AWS_SECRET_ACCESS_KEY/AWS_SESSION_TOKEN for s3://, or \
+             AWS_SKIP_SIGNATURE=true for a public bucket"
+        }
+        Scheme::Gcs => "GOOGLE_SERVICE_ACCOUNT or GOOGLE_APPLICATION_CREDENTIALS for gs://",
+        Scheme::Azure => "AZURE_STORAGE_ACCOUNT_NAME/AZURE_STORAGE_ACCOUNT_KEY for az://",
+        Scheme::Http => "HTTP(S) URLs are read without credentials",
+    }
+}
+
+/// An error (lowercased chain) from fetching credentials rather than the object: with none in
+/// the environment, object stores ask the cloud's instance metadata endpoint, which off the cloud
+/// refuses or does not answer.
+fn is_credential_error(lower: &str) -> bool {
+    [
+        "169.254.169.254",
+        "/latest/api/token",
+        "/latest/meta-data",
+        "metadata.google.internal",
+        "/metadata/identity/oauth2",
+        "credential",
+    ]
+    .iter()
+    .any(|m| lower.contains(m))
 }
 
 fn error_chain(err: &dyn std::error::Error) -> String {
@@ -1003,6 +1038,24 @@ mod tests {
             source: "connection reset".into(),
         };
         assert!(describe_error(Scheme::S3, &other).contains("connection reset"));
+        // No credentials anywhere: the instance metadata endpoint refused.
+        let imds = object_store::Error::Generic {
+            store: "S3",
+            source: "Error performing PUT http://169.254.169.254/latest/api/token in 2ms - \
+                     Server returned non-2xx status code: 403 Forbidden"
+                .into(),
+        };
+        let text = describe_error(Scheme::S3, &imds);
+        assert!(
+            text.starts_with("no credentials") && text.contains("AWS_ACCESS_KEY_ID"),
+            "{text}"
+        );
+        let bucket = object_store::Error::Generic {
+            store: "S3",
+            source: "404 Not Found: <Error><Code>NoSuchBucket</Code></Error>".into(),
+        };
+        let text = describe_error(Scheme::S3, &bucket);
+        assert!(text.contains("bucket does not exist"), "{text}");
         let cut = object_store::Error::Generic {
             store: "HTTP",
             source:

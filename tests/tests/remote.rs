@@ -879,3 +879,79 @@ fn inspect_of_a_torch_save_url_reads_only_its_metadata() {
     let sent: u64 = log.iter().map(|r| r.3).sum();
     assert!(sent <= size + size / 10, "{sent} bytes for {size}: {log:?}");
 }
+
+/// A folder of per-rank `torch.save` files by `s3://` prefix reads like the local folder; each
+/// file is read by range (its metadata), not whole.
+#[test]
+fn s3_folder_of_rank_files_reads_like_the_local_folder() {
+    let Some(moto) = Moto::start() else { return };
+    let ranks = fixtures_dir().join("fsdp2_optim/ws3");
+    moto.upload("ckpts", "ranks", &ranks);
+    for extra in [&[][..], &["--json"][..], &["--values"][..]] {
+        let mut args = vec!["inspect", "s3://ckpts/ranks/"];
+        args.extend_from_slice(extra);
+        let out = moto.shardscope(&args);
+        assert_ok(&out, "inspect s3:// folder of rank files");
+        let mut args = vec!["inspect", ranks.to_str().unwrap()];
+        args.extend_from_slice(extra);
+        let local = shardscope(&args);
+        assert_ok(&local, "inspect local rank files");
+        assert_eq!(text(&out.stdout), text(&local.stdout), "{extra:?}");
+        assert!(text(&out.stdout).contains("model.embed.weight"));
+    }
+}
+
+/// `s3://` without credentials (none in the environment, the instance metadata endpoint
+/// unreachable): exit 2 soon, naming the URL and saying to check credentials. A bucket that does
+/// not exist: exit 2, "the bucket does not exist", with the URL.
+#[test]
+fn s3_without_credentials_or_bucket_fails_clearly_and_soon() {
+    let Some(moto) = Moto::start() else { return };
+    moto.upload("ckpts", "plain", &fixtures_dir().join("formats/plain"));
+    let url = "s3://ckpts/plain/state_dict.pt";
+    let mut cmd = Command::new(shardscope_bin());
+    cmd.args(["inspect", url]);
+    s3_env(&mut cmd, moto.port)
+        .env_remove("AWS_ACCESS_KEY_ID")
+        .env_remove("AWS_SECRET_ACCESS_KEY")
+        .env_remove("AWS_SKIP_SIGNATURE")
+        .env_remove("AWS_WEB_IDENTITY_TOKEN_FILE")
+        .env_remove("AWS_CONTAINER_CREDENTIALS_RELATIVE_URI")
+        .env_remove("AWS_CONTAINER_CREDENTIALS_FULL_URI")
+        // Nothing listens there: off the cloud, the metadata endpoint does not answer either.
+        .env(
+            "AWS_METADATA_ENDPOINT",
+            format!("http://127.0.0.1:{}", free_port()),
+        );
+    let started = Instant::now();
+    let out = cmd.output().unwrap();
+    let err = text(&out.stderr);
+    assert_eq!(out.status.code(), Some(2), "{err}");
+    assert!(
+        err.contains(url) && err.contains("check credentials") && err.contains("AWS_ACCESS_KEY_ID"),
+        "{err}"
+    );
+    assert!(
+        started.elapsed() < Duration::from_secs(60),
+        "took {:?}",
+        started.elapsed()
+    );
+    // With credentials the same URL reads.
+    assert_ok(
+        &moto.shardscope(&["inspect", url]),
+        "inspect with credentials",
+    );
+
+    for url in ["s3://no-such-bucket/x/", "s3://no-such-bucket/x.pt"] {
+        let out = moto.shardscope(&["inspect", url]);
+        let err = text(&out.stderr);
+        assert_eq!(out.status.code(), Some(2), "{err}");
+        assert!(err.contains(url) && err.contains("not found"), "{err}");
+    }
+    let out = moto.shardscope(&["inspect", "s3://no-such-bucket/x/"]);
+    assert!(
+        text(&out.stderr).contains("bucket does not exist"),
+        "{}",
+        text(&out.stderr)
+    );
+}
