@@ -275,6 +275,10 @@ impl Store {
             touching.push(s);
         }
         touching.extend(self.segments.range(start..=end).map(|(&s, _)| s));
+        if touching.is_empty() {
+            self.segments.insert(start, bytes);
+            return;
+        }
         let lo = touching.first().map_or(start, |&s| s.min(start));
         let hi = touching
             .iter()

@@ -186,7 +186,7 @@ fn truncated_and_corrupted_tails_give_the_whole_file_answer() {
         for _ in 0..300 {
             let mut b = bytes.clone();
             let window = n.min(2048);
-            for _ in 0..1 + next() % 4 {
+            for _ in 0..=(next() % 4) {
                 let at = n - 1 - (next() as usize % window);
                 b[at] = match next() % 3 {
                     0 => b[at] ^ (1 << (next() % 8)),
