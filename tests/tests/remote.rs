@@ -841,7 +841,7 @@ fn inspect_of_a_torch_save_url_reads_only_its_metadata() {
         assert!(text(&remote.stdout).contains("layers.3.weight"));
         let sent: u64 = log.iter().map(|r| r.3).sum();
         eprintln!(
-            "inspect {extra:?}: {sent} bytes in {} requests (data.pkl {pkl_bytes}, directory and end records {tail_bytes}, file {size})",
+            "inspect {extra:?}: {sent} bytes in {} requests (data.pkl {pkl_bytes}, directory and end records {tail_bytes}, file {size}): {log:?}",
             log.len()
         );
         assert!(
@@ -850,6 +850,22 @@ fn inspect_of_a_torch_save_url_reads_only_its_metadata() {
         );
         assert!(log.iter().all(|r| r.2 == 200 || r.2 == 206), "{log:?}");
     }
+
+    // `doctor` opens the archive twice (index, then the pickle's globals): twice the metadata.
+    let remote = shardscope(&["doctor", &url]);
+    let log = nginx.take_log();
+    let expected = shardscope(&["doctor", local_str]);
+    assert_eq!(remote.status.code(), expected.status.code());
+    assert_eq!(
+        text(&remote.stdout).replace(&url, "X"),
+        text(&expected.stdout).replace(local_str, "X")
+    );
+    let sent: u64 = log.iter().map(|r| r.3).sum();
+    eprintln!("doctor: {sent} bytes in {} requests", log.len());
+    assert!(
+        sent <= 2 * (pkl_bytes + tail_bytes + (256 << 10)),
+        "doctor transferred {sent} bytes of {size}: {log:?}"
+    );
 
     // Values: every tensor byte is read, each once (not the whole file twice).
     let remote = shardscope(&["inspect", &url, "--values"]);

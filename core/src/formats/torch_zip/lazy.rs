@@ -11,7 +11,11 @@ use std::cell::RefCell;
 use std::collections::BTreeMap;
 use std::io::{self, Read, Seek, SeekFrom};
 
-use super::{Layout, TorchArchive, TorchZipError, archive_members, build_archive, looks_like_zip};
+use super::{
+    Layout, Members, TorchArchive, TorchZipError, archive_members, build_archive, looks_like_zip,
+    pickle_member, stored,
+};
+use crate::formats::pickle;
 use crate::source::{Source, SourceError};
 
 /// What went wrong opening a torch archive from a [`Source`].
@@ -76,6 +80,64 @@ fn read_lazily(
     name: &str,
     limits: Limits,
 ) -> Result<Option<TorchArchive>, ArchiveFileError> {
+    let Some((members, mut store)) = open_lazily(source, name, limits)? else {
+        return Ok(None);
+    };
+    // From here on the directory is the whole file's: its errors are final.
+    let layout = Layout::of(&members)?;
+    let ranges = [Some(layout.pkl), layout.byteorder]
+        .into_iter()
+        .flatten()
+        .map(|r| (r.offset, r.offset.saturating_add(r.len)))
+        .collect();
+    store.fetch(source, name, ranges)?;
+    let Some(pkl) = store.get(layout.pkl.offset, layout.pkl.len) else {
+        return Ok(None);
+    };
+    let order = match layout.byteorder {
+        Some(r) => match store.get(r.offset, r.len) {
+            Some(b) => Some(b),
+            None => return Ok(None),
+        },
+        None => None,
+    };
+    Ok(Some(build_archive(&members, &layout, pkl, order)?))
+}
+
+/// The globals `data.pkl` of the archive `name` names ([`pickle_globals`]), reading its zip
+/// directory and `data.pkl` by range; the whole file when they do not parse alone.
+///
+/// [`pickle_globals`]: super::pickle_globals
+pub fn pickle_globals_from(
+    source: &dyn Source,
+    name: &str,
+) -> Result<Vec<pickle::Global>, ArchiveFileError> {
+    if let Some((members, mut store)) = open_lazily(source, name, Limits::DEFAULT)? {
+        let (member, (range, method)) = pickle_member(&members).ok_or(TorchZipError::NoPickle)?;
+        stored(&member, method)?;
+        store.fetch(
+            source,
+            name,
+            vec![(range.offset, range.offset.saturating_add(range.len))],
+        )?;
+        if let Some(pkl) = store.get(range.offset, range.len) {
+            return pickle::globals(pkl)
+                .map_err(|source| ArchiveFileError::Archive(TorchZipError::Pickle { source }));
+        }
+    }
+    let bytes = source.read_all(name)?;
+    Ok(super::pickle_globals(&bytes)?)
+}
+
+/// The zip directory of `name` (as [`archive_members`] lists it for the whole file) and the
+/// bytes fetched to read it (its end records, directory, every member's local header, and
+/// `data.pkl` and `byteorder` where their headers' slack covers them). `Ok(None)`: the ranges do
+/// not parse alone.
+fn open_lazily(
+    source: &dyn Source,
+    name: &str,
+    limits: Limits,
+) -> Result<Option<(Members, Store)>, SourceError> {
     let size = source.size(name)?;
     let store = RefCell::new(Store::new(size, limits.coalesce_gap));
     store
@@ -146,30 +208,13 @@ fn read_lazily(
     let Some(members) = members else {
         return Ok(None);
     };
+    drop(archive);
+    let store = store.into_inner();
     // The whole-file reader looks at the first bytes before anything else.
-    if !store.borrow().get(0, 4).is_some_and(looks_like_zip) {
+    if !store.get(0, 4).is_some_and(looks_like_zip) {
         return Ok(None);
     }
-    // From here on the directory is the whole file's: its errors are final.
-    let layout = Layout::of(&members)?;
-    let ranges = [Some(layout.pkl), layout.byteorder]
-        .into_iter()
-        .flatten()
-        .map(|r| (r.offset, r.offset.saturating_add(r.len)))
-        .collect();
-    store.borrow_mut().fetch(source, name, ranges)?;
-    let store = store.borrow();
-    let Some(pkl) = store.get(layout.pkl.offset, layout.pkl.len) else {
-        return Ok(None);
-    };
-    let order = match layout.byteorder {
-        Some(r) => match store.get(r.offset, r.len) {
-            Some(b) => Some(b),
-            None => return Ok(None),
-        },
-        None => None,
-    };
-    Ok(Some(build_archive(&members, &layout, pkl, order)?))
+    Ok(Some((members, store)))
 }
 
 /// The byte ranges of one file fetched so far (merged where they touch), and the first read

@@ -257,3 +257,32 @@ fn the_store_merges_what_it_holds() {
     assert_eq!(r.seek(SeekFrom::End(0)).unwrap(), 100);
     assert_eq!(r.read(&mut buf).unwrap(), 0);
 }
+
+/// The globals scan by range equals the whole-file scan, for every fixture, and reads no storage
+/// past its first KiB.
+#[test]
+fn pickle_globals_from_equals_pickle_globals() {
+    for path in fixtures() {
+        let bytes = std::fs::read(&path).unwrap();
+        let whole = crate::formats::torch_zip::pickle_globals(&bytes);
+        let source = Counting::new(MemorySource::new().with("f.pt", bytes.clone()));
+        let got = pickle_globals_from(&source, "f.pt").map_err(|e| match e {
+            ArchiveFileError::Archive(e) => e,
+            ArchiveFileError::Source(e) => panic!("{e}"),
+        });
+        assert_eq!(got, whole, "{}", path.display());
+        if bytes.len() as u64 > TAIL_BYTES
+            && let Ok(a) = read_archive(&bytes)
+        {
+            let read = source.reads.borrow().clone();
+            for r in a.storages.values().filter(|r| r.len > 1024) {
+                let (from, to) = (r.offset + 1024, r.offset + r.len);
+                assert!(
+                    read.iter().all(|&(o, l)| o + l <= from || o >= to),
+                    "{}: {read:?}",
+                    path.display()
+                );
+            }
+        }
+    }
+}
