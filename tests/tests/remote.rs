@@ -783,6 +783,11 @@ fn s3_prefixes_and_objects_read_like_local_files() {
 /// `data.pkl` and of the zip tail from the central directory on (as Python's zipfile sees them),
 /// or None without torch.
 fn write_big_torch_save(path: &Path) -> Option<(u64, u64)> {
+    write_torch_save(path, 4, 1024, 2048)
+}
+
+/// [`write_big_torch_save`] with `layers` float32 tensors of `rows x cols`.
+fn write_torch_save(path: &Path, layers: u32, rows: u32, cols: u32) -> Option<(u64, u64)> {
     let Some(python) = shardscope_tests::torch_python() else {
         skip("the test venv (SHARDSCOPE_PYTHON)");
         return None;
@@ -790,7 +795,8 @@ fn write_big_torch_save(path: &Path) -> Option<(u64, u64)> {
     let script = r#"
 import os, sys, zipfile, torch
 torch.manual_seed(0)
-sd = {f"layers.{i}.weight": torch.randn(1024, 2048) for i in range(4)}
+n, rows, cols = (int(a) for a in sys.argv[2:5])
+sd = {f"layers.{i}.weight": torch.randn(rows, cols) for i in range(n)}
 sd["emb.weight"] = torch.randn(256, 64).to(torch.bfloat16)
 sd["head.weight"] = torch.randn(64, 32).to(torch.float16)
 sd["head.bias"] = torch.randn(32)
@@ -803,6 +809,7 @@ with zipfile.ZipFile(sys.argv[1]) as z:
     let out = Command::new(&python)
         .args(["-c", script])
         .arg(path)
+        .args([layers, rows, cols].map(|v| v.to_string()))
         .output()
         .unwrap();
     assert_ok(&out, "torch.save");
@@ -970,4 +977,35 @@ fn s3_without_credentials_or_bucket_fails_clearly_and_soon() {
         "{}",
         text(&out.stderr)
     );
+}
+
+/// 120 storages of 256 KiB each (too far apart to share a request): `inspect URL` still fetches
+/// only the metadata and one local header per storage (fetched concurrently), and equals the
+/// local run.
+#[test]
+fn inspect_of_a_torch_save_url_with_many_storages() {
+    let Some(nginx) = Nginx::start() else { return };
+    let local = nginx.www().join("many.pt");
+    let Some((pkl_bytes, tail_bytes)) = write_torch_save(&local, 120, 64, 1024) else {
+        return;
+    };
+    let size = std::fs::metadata(&local).unwrap().len();
+    let url = nginx.url("many.pt");
+    nginx.take_log();
+    let remote = shardscope(&["inspect", &url]);
+    assert_ok(&remote, "inspect URL");
+    let log = nginx.take_log();
+    let expected = shardscope(&["inspect", local.to_str().unwrap()]);
+    assert_eq!(text(&remote.stdout), text(&expected.stdout));
+    assert!(text(&remote.stdout).contains("layers.119.weight"));
+    let sent: u64 = log.iter().map(|r| r.3).sum();
+    eprintln!(
+        "inspect: {sent} bytes in {} requests (data.pkl {pkl_bytes}, directory {tail_bytes}, file {size})",
+        log.len()
+    );
+    assert!(
+        sent <= pkl_bytes + tail_bytes + (256 << 10),
+        "{sent} bytes of {size}: {log:?}"
+    );
+    assert!(log.len() <= 120 + 8, "{} requests", log.len());
 }

@@ -263,7 +263,8 @@ impl Store {
 
     /// Fetches the bytes of `ranges` (`start..end`, clamped to the file) not held yet: ranges
     /// at most `coalesce_gap` apart in one request, each request from its first byte not held
-    /// to its last (bytes held in between are fetched again rather than split the request).
+    /// to its last (bytes held in between are fetched again rather than split the request), all
+    /// requests in one [`Source::read_ranges`].
     fn fetch(
         &mut self,
         source: &dyn Source,
@@ -284,6 +285,7 @@ impl Store {
                 _ => merged.push((start, end)),
             }
         }
+        let mut requests = Vec::with_capacity(merged.len());
         for (mut start, mut end) in merged {
             while start < end && self.held(start) {
                 start = self.segment_end(start);
@@ -291,11 +293,14 @@ impl Store {
             while start < end && self.held(end - 1) {
                 end = self.segment_start(end - 1);
             }
-            if start >= end {
-                continue;
+            if start < end {
+                requests.push((start, end - start));
             }
-            let bytes = source.read_range(name, start, end - start)?.into_owned();
-            self.insert(start, bytes);
+        }
+        // All at once: a remote source fetches them concurrently.
+        let fetched = source.read_ranges(name, &requests)?;
+        for (&(start, _), bytes) in requests.iter().zip(fetched) {
+            self.insert(start, bytes.into_owned());
         }
         Ok(())
     }
