@@ -55,6 +55,20 @@ pub trait Source {
         self.read_range(name, offset, len)
     }
 
+    /// Several ranges `(offset, len)` of one file, in the order asked. A source for which each
+    /// request costs a round trip (the network) may fetch them concurrently; by default one
+    /// [`Source::read_range`] after the other.
+    fn read_ranges(
+        &self,
+        name: &str,
+        ranges: &[(u64, u64)],
+    ) -> Result<Vec<Cow<'_, [u8]>>, SourceError> {
+        ranges
+            .iter()
+            .map(|&(offset, len)| self.read_range(name, offset, len))
+            .collect()
+    }
+
     /// The whole file.
     fn read_all(&self, name: &str) -> Result<Cow<'_, [u8]>, SourceError> {
         let size = self.size(name)?;
@@ -165,6 +179,13 @@ impl<S: Source + ?Sized> Source for &S {
         tail_bytes: u64,
     ) -> Result<Cow<'_, [u8]>, SourceError> {
         (**self).read_ends(name, offset, len, head_bytes, tail_bytes)
+    }
+    fn read_ranges(
+        &self,
+        name: &str,
+        ranges: &[(u64, u64)],
+    ) -> Result<Vec<Cow<'_, [u8]>>, SourceError> {
+        (**self).read_ranges(name, ranges)
     }
 }
 

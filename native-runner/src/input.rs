@@ -84,4 +84,15 @@ impl Source for Input {
             Input::Remote(s) => s.read_ends(name, offset, len, head_bytes, tail_bytes),
         }
     }
+
+    fn read_ranges(
+        &self,
+        name: &str,
+        ranges: &[(u64, u64)],
+    ) -> Result<Vec<Cow<'_, [u8]>>, SourceError> {
+        match self {
+            Input::Local(s) => s.read_ranges(name, ranges),
+            Input::Remote(s) => s.read_ranges(name, ranges),
+        }
+    }
 }

@@ -179,16 +179,22 @@ pub fn describe_error(scheme: Scheme, err: &object_store::Error) -> String {
         object_store::Error::PermissionDenied { .. }
         | object_store::Error::Unauthenticated { .. } => {
             format!(
-                "access denied ({}): check credentials (AWS_ACCESS_KEY_ID/AWS_SECRET_ACCESS_KEY/AWS_SESSION_TOKEN \
-                 for s3://, GOOGLE_SERVICE_ACCOUNT or GOOGLE_APPLICATION_CREDENTIALS for gs://, \
-                 AZURE_STORAGE_ACCOUNT_NAME/AZURE_STORAGE_ACCOUNT_KEY for az://)",
-                error_chain(err)
+                "access denied ({}): check credentials ({})",
+                error_chain(err),
+                credential_hint(scheme)
             )
         }
         other => {
             let chain = error_chain(other);
             let lower = chain.to_ascii_lowercase();
-            if lower.contains("body error") || lower.contains("before message length") {
+            if lower.contains("nosuchbucket") {
+                format!("not found: the bucket does not exist ({chain})")
+            } else if scheme != Scheme::Http && is_credential_error(&lower) {
+                format!(
+                    "no credentials ({chain}): check credentials ({})",
+                    credential_hint(scheme)
+                )
+            } else if lower.contains("body error") || lower.contains("before message length") {
                 format!(
                     "short body: the connection closed before the whole range arrived ({chain})"
                 )
@@ -201,6 +207,35 @@ pub fn describe_error(scheme: Scheme, err: &object_store::Error) -> String {
             }
         }
     }
+}
+
+/// Where credentials for `scheme` come from.
+fn credential_hint(scheme: Scheme) -> &'static str {
+    match scheme {
+        Scheme::S3 => {
+            "AWS_ACCESS_KEY_ID/AWS_SECRET_ACCESS_KEY/AWS_SESSION_TOKEN for s3://, or \
+             AWS_SKIP_SIGNATURE=true for a public bucket"
+        }
+        Scheme::Gcs => "GOOGLE_SERVICE_ACCOUNT or GOOGLE_APPLICATION_CREDENTIALS for gs://",
+        Scheme::Azure => "AZURE_STORAGE_ACCOUNT_NAME/AZURE_STORAGE_ACCOUNT_KEY for az://",
+        Scheme::Http => "HTTP(S) URLs are read without credentials",
+    }
+}
+
+/// An error (lowercased chain) from fetching credentials rather than the object: with none in
+/// the environment, object stores ask the cloud's instance metadata endpoint, which off the cloud
+/// refuses or does not answer.
+fn is_credential_error(lower: &str) -> bool {
+    [
+        "169.254.169.254",
+        "/latest/api/token",
+        "/latest/meta-data",
+        "metadata.google.internal",
+        "/metadata/identity/oauth2",
+        "credential",
+    ]
+    .iter()
+    .any(|m| lower.contains(m))
 }
 
 fn error_chain(err: &dyn std::error::Error) -> String {
@@ -630,7 +665,6 @@ impl RemoteSource {
     /// copied into place as it arrives (memory: `out` plus the parts in flight), every part checked
     /// to be complete.
     fn fetch_into(&self, name: &str, range: Range<u64>, out: &mut [u8]) -> Result<(), SourceError> {
-        let location = self.location(name);
         let want = range.end - range.start;
         if out.len() as u64 != want {
             return Err(SourceError::Io {
@@ -649,6 +683,25 @@ impl RemoteSource {
             bar.set_message(format!("fetching {}", self.url.url_of(name)));
             bar
         });
+        let part_len = usize::try_from(PART_BYTES).unwrap_or(usize::MAX);
+        // Each part streams straight into its own slice of `out` (no intermediate buffer).
+        let jobs = parts.into_iter().zip(out.chunks_mut(part_len)).collect();
+        let result = self.fetch_parts(name, jobs, bar.as_ref());
+        if let Some(bar) = bar {
+            bar.finish_and_clear();
+        }
+        result
+    }
+
+    /// Fetches each `(range, dst)` into its `dst` (as long as its range), at most
+    /// [`PARALLEL_REQUESTS`] in flight, every one checked to be complete.
+    fn fetch_parts(
+        &self,
+        name: &str,
+        jobs: Vec<(Range<u64>, &mut [u8])>,
+        bar: Option<&indicatif::ProgressBar>,
+    ) -> Result<(), SourceError> {
+        let location = self.location(name);
         let short = |part: &Range<u64>, got: usize| SourceError::Io {
             name: self.url.url_of(name),
             message: format!(
@@ -658,46 +711,39 @@ impl RemoteSource {
                 part.end - part.start
             ),
         };
-        let part_len = usize::try_from(PART_BYTES).unwrap_or(usize::MAX);
-        // Each part streams straight into its own slice of `out` (no intermediate buffer).
-        let result: Result<(), SourceError> = self.runtime.block_on(async {
-            let tasks = parts
-                .iter()
-                .cloned()
-                .zip(out.chunks_mut(part_len))
-                .map(|(part, dst)| {
-                    let location = location.clone();
-                    let store = Arc::clone(&self.store);
-                    let bar = bar.clone();
-                    async move {
-                        let options = object_store::GetOptions {
-                            range: Some(part.clone().into()),
-                            ..Default::default()
-                        };
-                        let got = store
-                            .get_opts(&location, options)
-                            .await
-                            .map_err(|e| self.io_error(name, &e))?;
-                        let mut body = got.into_stream();
-                        let mut filled = 0usize;
-                        while let Some(chunk) = body.next().await {
-                            let chunk = chunk.map_err(|e| self.io_error(name, &e))?;
-                            let end = filled
-                                .checked_add(chunk.len())
-                                .filter(|&e| e <= dst.len())
-                                .ok_or_else(|| short(&part, filled.saturating_add(chunk.len())))?;
-                            dst[filled..end].copy_from_slice(&chunk);
-                            filled = end;
-                            if let Some(bar) = &bar {
-                                bar.inc(chunk.len() as u64);
-                            }
+        self.runtime.block_on(async {
+            let tasks = jobs.into_iter().map(|(part, dst)| {
+                let location = location.clone();
+                let store = Arc::clone(&self.store);
+                async move {
+                    let options = object_store::GetOptions {
+                        range: Some(part.clone().into()),
+                        ..Default::default()
+                    };
+                    let got = store
+                        .get_opts(&location, options)
+                        .await
+                        .map_err(|e| self.io_error(name, &e))?;
+                    let mut body = got.into_stream();
+                    let mut filled = 0usize;
+                    while let Some(chunk) = body.next().await {
+                        let chunk = chunk.map_err(|e| self.io_error(name, &e))?;
+                        let end = filled
+                            .checked_add(chunk.len())
+                            .filter(|&e| e <= dst.len())
+                            .ok_or_else(|| short(&part, filled.saturating_add(chunk.len())))?;
+                        dst[filled..end].copy_from_slice(&chunk);
+                        filled = end;
+                        if let Some(bar) = bar {
+                            bar.inc(chunk.len() as u64);
                         }
-                        if filled != dst.len() {
-                            return Err(short(&part, filled));
-                        }
-                        Ok(filled as u64)
                     }
-                });
+                    if filled != dst.len() {
+                        return Err(short(&part, filled));
+                    }
+                    Ok(filled as u64)
+                }
+            });
             let mut pieces = futures::stream::iter(tasks).buffer_unordered(PARALLEL_REQUESTS);
             while let Some(got) = pieces.next().await {
                 let got = got?;
@@ -705,11 +751,7 @@ impl RemoteSource {
                 self.fetched.fetch_add(got, Ordering::Relaxed);
             }
             Ok(())
-        });
-        if let Some(bar) = bar {
-            bar.finish_and_clear();
-        }
-        result
+        })
     }
 
     /// Reads `offset..offset + out.len()` of `name` into `out`: small reads through the
@@ -819,6 +861,44 @@ impl Source for RemoteSource {
         let mut out = vec![0u8; end - start];
         self.read_into(name, offset, &mut out)?;
         Ok(Cow::Owned(out))
+    }
+
+    /// Several ranges of one file at once: each fetched exactly (no read-ahead block), up to
+    /// [`PARALLEL_REQUESTS`] in flight, so a reader that needs many small pieces spread over a
+    /// file (a `torch.save` file's local headers) waits for about one round trip per
+    /// [`PARALLEL_REQUESTS`] pieces.
+    fn read_ranges(
+        &self,
+        name: &str,
+        ranges: &[(u64, u64)],
+    ) -> Result<Vec<Cow<'_, [u8]>>, SourceError> {
+        let size = self.size(name)?;
+        let mut bounds = Vec::with_capacity(ranges.len());
+        for &(offset, len) in ranges {
+            bounds.push(checked_range(name, offset, len, size)?);
+        }
+        if let Some(bytes) = &self.file(name)?.bytes {
+            return Ok(bounds
+                .into_iter()
+                .map(|(s, e)| Cow::Borrowed(&bytes[s..e]))
+                .collect());
+        }
+        // One range, or large ones: their own (parallel-part) reads.
+        if ranges.len() < 2 || ranges.iter().any(|r| r.1 >= PART_BYTES) {
+            return ranges
+                .iter()
+                .map(|&(offset, len)| self.read_range(name, offset, len))
+                .collect();
+        }
+        let mut outs: Vec<Vec<u8>> = bounds.iter().map(|(s, e)| vec![0u8; e - s]).collect();
+        let jobs = ranges
+            .iter()
+            .zip(outs.iter_mut())
+            .filter(|((_, len), _)| *len > 0)
+            .map(|(&(offset, len), out)| (offset..offset + len, out.as_mut_slice()))
+            .collect();
+        self.fetch_parts(name, jobs, None)?;
+        Ok(outs.into_iter().map(Cow::Owned).collect())
     }
 
     /// Both ends only, the middle left zero: a zeroed allocation whose untouched pages the OS
@@ -1003,6 +1083,24 @@ mod tests {
             source: "connection reset".into(),
         };
         assert!(describe_error(Scheme::S3, &other).contains("connection reset"));
+        // No credentials anywhere: the instance metadata endpoint refused.
+        let imds = object_store::Error::Generic {
+            store: "S3",
+            source: "Error performing PUT http://169.254.169.254/latest/api/token in 2ms - \
+                     Server returned non-2xx status code: 403 Forbidden"
+                .into(),
+        };
+        let text = describe_error(Scheme::S3, &imds);
+        assert!(
+            text.starts_with("no credentials") && text.contains("AWS_ACCESS_KEY_ID"),
+            "{text}"
+        );
+        let bucket = object_store::Error::Generic {
+            store: "S3",
+            source: "404 Not Found: <Error><Code>NoSuchBucket</Code></Error>".into(),
+        };
+        let text = describe_error(Scheme::S3, &bucket);
+        assert!(text.contains("bucket does not exist"), "{text}");
         let cut = object_store::Error::Generic {
             store: "HTTP",
             source:
@@ -1101,6 +1199,19 @@ mod tests {
         assert_eq!(&ends[tail_at..], &data[5 + tail_at..5 + tail_at + 50]);
         assert!(ends[100..tail_at].iter().all(|&b| b == 0));
         assert!(source.fetched().0 - before <= 2 * READAHEAD_BYTES);
+        // Many small ranges at once: one exact request each, in the order asked.
+        let before = source.fetched();
+        let ranges: Vec<(u64, u64)> = (0..20u64).map(|i| (i * 100_003 % 20_000_000, 30)).collect();
+        let got = source.read_ranges("big.bin", &ranges).unwrap();
+        for (&(o, l), g) in ranges.iter().zip(&got) {
+            assert_eq!(&**g, &data[o as usize..(o + l) as usize]);
+        }
+        let after = source.fetched();
+        assert_eq!((after.0 - before.0, after.1 - before.1), (20 * 30, 20));
+        assert!(matches!(
+            source.read_ranges("big.bin", &[(0, 1), (data.len() as u64, 1)]),
+            Err(SourceError::OutOfRange { .. })
+        ));
         // Out of range, unknown names, missing objects: errors naming the URL.
         assert!(matches!(
             source.read_range("big.bin", data.len() as u64, 1),

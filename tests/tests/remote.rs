@@ -775,3 +775,237 @@ fn s3_prefixes_and_objects_read_like_local_files() {
         assert!(err.contains(named) && err.contains("not found"), "{err}");
     }
 }
+
+// ----- torch.save files by range ---------------------------------------------------------------
+
+/// Writes `path` with real torch: 4 x 8 MiB float32 tensors, a bfloat16 and a float16 tensor, a
+/// small bias and a non-tensor value (~33 MiB in all, a few KiB of metadata). Returns the sizes of
+/// `data.pkl` and of the zip tail from the central directory on (as Python's zipfile sees them),
+/// or None without torch.
+fn write_big_torch_save(path: &Path) -> Option<(u64, u64)> {
+    write_torch_save(path, 4, 1024, 2048)
+}
+
+/// [`write_big_torch_save`] with `layers` float32 tensors of `rows x cols`.
+fn write_torch_save(path: &Path, layers: u32, rows: u32, cols: u32) -> Option<(u64, u64)> {
+    let Some(python) = shardscope_tests::torch_python() else {
+        skip("the test venv (SHARDSCOPE_PYTHON)");
+        return None;
+    };
+    let script = r#"
+import os, sys, zipfile, torch
+torch.manual_seed(0)
+n, rows, cols = (int(a) for a in sys.argv[2:5])
+sd = {f"layers.{i}.weight": torch.randn(rows, cols) for i in range(n)}
+sd["emb.weight"] = torch.randn(256, 64).to(torch.bfloat16)
+sd["head.weight"] = torch.randn(64, 32).to(torch.float16)
+sd["head.bias"] = torch.randn(32)
+sd["step"] = 7
+torch.save(sd, sys.argv[1])
+with zipfile.ZipFile(sys.argv[1]) as z:
+    pkl = [i for i in z.infolist() if i.filename.endswith("/data.pkl")][0]
+    print(pkl.file_size, os.path.getsize(sys.argv[1]) - z.start_dir)
+"#;
+    let out = Command::new(&python)
+        .args(["-c", script])
+        .arg(path)
+        .args([layers, rows, cols].map(|v| v.to_string()))
+        .output()
+        .unwrap();
+    assert_ok(&out, "torch.save");
+    let line = text(&out.stdout);
+    let mut f = line.split_whitespace().map(|s| s.parse::<u64>().unwrap());
+    Some((f.next().unwrap(), f.next().unwrap()))
+}
+
+/// `inspect URL` of a 33 MiB `torch.save` file fetches its end records, central directory, local
+/// headers and data.pkl only (at most 256 KiB more than data.pkl and the directory), and prints
+/// what a local `inspect` prints; `inspect --values` and `convert` to safetensors equal the local
+/// runs byte for byte.
+#[test]
+fn inspect_of_a_torch_save_url_reads_only_its_metadata() {
+    let Some(nginx) = Nginx::start() else { return };
+    let local = nginx.www().join("model.pt");
+    let Some((pkl_bytes, tail_bytes)) = write_big_torch_save(&local) else {
+        return;
+    };
+    let size = std::fs::metadata(&local).unwrap().len();
+    assert!(size >= 32 << 20, "{size}");
+    let url = nginx.url("model.pt");
+    let local_str = local.to_str().unwrap();
+    nginx.take_log();
+    for extra in [&[][..], &["--json"][..]] {
+        let mut args = vec!["inspect", url.as_str()];
+        args.extend_from_slice(extra);
+        let remote = shardscope(&args);
+        assert_ok(&remote, "inspect URL");
+        let log = nginx.take_log();
+        let mut args = vec!["inspect", local_str];
+        args.extend_from_slice(extra);
+        let expected = shardscope(&args);
+        assert_ok(&expected, "inspect local");
+        assert_eq!(text(&remote.stdout), text(&expected.stdout));
+        assert!(text(&remote.stdout).contains("layers.3.weight"));
+        let sent: u64 = log.iter().map(|r| r.3).sum();
+        eprintln!(
+            "inspect {extra:?}: {sent} bytes in {} requests (data.pkl {pkl_bytes}, directory and end records {tail_bytes}, file {size}): {log:?}",
+            log.len()
+        );
+        assert!(
+            sent <= pkl_bytes + tail_bytes + (256 << 10),
+            "inspect transferred {sent} bytes of {size} (data.pkl {pkl_bytes}, tail {tail_bytes}): {log:?}"
+        );
+        assert!(log.iter().all(|r| r.2 == 200 || r.2 == 206), "{log:?}");
+    }
+
+    // `doctor` opens the archive twice (index, then the pickle's globals): twice the metadata.
+    let remote = shardscope(&["doctor", &url]);
+    let log = nginx.take_log();
+    let expected = shardscope(&["doctor", local_str]);
+    assert_eq!(remote.status.code(), expected.status.code());
+    assert_eq!(
+        text(&remote.stdout).replace(&url, "X"),
+        text(&expected.stdout).replace(local_str, "X")
+    );
+    let sent: u64 = log.iter().map(|r| r.3).sum();
+    eprintln!("doctor: {sent} bytes in {} requests", log.len());
+    assert!(
+        sent <= 2 * (pkl_bytes + tail_bytes + (256 << 10)),
+        "doctor transferred {sent} bytes of {size}: {log:?}"
+    );
+
+    // Values: every tensor byte is read, each once (not the whole file twice).
+    let remote = shardscope(&["inspect", &url, "--values"]);
+    assert_ok(&remote, "inspect --values URL");
+    let log = nginx.take_log();
+    let expected = shardscope(&["inspect", local_str, "--values"]);
+    assert_ok(&expected, "inspect --values local");
+    assert_eq!(text(&remote.stdout), text(&expected.stdout));
+    let sent: u64 = log.iter().map(|r| r.3).sum();
+    assert!(sent <= size + size / 10, "{sent} bytes for {size}: {log:?}");
+
+    let tmp = tempfile::tempdir().unwrap();
+    let (r, l) = (tmp.path().join("r"), tmp.path().join("l"));
+    std::fs::create_dir_all(&r).unwrap();
+    std::fs::create_dir_all(&l).unwrap();
+    let (rout, lout) = (r.join("x.safetensors"), l.join("x.safetensors"));
+    assert_ok(
+        &shardscope(&["convert", &url, "-o", rout.to_str().unwrap(), "-q"]),
+        "convert URL",
+    );
+    let log = nginx.take_log();
+    assert_ok(
+        &shardscope(&["convert", local_str, "-o", lout.to_str().unwrap(), "-q"]),
+        "convert local",
+    );
+    assert_same_tree(&rout, &lout);
+    let sent: u64 = log.iter().map(|r| r.3).sum();
+    assert!(sent <= size + size / 10, "{sent} bytes for {size}: {log:?}");
+}
+
+/// A folder of per-rank `torch.save` files by `s3://` prefix reads like the local folder; each
+/// file is read by range (its metadata), not whole.
+#[test]
+fn s3_folder_of_rank_files_reads_like_the_local_folder() {
+    let Some(moto) = Moto::start() else { return };
+    let ranks = fixtures_dir().join("fsdp2_optim/ws3");
+    moto.upload("ckpts", "ranks", &ranks);
+    for extra in [&[][..], &["--json"][..], &["--values"][..]] {
+        let mut args = vec!["inspect", "s3://ckpts/ranks/"];
+        args.extend_from_slice(extra);
+        let out = moto.shardscope(&args);
+        assert_ok(&out, "inspect s3:// folder of rank files");
+        let mut args = vec!["inspect", ranks.to_str().unwrap()];
+        args.extend_from_slice(extra);
+        let local = shardscope(&args);
+        assert_ok(&local, "inspect local rank files");
+        assert_eq!(text(&out.stdout), text(&local.stdout), "{extra:?}");
+        assert!(text(&out.stdout).contains("model.embed.weight"));
+    }
+}
+
+/// `s3://` without credentials (none in the environment, the instance metadata endpoint
+/// unreachable): exit 2 soon, naming the URL and saying to check credentials. A bucket that does
+/// not exist: exit 2, "the bucket does not exist", with the URL.
+#[test]
+fn s3_without_credentials_or_bucket_fails_clearly_and_soon() {
+    let Some(moto) = Moto::start() else { return };
+    moto.upload("ckpts", "plain", &fixtures_dir().join("formats/plain"));
+    let url = "s3://ckpts/plain/state_dict.pt";
+    let mut cmd = Command::new(shardscope_bin());
+    cmd.args(["inspect", url]);
+    s3_env(&mut cmd, moto.port)
+        .env_remove("AWS_ACCESS_KEY_ID")
+        .env_remove("AWS_SECRET_ACCESS_KEY")
+        .env_remove("AWS_SKIP_SIGNATURE")
+        .env_remove("AWS_WEB_IDENTITY_TOKEN_FILE")
+        .env_remove("AWS_CONTAINER_CREDENTIALS_RELATIVE_URI")
+        .env_remove("AWS_CONTAINER_CREDENTIALS_FULL_URI")
+        // Nothing listens there: off the cloud, the metadata endpoint does not answer either.
+        .env(
+            "AWS_METADATA_ENDPOINT",
+            format!("http://127.0.0.1:{}", free_port()),
+        );
+    let started = Instant::now();
+    let out = cmd.output().unwrap();
+    let err = text(&out.stderr);
+    assert_eq!(out.status.code(), Some(2), "{err}");
+    assert!(
+        err.contains(url) && err.contains("check credentials") && err.contains("AWS_ACCESS_KEY_ID"),
+        "{err}"
+    );
+    assert!(
+        started.elapsed() < Duration::from_mins(1),
+        "took {:?}",
+        started.elapsed()
+    );
+    // With credentials the same URL reads.
+    assert_ok(
+        &moto.shardscope(&["inspect", url]),
+        "inspect with credentials",
+    );
+
+    for url in ["s3://no-such-bucket/x/", "s3://no-such-bucket/x.pt"] {
+        let out = moto.shardscope(&["inspect", url]);
+        let err = text(&out.stderr);
+        assert_eq!(out.status.code(), Some(2), "{err}");
+        assert!(err.contains(url) && err.contains("not found"), "{err}");
+    }
+    let out = moto.shardscope(&["inspect", "s3://no-such-bucket/x/"]);
+    assert!(
+        text(&out.stderr).contains("bucket does not exist"),
+        "{}",
+        text(&out.stderr)
+    );
+}
+
+/// 120 storages of 256 KiB each (too far apart to share a request): `inspect URL` still fetches
+/// only the metadata and one local header per storage (fetched concurrently), and equals the
+/// local run.
+#[test]
+fn inspect_of_a_torch_save_url_with_many_storages() {
+    let Some(nginx) = Nginx::start() else { return };
+    let local = nginx.www().join("many.pt");
+    let Some((pkl_bytes, tail_bytes)) = write_torch_save(&local, 120, 64, 1024) else {
+        return;
+    };
+    let size = std::fs::metadata(&local).unwrap().len();
+    let url = nginx.url("many.pt");
+    nginx.take_log();
+    let remote = shardscope(&["inspect", &url]);
+    assert_ok(&remote, "inspect URL");
+    let log = nginx.take_log();
+    let expected = shardscope(&["inspect", local.to_str().unwrap()]);
+    assert_eq!(text(&remote.stdout), text(&expected.stdout));
+    assert!(text(&remote.stdout).contains("layers.119.weight"));
+    let sent: u64 = log.iter().map(|r| r.3).sum();
+    eprintln!(
+        "inspect: {sent} bytes in {} requests (data.pkl {pkl_bytes}, directory {tail_bytes}, file {size})",
+        log.len()
+    );
+    assert!(
+        sent <= pkl_bytes + tail_bytes + (256 << 10),
+        "{sent} bytes of {size}: {log:?}"
+    );
+    assert!(log.len() <= 120 + 8, "{} requests", log.len());
+}

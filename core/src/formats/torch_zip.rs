@@ -6,9 +6,12 @@
 //! reads tensor bytes: [`read_archive`] touches the directory, `data.pkl` and `byteorder` only.
 
 use std::collections::BTreeMap;
-use std::io::Cursor;
+use std::io::{Cursor, Read, Seek};
 
 use crate::formats::pickle::{self, PickleError, PyValue, TensorRef};
+
+mod lazy;
+pub use lazy::{ArchiveFileError, pickle_globals_from, read_archive_from};
 
 /// What went wrong while reading a torch archive.
 #[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
@@ -100,48 +103,85 @@ pub fn looks_like_zip(bytes: &[u8]) -> bool {
 /// Opens a torch archive held in `bytes` (a whole file, or one DCP item).
 pub fn read_archive(bytes: &[u8]) -> Result<TorchArchive, TorchZipError> {
     let members = zip_members(bytes, |_| true)?;
-    let (pkl_name, pkl) = pickle_member(&members).ok_or(TorchZipError::NoPickle)?;
-    let prefix = pkl_name
-        .strip_suffix("data.pkl")
-        .unwrap_or("")
-        .trim_end_matches('/')
-        .to_owned();
-    let member = |suffix: &str| {
-        if prefix.is_empty() {
-            suffix.to_owned()
-        } else {
-            format!("{prefix}/{suffix}")
-        }
-    };
-    let stored = |name: &str, method: zip::CompressionMethod| {
-        if method == zip::CompressionMethod::Stored {
-            Ok(())
-        } else {
-            Err(TorchZipError::Compressed {
-                member: name.to_owned(),
-                method: format!("{method:?}"),
-            })
-        }
-    };
-    stored(&pkl_name, pkl.1)?;
-    if let Some((range, method)) = members.get(&member("byteorder")) {
-        stored("byteorder", *method)?;
-        let order = slice(bytes, *range);
-        if order != b"little" {
-            return Err(TorchZipError::ByteOrder {
-                order: String::from_utf8_lossy(order).into_owned(),
-            });
-        }
+    let layout = Layout::of(&members)?;
+    let order = layout.byteorder.map(|r| slice(bytes, r));
+    build_archive(&members, &layout, slice(bytes, layout.pkl), order)
+}
+
+/// Where [`build_archive`] finds what it reads: the member prefix, `data.pkl` and `byteorder`
+/// (both checked to be stored uncompressed).
+struct Layout {
+    prefix: String,
+    pkl: MemberRange,
+    byteorder: Option<MemberRange>,
+}
+
+fn stored(name: &str, method: zip::CompressionMethod) -> Result<(), TorchZipError> {
+    if method == zip::CompressionMethod::Stored {
+        Ok(())
+    } else {
+        Err(TorchZipError::Compressed {
+            member: name.to_owned(),
+            method: format!("{method:?}"),
+        })
     }
-    let pkl_bytes = slice(bytes, pkl.0);
+}
+
+impl Layout {
+    fn of(members: &Members) -> Result<Layout, TorchZipError> {
+        let (pkl_name, pkl) = pickle_member(members).ok_or(TorchZipError::NoPickle)?;
+        let prefix = pkl_name
+            .strip_suffix("data.pkl")
+            .unwrap_or("")
+            .trim_end_matches('/')
+            .to_owned();
+        stored(&pkl_name, pkl.1)?;
+        let byteorder = match members.get(&member_name(&prefix, "byteorder")) {
+            Some((range, method)) => {
+                stored("byteorder", *method)?;
+                Some(*range)
+            }
+            None => None,
+        };
+        Ok(Layout {
+            prefix,
+            pkl: pkl.0,
+            byteorder,
+        })
+    }
+}
+
+fn member_name(prefix: &str, suffix: &str) -> String {
+    if prefix.is_empty() {
+        suffix.to_owned()
+    } else {
+        format!("{prefix}/{suffix}")
+    }
+}
+
+/// The archive from its directory and the bytes of `data.pkl` and `byteorder` (however they were
+/// read: sliced from the whole file, or fetched by range).
+fn build_archive(
+    members: &Members,
+    layout: &Layout,
+    pkl_bytes: &[u8],
+    byteorder: Option<&[u8]>,
+) -> Result<TorchArchive, TorchZipError> {
+    if let Some(order) = byteorder
+        && order != b"little"
+    {
+        return Err(TorchZipError::ByteOrder {
+            order: String::from_utf8_lossy(order).into_owned(),
+        });
+    }
     let pickle_protocol = match pkl_bytes {
         [0x80, p, ..] => *p,
         _ => 0,
     };
     let root = pickle::parse(pkl_bytes).map_err(|source| TorchZipError::Pickle { source })?;
-    let data_prefix = member("data/");
+    let data_prefix = member_name(&layout.prefix, "data/");
     let mut storages = BTreeMap::new();
-    for (name, (range, method)) in &members {
+    for (name, (range, method)) in members {
         if let Some(key) = name.strip_prefix(&data_prefix)
             && !key.is_empty()
             && !key.contains('/')
@@ -151,7 +191,7 @@ pub fn read_archive(bytes: &[u8]) -> Result<TorchArchive, TorchZipError> {
         }
     }
     let archive = TorchArchive {
-        prefix,
+        prefix: layout.prefix.clone(),
         root,
         storages,
         pickle_protocol,
@@ -162,6 +202,12 @@ pub fn read_archive(bytes: &[u8]) -> Result<TorchArchive, TorchZipError> {
 
 type Members = BTreeMap<String, (MemberRange, zip::CompressionMethod)>;
 
+fn zip_error(e: &zip::result::ZipError) -> TorchZipError {
+    TorchZipError::Zip {
+        message: e.to_string(),
+    }
+}
+
 /// The zip directory of `bytes`: every member `keep` accepts, with its data's byte range (checked
 /// to lie inside `bytes`) and compression method. Only the central directory is read.
 fn zip_members(bytes: &[u8], keep: impl Fn(&str) -> bool) -> Result<Members, TorchZipError> {
@@ -170,15 +216,21 @@ fn zip_members(bytes: &[u8], keep: impl Fn(&str) -> bool) -> Result<Members, Tor
             head: bytes.iter().take(4).copied().collect(),
         });
     }
-    let zip_err = |e: zip::result::ZipError| TorchZipError::Zip {
-        message: e.to_string(),
-    };
-    let mut archive = zip::ZipArchive::new(Cursor::new(bytes)).map_err(zip_err)?;
-    let total = bytes.len() as u64;
+    let mut archive = zip::ZipArchive::new(Cursor::new(bytes)).map_err(|e| zip_error(&e))?;
+    archive_members(&mut archive, bytes.len() as u64, keep)
+}
+
+/// The members of an opened zip archive of `total` bytes (see [`zip_members`]); each member's
+/// local header (its fixed 30 bytes) is read for the data offset.
+fn archive_members<R: Read + Seek>(
+    archive: &mut zip::ZipArchive<R>,
+    total: u64,
+    keep: impl Fn(&str) -> bool,
+) -> Result<Members, TorchZipError> {
     let mut members: Members = BTreeMap::new();
     for i in 0..archive.len() {
-        let file = archive.by_index_raw(i).map_err(zip_err)?;
-        let name = file.name().map_err(zip_err)?.into_owned();
+        let file = archive.by_index_raw(i).map_err(|e| zip_error(&e))?;
+        let name = file.name().map_err(|e| zip_error(&e))?.into_owned();
         if !keep(&name) {
             continue;
         }
@@ -217,12 +269,7 @@ fn pickle_member(members: &Members) -> Option<(String, (MemberRange, zip::Compre
 pub fn pickle_globals(bytes: &[u8]) -> Result<Vec<pickle::Global>, TorchZipError> {
     let members = zip_members(bytes, |name| name.ends_with("data.pkl"))?;
     let (name, (range, method)) = pickle_member(&members).ok_or(TorchZipError::NoPickle)?;
-    if method != zip::CompressionMethod::Stored {
-        return Err(TorchZipError::Compressed {
-            member: name,
-            method: format!("{method:?}"),
-        });
-    }
+    stored(&name, method)?;
     pickle::globals(slice(bytes, range)).map_err(|source| TorchZipError::Pickle { source })
 }
 

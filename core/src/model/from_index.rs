@@ -132,12 +132,13 @@ pub fn stored_key_order(
                     registration_order: true,
                 });
             };
-            let bytes = source.read_all(first).map_err(IndexError::from)?;
-            let archive =
-                torch_zip::read_archive(&bytes).map_err(|e| FromIndexError::TorchFile {
+            let archive = torch_zip::read_archive_from(source, first).map_err(|e| match e {
+                torch_zip::ArchiveFileError::Source(e) => FromIndexError::from(IndexError::from(e)),
+                torch_zip::ArchiveFileError::Archive(e) => FromIndexError::TorchFile {
                     file: first.clone(),
                     message: e.to_string(),
-                })?;
+                },
+            })?;
             let mut keys = Vec::new();
             walk(&archive.root, &mut Vec::new(), &mut keys);
             Ok(KeyOrder {

@@ -782,12 +782,15 @@ pub fn index_torch_files(
     let mut saw_flat = false;
     let many = files.len() > 1;
     for file in files {
-        let bytes = source.read_all(file)?;
         let (rank, _) = rank_from_name(file);
         let rank = rank.or(if many { None } else { Some(0) });
-        let archive = torch_zip::read_archive(&bytes).map_err(|source| IndexError::TorchZip {
-            file: file.clone(),
-            source,
+        // By range: the zip directory, local headers and data.pkl, not the tensor bytes.
+        let archive = torch_zip::read_archive_from(source, file).map_err(|e| match e {
+            torch_zip::ArchiveFileError::Source(e) => IndexError::from(e),
+            torch_zip::ArchiveFileError::Archive(source) => IndexError::TorchZip {
+                file: file.clone(),
+                source,
+            },
         })?;
         let mut leaves = Vec::new();
         flatten(&archive.root, &mut Vec::new(), &mut leaves);
@@ -928,7 +931,7 @@ pub fn index_torch_files(
         file_infos.insert(
             file.clone(),
             FileInfo {
-                size: bytes.len() as u64,
+                size: source.size(file)?,
                 rank,
                 unreferenced_bytes: unreferenced,
             },

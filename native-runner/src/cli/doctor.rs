@@ -187,10 +187,8 @@ fn pickle_findings(index: &CheckpointIndex, source: &dyn Source) -> Vec<Finding>
         return out;
     }
     for file in index.files.keys() {
-        let Ok(bytes) = source.read_all(file) else {
-            continue;
-        };
-        if let Ok(globals) = torch_zip::pickle_globals(&bytes) {
+        // By range: the zip directory and data.pkl, not the tensor bytes (remote files).
+        if let Ok(globals) = torch_zip::pickle_globals_from(source, file) {
             let bad = doctor::unsafe_globals(&globals);
             if !bad.is_empty() {
                 out.push(doctor::unsafe_pickle(file, &bad));
