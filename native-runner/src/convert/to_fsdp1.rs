@@ -344,13 +344,17 @@ impl<'i> Filler<'_, 'i> {
         self.reader.append_range_as(e, dtype, range, out)
     }
 
-    fn bytes(&mut self, fill: &Fill) -> Result<Vec<u8>> {
+    /// The bytes of `fill`, in `out` (empty; its capacity is reused).
+    fn bytes(&mut self, fill: &Fill, mut out: Vec<u8>) -> Result<Vec<u8>> {
+        out.clear();
         match fill {
-            Fill::Bytes(b) => Ok(b.clone()),
+            Fill::Bytes(b) => {
+                out.extend_from_slice(b);
+                Ok(out)
+            }
             Fill::Whole(key) => {
                 let e = self.entry(key)?;
                 let dtype = e.dtype.context("a tensor without dtype")?;
-                let mut out = Vec::new();
                 let n = self.reader.tensor_as(e, dtype, &mut out)?;
                 out.truncate(n);
                 Ok(out)
@@ -363,7 +367,7 @@ impl<'i> Filler<'_, 'i> {
                 let hi = lo + n;
                 let pad = fill_bytes(fp.dtype, TORCH_PADDING_FILL)
                     .with_context(|| format!("no padding value for {}", fp.dtype))?;
-                let mut out = Vec::with_capacity(n as usize * item);
+                out.reserve(n as usize * item);
                 let mut seg = 0u64;
                 let mut param = 0usize;
                 for (&len, &is_pad) in fp.numels_with_padding.iter().zip(&fp.is_padding_mask) {
@@ -388,7 +392,6 @@ impl<'i> Filler<'_, 'i> {
             Fill::View { flat, param, rank } => {
                 let fp = self.dst.flat(*flat);
                 let info = fp.ranks[*rank as usize].shard_param_infos[*param];
-                let mut out = Vec::new();
                 if let (true, Some(start), Some(n)) = (
                     info.in_shard,
                     info.intra_param_start_idx,
@@ -414,7 +417,6 @@ impl<'i> Filler<'_, 'i> {
                 let runs = local_state_runs(self.dst, &param, *rank, has);
                 let dtype = *dtype;
                 let item = dtype.size_bytes();
-                let mut out = Vec::new();
                 for run in runs {
                     match run {
                         StateRun::Param { fqn, start, len } => {
@@ -471,6 +473,7 @@ pub fn to_fsdp1_local(
         dst_params: &dst_params,
     };
     let mut written = Vec::new();
+    let pool = lazy::BufferPool::default();
     for global in 0..ws {
         let rank = global % group;
         let pg = ((rank, group), (global, ws));
@@ -484,7 +487,8 @@ pub fn to_fsdp1_local(
                 RootDict::Ordered,
                 pg.0,
                 pg.1,
-                |path| fill(&mut filler, &fills, path),
+                &pool,
+                |path, buf| fill(&mut filler, &fills, path, buf),
             )
         })?);
         if let Some((pattern, full)) = &optim {
@@ -500,7 +504,8 @@ pub fn to_fsdp1_local(
                     RootDict::Plain,
                     pg.0,
                     pg.1,
-                    |path| fill(&mut filler, &fills, path),
+                    &pool,
+                    |path, buf| fill(&mut filler, &fills, path, buf),
                 )
             })?);
         }
@@ -520,12 +525,13 @@ fn fill(
     filler: &mut Filler<'_, '_>,
     fills: &HashMap<String, Fill>,
     path: &str,
+    buf: Vec<u8>,
 ) -> std::result::Result<Vec<u8>, Fsdp1LocalError> {
     let f = fills
         .get(path)
         .ok_or_else(|| fill_error(format!("no source for the tensor at {path}")))?;
     filler
-        .bytes(f)
+        .bytes(f, buf)
         .map_err(|e| fill_error(format!("{path}: {e:#}")))
 }
 

@@ -300,7 +300,14 @@ fn optim_skeleton(
     Ok(out)
 }
 
-fn bytes(reader: &mut Reader<'_>, parts: &Parts<'_>, fill: &Fill) -> Result<Vec<u8>> {
+/// The bytes of `fill`, in `out` (empty; its capacity is reused).
+fn bytes(
+    reader: &mut Reader<'_>,
+    parts: &Parts<'_>,
+    fill: &Fill,
+    mut out: Vec<u8>,
+) -> Result<Vec<u8>> {
+    out.clear();
     let entry = |key: &str| {
         parts
             .by_key
@@ -309,11 +316,13 @@ fn bytes(reader: &mut Reader<'_>, parts: &Parts<'_>, fill: &Fill) -> Result<Vec<
             .with_context(|| format!("`{key}` is not in the checkpoint"))
     };
     match fill {
-        Fill::Bytes(b) => Ok(b.clone()),
+        Fill::Bytes(b) => {
+            out.extend_from_slice(b);
+            Ok(out)
+        }
         Fill::Whole(key) => {
             let e = entry(key)?;
             let dtype = e.dtype.context("a tensor without dtype")?;
-            let mut out = Vec::new();
             let n = reader.tensor_as(e, dtype, &mut out)?;
             out.truncate(n);
             Ok(out)
@@ -329,7 +338,6 @@ fn bytes(reader: &mut Reader<'_>, parts: &Parts<'_>, fill: &Fill) -> Result<Vec<
                 .checked_mul(row_bytes)
                 .and_then(|a| Some(a..a.checked_add(rows.checked_mul(row_bytes)?)?))
                 .with_context(|| format!("`{key}`: tensor size overflows"))?;
-            let mut out = Vec::new();
             reader.append_range_as(e, t.dtype, range, &mut out)?;
             Ok(out)
         }
@@ -365,6 +373,7 @@ pub fn to_fsdp2_ranks(
         _ => None,
     };
     let mut written = Vec::new();
+    let pool = lazy::BufferPool::default();
     for rank in 0..target.world_size {
         let mesh = DeviceMeshSpec::new(&shape, target.mesh_dim_names.clone(), rank)?;
         let shard = mesh.shard();
@@ -372,24 +381,39 @@ pub fn to_fsdp2_ranks(
         let skeleton = Node::Dict(model_skeleton(&parts, &sharded, shard, &mut fills)?);
         let name = target.model_pattern.replace("{r}", &rank.to_string());
         written.push(write_file(out_dir, name, |out| {
-            lazy::write_torch_save_on_mesh(out, &skeleton, RootDict::Ordered, &mesh, |path| {
-                let f = fills
-                    .get(path)
-                    .ok_or_else(|| fill_error(format!("no source for the tensor at {path}")))?;
-                bytes(reader, &parts, f).map_err(|e| fill_error(format!("{path}: {e:#}")))
-            })
+            lazy::write_torch_save_on_mesh(
+                out,
+                &skeleton,
+                RootDict::Ordered,
+                &mesh,
+                &pool,
+                |path, buf| {
+                    let f = fills
+                        .get(path)
+                        .ok_or_else(|| fill_error(format!("no source for the tensor at {path}")))?;
+                    bytes(reader, &parts, f, buf).map_err(|e| fill_error(format!("{path}: {e:#}")))
+                },
+            )
         })?);
         if let Some((pattern, o)) = &optim {
             let mut fills = HashMap::new();
             let skeleton = Node::Dict(optim_skeleton(reader, &parts, o, shard, &mut fills)?);
             let name = pattern.replace("{r}", &rank.to_string());
             written.push(write_file(out_dir, name, |out| {
-                lazy::write_torch_save_on_mesh(out, &skeleton, RootDict::Plain, &mesh, |path| {
-                    let f = fills
-                        .get(path)
-                        .ok_or_else(|| fill_error(format!("no source for the tensor at {path}")))?;
-                    bytes(reader, &parts, f).map_err(|e| fill_error(format!("{path}: {e:#}")))
-                })
+                lazy::write_torch_save_on_mesh(
+                    out,
+                    &skeleton,
+                    RootDict::Plain,
+                    &mesh,
+                    &pool,
+                    |path, buf| {
+                        let f = fills.get(path).ok_or_else(|| {
+                            fill_error(format!("no source for the tensor at {path}"))
+                        })?;
+                        bytes(reader, &parts, f, buf)
+                            .map_err(|e| fill_error(format!("{path}: {e:#}")))
+                    },
+                )
             })?);
         }
     }

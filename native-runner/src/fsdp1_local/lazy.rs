@@ -261,8 +261,9 @@ fn split_items(items: Vec<Node>, path: &str, out: &mut HashMap<String, Vec<u8>>)
         .collect()
 }
 
-/// `torch.save(skeleton)` into `out`, storage by storage: `fill(path)` gives the bytes of the
-/// tensor at `path` when the writer needs them. Returns `out`.
+/// `torch.save(skeleton)` into `out`, storage by storage: `fill(path, buf)` gives the bytes of the
+/// tensor at `path` when the writer needs them, in `buf` (an empty buffer, recycled from an earlier
+/// storage: reuse it). Returns `out`.
 /// `group` and `global` are the `(rank, size)` recorded in ShardedTensors (see
 /// [`bridge::plan_torch_save_in_group`]).
 pub fn write_torch_save<W: Write>(
@@ -271,10 +272,11 @@ pub fn write_torch_save<W: Write>(
     root: RootDict,
     group: (u64, u64),
     global: (u64, u64),
-    fill: impl FnMut(&str) -> Result<Vec<u8>> + Send,
+    pool: &BufferPool,
+    fill: impl FnMut(&str, Vec<u8>) -> Result<Vec<u8>> + Send,
 ) -> Result<W> {
     let plan = bridge::plan_torch_save_in_group(skeleton, root, group, global)?;
-    write_plan(out, skeleton, &plan, fill)
+    write_plan(out, skeleton, &plan, pool, fill)
 }
 
 /// As [`write_torch_save`] for an FSDP2 per-rank file: DTensors on `mesh` (see
@@ -284,10 +286,34 @@ pub fn write_torch_save_on_mesh<W: Write>(
     skeleton: &Node,
     root: RootDict,
     mesh: &bridge::DeviceMeshSpec,
-    fill: impl FnMut(&str) -> Result<Vec<u8>> + Send,
+    pool: &BufferPool,
+    fill: impl FnMut(&str, Vec<u8>) -> Result<Vec<u8>> + Send,
 ) -> Result<W> {
     let plan = bridge::plan_torch_save_on_mesh(skeleton, root, mesh)?;
-    write_plan(out, skeleton, &plan, fill)
+    write_plan(out, skeleton, &plan, pool, fill)
+}
+
+/// Tensor buffers kept between the files of one output (reused, never freed on another thread
+/// than the one using them next).
+#[derive(Debug, Default)]
+pub struct BufferPool(std::sync::Mutex<Vec<Vec<u8>>>);
+
+impl BufferPool {
+    fn take(&self) -> Vec<Vec<u8>> {
+        std::mem::take(
+            &mut *self
+                .0
+                .lock()
+                .unwrap_or_else(std::sync::PoisonError::into_inner),
+        )
+    }
+
+    fn put(&self, buffers: Vec<Vec<u8>>) {
+        self.0
+            .lock()
+            .unwrap_or_else(std::sync::PoisonError::into_inner)
+            .extend(buffers);
+    }
 }
 
 /// Bytes of tensor buffers a writer may hold beyond the largest one: while one storage is
@@ -301,9 +327,10 @@ fn write_plan<W: Write>(
     out: W,
     skeleton: &Node,
     plan: &bridge::TorchSavePlan<'_>,
-    fill: impl FnMut(&str) -> Result<Vec<u8>> + Send,
+    pool: &BufferPool,
+    fill: impl FnMut(&str, Vec<u8>) -> Result<Vec<u8>> + Send,
 ) -> Result<W> {
-    use std::sync::{Condvar, Mutex, PoisonError, mpsc};
+    use std::sync::mpsc;
 
     let mut paths = Vec::new();
     tensor_paths(skeleton, "", &mut paths);
@@ -339,55 +366,83 @@ fn write_plan<W: Write>(
         plan.needs_globals,
     )
     .map_err(BridgeError::from)?;
-    // (bytes held by filled buffers not yet written, the writer stopped)
-    let gate = (Mutex::new((0u64, false)), Condvar::new());
-    let lock = || gate.0.lock().unwrap_or_else(PoisonError::into_inner);
     std::thread::scope(|scope| {
         let (tx, rx) = mpsc::channel::<Result<Vec<u8>>>();
-        let (paths, sizes, gate, lock) = (&paths, &sizes, &gate, &lock);
-        scope.spawn(move || {
+        // Written buffers go back to the reader thread, which reuses them: no allocation per
+        // storage, and no buffer freed on another thread than the one that allocated it.
+        let (back, returned) = mpsc::channel::<Vec<u8>>();
+        let (paths, sizes) = (&paths, &sizes);
+        let reader = scope.spawn(move || {
             let mut fill = fill;
+            // Buffers written and returned; the capacity of every buffer alive (these and the
+            // ones filled and not yet written) stays within `budget`.
+            let cap = |b: &Vec<u8>| b.capacity() as u64;
+            let mut held = pool.take();
+            let mut alive: u64 = held.iter().map(cap).sum();
+            let mut pool = std::mem::take(&mut held);
             for (path, &size) in paths.iter().zip(sizes) {
-                {
-                    let mut held = lock();
-                    while !held.1 && held.0 > 0 && held.0.saturating_add(size) > budget {
-                        held = gate.1.wait(held).unwrap_or_else(PoisonError::into_inner);
+                let buf = loop {
+                    pool.extend(returned.try_iter());
+                    let fit = (0..pool.len())
+                        .filter(|&i| cap(&pool[i]) >= size)
+                        .min_by_key(|&i| cap(&pool[i]));
+                    if let Some(i) = fit {
+                        break pool.swap_remove(i);
                     }
-                    if held.1 {
-                        return;
+                    for b in pool.drain(..) {
+                        alive = alive.saturating_sub(cap(&b));
                     }
-                    held.0 = held.0.saturating_add(size);
+                    if alive == 0 || alive.saturating_add(size) <= budget {
+                        let b = Vec::with_capacity(usize::try_from(size).unwrap_or(0));
+                        alive = alive.saturating_add(cap(&b));
+                        break b;
+                    }
+                    // Wait for the writer to hand a buffer back.
+                    match returned.recv() {
+                        Ok(b) => pool.push(b),
+                        Err(_) => return pool,
+                    }
+                };
+                let before = cap(&buf);
+                let data = fill(path, buf);
+                if let Ok(d) = &data {
+                    alive = alive.saturating_sub(before).saturating_add(cap(d));
                 }
-                let data = fill(path);
                 let failed = data.is_err();
                 if tx.send(data).is_err() || failed {
-                    return;
+                    return pool;
                 }
             }
+            pool
         });
-        let mut written = sizes.iter();
+        // Buffers written after the reader finished.
+        let mut late = Vec::new();
         let result = (|| {
             for ((_, bytes), &tree) in plan.storages.iter().zip(&plan.from_tree) {
                 if tree {
-                    let data = rx.recv().map_err(|_| Fsdp1LocalError::Content {
+                    let mut data = rx.recv().map_err(|_| Fsdp1LocalError::Content {
                         file: PathBuf::from("<output>"),
                         reason: "the reader of the tensors stopped".to_owned(),
                     })??;
                     writer.write_storage(&data).map_err(BridgeError::from)?;
-                    drop(data);
-                    let size = written.next().copied().unwrap_or(0);
-                    let mut held = lock();
-                    held.0 = held.0.saturating_sub(size);
-                    gate.1.notify_all();
+                    data.clear();
+                    if let Err(mpsc::SendError(data)) = back.send(data) {
+                        late.push(data);
+                    }
                 } else {
                     writer.write_storage(bytes).map_err(BridgeError::from)?;
                 }
             }
             Ok(writer.finish().map_err(BridgeError::from)?)
         })();
-        lock().1 = true;
-        gate.1.notify_all();
+        // The reader stops at its next send or wait; its buffers (and the written ones) serve the
+        // next file.
+        drop(back);
         drop(rx);
+        if let Ok(mut kept) = reader.join() {
+            kept.append(&mut late);
+            pool.put(kept);
+        }
         result
     })
 }
