@@ -105,7 +105,9 @@ def main() -> None:
         os.remove(copy)
         results["shardscope convert -> full.pt"] = timed([shardscope, "convert", src, "-o", full, "--quiet"])
         if args.baseline:
-            base = os.path.join(work, "baseline.pt")
+            # Same file name: torch.save names the archive's folder after it.
+            os.makedirs(os.path.join(work, "baseline"))
+            base = os.path.join(work, "baseline", "full.pt")
             results["baseline convert -> full.pt"] = timed(
                 [os.path.abspath(args.baseline), "convert", src, "-o", base, "--quiet"]
             )
