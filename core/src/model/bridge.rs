@@ -897,33 +897,13 @@ impl<'n> Writer<'n> {
                 ("_hash", PyValue::None),
             ],
         );
-        let class = PyValue::global("torch.distributed.tensor", "DTensor");
-        let args = PyValue::Tuple(vec![
-            class.clone(),
-            dtype_global(d.dtype),
-            PyValue::int_tuple(&d.global_shape),
-            PyValue::int_tuple(&global_strides),
-            PyValue::Int(0),
-            PyValue::call(
-                "torch.serialization",
-                "_get_layout",
-                vec![PyValue::str("torch.strided")],
-            ),
-            cpu_device(),
-            PyValue::Bool(false),
-        ]);
-        Ok(PyValue::call(
-            "torch._tensor",
-            "_rebuild_from_type_v2",
-            vec![
-                PyValue::global("torch._utils", "_rebuild_wrapper_subclass"),
-                class,
-                args,
-                PyValue::Dict(vec![
-                    (PyValue::str("_local_tensor"), local_tensor),
-                    (PyValue::str("_spec"), spec),
-                ]),
-            ],
+        Ok(wrapper_subclass(
+            PyValue::global("torch.distributed.tensor", "DTensor"),
+            d,
+            PyValue::Dict(vec![
+                (PyValue::str("_local_tensor"), local_tensor),
+                (PyValue::str("_spec"), spec),
+            ]),
         ))
     }
 
@@ -1033,32 +1013,39 @@ impl<'n> Writer<'n> {
             spec,
             PyValue::Bool(false),
         ]);
-        let strides = crate::formats::write::contiguous_strides(&d.global_shape);
-        let args = PyValue::Tuple(vec![
-            class.clone(),
-            dtype_global(d.dtype),
-            PyValue::int_tuple(&d.global_shape),
-            PyValue::int_tuple(&strides),
-            PyValue::Int(0),
-            PyValue::call(
-                "torch.serialization",
-                "_get_layout",
-                vec![PyValue::str("torch.strided")],
-            ),
-            cpu_device(),
-            PyValue::Bool(false),
-        ]);
-        Ok(PyValue::call(
-            "torch._tensor",
-            "_rebuild_from_type_v2",
-            vec![
-                PyValue::global("torch._utils", "_rebuild_wrapper_subclass"),
-                class,
-                args,
-                state,
-            ],
-        ))
+        Ok(wrapper_subclass(class, d, state))
     }
+}
+
+/// How torch pickles a tensor subclass built by `_rebuild_wrapper_subclass` (a `ShardedTensor`,
+/// a `DTensor`): the wrapper's global dtype, shape and contiguous strides on the CPU, and the
+/// subclass's `state`.
+fn wrapper_subclass(class: PyValue, d: &DistTensor, state: PyValue) -> PyValue {
+    let strides = crate::formats::write::contiguous_strides(&d.global_shape);
+    let args = PyValue::Tuple(vec![
+        class.clone(),
+        dtype_global(d.dtype),
+        PyValue::int_tuple(&d.global_shape),
+        PyValue::int_tuple(&strides),
+        PyValue::Int(0),
+        PyValue::call(
+            "torch.serialization",
+            "_get_layout",
+            vec![PyValue::str("torch.strided")],
+        ),
+        cpu_device(),
+        PyValue::Bool(false),
+    ]);
+    PyValue::call(
+        "torch._tensor",
+        "_rebuild_from_type_v2",
+        vec![
+            PyValue::global("torch._utils", "_rebuild_wrapper_subclass"),
+            class,
+            args,
+            state,
+        ],
+    )
 }
 
 #[cfg(test)]
