@@ -33,6 +33,7 @@ import json
 import os
 import shutil
 import subprocess
+import sys
 import tempfile
 
 import torch
@@ -84,6 +85,7 @@ def main() -> None:
     parser.add_argument("--shardscope", default="target/release/shardscope")
     parser.add_argument("--baseline", help="another shardscope build to time on the same input")
     parser.add_argument("--dir", default=tempfile.gettempdir())
+    parser.add_argument("--keep", action="store_true", help="keep the source checkpoint (for profiling)")
     args = parser.parse_args()
     shardscope = os.path.abspath(args.shardscope)
     work = tempfile.mkdtemp(prefix="shardscope-bench-fsdp2-", dir=args.dir)
@@ -163,7 +165,10 @@ def main() -> None:
             }
         print(json.dumps(summary))
     finally:
-        shutil.rmtree(work, ignore_errors=True)
+        if args.keep:
+            print(f"kept {work}/src and {work}/model.json", file=sys.stderr)
+        else:
+            shutil.rmtree(work, ignore_errors=True)
 
 
 if __name__ == "__main__":

@@ -148,11 +148,14 @@ impl<W: Write> CountingWriter<W> {
     }
 }
 
-/// Largest single `write` passed on. A whole large tensor in one `write` system call (hundreds of
-/// MiB) made Linux throttle it against the dirty-page limit at a high system-time cost: converting
-/// a 2.1 GiB checkpoint took 3.4-7.5 s in 128 MiB writes and 1.6-1.9 s in 8 MiB ones, as fast as
-/// `cat` (bench/convert_dcp.py, BENCHMARKS.md).
-const MAX_WRITE: usize = 8 << 20;
+/// Largest single `write` passed on: 128 KiB, what `cat` uses. Large `write` system calls cost
+/// Linux a lot of system time against the dirty-page limit: converting a 2.1 GiB checkpoint took
+/// 3.4-7.5 s in 128 MiB writes and 1.6-1.9 s in 8 MiB ones (bench/convert_dcp.py); converting a
+/// 3 GiB FSDP2 folder to one `.pt` took 22-38 s in 8 MiB writes (9-11 s of system time), 14 s in
+/// 1 MiB ones and 6.4-14 s in 128 or 256 KiB ones (2-3.6 s of system time), alternating on the same
+/// busy machine (BENCHMARKS.md). `dd` shows the same: 3 GiB with `conv=fsync` took 7-9 s in 128 KiB
+/// blocks and 16-35 s in 1 or 8 MiB blocks.
+const MAX_WRITE: usize = 128 << 10;
 
 impl<W: Write> Write for CountingWriter<W> {
     fn write(&mut self, buf: &[u8]) -> io::Result<usize> {
@@ -217,7 +220,7 @@ mod tests {
 
     #[test]
     fn large_writes_go_out_in_bounded_pieces_unchanged() {
-        let data: Vec<u8> = (0..20 * 1024 * 1024 + 5).map(|i| (i % 251) as u8).collect();
+        let data: Vec<u8> = (0..3 * MAX_WRITE + 5).map(|i| (i % 251) as u8).collect();
         let mut w = CountingWriter::new(Sizes(Vec::new(), Vec::new()));
         w.write_all(b"head").unwrap();
         w.write_all(&data).unwrap();
@@ -225,6 +228,6 @@ mod tests {
         let Sizes(bytes, sizes) = w.into_inner();
         assert_eq!(&bytes[..4], b"head");
         assert!(bytes[4..] == data[..]);
-        assert_eq!(sizes, [4, MAX_WRITE, MAX_WRITE, data.len() - 2 * MAX_WRITE]);
+        assert_eq!(sizes, [4, MAX_WRITE, MAX_WRITE, MAX_WRITE, 5]);
     }
 }
