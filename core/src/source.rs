@@ -69,6 +69,13 @@ pub trait Source {
             .collect()
     }
 
+    /// True when reading a whole file costs no more than the parts of it that are used (a
+    /// memory-mapped local file: pages are read when touched). Readers then parse whole files
+    /// instead of fetching their parts range by range (which copies them).
+    fn whole_reads_are_cheap(&self) -> bool {
+        false
+    }
+
     /// The whole file.
     fn read_all(&self, name: &str) -> Result<Cow<'_, [u8]>, SourceError> {
         let size = self.size(name)?;
@@ -186,6 +193,9 @@ impl<S: Source + ?Sized> Source for &S {
         ranges: &[(u64, u64)],
     ) -> Result<Vec<Cow<'_, [u8]>>, SourceError> {
         (**self).read_ranges(name, ranges)
+    }
+    fn whole_reads_are_cheap(&self) -> bool {
+        (**self).whole_reads_are_cheap()
     }
 }
 

@@ -143,6 +143,11 @@ fn walk(
 }
 
 impl Source for FileSource {
+    /// Memory-mapped: only the pages a parser touches are read.
+    fn whole_reads_are_cheap(&self) -> bool {
+        true
+    }
+
     fn names(&self) -> Vec<String> {
         self.files.keys().cloned().collect()
     }

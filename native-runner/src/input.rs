@@ -50,6 +50,13 @@ pub fn open(paths: &[PathBuf], progress: bool) -> anyhow::Result<Input> {
 }
 
 impl Source for Input {
+    fn whole_reads_are_cheap(&self) -> bool {
+        match self {
+            Input::Local(s) => s.whole_reads_are_cheap(),
+            Input::Remote(s) => s.whole_reads_are_cheap(),
+        }
+    }
+
     fn names(&self) -> Vec<String> {
         match self {
             Input::Local(s) => s.names(),

@@ -20,8 +20,9 @@ use super::{Reader, read_cost_bytes};
 use crate::input::Input;
 
 /// The default headroom above the largest read: `--memory-limit` defaults to the largest tensor
-/// buffer plus this.
-pub const DEFAULT_HEADROOM_BYTES: u64 = 64 << 20;
+/// buffer plus this. 40 MiB, so that the whole process (the index, the writer, the allocator's
+/// own overhead: 10-25 MiB) stays within the largest tensor + 64 MiB.
+pub const DEFAULT_HEADROOM_BYTES: u64 = 40 << 20;
 
 /// The most worker threads the default (`--threads` not given) uses.
 pub const DEFAULT_MAX_THREADS: usize = 8;
@@ -119,7 +120,7 @@ pub fn memory_limit(
         && cost > limit
     {
         bail!(
-            "--memory-limit {limit} bytes is below the largest read, `{key}` ({cost} bytes)\nhint: raise --memory-limit to at least {cost} (the default is the largest read plus 64 MiB)"
+            "--memory-limit {limit} bytes is below the largest read, `{key}` ({cost} bytes)\nhint: raise --memory-limit to at least {cost} (the default is the largest read plus 40 MiB)"
         );
     }
     Ok(ExecStats {

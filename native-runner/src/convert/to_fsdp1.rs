@@ -473,7 +473,7 @@ pub fn to_fsdp1_local(
         dst_params: &dst_params,
     };
     let mut written = Vec::new();
-    let pool = lazy::BufferPool::default();
+    let pool = buffer_pool(index);
     for global in 0..ws {
         let rank = global % group;
         let pg = ((rank, group), (global, ws));
@@ -511,6 +511,25 @@ pub fn to_fsdp1_local(
         }
     }
     Ok(written)
+}
+
+/// The buffers of a per-rank writer: the largest tensor of the checkpoint plus the executor's
+/// headroom, so that the process stays within the largest tensor + 64 MiB.
+pub(super) fn buffer_pool(index: &CheckpointIndex) -> lazy::BufferPool {
+    let largest = index
+        .entries
+        .iter()
+        .filter_map(|e| {
+            let numel = e
+                .shape
+                .as_ref()?
+                .iter()
+                .try_fold(1u64, |n, &d| n.checked_mul(d))?;
+            numel.checked_mul(e.dtype?.size_bytes() as u64)
+        })
+        .max()
+        .unwrap_or(0);
+    lazy::BufferPool::with_limit(largest.saturating_add(super::exec::DEFAULT_HEADROOM_BYTES))
 }
 
 /// An error producing the bytes of an output tensor.

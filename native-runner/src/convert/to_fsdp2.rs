@@ -373,7 +373,7 @@ pub fn to_fsdp2_ranks(
         _ => None,
     };
     let mut written = Vec::new();
-    let pool = lazy::BufferPool::default();
+    let pool = super::to_fsdp1::buffer_pool(index);
     for rank in 0..target.world_size {
         let mesh = DeviceMeshSpec::new(&shape, target.mesh_dim_names.clone(), rank)?;
         let shard = mesh.shard();

@@ -294,35 +294,44 @@ pub fn write_torch_save_on_mesh<W: Write>(
 }
 
 /// Tensor buffers kept between the files of one output (reused, never freed on another thread
-/// than the one using them next).
+/// than the one using them next), and the bytes they may take together.
 #[derive(Debug, Default)]
-pub struct BufferPool(std::sync::Mutex<Vec<Vec<u8>>>);
+pub struct BufferPool {
+    buffers: std::sync::Mutex<Vec<Vec<u8>>>,
+    limit: u64,
+}
 
 impl BufferPool {
+    /// A pool whose buffers take at most `limit` bytes (or one storage, when that is larger):
+    /// while one storage is written, the next ones are read if they fit, so reads and writes
+    /// overlap.
+    pub fn with_limit(limit: u64) -> Self {
+        Self {
+            buffers: std::sync::Mutex::default(),
+            limit,
+        }
+    }
+
     fn take(&self) -> Vec<Vec<u8>> {
         std::mem::take(
             &mut *self
-                .0
+                .buffers
                 .lock()
                 .unwrap_or_else(std::sync::PoisonError::into_inner),
         )
     }
 
     fn put(&self, buffers: Vec<Vec<u8>>) {
-        self.0
+        self.buffers
             .lock()
             .unwrap_or_else(std::sync::PoisonError::into_inner)
             .extend(buffers);
     }
 }
 
-/// Bytes of tensor buffers a writer may hold beyond the largest one: while one storage is
-/// written, the next ones are read if they fit (so reads and writes overlap).
-const OVERLAP_BYTES: u64 = 64 << 20;
-
 /// Writes `plan`: a reader thread produces each tree storage with `fill` (in order) while this
-/// thread writes the previous ones; the buffers alive at once stay within the largest storage +
-/// [`OVERLAP_BYTES`]. The output is the same as writing one storage after the other.
+/// thread writes the previous ones; the buffers alive at once stay within the pool's limit (or
+/// the largest storage, when that is larger). The output is the same as writing one storage after the other.
 fn write_plan<W: Write>(
     out: W,
     skeleton: &Node,
@@ -351,12 +360,7 @@ fn write_plan<W: Write>(
         .filter(|(_, t)| **t)
         .map(|((spec, _), _)| bytes_of(spec))
         .collect();
-    let budget = sizes
-        .iter()
-        .copied()
-        .max()
-        .unwrap_or(0)
-        .saturating_add(OVERLAP_BYTES);
+    let budget = sizes.iter().copied().max().unwrap_or(0).max(pool.limit);
     let specs = plan.storages.iter().map(|(s, _)| *s).collect();
     let mut writer = shardscope_core::formats::write::torch_save::TorchSaveWriter::with_globals(
         out,

@@ -45,14 +45,17 @@ const MAX_ROUNDS: usize = 8;
 
 /// Opens the torch archive `name` of `source`, reading only what [`read_archive`] looks at;
 /// equal to `read_archive(&source.read_all(name)?)`, which it falls back to when the ranges
-/// alone do not parse (a damaged file: the whole-file reader gives the error).
+/// alone do not parse (a damaged file: the whole-file reader gives the error), and which it uses
+/// directly when the source says whole reads are cheap (memory-mapped local files).
 ///
 /// [`read_archive`]: super::read_archive
 pub fn read_archive_from(
     source: &dyn Source,
     name: &str,
 ) -> Result<TorchArchive, ArchiveFileError> {
-    if let Some(archive) = read_lazily(source, name, Limits::DEFAULT)? {
+    if !source.whole_reads_are_cheap()
+        && let Some(archive) = read_lazily(source, name, Limits::DEFAULT)?
+    {
         return Ok(archive);
     }
     let bytes = source.read_all(name)?;
@@ -112,7 +115,12 @@ pub fn pickle_globals_from(
     source: &dyn Source,
     name: &str,
 ) -> Result<Vec<pickle::Global>, ArchiveFileError> {
-    if let Some((members, mut store)) = open_lazily(source, name, Limits::DEFAULT)? {
+    let lazily = if source.whole_reads_are_cheap() {
+        None
+    } else {
+        open_lazily(source, name, Limits::DEFAULT)?
+    };
+    if let Some((members, mut store)) = lazily {
         let (member, (range, method)) = pickle_member(&members).ok_or(TorchZipError::NoPickle)?;
         stored(&member, method)?;
         store.fetch(
