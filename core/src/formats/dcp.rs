@@ -149,6 +149,83 @@ pub fn read_metadata(bytes: &[u8]) -> Result<DcpMetadata, DcpError> {
             root.type_name()
         ))
     })?;
+    // Both `state_dict_metadata` and `storage_data` hold a record per chunk. Where a thread can
+    // be started, it reads the first part of `storage_data` while this one reads
+    // `state_dict_metadata` and then the rest (a storage record costs about twice a chunk
+    // record); errors are reported in file order regardless.
+    let storage_len = storage_data_len(meta)?;
+    let split = storage_len / 4 * 3;
+    let (items, storage) = std::thread::scope(|s| {
+        let first = std::thread::Builder::new()
+            .name("dcp-storage-data".into())
+            .spawn_scoped(s, || storage_data(meta, 0..split));
+        let items = state_dict_items(meta);
+        let (first, rest) = match first {
+            Ok(handle) => {
+                let rest = storage_data(meta, split..storage_len);
+                let first = handle
+                    .join()
+                    .unwrap_or_else(|_| Err(malformed("reading storage_data failed")));
+                (first, rest)
+            }
+            Err(_) => (Ok(Vec::new()), storage_data(meta, 0..storage_len)),
+        };
+        let storage = first.and_then(|mut first| {
+            first.extend(rest?);
+            Ok(first)
+        });
+        (items, storage)
+    });
+    let items = items?;
+    let mut planner_data = BTreeMap::new();
+    if let Some(pd) = meta.attr("planner_data").and_then(PyRef::dict_items) {
+        for (k, v) in pd {
+            let (Some(key), Some(path)) = (k.as_str(), v.items()) else {
+                return Err(malformed("planner_data is not a dict of str -> tuple"));
+            };
+            let steps = path
+                .map(|s| {
+                    if let Some(k) = s.as_str() {
+                        Ok(PlannerStep::Key(k.to_owned()))
+                    } else if let (Some(i), None) = (s.as_i64(), s.object()) {
+                        Ok(PlannerStep::Index(i))
+                    } else {
+                        Err(malformed(format!(
+                            "planner_data[{key:?}] has a {} step",
+                            s.type_name()
+                        )))
+                    }
+                })
+                .collect::<Result<Vec<_>, _>>()?;
+            planner_data.insert(key.to_owned(), steps);
+        }
+    }
+    let storage = storage?;
+    let version = meta
+        .attr("version")
+        .and_then(|v| v.as_str())
+        .map(str::to_owned);
+    let (checkpoint_id, save_id) = match meta.attr("storage_meta").and_then(|v| v.object()) {
+        Some(sm) => (
+            sm.attr("checkpoint_id").and_then(string_of),
+            sm.attr("save_id")
+                .and_then(|v| v.as_str())
+                .map(str::to_owned),
+        ),
+        None => (None, None),
+    };
+    Ok(DcpMetadata {
+        items,
+        planner_data,
+        storage,
+        version,
+        checkpoint_id,
+        save_id,
+    })
+}
+
+/// `Metadata.state_dict_metadata`, in file order.
+fn state_dict_items(meta: ObjRef<'_>) -> Result<Vec<(String, ItemMeta)>, DcpError> {
     let sdm = meta
         .attr("state_dict_metadata")
         .ok_or_else(|| malformed("Metadata has no state_dict_metadata"))?;
@@ -173,67 +250,34 @@ pub fn read_metadata(bytes: &[u8]) -> Result<DcpMetadata, DcpError> {
         };
         items.push((key, item));
     }
-    let mut planner_data = BTreeMap::new();
-    if let Some(pd) = meta.attr("planner_data").and_then(PyRef::dict_items) {
-        for (k, v) in pd {
-            let (Some(key), Some(path)) = (k.as_str(), v.items()) else {
-                return Err(malformed("planner_data is not a dict of str -> tuple"));
-            };
-            let steps = path
-                .map(|s| {
-                    if let Some(k) = s.as_str() {
-                        Ok(PlannerStep::Key(k.to_owned()))
-                    } else if let (Some(i), None) = (s.as_i64(), s.object()) {
-                        Ok(PlannerStep::Index(i))
-                    } else {
-                        Err(malformed(format!(
-                            "planner_data[{key:?}] has a {} step",
-                            s.type_name()
-                        )))
-                    }
-                })
-                .collect::<Result<Vec<_>, _>>()?;
-            planner_data.insert(key.to_owned(), steps);
-        }
-    }
-    let mut storage = Vec::new();
+    Ok(items)
+}
+
+/// The number of `Metadata.storage_data` records (0 when it is absent or `None`).
+fn storage_data_len(meta: ObjRef<'_>) -> Result<usize, DcpError> {
     match meta.attr("storage_data") {
-        Some(sd) if sd.dict_items().is_some() => {
-            let sd = sd.dict_items().into_iter().flatten();
-            for (k, v) in sd {
-                storage.push((storage_index(k)?, storage_info(v)?));
-            }
-        }
-        Some(sd) if sd.is_none() => {}
-        None => {}
-        Some(other) => {
-            return Err(malformed(format!(
-                "storage_data is a {}",
-                other.type_name()
-            )));
-        }
+        Some(sd) => match sd.dict_items() {
+            Some(items) => Ok(items.len()),
+            None if sd.is_none() => Ok(0),
+            None => Err(malformed(format!("storage_data is a {}", sd.type_name()))),
+        },
+        None => Ok(0),
     }
-    let version = meta
-        .attr("version")
-        .and_then(|v| v.as_str())
-        .map(str::to_owned);
-    let (checkpoint_id, save_id) = match meta.attr("storage_meta").and_then(|v| v.object()) {
-        Some(sm) => (
-            sm.attr("checkpoint_id").and_then(string_of),
-            sm.attr("save_id")
-                .and_then(|v| v.as_str())
-                .map(str::to_owned),
-        ),
-        None => (None, None),
+}
+
+/// The records `range` of `Metadata.storage_data`, in file order.
+fn storage_data(
+    meta: ObjRef<'_>,
+    range: std::ops::Range<usize>,
+) -> Result<Vec<(StorageIndex, StorageInfo)>, DcpError> {
+    let Some(records) = meta.attr("storage_data").and_then(PyRef::dict_items) else {
+        return Ok(Vec::new());
     };
-    Ok(DcpMetadata {
-        items,
-        planner_data,
-        storage,
-        version,
-        checkpoint_id,
-        save_id,
-    })
+    let mut storage = Vec::with_capacity(range.len());
+    for (k, v) in records.skip(range.start).take(range.len()) {
+        storage.push((storage_index(k)?, storage_info(v)?));
+    }
+    Ok(storage)
 }
 
 /// `what` names the field in the error; it is built only when the field is not a `torch.Size`

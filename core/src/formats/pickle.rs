@@ -487,7 +487,7 @@ impl<'a> PyRef<'a> {
     /// The string, if this is one.
     pub fn as_str(&self) -> Option<&'a str> {
         match self.node()? {
-            Node::Str(s) => Some(s),
+            Node::Str(span) => Some(self.arena.nodes.str(*span)),
             _ => None,
         }
     }
@@ -506,7 +506,7 @@ impl<'a> PyRef<'a> {
         let this = self;
         let vals: &'a [Val] = match self.node()? {
             Node::Tuple(span) => self.arena.nodes.vals(*span),
-            Node::List(v) => v,
+            Node::Seq(SeqKind::List, items) => self.arena.nodes.seq(*items),
             _ => return None,
         };
         Some(vals.iter().map(move |&x| this.at(x)))
@@ -516,7 +516,7 @@ impl<'a> PyRef<'a> {
     pub fn dict_items(self) -> Option<impl ExactSizeIterator<Item = (PyRef<'a>, PyRef<'a>)> + 'a> {
         let this = self;
         let pairs: &'a [(Val, Val)] = match self.node()? {
-            Node::Dict(d) => d,
+            Node::Dict(d) => self.arena.nodes.dict(*d),
             Node::Object(o) => self.arena.nodes.objects[*o].dict_items(),
             _ => return None,
         };
@@ -588,9 +588,9 @@ impl<'a> PyRef<'a> {
             Some(Node::Bytes(_)) => "bytes".into(),
             Some(Node::BigInt(_)) => "int".into(),
             Some(Node::Tuple(_)) => "tuple".into(),
-            Some(Node::List(_)) => "list".into(),
+            Some(Node::Seq(SeqKind::List, _)) => "list".into(),
             Some(Node::Dict(_)) => "dict".into(),
-            Some(Node::Set(_)) => "set".into(),
+            Some(Node::Seq(SeqKind::Set, _)) => "set".into(),
             Some(Node::Global(g)) => format!("global {g}"),
             Some(Node::PersId(_)) => "persistent id".into(),
             Some(Node::Object(o)) => {
@@ -667,36 +667,137 @@ struct Span {
     len: usize,
 }
 
+impl Span {
+    fn range(self) -> std::ops::Range<usize> {
+        self.start..self.start.saturating_add(self.len)
+    }
+}
+
+/// A list's or set's items, or a dict's pairs: a run in the shared pool while the container is
+/// filled in one go (as Python fills them: one `APPENDS`/`SETITEMS` per 1000 items), an owned
+/// vector (an index into [`Arena::owned_vals`] or [`Arena::owned_pairs`]) once a later fill
+/// cannot extend the run in place.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+enum Items {
+    Pooled(Span),
+    Owned(usize),
+}
+
+/// Which kind of value a [`Node::Seq`] is.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+enum SeqKind {
+    List,
+    Set,
+}
+
 #[derive(Debug)]
 enum Node {
-    Str(String),
-    Bytes(Vec<u8>),
-    BigInt(Vec<u8>),
+    /// A run of [`Arena::text`].
+    Str(Span),
+    /// A run of [`Arena::blob`].
+    Bytes(Span),
+    /// A run of [`Arena::blob`] (little-endian two's complement).
+    BigInt(Span),
+    /// A run of [`Arena::vals`].
     Tuple(Span),
-    List(Vec<Val>),
-    Dict(Vec<(Val, Val)>),
-    Set(Vec<Val>),
+    /// A list or set; its items are in [`Arena::vals`] or [`Arena::owned_vals`].
+    Seq(SeqKind, Items),
+    /// A dict; its pairs are in [`Arena::pairs`] or [`Arena::owned_pairs`].
+    Dict(Items),
     Global(Box<Global>),
     PersId(Val),
     /// An index into [`Arena::objects`].
     Object(usize),
 }
 
-/// Pass 1's output: the nodes, the pool of tuple items and the object records. A `.metadata` of
-/// 100 000 chunks holds about 1.5 million nodes, so nodes avoid an allocation each where they can.
+/// Pass 1's output: the nodes, the pools their contents live in, and the object records. A
+/// `.metadata` of 100 000 chunks holds about 1.9 million nodes, so no node takes an allocation
+/// of its own unless it must (a container filled in several interleaved steps, a global).
 #[derive(Debug, Default)]
 struct Arena {
     nodes: Vec<Node>,
     vals: Vec<Val>,
+    pairs: Vec<(Val, Val)>,
+    text: String,
+    blob: Vec<u8>,
+    owned_vals: Vec<Vec<Val>>,
+    owned_pairs: Vec<Vec<(Val, Val)>>,
     objects: Vec<ObjNode>,
 }
 
 impl Arena {
+    // Spans are only made by the machine from what it pushed into the pools: always in bounds
+    // (the empty answers are never taken).
     fn vals(&self, span: Span) -> &[Val] {
-        // Spans are only made by `Machine::tuple` from values it pushed: always in bounds.
-        self.vals
-            .get(span.start..span.start + span.len)
-            .unwrap_or(&[])
+        self.vals.get(span.range()).unwrap_or(&[])
+    }
+
+    fn str(&self, span: Span) -> &str {
+        self.text.get(span.range()).unwrap_or("")
+    }
+
+    fn blob(&self, span: Span) -> &[u8] {
+        self.blob.get(span.range()).unwrap_or(&[])
+    }
+
+    fn seq(&self, items: Items) -> &[Val] {
+        match items {
+            Items::Pooled(span) => self.vals(span),
+            Items::Owned(i) => self.owned_vals.get(i).map_or(&[], Vec::as_slice),
+        }
+    }
+
+    fn dict(&self, items: Items) -> &[(Val, Val)] {
+        match items {
+            Items::Pooled(span) => self.pairs.get(span.range()).unwrap_or(&[]),
+            Items::Owned(i) => self.owned_pairs.get(i).map_or(&[], Vec::as_slice),
+        }
+    }
+
+    /// The string `v` names, if it is one.
+    fn str_of(&self, v: Val) -> Option<&str> {
+        match v {
+            Val::Ref(i) => match self.nodes.get(i)? {
+                Node::Str(span) => Some(self.str(*span)),
+                _ => None,
+            },
+            _ => None,
+        }
+    }
+}
+
+/// Adds `new` to a container's run in `pool` (or its owned vector in `owned`): in place when the
+/// run is empty or ends the pool, else (once per container) by moving it to an owned vector.
+fn extend_items<T: Copy>(
+    items: &mut Items,
+    pool: &mut Vec<T>,
+    owned: &mut Vec<Vec<T>>,
+    new: impl Iterator<Item = T>,
+) {
+    match items {
+        Items::Pooled(span) if span.len == 0 => {
+            let start = pool.len();
+            pool.extend(new);
+            *span = Span {
+                start,
+                len: pool.len() - start,
+            };
+        }
+        Items::Pooled(span) if span.start + span.len == pool.len() => {
+            pool.extend(new);
+            span.len = pool.len() - span.start;
+        }
+        Items::Pooled(span) => {
+            let mut v: Vec<T> = pool.get(span.range()).unwrap_or(&[]).to_vec();
+            v.extend(new);
+            owned.push(v);
+            *items = Items::Owned(owned.len() - 1);
+        }
+        Items::Owned(i) => {
+            if let Some(v) = owned.get_mut(*i) {
+                v.extend(new);
+            }
+        }
     }
 }
 
@@ -704,19 +805,24 @@ impl Arena {
 struct ObjNode {
     callable: Val,
     args: Val,
-    kwargs: Option<Val>,
     state: Option<Val>,
-    /// `APPENDS`/`SETITEMS` on the object (an `OrderedDict`, a `defaultdict`): rare, so boxed.
+    /// `NEWOBJ_EX` keyword arguments and `APPENDS`/`SETITEMS` on the object (an `OrderedDict`, a
+    /// `defaultdict`): rare, so boxed.
     items: Option<Box<ObjItems>>,
 }
 
 #[derive(Debug, Default)]
 struct ObjItems {
+    kwargs: Option<Val>,
     list_items: Vec<Val>,
     dict_items: Vec<(Val, Val)>,
 }
 
 impl ObjNode {
+    fn kwargs(&self) -> Option<Val> {
+        self.items.as_ref().and_then(|i| i.kwargs)
+    }
+
     fn list_items(&self) -> &[Val] {
         self.items.as_ref().map_or(&[], |i| &i.list_items)
     }
@@ -753,7 +859,7 @@ fn add_items(
 ) -> Result<(), PickleError> {
     let i = Machine::container(target, at)?;
     match &mut arena.nodes[i] {
-        Node::List(v) | Node::Set(v) => v.extend(items),
+        Node::Seq(_, seq) => extend_items(seq, &mut arena.vals, &mut arena.owned_vals, items),
         Node::Object(o) => arena.objects[*o].items_mut().list_items.extend(items),
         _ => {
             return Err(PickleError::WrongType {
@@ -774,7 +880,7 @@ fn add_pairs(
 ) -> Result<(), PickleError> {
     let i = Machine::container(target, at)?;
     match &mut arena.nodes[i] {
-        Node::Dict(d) => d.extend(pairs),
+        Node::Dict(d) => extend_items(d, &mut arena.pairs, &mut arena.owned_pairs, pairs),
         Node::Object(o) => arena.objects[*o].items_mut().dict_items.extend(pairs),
         _ => {
             return Err(PickleError::WrongType {
@@ -795,6 +901,15 @@ struct Machine<'a> {
     /// Memo slots by index (torch and Python number them densely from 0).
     memo: Vec<Option<Val>>,
     memo_len: usize,
+    /// The one `()` node: tuples never change, and `NEWOBJ` takes `()` for every object.
+    empty_tuple: Option<Val>,
+}
+
+/// A capacity to reserve for a pool filled from a pickle of `len` bytes: about as many entries as
+/// the densest real pickles give (`per` input bytes per entry), capped so that a huge input
+/// reserves no more than 4 Mi entries up front (beyond that, the pool grows as it fills).
+fn reserve(len: usize, per: usize) -> usize {
+    (len / per).min(1 << 22)
 }
 
 impl<'a> Machine<'a> {
@@ -803,16 +918,23 @@ impl<'a> Machine<'a> {
             data,
             pos: 0,
             limits,
-            // Capacities from the input's length (a pickled object takes several bytes): address
-            // space only until used, and no copies while a large pickle's arena grows.
+            // Capacities from the input's length (a DCP `.metadata` gives a node per 7 bytes, a
+            // tuple item per 15, a dict pair per 15, an object per 23, a memo entry per 7):
+            // address space only until used, and no copies while a large pickle's arena grows.
             arena: Arena {
-                nodes: Vec::with_capacity(data.len() / 16),
-                vals: Vec::with_capacity(data.len() / 32),
-                objects: Vec::with_capacity(data.len() / 64),
+                nodes: Vec::with_capacity(reserve(data.len(), 6)),
+                vals: Vec::with_capacity(reserve(data.len(), 12)),
+                pairs: Vec::with_capacity(reserve(data.len(), 12)),
+                text: String::with_capacity(reserve(data.len(), 4)),
+                blob: Vec::new(),
+                owned_vals: Vec::new(),
+                owned_pairs: Vec::new(),
+                objects: Vec::with_capacity(reserve(data.len(), 20)),
             },
             stack: Vec::new(),
-            memo: Vec::with_capacity(data.len() / 16),
+            memo: Vec::with_capacity(reserve(data.len(), 6)),
             memo_len: 0,
+            empty_tuple: None,
         }
     }
 
@@ -920,6 +1042,25 @@ impl<'a> Machine<'a> {
     /// A tuple of the values above the topmost mark (`TUPLE`), or of the top `n` values
     /// (`TUPLE1..3`), popped straight into the shared pool.
     fn tuple(&mut self, n: Option<usize>, op: u8, at: usize) -> Result<Val, PickleError> {
+        // `TUPLE1..3` over plain values (the usual case): straight from the stack's top.
+        if let Some(n @ 1..=3) = n
+            && let Some(first) = self.stack.len().checked_sub(n)
+        {
+            let mut items = [Val::None; 3];
+            let mut plain = true;
+            for (dst, s) in items.iter_mut().zip(&self.stack[first..]) {
+                match s {
+                    Slot::V(v) => *dst = *v,
+                    Slot::Mark => plain = false,
+                }
+            }
+            if plain {
+                self.stack.truncate(first);
+                let start = self.arena.vals.len();
+                self.arena.vals.extend_from_slice(&items[..n]);
+                return self.alloc(Node::Tuple(Span { start, len: n }));
+            }
+        }
         let (first, drop_from) = match n {
             None => {
                 let mark = self.mark(at)?;
@@ -937,6 +1078,12 @@ impl<'a> Machine<'a> {
                 (first, first)
             }
         };
+        if first == self.stack.len()
+            && let Some(empty) = self.empty_tuple
+        {
+            self.stack.truncate(drop_from);
+            return Ok(empty);
+        }
         let start = self.arena.vals.len();
         let items = &self.stack[first..];
         if items.iter().any(|s| matches!(s, Slot::Mark)) {
@@ -951,7 +1098,11 @@ impl<'a> Machine<'a> {
         }));
         self.stack.truncate(drop_from);
         let len = self.arena.vals.len() - start;
-        self.alloc(Node::Tuple(Span { start, len }))
+        let v = self.alloc(Node::Tuple(Span { start, len }))?;
+        if len == 0 {
+            self.empty_tuple = Some(v);
+        }
+        Ok(v)
     }
 
     fn pop_mark(&mut self, at: usize) -> Result<Vec<Val>, PickleError> {
@@ -969,6 +1120,12 @@ impl<'a> Machine<'a> {
     }
 
     fn memo_put(&mut self, index: u64, v: Val) -> Result<(), PickleError> {
+        // The usual case first: the next index in order.
+        if index == self.memo.len() as u64 && self.memo.len() < self.limits.max_memo {
+            self.memo.push(Some(v));
+            self.memo_len += 1;
+            return Ok(());
+        }
         // Indices are dense in real pickles; an index beyond the limit would need a memo larger
         // than the input justifies.
         let slot = usize::try_from(index)
@@ -1006,12 +1163,31 @@ impl<'a> Machine<'a> {
             offset: at,
             what: "string is not UTF-8".into(),
         })?;
-        self.alloc(Node::Str(s.to_owned()))
+        self.text_node(s)
+    }
+
+    fn text_node(&mut self, s: &str) -> Result<Val, PickleError> {
+        let start = self.arena.text.len();
+        self.arena.text.push_str(s);
+        self.alloc(Node::Str(Span {
+            start,
+            len: s.len(),
+        }))
+    }
+
+    fn blob_span(&mut self, b: &[u8]) -> Span {
+        let start = self.arena.blob.len();
+        self.arena.blob.extend_from_slice(b);
+        Span {
+            start,
+            len: b.len(),
+        }
     }
 
     fn bytes(&mut self, n: u64) -> Result<Val, PickleError> {
-        let b = self.take(n)?.to_vec();
-        self.alloc(Node::Bytes(b))
+        let b = self.take(n)?;
+        let span = self.blob_span(b);
+        self.alloc(Node::Bytes(span))
     }
 
     fn long(&mut self, bytes: &[u8]) -> Result<Val, PickleError> {
@@ -1024,7 +1200,8 @@ impl<'a> Machine<'a> {
             buf[..bytes.len()].copy_from_slice(bytes);
             return Ok(Val::Int(i64::from_le_bytes(buf)));
         }
-        self.alloc(Node::BigInt(bytes.to_vec()))
+        let span = self.blob_span(bytes);
+        self.alloc(Node::BigInt(span))
     }
 
     /// The arena index of the container `target` names.
@@ -1117,9 +1294,13 @@ impl<'a> Machine<'a> {
         self.arena.objects.push(ObjNode {
             callable,
             args,
-            kwargs,
             state: None,
-            items: None,
+            items: kwargs.map(|kwargs| {
+                Box::new(ObjItems {
+                    kwargs: Some(kwargs),
+                    ..ObjItems::default()
+                })
+            }),
         });
         Ok(v)
     }
@@ -1253,9 +1434,11 @@ impl<'a> Machine<'a> {
                         self.uint(4)?
                     };
                     let b = self.take(n)?;
-                    let v = match std::str::from_utf8(b) {
-                        Ok(s) => self.alloc(Node::Str(s.to_owned()))?,
-                        Err(_) => self.alloc(Node::Bytes(b.to_vec()))?,
+                    let v = if let Ok(s) = std::str::from_utf8(b) {
+                        self.text_node(s)?
+                    } else {
+                        let span = self.blob_span(b);
+                        self.alloc(Node::Bytes(span))?
                     };
                     self.push(v)?;
                 }
@@ -1290,12 +1473,11 @@ impl<'a> Machine<'a> {
                 }
                 // EMPTY_LIST, LIST, APPEND, APPENDS
                 b']' => {
-                    let v = self.alloc(Node::List(Vec::new()))?;
+                    let v = self.alloc(Node::Seq(SeqKind::List, Self::EMPTY))?;
                     self.push(v)?;
                 }
                 b'l' => {
-                    let items = self.pop_mark(at)?;
-                    let v = self.alloc(Node::List(items))?;
+                    let v = self.seq_from_mark(SeqKind::List, at)?;
                     self.push(v)?;
                 }
                 b'a' => {
@@ -1307,7 +1489,7 @@ impl<'a> Machine<'a> {
                 b'e' | 0x90 => self.append_items(op, at)?,
                 // EMPTY_DICT, DICT, SETITEM, SETITEMS
                 b'}' => {
-                    let v = self.alloc(Node::Dict(Vec::new()))?;
+                    let v = self.alloc(Node::Dict(Self::EMPTY))?;
                     self.push(v)?;
                 }
                 b'd' => {
@@ -1318,8 +1500,8 @@ impl<'a> Machine<'a> {
                             what: "DICT with an odd number of values".into(),
                         });
                     }
-                    let pairs = items.chunks_exact(2).map(|c| (c[0], c[1])).collect();
-                    let v = self.alloc(Node::Dict(pairs))?;
+                    let v = self.alloc(Node::Dict(Self::EMPTY))?;
+                    self.add_dict_items(v, &items, at)?;
                     self.push(v)?;
                 }
                 b's' => {
@@ -1331,12 +1513,11 @@ impl<'a> Machine<'a> {
                 b'u' => self.set_items(op, at)?,
                 // EMPTY_SET, ADDITEMS, FROZENSET
                 0x8f => {
-                    let v = self.alloc(Node::Set(Vec::new()))?;
+                    let v = self.alloc(Node::Seq(SeqKind::Set, Self::EMPTY))?;
                     self.push(v)?;
                 }
                 0x91 => {
-                    let items = self.pop_mark(at)?;
-                    let v = self.alloc(Node::Set(items))?;
+                    let v = self.seq_from_mark(SeqKind::Set, at)?;
                     self.push(v)?;
                 }
                 // GLOBAL, STACK_GLOBAL
@@ -1395,8 +1576,8 @@ impl<'a> Machine<'a> {
                     self.push(v)?;
                 }
                 b'P' => {
-                    let line = self.line()?.to_owned();
-                    let s = self.alloc(Node::Str(line))?;
+                    let line = self.line()?;
+                    let s = self.text_node(line)?;
                     let v = self.alloc(Node::PersId(s))?;
                     self.push(v)?;
                 }
@@ -1453,13 +1634,21 @@ impl<'a> Machine<'a> {
     }
 
     fn str_of(&self, v: Val) -> Option<String> {
-        match v {
-            Val::Ref(i) => match &self.arena.nodes[i] {
-                Node::Str(s) => Some(s.clone()),
-                _ => None,
-            },
-            _ => None,
-        }
+        self.arena.str_of(v).map(str::to_owned)
+    }
+
+    const EMPTY: Items = Items::Pooled(Span { start: 0, len: 0 });
+
+    /// `LIST`/`FROZENSET`: the values above the topmost mark, straight into the pool.
+    fn seq_from_mark(&mut self, kind: SeqKind, at: usize) -> Result<Val, PickleError> {
+        let mark = self.mark(at)?;
+        let start = self.arena.vals.len();
+        self.arena
+            .vals
+            .extend(self.stack[mark + 1..].iter().map(slot_val));
+        self.stack.truncate(mark);
+        let len = self.arena.vals.len() - start;
+        self.alloc(Node::Seq(kind, Items::Pooled(Span { start, len })))
     }
 }
 
@@ -1528,25 +1717,34 @@ impl Converter<'_> {
             Val::Int(i) => PyValue::Int(i),
             Val::Float(f) => PyValue::Float(f),
             Val::Ref(i) => match &self.arena.nodes[i] {
-                Node::Str(s) => {
-                    self.charge(0, s.len())?;
-                    PyValue::Str(s.clone())
+                Node::Str(span) => {
+                    self.charge(0, span.len)?;
+                    PyValue::Str(self.arena.str(*span).to_owned())
                 }
-                Node::Bytes(b) => {
-                    self.charge(0, b.len())?;
-                    PyValue::Bytes(b.clone())
+                Node::Bytes(span) => {
+                    self.charge(0, span.len)?;
+                    PyValue::Bytes(self.arena.blob(*span).to_vec())
                 }
-                Node::BigInt(b) => {
-                    self.charge(0, b.len())?;
-                    PyValue::BigInt(b.clone())
+                Node::BigInt(span) => {
+                    self.charge(0, span.len)?;
+                    PyValue::BigInt(self.arena.blob(*span).to_vec())
                 }
                 Node::Tuple(span) => {
                     let arena = self.arena;
                     PyValue::Tuple(self.values(arena.vals(*span), next)?)
                 }
-                Node::List(items) => PyValue::List(self.values(items, next)?),
-                Node::Set(items) => PyValue::Set(self.values(items, next)?),
-                Node::Dict(items) => PyValue::Dict(self.pairs(items, next)?),
+                Node::Seq(kind, items) => {
+                    let arena = self.arena;
+                    let items = self.values(arena.seq(*items), next)?;
+                    match kind {
+                        SeqKind::List => PyValue::List(items),
+                        SeqKind::Set => PyValue::Set(items),
+                    }
+                }
+                Node::Dict(items) => {
+                    let arena = self.arena;
+                    PyValue::Dict(self.pairs(arena.dict(*items), next)?)
+                }
                 Node::Global(g) => {
                     self.charge(0, g.module.len() + g.name.len())?;
                     global_value(g)
@@ -1557,21 +1755,21 @@ impl Converter<'_> {
                 }
                 Node::Object(o) => {
                     let arena = self.arena;
+                    let node = &arena.objects[*o];
                     let ObjNode {
                         callable,
                         args,
-                        kwargs,
                         state,
                         items: _,
-                    } = &arena.objects[*o];
-                    let node = &arena.objects[*o];
+                    } = node;
+                    let kwargs = node.kwargs();
                     let callable = self.value(*callable, next)?;
                     let args = match self.value(*args, next)? {
                         PyValue::Tuple(a) => a,
                         other => vec![other],
                     };
                     let kwargs = match kwargs {
-                        Some(k) => match self.value(*k, next)? {
+                        Some(k) => match self.value(k, next)? {
                             PyValue::Dict(items) => items,
                             _ => Vec::new(),
                         },
@@ -2078,6 +2276,49 @@ mod tests {
             panic!()
         };
         assert!(matches!(&t[0], PyValue::Object(o) if o.class().unwrap().name == "encode"));
+    }
+
+    #[test]
+    fn containers_filled_in_interleaved_steps() {
+        // Lists and dicts filled in several steps, with other containers filled in between (a
+        // second `APPENDS` batch after a tuple was built), sets, frozensets, `DICT`, `LIST`, `()`.
+        // Python's `pickle.loads` gives ([1, 3, 5], {10: 11, 12: 13}, {20: 21, 22: 23},
+        // [7, (8, 9)], {30, 31}, frozenset({32}), {40: 41}, [42], (), [2, 4]).
+        let data = b"\x80\x04(]\x94(K\x01e]\x94(K\x02e0(K\x03K\x05eh\x01(K\x04e0}\x94(K\nK\x0bu}\x94(K\x14K\x15u0(K\x0cK\ruh\x03K\x16K\x17s]\x94(K\x07e(K\x08K\t\x86e\x8f\x94(K\x1eK\x1f\x90(K \x91(K(K)d(K*l)h\x01t.";
+        let int = PyValue::Int;
+        let ints = |v: &[i64]| v.iter().map(|&i| int(i)).collect::<Vec<_>>();
+        let pairs = |v: &[(i64, i64)]| v.iter().map(|&(k, x)| (int(k), int(x))).collect();
+        let want = PyValue::Tuple(vec![
+            PyValue::List(ints(&[1, 3, 5])),
+            PyValue::Dict(pairs(&[(10, 11), (12, 13)])),
+            PyValue::Dict(pairs(&[(20, 21), (22, 23)])),
+            PyValue::List(vec![int(7), PyValue::Tuple(ints(&[8, 9]))]),
+            PyValue::Set(ints(&[30, 31])),
+            PyValue::Set(ints(&[32])),
+            PyValue::Dict(pairs(&[(40, 41)])),
+            PyValue::List(ints(&[42])),
+            PyValue::Tuple(Vec::new()),
+            PyValue::List(ints(&[2, 4])),
+        ]);
+        assert_eq!(parse(data).unwrap(), want);
+        // The arena views see the same.
+        let arena = parse_arena(data).unwrap();
+        let items: Vec<PyRef<'_>> = arena.root().items().unwrap().collect();
+        let l1: Vec<i64> = items[0]
+            .items()
+            .unwrap()
+            .filter_map(|x| x.as_i64())
+            .collect();
+        assert_eq!(l1, [1, 3, 5]);
+        let d2: Vec<(i64, i64)> = items[2]
+            .dict_items()
+            .unwrap()
+            .filter_map(|(k, v)| Some((k.as_i64()?, v.as_i64()?)))
+            .collect();
+        assert_eq!(d2, [(20, 21), (22, 23)]);
+        assert_eq!(items[3].type_name(), "list");
+        assert_eq!(items[4].type_name(), "set");
+        assert_eq!(items[8].items().unwrap().len(), 0);
     }
 
     #[test]
