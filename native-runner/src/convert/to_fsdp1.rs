@@ -263,7 +263,23 @@ fn optim_structure(reader: &mut Reader<'_>, parts: &Parts<'_>) -> Result<Dict> {
             d.insert(Key::Str(name.clone()), node);
         }
     }
-    let mut groups: Vec<Dict> = Vec::new();
+    let groups = param_groups(parts, value_node)?
+        .into_iter()
+        .map(|g| Node::Dict(g.into_iter().map(|(k, v)| (Key::Str(k), v)).collect()))
+        .collect();
+    let mut full = Dict::new();
+    full.insert(Key::str("state"), Node::Dict(state));
+    full.insert(Key::str("param_groups"), Node::List(groups));
+    Ok(full)
+}
+
+/// The optimizer's parameter groups: per group, its keys with `value` of their entries, in stored
+/// order.
+pub(super) fn param_groups<'i, T>(
+    parts: &Parts<'i>,
+    mut value: impl FnMut(&'i IndexEntry) -> Result<T>,
+) -> Result<Vec<Vec<(String, T)>>> {
+    let mut groups: Vec<Vec<(String, T)>> = Vec::new();
     for e in &parts.groups {
         let Some(Role::ParamGroup { group }) = &e.role else {
             continue;
@@ -275,17 +291,11 @@ fn optim_structure(reader: &mut Reader<'_>, parts: &Parts<'_>) -> Result<Dict> {
             if g > parts.groups.len() {
                 bail!("`{}`: parameter group {g} out of range", e.key);
             }
-            groups.resize_with(g + 1, Dict::new);
+            groups.resize_with(g + 1, Vec::new);
         }
-        groups[g].insert(Key::Str(k.clone()), value_node(e)?);
+        groups[g].push((k.clone(), value(e)?));
     }
-    let mut full = Dict::new();
-    full.insert(Key::str("state"), Node::Dict(state));
-    full.insert(
-        Key::str("param_groups"),
-        Node::List(groups.into_iter().map(Node::Dict).collect()),
-    );
-    Ok(full)
+    Ok(groups)
 }
 
 /// Every tensor of `local` (a raw optimizer state dict) by its writer path: bytes it has, or the

@@ -22,8 +22,8 @@ use shardscope_runner::fsdp1_local::{Fsdp1LocalError, lazy};
 
 use super::Reader;
 use super::to_fsdp1::{
-    Fill, OutputFile, Parts, entry_node, fill_error, parts, plain_bytes, structure, value_node,
-    write_file,
+    Fill, OutputFile, Parts, entry_node, fill_error, param_groups, parts, plain_bytes, structure,
+    value_node, write_file,
 };
 
 /// The destination: the mesh and the file names (`{r}` for the rank).
@@ -150,22 +150,7 @@ struct Optim<'i> {
 }
 
 fn optim<'i>(parts: &Parts<'i>) -> Result<Optim<'i>> {
-    let mut groups: Vec<Vec<(String, &IndexEntry)>> = Vec::new();
-    for e in &parts.groups {
-        let Some(Role::ParamGroup { group }) = &e.role else {
-            continue;
-        };
-        let (Ok(g), Some(PathSeg::Key(k))) = (usize::try_from(*group), e.path.last()) else {
-            bail!("`{}`: not a key of a parameter group", e.key);
-        };
-        if g >= groups.len() {
-            if g > parts.groups.len() {
-                bail!("`{}`: parameter group {g} out of range", e.key);
-            }
-            groups.resize_with(g + 1, Vec::new);
-        }
-        groups[g].push((k.clone(), *e));
-    }
+    let groups = param_groups(parts, Ok)?;
     let mut ids = Vec::new();
     for (g, group) in groups.iter().enumerate() {
         let (_, params) = group
