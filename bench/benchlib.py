@@ -26,6 +26,15 @@ class Model(nn.Module):
         return self.layers(x)
 
 
+def description() -> dict:
+    """The model description (`shardscope layout --model` JSON) of `Model`."""
+    params = []
+    for i in range(LAYERS):
+        shape = [BIG, SMALL] if i % 2 == 0 else [SMALL, BIG]
+        params.append({"fqn": f"layers.{i}.weight", "shape": shape, "dtype": "float32"})
+    return {"params": params, "units": [f"layers.{i}" for i in range(LAYERS)] + [""], "ignored": []}
+
+
 def timed(cmd: list[str], warm: list[str] = (), env: dict | None = None) -> tuple[float, int]:
     """Wall seconds and peak RSS (bytes) of `cmd`, from /usr/bin/time -v. Dirty pages of earlier
     commands are flushed first, so that no command pays for another's writeback; the files `warm`

@@ -35,17 +35,9 @@ import tempfile
 import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
-from benchlib import BIG, LAYERS, SMALL, Model, timed
+from benchlib import BIG, LAYERS, SMALL, Model, description, timed
 
 WORLD = 4
-
-
-def description() -> dict:
-    params = []
-    for i in range(LAYERS):
-        shape = [BIG, SMALL] if i % 2 == 0 else [SMALL, BIG]
-        params.append({"fqn": f"layers.{i}.weight", "shape": shape, "dtype": "float32"})
-    return {"params": params, "units": [f"layers.{i}" for i in range(LAYERS)] + [""], "ignored": []}
 
 
 def save_worker(rank: int, store: str, out_dir: str) -> None:

@@ -39,7 +39,7 @@ import tempfile
 import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
-from benchlib import BIG, LAYERS, SMALL, Model, timed
+from benchlib import BIG, LAYERS, SMALL, Model, description, timed
 
 WORLD = 2
 
@@ -70,14 +70,6 @@ def save_worker(rank: int, store: str, out_dir: str, ref_path: str) -> None:
         torch.save(ref, ref_path)
     dist.barrier()
     dist.destroy_process_group()
-
-
-def description() -> dict:
-    params = []
-    for i in range(LAYERS):
-        shape = [BIG, SMALL] if i % 2 == 0 else [SMALL, BIG]
-        params.append({"fqn": f"layers.{i}.weight", "shape": shape, "dtype": "float32"})
-    return {"params": params, "units": [f"layers.{i}" for i in range(LAYERS)] + [""], "ignored": []}
 
 
 def main() -> None:

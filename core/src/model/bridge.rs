@@ -452,11 +452,6 @@ impl DeviceMeshSpec {
         })
     }
 
-    /// The mesh's shape.
-    pub fn shape(&self) -> &[u64] {
-        &self.shape
-    }
-
     /// This rank's coordinate on the mesh (row-major).
     pub fn coordinate(&self) -> Vec<u64> {
         let mut rest = self.rank;

@@ -3,7 +3,6 @@
 //! files on a 1-D or HSDP mesh ([`crate::convert::to_fsdp2`]), from FSDP1 or FSDP2 per-rank
 //! folders or any checkpoint of full tensors.
 
-use std::fmt::Write as _;
 use std::path::{Path, PathBuf};
 use std::process::ExitCode;
 
@@ -15,7 +14,7 @@ use shardscope_core::transform::Fsdp1Model;
 use shardscope_runner::fsdp1_local::{self, LayoutFlags};
 
 use crate::convert::fsdp2_ranks::{self, Detected};
-use crate::convert::to_fsdp1::{Fsdp1Target, to_fsdp1_local};
+use crate::convert::to_fsdp1::{Fsdp1Target, OutputFile, to_fsdp1_local};
 use crate::convert::to_fsdp2::{Fsdp2Target, to_fsdp2_ranks};
 
 use super::print_stdout;
@@ -182,43 +181,62 @@ pub fn run(args: &ReshardCliArgs) -> anyhow::Result<ExitCode> {
         bar.finish_and_clear();
     }
     let outputs = result?;
-    let written = outputs.len();
-    let text = if args.json {
-        let summary = serde_json::json!({
+    let from = if full_source {
+        "full tensors".to_owned()
+    } else {
+        format!(
+            "{} ranks, {}{}",
+            files.world_size,
+            files.model_pattern,
+            files
+                .optim_pattern
+                .as_ref()
+                .map_or(String::new(), |o| format!(" + {o}"))
+        )
+    };
+    let text = format!(
+        "resharded {} ({from}) to {} ranks: {} files in {}\n",
+        args.src.display(),
+        args.to_world_size,
+        outputs.len(),
+        args.dst.display()
+    );
+    let extra = serde_json::json!({
+        "model_files": files.model_pattern,
+        "optim_files": files.optim_pattern,
+    });
+    print_summary(args, &files, full_source, &outputs, extra, &text)
+}
+
+/// Prints what was written: with `--json` the fields every output reports, then `extra`'s (an
+/// object), then the files; `text` otherwise.
+fn print_summary(
+    args: &ReshardCliArgs,
+    files: &fsdp1_local::RankFiles,
+    full_source: bool,
+    outputs: &[OutputFile],
+    extra: serde_json::Value,
+    text: &str,
+) -> anyhow::Result<ExitCode> {
+    if args.json {
+        let mut summary = serde_json::json!({
             "source": args.src.display().to_string(),
             "output": args.dst.display().to_string(),
             "from_world_size": (!full_source).then_some(files.world_size),
             "to_world_size": args.to_world_size,
-            "model_files": files.model_pattern,
-            "optim_files": files.optim_pattern,
-            "files": outputs.iter().map(|f| serde_json::json!({"name": f.name, "bytes": f.bytes})).collect::<Vec<_>>(),
         });
-        format!("{}\n", serde_json::to_string_pretty(&summary)?)
+        if let (Some(summary), serde_json::Value::Object(extra)) = (summary.as_object_mut(), extra)
+        {
+            summary.extend(extra);
+        }
+        summary["files"] = outputs
+            .iter()
+            .map(|f| serde_json::json!({"name": f.name, "bytes": f.bytes}))
+            .collect();
+        print_stdout(&format!("{}\n", serde_json::to_string_pretty(&summary)?))?;
     } else {
-        let mut s = String::new();
-        let from = if full_source {
-            "full tensors".to_owned()
-        } else {
-            format!(
-                "{} ranks, {}{}",
-                files.world_size,
-                files.model_pattern,
-                files
-                    .optim_pattern
-                    .as_ref()
-                    .map_or(String::new(), |o| format!(" + {o}"))
-            )
-        };
-        let _ = writeln!(
-            s,
-            "resharded {} ({from}) to {} ranks: {written} files in {}",
-            args.src.display(),
-            args.to_world_size,
-            args.dst.display()
-        );
-        s
-    };
-    print_stdout(&text)?;
+        print_stdout(text)?;
+    }
     Ok(ExitCode::SUCCESS)
 }
 
@@ -278,28 +296,18 @@ fn write_fsdp2(
         [r, s] => format!("an HSDP mesh of {r} replicas x {s} shards"),
         _ => format!("a 1-D mesh of {} ranks", args.to_world_size),
     };
-    let text = if args.json {
-        let summary = serde_json::json!({
-            "source": args.src.display().to_string(),
-            "output": args.dst.display().to_string(),
-            "from_world_size": (!full_source).then_some(files.world_size),
-            "to_world_size": args.to_world_size,
-            "to_api": "fsdp2",
-            "mesh": mesh,
-            "mesh_dim_names": target.mesh_dim_names,
-            "files": outputs.iter().map(|f| serde_json::json!({"name": f.name, "bytes": f.bytes})).collect::<Vec<_>>(),
-        });
-        format!("{}\n", serde_json::to_string_pretty(&summary)?)
-    } else {
-        format!(
-            "resharded {} to FSDP2 on {mesh_text}: {} files in {}\n",
-            args.src.display(),
-            outputs.len(),
-            args.dst.display()
-        )
-    };
-    print_stdout(&text)?;
-    Ok(ExitCode::SUCCESS)
+    let text = format!(
+        "resharded {} to FSDP2 on {mesh_text}: {} files in {}\n",
+        args.src.display(),
+        outputs.len(),
+        args.dst.display()
+    );
+    let extra = serde_json::json!({
+        "to_api": "fsdp2",
+        "mesh": mesh,
+        "mesh_dim_names": target.mesh_dim_names,
+    });
+    print_summary(args, files, full_source, &outputs, extra, &text)
 }
 
 /// Flags that describe an FSDP1 per-rank input, refused for other inputs (`what` says which).

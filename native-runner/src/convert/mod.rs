@@ -277,11 +277,7 @@ impl<'a> Reader<'a> {
         range: std::ops::Range<u64>,
         buf: &mut Vec<u8>,
     ) -> Result<usize> {
-        let len = range
-            .end
-            .checked_sub(range.start)
-            .and_then(|n| usize::try_from(n).ok())
-            .with_context(|| format!("{}: a bad byte range {range:?}", entry.key))?;
+        let len = range_len(entry, &range)?;
         if len == 0 {
             return Ok(0);
         }
@@ -350,11 +346,7 @@ impl Reader<'_> {
         range: std::ops::Range<u64>,
         out: &mut Vec<u8>,
     ) -> Result<()> {
-        let len = range
-            .end
-            .checked_sub(range.start)
-            .and_then(|n| usize::try_from(n).ok())
-            .with_context(|| format!("{}: a bad byte range {range:?}", entry.key))?;
+        let len = range_len(entry, &range)?;
         if len == 0 {
             return Ok(());
         }
@@ -374,6 +366,16 @@ impl Reader<'_> {
         self.range_scratch = tmp;
         read.map(|_| ())
     }
+}
+
+/// The length of the byte range `range` of `entry`'s tensor, checked (`start <= end`, and it fits
+/// in memory).
+fn range_len(entry: &IndexEntry, range: &std::ops::Range<u64>) -> Result<usize> {
+    range
+        .end
+        .checked_sub(range.start)
+        .and_then(|n| usize::try_from(n).ok())
+        .with_context(|| format!("{}: a bad byte range {range:?}", entry.key))
 }
 
 /// A contiguous piece of a tensor's bytes in one file (see [`Reader::slab_pieces`]).

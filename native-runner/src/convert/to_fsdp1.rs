@@ -47,10 +47,12 @@ pub struct OutputFile {
     pub bytes: u64,
 }
 
-/// Where the bytes of one destination tensor come from.
+/// Where the bytes of one destination tensor come from (FSDP1 and FSDP2 files alike).
 pub(super) enum Fill {
     /// A whole logical tensor (buffers, unmanaged parameters, NO_SHARD files).
     Whole(String),
+    /// Rows `start..start + rows` (dim 0) of a logical tensor (an FSDP2 `Shard(0)` piece).
+    Rows { key: String, start: u64, rows: u64 },
     /// Rank `rank`'s unpadded shard of destination flat parameter `flat`.
     Shard { flat: usize, rank: u64 },
     /// Rank `rank`'s 1-D view of parameter `param` of flat parameter `flat` (`use_orig_params`).
@@ -79,6 +81,16 @@ pub(super) struct Parts<'i> {
     pub(super) states: HashMap<(&'i str, &'i str), &'i IndexEntry>,
     pub(super) state_order: Vec<&'i IndexEntry>,
     pub(super) groups: Vec<&'i IndexEntry>,
+}
+
+impl<'i> Parts<'i> {
+    /// The entry of the logical tensor `key`.
+    pub(super) fn entry(&self, key: &str) -> Result<&'i IndexEntry> {
+        self.by_key
+            .get(key)
+            .copied()
+            .with_context(|| format!("`{key}` is not in the checkpoint"))
+    }
 }
 
 pub(super) fn parts<'i>(index: &'i CheckpointIndex, model_prefix: &str) -> Parts<'i> {
@@ -251,7 +263,23 @@ fn optim_structure(reader: &mut Reader<'_>, parts: &Parts<'_>) -> Result<Dict> {
             d.insert(Key::Str(name.clone()), node);
         }
     }
-    let mut groups: Vec<Dict> = Vec::new();
+    let groups = param_groups(parts, value_node)?
+        .into_iter()
+        .map(|g| Node::Dict(g.into_iter().map(|(k, v)| (Key::Str(k), v)).collect()))
+        .collect();
+    let mut full = Dict::new();
+    full.insert(Key::str("state"), Node::Dict(state));
+    full.insert(Key::str("param_groups"), Node::List(groups));
+    Ok(full)
+}
+
+/// The optimizer's parameter groups: per group, its keys with `value` of their entries, in stored
+/// order.
+pub(super) fn param_groups<'i, T>(
+    parts: &Parts<'i>,
+    mut value: impl FnMut(&'i IndexEntry) -> Result<T>,
+) -> Result<Vec<Vec<(String, T)>>> {
+    let mut groups: Vec<Vec<(String, T)>> = Vec::new();
     for e in &parts.groups {
         let Some(Role::ParamGroup { group }) = &e.role else {
             continue;
@@ -263,17 +291,11 @@ fn optim_structure(reader: &mut Reader<'_>, parts: &Parts<'_>) -> Result<Dict> {
             if g > parts.groups.len() {
                 bail!("`{}`: parameter group {g} out of range", e.key);
             }
-            groups.resize_with(g + 1, Dict::new);
+            groups.resize_with(g + 1, Vec::new);
         }
-        groups[g].insert(Key::Str(k.clone()), value_node(e)?);
+        groups[g].push((k.clone(), value(e)?));
     }
-    let mut full = Dict::new();
-    full.insert(Key::str("state"), Node::Dict(state));
-    full.insert(
-        Key::str("param_groups"),
-        Node::List(groups.into_iter().map(Node::Dict).collect()),
-    );
-    Ok(full)
+    Ok(groups)
 }
 
 /// Every tensor of `local` (a raw optimizer state dict) by its writer path: bytes it has, or the
@@ -314,15 +336,7 @@ struct Filler<'r, 'i> {
     dst_params: &'r [ParamRef],
 }
 
-impl<'i> Filler<'_, 'i> {
-    fn entry(&self, key: &str) -> Result<&'i IndexEntry> {
-        self.parts
-            .by_key
-            .get(key)
-            .copied()
-            .with_context(|| format!("`{key}` is not in the checkpoint"))
-    }
-
+impl Filler<'_, '_> {
     /// Elements `[start, start + len)` of the logical tensor `key`, as `dtype`, appended to `out`.
     fn append(
         &mut self,
@@ -335,7 +349,7 @@ impl<'i> Filler<'_, 'i> {
         if len == 0 {
             return Ok(());
         }
-        let e = self.entry(key)?;
+        let e = self.parts.entry(key)?;
         let item = dtype.size_bytes() as u64;
         let range = start
             .checked_mul(item)
@@ -348,16 +362,8 @@ impl<'i> Filler<'_, 'i> {
     fn bytes(&mut self, fill: &Fill, mut out: Vec<u8>) -> Result<Vec<u8>> {
         out.clear();
         match fill {
-            Fill::Bytes(b) => {
-                out.extend_from_slice(b);
-                Ok(out)
-            }
-            Fill::Whole(key) => {
-                let e = self.entry(key)?;
-                let dtype = e.dtype.context("a tensor without dtype")?;
-                let n = self.reader.tensor_as(e, dtype, &mut out)?;
-                out.truncate(n);
-                Ok(out)
+            Fill::Whole(_) | Fill::Rows { .. } | Fill::Bytes(_) => {
+                plain_bytes(self.reader, self.parts, fill, out)
             }
             Fill::Shard { flat, rank } => {
                 let fp = self.dst.flat(*flat);
@@ -436,6 +442,47 @@ impl<'i> Filler<'_, 'i> {
                 }
                 Ok(out)
             }
+        }
+    }
+}
+
+/// The bytes of `fill` when it needs no destination layout (`Whole`, `Rows`, `Bytes`), in `out`
+/// (empty; its capacity is reused).
+pub(super) fn plain_bytes(
+    reader: &mut Reader<'_>,
+    parts: &Parts<'_>,
+    fill: &Fill,
+    mut out: Vec<u8>,
+) -> Result<Vec<u8>> {
+    out.clear();
+    match fill {
+        Fill::Bytes(b) => {
+            out.extend_from_slice(b);
+            Ok(out)
+        }
+        Fill::Whole(key) => {
+            let e = parts.entry(key)?;
+            let dtype = e.dtype.context("a tensor without dtype")?;
+            let n = reader.tensor_as(e, dtype, &mut out)?;
+            out.truncate(n);
+            Ok(out)
+        }
+        Fill::Rows { key, start, rows } => {
+            let e = parts.entry(key)?;
+            let t = structure(e)?;
+            let row_bytes = t.shape[1..]
+                .iter()
+                .try_fold(t.dtype.size_bytes() as u64, |acc, &d| acc.checked_mul(d))
+                .with_context(|| format!("`{key}`: tensor size overflows"))?;
+            let range = start
+                .checked_mul(row_bytes)
+                .and_then(|a| Some(a..a.checked_add(rows.checked_mul(row_bytes)?)?))
+                .with_context(|| format!("`{key}`: tensor size overflows"))?;
+            reader.append_range_as(e, t.dtype, range, &mut out)?;
+            Ok(out)
+        }
+        Fill::Shard { .. } | Fill::View { .. } | Fill::State { .. } => {
+            bail!("a tensor of the FSDP1 destination layout, filled without it")
         }
     }
 }

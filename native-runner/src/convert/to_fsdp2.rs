@@ -18,11 +18,12 @@ use shardscope_core::model::ModelDescription;
 use shardscope_core::model::bridge::{DeviceMeshSpec, RootDict};
 use shardscope_core::model::index::{EntryKind, IndexEntry, PathSeg, Role};
 use shardscope_core::model::tree::{Dict, DistKind, DistTensor, Key, Node, Tensor};
-use shardscope_runner::fsdp1_local::lazy;
+use shardscope_runner::fsdp1_local::{Fsdp1LocalError, lazy};
 
 use super::Reader;
 use super::to_fsdp1::{
-    OutputFile, Parts, entry_node, fill_error, parts, structure, value_node, write_file,
+    Fill, OutputFile, Parts, entry_node, fill_error, param_groups, parts, plain_bytes, structure,
+    value_node, write_file,
 };
 
 /// The destination: the mesh and the file names (`{r}` for the rank).
@@ -55,16 +56,6 @@ impl Fsdp2Target<'_> {
             }
         })
     }
-}
-
-/// Where the bytes of one destination tensor come from.
-enum Fill {
-    /// A whole logical tensor.
-    Whole(String),
-    /// Rows `start..start + rows` (dim 0) of a logical tensor.
-    Rows { key: String, start: u64, rows: u64 },
-    /// Bytes known already (0-d states).
-    Bytes(Vec<u8>),
 }
 
 /// Rows of dim 0 that shard `index` of `shards` holds: `torch.chunk`'s split, as FSDP2 shards
@@ -141,12 +132,7 @@ fn model_skeleton(
             fills.insert(path, fill);
             node
         } else {
-            let mut whole = HashMap::new();
-            let node = entry_node(e, path.clone(), &mut whole)?;
-            if let Some(super::to_fsdp1::Fill::Whole(key)) = whole.remove(&path) {
-                fills.insert(path, Fill::Whole(key));
-            }
-            node
+            entry_node(e, path, fills)?
         };
         out.insert(Key::Str(name.clone()), node);
     }
@@ -164,22 +150,7 @@ struct Optim<'i> {
 }
 
 fn optim<'i>(parts: &Parts<'i>) -> Result<Optim<'i>> {
-    let mut groups: Vec<Vec<(String, &IndexEntry)>> = Vec::new();
-    for e in &parts.groups {
-        let Some(Role::ParamGroup { group }) = &e.role else {
-            continue;
-        };
-        let (Ok(g), Some(PathSeg::Key(k))) = (usize::try_from(*group), e.path.last()) else {
-            bail!("`{}`: not a key of a parameter group", e.key);
-        };
-        if g >= groups.len() {
-            if g > parts.groups.len() {
-                bail!("`{}`: parameter group {g} out of range", e.key);
-            }
-            groups.resize_with(g + 1, Vec::new);
-        }
-        groups[g].push((k.clone(), *e));
-    }
+    let groups = param_groups(parts, Ok)?;
     let mut ids = Vec::new();
     for (g, group) in groups.iter().enumerate() {
         let (_, params) = group
@@ -300,50 +271,6 @@ fn optim_skeleton(
     Ok(out)
 }
 
-/// The bytes of `fill`, in `out` (empty; its capacity is reused).
-fn bytes(
-    reader: &mut Reader<'_>,
-    parts: &Parts<'_>,
-    fill: &Fill,
-    mut out: Vec<u8>,
-) -> Result<Vec<u8>> {
-    out.clear();
-    let entry = |key: &str| {
-        parts
-            .by_key
-            .get(key)
-            .copied()
-            .with_context(|| format!("`{key}` is not in the checkpoint"))
-    };
-    match fill {
-        Fill::Bytes(b) => {
-            out.extend_from_slice(b);
-            Ok(out)
-        }
-        Fill::Whole(key) => {
-            let e = entry(key)?;
-            let dtype = e.dtype.context("a tensor without dtype")?;
-            let n = reader.tensor_as(e, dtype, &mut out)?;
-            out.truncate(n);
-            Ok(out)
-        }
-        Fill::Rows { key, start, rows } => {
-            let e = entry(key)?;
-            let t = structure(e)?;
-            let row_bytes = t.shape[1..]
-                .iter()
-                .try_fold(t.dtype.size_bytes() as u64, |acc, &d| acc.checked_mul(d))
-                .with_context(|| format!("`{key}`: tensor size overflows"))?;
-            let range = start
-                .checked_mul(row_bytes)
-                .and_then(|a| Some(a..a.checked_add(rows.checked_mul(row_bytes)?)?))
-                .with_context(|| format!("`{key}`: tensor size overflows"))?;
-            reader.append_range_as(e, t.dtype, range, &mut out)?;
-            Ok(out)
-        }
-    }
-}
-
 /// Writes `target`'s per-rank files into `out_dir` (which the caller makes appear atomically)
 /// from the index (parameters and buffers under `model_prefix`, FQN-keyed optimizer state).
 pub fn to_fsdp2_ranks(
@@ -387,12 +314,7 @@ pub fn to_fsdp2_ranks(
                 RootDict::Ordered,
                 &mesh,
                 &pool,
-                |path, buf| {
-                    let f = fills
-                        .get(path)
-                        .ok_or_else(|| fill_error(format!("no source for the tensor at {path}")))?;
-                    bytes(reader, &parts, f, buf).map_err(|e| fill_error(format!("{path}: {e:#}")))
-                },
+                |path, buf| fill(reader, &parts, &fills, path, buf),
             )
         })?);
         if let Some((pattern, o)) = &optim {
@@ -406,18 +328,26 @@ pub fn to_fsdp2_ranks(
                     RootDict::Plain,
                     &mesh,
                     &pool,
-                    |path, buf| {
-                        let f = fills.get(path).ok_or_else(|| {
-                            fill_error(format!("no source for the tensor at {path}"))
-                        })?;
-                        bytes(reader, &parts, f, buf)
-                            .map_err(|e| fill_error(format!("{path}: {e:#}")))
-                    },
+                    |path, buf| fill(reader, &parts, &fills, path, buf),
                 )
             })?);
         }
     }
     Ok(written)
+}
+
+/// The bytes of the tensor at writer path `path`, in `buf`.
+fn fill(
+    reader: &mut Reader<'_>,
+    parts: &Parts<'_>,
+    fills: &HashMap<String, Fill>,
+    path: &str,
+    buf: Vec<u8>,
+) -> std::result::Result<Vec<u8>, Fsdp1LocalError> {
+    let f = fills
+        .get(path)
+        .ok_or_else(|| fill_error(format!("no source for the tensor at {path}")))?;
+    plain_bytes(reader, parts, f, buf).map_err(|e| fill_error(format!("{path}: {e:#}")))
 }
 
 #[cfg(test)]
