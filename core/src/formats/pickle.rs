@@ -466,8 +466,8 @@ pub struct ObjRef<'a> {
 
 impl<'a> PyRef<'a> {
     fn node(&self) -> Option<&'a Node> {
-        match self.val {
-            Val::Ref(i) => self.arena.nodes.nodes.get(i),
+        match self.val.get() {
+            V::Ref(i) => self.arena.nodes.nodes.get(i),
             _ => None,
         }
     }
@@ -481,7 +481,7 @@ impl<'a> PyRef<'a> {
 
     /// True for Python `None`.
     pub fn is_none(&self) -> bool {
-        matches!(self.val, Val::None)
+        self.val == Val::NONE
     }
 
     /// The string, if this is one.
@@ -494,10 +494,14 @@ impl<'a> PyRef<'a> {
 
     /// The integer (or bool), if this is one.
     pub fn as_i64(&self) -> Option<i64> {
-        match self.val {
-            Val::Int(i) => Some(i),
-            Val::Bool(b) => Some(i64::from(b)),
-            _ => None,
+        match self.val.get() {
+            V::Int(i) => Some(i),
+            V::Bool(b) => Some(i64::from(b)),
+            V::Ref(_) => match self.node()? {
+                Node::Int(i) => Some(*i),
+                _ => None,
+            },
+            V::None => None,
         }
     }
 
@@ -578,15 +582,15 @@ impl<'a> PyRef<'a> {
     /// A short description for error messages.
     pub fn type_name(&self) -> String {
         match self.node() {
-            None => match self.val {
-                Val::None => "None".into(),
-                Val::Bool(_) => "bool".into(),
-                Val::Int(_) => "int".into(),
-                _ => "float".into(),
+            None => match self.val.get() {
+                V::Bool(_) => "bool".into(),
+                V::Int(_) => "int".into(),
+                V::None | V::Ref(_) => "None".into(),
             },
+            Some(Node::Int(_) | Node::BigInt(_)) => "int".into(),
+            Some(Node::Float(_)) => "float".into(),
             Some(Node::Str(_)) => "str".into(),
             Some(Node::Bytes(_)) => "bytes".into(),
-            Some(Node::BigInt(_)) => "int".into(),
             Some(Node::Tuple(_)) => "tuple".into(),
             Some(Node::Seq(SeqKind::List, _)) => "list".into(),
             Some(Node::Dict(_)) => "dict".into(),
@@ -629,7 +633,7 @@ impl<'a> ObjRef<'a> {
 
     /// The `BUILD` state.
     pub fn state(&self) -> Option<PyRef<'a>> {
-        self.node.state.map(|s| self.at(s))
+        self.node.state.present().map(|s| self.at(s))
     }
 
     /// `name` in a dict state or the slot dict of a `(dict, slots)` state.
@@ -650,13 +654,64 @@ impl<'a> ObjRef<'a> {
 // ---------------------------------------------------------------------------------------------
 // Pass 1: the machine.
 
-#[derive(Debug, Clone, Copy, PartialEq)]
-enum Val {
+/// A pass-1 value in 8 bytes (the memo, the pools and the object records hold millions of them
+/// in a large `.metadata`): the low 3 bits say what it is, the rest holds it. Integers outside
+/// ±2^60 and floats are nodes ([`Node::Int`], [`Node::Float`]).
+#[derive(Clone, Copy, PartialEq, Eq)]
+struct Val(u64);
+
+/// What a [`Val`] holds.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+enum V {
     None,
     Bool(bool),
     Int(i64),
-    Float(f64),
     Ref(usize),
+}
+
+impl Val {
+    const TAG_BITS: u32 = 3;
+    const NONE: Val = Val(0);
+    const FALSE: Val = Val(1);
+    const TRUE: Val = Val(1 | 1 << Self::TAG_BITS);
+    const INT: u64 = 2;
+    const REF: u64 = 3;
+    /// Never made from input: an empty memo slot, an object without `BUILD` state.
+    const MISSING: Val = Val(7);
+
+    /// `i` inline, when it fits in 61 bits.
+    fn small_int(i: i64) -> Option<Val> {
+        let packed = i.wrapping_shl(Self::TAG_BITS);
+        (packed >> Self::TAG_BITS == i).then_some(Val(packed as u64 | Self::INT))
+    }
+
+    /// A node index (nodes are bounded by the input's length, far below 2^61).
+    fn reference(i: usize) -> Val {
+        Val((i as u64) << Self::TAG_BITS | Self::REF)
+    }
+
+    fn get(self) -> V {
+        match self.0 & 7 {
+            1 => V::Bool(self.0 >> Self::TAG_BITS != 0),
+            Self::INT => V::Int((self.0 as i64) >> Self::TAG_BITS),
+            Self::REF => V::Ref((self.0 >> Self::TAG_BITS) as usize),
+            _ => V::None,
+        }
+    }
+
+    /// `None` for [`Val::MISSING`].
+    fn present(self) -> Option<Val> {
+        (self != Val::MISSING).then_some(self)
+    }
+}
+
+impl std::fmt::Debug for Val {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        match self.present() {
+            Some(v) => v.get().fmt(f),
+            None => f.write_str("Missing"),
+        }
+    }
 }
 
 /// A run of values in [`Arena::vals`] (tuples never change after they are built, so their items
@@ -692,6 +747,9 @@ enum SeqKind {
 
 #[derive(Debug)]
 enum Node {
+    /// An integer outside ±2^60 (smaller ones are [`Val`]s).
+    Int(i64),
+    Float(f64),
     /// A run of [`Arena::text`].
     Str(Span),
     /// A run of [`Arena::blob`].
@@ -756,8 +814,8 @@ impl Arena {
 
     /// The string `v` names, if it is one.
     fn str_of(&self, v: Val) -> Option<&str> {
-        match v {
-            Val::Ref(i) => match self.nodes.get(i)? {
+        match v.get() {
+            V::Ref(i) => match self.nodes.get(i)? {
                 Node::Str(span) => Some(self.str(*span)),
                 _ => None,
             },
@@ -805,7 +863,8 @@ fn extend_items<T: Copy>(
 struct ObjNode {
     callable: Val,
     args: Val,
-    state: Option<Val>,
+    /// [`Val::MISSING`] until `BUILD`.
+    state: Val,
     /// `NEWOBJ_EX` keyword arguments and `APPENDS`/`SETITEMS` on the object (an `OrderedDict`, a
     /// `defaultdict`): rare, so boxed.
     items: Option<Box<ObjItems>>,
@@ -846,7 +905,7 @@ enum Slot {
 fn slot_val(s: &Slot) -> Val {
     match s {
         Slot::V(v) => *v,
-        Slot::Mark => Val::None,
+        Slot::Mark => Val::NONE,
     }
 }
 
@@ -899,7 +958,8 @@ struct Machine<'a> {
     arena: Arena,
     stack: Vec<Slot>,
     /// Memo slots by index (torch and Python number them densely from 0).
-    memo: Vec<Option<Val>>,
+    /// [`Val::MISSING`] where nothing was put.
+    memo: Vec<Val>,
     memo_len: usize,
     /// The one `()` node: tuples never change, and `NEWOBJ` takes `()` for every object.
     empty_tuple: Option<Val>,
@@ -989,7 +1049,7 @@ impl<'a> Machine<'a> {
             });
         }
         self.arena.nodes.push(node);
-        Ok(Val::Ref(self.arena.nodes.len() - 1))
+        Ok(Val::reference(self.arena.nodes.len() - 1))
     }
 
     fn push(&mut self, v: Val) -> Result<(), PickleError> {
@@ -1046,7 +1106,7 @@ impl<'a> Machine<'a> {
         if let Some(n @ 1..=3) = n
             && let Some(first) = self.stack.len().checked_sub(n)
         {
-            let mut items = [Val::None; 3];
+            let mut items = [Val::NONE; 3];
             let mut plain = true;
             for (dst, s) in items.iter_mut().zip(&self.stack[first..]) {
                 match s {
@@ -1094,7 +1154,7 @@ impl<'a> Machine<'a> {
         }
         self.arena.vals.extend(items.iter().map(|s| match s {
             Slot::V(v) => *v,
-            Slot::Mark => Val::None, // checked above
+            Slot::Mark => Val::NONE, // checked above
         }));
         self.stack.truncate(drop_from);
         let len = self.arena.vals.len() - start;
@@ -1112,7 +1172,7 @@ impl<'a> Machine<'a> {
             .drain(mark + 1..)
             .map(|s| match s {
                 Slot::V(v) => v,
-                Slot::Mark => Val::None, // unreachable: `mark` is the last mark
+                Slot::Mark => Val::NONE, // unreachable: `mark` is the last mark
             })
             .collect();
         self.stack.truncate(mark);
@@ -1122,7 +1182,7 @@ impl<'a> Machine<'a> {
     fn memo_put(&mut self, index: u64, v: Val) -> Result<(), PickleError> {
         // The usual case first: the next index in order.
         if index == self.memo.len() as u64 && self.memo.len() < self.limits.max_memo {
-            self.memo.push(Some(v));
+            self.memo.push(v);
             self.memo_len += 1;
             return Ok(());
         }
@@ -1135,23 +1195,21 @@ impl<'a> Machine<'a> {
                 what: "memo entries",
                 limit: self.limits.max_memo,
             })?;
-        if slot == self.memo.len() {
-            // The usual case: indices are handed out in order.
-            self.memo.push(None);
-        } else if slot > self.memo.len() {
-            self.memo.resize(slot + 1, None);
+        if slot >= self.memo.len() {
+            self.memo.resize(slot + 1, Val::MISSING);
         }
-        if self.memo[slot].is_none() {
+        if self.memo[slot] == Val::MISSING {
             self.memo_len += 1;
         }
-        self.memo[slot] = Some(v);
+        // `v` comes from the stack: never `MISSING`.
+        self.memo[slot] = v;
         Ok(())
     }
 
     fn memo_get(&mut self, index: u64, at: usize) -> Result<(), PickleError> {
         let v = usize::try_from(index)
             .ok()
-            .and_then(|i| self.memo.get(i).copied().flatten())
+            .and_then(|i| self.memo.get(i).copied()?.present())
             .ok_or(PickleError::MissingMemo { index, offset: at })?;
         self.push(v)
     }
@@ -1192,13 +1250,13 @@ impl<'a> Machine<'a> {
 
     fn long(&mut self, bytes: &[u8]) -> Result<Val, PickleError> {
         if bytes.is_empty() {
-            return Ok(Val::Int(0));
+            return self.int(0);
         }
         if bytes.len() <= 8 {
             let negative = bytes[bytes.len() - 1] & 0x80 != 0;
             let mut buf = if negative { [0xffu8; 8] } else { [0u8; 8] };
             buf[..bytes.len()].copy_from_slice(bytes);
-            return Ok(Val::Int(i64::from_le_bytes(buf)));
+            return self.int(i64::from_le_bytes(buf));
         }
         let span = self.blob_span(bytes);
         self.alloc(Node::BigInt(span))
@@ -1206,8 +1264,8 @@ impl<'a> Machine<'a> {
 
     /// The arena index of the container `target` names.
     fn container(target: Val, at: usize) -> Result<usize, PickleError> {
-        match target {
-            Val::Ref(i) => Ok(i),
+        match target.get() {
+            V::Ref(i) => Ok(i),
             _ => Err(PickleError::WrongType {
                 offset: at,
                 what: "cannot add items to a scalar".into(),
@@ -1294,7 +1352,7 @@ impl<'a> Machine<'a> {
         self.arena.objects.push(ObjNode {
             callable,
             args,
-            state: None,
+            state: Val::MISSING,
             items: kwargs.map(|kwargs| {
                 Box::new(ObjItems {
                     kwargs: Some(kwargs),
@@ -1350,22 +1408,25 @@ impl<'a> Machine<'a> {
                     let v = self.top(op, at)?;
                     self.push(v)?;
                 }
-                b'N' => self.push(Val::None)?,
-                0x88 => self.push(Val::Bool(true))?,
-                0x89 => self.push(Val::Bool(false))?,
+                b'N' => self.push(Val::NONE)?,
+                0x88 => self.push(Val::TRUE)?,
+                0x89 => self.push(Val::FALSE)?,
                 // BININT, BININT1, BININT2
                 b'J' => {
                     let b = self.take(4)?;
                     let v = i32::from_le_bytes([b[0], b[1], b[2], b[3]]);
-                    self.push(Val::Int(i64::from(v)))?;
+                    let v = self.int(i64::from(v))?;
+                    self.push(v)?;
                 }
                 b'K' => {
                     let v = self.u8()?;
-                    self.push(Val::Int(i64::from(v)))?;
+                    let v = self.int(i64::from(v))?;
+                    self.push(v)?;
                 }
                 b'M' => {
                     let v = self.uint(2)?;
-                    self.push(Val::Int(v as i64))?;
+                    let v = self.int(v as i64)?;
+                    self.push(v)?;
                 }
                 // LONG1, LONG4
                 0x8a => {
@@ -1385,12 +1446,15 @@ impl<'a> Machine<'a> {
                     let line = self.line()?;
                     let text = line.trim_end_matches('L');
                     let v = match text {
-                        "00" => Val::Bool(false),
-                        "01" => Val::Bool(true),
-                        _ => Val::Int(text.parse::<i64>().map_err(|_| PickleError::BadText {
-                            offset: at,
-                            what: format!("integer {text:?}"),
-                        })?),
+                        "00" => Val::FALSE,
+                        "01" => Val::TRUE,
+                        _ => {
+                            let i = text.parse::<i64>().map_err(|_| PickleError::BadText {
+                                offset: at,
+                                what: format!("integer {text:?}"),
+                            })?;
+                            self.int(i)?
+                        }
                     };
                     self.push(v)?;
                 }
@@ -1399,7 +1463,8 @@ impl<'a> Machine<'a> {
                     let b = self.take(8)?;
                     let mut a = [0u8; 8];
                     a.copy_from_slice(b);
-                    self.push(Val::Float(f64::from_be_bytes(a)))?;
+                    let v = self.alloc(Node::Float(f64::from_be_bytes(a)))?;
+                    self.push(v)?;
                 }
                 // FLOAT (text)
                 b'F' => {
@@ -1408,7 +1473,8 @@ impl<'a> Machine<'a> {
                         offset: at,
                         what: format!("float {line:?}"),
                     })?;
-                    self.push(Val::Float(v))?;
+                    let v = self.alloc(Node::Float(v))?;
+                    self.push(v)?;
                 }
                 // SHORT_BINUNICODE, BINUNICODE, BINUNICODE8
                 0x8c => {
@@ -1560,7 +1626,7 @@ impl<'a> Machine<'a> {
                     let target = self.top(op, at)?;
                     let i = Self::container(target, at)?;
                     match &self.arena.nodes[i] {
-                        Node::Object(o) => self.arena.objects[*o].state = Some(state),
+                        Node::Object(o) => self.arena.objects[*o].state = state,
                         _ => {
                             return Err(PickleError::WrongType {
                                 offset: at,
@@ -1637,6 +1703,14 @@ impl<'a> Machine<'a> {
         self.arena.str_of(v).map(str::to_owned)
     }
 
+    /// An integer value: inline when it fits, else a node.
+    fn int(&mut self, i: i64) -> Result<Val, PickleError> {
+        match Val::small_int(i) {
+            Some(v) => Ok(v),
+            None => self.alloc(Node::Int(i)),
+        }
+    }
+
     const EMPTY: Items = Items::Pooled(Span { start: 0, len: 0 });
 
     /// `LIST`/`FROZENSET`: the values above the topmost mark, straight into the pool.
@@ -1711,12 +1785,13 @@ impl Converter<'_> {
             });
         }
         let next = depth + 1;
-        Ok(match val {
-            Val::None => PyValue::None,
-            Val::Bool(b) => PyValue::Bool(b),
-            Val::Int(i) => PyValue::Int(i),
-            Val::Float(f) => PyValue::Float(f),
-            Val::Ref(i) => match &self.arena.nodes[i] {
+        Ok(match val.get() {
+            V::None => PyValue::None,
+            V::Bool(b) => PyValue::Bool(b),
+            V::Int(i) => PyValue::Int(i),
+            V::Ref(i) => match &self.arena.nodes[i] {
+                Node::Int(i) => PyValue::Int(*i),
+                Node::Float(f) => PyValue::Float(*f),
                 Node::Str(span) => {
                     self.charge(0, span.len)?;
                     PyValue::Str(self.arena.str(*span).to_owned())
@@ -1775,8 +1850,8 @@ impl Converter<'_> {
                         },
                         None => Vec::new(),
                     };
-                    let state = match state {
-                        Some(s) => Some(self.value(*s, next)?),
+                    let state = match state.present() {
+                        Some(s) => Some(self.value(s, next)?),
                         None => None,
                     };
                     let obj = PyObject {
@@ -2319,6 +2394,42 @@ mod tests {
         assert_eq!(items[3].type_name(), "list");
         assert_eq!(items[4].type_name(), "set");
         assert_eq!(items[8].items().unwrap().len(), 0);
+    }
+
+    #[test]
+    fn integers_at_the_edges_of_the_inline_range() {
+        // pickle.dumps((2**60-1, 2**60, -2**60, -2**60-1, 2**63-1, -2**63, 1.5, True, False,
+        //               None, 0, -1, 255, 65535, 2**31-1, -2**31), protocol=2)
+        let data = b"\x80\x02(\x8a\x08\xff\xff\xff\xff\xff\xff\xff\x0f\x8a\x08\x00\x00\x00\x00\x00\x00\x00\x10\x8a\x08\x00\x00\x00\x00\x00\x00\x00\xf0\x8a\x08\xff\xff\xff\xff\xff\xff\xff\xef\x8a\x08\xff\xff\xff\xff\xff\xff\xff\x7f\x8a\x08\x00\x00\x00\x00\x00\x00\x00\x80G?\xf8\x00\x00\x00\x00\x00\x00\x88\x89NK\x00J\xff\xff\xff\xffK\xffM\xff\xffJ\xff\xff\xff\x7fJ\x00\x00\x00\x80tq\x00.";
+        let ints: [i64; 6] = [
+            (1 << 60) - 1,
+            1 << 60,
+            -(1 << 60),
+            -(1 << 60) - 1,
+            i64::MAX,
+            i64::MIN,
+        ];
+        let mut want: Vec<PyValue> = ints.iter().map(|&i| PyValue::Int(i)).collect();
+        want.extend([
+            PyValue::Float(1.5),
+            PyValue::Bool(true),
+            PyValue::Bool(false),
+            PyValue::None,
+        ]);
+        let small: [i64; 6] = [0, -1, 255, 65535, (1 << 31) - 1, -(1 << 31)];
+        want.extend(small.iter().map(|&i| PyValue::Int(i)));
+        assert_eq!(parse(data).unwrap(), PyValue::Tuple(want));
+        let arena = parse_arena(data).unwrap();
+        let items: Vec<PyRef<'_>> = arena.root().items().unwrap().collect();
+        for (i, want) in ints.iter().enumerate() {
+            assert_eq!(items[i].as_i64(), Some(*want), "item {i}");
+            assert_eq!(items[i].type_name(), "int");
+        }
+        assert_eq!(items[6].as_i64(), None);
+        assert_eq!(items[6].type_name(), "float");
+        assert_eq!(items[7].as_i64(), Some(1));
+        assert!(items[9].is_none() && !items[10].is_none());
+        assert_eq!(items[11].as_i64(), Some(-1));
     }
 
     #[test]
