@@ -317,8 +317,9 @@ fn tensor_meta(key: &str, o: ObjRef<'_>) -> Result<ItemMeta, DcpError> {
     let mut chunks = Vec::with_capacity(chunk_list.len());
     for c in chunk_list {
         let c = as_object(c, "ChunkStorageMetadata")?;
-        let offsets = dims(c.attr("offsets"), || format!("{key}: chunk offsets"))?;
-        let sizes = dims(c.attr("sizes"), || format!("{key}: chunk sizes"))?;
+        let [offsets, sizes] = c.attrs(["offsets", "sizes"]);
+        let offsets = dims(offsets, || format!("{key}: chunk offsets"))?;
+        let sizes = dims(sizes, || format!("{key}: chunk sizes"))?;
         if offsets.len() != size.len() || sizes.len() != size.len() {
             return Err(malformed(format!(
                 "{key}: chunk offsets {offsets:?} / sizes {sizes:?} do not match the {}-dim size",
@@ -336,19 +337,19 @@ fn tensor_meta(key: &str, o: ObjRef<'_>) -> Result<ItemMeta, DcpError> {
 
 fn storage_index(v: PyRef<'_>) -> Result<StorageIndex, DcpError> {
     let o = as_object(v, "MetadataIndex")?;
-    let fqn = o
-        .attr("fqn")
+    let [fqn, offset, index] = o.attrs(["fqn", "offset", "index"]);
+    let fqn = fqn
         .and_then(|f| f.as_str())
         .ok_or_else(|| malformed("MetadataIndex without fqn"))?
         .to_owned();
-    let offset = match o.attr("offset") {
+    let offset = match offset {
         None => None,
         Some(x) if x.is_none() => None,
         Some(x) => Some(x.as_dims().ok_or_else(|| {
             malformed(format!("MetadataIndex({fqn}).offset is not a torch.Size"))
         })?),
     };
-    let index = match o.attr("index") {
+    let index = match index {
         None => None,
         Some(x) if x.is_none() => None,
         Some(x) => Some(u64_of(Some(x), "MetadataIndex.index")?),
@@ -358,8 +359,9 @@ fn storage_index(v: PyRef<'_>) -> Result<StorageIndex, DcpError> {
 
 fn storage_info(v: PyRef<'_>) -> Result<StorageInfo, DcpError> {
     let o = as_object(v, "_StorageInfo")?;
-    let relative_path = o
-        .attr("relative_path")
+    let [relative_path, offset, length, transforms] =
+        o.attrs(["relative_path", "offset", "length", "transform_descriptors"]);
+    let relative_path = relative_path
         .and_then(|p| p.as_str())
         .ok_or_else(|| malformed("_StorageInfo without relative_path"))?
         .to_owned();
@@ -368,7 +370,7 @@ fn storage_info(v: PyRef<'_>) -> Result<StorageInfo, DcpError> {
             "_StorageInfo.relative_path {relative_path:?} leaves the checkpoint folder"
         )));
     }
-    let transforms = match o.attr("transform_descriptors") {
+    let transforms = match transforms {
         None => Vec::new(),
         Some(t) if t.is_none() => Vec::new(),
         Some(t) => t
@@ -385,8 +387,8 @@ fn storage_info(v: PyRef<'_>) -> Result<StorageInfo, DcpError> {
             })?,
     };
     Ok(StorageInfo {
-        offset: u64_of(o.attr("offset"), "_StorageInfo.offset")?,
-        length: u64_of(o.attr("length"), "_StorageInfo.length")?,
+        offset: u64_of(offset, "_StorageInfo.offset")?,
+        length: u64_of(length, "_StorageInfo.length")?,
         transforms,
         relative_path,
     })

@@ -636,6 +636,37 @@ impl<'a> ObjRef<'a> {
         self.node.state.present().map(|s| self.at(s))
     }
 
+    /// Several attributes in one pass over the state: `attrs(["a", "b"])` is
+    /// `[attr("a"), attr("b")]` (the hot records of a large `.metadata` are read this way).
+    pub fn attrs<const N: usize>(&self, names: [&str; N]) -> [Option<PyRef<'a>>; N] {
+        let mut found = [None; N];
+        let Some(state) = self.state() else {
+            return found;
+        };
+        let mut scan = |d: PyRef<'a>| {
+            let Some(pairs) = d.dict_items() else {
+                return false;
+            };
+            for (k, v) in pairs {
+                let Some(k) = k.as_str() else { continue };
+                for (slot, name) in found.iter_mut().zip(names) {
+                    if slot.is_none() && k == name {
+                        *slot = Some(v);
+                    }
+                }
+            }
+            true
+        };
+        if !scan(state)
+            && let Some(parts) = state.items()
+        {
+            for part in parts {
+                scan(part);
+            }
+        }
+        found
+    }
+
     /// `name` in a dict state or the slot dict of a `(dict, slots)` state.
     pub fn attr(&self, name: &str) -> Option<PyRef<'a>> {
         let state = self.state()?;
