@@ -1029,6 +1029,7 @@ impl<'a> Machine<'a> {
         }
     }
 
+    #[inline]
     fn take(&mut self, n: u64) -> Result<&'a [u8], PickleError> {
         let remaining = (self.data.len() - self.pos) as u64;
         if n > remaining {
@@ -1043,10 +1044,12 @@ impl<'a> Machine<'a> {
         Ok(s)
     }
 
+    #[inline]
     fn u8(&mut self) -> Result<u8, PickleError> {
         Ok(self.take(1)?[0])
     }
 
+    #[inline]
     fn uint(&mut self, n: usize) -> Result<u64, PickleError> {
         let b = self.take(n as u64)?;
         Ok(b.iter()
@@ -1070,6 +1073,7 @@ impl<'a> Machine<'a> {
         })
     }
 
+    #[inline]
     fn alloc(&mut self, node: Node) -> Result<Val, PickleError> {
         // Every node-creating opcode consumes at least one byte, so this bound never triggers on
         // valid input; it keeps the arena proportional to the input regardless.
@@ -1083,6 +1087,7 @@ impl<'a> Machine<'a> {
         Ok(Val::reference(self.arena.nodes.len() - 1))
     }
 
+    #[inline]
     fn push(&mut self, v: Val) -> Result<(), PickleError> {
         if self.stack.len() >= self.limits.max_stack {
             return Err(PickleError::Limit {
@@ -1094,6 +1099,7 @@ impl<'a> Machine<'a> {
         Ok(())
     }
 
+    #[inline]
     fn pop(&mut self, op: u8, at: usize) -> Result<Val, PickleError> {
         match self.stack.pop() {
             Some(Slot::V(v)) => Ok(v),
@@ -1108,6 +1114,7 @@ impl<'a> Machine<'a> {
         }
     }
 
+    #[inline]
     fn top(&self, op: u8, at: usize) -> Result<Val, PickleError> {
         match self.stack.last() {
             Some(Slot::V(v)) => Ok(*v),
@@ -1210,6 +1217,7 @@ impl<'a> Machine<'a> {
         Ok(items)
     }
 
+    #[inline]
     fn memo_put(&mut self, index: u64, v: Val) -> Result<(), PickleError> {
         // The usual case first: the next index in order.
         if index == self.memo.len() as u64 && self.memo.len() < self.limits.max_memo {
@@ -1237,6 +1245,7 @@ impl<'a> Machine<'a> {
         Ok(())
     }
 
+    #[inline]
     fn memo_get(&mut self, index: u64, at: usize) -> Result<(), PickleError> {
         let v = usize::try_from(index)
             .ok()
@@ -1735,6 +1744,7 @@ impl<'a> Machine<'a> {
     }
 
     /// An integer value: inline when it fits, else a node.
+    #[inline]
     fn int(&mut self, i: i64) -> Result<Val, PickleError> {
         match Val::small_int(i) {
             Some(v) => Ok(v),

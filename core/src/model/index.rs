@@ -1490,6 +1490,10 @@ pub fn index_dcp(source: &dyn Source, metadata_name: &str) -> Result<CheckpointI
             );
         }
     }
+    // `storage_data` holds a record (three strings, a vector) per chunk: freed off this thread.
+    drop(join);
+    drop(data_files);
+    drop_in_background((meta.storage, meta.planner_data));
     Ok(CheckpointIndex {
         format: Format::Dcp,
         kind: if safetensors_serialization {
@@ -1506,6 +1510,15 @@ pub fn index_dcp(source: &dyn Source, metadata_name: &str) -> Result<CheckpointI
             save_id: meta.save_id,
         }),
     })
+}
+
+/// Frees `value` on a short-lived thread of its own where threads can be started (a large index
+/// frees hundreds of thousands of small allocations), else here (the closure, and `value` with it,
+/// is dropped when the thread cannot start).
+fn drop_in_background<T: Send + 'static>(value: T) {
+    let _ = std::thread::Builder::new()
+        .name("shardscope-free".into())
+        .spawn(move || drop(value));
 }
 
 /// Reads the header of the safetensors blob `offset..offset + len` of `file` from its first bytes
