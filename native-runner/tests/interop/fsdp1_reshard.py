@@ -4,12 +4,15 @@
                       for 2 Adam steps; write per rank model_rank{r}.pt (LOCAL_STATE_DICT) and
                       optim_rank{r}.pt (optim.state_dict()); rank 0 also writes torch's own
                       full_model.pt (FULL_STATE_DICT) and full_optim.pt (FSDP.optim_state_dict).
-  check SRC DST WS UOP [S]
+  check SRC DST WS UOP [S [M]]
                       on WS ranks: model A loads DST/model_rank{r}.pt with LOCAL_STATE_DICT and
                       DST/optim_rank{r}.pt with optim.load_state_dict; model B loads SRC/full_*.pt
                       through torch's own path (FULL_STATE_DICT + optim_state_dict_to_load). The
                       parameters, LOCAL state dicts and optimizer state must be equal; then both take
                       one more step on the same input and must still be equal.
+M = `net` checks the `Net` of tests/fixtures/fsdp2_optim/gen_fsdp2_optim.py instead (the model of
+the FSDP2 fixtures): FSDP1 units `block` and the root, its two-group Adam; SRC/full then holds
+torch's full state dicts of an FSDP2 fixture (`expected/*_full.pt`, split into the two files).
 S = `no_shard` wraps with NO_SHARD (torch then saves and loads FULL state dicts on every rank).
 With S (a shard group size below WS) the model is wrapped with HYBRID_SHARD on the explicit groups of
 the 2-D mesh `init_device_mesh("cpu", (WS // S, S))`, passed as `process_group=(shard, replicate)`
@@ -30,9 +33,11 @@ from pathlib import Path
 HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE.parents[2] / "tests" / "fixtures" / "optim"))
 sys.path.insert(0, str(HERE.parents[2] / "tests" / "interop"))
+sys.path.insert(0, str(HERE.parents[2] / "tests" / "fixtures" / "fsdp2_optim"))
 
 import torch  # noqa: E402
 import torch.distributed as dist  # noqa: E402
+from gen_fsdp2_optim import Net  # noqa: E402
 from gen_optim import NestedModel, train, wrap_nested  # noqa: E402
 from ranks import finish, spawn  # noqa: E402
 from torch.distributed.fsdp import FullyShardedDataParallel as FSDP  # noqa: E402
@@ -46,6 +51,7 @@ from torch.distributed.fsdp import (  # noqa: E402
 
 MESH = None
 NO_SHARD = False
+MODEL = "nested"
 
 
 def init_mesh(ws, shard):
@@ -60,7 +66,7 @@ def init_mesh(ws, shard):
 
 def build(uop):
     torch.manual_seed(0)
-    model = NestedModel()
+    model = Net() if MODEL == "net" else NestedModel()
     kw = dict(device_id=torch.device("cpu"), use_orig_params=uop)
     if NO_SHARD:
         from torch.distributed.fsdp import ShardingStrategy
@@ -76,9 +82,28 @@ def build(uop):
             sharding_strategy=ShardingStrategy.HYBRID_SHARD,
             process_group=(MESH.get_group("shard"), MESH.get_group("replicate")),
         )
+    if MODEL == "net":
+        # gen_fsdp2_optim.build with FSDP1 units in place of `fully_shard`: `block`, then the root.
+        model.block = FSDP(model.block, **kw)
+        model = FSDP(model, **kw)
+        params = list(model.parameters())
+        optim = torch.optim.Adam(
+            [
+                {"params": params[:4]},
+                {"params": params[4:], "lr": 0.02, "betas": (0.8, 0.95), "weight_decay": 0.1},
+            ],
+            lr=0.01,
+        )
+        return model, optim
     model, _ = wrap_nested(model, kw)
     optim = torch.optim.Adam(model.parameters(), lr=0.01)
     return model, optim
+
+
+def step_input(step):
+    if MODEL == "net":
+        return torch.randint(0, 5, (3, 2), generator=torch.Generator().manual_seed(step))
+    return NestedModel.input(step)
 
 
 def full_ctx(model):
@@ -190,17 +215,19 @@ def check(rank, ws, uop, src, dst):
         if stage == "loaded":
             for m, o in ((a, opt_a), (b, opt_b)):
                 o.zero_grad()
-                m(NestedModel.input(7)).pow(2).sum().backward()
+                m(step_input(7)).pow(2).sum().backward()
                 o.step()
     for e in errors[:20]:
         print(e, file=sys.stderr)
     return not errors
 
 
-def worker(rank, ws, store, mode, uop, src, dst, results, shard):
+def worker(rank, ws, store, mode, uop, src, dst, results, shard, model):
+    global MODEL
     import warnings
 
     warnings.filterwarnings("ignore")
+    MODEL = model
     # A file store, not a TCP port: no race with other tests picking the same free port.
     dist.init_process_group("gloo", init_method=f"file://{store}", rank=rank, world_size=ws)
     torch.use_deterministic_algorithms(True)
@@ -232,18 +259,22 @@ def main():
     if mode == "make":
         src, ws, uop, dst = Path(sys.argv[2]), int(sys.argv[3]), sys.argv[4] == "1", ""
         shard = shard_arg(sys.argv[5]) if len(sys.argv) > 5 else 0
+        model = "nested"
         (src / "full").mkdir(parents=True, exist_ok=True)
     else:
         src, dst, ws, uop = Path(sys.argv[2]), Path(sys.argv[3]), int(sys.argv[4]), sys.argv[5] == "1"
         shard = shard_arg(sys.argv[6]) if len(sys.argv) > 6 else 0
+        model = sys.argv[7] if len(sys.argv) > 7 else "nested"
+    if model not in ("nested", "net"):
+        sys.exit(f"unknown model {model!r} (nested, net)")
     results = Path(src) / "full"
-    spawn(worker, (ws, fresh_store(), mode, uop, str(src), str(dst), str(results), shard), ws)
+    spawn(worker, (ws, fresh_store(), mode, uop, str(src), str(dst), str(results), shard, model), ws)
     fails = sorted(p.name for p in results.glob("fail*"))
     for p in results.glob("fail*"):
         p.unlink()
     if fails:
         sys.exit(f"{mode}: checks failed on {fails}")
-    print(f"{mode}: ok ({ws} ranks, use_orig_params={uop}, shard group {shard or ws})")  # -1: NO_SHARD
+    print(f"{mode}: ok ({ws} ranks, use_orig_params={uop}, shard group {shard or ws}, {model})")  # -1: NO_SHARD
 
 
 if __name__ == "__main__":
