@@ -161,10 +161,14 @@ def equal(a, b, path, errors):
         errors.append(f"{path}: {a!r} vs {b!r}")
 
 
+def local_tensors(sd):
+    """A LOCAL state dict with each ShardedTensor replaced by its local shard."""
+    return {k: (v.local_shards()[0].tensor.clone() if v.local_shards() else torch.empty(0)) if hasattr(v, "local_shards") else v.clone() for k, v in sd.items()}
+
+
 def local_sd(model):
     with local_ctx(model):
-        sd = model.state_dict()
-    return {k: (v.local_shards()[0].tensor.clone() if v.local_shards() else torch.empty(0)) if hasattr(v, "local_shards") else v.clone() for k, v in sd.items()}
+        return local_tensors(model.state_dict())
 
 
 def check(rank, ws, uop, src, dst):
@@ -179,6 +183,7 @@ def check(rank, ws, uop, src, dst):
                 sd = torch.load(dst / f"model_rank{rank}.pt", weights_only=False)
         else:
             sd = torch.load(dst / f"model_rank{rank}.pt", weights_only=False)
+        ours = local_tensors(sd)
         if uop:
             # torch 2.15 loads a use_orig_params=True LOCAL state dict through the `_flat_param`
             # entries but then reports them as unexpected (it does so for its own files too), so
@@ -207,6 +212,10 @@ def check(rank, ws, uop, src, dst):
                 if id(v) in shared:
                     st[k] = v.clone()
                 shared[id(v)] = True
+    # Our file itself must hold what torch's own LOCAL state dict holds: with use_orig_params the
+    # load takes the per-parameter entries and ignores `_flat_param`, which only this sees.
+    if MESH is None or rank < MESH.size(1):
+        equal(ours, local_sd(b), f"rank{rank} our model file vs torch's LOCAL state dict", errors)
     for stage in ("loaded", "after one more step"):
         equal(dict(a.named_parameters()), dict(b.named_parameters()), f"rank{rank} {stage} params", errors)
         if MESH is None or rank < MESH.size(1):  # torch cannot build LOCAL dicts on other replicas
