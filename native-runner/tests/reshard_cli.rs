@@ -11,8 +11,8 @@
 //!   loads its own files) and, with `use_orig_params`, to FULL_SHARD on 2 ranks. NO_SHARD (whose
 //!   per-rank files torch writes as FULL state dicts) to FULL_SHARD and back. FSDP2 per-rank
 //!   folders (torch-written fixtures, 1-D and HSDP meshes) to FSDP1 LOCAL files (`--to-api
-//!   fsdp1`): torch loads them at the new world size and matches its own path from the fixtures'
-//!   full state dicts.
+//!   fsdp1`, with and without `use_orig_params`): torch loads them at the new world size and
+//!   matches its own path from the fixtures' full state dicts.
 //! - atomicity: `reshard` killed with SIGKILL at 20 pseudo-random moments leaves the destination
 //!   absent or complete (byte-identical to an uninterrupted run) and the inputs unchanged.
 //! - CLI errors: exit code 2 and messages naming the file.
@@ -359,13 +359,17 @@ fn split_full(python: &Path, full: &Path, dir: &Path) {
 /// FSDP2 per-rank folders written by torch 2.15 (`rank{r}_model.pt` + `rank{r}_optim.pt`,
 /// DTensors of `Net` from tests/fixtures/fsdp2_optim: a 1-D mesh of 2 ranks, and the HSDP 2x2
 /// folder of tests/fixtures/fsdp2_hsdp) resharded to FSDP1 LOCAL files (`--to-api fsdp1`) for 3
-/// and 2 ranks. torch wraps `Net` with FSDP1 (units `block` and the root) at the new world size,
-/// loads our files with `LOCAL_STATE_DICT` + `optim.load_state_dict`, and must hold the same
-/// parameters, LOCAL state dicts and optimizer state, bit for bit, as torch's own path from the
-/// fixture's full state dicts (`expected/*_full.pt`: FULL_STATE_DICT + `optim_state_dict_to_load`),
-/// also after one more step. `Net`'s root unit mixes frozen and trainable parameters, which FSDP1
-/// flattens only with `use_orig_params=True`: the output is for it, and without it `reshard`
-/// refuses with torch's reason and writes nothing.
+/// and 2 ranks. torch wraps `Net` with FSDP1 at the new world size, loads our files with
+/// `LOCAL_STATE_DICT` + `optim.load_state_dict`, and must hold the same parameters, LOCAL state
+/// dicts and optimizer state, bit for bit, as torch's own path from the fixture's full state dicts
+/// (`expected/*_full.pt`: FULL_STATE_DICT + `optim_state_dict_to_load`), also after one more step;
+/// our model files must equal torch's own LOCAL state dicts.
+///
+/// With the fixture's description (units `block` and the root) the root unit mixes frozen and
+/// trainable parameters, which FSDP1 flattens only with `use_orig_params=True`: without it
+/// `reshard` refuses with torch's reason and writes nothing. With `frozen` and `head` as units too
+/// every flat parameter has one `requires_grad` and one parameter group, and the output is flat
+/// parameters with flat optimizer state (`use_orig_params=False`).
 #[test]
 fn interop_reshard_from_fsdp2_folder() {
     let Some(python) = python() else {
@@ -375,14 +379,23 @@ fn interop_reshard_from_fsdp2_folder() {
     let fsdp2 = fixtures().join("..");
     let model_json = fsdp2.join("fsdp2_optim/model.json");
     let tmp = tempfile::tempdir().unwrap();
-    for (i, (src, expected, from, to)) in [
-        ("fsdp2_optim/ws2", "fsdp2_optim/expected/ws2_full.pt", 2, 3),
-        (
-            "fsdp2_hsdp/ws4_2x2",
-            "fsdp2_hsdp/expected/ws4_2x2_full.pt",
-            4,
-            2,
-        ),
+    let split_json = tmp.path().join("split.json");
+    let mut desc: serde_json::Value =
+        serde_json::from_slice(&std::fs::read(&model_json).unwrap()).unwrap();
+    desc["units"] = serde_json::json!(["", "block", "frozen", "head"]);
+    std::fs::write(&split_json, serde_json::to_vec(&desc).unwrap()).unwrap();
+    let ws2 = ("fsdp2_optim/ws2", "fsdp2_optim/expected/ws2_full.pt", 2);
+    let hsdp = (
+        "fsdp2_hsdp/ws4_2x2",
+        "fsdp2_hsdp/expected/ws4_2x2_full.pt",
+        4,
+    );
+    // (source, torch's full state dicts, source world size), description, B, use_orig_params,
+    // the model `fsdp1_reshard.py check` wraps.
+    for (i, ((src, expected, from), model, to, uop, net)) in [
+        (ws2, &model_json, 3, true, "net"),
+        (hsdp, &model_json, 2, true, "net"),
+        (ws2, &split_json, 3, false, "net_split"),
     ]
     .into_iter()
     .enumerate()
@@ -396,13 +409,13 @@ fn interop_reshard_from_fsdp2_folder() {
             "-o",
             dst.to_str().unwrap(),
             "--model",
-            model_json.to_str().unwrap(),
+            model.to_str().unwrap(),
             "--to-api",
             "fsdp1",
             "--to-world-size",
             &to_s,
             "--to-use-orig-params",
-            "true",
+            if uop { "true" } else { "false" },
             "--json",
         ]);
         assert!(out.status.success(), "reshard failed: {}", stderr_of(&out));
@@ -430,13 +443,14 @@ fn interop_reshard_from_fsdp2_folder() {
                 reference.to_str().unwrap(),
                 dst.to_str().unwrap(),
                 &to_s,
-                "1",
+                if uop { "1" } else { "0" },
                 "0",
-                "net",
+                net,
             ],
         );
     }
-    // Without use_orig_params FSDP1 cannot flatten `Net`'s root unit: a clear error, nothing left.
+    // Without use_orig_params FSDP1 cannot flatten the fixture's root unit: a clear error, nothing
+    // left.
     let bad = tmp.path().join("bad");
     let out = shardscope(&[
         "reshard",

@@ -11,8 +11,11 @@
                       parameters, LOCAL state dicts and optimizer state must be equal; then both take
                       one more step on the same input and must still be equal.
 M = `net` checks the `Net` of tests/fixtures/fsdp2_optim/gen_fsdp2_optim.py instead (the model of
-the FSDP2 fixtures): FSDP1 units `block` and the root, its two-group Adam; SRC/full then holds
-torch's full state dicts of an FSDP2 fixture (`expected/*_full.pt`, split into the two files).
+the FSDP2 fixtures) with its two-group Adam, wrapped with FSDP1 units `block` and the root (whose
+parameters mix requires_grad, so UOP must be 1); `net_split` wraps `frozen`, `block`, `head` and the
+root (every flat parameter then has one requires_grad and one parameter group, so UOP 0 works too).
+SRC/full then holds torch's full state dicts of an FSDP2 fixture (`expected/*_full.pt`, split into
+the two files).
 S = `no_shard` wraps with NO_SHARD (torch then saves and loads FULL state dicts on every rank).
 With S (a shard group size below WS) the model is wrapped with HYBRID_SHARD on the explicit groups of
 the 2-D mesh `init_device_mesh("cpu", (WS // S, S))`, passed as `process_group=(shard, replicate)`
@@ -66,7 +69,7 @@ def init_mesh(ws, shard):
 
 def build(uop):
     torch.manual_seed(0)
-    model = Net() if MODEL == "net" else NestedModel()
+    model = NestedModel() if MODEL == "nested" else Net()
     kw = dict(device_id=torch.device("cpu"), use_orig_params=uop)
     if NO_SHARD:
         from torch.distributed.fsdp import ShardingStrategy
@@ -82,15 +85,20 @@ def build(uop):
             sharding_strategy=ShardingStrategy.HYBRID_SHARD,
             process_group=(MESH.get_group("shard"), MESH.get_group("replicate")),
         )
-    if MODEL == "net":
-        # gen_fsdp2_optim.build with FSDP1 units in place of `fully_shard`: `block`, then the root.
-        model.block = FSDP(model.block, **kw)
+    if MODEL != "nested":
+        # gen_fsdp2_optim.build with FSDP1 units in place of `fully_shard`; its two Adam groups
+        # are `block` and `head` (second) and the rest (first), by name as FSDP1 wraps them.
+        units = ["frozen", "block", "head"] if MODEL == "net_split" else ["block"]
+        for unit in units:
+            setattr(model, unit, FSDP(getattr(model, unit), **kw))
         model = FSDP(model, **kw)
-        params = list(model.parameters())
+        groups = ([], [])
+        for name, p in model.named_parameters():
+            groups[".block." in name or ".head." in name].append(p)
         optim = torch.optim.Adam(
             [
-                {"params": params[:4]},
-                {"params": params[4:], "lr": 0.02, "betas": (0.8, 0.95), "weight_decay": 0.1},
+                {"params": groups[0]},
+                {"params": groups[1], "lr": 0.02, "betas": (0.8, 0.95), "weight_decay": 0.1},
             ],
             lr=0.01,
         )
@@ -101,7 +109,7 @@ def build(uop):
 
 
 def step_input(step):
-    if MODEL == "net":
+    if MODEL != "nested":
         return torch.randint(0, 5, (3, 2), generator=torch.Generator().manual_seed(step))
     return NestedModel.input(step)
 
@@ -274,8 +282,8 @@ def main():
         src, dst, ws, uop = Path(sys.argv[2]), Path(sys.argv[3]), int(sys.argv[4]), sys.argv[5] == "1"
         shard = shard_arg(sys.argv[6]) if len(sys.argv) > 6 else 0
         model = sys.argv[7] if len(sys.argv) > 7 else "nested"
-    if model not in ("nested", "net"):
-        sys.exit(f"unknown model {model!r} (nested, net)")
+    if model not in ("nested", "net", "net_split"):
+        sys.exit(f"unknown model {model!r} (nested, net, net_split)")
     results = Path(src) / "full"
     spawn(worker, (ws, fresh_store(), mode, uop, str(src), str(dst), str(results), shard, model), ws)
     fails = sorted(p.name for p in results.glob("fail*"))
