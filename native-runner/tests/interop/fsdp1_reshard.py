@@ -193,9 +193,10 @@ def check(rank, ws, uop, src, dst):
             sd = torch.load(dst / f"model_rank{rank}.pt", weights_only=False)
         ours = local_tensors(sd)
         if uop:
-            # torch 2.15 loads a use_orig_params=True LOCAL state dict through the `_flat_param`
-            # entries but then reports them as unexpected (it does so for its own files too), so
-            # load non-strictly and require exactly those keys to be reported.
+            # torch 2.15 converts the `_flat_param` entries of a use_orig_params=True LOCAL state
+            # dict, then reports them as unexpected (it does so for its own files too) and loads
+            # the per-parameter entries, so load non-strictly and require exactly those keys to be
+            # reported (the `_flat_param` entries are checked against torch's below).
             res = a.load_state_dict(sd, strict=False)
             flat = sorted(k for k in sd if k.endswith("_flat_param"))
             if res.missing_keys or sorted(res.unexpected_keys) != flat:
