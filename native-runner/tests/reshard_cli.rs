@@ -9,7 +9,10 @@
 //!   HYBRID_SHARD too: torch trains on 2 replicas x 2 ranks (explicit shard/replicate groups of a
 //!   2-D device mesh) and saves the first replica's files; we reshard to 2 x 3 (every new rank
 //!   loads its own files) and, with `use_orig_params`, to FULL_SHARD on 2 ranks. NO_SHARD (whose
-//!   per-rank files torch writes as FULL state dicts) to FULL_SHARD and back.
+//!   per-rank files torch writes as FULL state dicts) to FULL_SHARD and back. FSDP2 per-rank
+//!   folders (torch-written fixtures, 1-D and HSDP meshes) to FSDP1 LOCAL files (`--to-api
+//!   fsdp1`, with and without `use_orig_params`): torch loads them at the new world size and
+//!   matches its own path from the fixtures' full state dicts.
 //! - atomicity: `reshard` killed with SIGKILL at 20 pseudo-random moments leaves the destination
 //!   absent or complete (byte-identical to an uninterrupted run) and the inputs unchanged.
 //! - CLI errors: exit code 2 and messages naming the file.
@@ -335,6 +338,139 @@ fn interop_reshard_from_full_checkpoint() {
         stderr_of(&out)
     );
     assert!(!tmp.path().join("bad").exists());
+}
+
+/// torch's `{"model", "optim"}` file of full state dicts split into `dir/full/full_model.pt` and
+/// `dir/full/full_optim.pt`, where `fsdp1_reshard.py check` reads torch's own path from.
+fn split_full(python: &Path, full: &Path, dir: &Path) {
+    std::fs::create_dir_all(dir.join("full")).unwrap();
+    let out = Command::new(python)
+        .args([
+            "-c",
+            "import sys, torch; f = torch.load(sys.argv[1], weights_only=True); torch.save(f['model'], sys.argv[2] + '/full/full_model.pt'); torch.save(f['optim'], sys.argv[2] + '/full/full_optim.pt')",
+            full.to_str().unwrap(),
+            dir.to_str().unwrap(),
+        ])
+        .output()
+        .unwrap();
+    assert!(out.status.success(), "{}", stderr_of(&out));
+}
+
+/// FSDP2 per-rank folders written by torch 2.15 (`rank{r}_model.pt` + `rank{r}_optim.pt`,
+/// DTensors of `Net` from tests/fixtures/fsdp2_optim: a 1-D mesh of 2 ranks, and the HSDP 2x2
+/// folder of tests/fixtures/fsdp2_hsdp) resharded to FSDP1 LOCAL files (`--to-api fsdp1`) for 3
+/// and 2 ranks. torch wraps `Net` with FSDP1 at the new world size, loads our files with
+/// `LOCAL_STATE_DICT` + `optim.load_state_dict`, and must hold the same parameters, LOCAL state
+/// dicts and optimizer state, bit for bit, as torch's own path from the fixture's full state dicts
+/// (`expected/*_full.pt`: FULL_STATE_DICT + `optim_state_dict_to_load`), also after one more step;
+/// our model files must equal torch's own LOCAL state dicts.
+///
+/// With the fixture's description (units `block` and the root) the root unit mixes frozen and
+/// trainable parameters, which FSDP1 flattens only with `use_orig_params=True`: without it
+/// `reshard` refuses with torch's reason and writes nothing. With `frozen` and `head` as units too
+/// every flat parameter has one `requires_grad` and one parameter group, and the output is flat
+/// parameters with flat optimizer state (`use_orig_params=False`).
+#[test]
+fn interop_reshard_from_fsdp2_folder() {
+    let Some(python) = python() else {
+        eprintln!("skipped: no torch");
+        return;
+    };
+    let fsdp2 = fixtures().join("..");
+    let model_json = fsdp2.join("fsdp2_optim/model.json");
+    let tmp = tempfile::tempdir().unwrap();
+    let split_json = tmp.path().join("split.json");
+    let mut desc: serde_json::Value =
+        serde_json::from_slice(&std::fs::read(&model_json).unwrap()).unwrap();
+    desc["units"] = serde_json::json!(["", "block", "frozen", "head"]);
+    std::fs::write(&split_json, serde_json::to_vec(&desc).unwrap()).unwrap();
+    let ws2 = ("fsdp2_optim/ws2", "fsdp2_optim/expected/ws2_full.pt", 2);
+    let hsdp = (
+        "fsdp2_hsdp/ws4_2x2",
+        "fsdp2_hsdp/expected/ws4_2x2_full.pt",
+        4,
+    );
+    // (source, torch's full state dicts, source world size), description, B, use_orig_params,
+    // the model `fsdp1_reshard.py check` wraps.
+    for (i, ((src, expected, from), model, to, uop, net)) in [
+        (ws2, &model_json, 3, true, "net"),
+        (hsdp, &model_json, 2, true, "net"),
+        (ws2, &split_json, 3, false, "net_split"),
+    ]
+    .into_iter()
+    .enumerate()
+    {
+        let src = fsdp2.join(src);
+        let dst = tmp.path().join(format!("dst{i}"));
+        let to_s = to.to_string();
+        let out = shardscope(&[
+            "reshard",
+            src.to_str().unwrap(),
+            "-o",
+            dst.to_str().unwrap(),
+            "--model",
+            model.to_str().unwrap(),
+            "--to-api",
+            "fsdp1",
+            "--to-world-size",
+            &to_s,
+            "--to-use-orig-params",
+            if uop { "true" } else { "false" },
+            "--json",
+        ]);
+        assert!(out.status.success(), "reshard failed: {}", stderr_of(&out));
+        let summary: serde_json::Value = serde_json::from_slice(&out.stdout).unwrap();
+        assert_eq!(summary["from_world_size"], from, "{summary}");
+        let mut names: Vec<String> = summary["files"]
+            .as_array()
+            .unwrap()
+            .iter()
+            .map(|f| f["name"].as_str().unwrap().to_owned())
+            .collect();
+        names.sort();
+        let mut want: Vec<String> = (0..to)
+            .flat_map(|r| [format!("model_rank{r}.pt"), format!("optim_rank{r}.pt")])
+            .collect();
+        want.sort();
+        assert_eq!(names, want, "{summary}");
+        // torch's own path reads the fixture's full state dicts (never our output).
+        let reference = tmp.path().join(format!("ref{i}"));
+        split_full(&python, &fsdp2.join(expected), &reference);
+        run_python(
+            &python,
+            &[
+                "check",
+                reference.to_str().unwrap(),
+                dst.to_str().unwrap(),
+                &to_s,
+                if uop { "1" } else { "0" },
+                "0",
+                net,
+            ],
+        );
+    }
+    // Without use_orig_params FSDP1 cannot flatten the fixture's root unit: a clear error, nothing
+    // left.
+    let bad = tmp.path().join("bad");
+    let out = shardscope(&[
+        "reshard",
+        fsdp2.join("fsdp2_optim/ws2").to_str().unwrap(),
+        "-o",
+        bad.to_str().unwrap(),
+        "--model",
+        model_json.to_str().unwrap(),
+        "--to-api",
+        "fsdp1",
+        "--to-world-size",
+        "3",
+    ]);
+    assert_eq!(out.status.code(), Some(2), "{}", stderr_of(&out));
+    assert!(
+        stderr_of(&out).contains("uniform `requires_grad`"),
+        "{}",
+        stderr_of(&out)
+    );
+    assert!(!bad.exists());
 }
 
 /// A per-rank folder made without torch: the LOCAL model and raw optimizer state dicts of the

@@ -4,12 +4,18 @@
                       for 2 Adam steps; write per rank model_rank{r}.pt (LOCAL_STATE_DICT) and
                       optim_rank{r}.pt (optim.state_dict()); rank 0 also writes torch's own
                       full_model.pt (FULL_STATE_DICT) and full_optim.pt (FSDP.optim_state_dict).
-  check SRC DST WS UOP [S]
+  check SRC DST WS UOP [S [M]]
                       on WS ranks: model A loads DST/model_rank{r}.pt with LOCAL_STATE_DICT and
                       DST/optim_rank{r}.pt with optim.load_state_dict; model B loads SRC/full_*.pt
                       through torch's own path (FULL_STATE_DICT + optim_state_dict_to_load). The
                       parameters, LOCAL state dicts and optimizer state must be equal; then both take
                       one more step on the same input and must still be equal.
+M = `net` checks the `Net` of tests/fixtures/fsdp2_optim/gen_fsdp2_optim.py instead (the model of
+the FSDP2 fixtures) with its two-group Adam, wrapped with FSDP1 units `block` and the root (whose
+parameters mix requires_grad, so UOP must be 1); `net_split` wraps `frozen`, `block`, `head` and the
+root (every flat parameter then has one requires_grad and one parameter group, so UOP 0 works too).
+SRC/full then holds torch's full state dicts of an FSDP2 fixture (`expected/*_full.pt`, split into
+the two files).
 S = `no_shard` wraps with NO_SHARD (torch then saves and loads FULL state dicts on every rank).
 With S (a shard group size below WS) the model is wrapped with HYBRID_SHARD on the explicit groups of
 the 2-D mesh `init_device_mesh("cpu", (WS // S, S))`, passed as `process_group=(shard, replicate)`
@@ -30,9 +36,11 @@ from pathlib import Path
 HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE.parents[2] / "tests" / "fixtures" / "optim"))
 sys.path.insert(0, str(HERE.parents[2] / "tests" / "interop"))
+sys.path.insert(0, str(HERE.parents[2] / "tests" / "fixtures" / "fsdp2_optim"))
 
 import torch  # noqa: E402
 import torch.distributed as dist  # noqa: E402
+from gen_fsdp2_optim import Net  # noqa: E402
 from gen_optim import NestedModel, train, wrap_nested  # noqa: E402
 from ranks import finish, spawn  # noqa: E402
 from torch.distributed.fsdp import FullyShardedDataParallel as FSDP  # noqa: E402
@@ -46,6 +54,7 @@ from torch.distributed.fsdp import (  # noqa: E402
 
 MESH = None
 NO_SHARD = False
+MODEL = "nested"
 
 
 def init_mesh(ws, shard):
@@ -60,7 +69,7 @@ def init_mesh(ws, shard):
 
 def build(uop):
     torch.manual_seed(0)
-    model = NestedModel()
+    model = NestedModel() if MODEL == "nested" else Net()
     kw = dict(device_id=torch.device("cpu"), use_orig_params=uop)
     if NO_SHARD:
         from torch.distributed.fsdp import ShardingStrategy
@@ -76,9 +85,33 @@ def build(uop):
             sharding_strategy=ShardingStrategy.HYBRID_SHARD,
             process_group=(MESH.get_group("shard"), MESH.get_group("replicate")),
         )
+    if MODEL != "nested":
+        # gen_fsdp2_optim.build with FSDP1 units in place of `fully_shard`; its two Adam groups
+        # are `block` and `head` (second) and the rest (first), by name as FSDP1 wraps them.
+        units = ["frozen", "block", "head"] if MODEL == "net_split" else ["block"]
+        for unit in units:
+            setattr(model, unit, FSDP(getattr(model, unit), **kw))
+        model = FSDP(model, **kw)
+        groups = ([], [])
+        for name, p in model.named_parameters():
+            groups[".block." in name or ".head." in name].append(p)
+        optim = torch.optim.Adam(
+            [
+                {"params": groups[0]},
+                {"params": groups[1], "lr": 0.02, "betas": (0.8, 0.95), "weight_decay": 0.1},
+            ],
+            lr=0.01,
+        )
+        return model, optim
     model, _ = wrap_nested(model, kw)
     optim = torch.optim.Adam(model.parameters(), lr=0.01)
     return model, optim
+
+
+def step_input(step):
+    if MODEL != "nested":
+        return torch.randint(0, 5, (3, 2), generator=torch.Generator().manual_seed(step))
+    return NestedModel.input(step)
 
 
 def full_ctx(model):
@@ -136,10 +169,14 @@ def equal(a, b, path, errors):
         errors.append(f"{path}: {a!r} vs {b!r}")
 
 
+def local_tensors(sd):
+    """A LOCAL state dict with each ShardedTensor replaced by its local shard."""
+    return {k: (v.local_shards()[0].tensor.clone() if v.local_shards() else torch.empty(0)) if hasattr(v, "local_shards") else v.clone() for k, v in sd.items()}
+
+
 def local_sd(model):
     with local_ctx(model):
-        sd = model.state_dict()
-    return {k: (v.local_shards()[0].tensor.clone() if v.local_shards() else torch.empty(0)) if hasattr(v, "local_shards") else v.clone() for k, v in sd.items()}
+        return local_tensors(model.state_dict())
 
 
 def check(rank, ws, uop, src, dst):
@@ -154,10 +191,12 @@ def check(rank, ws, uop, src, dst):
                 sd = torch.load(dst / f"model_rank{rank}.pt", weights_only=False)
         else:
             sd = torch.load(dst / f"model_rank{rank}.pt", weights_only=False)
+        ours = local_tensors(sd)
         if uop:
-            # torch 2.15 loads a use_orig_params=True LOCAL state dict through the `_flat_param`
-            # entries but then reports them as unexpected (it does so for its own files too), so
-            # load non-strictly and require exactly those keys to be reported.
+            # torch 2.15 converts the `_flat_param` entries of a use_orig_params=True LOCAL state
+            # dict, then reports them as unexpected (it does so for its own files too) and loads
+            # the per-parameter entries, so load non-strictly and require exactly those keys to be
+            # reported (the `_flat_param` entries are checked against torch's below).
             res = a.load_state_dict(sd, strict=False)
             flat = sorted(k for k in sd if k.endswith("_flat_param"))
             if res.missing_keys or sorted(res.unexpected_keys) != flat:
@@ -182,6 +221,10 @@ def check(rank, ws, uop, src, dst):
                 if id(v) in shared:
                     st[k] = v.clone()
                 shared[id(v)] = True
+    # Our file itself must hold what torch's own LOCAL state dict holds: with use_orig_params the
+    # load takes the per-parameter entries and ignores `_flat_param`, which only this sees.
+    if MESH is None or rank < MESH.size(1):
+        equal(ours, local_sd(b), f"rank{rank} our model file vs torch's LOCAL state dict", errors)
     for stage in ("loaded", "after one more step"):
         equal(dict(a.named_parameters()), dict(b.named_parameters()), f"rank{rank} {stage} params", errors)
         if MESH is None or rank < MESH.size(1):  # torch cannot build LOCAL dicts on other replicas
@@ -190,17 +233,19 @@ def check(rank, ws, uop, src, dst):
         if stage == "loaded":
             for m, o in ((a, opt_a), (b, opt_b)):
                 o.zero_grad()
-                m(NestedModel.input(7)).pow(2).sum().backward()
+                m(step_input(7)).pow(2).sum().backward()
                 o.step()
     for e in errors[:20]:
         print(e, file=sys.stderr)
     return not errors
 
 
-def worker(rank, ws, store, mode, uop, src, dst, results, shard):
+def worker(rank, ws, store, mode, uop, src, dst, results, shard, model):
+    global MODEL
     import warnings
 
     warnings.filterwarnings("ignore")
+    MODEL = model
     # A file store, not a TCP port: no race with other tests picking the same free port.
     dist.init_process_group("gloo", init_method=f"file://{store}", rank=rank, world_size=ws)
     torch.use_deterministic_algorithms(True)
@@ -232,18 +277,22 @@ def main():
     if mode == "make":
         src, ws, uop, dst = Path(sys.argv[2]), int(sys.argv[3]), sys.argv[4] == "1", ""
         shard = shard_arg(sys.argv[5]) if len(sys.argv) > 5 else 0
+        model = "nested"
         (src / "full").mkdir(parents=True, exist_ok=True)
     else:
         src, dst, ws, uop = Path(sys.argv[2]), Path(sys.argv[3]), int(sys.argv[4]), sys.argv[5] == "1"
         shard = shard_arg(sys.argv[6]) if len(sys.argv) > 6 else 0
+        model = sys.argv[7] if len(sys.argv) > 7 else "nested"
+    if model not in ("nested", "net", "net_split"):
+        sys.exit(f"unknown model {model!r} (nested, net, net_split)")
     results = Path(src) / "full"
-    spawn(worker, (ws, fresh_store(), mode, uop, str(src), str(dst), str(results), shard), ws)
+    spawn(worker, (ws, fresh_store(), mode, uop, str(src), str(dst), str(results), shard, model), ws)
     fails = sorted(p.name for p in results.glob("fail*"))
     for p in results.glob("fail*"):
         p.unlink()
     if fails:
         sys.exit(f"{mode}: checks failed on {fails}")
-    print(f"{mode}: ok ({ws} ranks, use_orig_params={uop}, shard group {shard or ws})")  # -1: NO_SHARD
+    print(f"{mode}: ok ({ws} ranks, use_orig_params={uop}, shard group {shard or ws}, {model})")  # -1: NO_SHARD
 
 
 if __name__ == "__main__":
