@@ -527,3 +527,31 @@ fn cli_inspect_human_summary() {
         assert!(out.contains(subtree), "{subtree} missing:\n{out}");
     }
 }
+
+#[test]
+fn cli_inspect_of_one_rank_file_says_the_gaps_are_other_ranks_shards() {
+    // One rank's file of a sharded checkpoint (FSDP2 DTensors, FSDP1 ShardedTensors), alone: its
+    // tensors have gaps where the other ranks' shards go. Exit 2 (the tensors are incomplete), with
+    // a hint that says so rather than calling the file damaged.
+    for (file, rank) in [
+        ("fsdp2/rank1_model.pt", 1),
+        ("fsdp1_orig1/rank0_sharded.pt", 0),
+    ] {
+        let (code, _, err) = run_cli(&["inspect", p(&formats().join(file))]);
+        assert_eq!(code, 2, "{file}: {err}");
+        assert!(err.contains("(a gap:"), "{file}: {err}");
+        assert!(
+            err.contains(&format!("belongs to rank {rank}:"))
+                && err.contains("other ranks' shards"),
+            "{file}: {err}"
+        );
+        assert!(!err.contains("damaged"), "{file}: {err}");
+    }
+    // Both ranks' files together: whole tensors, no problem.
+    let (code, _, err) = run_cli(&[
+        "inspect",
+        p(&formats().join("fsdp2/rank0_model.pt")),
+        p(&formats().join("fsdp2/rank1_model.pt")),
+    ]);
+    assert_eq!(code, 0, "{err}");
+}

@@ -369,6 +369,16 @@ pub struct Problem {
     pub what: String,
 }
 
+/// How a coverage gap is worded in [`Problem::what`].
+const GAP_NOTE: &str = "(a gap: some part of the tensor is stored nowhere)";
+
+impl Problem {
+    /// A part of the tensor that no chunk holds (as opposed to an overlap or a bad byte range).
+    pub fn is_gap(&self) -> bool {
+        self.what.ends_with(GAP_NOTE)
+    }
+}
+
 impl std::fmt::Display for Problem {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
         write!(f, "{}: {}", self.key, self.what)?;
@@ -1795,7 +1805,7 @@ fn check_tiling(e: &IndexEntry, shape: &[u64], problems: &mut Vec<Problem>) {
     if volume != total {
         problems.push(problem(
             None,
-            format!("chunks cover {volume} of {total} elements (a gap: some part of the tensor is stored nowhere)"),
+            format!("chunks cover {volume} of {total} elements {GAP_NOTE}"),
         ));
     }
 }

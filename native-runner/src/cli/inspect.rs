@@ -9,7 +9,9 @@ use std::process::ExitCode;
 use anyhow::Context;
 use clap::Args;
 use regex::Regex;
-use shardscope_core::model::index::{self, CheckpointIndex, EntryKind, IndexEntry, ValueStats};
+use shardscope_core::model::index::{
+    self, CheckpointIndex, EntryKind, IndexEntry, Problem, ValueStats,
+};
 use shardscope_core::source::Source;
 
 use super::{human_bytes, print_stdout};
@@ -168,12 +170,40 @@ pub fn run(args: &InspectArgs) -> anyhow::Result<ExitCode> {
     for p in &problems {
         let _ = writeln!(err, "error: {p}");
     }
-    let _ = writeln!(
-        err,
-        "hint: the checkpoint's chunks do not describe its tensors consistently; it is damaged or incomplete"
-    );
+    match single_rank_file(&idx) {
+        Some((file, rank)) if problems.iter().all(Problem::is_gap) => {
+            let _ = writeln!(
+                err,
+                "hint: every chunk in {file} belongs to rank {rank}: if it is one rank's file of a sharded checkpoint, the gaps are where the other ranks' shards go; inspect the folder with every rank's file to see whole tensors"
+            );
+        }
+        _ => {
+            let _ = writeln!(
+                err,
+                "hint: the checkpoint's chunks do not describe its tensors consistently; it is damaged or incomplete"
+            );
+        }
+    }
     eprint!("{err}");
     Ok(ExitCode::from(2))
+}
+
+/// The file and rank when the checkpoint is one file holding one rank's shards (a per-rank file
+/// of a sharded checkpoint, inspected alone).
+fn single_rank_file(idx: &CheckpointIndex) -> Option<(&str, u32)> {
+    let mut files = idx.files.keys();
+    let file = files.next()?;
+    if files.next().is_some() {
+        return None;
+    }
+    let mut ranks = idx
+        .entries
+        .iter()
+        .flat_map(|e| e.chunks.iter().map(|c| c.rank));
+    let rank = ranks.next()??;
+    ranks
+        .all(|r| r == Some(rank))
+        .then_some((file.as_str(), rank))
 }
 
 fn tensor_stats(
