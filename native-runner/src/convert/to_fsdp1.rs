@@ -593,12 +593,19 @@ fn fill(
     path: &str,
     buf: Vec<u8>,
 ) -> std::result::Result<Vec<u8>, Fsdp1LocalError> {
-    let f = fills
-        .get(path)
-        .ok_or_else(|| fill_error(format!("no source for the tensor at {path}")))?;
     filler
-        .bytes(f, buf)
+        .bytes(fill_at(fills, path)?, buf)
         .map_err(|e| fill_error(format!("{path}: {e:#}")))
+}
+
+/// How the tensor at writer path `path` is filled.
+pub(super) fn fill_at<'f>(
+    fills: &'f HashMap<String, Fill>,
+    path: &str,
+) -> std::result::Result<&'f Fill, Fsdp1LocalError> {
+    fills
+        .get(path)
+        .ok_or_else(|| fill_error(format!("no source for the tensor at {path}")))
 }
 
 pub(super) fn write_file(

@@ -22,8 +22,8 @@ use shardscope_runner::fsdp1_local::{Fsdp1LocalError, lazy};
 
 use super::Reader;
 use super::to_fsdp1::{
-    Fill, OutputFile, Parts, entry_node, fill_error, param_groups, parts, plain_bytes, structure,
-    value_node, write_file,
+    Fill, OutputFile, Parts, entry_node, fill_at, fill_error, param_groups, parts, plain_bytes,
+    structure, value_node, write_file,
 };
 
 /// The destination: the mesh and the file names (`{r}` for the rank).
@@ -344,10 +344,8 @@ fn fill(
     path: &str,
     buf: Vec<u8>,
 ) -> std::result::Result<Vec<u8>, Fsdp1LocalError> {
-    let f = fills
-        .get(path)
-        .ok_or_else(|| fill_error(format!("no source for the tensor at {path}")))?;
-    plain_bytes(reader, parts, f, buf).map_err(|e| fill_error(format!("{path}: {e:#}")))
+    plain_bytes(reader, parts, fill_at(fills, path)?, buf)
+        .map_err(|e| fill_error(format!("{path}: {e:#}")))
 }
 
 #[cfg(test)]
