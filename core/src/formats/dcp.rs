@@ -153,22 +153,25 @@ pub fn read_metadata(bytes: &[u8]) -> Result<DcpMetadata, DcpError> {
     // be started, it reads the first part of `storage_data` while this one reads
     // `state_dict_metadata` and then the rest (a storage record costs about twice a chunk
     // record); errors are reported in file order regardless.
-    let storage_len = storage_data_len(meta)?;
+    // A `storage_data` that is not a dict is reported after the fields before it.
+    let storage_field = storage_data(meta);
+    let records = storage_field.as_ref().ok().copied().flatten();
+    let storage_len = records.and_then(PyRef::dict_items).map_or(0, |r| r.len());
     let split = storage_len / 4 * 3;
     let (items, storage) = std::thread::scope(|s| {
         let first = std::thread::Builder::new()
             .name("dcp-storage-data".into())
-            .spawn_scoped(s, || storage_data(meta, 0..split));
+            .spawn_scoped(s, || storage_records(records, 0..split));
         let items = state_dict_items(meta);
         let (first, rest) = match first {
             Ok(handle) => {
-                let rest = storage_data(meta, split..storage_len);
+                let rest = storage_records(records, split..storage_len);
                 let first = handle
                     .join()
                     .unwrap_or_else(|_| Err(malformed("reading storage_data failed")));
                 (first, rest)
             }
-            Err(_) => (Ok(Vec::new()), storage_data(meta, 0..storage_len)),
+            Err(_) => (Ok(Vec::new()), storage_records(records, 0..storage_len)),
         };
         let storage = first.and_then(|mut first| {
             first.extend(rest?);
@@ -200,6 +203,7 @@ pub fn read_metadata(bytes: &[u8]) -> Result<DcpMetadata, DcpError> {
             planner_data.insert(key.to_owned(), steps);
         }
     }
+    storage_field?;
     let storage = storage?;
     let version = meta
         .attr("version")
@@ -253,24 +257,22 @@ fn state_dict_items(meta: ObjRef<'_>) -> Result<Vec<(String, ItemMeta)>, DcpErro
     Ok(items)
 }
 
-/// The number of `Metadata.storage_data` records (0 when it is absent or `None`).
-fn storage_data_len(meta: ObjRef<'_>) -> Result<usize, DcpError> {
+/// `Metadata.storage_data` as a dict (`None` when it is absent or `None`).
+fn storage_data(meta: ObjRef<'_>) -> Result<Option<PyRef<'_>>, DcpError> {
     match meta.attr("storage_data") {
-        Some(sd) => match sd.dict_items() {
-            Some(items) => Ok(items.len()),
-            None if sd.is_none() => Ok(0),
-            None => Err(malformed(format!("storage_data is a {}", sd.type_name()))),
-        },
-        None => Ok(0),
+        Some(sd) if sd.dict_items().is_some() => Ok(Some(sd)),
+        Some(sd) if sd.is_none() => Ok(None),
+        Some(sd) => Err(malformed(format!("storage_data is a {}", sd.type_name()))),
+        None => Ok(None),
     }
 }
 
-/// The records `range` of `Metadata.storage_data`, in file order.
-fn storage_data(
-    meta: ObjRef<'_>,
+/// The records `range` of `storage_data`, in file order.
+fn storage_records(
+    records: Option<PyRef<'_>>,
     range: std::ops::Range<usize>,
 ) -> Result<Vec<(StorageIndex, StorageInfo)>, DcpError> {
-    let Some(records) = meta.attr("storage_data").and_then(PyRef::dict_items) else {
+    let Some(records) = records.and_then(PyRef::dict_items) else {
         return Ok(Vec::new());
     };
     let mut storage = Vec::with_capacity(range.len());

@@ -1182,22 +1182,15 @@ impl<'a> Machine<'a> {
             self.stack.truncate(drop_from);
             return Ok(empty);
         }
-        let start = self.arena.vals.len();
-        let items = &self.stack[first..];
-        if items.iter().any(|s| matches!(s, Slot::Mark)) {
+        if self.stack[first..].iter().any(|s| matches!(s, Slot::Mark)) {
             return Err(PickleError::WrongType {
                 offset: at,
                 what: format!("opcode 0x{op:02x} found a MARK where a value was expected"),
             });
         }
-        self.arena.vals.extend(items.iter().map(|s| match s {
-            Slot::V(v) => *v,
-            Slot::Mark => Val::NONE, // checked above
-        }));
-        self.stack.truncate(drop_from);
-        let len = self.arena.vals.len() - start;
-        let v = self.alloc(Node::Tuple(Span { start, len }))?;
-        if len == 0 {
+        let span = self.pool_from_stack(first, drop_from);
+        let v = self.alloc(Node::Tuple(span))?;
+        if span.len == 0 {
             self.empty_tuple = Some(v);
         }
         Ok(v)
@@ -1757,13 +1750,22 @@ impl<'a> Machine<'a> {
     /// `LIST`/`FROZENSET`: the values above the topmost mark, straight into the pool.
     fn seq_from_mark(&mut self, kind: SeqKind, at: usize) -> Result<Val, PickleError> {
         let mark = self.mark(at)?;
+        let span = self.pool_from_stack(mark + 1, mark);
+        self.alloc(Node::Seq(kind, Items::Pooled(span)))
+    }
+
+    /// Moves the stack values from `first` on into [`Arena::vals`] (the caller checked there is
+    /// no mark among them) and drops the stack from `drop_from`: the new run.
+    fn pool_from_stack(&mut self, first: usize, drop_from: usize) -> Span {
         let start = self.arena.vals.len();
         self.arena
             .vals
-            .extend(self.stack[mark + 1..].iter().map(slot_val));
-        self.stack.truncate(mark);
-        let len = self.arena.vals.len() - start;
-        self.alloc(Node::Seq(kind, Items::Pooled(Span { start, len })))
+            .extend(self.stack[first..].iter().map(slot_val));
+        self.stack.truncate(drop_from);
+        Span {
+            start,
+            len: self.arena.vals.len() - start,
+        }
     }
 }
 
