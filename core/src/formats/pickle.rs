@@ -556,15 +556,29 @@ impl<'a> PyRef<'a> {
 
     /// A shape: `torch.Size((...))` or a tuple/list of non-negative ints.
     pub fn as_dims(&self) -> Option<Vec<u64>> {
-        if let Some(o) = self.object() {
-            if o.class().is_some_and(|g| g.is("torch", "Size")) {
-                return o.arg(0)?.as_dims();
+        let nodes = &self.arena.nodes;
+        let vals: &'a [Val] = match self.node()? {
+            Node::Object(o) => {
+                let o = &nodes.objects[*o];
+                if !self.at(o.callable).global()?.is("torch", "Size") {
+                    return None;
+                }
+                return self.at(o.args).items()?.next()?.as_dims();
             }
-            return None;
+            Node::Tuple(span) => nodes.vals(*span),
+            Node::Seq(SeqKind::List, items) => nodes.seq(*items),
+            _ => return None,
+        };
+        // Hundreds of thousands of chunk records each hold two or three of these.
+        let mut dims = Vec::with_capacity(vals.len());
+        for &v in vals {
+            let i = match v.get() {
+                V::Int(i) => i,
+                _ => self.at(v).as_i64()?,
+            };
+            dims.push(u64::try_from(i).ok()?);
         }
-        self.items()?
-            .map(|x| x.as_i64().and_then(|i| u64::try_from(i).ok()))
-            .collect()
+        Some(dims)
     }
 
     /// Converts this value (and everything under it) into an owned [`PyValue`], with the
@@ -647,11 +661,20 @@ impl<'a> ObjRef<'a> {
             let Some(pairs) = d.dict_items() else {
                 return false;
             };
+            // A dataclass pickles its fields in declaration order, which callers usually ask
+            // for: try the name after the last one found before comparing with every name.
+            let mut next = 0;
             for (k, v) in pairs {
                 let Some(k) = k.as_str() else { continue };
-                for (slot, name) in found.iter_mut().zip(names) {
-                    if slot.is_none() && k == name {
-                        *slot = Some(v);
+                if next < N && found[next].is_none() && k == names[next] {
+                    found[next] = Some(v);
+                    next += 1;
+                    continue;
+                }
+                for (i, name) in names.iter().enumerate() {
+                    if found[i].is_none() && k == *name {
+                        found[i] = Some(v);
+                        next = i + 1;
                     }
                 }
             }
@@ -932,6 +955,22 @@ enum Slot {
     V(Val),
 }
 
+/// What `op` found where it needed a value: a mark, or nothing.
+#[cold]
+fn stack_error(mark: bool, op: u8, at: usize) -> PickleError {
+    if mark {
+        PickleError::WrongType {
+            offset: at,
+            what: format!("opcode 0x{op:02x} found a MARK where a value was expected"),
+        }
+    } else {
+        PickleError::StackUnderflow {
+            opcode: op,
+            offset: at,
+        }
+    }
+}
+
 /// A stack slot above the topmost mark (always a value there).
 fn slot_val(s: &Slot) -> Val {
     match s {
@@ -1044,14 +1083,38 @@ impl<'a> Machine<'a> {
         Ok(s)
     }
 
+    /// One byte: every opcode and most arguments (6.8 million of them in a large `.metadata`).
     #[inline]
     fn u8(&mut self) -> Result<u8, PickleError> {
-        Ok(self.take(1)?[0])
+        match self.data.get(self.pos) {
+            Some(&b) => {
+                self.pos += 1;
+                Ok(b)
+            }
+            None => Err(self.truncated(1)),
+        }
     }
 
+    #[cold]
+    fn truncated(&self, n: u64) -> PickleError {
+        let remaining = (self.data.len() - self.pos) as u64;
+        PickleError::Truncated {
+            offset: self.pos,
+            needed: n - remaining,
+        }
+    }
+
+    /// A little-endian unsigned integer of `N` bytes.
     #[inline]
-    fn uint(&mut self, n: usize) -> Result<u64, PickleError> {
-        let b = self.take(n as u64)?;
+    fn uint<const N: usize>(&mut self) -> Result<u64, PickleError> {
+        let Some(b) = self
+            .data
+            .get(self.pos..)
+            .and_then(|rest| rest.first_chunk::<N>())
+        else {
+            return Err(self.truncated(N as u64));
+        };
+        self.pos += N;
         Ok(b.iter()
             .rev()
             .fold(0u64, |acc, &x| (acc << 8) | u64::from(x)))
@@ -1103,14 +1166,7 @@ impl<'a> Machine<'a> {
     fn pop(&mut self, op: u8, at: usize) -> Result<Val, PickleError> {
         match self.stack.pop() {
             Some(Slot::V(v)) => Ok(v),
-            Some(Slot::Mark) => Err(PickleError::WrongType {
-                offset: at,
-                what: format!("opcode 0x{op:02x} found a MARK where a value was expected"),
-            }),
-            None => Err(PickleError::StackUnderflow {
-                opcode: op,
-                offset: at,
-            }),
+            other => Err(stack_error(other.is_some(), op, at)),
         }
     }
 
@@ -1118,14 +1174,7 @@ impl<'a> Machine<'a> {
     fn top(&self, op: u8, at: usize) -> Result<Val, PickleError> {
         match self.stack.last() {
             Some(Slot::V(v)) => Ok(*v),
-            Some(Slot::Mark) => Err(PickleError::WrongType {
-                offset: at,
-                what: format!("opcode 0x{op:02x} found a MARK where a value was expected"),
-            }),
-            None => Err(PickleError::StackUnderflow {
-                opcode: op,
-                offset: at,
-            }),
+            other => Err(stack_error(other.is_some(), op, at)),
         }
     }
 
@@ -1457,7 +1506,7 @@ impl<'a> Machine<'a> {
                     self.push(v)?;
                 }
                 b'M' => {
-                    let v = self.uint(2)?;
+                    let v = self.uint::<2>()?;
                     let v = self.int(v as i64)?;
                     self.push(v)?;
                 }
@@ -1469,7 +1518,7 @@ impl<'a> Machine<'a> {
                     self.push(v)?;
                 }
                 0x8b => {
-                    let n = self.uint(4)?;
+                    let n = self.uint::<4>()?;
                     let b = self.take(n)?;
                     let v = self.long(b)?;
                     self.push(v)?;
@@ -1516,12 +1565,12 @@ impl<'a> Machine<'a> {
                     self.push(v)?;
                 }
                 b'X' => {
-                    let n = self.uint(4)?;
+                    let n = self.uint::<4>()?;
                     let v = self.string(n)?;
                     self.push(v)?;
                 }
                 0x8d => {
-                    let n = self.uint(8)?;
+                    let n = self.uint::<8>()?;
                     let v = self.string(n)?;
                     self.push(v)?;
                 }
@@ -1530,7 +1579,7 @@ impl<'a> Machine<'a> {
                     let n = if op == b'U' {
                         u64::from(self.u8()?)
                     } else {
-                        self.uint(4)?
+                        self.uint::<4>()?
                     };
                     let b = self.take(n)?;
                     let v = if let Ok(s) = std::str::from_utf8(b) {
@@ -1548,12 +1597,12 @@ impl<'a> Machine<'a> {
                     self.push(v)?;
                 }
                 b'B' => {
-                    let n = self.uint(4)?;
+                    let n = self.uint::<4>()?;
                     let v = self.bytes(n)?;
                     self.push(v)?;
                 }
                 0x8e | 0x96 => {
-                    let n = self.uint(8)?;
+                    let n = self.uint::<8>()?;
                     let v = self.bytes(n)?;
                     self.push(v)?;
                 }
@@ -1692,7 +1741,7 @@ impl<'a> Machine<'a> {
                     self.memo_put(index, v)?;
                 }
                 b'r' => {
-                    let index = self.uint(4)?;
+                    let index = self.uint::<4>()?;
                     let v = self.top(op, at)?;
                     self.memo_put(index, v)?;
                 }
@@ -1711,7 +1760,7 @@ impl<'a> Machine<'a> {
                     self.memo_get(index, at)?;
                 }
                 b'j' => {
-                    let index = self.uint(4)?;
+                    let index = self.uint::<4>()?;
                     self.memo_get(index, at)?;
                 }
                 b'g' => {
@@ -2394,6 +2443,40 @@ mod tests {
             panic!()
         };
         assert!(matches!(&t[0], PyValue::Object(o) if o.class().unwrap().name == "encode"));
+    }
+
+    #[test]
+    fn attrs_in_any_field_order() {
+        // `pickle.dumps((a, b, c), protocol=4)` of three `m.P` objects whose `__dict__`s are
+        // {x: 1, y: 2, z: 3}, {z: 30, y: 20, x: 10} and {w: 0, x: 100, q: 5, z: 300}.
+        let data = b"\x80\x04\x95\\\x00\x00\x00\x00\x00\x00\x00\x8c\x01m\x94\x8c\x01P\x94\x93\x94)\x81\x94}\x94(\x8c\x01x\x94K\x01\x8c\x01y\x94K\x02\x8c\x01z\x94K\x03ubh\x02)\x81\x94}\x94(h\x07K\x1eh\x06K\x14h\x05K\nubh\x02)\x81\x94}\x94(\x8c\x01w\x94K\x00h\x05Kd\x8c\x01q\x94K\x05h\x07M,\x01ub\x87\x94.";
+        let arena = parse_arena(data).unwrap();
+        let objs: Vec<ObjRef<'_>> = arena
+            .root()
+            .items()
+            .unwrap()
+            .map(|o| o.object().unwrap())
+            .collect();
+        let ints = |found: &[Option<PyRef<'_>>]| -> Vec<Option<i64>> {
+            found.iter().map(|f| f.and_then(|v| v.as_i64())).collect()
+        };
+        let names = ["x", "y", "z"];
+        assert_eq!(ints(&objs[0].attrs(names)), [Some(1), Some(2), Some(3)]);
+        assert_eq!(ints(&objs[1].attrs(names)), [Some(10), Some(20), Some(30)]);
+        assert_eq!(ints(&objs[2].attrs(names)), [Some(100), None, Some(300)]);
+        assert_eq!(ints(&objs[1].attrs(["z", "x"])), [Some(30), Some(10)]);
+        assert_eq!(
+            ints(&objs[2].attrs(["q", "w", "v"])),
+            [Some(5), Some(0), None]
+        );
+        for o in &objs {
+            for name in ["w", "x", "y", "z", "q"] {
+                assert_eq!(
+                    o.attrs([name])[0].and_then(|v| v.as_i64()),
+                    o.attr(name).and_then(|v| v.as_i64())
+                );
+            }
+        }
     }
 
     #[test]
