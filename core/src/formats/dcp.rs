@@ -5,7 +5,7 @@
 use std::collections::BTreeMap;
 
 use crate::dtype::DType;
-use crate::formats::pickle::{self, ObjRef, PickleError, PyRef};
+use crate::formats::pickle::{self, AttrCache, ObjRef, PickleError, PyRef};
 
 /// What went wrong while reading DCP metadata.
 #[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
@@ -237,6 +237,7 @@ fn state_dict_items(meta: ObjRef<'_>) -> Result<Vec<(String, ItemMeta)>, DcpErro
         .dict_items()
         .ok_or_else(|| malformed("state_dict_metadata is not a dict"))?;
     let mut items = Vec::with_capacity(sdm.len());
+    let mut chunk_keys = AttrCache::new();
     for (k, v) in sdm {
         let key = k
             .as_str()
@@ -245,7 +246,7 @@ fn state_dict_items(meta: ObjRef<'_>) -> Result<Vec<(String, ItemMeta)>, DcpErro
         let item = if is_class(v, "BytesStorageMetadata") {
             ItemMeta::Bytes
         } else if let Ok(o) = as_object(v, "TensorStorageMetadata") {
-            tensor_meta(&key, o)?
+            tensor_meta(&key, o, &mut chunk_keys)?
         } else {
             return Err(malformed(format!(
                 "state_dict_metadata[{key:?}] is a {}, not tensor or bytes metadata",
@@ -276,8 +277,12 @@ fn storage_records(
         return Ok(Vec::new());
     };
     let mut storage = Vec::with_capacity(range.len());
+    let (mut index_keys, mut info_keys) = (AttrCache::new(), AttrCache::new());
     for (k, v) in records.skip(range.start).take(range.len()) {
-        storage.push((storage_index(k)?, storage_info(v)?));
+        storage.push((
+            storage_index(k, &mut index_keys)?,
+            storage_info(v, &mut info_keys)?,
+        ));
     }
     Ok(storage)
 }
@@ -289,7 +294,11 @@ fn dims(v: Option<PyRef<'_>>, what: impl FnOnce() -> String) -> Result<Vec<u64>,
         .ok_or_else(|| malformed(format!("{} is not a torch.Size", what())))
 }
 
-fn tensor_meta(key: &str, o: ObjRef<'_>) -> Result<ItemMeta, DcpError> {
+fn tensor_meta(
+    key: &str,
+    o: ObjRef<'_>,
+    chunk_keys: &mut AttrCache<2>,
+) -> Result<ItemMeta, DcpError> {
     let props = o
         .attr("properties")
         .ok_or_else(|| malformed(format!("{key}: no properties")))?;
@@ -319,7 +328,7 @@ fn tensor_meta(key: &str, o: ObjRef<'_>) -> Result<ItemMeta, DcpError> {
     let mut chunks = Vec::with_capacity(chunk_list.len());
     for c in chunk_list {
         let c = as_object(c, "ChunkStorageMetadata")?;
-        let [offsets, sizes] = c.attrs(["offsets", "sizes"]);
+        let [offsets, sizes] = c.attrs_cached(chunk_keys, ["offsets", "sizes"]);
         let offsets = dims(offsets, || format!("{key}: chunk offsets"))?;
         let sizes = dims(sizes, || format!("{key}: chunk sizes"))?;
         if offsets.len() != size.len() || sizes.len() != size.len() {
@@ -337,9 +346,9 @@ fn tensor_meta(key: &str, o: ObjRef<'_>) -> Result<ItemMeta, DcpError> {
     })
 }
 
-fn storage_index(v: PyRef<'_>) -> Result<StorageIndex, DcpError> {
+fn storage_index(v: PyRef<'_>, keys: &mut AttrCache<3>) -> Result<StorageIndex, DcpError> {
     let o = as_object(v, "MetadataIndex")?;
-    let [fqn, offset, index] = o.attrs(["fqn", "offset", "index"]);
+    let [fqn, offset, index] = o.attrs_cached(keys, ["fqn", "offset", "index"]);
     let fqn = fqn
         .and_then(|f| f.as_str())
         .ok_or_else(|| malformed("MetadataIndex without fqn"))?
@@ -359,10 +368,12 @@ fn storage_index(v: PyRef<'_>) -> Result<StorageIndex, DcpError> {
     Ok(StorageIndex { fqn, offset, index })
 }
 
-fn storage_info(v: PyRef<'_>) -> Result<StorageInfo, DcpError> {
+fn storage_info(v: PyRef<'_>, keys: &mut AttrCache<4>) -> Result<StorageInfo, DcpError> {
     let o = as_object(v, "_StorageInfo")?;
-    let [relative_path, offset, length, transforms] =
-        o.attrs(["relative_path", "offset", "length", "transform_descriptors"]);
+    let [relative_path, offset, length, transforms] = o.attrs_cached(
+        keys,
+        ["relative_path", "offset", "length", "transform_descriptors"],
+    );
     let relative_path = relative_path
         .and_then(|p| p.as_str())
         .ok_or_else(|| malformed("_StorageInfo without relative_path"))?

@@ -653,6 +653,17 @@ impl<'a> ObjRef<'a> {
     /// Several attributes in one pass over the state: `attrs(["a", "b"])` is
     /// `[attr("a"), attr("b")]` (the hot records of a large `.metadata` are read this way).
     pub fn attrs<const N: usize>(&self, names: [&str; N]) -> [Option<PyRef<'a>>; N] {
+        self.attrs_cached(&mut AttrCache::new(), names)
+    }
+
+    /// [`attrs`](Self::attrs) over many records of one class: `cache` remembers which string
+    /// nodes are the names (a pickle stores each interned key string once and refers to it from
+    /// every record), so most keys are matched without comparing text.
+    pub fn attrs_cached<const N: usize>(
+        &self,
+        cache: &mut AttrCache<N>,
+        names: [&str; N],
+    ) -> [Option<PyRef<'a>>; N] {
         let mut found = [None; N];
         let Some(state) = self.state() else {
             return found;
@@ -665,15 +676,16 @@ impl<'a> ObjRef<'a> {
             // for: try the name after the last one found before comparing with every name.
             let mut next = 0;
             for (k, v) in pairs {
-                let Some(k) = k.as_str() else { continue };
-                if next < N && found[next].is_none() && k == names[next] {
+                if next < N && found[next].is_none() && k.val == cache.keys[next] {
                     found[next] = Some(v);
                     next += 1;
                     continue;
                 }
+                let Some(text) = k.as_str() else { continue };
                 for (i, name) in names.iter().enumerate() {
-                    if found[i].is_none() && k == *name {
+                    if found[i].is_none() && text == *name {
                         found[i] = Some(v);
+                        cache.keys[i] = k.val;
                         next = i + 1;
                     }
                 }
@@ -705,6 +717,27 @@ impl<'a> ObjRef<'a> {
     }
 }
 
+/// Which string nodes are the names of [`ObjRef::attrs_cached`] (a node's text never changes).
+#[derive(Debug, Clone, Copy)]
+pub struct AttrCache<const N: usize> {
+    keys: [Val; N],
+}
+
+impl<const N: usize> AttrCache<N> {
+    /// Knows no node yet.
+    pub fn new() -> Self {
+        AttrCache {
+            keys: [Val::MISSING; N],
+        }
+    }
+}
+
+impl<const N: usize> Default for AttrCache<N> {
+    fn default() -> Self {
+        Self::new()
+    }
+}
+
 // ---------------------------------------------------------------------------------------------
 // Pass 1: the machine.
 
@@ -732,6 +765,9 @@ impl Val {
     const REF: u64 = 3;
     /// Never made from input: an empty memo slot, an object without `BUILD` state.
     const MISSING: Val = Val(7);
+    /// Only on the machine's stack: `MARK`. Every opcode that takes a value checks for it, so it
+    /// never reaches the memo, the pools or a record.
+    const MARK: Val = Val(6);
 
     /// `i` inline, when it fits in 61 bits.
     fn small_int(i: i64) -> Option<Val> {
@@ -949,12 +985,6 @@ impl ObjNode {
     }
 }
 
-#[derive(Debug, Clone, Copy)]
-enum Slot {
-    Mark,
-    V(Val),
-}
-
 /// What `op` found where it needed a value: a mark, or nothing.
 #[cold]
 fn stack_error(mark: bool, op: u8, at: usize) -> PickleError {
@@ -968,14 +998,6 @@ fn stack_error(mark: bool, op: u8, at: usize) -> PickleError {
             opcode: op,
             offset: at,
         }
-    }
-}
-
-/// A stack slot above the topmost mark (always a value there).
-fn slot_val(s: &Slot) -> Val {
-    match s {
-        Slot::V(v) => *v,
-        Slot::Mark => Val::NONE,
     }
 }
 
@@ -1026,7 +1048,7 @@ struct Machine<'a> {
     pos: usize,
     limits: PickleLimits,
     arena: Arena,
-    stack: Vec<Slot>,
+    stack: Vec<Val>,
     /// Memo slots by index (torch and Python number them densely from 0).
     /// [`Val::MISSING`] where nothing was put.
     memo: Vec<Val>,
@@ -1158,14 +1180,14 @@ impl<'a> Machine<'a> {
                 limit: self.limits.max_stack,
             });
         }
-        self.stack.push(Slot::V(v));
+        self.stack.push(v);
         Ok(())
     }
 
     #[inline]
     fn pop(&mut self, op: u8, at: usize) -> Result<Val, PickleError> {
         match self.stack.pop() {
-            Some(Slot::V(v)) => Ok(v),
+            Some(v) if v != Val::MARK => Ok(v),
             other => Err(stack_error(other.is_some(), op, at)),
         }
     }
@@ -1173,7 +1195,7 @@ impl<'a> Machine<'a> {
     #[inline]
     fn top(&self, op: u8, at: usize) -> Result<Val, PickleError> {
         match self.stack.last() {
-            Some(Slot::V(v)) => Ok(*v),
+            Some(&v) if v != Val::MARK => Ok(v),
             other => Err(stack_error(other.is_some(), op, at)),
         }
     }
@@ -1182,7 +1204,7 @@ impl<'a> Machine<'a> {
     fn mark(&self, at: usize) -> Result<usize, PickleError> {
         self.stack
             .iter()
-            .rposition(|s| matches!(s, Slot::Mark))
+            .rposition(|&s| s == Val::MARK)
             .ok_or(PickleError::NoMark { offset: at })
     }
 
@@ -1192,21 +1214,12 @@ impl<'a> Machine<'a> {
         // `TUPLE1..3` over plain values (the usual case): straight from the stack's top.
         if let Some(n @ 1..=3) = n
             && let Some(first) = self.stack.len().checked_sub(n)
+            && !self.stack[first..].contains(&Val::MARK)
         {
-            let mut items = [Val::NONE; 3];
-            let mut plain = true;
-            for (dst, s) in items.iter_mut().zip(&self.stack[first..]) {
-                match s {
-                    Slot::V(v) => *dst = *v,
-                    Slot::Mark => plain = false,
-                }
-            }
-            if plain {
-                self.stack.truncate(first);
-                let start = self.arena.vals.len();
-                self.arena.vals.extend_from_slice(&items[..n]);
-                return self.alloc(Node::Tuple(Span { start, len: n }));
-            }
+            let start = self.arena.vals.len();
+            self.arena.vals.extend_from_slice(&self.stack[first..]);
+            self.stack.truncate(first);
+            return self.alloc(Node::Tuple(Span { start, len: n }));
         }
         let (first, drop_from) = match n {
             None => {
@@ -1231,7 +1244,7 @@ impl<'a> Machine<'a> {
             self.stack.truncate(drop_from);
             return Ok(empty);
         }
-        if self.stack[first..].iter().any(|s| matches!(s, Slot::Mark)) {
+        if self.stack[first..].contains(&Val::MARK) {
             return Err(PickleError::WrongType {
                 offset: at,
                 what: format!("opcode 0x{op:02x} found a MARK where a value was expected"),
@@ -1247,14 +1260,8 @@ impl<'a> Machine<'a> {
 
     fn pop_mark(&mut self, at: usize) -> Result<Vec<Val>, PickleError> {
         let mark = self.mark(at)?;
-        let items = self
-            .stack
-            .drain(mark + 1..)
-            .map(|s| match s {
-                Slot::V(v) => v,
-                Slot::Mark => Val::NONE, // unreachable: `mark` is the last mark
-            })
-            .collect();
+        // `mark` is the topmost mark: only values above it.
+        let items = self.stack.drain(mark + 1..).collect();
         self.stack.truncate(mark);
         Ok(items)
     }
@@ -1360,8 +1367,8 @@ impl<'a> Machine<'a> {
     fn mark_and_target(&self, op: u8, at: usize) -> Result<(usize, Val), PickleError> {
         let mark = self.mark(at)?;
         let target = match mark.checked_sub(1).map(|i| self.stack[i]) {
-            Some(Slot::V(v)) => v,
-            Some(Slot::Mark) => {
+            Some(v) if v != Val::MARK => v,
+            Some(_) => {
                 return Err(PickleError::WrongType {
                     offset: at,
                     what: format!("opcode 0x{op:02x} found a MARK where a value was expected"),
@@ -1384,7 +1391,7 @@ impl<'a> Machine<'a> {
         add_items(
             &mut self.arena,
             target,
-            self.stack[mark + 1..].iter().map(slot_val),
+            self.stack[mark + 1..].iter().copied(),
             at,
         )?;
         self.stack.truncate(mark);
@@ -1402,8 +1409,7 @@ impl<'a> Machine<'a> {
                 what: "SETITEMS with an odd number of values".into(),
             });
         }
-        let val = |s: Slot| slot_val(&s);
-        let pairs = items.chunks_exact(2).map(|c| (val(c[0]), val(c[1])));
+        let pairs = items.chunks_exact(2).map(|c| (c[0], c[1]));
         add_pairs(&mut self.arena, target, pairs, at)?;
         self.stack.truncate(mark);
         Ok(())
@@ -1478,7 +1484,7 @@ impl<'a> Machine<'a> {
                             limit: self.limits.max_stack,
                         });
                     }
-                    self.stack.push(Slot::Mark);
+                    self.stack.push(Val::MARK);
                 }
                 b'0' => {
                     self.pop(op, at)?;
@@ -1807,9 +1813,7 @@ impl<'a> Machine<'a> {
     /// no mark among them) and drops the stack from `drop_from`: the new run.
     fn pool_from_stack(&mut self, first: usize, drop_from: usize) -> Span {
         let start = self.arena.vals.len();
-        self.arena
-            .vals
-            .extend(self.stack[first..].iter().map(slot_val));
+        self.arena.vals.extend_from_slice(&self.stack[first..]);
         self.stack.truncate(drop_from);
         Span {
             start,
@@ -2468,6 +2472,21 @@ mod tests {
         assert_eq!(
             ints(&objs[2].attrs(["q", "w", "v"])),
             [Some(5), Some(0), None]
+        );
+        // One cache over all three records (their keys are memo references to the first
+        // record's strings, or new strings), and a name the cache learnt in another position.
+        let mut cache = AttrCache::new();
+        let got: Vec<_> = objs
+            .iter()
+            .map(|o| ints(&o.attrs_cached(&mut cache, ["x", "y", "z"])))
+            .collect();
+        assert_eq!(
+            got,
+            [
+                [Some(1), Some(2), Some(3)],
+                [Some(10), Some(20), Some(30)],
+                [Some(100), None, Some(300)]
+            ]
         );
         for o in &objs {
             for name in ["w", "x", "y", "z", "q"] {
