@@ -81,10 +81,14 @@ impl Collective for Nccl {
                 output.elem_count()
             )));
         }
-        if self.group_size == 1 {
-            if in_len == 0 {
-                return Ok(true);
-            }
+        // Every rank of a unit has the same (padded) input length, so all skip an empty one.
+        if in_len == 0 {
+            return Ok(true);
+        }
+        // A group of one rank inside a larger world (NO_SHARD) cannot use the world's communicator:
+        // its all-gather is a copy. A world of one rank all-gathers through NCCL like any other,
+        // so a single-GPU run executes the same calls as a multi-GPU one.
+        if self.group_size == 1 && self.comm.world_size() > 1 {
             let mine = input.narrow(0, 0, in_len).map_err(dev_err("all-gather"))?;
             output
                 .slice_set(&mine, 0, 0)
