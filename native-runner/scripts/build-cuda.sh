@@ -26,7 +26,17 @@ MODE="${MODE:-build}"
 if [ ! -x "$VENV/bin/python" ]; then
   python3 -m venv "$VENV"
 fi
-TOOLKIT="cuda-toolkit[nvcc,crt,nvvm,curand,cudart,cublas,nvrtc,cccl]==13.2.2"
+# candle's kernels are embedded as PTX, which the driver compiles at run time: a driver older than
+# the nvcc that wrote the PTX refuses it (CUDA_ERROR_UNSUPPORTED_PTX_VERSION). Build with the
+# toolkit of the oldest driver the binary must run on (`nvidia-smi` shows its CUDA version);
+# 13.0 is driver 580's.
+TOOLKIT_VERSION="${CUDA_TOOLKIT_VERSION:-13.0.2}"
+TOOLKIT="cuda-toolkit[nvcc,crt,nvvm,curand,cudart,cublas,nvrtc,cccl]==$TOOLKIT_VERSION"
+found="$("$VENV/bin/pip" show cuda-toolkit 2>/dev/null | sed -n 's/^Version: //p' || true)"
+if [ -n "$found" ] && [ "$found" != "$TOOLKIT_VERSION" ]; then
+  echo "$VENV holds cuda-toolkit $found, not $TOOLKIT_VERSION: name another CUDA_VENV" >&2
+  exit 2
+fi
 if [ "$MODE" = check ]; then
   if ! "$VENV/bin/python" -c 'import nvidia.cu13' 2>/dev/null; then
     "$VENV/bin/pip" install -q --disable-pip-version-check "$TOOLKIT"

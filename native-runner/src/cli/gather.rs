@@ -553,7 +553,22 @@ fn run_cuda(
     source: &Source,
     options: GatherOptions,
 ) -> anyhow::Result<GatherOutcome> {
-    Ok(gather::cuda::run_from_env(plan, source, options)?)
+    gather::cuda::run_from_env(plan, source, options).map_err(|e| {
+        let message = e.to_string();
+        match device_hint(&message) {
+            Some(hint) => anyhow::anyhow!("{message}\nhint: {hint}"),
+            None => e.into(),
+        }
+    })
+}
+
+/// What to do about a GPU error that the user, not the checkpoint, can fix.
+#[cfg_attr(not(feature = "cuda"), allow(dead_code))]
+fn device_hint(message: &str) -> Option<&'static str> {
+    // The driver compiles candle's PTX kernels at run time, and refuses PTX from a newer nvcc.
+    message.contains("CUDA_ERROR_UNSUPPORTED_PTX_VERSION").then_some(
+        "this shardscope's GPU kernels were built by a newer CUDA toolkit than this driver runs; rebuild it with the toolkit of the driver's CUDA version (`nvidia-smi` shows it), e.g. `CUDA_TOOLKIT_VERSION=13.0.2 native-runner/scripts/build-cuda.sh`",
+    )
 }
 
 #[cfg(not(feature = "cuda"))]
@@ -565,4 +580,20 @@ fn run_cuda(
     bail!(
         "this shardscope was built without the `cuda` feature\nhint: build it with `cargo build --release -p shardscope-runner --features cuda` (needs the CUDA toolkit; see native-runner/scripts/build-cuda.sh), then launch one process per GPU with torchrun or srun"
     )
+}
+
+#[cfg(test)]
+mod tests {
+    use super::device_hint;
+
+    #[test]
+    fn ptx_from_a_newer_toolkit_gets_a_rebuild_hint() {
+        // The error candle gave on an H100 with driver 580 (CUDA 13.0) for kernels built by nvcc 13.2.
+        let seen = r#"copy: DriverError(CUDA_ERROR_UNSUPPORTED_PTX_VERSION, "the provided PTX was compiled with an unsupported toolchain.")"#;
+        assert!(device_hint(seen).is_some_and(|h| h.contains("CUDA_TOOLKIT_VERSION")));
+        assert_eq!(
+            device_hint("ncclAllGather: NcclError(ncclSystemError)"),
+            None
+        );
+    }
 }
