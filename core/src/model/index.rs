@@ -1431,7 +1431,8 @@ pub fn index_dcp(source: &dyn Source, metadata_name: &str) -> Result<CheckpointI
                 (EntryKind::Tensor, Some(dtype), Some(size))
             }
         };
-        for c in &chunks {
+        // A tensor's data files were sized when first seen (`data_files`); a bytes item's were not.
+        for c in chunks.iter().filter(|_| matches!(kind, EntryKind::Bytes)) {
             if !file_sizes.contains_key(&c.file) {
                 let size = source.size(&c.file).map_err(|_| IndexError::Inconsistent {
                     file: metadata_name.to_owned(),
