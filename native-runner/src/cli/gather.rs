@@ -397,7 +397,12 @@ pub fn run(args: &GatherArgs) -> anyhow::Result<ExitCode> {
             }
             outcome?
         }
-        Backend::Cuda => run_cuda(&plan, &prepared.source, options)?,
+        Backend::Cuda => {
+            if let Some(note) = nccl_stdout_note(args.json, |k| std::env::var_os(k).is_some()) {
+                eprintln!("{note}");
+            }
+            run_cuda(&plan, &prepared.source, options)?
+        }
     };
 
     if !outcome.writes_outputs {
@@ -562,6 +567,14 @@ fn run_cuda(
     })
 }
 
+/// With `NCCL_DEBUG` set, NCCL logs to stdout (its version line, at least) unless
+/// `NCCL_DEBUG_FILE` says where: inside `--json` output, that breaks the JSON.
+fn nccl_stdout_note(json: bool, is_set: impl Fn(&str) -> bool) -> Option<&'static str> {
+    (json && is_set("NCCL_DEBUG") && !is_set("NCCL_DEBUG_FILE")).then_some(
+        "note: NCCL_DEBUG is set, so NCCL writes its log to stdout, into the --json output\nhint: set NCCL_DEBUG_FILE=/dev/stderr (or a file) to keep stdout JSON only",
+    )
+}
+
 /// What to do about a GPU error that the user, not the checkpoint, can fix.
 #[cfg_attr(not(feature = "cuda"), allow(dead_code))]
 fn device_hint(message: &str) -> Option<&'static str> {
@@ -584,7 +597,16 @@ fn run_cuda(
 
 #[cfg(test)]
 mod tests {
-    use super::device_hint;
+    use super::{device_hint, nccl_stdout_note};
+
+    #[test]
+    fn nccl_debug_on_stdout_is_noted_for_json_only() {
+        let set = |names: &'static [&'static str]| move |k: &str| names.contains(&k);
+        assert!(nccl_stdout_note(true, set(&["NCCL_DEBUG"])).is_some());
+        assert!(nccl_stdout_note(true, set(&["NCCL_DEBUG", "NCCL_DEBUG_FILE"])).is_none());
+        assert!(nccl_stdout_note(false, set(&["NCCL_DEBUG"])).is_none());
+        assert!(nccl_stdout_note(true, set(&[])).is_none());
+    }
 
     #[test]
     fn ptx_from_a_newer_toolkit_gets_a_rebuild_hint() {
