@@ -12,9 +12,15 @@
 //! folder, whatever its destination, removes every such leftover whose process no longer runs (on
 //! Linux, where `/proc` tells; elsewhere they are left alone), and says so on stderr.
 //!
+//! [`together`] keeps back every file [`write_file`] finishes inside it (written, not yet synced or
+//! renamed) until all are written, then syncs and moves them into place: a set of outputs (a model file
+//! and its `.optim.pt`) appears together or not at all, and the disk writes one back while the next is
+//! written instead of the process waiting for each `fsync` in turn.
+//!
 //! The core writers (`shardscope_core::formats::write`) take any `Write`; pass them the `BufWriter`
 //! given to the closure.
 
+use std::cell::RefCell;
 use std::fs::{self, File, OpenOptions};
 use std::io::BufWriter;
 use std::path::{Path, PathBuf};
@@ -23,6 +29,64 @@ use std::sync::atomic::{AtomicU64, Ordering};
 use anyhow::{Context, Result, bail};
 
 static COUNTER: AtomicU64 = AtomicU64::new(0);
+
+/// A finished temporary file waiting for [`together`] to put it in place.
+struct Staged {
+    file: File,
+    tmp: PathBuf,
+    dest: PathBuf,
+    guard: Cleanup,
+}
+
+thread_local! {
+    /// The files [`together`] keeps back on this thread (`None` outside it).
+    static STAGED: RefCell<Option<Vec<Staged>>> = const { RefCell::new(None) };
+}
+
+/// Runs `write`, keeping back every file that [`write_file`] finishes on this thread meanwhile;
+/// when `write` succeeds, syncs them all, then renames each into place, so that they appear
+/// together. When `write` fails (or a sync does), none appears and their temporary files go.
+/// Nested calls join the outer one.
+pub fn together<T>(write: impl FnOnce() -> Result<T>) -> Result<T> {
+    let outer = STAGED.with(|s| {
+        let mut s = s.borrow_mut();
+        let outer = s.is_some();
+        if !outer {
+            *s = Some(Vec::new());
+        }
+        outer
+    });
+    if outer {
+        return write();
+    }
+    let result = write();
+    let staged = STAGED.with(|s| s.borrow_mut().take()).unwrap_or_default();
+    let value = result?;
+    for s in &staged {
+        s.file
+            .sync_all()
+            .with_context(|| format!("cannot sync {}", s.tmp.display()))?;
+    }
+    let mut dirs = Vec::new();
+    for s in staged {
+        drop(s.file);
+        fs::rename(&s.tmp, &s.dest).with_context(|| {
+            format!(
+                "cannot move the finished output into place: {}",
+                s.dest.display()
+            )
+        })?;
+        s.guard.disarm();
+        let dir = parent_dir(&s.dest);
+        if !dirs.contains(&dir) {
+            dirs.push(dir);
+        }
+    }
+    for dir in dirs {
+        sync_dir(&dir);
+    }
+    Ok(value)
+}
 
 /// Writes `dest` atomically: `write` fills a buffered temporary file next to it.
 pub fn write_file<T>(
@@ -60,6 +124,30 @@ fn write_file_inner<T>(
         .into_inner()
         .map_err(std::io::IntoInnerError::into_error)
         .with_context(|| format!("cannot write {}", tmp.display()))?;
+    // Inside `together` (and only for the sweeping, single-process writes): kept back.
+    let staged = Staged {
+        file,
+        tmp,
+        dest: dest.to_path_buf(),
+        guard,
+    };
+    let staged = if sweep {
+        STAGED.with(|s| match s.borrow_mut().as_mut() {
+            Some(list) => {
+                list.push(staged);
+                None
+            }
+            None => Some(staged),
+        })
+    } else {
+        Some(staged)
+    };
+    let Some(Staged {
+        file, tmp, guard, ..
+    }) = staged
+    else {
+        return Ok(value);
+    };
     file.sync_all()
         .with_context(|| format!("cannot sync {}", tmp.display()))?;
     drop(file);
@@ -271,6 +359,65 @@ mod tests {
     use shardscope_core::formats::write::pickle::{PyValue, StorageSpec, TensorPickle};
     use shardscope_core::formats::write::torch_save::TorchSaveWriter;
     use std::io::Write;
+
+    fn names_in(dir: &Path) -> Vec<String> {
+        let mut names: Vec<String> = fs::read_dir(dir)
+            .unwrap()
+            .map(|e| e.unwrap().file_name().to_string_lossy().into_owned())
+            .collect();
+        names.sort();
+        names
+    }
+
+    #[test]
+    fn together_puts_every_file_in_place_at_the_end_or_none() {
+        let dir = tempfile::tempdir().unwrap();
+        let (a, b) = (
+            dir.path().join("model.safetensors"),
+            dir.path().join("model.optim.pt"),
+        );
+        together(|| {
+            write_file(&a, |out| Ok(out.write_all(b"model")?))?;
+            // Kept back: not at its destination yet, only a hidden temporary file.
+            assert!(!a.exists());
+            assert_eq!(names_in(dir.path()).len(), 1);
+            // A nested call joins the outer one.
+            together(|| write_file(&b, |out| Ok(out.write_all(b"optim")?)))?;
+            assert!(!b.exists());
+            Ok(())
+        })
+        .unwrap();
+        assert_eq!(fs::read(&a).unwrap(), b"model");
+        assert_eq!(fs::read(&b).unwrap(), b"optim");
+        assert_eq!(
+            names_in(dir.path()),
+            ["model.optim.pt", "model.safetensors"]
+        );
+
+        // The second file fails: neither appears, and no temporary file is left.
+        let dir = tempfile::tempdir().unwrap();
+        let (a, b) = (
+            dir.path().join("m.safetensors"),
+            dir.path().join("m.optim.pt"),
+        );
+        let err = together(|| {
+            write_file(&a, |out| Ok(out.write_all(b"model")?))?;
+            write_file(&b, |out| -> Result<()> {
+                out.write_all(b"half")?;
+                bail!("disk full")
+            })
+        })
+        .unwrap_err();
+        assert!(err.to_string().contains("disk full"));
+        assert!(
+            names_in(dir.path()).is_empty(),
+            "{:?}",
+            names_in(dir.path())
+        );
+        // Outside `together`, files go in place at once again.
+        write_file(&a, |out| Ok(out.write_all(b"x")?)).unwrap();
+        assert!(a.exists());
+    }
 
     /// A `Write` that accepts `left` bytes, then fails: a disk filling up mid-write.
     struct FailAfter<'a, W: Write> {

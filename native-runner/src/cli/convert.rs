@@ -667,21 +667,22 @@ fn convert_fsdp1_two_files(
     // With optimizer files the folder indexes as `model` and `optim` subtrees.
     let mut model_args = args.clone();
     model_args.select = optim_path.is_some().then(|| "model".to_owned());
-    write_index(&model_args, &source, &index)?;
     let mut written = vec![args.output.display().to_string()];
-    if let Some(path) = &optim_path {
-        let mut optim_args = args.clone();
-        optim_args.select = Some("optim".to_owned());
-        optim_args.output.clone_from(path);
-        optim_args.to = Some(Target::Torch);
-        optim_args.max_shard_size = None;
-        if let Err(e) = write_index(&optim_args, &source, &index) {
-            // Both or neither: the model file written a moment ago goes too.
-            let _ = std::fs::remove_file(&args.output);
-            return Err(e);
+    // Both or neither: the two files are put in place together once both are written (and the
+    // model file is written back to disk while the optimizer file is written).
+    crate::atomic::together(|| {
+        write_index(&model_args, &source, &index)?;
+        if let Some(path) = &optim_path {
+            let mut optim_args = args.clone();
+            optim_args.select = Some("optim".to_owned());
+            optim_args.output.clone_from(path);
+            optim_args.to = Some(Target::Torch);
+            optim_args.max_shard_size = None;
+            write_index(&optim_args, &source, &index)?;
+            written.push(path.display().to_string());
         }
-        written.push(path.display().to_string());
-    }
+        Ok(())
+    })?;
     let seconds = started.elapsed().as_secs_f64();
     if args.json {
         print_stdout(&format!(
