@@ -164,9 +164,8 @@ def check_case(binary: str, backend: str, case_dir: Path, work: Path, log: list)
     return problems
 
 
-def synthetic(binary: str, backend: str, mib: int, work: Path, log: list) -> dict:
+def synthetic(binary: str, backend: str, mib: int, work: Path, log: list, hidden: int = 4096) -> dict:
     # A transformer-like model: per layer a bf16 block (4 square matrices) and a float32 norm.
-    hidden = 4096
     per_layer = 4 * hidden * hidden * 2
     layers = max(1, (mib << 20) // per_layer)
     params, units = [], []
@@ -175,16 +174,17 @@ def synthetic(binary: str, backend: str, mib: int, work: Path, log: list) -> dic
             params.append({"fqn": f"layers.{i}.attn.{w}.weight", "shape": [hidden, hidden], "dtype": "bfloat16"})
         params.append({"fqn": f"layers.{i}.norm.weight", "shape": [hidden], "dtype": "float32"})
         units += [f"layers.{i}.attn", f"layers.{i}.norm"]
-    model = work / "synthetic_model.json"
+    model = work / f"synthetic_model_{hidden}.json"
     model.write_text(json.dumps({"params": params, "units": units}))
     args = ["gather", "--synthetic", "--model", str(model), "--world-size", "1", "--api", "fsdp2",
-            "--verify", "--json", "-q", "--trace", str(work / "synthetic_trace.json")]
+            "--verify", "--json", "-q", "--trace", str(work / f"synthetic_trace_{hidden}.json")]
     out = run(binary, backend, args, log)
     if out.returncode != 0:
         return {"error": f"exit {out.returncode}: {out.stderr.strip()[-2000:]}"}
     report = json.loads(out.stdout)
     s = report["summary"]
     return {
+        "hidden": hidden,
         "layers": layers,
         "param_bytes": s["total"]["param_bytes"],
         "verify": report.get("verify"),
@@ -200,6 +200,9 @@ def main() -> int:
     p.add_argument("workdir")
     p.add_argument("--backend", default="cuda", choices=["cuda", "cpu"])
     p.add_argument("--synthetic-mib", type=int, default=2048)
+    p.add_argument("--synthetic-hidden", type=int, nargs="+", default=[4096],
+                   help="one synthetic run per hidden size (the matrices are HIDDEN x HIDDEN bf16)")
+    p.add_argument("--no-cases", action="store_true", help="only the synthetic runs")
     a = p.parse_args()
     work = Path(a.workdir)
     work.mkdir(parents=True, exist_ok=True)
@@ -207,17 +210,18 @@ def main() -> int:
     if torch.cuda.is_available():
         env["device"] = torch.cuda.get_device_name(0)
     log, results = [], {}
-    for case_dir in sorted(x for x in FIXTURES.iterdir() if (x / "case.json").exists()):
+    for case_dir in sorted(x for x in FIXTURES.iterdir() if (x / "case.json").exists() and not a.no_cases):
         problems = check_case(a.binary, a.backend, case_dir, work, log)
         results[case_dir.name] = problems
         print(f"{case_dir.name}: {'OK' if not problems else 'FAIL'}", flush=True)
         for pr in problems:
             print(f"    {pr}", flush=True)
-    synth = synthetic(a.binary, a.backend, a.synthetic_mib, work, log) if a.synthetic_mib else None
-    if synth:
-        print("synthetic:", json.dumps(synth, indent=1), flush=True)
+    synth = [synthetic(a.binary, a.backend, a.synthetic_mib, work, log, h)
+             for h in a.synthetic_hidden] if a.synthetic_mib else []
+    for one in synth:
+        print("synthetic:", json.dumps(one, indent=1), flush=True)
     failed = [k for k, v in results.items() if v]
-    synth_failed = bool(synth) and ("error" in synth or synth["verify"].get("mismatches"))
+    synth_failed = any("error" in one or one["verify"].get("mismatches") for one in synth)
     summary = {"env": env, "backend": a.backend, "cases": results, "failed": failed,
                "synthetic": synth, "runs": log}
     (work / "gpu_check.json").write_text(json.dumps(summary, indent=1))

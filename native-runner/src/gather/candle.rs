@@ -37,6 +37,19 @@ pub trait Collective {
     ) -> Result<bool, GatherError>;
     /// See [`Device::fail`].
     fn fail(&mut self);
+    /// `len` bytes of `src` from `src_offset` into `dst` at `dst_offset`, where the device has a
+    /// faster way than candle's `slice_set` (on CUDA a byte-per-thread kernel: about a fifth of the
+    /// device's copy bandwidth on an H100); `None`: the caller uses `slice_set`.
+    fn copy(
+        &mut self,
+        _src: &Tensor,
+        _src_offset: usize,
+        _dst: &mut Tensor,
+        _dst_offset: usize,
+        _len: usize,
+    ) -> Option<Result<(), GatherError>> {
+        None
+    }
     /// See [`Device::stamp`].
     fn stamp(&mut self) -> Result<Self::Stamp, GatherError>;
     /// See [`Device::span_us`].
@@ -84,6 +97,9 @@ impl<C: Collective> Device for CandleDevice<C> {
     ) -> Result<(), GatherError> {
         if len == 0 {
             return Ok(());
+        }
+        if let Some(done) = self.collective.copy(src, src_offset, dst, dst_offset, len) {
+            return done;
         }
         let piece = src.narrow(0, src_offset, len).map_err(candle_err("copy"))?;
         dst.slice_set(&piece, 0, dst_offset)

@@ -89,9 +89,14 @@ impl Collective for Nccl {
         // its all-gather is a copy. A world of one rank all-gathers through NCCL like any other,
         // so a single-GPU run executes the same calls as a multi-GPU one.
         if self.group_size == 1 && self.comm.world_size() > 1 {
-            let mine = input.narrow(0, 0, in_len).map_err(dev_err("all-gather"))?;
             output
-                .slice_set(&mine, 0, 0)
+                .inplace_op1(&CopyBytes {
+                    stream: &self.stream,
+                    src: input,
+                    src_offset: 0,
+                    dst_offset: 0,
+                    len: in_len,
+                })
                 .map_err(dev_err("all-gather"))?;
             return Ok(true);
         }
@@ -109,6 +114,27 @@ impl Collective for Nccl {
 
     /// A failing rank leaves the process; NCCL has no way to tell the others.
     fn fail(&mut self) {}
+
+    /// One `cuMemcpyDtoDAsync` on the rank's stream.
+    fn copy(
+        &mut self,
+        src: &Tensor,
+        src_offset: usize,
+        dst: &mut Tensor,
+        dst_offset: usize,
+        len: usize,
+    ) -> Option<Result<(), GatherError>> {
+        Some(
+            dst.inplace_op1(&CopyBytes {
+                stream: &self.stream,
+                src,
+                src_offset,
+                dst_offset,
+                len,
+            })
+            .map_err(dev_err("copy")),
+        )
+    }
 
     fn stamp(&mut self) -> Result<CudaEvent, GatherError> {
         self.stream
@@ -164,6 +190,55 @@ impl InplaceOp1 for NcclAllGather<'_> {
                 .all_gather(&send, &mut view)
                 .map_err(drv_err("ncclAllGather"))?;
             Ok(())
+        })
+        .map_err(|e| candle_core::Error::Msg(e.to_string()))
+    }
+}
+
+/// `len` bytes of `src` from `src_offset` into the tensor it is applied to at `dst_offset`, as one
+/// device-to-device memcpy (candle's `slice_set` runs a byte-per-thread kernel for `u8` tensors).
+struct CopyBytes<'a> {
+    stream: &'a Arc<CudaStream>,
+    src: &'a Tensor,
+    src_offset: usize,
+    dst_offset: usize,
+    len: usize,
+}
+
+impl InplaceOp1 for CopyBytes<'_> {
+    fn name(&self) -> &'static str {
+        "copy-bytes"
+    }
+
+    fn cpu_fwd(&self, _: &mut CpuStorage, _: &Layout) -> candle_core::Result<()> {
+        Err(candle_core::Error::Msg(
+            "the device copy needs GPU tensors".to_owned(),
+        ))
+    }
+
+    fn cuda_fwd(&self, storage: &mut CudaStorage, layout: &Layout) -> candle_core::Result<()> {
+        let msg = |what: &str| candle_core::Error::Msg(what.to_owned());
+        if !layout.is_contiguous() {
+            return Err(msg("copy destination is not contiguous"));
+        }
+        let out = storage.as_cuda_slice_mut::<u8>()?;
+        let start = layout
+            .start_offset()
+            .checked_add(self.dst_offset)
+            .ok_or_else(|| msg("copy destination offset overflows"))?;
+        let mut view = start
+            .checked_add(self.len)
+            .and_then(|end| out.try_slice_mut(start..end))
+            .ok_or_else(|| msg("copy destination out of range"))?;
+        with_slice(self.src, |slice, offset, count| {
+            let piece = offset
+                .checked_add(self.src_offset)
+                .filter(|_| self.src_offset.saturating_add(self.len) <= count)
+                .and_then(|from| slice.try_slice(from..from + self.len))
+                .ok_or_else(|| GatherError::Device("copy source out of range".to_owned()))?;
+            self.stream
+                .memcpy_dtod(&piece, &mut view)
+                .map_err(drv_err("cuMemcpyDtoDAsync"))
         })
         .map_err(|e| candle_core::Error::Msg(e.to_string()))
     }
