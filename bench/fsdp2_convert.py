@@ -20,7 +20,11 @@ torch to one full `torch.save` file, against a plain copy of the same bytes, in 
 3. Spot check: layers 0 and 7 of `full.pt["model"]` and of model.safetensors equal torch's full
    parameters.
 
-usage: python bench/fsdp2_convert.py [--shardscope target/release/shardscope] [--baseline BIN] [--dir /tmp]
+With `--hsdp`, four ranks on a 2 x 2 mesh (`("replicate", "shard")`: HSDP, replicas {0, 1} and {2, 3})
+write the folder; shardscope reads the first replica, so the plain copy is of ranks 0 and 1's files (the
+bytes read), and the reshard goes to 4 ranks on a 1-D mesh.
+
+usage: python bench/fsdp2_convert.py [--shardscope target/release/shardscope] [--baseline BIN] [--dir /tmp] [--hsdp]
 Needs about 10 GiB of free disk under --dir and ~6 GiB of memory for the torch ranks. Prints a table and
 one JSON line; cleans up its temp directory. See BENCHMARKS.md.
 """
@@ -44,12 +48,16 @@ from benchlib import BIG, LAYERS, SMALL, Model, description, timed
 WORLD = 2
 
 
-def save_worker(rank: int, store: str, out_dir: str, ref_path: str) -> None:
+def save_worker(rank: int, store: str, out_dir: str, ref_path: str, hsdp: bool) -> None:
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.fsdp import fully_shard
 
-    dist.init_process_group("gloo", init_method=f"file://{store}", rank=rank, world_size=WORLD)
-    mesh = init_device_mesh("cpu", (WORLD,))
+    world = 2 * WORLD if hsdp else WORLD
+    dist.init_process_group("gloo", init_method=f"file://{store}", rank=rank, world_size=world)
+    if hsdp:
+        mesh = init_device_mesh("cpu", (2, WORLD), mesh_dim_names=("replicate", "shard"))
+    else:
+        mesh = init_device_mesh("cpu", (WORLD,))
     torch.manual_seed(0)
     model = Model()
     for layer in model.layers:
@@ -78,6 +86,7 @@ def main() -> None:
     parser.add_argument("--baseline", help="another shardscope build to time on the same input")
     parser.add_argument("--dir", default=tempfile.gettempdir())
     parser.add_argument("--keep", action="store_true", help="keep the source checkpoint (for profiling)")
+    parser.add_argument("--hsdp", action="store_true", help="an HSDP folder: 4 ranks on a 2 x 2 mesh")
     args = parser.parse_args()
     shardscope = os.path.abspath(args.shardscope)
     work = tempfile.mkdtemp(prefix="shardscope-bench-fsdp2-", dir=args.dir)
@@ -85,8 +94,12 @@ def main() -> None:
         src = os.path.join(work, "src")
         os.makedirs(src)
         ref_path = os.path.join(work, "reference.pt")
-        mp.spawn(save_worker, args=(os.path.join(work, "store"), src, ref_path), nprocs=WORLD, join=True)
-        files = sorted(os.path.join(src, f) for f in os.listdir(src))
+        nprocs = 2 * WORLD if args.hsdp else WORLD
+        mp.spawn(save_worker, args=(os.path.join(work, "store"), src, ref_path, args.hsdp), nprocs=nprocs, join=True)
+        # The bytes shardscope reads: every file, or the first replica's (ranks 0 and 1) of an HSDP folder.
+        files = sorted(
+            os.path.join(src, f) for f in os.listdir(src) if not args.hsdp or f.startswith(("rank0_", "rank1_"))
+        )
         input_bytes = sum(os.path.getsize(f) for f in files)
         largest = BIG * SMALL * 4
         subprocess.run(["cat", *files], stdout=subprocess.DEVNULL, check=True)  # warm the cache
@@ -113,7 +126,7 @@ def main() -> None:
         with open(model_json, "w") as f:
             json.dump(description(), f)
         dst = os.path.join(work, "ranks4")
-        results["shardscope reshard 2 -> 4 (FSDP2)"] = timed(
+        results[f"shardscope reshard {'HSDP 2x2' if args.hsdp else '2'} -> 4 (FSDP2)"] = timed(
             [shardscope, "reshard", src, "-o", dst, "--model", model_json, "--to-world-size", "4", "--quiet"]
         )
         shutil.rmtree(dst)
@@ -138,7 +151,8 @@ def main() -> None:
 
         t_copy = results["plain copy (cat + sync)"][0]
         print(
-            f"input: {input_bytes / 2**30:.2f} GiB in {len(files)} files ({WORLD} ranks); "
+            f"input: {input_bytes / 2**30:.2f} GiB in {len(files)} files "
+            f"({'the first replica of an HSDP 2 x 2 folder' if args.hsdp else f'{WORLD} ranks'}); "
             f"largest tensor {largest / 2**20:.0f} MiB; target peak RSS {(largest + 64 * 2**20) / 2**20:.0f} MiB"
         )
         print(f"{'command':52} {'wall s':>8} {'GiB/s in':>9} {'peak RSS MiB':>13} {'x largest':>10} {'of copy':>8}")
