@@ -1432,13 +1432,15 @@ pub fn index_dcp(source: &dyn Source, metadata_name: &str) -> Result<CheckpointI
             }
         };
         // A tensor's data files were sized when first seen (`data_files`); a bytes item's were not.
-        for c in chunks.iter().filter(|_| matches!(kind, EntryKind::Bytes)) {
-            if !file_sizes.contains_key(&c.file) {
-                let size = source.size(&c.file).map_err(|_| IndexError::Inconsistent {
-                    file: metadata_name.to_owned(),
-                    what: format!("{key}: data file `{}` is missing", c.file),
-                })?;
-                file_sizes.insert(c.file.clone(), size);
+        if matches!(kind, EntryKind::Bytes) {
+            for c in &chunks {
+                if !file_sizes.contains_key(&c.file) {
+                    let size = source.size(&c.file).map_err(|_| IndexError::Inconsistent {
+                        file: metadata_name.to_owned(),
+                        what: format!("{key}: data file `{}` is missing", c.file),
+                    })?;
+                    file_sizes.insert(c.file.clone(), size);
+                }
             }
         }
         let clean_key = join_path(&clean_path_v);

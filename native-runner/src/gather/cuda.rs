@@ -314,7 +314,7 @@ fn with_slice<T>(
     };
     if !layout.is_contiguous() {
         return Err(GatherError::Device(
-            "all-gather input is not contiguous".to_owned(),
+            "source tensor is not contiguous".to_owned(),
         ));
     }
     let slice = cs.as_cuda_slice::<u8>().map_err(dev_err("u8 view"))?;
