@@ -69,6 +69,7 @@ def main() -> None:
     parser.add_argument("--shardscope", default="target/release/shardscope")
     parser.add_argument("--dir", default=tempfile.gettempdir())
     parser.add_argument("--runs", type=int, default=3, help="runs per command; the median is shown")
+    parser.add_argument("--keep", action="store_true", help="keep the DCP checkpoint (for bench/rounds.py)")
     args = parser.parse_args()
     shardscope = os.path.abspath(args.shardscope)
     work = tempfile.mkdtemp(prefix="shardscope-bench-convert-", dir=args.dir)
@@ -150,7 +151,14 @@ def main() -> None:
         }
         print(json.dumps(summary))
     finally:
-        shutil.rmtree(work, ignore_errors=True)
+        if args.keep and os.path.isdir(os.path.join(work, "dcp")):
+            for name in os.listdir(work):
+                if name != "dcp":
+                    path = os.path.join(work, name)
+                    shutil.rmtree(path) if os.path.isdir(path) else os.unlink(path)
+            print(f"kept {os.path.join(work, 'dcp')}")
+        else:
+            shutil.rmtree(work, ignore_errors=True)
 
 
 if __name__ == "__main__":

@@ -13,6 +13,9 @@ usage: check_convert.py SHARDSCOPE_BIN WORKDIR
 4. The 2-rank DCP of step 1 (model + optimizer) is converted to DCP for 3 ranks; three spawned ranks
    load it into FSDP2 + Adam and get the same full model and optimizer state as torch's own load of
    the original 2-rank DCP at 3 ranks.
+5. A DCP whose weight (17.6 MB, sharded over two ranks) is larger than the 16 MiB pieces `convert`
+   reads and writes large tensors in: `-o .pt` streams it into one zip member in parts; torch loads
+   it equal to `dcp_to_torch_save`'s, and Python's `zipfile` checks every member's CRC-32.
 Every expected value comes from torch. Exits non-zero with a message on the first mismatch.
 """
 
@@ -64,6 +67,18 @@ def save_worker(rank, store, out_dir):
     opt.step()
     msd, osd = get_state_dict(model, opt)
     dcp.save({"model": msd, "optim": osd}, checkpoint_id=out_dir)
+    finish()
+
+
+def save_big_worker(rank, store, out_dir):
+    from torch.distributed.fsdp import fully_shard
+
+    init(rank, store)
+    torch.manual_seed(1)
+    # 1100 x 4000 float32: 17.6 MB, more than one 16 MiB piece, not a multiple of it.
+    model = torch.nn.Linear(4000, 1100)
+    fully_shard(model)
+    dcp.save({"model": model.state_dict()}, checkpoint_id=out_dir)
     finish()
 
 
@@ -232,6 +247,22 @@ def main():
         bad = json.load(f)
     if bad:
         raise AssertionError(f"dcp.load of DCP from safetensors: parameters differ: {bad}")
+
+    # A tensor larger than a piece: written into its zip member in parts.
+    big = os.path.join(work, "dcp_big")
+    spawn(save_big_worker, (fresh_store(), big), WORLD)
+    big_ref = os.path.join(work, "big_ref.pt")
+    dcp_to_torch_save(big, big_ref)
+    big_pt = os.path.join(work, "big.pt")
+    convert(bin_path, big, "-o", big_pt)
+    same(torch.load(big_pt, weights_only=True), torch.load(big_ref, weights_only=True), "large .pt")
+    import zipfile
+
+    with zipfile.ZipFile(big_pt) as z:
+        bad_member = z.testzip()
+        sizes = sorted(i.file_size for i in z.infolist())
+    assert bad_member is None, f"CRC-32 of {bad_member} does not match its data"
+    assert sizes[-1] == 1100 * 4000 * 4 > 16 << 20, sizes
     print("ok")
 
 

@@ -30,7 +30,7 @@ pub const DEFAULT_MAX_THREADS: usize = 8;
 /// How the executor runs: reader threads and the memory limit.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub struct ExecOptions {
-    /// Reader threads; 1 reads in the writing thread (one reused buffer, nothing spawned).
+    /// Reader threads, each beside the writing thread (at least one is spawned).
     pub threads: usize,
     /// Bytes of tensor buffers alive at once; `None`: the largest read plus
     /// [`DEFAULT_HEADROOM_BYTES`].
@@ -187,16 +187,10 @@ pub fn run(
     if jobs.is_empty() {
         return Ok(stats);
     }
+    // Even one reader runs beside the writer: it reads the next piece while this thread writes
+    // the last one. Reading in the writing thread was slower on every output measured (2 cores,
+    // page-cache reads; BENCHMARKS.md, "convert in parallel").
     let threads = options.threads.clamp(1, jobs.len());
-    if threads == 1 {
-        let mut reader = Reader::new(source, index);
-        let mut buf = Vec::new();
-        for (i, job) in jobs.iter().enumerate() {
-            let n = job.run(&mut reader, &mut buf)?;
-            write(i, &buf[..n])?;
-        }
-        return Ok(stats);
-    }
     let costs: Vec<u64> = {
         let reader = Reader::new(source, index);
         jobs.iter()

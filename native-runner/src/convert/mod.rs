@@ -391,6 +391,35 @@ pub struct SlabPiece {
 /// so reads of one large tensor overlap its writing and memory stays far below the tensor's size.
 pub const PIECE_BYTES: u64 = 16 << 20;
 
+/// Appends the reads of `entry` (cast to `to`, `n` bytes): pieces of at most [`PIECE_BYTES`] when
+/// it can be read in place by byte range, else the whole tensor in one.
+fn push_piece_jobs<'a>(
+    reader: &Reader<'_>,
+    entry: &'a IndexEntry,
+    to: DType,
+    n: u64,
+    jobs: &mut Vec<exec::Job<'a>>,
+) {
+    if n > PIECE_BYTES && reader.slab_pieces(entry, to).is_some() {
+        let mut start = 0;
+        while start < n {
+            let end = start.saturating_add(PIECE_BYTES).min(n);
+            jobs.push(exec::Job {
+                entry,
+                to,
+                range: Some(start..end),
+            });
+            start = end;
+        }
+    } else {
+        jobs.push(exec::Job {
+            entry,
+            to,
+            range: None,
+        });
+    }
+}
+
 /// The buffer [`Reader::tensor_as`] needs for `entry` cast to `to`: its elements at the larger of
 /// the two dtype sizes (the cast happens in place).
 pub fn read_cost_bytes(entry: &IndexEntry, to: DType) -> Result<u64> {
@@ -815,26 +844,10 @@ pub fn to_safetensors(
                 let n = sel
                     .out_nbytes(entry)
                     .with_context(|| format!("{}: tensor size overflows", entry.key))?;
-                if n > PIECE_BYTES && piece_reader.slab_pieces(entry, to).is_some() {
-                    let mut start = 0;
-                    while start < n {
-                        let end = start.saturating_add(PIECE_BYTES).min(n);
-                        jobs.push(exec::Job {
-                            entry,
-                            to,
-                            range: Some(start..end),
-                        });
-                        job_tensor.push(t);
-                        start = end;
-                    }
-                } else {
-                    jobs.push(exec::Job {
-                        entry,
-                        to,
-                        range: None,
-                    });
-                    job_tensor.push(t);
-                }
+                let before = jobs.len();
+                push_piece_jobs(&piece_reader, entry, to, n, &mut jobs);
+                job_tensor.resize(jobs.len(), t);
+                debug_assert!(jobs.len() > before);
             }
             Ok((order, job_tensor, jobs))
         };
@@ -1124,15 +1137,17 @@ pub fn to_torch_save(
         .filter(|s| !s.is_empty() && !s.contains('\n'))
         .unwrap_or("archive")
         .to_owned();
-    let jobs: Vec<exec::Job<'_>> = storages
-        .list
-        .iter()
-        .map(|(spec, leaf)| exec::Job {
-            entry: leaves[*leaf].1,
-            to: spec.dtype,
-            range: None,
-        })
-        .collect();
+    // Large tensors stored in place are read and written in pieces (the storage's CRC-32 is
+    // patched into its header when it ends): memory stays far below the tensor, and each piece is
+    // still in the CPU cache when it is checksummed and written.
+    let mut jobs: Vec<exec::Job<'_>> = Vec::with_capacity(storages.list.len());
+    for (spec, leaf) in &storages.list {
+        let n = spec
+            .numel
+            .checked_mul(spec.dtype.size_bytes() as u64)
+            .with_context(|| format!("{}: tensor size overflows", leaves[*leaf].1.key))?;
+        push_piece_jobs(reader, leaves[*leaf].1, spec.dtype, n, &mut jobs);
+    }
     let (exec_opts, limit) = fix_limit(reader, &jobs, &opts.exec)?;
     atomic::write_file(dest, |out| {
         let table = storages.list.iter().map(|(s, _)| *s).collect();
@@ -1143,7 +1158,7 @@ pub fn to_torch_save(
             &jobs,
             &exec_opts,
             |_, bytes| {
-                writer.write_storage(bytes)?;
+                writer.write_storage_part(bytes)?;
                 progress.advance(bytes.len() as u64);
                 Ok(())
             },

@@ -146,6 +146,11 @@ impl<W: Write> CountingWriter<W> {
     pub(crate) fn into_inner(self) -> W {
         self.inner
     }
+
+    /// The inner writer, for seeking back (it must be left where it was, `position` bytes in).
+    pub(crate) fn inner_mut(&mut self) -> &mut W {
+        &mut self.inner
+    }
 }
 
 /// Largest single `write` passed on: 128 KiB, what `cat` uses. Large `write` system calls cost

@@ -10,12 +10,14 @@
 //! Streaming: [`TorchSaveWriter::new`] writes everything up to the storages from the object tree and
 //! the storage table (dtype and element count per storage, no data); then the caller passes each
 //! storage's bytes in table order with [`TorchSaveWriter::write_storage`], and calls
-//! [`TorchSaveWriter::finish`].
+//! [`TorchSaveWriter::finish`]. A storage too large to hold whole can be passed in parts
+//! ([`TorchSaveWriter::write_storage_part`], for a seekable output): the archive's bytes are the
+//! same.
 //!
 //! Only globals that the `weights_only` unpickler allows are accepted in the object tree:
 //! `collections.OrderedDict` (via [`PyValue::OrderedDict`]), `torch.Size`, and `torch.<dtype>`.
 
-use std::io::Write;
+use std::io::{Seek, Write};
 
 use super::pickle::{self, PickleWriteError, PyValue, StorageSpec, TensorPickle};
 use super::zip::{ZipWriteError, ZipWriter};
@@ -75,6 +77,16 @@ pub enum TorchSaveError {
         /// Length of the storage table.
         storages: usize,
     },
+    /// A whole storage was passed while another was partly written in parts.
+    #[error("storage {storage} is partly written ({written} of {expected_bytes} bytes)")]
+    PartialStorage {
+        /// Storage index.
+        storage: usize,
+        /// Bytes written so far.
+        written: u64,
+        /// Declared bytes.
+        expected_bytes: u64,
+    },
     /// `finish` was called before every storage was written.
     #[error("only {written} of {storages} storages were written")]
     MissingStorages {
@@ -95,6 +107,8 @@ pub struct TorchSaveWriter<W: Write> {
     archive: String,
     storages: Vec<StorageSpec>,
     written: usize,
+    /// Bytes of storage `written` passed so far by `write_storage_part` (`None`: not begun).
+    part: Option<u64>,
     /// FNV-1a over data.pkl and every storage's CRC input, for the serialization id.
     digest: u64,
 }
@@ -158,6 +172,7 @@ impl<W: Write> TorchSaveWriter<W> {
             archive: archive.to_owned(),
             storages,
             written: 0,
+            part: None,
             digest: fnv1a(FNV_OFFSET, &data_pkl),
         })
     }
@@ -176,6 +191,13 @@ impl<W: Write> TorchSaveWriter<W> {
         })?;
         // Checked in `new`.
         let expected_bytes = spec.numel.saturating_mul(spec.dtype.size_bytes() as u64);
+        if let Some(written) = self.part {
+            return Err(TorchSaveError::PartialStorage {
+                storage,
+                written,
+                expected_bytes,
+            });
+        }
         if expected_bytes != data.len() as u64 {
             return Err(TorchSaveError::StorageLength {
                 storage,
@@ -192,6 +214,13 @@ impl<W: Write> TorchSaveWriter<W> {
 
     /// Writes the trailing records and the zip directory; returns the inner writer.
     pub fn finish(mut self) -> Result<W, TorchSaveError> {
+        if let (Some(written), Some((storage, spec))) = (self.part, self.next_storage()) {
+            return Err(TorchSaveError::PartialStorage {
+                storage,
+                written,
+                expected_bytes: spec.numel.saturating_mul(spec.dtype.size_bytes() as u64),
+            });
+        }
         if self.written != self.storages.len() {
             return Err(TorchSaveError::MissingStorages {
                 written: self.written,
@@ -205,6 +234,47 @@ impl<W: Write> TorchSaveWriter<W> {
             id.as_bytes(),
         )?;
         Ok(self.zip.finish()?)
+    }
+}
+
+impl<W: Write + Seek> TorchSaveWriter<W> {
+    /// Writes `data` as the next bytes of the next storage (table order); the storage is complete,
+    /// and the next one begins, once its declared `numel * itemsize` bytes are passed. Parts of any
+    /// size (empty ones too) give the archive [`Self::write_storage`] writes: the member's CRC-32
+    /// is computed as the parts pass and written into its header at the end (hence `Seek`).
+    pub fn write_storage_part(&mut self, data: &[u8]) -> Result<(), TorchSaveError> {
+        let (storage, spec) = self.next_storage().ok_or(TorchSaveError::TooManyStorages {
+            storages: self.storages.len(),
+        })?;
+        let expected_bytes = spec.numel.saturating_mul(spec.dtype.size_bytes() as u64);
+        let before = match self.part {
+            Some(n) => n,
+            // Whole in one part: nothing to seek.
+            None if data.len() as u64 == expected_bytes => return self.write_storage(data),
+            None => {
+                self.zip
+                    .begin(&format!("{}/data/{storage}", self.archive), expected_bytes)?;
+                0
+            }
+        };
+        let written = before.saturating_add(data.len() as u64);
+        if written > expected_bytes {
+            return Err(TorchSaveError::StorageLength {
+                storage,
+                expected_bytes,
+                actual_bytes: written,
+            });
+        }
+        self.zip.write_part(data)?;
+        if written < expected_bytes {
+            self.part = Some(written);
+            return Ok(());
+        }
+        let crc = self.zip.end()?;
+        self.digest = fnv1a(self.digest, &crc.to_le_bytes());
+        self.part = None;
+        self.written += 1;
+        Ok(())
     }
 }
 
@@ -292,6 +362,86 @@ fn serialization_id(digest: u64) -> String {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn storages_in_parts_give_the_same_archive() {
+        let specs = vec![
+            StorageSpec {
+                dtype: DType::Float32,
+                numel: 1000,
+            },
+            StorageSpec {
+                dtype: DType::Int8,
+                numel: 0,
+            },
+            StorageSpec {
+                dtype: DType::BFloat16,
+                numel: 777,
+            },
+        ];
+        let root = PyValue::List(vec![
+            PyValue::Tensor(TensorPickle::contiguous(0, DType::Float32, &[10, 100])),
+            PyValue::Tensor(TensorPickle::contiguous(1, DType::Int8, &[0])),
+            PyValue::Tensor(TensorPickle::contiguous(2, DType::BFloat16, &[777])),
+        ]);
+        let data: Vec<Vec<u8>> = [4000usize, 0, 1554]
+            .iter()
+            .map(|&n| (0..n).map(|i| (i * 7 % 251) as u8).collect())
+            .collect();
+        let mut whole = TorchSaveWriter::new(Vec::new(), "m", &root, specs.clone()).unwrap();
+        for d in &data {
+            whole.write_storage(d).unwrap();
+        }
+        let whole = whole.finish().unwrap();
+        // Parts of uneven sizes, empty ones included, into a writer that already holds bytes
+        // (the archive's offsets are relative to its first byte; the seeks must be too).
+        let prefix = b"not part of the archive";
+        let mut out = std::io::Cursor::new(prefix.to_vec());
+        out.set_position(prefix.len() as u64);
+        let mut parts = TorchSaveWriter::new(&mut out, "m", &root, specs.clone()).unwrap();
+        for d in &data {
+            let mut rest = d.as_slice();
+            for n in [0usize, 1, 999, 0, 64, 5000].iter().cycle() {
+                if rest.is_empty() {
+                    break;
+                }
+                let (now, later) = rest.split_at((*n).min(rest.len()));
+                parts.write_storage_part(now).unwrap();
+                rest = later;
+            }
+            if d.is_empty() {
+                parts.write_storage_part(&[]).unwrap();
+            }
+        }
+        parts.finish().unwrap();
+        let out = out.into_inner();
+        assert_eq!(&out[..prefix.len()], prefix);
+        assert_eq!(&out[prefix.len()..], whole.as_slice());
+
+        // Too many bytes, a whole storage or the end while one is partly written: refused.
+        let mut w =
+            TorchSaveWriter::new(std::io::Cursor::new(Vec::new()), "m", &root, specs).unwrap();
+        w.write_storage_part(&data[0][..10]).unwrap();
+        assert!(matches!(
+            w.write_storage_part(&data[0]),
+            Err(TorchSaveError::StorageLength {
+                actual_bytes: 4010,
+                ..
+            })
+        ));
+        assert!(matches!(
+            w.write_storage(&data[0]),
+            Err(TorchSaveError::PartialStorage { written: 10, .. })
+        ));
+        assert!(matches!(
+            w.finish(),
+            Err(TorchSaveError::PartialStorage {
+                storage: 0,
+                written: 10,
+                expected_bytes: 4000
+            })
+        ));
+    }
 
     #[test]
     fn storages_are_checked_and_counted() {

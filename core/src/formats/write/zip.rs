@@ -5,10 +5,13 @@
 //! archive is readable by any zip reader; members of 4 GiB or more, and members past 4 GiB, get ZIP64
 //! extra fields.
 //!
-//! Only `Write` is needed: offsets are counted, never sought. Timestamps are fixed (1980-01-01 00:00),
-//! so the bytes depend only on the names and data.
+//! [`ZipWriter::add`] needs only `Write`: offsets are counted, never sought. A member too large to
+//! hold in memory is streamed with [`ZipWriter::begin`], [`ZipWriter::write_part`] and
+//! [`ZipWriter::end`]; its size is declared up front and `end` seeks back to write the CRC-32 into
+//! its local header (the bytes are those `add` writes). Timestamps are fixed (1980-01-01 00:00), so
+//! the bytes depend only on the names and data.
 
-use std::io::{self, Write};
+use std::io::{self, Seek, SeekFrom, Write};
 
 use super::CountingWriter;
 
@@ -68,7 +71,39 @@ pub enum ZipWriteError {
         /// The name.
         name: String,
     },
+    /// A member was added or begun while a streamed member was still open, or a part was written
+    /// or a member ended with none open.
+    #[error("zip member `{name}`: {what}")]
+    Streaming {
+        /// The member concerned (the open one, if any).
+        name: String,
+        /// What was wrong.
+        what: &'static str,
+    },
+    /// A streamed member got more or fewer bytes than [`ZipWriter::begin`] declared.
+    #[error("zip member `{name}` was declared as {declared} bytes, got {written}")]
+    MemberSize {
+        /// The member.
+        name: String,
+        /// Bytes declared.
+        declared: u64,
+        /// Bytes written (so far, when too many).
+        written: u64,
+    },
 }
+
+/// The member being streamed.
+#[derive(Debug)]
+struct Open {
+    name: String,
+    size: u64,
+    written: u64,
+    crc: crc32fast::Hasher,
+    local_header_offset: u64,
+}
+
+/// Offset of the CRC-32 field in a local header.
+const LOCAL_CRC_OFFSET: u64 = 14;
 
 #[derive(Debug)]
 struct Entry {
@@ -85,6 +120,7 @@ pub struct ZipWriter<W: Write> {
     out: CountingWriter<W>,
     entries: Vec<Entry>,
     zip64: Zip64,
+    open: Option<Open>,
 }
 
 impl<W: Write> ZipWriter<W> {
@@ -99,11 +135,77 @@ impl<W: Write> ZipWriter<W> {
             out: CountingWriter::new(out),
             entries: Vec::new(),
             zip64,
+            open: None,
         }
     }
 
     /// Appends the member `name` holding `data`, its data aligned to [`DATA_ALIGNMENT`].
     pub fn add(&mut self, name: &str, data: &[u8]) -> Result<(), ZipWriteError> {
+        let crc32 = crc32fast::hash(data);
+        self.header(name, data.len() as u64, crc32)?;
+        self.out
+            .write_all(data)
+            .map_err(|source| ZipWriteError::Io {
+                name: name.to_owned(),
+                source,
+            })?;
+        Ok(())
+    }
+
+    /// Starts the member `name` of `size` bytes, to be written with [`ZipWriter::write_part`] and
+    /// closed with [`ZipWriter::end`] (which needs `W: Seek`).
+    pub fn begin(&mut self, name: &str, size: u64) -> Result<(), ZipWriteError> {
+        let offset = self.out.position();
+        self.header(name, size, 0)?;
+        self.open = Some(Open {
+            name: name.to_owned(),
+            size,
+            written: 0,
+            crc: crc32fast::Hasher::new(),
+            local_header_offset: offset,
+        });
+        Ok(())
+    }
+
+    /// Writes the next bytes of the member [`ZipWriter::begin`] started.
+    pub fn write_part(&mut self, data: &[u8]) -> Result<(), ZipWriteError> {
+        let Some(open) = self.open.as_mut() else {
+            return Err(ZipWriteError::Streaming {
+                name: String::new(),
+                what: "a part was written with no member begun",
+            });
+        };
+        let written = open.written.saturating_add(data.len() as u64);
+        if written > open.size {
+            return Err(ZipWriteError::MemberSize {
+                name: open.name.clone(),
+                declared: open.size,
+                written,
+            });
+        }
+        open.crc.update(data);
+        open.written = written;
+        self.out
+            .write_all(data)
+            .map_err(|source| ZipWriteError::Io {
+                name: open.name.clone(),
+                source,
+            })
+    }
+
+    /// Bytes written so far.
+    pub fn position(&self) -> u64 {
+        self.out.position()
+    }
+
+    /// Writes the local header of `name` (`size` bytes, CRC `crc32`) and records the member.
+    fn header(&mut self, name: &str, size: u64, crc32: u32) -> Result<(), ZipWriteError> {
+        if let Some(open) = &self.open {
+            return Err(ZipWriteError::Streaming {
+                name: open.name.clone(),
+                what: "still open when another member was added",
+            });
+        }
         if name.len() > usize::from(u16::MAX) {
             return Err(ZipWriteError::NameTooLong {
                 name: name.to_owned(),
@@ -115,8 +217,6 @@ impl<W: Write> ZipWriter<W> {
                 name: name.to_owned(),
             });
         }
-        let size = data.len() as u64;
-        let crc32 = crc32fast::hash(data);
         let offset = self.out.position();
         let zip64 = self.zip64 == Zip64::Always || size >= U32_LIMIT;
 
@@ -160,7 +260,6 @@ impl<W: Write> ZipWriter<W> {
         };
         self.out.write_all(&header).map_err(io_err)?;
         debug_assert_eq!(self.out.position() % DATA_ALIGNMENT, 0);
-        self.out.write_all(data).map_err(io_err)?;
         self.entries.push(Entry {
             name: name.to_owned(),
             crc32,
@@ -170,13 +269,14 @@ impl<W: Write> ZipWriter<W> {
         Ok(())
     }
 
-    /// Bytes written so far.
-    pub fn position(&self) -> u64 {
-        self.out.position()
-    }
-
     /// Writes the central directory and the (ZIP64) end records; returns the inner writer.
     pub fn finish(mut self) -> Result<W, ZipWriteError> {
+        if let Some(open) = &self.open {
+            return Err(ZipWriteError::Streaming {
+                name: open.name.clone(),
+                what: "still open when the archive was finished",
+            });
+        }
         let cd_offset = self.out.position();
         let mut cd = Vec::new();
         for entry in &self.entries {
@@ -271,6 +371,48 @@ impl<W: Write> ZipWriter<W> {
     }
 }
 
+impl<W: Write + Seek> ZipWriter<W> {
+    /// Ends the member [`ZipWriter::begin`] started, once all its declared bytes are written:
+    /// writes its CRC-32 into its local header (seeking back and forth) and returns the CRC.
+    pub fn end(&mut self) -> Result<u32, ZipWriteError> {
+        let Some(open) = self.open.take() else {
+            return Err(ZipWriteError::Streaming {
+                name: String::new(),
+                what: "ended with no member begun",
+            });
+        };
+        if open.written != open.size {
+            let err = ZipWriteError::MemberSize {
+                name: open.name.clone(),
+                declared: open.size,
+                written: open.written,
+            };
+            self.open = Some(open);
+            return Err(err);
+        }
+        let crc32 = open.crc.finalize();
+        let io_err = |source| ZipWriteError::Io {
+            name: open.name.clone(),
+            source,
+        };
+        // Relative seeks: the archive may start anywhere in `W`.
+        let back = self
+            .out
+            .position()
+            .checked_sub(open.local_header_offset + LOCAL_CRC_OFFSET)
+            .and_then(|n| i64::try_from(n).ok())
+            .ok_or_else(|| io_err(io::Error::other("member offset out of range")))?;
+        let inner = self.out.inner_mut();
+        inner.seek(SeekFrom::Current(-back)).map_err(io_err)?;
+        inner.write_all(&crc32.to_le_bytes()).map_err(io_err)?;
+        inner.seek(SeekFrom::Current(back - 4)).map_err(io_err)?;
+        if let Some(entry) = self.entries.last_mut() {
+            entry.crc32 = crc32;
+        }
+        Ok(crc32)
+    }
+}
+
 fn put_u16(out: &mut Vec<u8>, v: u16) {
     out.extend_from_slice(&v.to_le_bytes());
 }
@@ -308,6 +450,68 @@ mod tests {
         assert_eq!(u32_at(&bytes, n - 98), ZIP64_EOCD_SIG);
         // CRC-32 of "abc" (a standard check value).
         assert_eq!(u32_at(&bytes, 14), 0x3524_41c2);
+    }
+
+    #[test]
+    fn streamed_members_match_added_ones() {
+        for zip64 in [Zip64::WhenNeeded, Zip64::Always] {
+            let data: Vec<u8> = (0..300u32).map(|i| (i * 13) as u8).collect();
+            let mut added = ZipWriter::with_zip64(Vec::new(), zip64);
+            added.add("a/data.pkl", b"xyz").unwrap();
+            added.add("a/data/0", &data).unwrap();
+            added.add("a/version", b"3\n").unwrap();
+            let added = added.finish().unwrap();
+            let mut streamed = ZipWriter::with_zip64(io::Cursor::new(Vec::new()), zip64);
+            streamed.add("a/data.pkl", b"xyz").unwrap();
+            streamed.begin("a/data/0", 300).unwrap();
+            for part in data.chunks(7) {
+                streamed.write_part(part).unwrap();
+            }
+            // CRC-32 of the data, as zlib computes it.
+            assert_eq!(streamed.end().unwrap(), crc32fast::hash(&data));
+            streamed.add("a/version", b"3\n").unwrap();
+            assert_eq!(streamed.finish().unwrap().into_inner(), added);
+        }
+    }
+
+    #[test]
+    fn streamed_members_are_checked() {
+        let mut zip = ZipWriter::new(io::Cursor::new(Vec::new()));
+        assert!(matches!(
+            zip.write_part(b"x"),
+            Err(ZipWriteError::Streaming { .. })
+        ));
+        assert!(matches!(zip.end(), Err(ZipWriteError::Streaming { .. })));
+        zip.begin("m", 4).unwrap();
+        zip.write_part(b"abc").unwrap();
+        assert!(matches!(
+            zip.add("n", b""),
+            Err(ZipWriteError::Streaming { .. })
+        ));
+        assert!(matches!(
+            zip.end(),
+            Err(ZipWriteError::MemberSize {
+                declared: 4,
+                written: 3,
+                ..
+            })
+        ));
+        assert!(matches!(
+            zip.write_part(b"de"),
+            Err(ZipWriteError::MemberSize {
+                declared: 4,
+                written: 5,
+                ..
+            })
+        ));
+        zip.write_part(b"d").unwrap();
+        zip.end().unwrap();
+        let mut open = ZipWriter::new(io::Cursor::new(Vec::new()));
+        open.begin("m", 1).unwrap();
+        assert!(matches!(
+            open.finish(),
+            Err(ZipWriteError::Streaming { .. })
+        ));
     }
 
     #[test]
