@@ -219,6 +219,14 @@ fn temp_path(dest: &Path, sweep: bool) -> Result<PathBuf> {
     let name = dest
         .file_name()
         .with_context(|| format!("output path has no file name: {}", dest.display()))?;
+    let dir = parent_dir(dest);
+    if !dir.is_dir() {
+        bail!(
+            "cannot write {}: the folder {} does not exist (create it first)",
+            dest.display(),
+            dir.display()
+        );
+    }
     if sweep {
         remove_stale_temps(dest);
     }
@@ -470,6 +478,23 @@ mod tests {
         write_file(&dest, |w| save_big_tensor(w)).unwrap();
         assert!(fs::metadata(&dest).unwrap().len() > 1024 * 1024);
         assert_eq!(names(dir.path()), ["out.pt"]);
+    }
+
+    #[test]
+    fn a_missing_folder_is_named() {
+        let dir = tempfile::tempdir().unwrap();
+        let missing = dir.path().join("not-there");
+        for err in [
+            write_file(&missing.join("out.pt"), |_| Ok(())).unwrap_err(),
+            write_dir(&missing.join("shards"), |_| Ok(())).unwrap_err(),
+        ] {
+            let msg = format!("{err:#}");
+            assert!(
+                msg.contains("does not exist") && msg.contains(&missing.display().to_string()),
+                "{msg}"
+            );
+        }
+        assert_eq!(names(dir.path()), Vec::<String>::new());
     }
 
     #[test]
