@@ -340,6 +340,78 @@ fn interop_reshard_from_full_checkpoint() {
     assert!(!tmp.path().join("bad").exists());
 }
 
+/// A DCP directory (torch-written: `examples/fsdp2_dcp`, FSDP2 + AdamW) resharded to FSDP2 and
+/// FSDP1 per-rank files gives the files that resharding torch's own `dcp_to_torch_save` of it
+/// gives, byte for byte (that path loads in torch: the tests above). DCP keeps the optimizer's
+/// `param_groups` values as pickled bytes items; they must reach the outputs as the Python values
+/// torch saved (`betas` a tuple), not be refused as "not a list of parameter names".
+#[test]
+fn reshard_of_a_dcp_equals_reshard_of_torch_own_full_save() {
+    let Some(python) = python() else {
+        eprintln!("skipped: no torch");
+        return;
+    };
+    let dcp = PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("../examples/fsdp2_dcp");
+    let tmp = tempfile::tempdir().unwrap();
+    let full = tmp.path().join("full.pt");
+    let out = Command::new(&python)
+        .args([
+            "-c",
+            "import sys; from torch.distributed.checkpoint.format_utils import dcp_to_torch_save as f; f(sys.argv[1], sys.argv[2])",
+            dcp.to_str().unwrap(),
+            full.to_str().unwrap(),
+        ])
+        .output()
+        .unwrap();
+    assert!(out.status.success(), "{}", stderr_of(&out));
+    let model = tmp.path().join("model.json");
+    let out = shardscope(&[
+        "layout",
+        "--from",
+        dcp.to_str().unwrap(),
+        "--select",
+        "model",
+        "--units",
+        r"layers\.\d+",
+        "--root-unit",
+        "--world-size",
+        "2",
+        "--emit-model",
+        model.to_str().unwrap(),
+    ]);
+    assert!(out.status.success(), "{}", stderr_of(&out));
+    for api in ["fsdp2", "fsdp1"] {
+        let mut outputs = Vec::new();
+        for (name, src) in [("from_dcp", &dcp), ("from_full", &full)] {
+            let dst = tmp.path().join(format!("{name}_{api}"));
+            let out = shardscope(&[
+                "reshard",
+                src.to_str().unwrap(),
+                "-o",
+                dst.to_str().unwrap(),
+                "--model",
+                model.to_str().unwrap(),
+                "--to-world-size",
+                "3",
+                "--to-api",
+                api,
+                "-q",
+            ]);
+            assert!(
+                out.status.success(),
+                "reshard {name} --to-api {api}: {}",
+                stderr_of(&out)
+            );
+            outputs.push(snapshot(&dst));
+        }
+        assert_eq!(outputs[0].len(), 6, "{api}: 3 model + 3 optimizer files");
+        for (a, b) in outputs[0].iter().zip(&outputs[1]) {
+            assert_eq!(a.0, b.0);
+            assert!(a.1 == b.1, "{api}: {} differs", a.0);
+        }
+    }
+}
+
 /// torch's `{"model", "optim"}` file of full state dicts split into `dir/full/full_model.pt` and
 /// `dir/full/full_optim.pt`, where `fsdp1_reshard.py check` reads torch's own path from.
 fn split_full(python: &Path, full: &Path, dir: &Path) {

@@ -2153,35 +2153,21 @@ impl CheckpointIndex {
         if entry.kind == EntryKind::Scalar {
             return Ok(entry.value.clone().unwrap_or(serde_json::Value::Null));
         }
-        let c = entry
-            .chunks
-            .first()
-            .filter(|_| entry.kind == EntryKind::Bytes)
-            .ok_or_else(|| IndexError::NotReadable {
-                key: entry.key.clone(),
-                what: "not a bytes item".into(),
-            })?;
-        let bytes = Self::bytes_item(source, entry, c)?;
-        let archive = torch_zip::read_archive(&bytes).map_err(|e| IndexError::BadChunk {
-            key: entry.key.clone(),
-            file: c.file.clone(),
-            offset: c.byte_offset,
-            end: c.byte_offset.saturating_add(c.byte_length),
-            what: e.to_string(),
-        })?;
-        Ok(json_of(&archive.root))
+        Ok(json_of(&self.read_bytes_object(source, entry)?))
     }
 
-    /// Fills `value` of every bytes entry by decoding it.
+    /// Fills `value` of every bytes entry by decoding it, and `object` (the Python value, tuples
+    /// kept) for writers that re-pickle it.
     pub fn decode_bytes_values(&mut self, source: &dyn Source) -> Result<(), IndexError> {
         let mut values = Vec::new();
         for (i, e) in self.entries.iter().enumerate() {
             if e.kind == EntryKind::Bytes {
-                values.push((i, self.read_bytes_value(source, e)?));
+                values.push((i, self.read_bytes_object(source, e)?));
             }
         }
         for (i, v) in values {
-            self.entries[i].value = Some(v);
+            self.entries[i].value = Some(json_of(&v));
+            self.entries[i].object = Some(Box::new(v));
         }
         Ok(())
     }

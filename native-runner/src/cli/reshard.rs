@@ -418,7 +418,12 @@ fn open_full(
 ) -> anyhow::Result<Opened> {
     use shardscope_core::model::index::Role;
     refuse_fsdp1_input_flags(args, "a checkpoint of full tensors")?;
-    let (source, index) = crate::convert::open_unchecked(&args.src, false)?;
+    let (source, mut index) = crate::convert::open_unchecked(&args.src, false)?;
+    // A DCP directory keeps non-tensor values (the optimizer's `param_groups`) as bytes items: the
+    // per-rank files pickle them as values.
+    index
+        .decode_bytes_values(&source)
+        .with_context(|| format!("{}: cannot read its non-tensor values", args.src.display()))?;
     crate::convert::ensure_consistent(&args.src, &index)?;
     if super::model_layout::needs_layout(&index) {
         anyhow::bail!(
