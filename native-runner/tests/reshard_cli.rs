@@ -45,9 +45,16 @@ fn shardscope(args: &[&str]) -> Output {
 }
 
 fn run_python(python: &Path, args: &[&str]) {
+    run_python_env(python, args, &[]);
+}
+
+/// `fsdp1_reshard.py` with environment variables (`FSDP1_PARAM_DTYPE`: wrap with
+/// `MixedPrecision(param_dtype=...)`).
+fn run_python_env(python: &Path, args: &[&str], env: &[(&str, &str)]) {
     let out = Command::new(python)
         .arg(script())
         .args(args)
+        .envs(env.iter().copied())
         .output()
         .unwrap();
     assert!(
@@ -99,6 +106,32 @@ fn interop_with(
     flags: &[&str],
     convert_flags: &[&str],
 ) {
+    interop_env(
+        from,
+        from_shard,
+        to,
+        to_shard,
+        uop,
+        flags,
+        convert_flags,
+        ("nested", &[]),
+    );
+}
+
+/// [`interop_with`] for `fsdp1_reshard.py`'s model `model` (`nested`, or `net` with the
+/// description of tests/fixtures/fsdp2_optim), torch's side run with `env` (see
+/// [`run_python_env`]).
+#[allow(clippy::too_many_arguments)]
+fn interop_env(
+    from: usize,
+    from_shard: &str,
+    to: usize,
+    to_shard: &str,
+    uop: bool,
+    flags: &[&str],
+    convert_flags: &[&str],
+    (model, env): (&str, &[(&str, &str)]),
+) {
     let Some(python) = python() else {
         eprintln!("skipped: no torch");
         return;
@@ -107,7 +140,7 @@ fn interop_with(
     let src = tmp.path().join("src");
     let dst = tmp.path().join("dst");
     let uop_arg = if uop { "1" } else { "0" };
-    run_python(
+    run_python_env(
         &python,
         &[
             "make",
@@ -115,9 +148,15 @@ fn interop_with(
             &from.to_string(),
             uop_arg,
             from_shard,
+            model,
         ],
+        env,
     );
-    let model_json = fixtures().join("nested_ws2_uop0/model.json");
+    let model_json = if model == "nested" {
+        fixtures().join("nested_ws2_uop0/model.json")
+    } else {
+        fixtures().join("../fsdp2_optim/model.json")
+    };
     let mut args = vec![
         "reshard",
         src.to_str().unwrap(),
@@ -141,7 +180,7 @@ fn interop_with(
     );
     let summary: serde_json::Value = serde_json::from_slice(&out.stdout).unwrap();
     assert_eq!(summary["files"].as_array().unwrap().len(), 2 * to);
-    run_python(
+    run_python_env(
         &python,
         &[
             "check",
@@ -150,7 +189,9 @@ fn interop_with(
             &to.to_string(),
             uop_arg,
             to_shard,
+            model,
         ],
+        env,
     );
 
     // `shardscope convert` on the per-rank folder: equal to torch's FULL_STATE_DICT and
@@ -206,6 +247,26 @@ fn interop_with(
         };
         assert_eq!(view.data(), t.data.as_slice(), "{k}");
     }
+}
+
+/// FSDP1 under `MixedPrecision(param_dtype=bfloat16)` with `use_orig_params`: the flat
+/// parameter's alignment padding counts bfloat16 elements (8 per 16 bytes; the `Net` of the FSDP2
+/// fixtures then has 66 elements in its root flat parameter instead of 51), so the folder reads
+/// only with `--param-dtype bfloat16`: reshard 3 -> 2 (torch loads at 2 ranks with the same mixed
+/// precision) and convert (equal to torch's FULL_STATE_DICT and `FSDP.optim_state_dict`).
+#[test]
+fn interop_reshard_mixed_precision_3_to_2_use_orig_params() {
+    let dtype = ["--param-dtype", "bfloat16"];
+    interop_env(
+        3,
+        "0",
+        2,
+        "0",
+        true,
+        &dtype,
+        &dtype,
+        ("net", &[("FSDP1_PARAM_DTYPE", "bfloat16")]),
+    );
 }
 
 #[test]

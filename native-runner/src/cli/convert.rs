@@ -75,6 +75,10 @@ pub struct ConvertArgs {
     /// Per-rank FSDP1 files with a hybrid strategy: ranks per shard group (the first group is read).
     #[arg(long, value_name = "S", requires = "model")]
     pub shard_group_size: Option<u64>,
+    /// Per-rank FSDP1 files saved under `MixedPrecision(param_dtype=DTYPE)` (with
+    /// `use_orig_params`, the flat parameter's alignment is counted in elements of this dtype).
+    #[arg(long, value_name = "DTYPE", requires = "model", value_parser = super::model_layout::parse_dtype)]
+    pub param_dtype: Option<shardscope_core::DType>,
     /// Per-rank FSDP1 files: file-name pattern of the model files, `{r}` for the rank (default:
     /// detected by content), when the folder holds several sets.
     #[arg(long, value_name = "PATTERN", requires = "model")]
@@ -275,7 +279,7 @@ pub fn run(args: &ConvertArgs) -> Result<ExitCode> {
                 .strategy
                 .unwrap_or(shardscope_core::layout::Strategy::FullShard),
             shard_group_size: args.shard_group_size,
-            param_dtype: None,
+            param_dtype: args.param_dtype,
         };
         if other_output || optim_only {
             if args.optim_output.is_some() {

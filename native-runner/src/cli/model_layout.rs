@@ -42,7 +42,7 @@ fn parse_strategy(s: &str) -> Result<Strategy, String> {
     s.parse().map_err(|e: layout::LayoutError| e.to_string())
 }
 
-fn parse_dtype(s: &str) -> Result<DType, String> {
+pub(crate) fn parse_dtype(s: &str) -> Result<DType, String> {
     s.parse()
         .map_err(|e: shardscope_core::dtype::UnknownDType| e.to_string())
 }

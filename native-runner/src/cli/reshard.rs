@@ -62,6 +62,13 @@ pub struct ReshardCliArgs {
     /// (the mesh `init_device_mesh("cpu", (world_size // S, S))`); the first group is read.
     #[arg(long, value_name = "S")]
     pub shard_group_size: Option<u64>,
+    /// FSDP1 mixed precision of the input: `MixedPrecision(param_dtype=DTYPE)` (with
+    /// `use_orig_params`, the flat parameter's alignment is counted in elements of this dtype).
+    #[arg(long, value_name = "DTYPE", value_parser = super::model_layout::parse_dtype)]
+    pub param_dtype: Option<shardscope_core::DType>,
+    /// FSDP1 output: the `param_dtype` the output will be loaded with (default: --param-dtype).
+    #[arg(long, value_name = "DTYPE", value_parser = super::model_layout::parse_dtype)]
+    pub to_param_dtype: Option<shardscope_core::DType>,
     /// Strategy of the output (default: --strategy).
     #[arg(long, value_parser = parse_strategy)]
     pub to_strategy: Option<Strategy>,
@@ -144,7 +151,7 @@ pub fn run(args: &ReshardCliArgs) -> anyhow::Result<ExitCode> {
         shard_group_size: dst_flags.shard_group_size,
         use_orig_params: dst_flags.use_orig_params,
         strategy: dst_flags.strategy,
-        param_dtype: None,
+        param_dtype: args.to_param_dtype.or(args.param_dtype),
     };
     let Layout::Fsdp1(dst_layout) = layout::compute(&desc, &config)? else {
         anyhow::bail!("expected an FSDP1 layout");
@@ -253,6 +260,7 @@ fn write_fsdp2(
     for (flag, given) in [
         ("--to-strategy", args.to_strategy.is_some()),
         ("--to-use-orig-params", args.to_use_orig_params.is_some()),
+        ("--to-param-dtype", args.to_param_dtype.is_some()),
     ] {
         if given {
             anyhow::bail!(
@@ -317,6 +325,7 @@ fn refuse_fsdp1_input_flags(args: &ReshardCliArgs, what: &str) -> anyhow::Result
         ("--optim-files", args.optim_files.is_some()),
         ("--use-orig-params", args.use_orig_params),
         ("--shard-group-size", args.shard_group_size.is_some()),
+        ("--param-dtype", args.param_dtype.is_some()),
     ] {
         if given {
             anyhow::bail!(
@@ -397,7 +406,7 @@ fn open_folder(args: &ReshardCliArgs) -> anyhow::Result<Opened> {
         use_orig_params: args.use_orig_params,
         strategy: args.strategy,
         shard_group_size: args.shard_group_size,
-        param_dtype: None,
+        param_dtype: args.param_dtype,
     };
     let index = src_layout.apply(index, &args.src.display().to_string())?;
     crate::convert::ensure_consistent(&args.src, &index)?;

@@ -1,6 +1,7 @@
 """Interop check for `shardscope reshard` / per-rank convert with real torch (gloo, CPU).
 
-  make SRC WS UOP [S] train NestedModel (tests/fixtures/optim/gen_optim.py) under FSDP1 on WS ranks
+  make SRC WS UOP [S [M]]
+                      train NestedModel (or M, below) (tests/fixtures/optim/gen_optim.py) under FSDP1 on WS ranks
                       for 2 Adam steps; write per rank model_rank{r}.pt (LOCAL_STATE_DICT) and
                       optim_rank{r}.pt (optim.state_dict()); rank 0 also writes torch's own
                       full_model.pt (FULL_STATE_DICT) and full_optim.pt (FSDP.optim_state_dict).
@@ -16,6 +17,8 @@ parameters mix requires_grad, so UOP must be 1); `net_split` wraps `frozen`, `bl
 root (every flat parameter then has one requires_grad and one parameter group, so UOP 0 works too).
 SRC/full then holds torch's full state dicts of an FSDP2 fixture (`expected/*_full.pt`, split into
 the two files).
+With FSDP1_PARAM_DTYPE=bfloat16 (environment) every unit is wrapped with
+`MixedPrecision(param_dtype=...)` in both modes.
 S = `no_shard` wraps with NO_SHARD (torch then saves and loads FULL state dicts on every rank).
 With S (a shard group size below WS) the model is wrapped with HYBRID_SHARD on the explicit groups of
 the 2-D mesh `init_device_mesh("cpu", (WS // S, S))`, passed as `process_group=(shard, replicate)`
@@ -71,6 +74,10 @@ def build(uop):
     torch.manual_seed(0)
     model = NestedModel() if MODEL == "nested" else Net()
     kw = dict(device_id=torch.device("cpu"), use_orig_params=uop)
+    if os.environ.get("FSDP1_PARAM_DTYPE"):
+        from torch.distributed.fsdp import MixedPrecision
+
+        kw.update(mixed_precision=MixedPrecision(param_dtype=getattr(torch, os.environ["FSDP1_PARAM_DTYPE"]), cast_forward_inputs=True))
     if NO_SHARD:
         from torch.distributed.fsdp import ShardingStrategy
 
@@ -104,6 +111,9 @@ def build(uop):
         )
         return model, optim
     model, _ = wrap_nested(model, kw)
+    if "mixed_precision" in kw:
+        # block2[0] is not wrapped: it keeps float32 weights and gets block1's bfloat16 output.
+        model.block2[0].register_forward_pre_hook(lambda _m, args: tuple(a.float() for a in args))
     optim = torch.optim.Adam(model.parameters(), lr=0.01)
     return model, optim
 
@@ -129,7 +139,7 @@ def local_ctx(model):
 
 def make(rank, ws, uop, src):
     model, optim = build(uop)
-    train(model, optim, NestedModel.input, steps=2)
+    train(model, optim, step_input, steps=2)
     # Hybrid: torch 2.15 builds a LOCAL ShardedTensor with the rank *within* the shard group as
     # its placement, which it then rejects on every replica but the first ("Global rank 0 does not
     # exist in input process group: [2, 3]"), so only the first replica saves per-rank files.
@@ -277,7 +287,7 @@ def main():
     if mode == "make":
         src, ws, uop, dst = Path(sys.argv[2]), int(sys.argv[3]), sys.argv[4] == "1", ""
         shard = shard_arg(sys.argv[5]) if len(sys.argv) > 5 else 0
-        model = "nested"
+        model = sys.argv[6] if len(sys.argv) > 6 else "nested"
         (src / "full").mkdir(parents=True, exist_ok=True)
     else:
         src, dst, ws, uop = Path(sys.argv[2]), Path(sys.argv[3]), int(sys.argv[4]), sys.argv[5] == "1"
