@@ -90,3 +90,44 @@ fn streamed_output_equals_the_in_memory_transform() {
         );
     }
 }
+
+/// `diff` and `verify` of an FSDP2 per-rank folder see the optimizer state keyed by FQN, as
+/// torch's full state dicts hold it (`expected/*_full.pt`, written by torch from the same run): no
+/// difference, with or without `--model`. Before, `diff` reported the integer ids missing and the
+/// FQNs unexpected, and `--model` sent the folder through the FSDP1 layout.
+#[test]
+fn diff_of_a_folder_with_torch_full_state_dicts_names_the_optimizer_ids() {
+    let root = PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("../tests/fixtures");
+    let model = root.join("fsdp2_optim/model.json");
+    for (folder, full) in [
+        ("fsdp2_optim/ws2", "fsdp2_optim/expected/ws2_full.pt"),
+        ("fsdp2_optim/ws3", "fsdp2_optim/expected/ws3_full.pt"),
+        ("fsdp2_hsdp/ws4_2x2", "fsdp2_hsdp/expected/ws4_2x2_full.pt"),
+    ] {
+        for with_model in [false, true] {
+            let mut cmd = Command::new(env!("CARGO_BIN_EXE_shardscope"));
+            cmd.args(["diff", "--json"])
+                .arg(root.join(folder))
+                .arg(root.join(full));
+            if with_model {
+                cmd.arg("--model").arg(&model);
+            }
+            let o = cmd.output().unwrap();
+            let report: serde_json::Value = serde_json::from_slice(&o.stdout).unwrap_or_else(|e| {
+                panic!(
+                    "{folder} (--model: {with_model}): {e}: {}",
+                    String::from_utf8_lossy(&o.stderr)
+                )
+            });
+            assert!(
+                o.status.success(),
+                "{folder} (--model: {with_model}): {report}"
+            );
+            let text = report.to_string();
+            assert!(
+                text.contains("optim.state.block.lin.weight.exp_avg"),
+                "{folder}: {text}"
+            );
+        }
+    }
+}

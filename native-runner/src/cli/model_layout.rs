@@ -102,7 +102,40 @@ impl ModelLayoutArgs {
 
     /// `index` read through the layout when `--model` is given and it holds FSDP1 per-rank pieces;
     /// otherwise `index` itself. `label` names the checkpoint in errors.
+    ///
+    /// FSDP2 per-rank files need no layout: their raw optimizer state (integer ids) is keyed by
+    /// FQN as `convert` keys it (`fsdp2_view`, the description helping when given), so that
+    /// `inspect`, `verify` and `diff` show what torch's full optimizer state dict holds. When the
+    /// ids cannot be named without `--model`, the index is kept as it is, with a note.
     pub fn apply(&self, index: CheckpointIndex, label: &str) -> anyhow::Result<CheckpointIndex> {
+        if index.kind == CheckpointKind::Fsdp2 {
+            let desc = match &self.model {
+                Some(path) => {
+                    let bytes = std::fs::read(path).with_context(|| {
+                        format!("cannot read model description {}", path.display())
+                    })?;
+                    Some(ModelDescription::from_json_bytes(
+                        &bytes,
+                        &path.display().to_string(),
+                    )?)
+                }
+                None => None,
+            };
+            return match shardscope_core::model::fsdp2_view::fqn_keyed_optimizer(
+                &index,
+                desc.as_ref(),
+            ) {
+                Ok((view, _)) => Ok(view),
+                Err(e) if desc.is_none() => {
+                    eprintln!(
+                        "note: {label}: the optimizer state stays keyed by integer ids ({e})\nhint: --model MODEL.json names them"
+                    );
+                    Ok(index)
+                }
+                Err(e) => Err(anyhow::Error::new(e)
+                    .context(format!("{label}: cannot name the optimizer's parameters"))),
+            };
+        }
         if self.model.is_none() || !needs_layout(&index) {
             return Ok(index);
         }
