@@ -157,13 +157,15 @@ def main():
     out = subprocess.run([bin_path, "inspect", hsdp / "ws4_2x2", "--json"], capture_output=True, text=True)
     if out.returncode != 0:
         sys.exit(f"inspect of the HSDP folder failed: {out.stderr}")
+    # The raw optimizer state (integer ids) is keyed by FQN, as torch's full optimizer state dict
+    # (get_optimizer_state_dict(full_state_dict=True)) keys it.
     keys = {e["key"] for e in json.loads(out.stdout)["entries"]}
     torch_model = torch.load(hsdp / "ws4_2x2" / "rank0_model.pt", weights_only=True)
-    torch_optim = torch.load(hsdp / "ws4_2x2" / "rank0_optim.pt", weights_only=True)
+    torch_full = torch.load(hsdp / "expected" / "ws4_2x2_full.pt", weights_only=True)
     want = {f"model.{k}" for k in torch_model} | {
-        f"optim.state.{i}.{name}" for i, st in torch_optim["state"].items() for name in st
+        f"optim.state.{fqn}.{name}" for fqn, st in torch_full["optim"]["state"].items() for name in st
     }
-    if want - keys or {k for k in keys if k.startswith("model.")} - want:
+    if want - keys or {k for k in keys if k.startswith(("model.", "optim.state."))} - want:
         sys.exit(f"inspect of the HSDP folder: missing {sorted(want - keys)}, keys {sorted(keys)}")
     out = subprocess.run([bin_path, "verify", hsdp / "ws4_2x2"], capture_output=True, text=True)
     if out.returncode != 0:

@@ -17,9 +17,7 @@ pub use lazy::{ArchiveFileError, pickle_globals_from, read_archive_from};
 #[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
 pub enum TorchZipError {
     /// The bytes do not start like a zip archive (legacy pre-1.6 `torch.save` files are not read).
-    #[error(
-        "not a torch.save zip archive (first bytes {head:02x?}); legacy torch.save files are not supported"
-    )]
+    #[error("{}", not_zip_text(head))]
     NotZip { head: Vec<u8> },
     /// The zip structure itself is broken (truncated, bad central directory).
     #[error("broken zip archive: {message}")]
@@ -73,6 +71,16 @@ pub enum TorchZipError {
         extent: u64,
         numel: u64,
     },
+}
+
+fn not_zip_text(head: &[u8]) -> String {
+    if head.is_empty() {
+        "empty (0 bytes), not a torch.save archive (a copy or save that did not finish?)".to_owned()
+    } else {
+        format!(
+            "not a torch.save zip archive (first bytes {head:02x?}); legacy torch.save files are not supported"
+        )
+    }
 }
 
 /// The byte range of one storage member, relative to the start of the archive bytes.

@@ -40,7 +40,7 @@ pub enum IndexError {
         source: SafetensorsError,
     },
     /// The DCP `.metadata` could not be read.
-    #[error("{file}: {source}")]
+    #[error("{}", dcp_error_text(file, source))]
     Dcp {
         file: String,
         #[source]
@@ -75,6 +75,16 @@ pub enum IndexError {
         file: String,
         what: String,
     },
+}
+
+/// `file: reason` for a `.metadata` error, without saying `.metadata` twice (a [`DcpError`] names
+/// the `.metadata` itself).
+fn dcp_error_text(file: &str, source: &DcpError) -> String {
+    let text = source.to_string();
+    match text.strip_prefix(".metadata: ") {
+        Some(rest) if file.ends_with(".metadata") => format!("{file}: {rest}"),
+        _ => format!("{file}: {text}"),
+    }
 }
 
 /// Bytes a DCP item's `torch.save` archive may hold besides the tensor's elements (zip headers,

@@ -301,7 +301,11 @@ type Opened = (Input, CheckpointIndex);
 /// Opens `src`; when it does not open, says also what is wrong with it as per-rank files.
 fn open_with_why(src: &Path, per_rank: &Detected) -> Result<Opened> {
     convert::open_unchecked(src, false).map_err(|e| match per_rank {
-        Detected::Incomplete(why) => anyhow::anyhow!("{e:#}\nas per-rank files: {why:#}"),
+        Detected::Incomplete(why) => anyhow::anyhow!(
+            "{}\nas per-rank files: {}",
+            super::error_text(&e),
+            super::error_text(why)
+        ),
         _ => e,
     })
 }
@@ -399,7 +403,11 @@ fn prepare(
     };
     // When nothing reads the folder, say what is wrong with it as per-rank files too.
     let with_why = |e: anyhow::Error| match per_rank {
-        Detected::Incomplete(why) => anyhow::anyhow!("{e:#}\nas per-rank files: {why:#}"),
+        Detected::Incomplete(why) => anyhow::anyhow!(
+            "{}\nas per-rank files: {}",
+            super::error_text(&e),
+            super::error_text(why)
+        ),
         _ => e,
     };
     let label = args.src.display().to_string();

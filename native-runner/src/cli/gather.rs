@@ -306,11 +306,11 @@ fn prepare(args: &GatherArgs) -> anyhow::Result<Prepared> {
                 bail!("{name}: FSDP1 LOCAL flat-parameter shards gather only under --api fsdp1")
             }
             CheckpointKind::Fsdp2 if args.api != Api::Fsdp2 => bail!(
-                "{name}: FSDP2 DTensor local shards follow FSDP2's layout\nhint: pass --api fsdp2 (or --from full to cut the assembled parameters with another layout)"
+                "{name}: FSDP2 DTensor local shards follow FSDP2's layout\nhint: pass --api fsdp2 (or --read-as full to cut the assembled parameters with another layout)"
             ),
             CheckpointKind::Fsdp1Local | CheckpointKind::Fsdp2 => {}
             other => bail!(
-                "{name}: {} holds no rank-local shards to read as saved\nhint: use --from full",
+                "{name}: {} holds no rank-local shards to read as saved\nhint: use --read-as full",
                 other.describe()
             ),
         }

@@ -595,7 +595,7 @@ fn fill(
 ) -> std::result::Result<Vec<u8>, Fsdp1LocalError> {
     filler
         .bytes(fill_at(fills, path)?, buf)
-        .map_err(|e| fill_error(format!("{path}: {e:#}")))
+        .map_err(|e| fill_error(format!("{path}: {}", crate::cli::error_text(&e))))
 }
 
 /// How the tensor at writer path `path` is filled.

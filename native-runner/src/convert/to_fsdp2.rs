@@ -345,7 +345,7 @@ fn fill(
     buf: Vec<u8>,
 ) -> std::result::Result<Vec<u8>, Fsdp1LocalError> {
     plain_bytes(reader, parts, fill_at(fills, path)?, buf)
-        .map_err(|e| fill_error(format!("{path}: {e:#}")))
+        .map_err(|e| fill_error(format!("{path}: {}", crate::cli::error_text(&e))))
 }
 
 #[cfg(test)]
