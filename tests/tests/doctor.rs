@@ -354,6 +354,28 @@ fn damaged_and_missing_files() {
     assert!(run.stderr.contains("git lfs pull"), "{}", run.stderr);
 }
 
+/// FSDP2 + tensor-parallel per-rank files (`tp_ranks/`, see `gen_tp_ranks.py`: torch loads them
+/// back) hold `_StridedShard` placements that shardscope does not place. doctor says the files are
+/// intact and were not checked (a warning, `unsupported`), not that they are cut short or damaged.
+#[test]
+fn intact_files_in_an_unread_layout_are_not_called_damaged() {
+    let run = doctor(&["tp_ranks"], &[]);
+    assert_ne!(run.code, 2, "{}", run.stderr);
+    assert!(
+        error_codes(&run).is_empty(),
+        "no error for intact files: {:#}",
+        run.report
+    );
+    let keys = keys_of(&run, "unsupported");
+    assert_eq!(keys.len(), 4, "{:#}", run.report);
+    let text = messages(&run);
+    assert!(
+        text.contains("_StridedShard") || text.contains("StridedShard"),
+        "{text}"
+    );
+    assert!(!text.contains("damaged"), "{text}");
+}
+
 #[test]
 fn per_rank_files_for_another_world_size() {
     let run = doctor(&["fsdp2_ranks"], &["--world-size", "4"]);

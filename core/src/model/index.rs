@@ -878,10 +878,11 @@ pub fn index_torch_files(
                         .or_else(|| rank.map(|r| vec![u64::from(r)]))
                         .unwrap_or_default();
                     let offsets = dtensor_offsets(&d.global_shape, &d.placements, &mesh, &coord).ok_or_else(|| {
-                        IndexError::Inconsistent {
+                        IndexError::Unsupported {
+                            key: key.clone(),
                             file: file.clone(),
                             what: format!(
-                                "{key}: cannot place the DTensor's local piece (placements {:?}, mesh {mesh:?}, coordinate {coord:?})",
+                                "cannot place the DTensor's local piece (placements {:?}, mesh {mesh:?}, coordinate {coord:?}): per-rank DTensor files are read for Shard(0) and Replicate placements (FSDP2, HSDP); tensor-parallel and _StridedShard placements are read from DCP checkpoints (dcp.save)",
                                 d.placements
                             ),
                         }

@@ -147,6 +147,10 @@ fn salvage_torch(source: &dyn Source) -> Option<Salvage> {
     for f in &files {
         match index::index_torch_files(source, std::slice::from_ref(f)) {
             Ok(_) => readable.push(f.clone()),
+            Err(e @ index::IndexError::Unsupported { .. }) => {
+                zip_like = true;
+                findings.push(doctor::unsupported_file(f, &e.to_string()));
+            }
             Err(e) => {
                 let head = source.read_range(f, 0, 4.min(source.size(f).ok()?)).ok()?;
                 zip_like |= torch_zip::looks_like_zip(&head);
