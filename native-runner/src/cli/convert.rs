@@ -292,7 +292,17 @@ pub fn run(args: &ConvertArgs) -> Result<ExitCode> {
         // The full model file + `.optim.pt` pair.
         return convert_fsdp1_two_files(args, &layout, &per_rank);
     }
-    run_index_view(args, &args.src, &per_rank, opened, &View::AsIs)
+    run_index_view(args, &args.src, &per_rank, opened, &View::AsIs).map_err(|e| match &per_rank {
+        // Rank files that were not read as such: say why, next to what failed (once).
+        Detected::Incomplete(why) if !super::error_text(&e).contains("\nas per-rank files: ") => {
+            anyhow::anyhow!(
+                "{}\nas per-rank files: {}",
+                super::error_text(&e),
+                super::error_text(why)
+            )
+        }
+        _ => e,
+    })
 }
 
 /// A checkpoint's source and index, as [`convert::open_unchecked`] returns them.

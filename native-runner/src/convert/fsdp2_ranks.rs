@@ -71,8 +71,11 @@ pub fn detect(src: &Path) -> Detected {
     };
     // Only the structure: reading rank 0's tensors here would hold a whole rank file in memory
     // before any conversion starts.
-    let Ok(node) = shardscope_runner::fsdp1_local::read_skeleton(&files.model_file(0)) else {
-        return Detected::Other;
+    let node = match shardscope_runner::fsdp1_local::read_skeleton(&files.model_file(0)) {
+        Ok(node) => node,
+        // Shown only when nothing else reads the folder (e.g. DTensor placements other than
+        // FSDP2's: the generic error alone would not say why).
+        Err(e) => return Detected::Incomplete(anyhow::Error::from(e)),
     };
     if let Some((model, _)) = combined_parts(&node) {
         if has_dtensor(model) {
