@@ -7,6 +7,9 @@
 use std::path::{Path, PathBuf};
 use std::process::{Command, Output};
 
+/// A new file name from (role, rank).
+type Rename = fn(&str, &str) -> String;
+
 fn fixtures() -> PathBuf {
     PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("../tests/fixtures")
 }
@@ -131,7 +134,7 @@ fn fsdp2_folder_under_other_names() {
     let f = fixtures().join("fsdp2_optim");
     let torch = f.join("expected/ws2_full.pt");
     let tmp = tempfile::tempdir().unwrap();
-    let renames: [(&str, fn(&str, &str) -> String); 3] = [
+    let renames: [(&str, Rename); 3] = [
         ("num", |role, r| format!("{role}_{r}.pt")),
         ("of", |role, r| format!("{role}_rank{r}_of_2.pt")),
         ("ws", |role, r| format!("{role}{r}_ws2.pt")),

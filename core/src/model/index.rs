@@ -462,6 +462,12 @@ pub struct RankGroup {
     pub files: Vec<(String, Option<u32>)>,
 }
 
+/// Files with their ranks, as in [`RankGroup::files`].
+pub type RankedFiles = Vec<(String, Option<u32>)>;
+
+/// Names of one folder with the same text between their numbers, keyed by (folder, texts).
+type NameClasses<'a> = BTreeMap<(String, Vec<String>), Vec<(&'a String, NameShape<'a>)>>;
+
 /// A file name cut at its decimal numbers: the text between them and the numbers.
 struct NameShape<'a> {
     dir: &'a str,
@@ -529,8 +535,7 @@ impl NameShape<'_> {
 /// is missing, which the index reports as a gap rather than reading two unrelated files). Other
 /// names keep the rule of [`rank_from_name`] (the number after `rank`). Groups come in name order.
 pub fn group_rank_files(names: &[String]) -> Vec<RankGroup> {
-    let mut classes: BTreeMap<(String, Vec<String>), Vec<(&String, NameShape<'_>)>> =
-        BTreeMap::new();
+    let mut classes: NameClasses<'_> = BTreeMap::new();
     for name in names {
         let shape = name_shape(name);
         let key = (
@@ -539,7 +544,7 @@ pub fn group_rank_files(names: &[String]) -> Vec<RankGroup> {
         );
         classes.entry(key).or_default().push((name, shape));
     }
-    let mut groups: BTreeMap<(String, String), Vec<(String, Option<u32>)>> = BTreeMap::new();
+    let mut groups: BTreeMap<(String, String), RankedFiles> = BTreeMap::new();
     let mut add = |dir: &str, pattern: String, name: &str, rank: Option<u32>| {
         groups
             .entry((dir.to_owned(), pattern))
@@ -2583,7 +2588,7 @@ mod tests {
     }
 
     /// The groups of `names` as (pattern, [(name, rank)]).
-    fn grouped(names: &[&str]) -> Vec<(String, Vec<(String, Option<u32>)>)> {
+    fn grouped(names: &[&str]) -> Vec<(String, RankedFiles)> {
         let names: Vec<String> = names.iter().map(|n| (*n).to_owned()).collect();
         group_rank_files(&names)
             .into_iter()
@@ -2591,7 +2596,7 @@ mod tests {
             .collect()
     }
 
-    fn set(pattern: &str, names: &[&str]) -> (String, Vec<(String, Option<u32>)>) {
+    fn set(pattern: &str, names: &[&str]) -> (String, RankedFiles) {
         let files = names
             .iter()
             .enumerate()
