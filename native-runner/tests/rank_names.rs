@@ -200,6 +200,50 @@ fn explicit_patterns_with_digits_after_the_rank() {
         "{stderr}"
     );
     assert!(!out.exists());
+    // inspect, verify and diff read the named sets too.
+    let patterns = [
+        "--model-files",
+        "model{r}_ws2.pt",
+        "--optim-files",
+        "optim{r}_ws2.pt",
+    ];
+    let with = |args: &[&str]| {
+        let mut all: Vec<&str> = args.to_vec();
+        all.extend(patterns);
+        shardscope(&all)
+    };
+    let text = ok(&with(&["inspect", &s(&folder)]), "inspect --model-files");
+    assert!(
+        !text.contains("extra"),
+        "only the named sets are read: {text}"
+    );
+    ok(
+        &with(&["verify", &s(&folder), "--model", &model]),
+        "verify --model-files",
+    );
+    for (side, torch) in [
+        ("model", "verl_fsdp1_model.pt"),
+        ("optim", "verl_fsdp1_optim.pt"),
+    ] {
+        let torch = s(&t.join("expected").join(torch));
+        let text = ok(
+            &with(&[
+                "diff",
+                &s(&folder),
+                &torch,
+                "--select",
+                side,
+                "--model",
+                &model,
+                "-q",
+            ]),
+            "diff --model-files",
+        );
+        assert!(
+            text.contains(" 0 mismatch, 0 missing, 0 unexpected, 0 error"),
+            "{side}: {text}"
+        );
+    }
     ok(&convert("model{r}_ws2.pt"), "convert model{r}_ws2.pt");
     assert_same(&out, &t.join("expected/verl_fsdp1_model.pt"), &[], "model");
     assert_same(
