@@ -253,3 +253,50 @@ fn explicit_patterns_with_digits_after_the_rank() {
         "optimizer",
     );
 }
+
+/// FSDP2 per-rank files next to a second set of model files: found by name the folder is
+/// ambiguous (a clear error naming `--model-files`, nothing written); with the sets named,
+/// `convert` needs no `--model` and gives torch's full state dicts.
+#[test]
+fn fsdp2_sets_named_without_a_model_description() {
+    let f = fixtures().join("fsdp2_optim");
+    let tmp = tempfile::tempdir().unwrap();
+    let folder = tmp.path().join("f");
+    copy_renamed(&f.join("ws2"), &folder, |n| {
+        let (r, role) = n.trim_start_matches("rank").split_once('_').unwrap();
+        format!("{}{r}_ws2.pt", role.trim_end_matches(".pt"))
+    });
+    for r in 0..2 {
+        std::fs::copy(
+            folder.join(format!("model{r}_ws2.pt")),
+            folder.join(format!("backup{r}_ws2.pt")),
+        )
+        .unwrap();
+    }
+    let out = tmp.path().join("full.pt");
+    let o = shardscope(&["convert", &s(&folder), "-o", &s(&out), "-q"]);
+    let stderr = String::from_utf8_lossy(&o.stderr);
+    assert_eq!(o.status.code(), Some(2), "{stderr}");
+    assert!(stderr.contains("--model-files"), "{stderr}");
+    assert!(!out.exists());
+    ok(
+        &shardscope(&[
+            "convert",
+            &s(&folder),
+            "-o",
+            &s(&out),
+            "--model-files",
+            "model{r}_ws2.pt",
+            "--optim-files",
+            "optim{r}_ws2.pt",
+            "-q",
+        ]),
+        "convert --model-files",
+    );
+    assert_same(
+        &out,
+        &f.join("expected/ws2_full.pt"),
+        &[],
+        "fsdp2 named sets",
+    );
+}

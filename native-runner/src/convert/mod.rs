@@ -544,6 +544,21 @@ pub fn open_rank_files(
     Ok((source, index))
 }
 
+/// Opens and indexes the per-rank sets of the folder `src` named by `model_files`/`optim_files`
+/// (`{r}` patterns, `--model-files`/`--optim-files`); with neither, `src` as
+/// [`open_unchecked`] opens it.
+pub fn open_named_sets(
+    src: &Path,
+    model_files: Option<&str>,
+    optim_files: Option<&str>,
+) -> Result<(Input, CheckpointIndex)> {
+    if model_files.is_none() && optim_files.is_none() {
+        return open_unchecked(src, false);
+    }
+    let files = shardscope_runner::fsdp1_local::find_rank_files(src, model_files, optim_files)?;
+    open_rank_files(&files)
+}
+
 /// Opens and indexes `src` (a file, a folder or a URL: [`crate::input::open`]) without checking
 /// the index (views fix it up first; then [`ensure_consistent`]). `progress`: long remote reads may
 /// show a progress line.

@@ -45,6 +45,9 @@ pub enum Fsdp1LocalError {
     /// The folder does not hold one complete set of per-rank files.
     #[error("{dir}: {reason}")]
     Files { dir: PathBuf, reason: String },
+    /// The folder holds several sets that could be the model's (or the optimizer's).
+    #[error("{dir}: {reason}")]
+    Ambiguous { dir: PathBuf, reason: String },
     /// A file could not be read as a torch archive of a state dict.
     #[error("{0}")]
     Bridge(Box<BridgeError>),
@@ -207,11 +210,15 @@ pub fn find_rank_files(
                     models.push(p.clone());
                 }
             }
+            let ambiguous = |reason: String| Fsdp1LocalError::Ambiguous {
+                dir: dir.to_path_buf(),
+                reason,
+            };
             let optim = match given_optim {
                 Some(o) => Some(o.to_owned()),
                 None if optims.len() <= 1 => optims.pop(),
                 None => {
-                    return Err(files_err(format!(
+                    return Err(ambiguous(format!(
                         "several optimizer file sets ({}); choose one with --optim-files",
                         optims.join(", ")
                     )));
@@ -225,7 +232,7 @@ pub fn find_rank_files(
                     ));
                 }
                 many => {
-                    return Err(files_err(format!(
+                    return Err(ambiguous(format!(
                         "several model file sets ({}); choose one with --model-files",
                         many.join(", ")
                     )));
