@@ -461,6 +461,181 @@ pub fn rank_from_name(name: &str) -> (Option<u32>, String) {
     }
 }
 
+/// One set of per-rank files: names that differ only in the rank number (see
+/// [`group_rank_files`]).
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct RankGroup {
+    /// The file name (without its folder) with the rank replaced by `{R}`; for a file that is not
+    /// part of a per-rank set, its name.
+    pub pattern: String,
+    /// The files with their ranks (`None`: no rank in the name), in rank order.
+    pub files: Vec<(String, Option<u32>)>,
+}
+
+/// Files with their ranks, as in [`RankGroup::files`].
+pub type RankedFiles = Vec<(String, Option<u32>)>;
+
+/// Names of one folder with the same text between their numbers, keyed by (folder, texts).
+type NameClasses<'a> = BTreeMap<(String, Vec<String>), Vec<(&'a String, NameShape<'a>)>>;
+
+/// A file name cut at its decimal numbers: the text between them and the numbers.
+struct NameShape<'a> {
+    dir: &'a str,
+    texts: Vec<&'a str>,
+    numbers: Vec<&'a str>,
+}
+
+fn name_shape(name: &str) -> NameShape<'_> {
+    let (dir, base) = match name.rfind('/') {
+        Some(i) => (&name[..=i], &name[i + 1..]),
+        None => ("", name),
+    };
+    let bytes = base.as_bytes();
+    let mut texts = Vec::new();
+    let mut numbers = Vec::new();
+    let mut text_start = 0;
+    let mut i = 0;
+    while i < bytes.len() {
+        if bytes[i].is_ascii_digit() {
+            let start = i;
+            while i < bytes.len() && bytes[i].is_ascii_digit() {
+                i += 1;
+            }
+            texts.push(&base[text_start..start]);
+            numbers.push(&base[start..i]);
+            text_start = i;
+        } else {
+            i += 1;
+        }
+    }
+    texts.push(&base[text_start..]);
+    NameShape {
+        dir,
+        texts,
+        numbers,
+    }
+}
+
+/// A number that can stand for `{R}`: written as `R.to_string()` writes it (`01` is not rank 1).
+fn canonical_rank(digits: &str) -> Option<u32> {
+    let r: u32 = digits.parse().ok()?;
+    (r.to_string() == digits).then_some(r)
+}
+
+impl NameShape<'_> {
+    /// The base name with number `at` replaced by `{R}`.
+    fn pattern(&self, at: usize) -> String {
+        let mut s = String::new();
+        for (i, text) in self.texts.iter().enumerate() {
+            s.push_str(text);
+            if let Some(n) = self.numbers.get(i) {
+                s.push_str(if i == at { "{R}" } else { n });
+            }
+        }
+        s
+    }
+}
+
+/// Groups file names into per-rank sets. Names that have the same text and differ in exactly one
+/// number form a set whose ranks are that number (`model_{R}.pt`, `ckpt_{R}_model.pt`,
+/// `model_rank{R}_of_3.pt`, `m{R}_ws3.pt`: numbers that are the same across the set are not the
+/// rank). Where several numbers vary, the number that splits the names into sets of ranks
+/// `0..N` each is the rank (`model_world_size_{2,3}_rank_{R}.pt`), the one after `rank` first.
+/// A single varying number whose values leave small gaps still forms a set (ranks 0 and 2: rank 1
+/// is missing, which the index reports as a gap rather than reading two unrelated files). Other
+/// names keep the rule of [`rank_from_name`] (the number after `rank`). Groups come in name order.
+pub fn group_rank_files(names: &[String]) -> Vec<RankGroup> {
+    let mut classes: NameClasses<'_> = BTreeMap::new();
+    for name in names {
+        let shape = name_shape(name);
+        let key = (
+            shape.dir.to_owned(),
+            shape.texts.iter().map(|t| (*t).to_owned()).collect(),
+        );
+        classes.entry(key).or_default().push((name, shape));
+    }
+    let mut groups: BTreeMap<(String, String), RankedFiles> = BTreeMap::new();
+    let mut add = |dir: &str, pattern: String, name: &str, rank: Option<u32>| {
+        groups
+            .entry((dir.to_owned(), pattern))
+            .or_default()
+            .push((name.to_owned(), rank));
+    };
+    for ((dir, texts), members) in classes {
+        let count = members[0].1.numbers.len();
+        let varying: Vec<usize> = (0..count)
+            .filter(|&i| {
+                members
+                    .iter()
+                    .any(|(_, s)| s.numbers[i] != members[0].1.numbers[i])
+            })
+            .collect();
+        // Candidates for the rank: the number after `rank` first, then from the last one.
+        let mut candidates = varying.clone();
+        candidates.reverse();
+        candidates.sort_by_key(|&i| {
+            !texts[i].to_ascii_lowercase().ends_with("rank")
+                && !texts[i]
+                    .to_ascii_lowercase()
+                    .trim_end_matches(['_', '-'])
+                    .ends_with("rank")
+        });
+        let split = |at: usize| -> Option<BTreeMap<Vec<&str>, Vec<u32>>> {
+            let mut sets: BTreeMap<Vec<&str>, Vec<u32>> = BTreeMap::new();
+            for (_, s) in &members {
+                let rest: Vec<&str> = (0..count)
+                    .filter(|&i| i != at)
+                    .map(|i| s.numbers[i])
+                    .collect();
+                sets.entry(rest)
+                    .or_default()
+                    .push(canonical_rank(s.numbers[at])?);
+            }
+            Some(sets)
+        };
+        let full = candidates.iter().copied().find(|&at| {
+            split(at).is_some_and(|sets| {
+                sets.into_values().all(|mut ranks| {
+                    ranks.sort_unstable();
+                    ranks.iter().copied().eq(0..ranks.len() as u32)
+                })
+            })
+        });
+        let gapped = || match varying.as_slice() {
+            [at] => split(*at).and_then(|sets| {
+                let ranks = sets.into_values().next()?;
+                let last = *ranks.iter().max()?;
+                let mut distinct = ranks.clone();
+                distinct.sort_unstable();
+                distinct.dedup();
+                (distinct.len() == ranks.len() && u64::from(last) < 4 * ranks.len() as u64)
+                    .then_some(*at)
+            }),
+            _ => None,
+        };
+        match full.or_else(gapped) {
+            Some(at) => {
+                for (name, s) in &members {
+                    add(&dir, s.pattern(at), name, canonical_rank(s.numbers[at]));
+                }
+            }
+            None => {
+                for (name, _) in &members {
+                    let (rank, pattern) = rank_from_name(name);
+                    add(&dir, pattern, name, rank);
+                }
+            }
+        }
+    }
+    groups
+        .into_iter()
+        .map(|((_, pattern), mut files)| {
+            files.sort_by_key(|(name, rank)| (*rank, name.clone()));
+            RankGroup { pattern, files }
+        })
+        .collect()
+}
+
 /// Indexes whatever checkpoint the source holds.
 pub fn index_source(source: &dyn Source) -> Result<CheckpointIndex, IndexError> {
     let names = source.names();
@@ -485,15 +660,8 @@ pub fn index_source(source: &dyn Source) -> Result<CheckpointIndex, IndexError> 
         return index_safetensors(source, &names);
     }
     if !torch.is_empty() && safetensors.is_empty() {
-        let mut groups: BTreeMap<String, Vec<&String>> = BTreeMap::new();
-        for n in &torch {
-            groups.entry(rank_from_name(n).1).or_default().push(n);
-        }
-        if groups.len() > 1 {
-            return index_file_sets(source, &groups);
-        }
-        let files: Vec<String> = torch.iter().map(|s| (*s).clone()).collect();
-        return index_torch_files(source, &files);
+        let torch: Vec<String> = torch.into_iter().cloned().collect();
+        return index_torch_groups(source, &group_rank_files(&torch));
     }
     if names.is_empty() {
         return Err(IndexError::NotACheckpoint {
@@ -722,14 +890,29 @@ struct Partial {
 /// `optim` (optimizer state: `state`/`param_groups`), `model` (floating-point tensors), `extra`
 /// (the rest: schedulers, RNG state); two sets of one class are told apart by their name patterns
 /// (`model.rank{R}_full`, `model.rank{R}_sharded`, ...). Every set must index on its own.
+/// Indexes `torch.save` files grouped into per-rank sets ([`group_rank_files`], or the sets a
+/// caller names): one set is read as one checkpoint; several become subtrees named by what they
+/// hold (`model`, `optim`, `extra`).
+pub fn index_torch_groups(
+    source: &dyn Source,
+    groups: &[RankGroup],
+) -> Result<CheckpointIndex, IndexError> {
+    match groups {
+        [] => Err(IndexError::NotACheckpoint {
+            reason: "no torch.save files".into(),
+        }),
+        [one] => index_torch_files_ranked(source, &one.files),
+        _ => index_file_sets(source, groups),
+    }
+}
+
 fn index_file_sets(
     source: &dyn Source,
-    groups: &BTreeMap<String, Vec<&String>>,
+    groups: &[RankGroup],
 ) -> Result<CheckpointIndex, IndexError> {
     let mut parts = Vec::with_capacity(groups.len());
-    for (pattern, files) in groups {
-        let files: Vec<String> = files.iter().map(|s| (*s).clone()).collect();
-        let index = index_torch_files(source, &files)?;
+    for RankGroup { pattern, files } in groups {
+        let index = index_torch_files_ranked(source, files)?;
         let class =
             if index.has_optimizer_state || index.entries.iter().any(|e| e.role.is_some()) {
                 "optim"
@@ -791,9 +974,27 @@ fn index_file_sets(
     Ok(merged)
 }
 
+/// Indexes `torch.save` files as one checkpoint, their ranks read from their names
+/// ([`group_rank_files`]).
 pub fn index_torch_files(
     source: &dyn Source,
     files: &[String],
+) -> Result<CheckpointIndex, IndexError> {
+    let ranks: HashMap<String, Option<u32>> = group_rank_files(files)
+        .into_iter()
+        .flat_map(|g| g.files)
+        .collect();
+    let ranked: Vec<(String, Option<u32>)> = files
+        .iter()
+        .map(|f| (f.clone(), ranks.get(f).copied().flatten()))
+        .collect();
+    index_torch_files_ranked(source, &ranked)
+}
+
+/// Indexes `torch.save` files as one checkpoint, each with its rank.
+pub fn index_torch_files_ranked(
+    source: &dyn Source,
+    files: &[(String, Option<u32>)],
 ) -> Result<CheckpointIndex, IndexError> {
     let mut merged: BTreeMap<String, Partial> = BTreeMap::new();
     let mut file_infos = BTreeMap::new();
@@ -801,8 +1002,7 @@ pub fn index_torch_files(
     let mut saw_dtensor = false;
     let mut saw_flat = false;
     let many = files.len() > 1;
-    for file in files {
-        let (rank, _) = rank_from_name(file);
+    for (file, rank) in files {
         let rank = rank.or(if many { None } else { Some(0) });
         // By range: the zip directory, local headers and data.pkl, not the tensor bytes.
         let archive = torch_zip::read_archive_from(source, file).map_err(|e| match e {
@@ -2382,6 +2582,134 @@ mod tests {
         assert_eq!(path(&mut join, "a", 5, Some(&[9, 9])), None);
         assert_eq!(path(&mut join, "zzz", 0, None), None);
         assert_eq!(path(&mut join, "b", 0, Some(&[0])), None);
+    }
+
+    /// The groups of `names` as (pattern, [(name, rank)]).
+    fn grouped(names: &[&str]) -> Vec<(String, RankedFiles)> {
+        let names: Vec<String> = names.iter().map(|n| (*n).to_owned()).collect();
+        group_rank_files(&names)
+            .into_iter()
+            .map(|g| (g.pattern, g.files))
+            .collect()
+    }
+
+    fn set(pattern: &str, names: &[&str]) -> (String, RankedFiles) {
+        let files = names
+            .iter()
+            .enumerate()
+            .map(|(r, n)| ((*n).to_owned(), Some(r as u32)))
+            .collect();
+        (pattern.to_owned(), files)
+    }
+
+    #[test]
+    fn rank_sets_are_the_number_that_varies() {
+        // Any text around the rank, the rank anywhere (README: `ckpt_{r}_model.pt`).
+        assert_eq!(
+            grouped(&[
+                "ckpt_1_model.pt",
+                "ckpt_0_optim.pt",
+                "ckpt_0_model.pt",
+                "ckpt_1_optim.pt"
+            ]),
+            vec![
+                set("ckpt_{R}_model.pt", &["ckpt_0_model.pt", "ckpt_1_model.pt"]),
+                set("ckpt_{R}_optim.pt", &["ckpt_0_optim.pt", "ckpt_1_optim.pt"]),
+            ]
+        );
+        assert_eq!(
+            grouped(&["model_0.pt", "model_2.pt", "model_1.pt"]),
+            vec![set(
+                "model_{R}.pt",
+                &["model_0.pt", "model_1.pt", "model_2.pt"]
+            )]
+        );
+        assert_eq!(
+            grouped(&["model-1.pt", "model-0.pt"]),
+            vec![set("model-{R}.pt", &["model-0.pt", "model-1.pt"])]
+        );
+        // Numbers that are the same in every name are not the rank, wherever they are.
+        assert_eq!(
+            grouped(&["model_rank0_of_2.pt", "model_rank1_of_2.pt"]),
+            vec![set(
+                "model_rank{R}_of_2.pt",
+                &["model_rank0_of_2.pt", "model_rank1_of_2.pt"]
+            )]
+        );
+        assert_eq!(
+            grouped(&["m0_ws3.pt", "m1_ws3.pt", "m2_ws3.pt"]),
+            vec![set("m{R}_ws3.pt", &["m0_ws3.pt", "m1_ws3.pt", "m2_ws3.pt"])]
+        );
+        assert_eq!(
+            grouped(&["model-r1-ws2.pt", "model-r0-ws2.pt"]),
+            vec![set(
+                "model-r{R}-ws2.pt",
+                &["model-r0-ws2.pt", "model-r1-ws2.pt"]
+            )]
+        );
+        // Two numbers vary: the one that gives complete sets is the rank.
+        assert_eq!(
+            grouped(&[
+                "model_world_size_2_rank_0.pt",
+                "model_world_size_2_rank_1.pt",
+                "model_world_size_1_rank_0.pt",
+            ]),
+            vec![
+                set(
+                    "model_world_size_1_rank_{R}.pt",
+                    &["model_world_size_1_rank_0.pt"]
+                ),
+                set(
+                    "model_world_size_2_rank_{R}.pt",
+                    &[
+                        "model_world_size_2_rank_0.pt",
+                        "model_world_size_2_rank_1.pt"
+                    ]
+                ),
+            ]
+        );
+    }
+
+    #[test]
+    fn names_that_are_not_rank_sets() {
+        // A gap stays one set (the index then reports what is missing), not two checkpoints.
+        assert_eq!(
+            grouped(&["model_0.pt", "model_2.pt"]),
+            vec![(
+                "model_{R}.pt".to_owned(),
+                vec![
+                    ("model_0.pt".into(), Some(0)),
+                    ("model_2.pt".into(), Some(2))
+                ]
+            )]
+        );
+        // Zero-padded numbers are not `{R}` (HF shards); one file keeps the `rank` rule.
+        assert_eq!(
+            grouped(&[
+                "pytorch_model-00001-of-00002.bin",
+                "pytorch_model-00002-of-00002.bin"
+            ]),
+            vec![
+                (
+                    "pytorch_model-00001-of-00002.bin".to_owned(),
+                    vec![("pytorch_model-00001-of-00002.bin".into(), None)]
+                ),
+                (
+                    "pytorch_model-00002-of-00002.bin".to_owned(),
+                    vec![("pytorch_model-00002-of-00002.bin".into(), None)]
+                ),
+            ]
+        );
+        assert_eq!(
+            grouped(&["rank1_full.pt", "model.pt"]),
+            vec![
+                ("model.pt".to_owned(), vec![("model.pt".into(), None)]),
+                (
+                    "rank{R}_full.pt".to_owned(),
+                    vec![("rank1_full.pt".into(), Some(1))]
+                ),
+            ]
+        );
     }
 
     #[test]

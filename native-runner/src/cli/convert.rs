@@ -79,12 +79,12 @@ pub struct ConvertArgs {
     /// `use_orig_params`, the flat parameter's alignment is counted in elements of this dtype).
     #[arg(long, value_name = "DTYPE", requires = "model", value_parser = super::model_layout::parse_dtype)]
     pub param_dtype: Option<shardscope_core::DType>,
-    /// Per-rank FSDP1 files: file-name pattern of the model files, `{r}` for the rank (default:
-    /// detected by content), when the folder holds several sets.
-    #[arg(long, value_name = "PATTERN", requires = "model")]
+    /// Per-rank files: file-name pattern of the model files, `{r}` for the rank (default:
+    /// detected by content), when the folder holds several sets or names them unusually.
+    #[arg(long, value_name = "PATTERN")]
     pub model_files: Option<String>,
-    /// Per-rank FSDP1 files: file-name pattern of the optimizer files, `{r}` for the rank.
-    #[arg(long, value_name = "PATTERN", requires = "model")]
+    /// Per-rank files: file-name pattern of the optimizer files, `{r}` for the rank.
+    #[arg(long, value_name = "PATTERN")]
     pub optim_files: Option<String>,
     /// Per-rank FSDP1 files: where the full optimizer state dict goes (default `<DST stem>.optim.pt`).
     #[arg(long, value_name = "PATH", requires = "model")]
@@ -207,7 +207,16 @@ impl Progress for Bar {
 }
 
 pub fn run(args: &ConvertArgs) -> Result<ExitCode> {
-    let per_rank = fsdp2_ranks::detect(&args.src);
+    let per_rank = fsdp2_ranks::detect_with(
+        &args.src,
+        args.model_files.as_deref(),
+        args.optim_files.as_deref(),
+    );
+    if let Detected::Ambiguous(why) = &per_rank {
+        bail!(
+            "{why:#}\nhint: --model-files and --optim-files take `{{r}}` patterns of the sets to read"
+        );
+    }
     // The folder's index, read once whichever way it is converted.
     let mut opened: Option<Opened> = None;
     if args.part.is_some() && (args.model.is_some() || matches!(per_rank, Detected::Fsdp2(_))) {
@@ -231,7 +240,7 @@ pub fn run(args: &ConvertArgs) -> Result<ExitCode> {
         // DTensor model files next to raw FSDP1 optimizer files (FSDP1 SHARDED_STATE_DICT with a
         // device mesh, as verl writes them): the optimizer ids are flat parameters, which only
         // the FSDP1 layout places.
-        let folder = open_with_why(&args.src, &per_rank)?;
+        let folder = open_with_why(args, &per_rank)?;
         if !has_rank_local_optimizer_state(&folder.1) {
             return run_index_view(args, &args.src, &per_rank, Some(folder), &View::Fsdp2);
         }
@@ -265,7 +274,7 @@ pub fn run(args: &ConvertArgs) -> Result<ExitCode> {
         } else {
             let folder = match opened.take() {
                 Some(folder) => folder,
-                None => open_with_why(&args.src, &per_rank)?,
+                None => open_with_why(args, &per_rank)?,
             };
             let only = optimizer_only(&folder.1);
             opened = Some(folder);
@@ -292,6 +301,9 @@ pub fn run(args: &ConvertArgs) -> Result<ExitCode> {
         // The full model file + `.optim.pt` pair.
         return convert_fsdp1_two_files(args, &layout, &per_rank);
     }
+    if opened.is_none() && (args.model_files.is_some() || args.optim_files.is_some()) {
+        opened = Some(open_with_why(args, &per_rank)?);
+    }
     run_index_view(args, &args.src, &per_rank, opened, &View::AsIs).map_err(|e| match &per_rank {
         // Rank files that were not read as such: say why, next to what failed (once).
         Detected::Incomplete(why) if !super::error_text(&e).contains("\nas per-rank files: ") => {
@@ -309,8 +321,18 @@ pub fn run(args: &ConvertArgs) -> Result<ExitCode> {
 type Opened = (Input, CheckpointIndex);
 
 /// Opens `src`; when it does not open, says also what is wrong with it as per-rank files.
-fn open_with_why(src: &Path, per_rank: &Detected) -> Result<Opened> {
-    convert::open_unchecked(src, false).map_err(|e| match per_rank {
+fn open_with_why(args: &ConvertArgs, per_rank: &Detected) -> Result<Opened> {
+    open_path_with_why(args, &args.src, per_rank)
+}
+
+/// [`open_with_why`] of `src` (the per-rank sets `args` names, if any).
+fn open_path_with_why(args: &ConvertArgs, src: &Path, per_rank: &Detected) -> Result<Opened> {
+    convert::open_named_sets(
+        src,
+        args.model_files.as_deref(),
+        args.optim_files.as_deref(),
+    )
+    .map_err(|e| match per_rank {
         Detected::Incomplete(why) => anyhow::anyhow!(
             "{}\nas per-rank files: {}",
             super::error_text(&e),
@@ -409,7 +431,7 @@ fn prepare(
 ) -> Result<Opened> {
     let (source, index) = match opened {
         Some(opened) => opened,
-        None => open_with_why(src, per_rank)?,
+        None => open_path_with_why(args, src, per_rank)?,
     };
     // When nothing reads the folder, say what is wrong with it as per-rank files too.
     let with_why = |e: anyhow::Error| match per_rank {

@@ -3,9 +3,7 @@
 use std::path::PathBuf;
 use std::process::ExitCode;
 
-use anyhow::Context;
 use clap::Args;
-use shardscope_core::model::index;
 use shardscope_core::verify::{self, DiffOptions, Side, Tolerance};
 
 use super::print_stdout;
@@ -46,6 +44,9 @@ pub struct DiffArgs {
     /// With --model: whichever side holds FSDP1 per-rank files is read as original parameters.
     #[command(flatten)]
     pub layout: super::model_layout::ModelLayoutArgs,
+    /// Applies to each side that is a local folder.
+    #[command(flatten)]
+    pub files: super::rank_files::RankFileArgs,
 }
 
 /// Runs `diff`: exit 0 when equal, 1 when they differ, 2 when something cannot be read.
@@ -69,13 +70,18 @@ pub fn run(args: &DiffArgs) -> anyhow::Result<ExitCode> {
     let left_label = args.left.display().to_string();
     let right_label = args.right.display().to_string();
     // Its own progress line: no second one for remote reads.
-    let left_source = crate::input::open(std::slice::from_ref(&args.left), false)?;
-    let right_source = crate::input::open(std::slice::from_ref(&args.right), false)?;
-    let left_index =
-        index::index_source(&left_source).with_context(|| format!("cannot read {left_label}"))?;
+    let files_of = |side: &PathBuf| {
+        if side.is_dir() {
+            args.files.clone()
+        } else {
+            super::rank_files::RankFileArgs::default()
+        }
+    };
+    let (left_source, left_index) =
+        files_of(&args.left).open(std::slice::from_ref(&args.left), false, &left_label)?;
     let left_index = args.layout.apply(left_index, &left_label)?;
-    let right_index =
-        index::index_source(&right_source).with_context(|| format!("cannot read {right_label}"))?;
+    let (right_source, right_index) =
+        files_of(&args.right).open(std::slice::from_ref(&args.right), false, &right_label)?;
     let right_index = args.layout.apply(right_index, &right_label)?;
     let options = DiffOptions {
         tolerance,

@@ -34,6 +34,8 @@ pub struct InspectArgs {
     pub values: bool,
     #[command(flatten)]
     pub layout: super::model_layout::ModelLayoutArgs,
+    #[command(flatten)]
+    pub files: super::rank_files::RankFileArgs,
 }
 
 /// Opens the checkpoint named by paths or one URL ([`crate::input::open`]).
@@ -111,14 +113,13 @@ pub fn run(args: &InspectArgs) -> anyhow::Result<ExitCode> {
         .map(Regex::new)
         .transpose()
         .context("bad --filter regular expression")?;
-    let source = open(&args.paths)?;
     let where_ = args
         .paths
         .iter()
         .map(|p| p.display().to_string())
         .collect::<Vec<_>>()
         .join(" ");
-    let idx = index::index_source(&source).with_context(|| format!("cannot read {where_}"))?;
+    let (source, idx) = args.files.open(&args.paths, true, &where_)?;
     let mut idx = args.layout.apply(idx, &where_)?;
     let problems = idx.check();
     if let Some(re) = &filter {

@@ -7,6 +7,7 @@ pub mod gather;
 pub mod inspect;
 pub mod layout;
 pub mod model_layout;
+pub mod rank_files;
 pub mod report_text;
 pub mod reshard;
 pub mod verify;

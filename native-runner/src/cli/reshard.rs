@@ -118,7 +118,15 @@ pub fn run(args: &ReshardCliArgs) -> anyhow::Result<ExitCode> {
     };
     let desc = fsdp1_local::read_description(&args.model)?;
     let full_source = is_full_checkpoint(&args.src);
-    let fsdp2_source = !full_source && matches!(fsdp2_ranks::detect(&args.src), Detected::Fsdp2(_));
+    let fsdp2_source = !full_source
+        && matches!(
+            fsdp2_ranks::detect_with(
+                &args.src,
+                args.model_files.as_deref(),
+                args.optim_files.as_deref()
+            ),
+            Detected::Fsdp2(_)
+        );
     let (source, index, files, model_prefix) = if full_source {
         open_full(args, &desc)?
     } else if fsdp2_source {
@@ -343,15 +351,33 @@ fn open_fsdp2(
     desc: &shardscope_core::model::ModelDescription,
 ) -> anyhow::Result<Opened> {
     use shardscope_core::model::index::PathSeg;
-    refuse_fsdp1_input_flags(args, "a folder of FSDP2 (DTensor) per-rank files")?;
-    let Detected::Fsdp2(ranks) = fsdp2_ranks::detect(&args.src) else {
+    for (flag, given) in [
+        ("--use-orig-params", args.use_orig_params),
+        ("--shard-group-size", args.shard_group_size.is_some()),
+    ] {
+        if given {
+            anyhow::bail!(
+                "{flag} describes a folder of FSDP1 per-rank files; {} is a folder of FSDP2 (DTensor) per-rank files",
+                args.src.display()
+            );
+        }
+    }
+    let Detected::Fsdp2(ranks) = fsdp2_ranks::detect_with(
+        &args.src,
+        args.model_files.as_deref(),
+        args.optim_files.as_deref(),
+    ) else {
         anyhow::bail!(
             "{}: not a folder of FSDP2 per-rank files",
             args.src.display()
         );
     };
     let label = args.src.display().to_string();
-    let (source, index) = crate::convert::open_unchecked(&args.src, false)?;
+    let (source, index) = crate::convert::open_named_sets(
+        &args.src,
+        args.model_files.as_deref(),
+        args.optim_files.as_deref(),
+    )?;
     let (mut view, naming) =
         shardscope_core::model::fsdp2_view::fqn_keyed_optimizer(&index, Some(desc))
             .with_context(|| format!("{label}: cannot name the optimizer's parameters"))?;

@@ -3,9 +3,7 @@
 use std::path::PathBuf;
 use std::process::ExitCode;
 
-use anyhow::Context;
 use clap::Args;
-use shardscope_core::model::index;
 use shardscope_core::verify::{self, Side, VerifyOptions};
 
 use super::print_stdout;
@@ -31,6 +29,8 @@ pub struct VerifyArgs {
     /// zero padding segments), and the per-rank files must read as every original parameter.
     #[command(flatten)]
     pub layout: super::model_layout::ModelLayoutArgs,
+    #[command(flatten)]
+    pub files: super::rank_files::RankFileArgs,
 }
 
 /// Runs `verify`: exit 0 when consistent, 1 when parts disagree, 2 when something cannot be read
@@ -43,8 +43,7 @@ pub fn run(args: &VerifyArgs) -> anyhow::Result<ExitCode> {
         .collect::<Vec<_>>()
         .join(" ");
     // Its own progress line: no second one for remote reads.
-    let source = crate::input::open(&args.paths, false)?;
-    let mut idx = index::index_source(&source).with_context(|| format!("cannot read {label}"))?;
+    let (source, mut idx) = args.files.open(&args.paths, false, &label)?;
     let layout = args
         .layout
         .layout(super::model_layout::ranks_in(&idx))?

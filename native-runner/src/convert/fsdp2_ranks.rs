@@ -33,6 +33,9 @@ pub enum Detected {
     /// Per-rank files that do not form a complete set (the reason, to show when nothing else can
     /// read the folder either).
     Incomplete(anyhow::Error),
+    /// Several per-rank sets could be the model's (or the optimizer's): reading the folder would
+    /// mix them; `--model-files`/`--optim-files` choose.
+    Ambiguous(anyhow::Error),
 }
 
 fn has_dtensor(d: &Dict) -> bool {
@@ -55,12 +58,17 @@ fn combined_parts(n: &Node) -> Option<(&Dict, &Dict)> {
 
 /// Looks at `src`: a folder of FSDP2 per-rank model files whose optimizer state sits next to them
 /// (or inside them) is ours.
-pub fn detect(src: &Path) -> Detected {
+/// `model_files`/`optim_files` name the model and optimizer file sets (`--model-files`/
+/// `--optim-files`; default: found by name and content).
+pub fn detect_with(src: &Path, model_files: Option<&str>, optim_files: Option<&str>) -> Detected {
     if !src.is_dir() || src.join(".metadata").exists() {
         return Detected::Other;
     }
-    let files = match find_rank_files(src, None, None) {
+    let files = match find_rank_files(src, model_files, optim_files) {
         Ok(f) => f,
+        Err(e @ shardscope_runner::fsdp1_local::Fsdp1LocalError::Ambiguous { .. }) => {
+            return Detected::Ambiguous(e.into());
+        }
         Err(e) => {
             let e = anyhow::Error::from(e);
             return Detected::Incomplete(match missing_ranks(src) {

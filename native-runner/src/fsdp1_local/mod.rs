@@ -4,11 +4,13 @@
 //! original parameters and FQN-keyed optimizer state, and the runner's `convert::to_fsdp1` writes
 //! per-rank files for any layout (`shardscope reshard`).
 //!
-//! File names: every file whose name contains a decimal number is grouped by its name with the
-//! *last* number replaced by `{r}` (`model_rank3.pt` → `model_rank{r}.pt`). A group qualifies
-//! when it holds exactly ranks `0..N`. Which group is the model and which the optimizer is decided
-//! by content (an optimizer state dict has `state` and `param_groups`), unless given explicitly
-//! ([`RankFiles::model_pattern`], [`RankFiles::optim_pattern`]). Outputs keep the input names.
+//! File names: files whose names differ only in one number that runs `0..N` form a per-rank set,
+//! written as a pattern with that number replaced by `{r}` (`model_rank3.pt` →
+//! `model_rank{r}.pt`, `ckpt_3_model.pt` → `ckpt_{r}_model.pt`; numbers that are the same in every
+//! name are not the rank: `model_rank{r}_of_3.pt`); `shardscope_core::model::index::group_rank_files`
+//! says how. Which set is the model and which the optimizer is decided by content (an optimizer
+//! state dict has `state` and `param_groups`), unless given explicitly ([`RankFiles::model_pattern`],
+//! [`RankFiles::optim_pattern`], `--model-files`/`--optim-files`). Outputs keep the input names.
 
 use std::collections::{BTreeMap, BTreeSet};
 use std::path::{Path, PathBuf};
@@ -16,6 +18,7 @@ use std::path::{Path, PathBuf};
 use shardscope_core::layout::{self, Strategy};
 use shardscope_core::model::ModelDescription;
 use shardscope_core::model::bridge::BridgeError;
+use shardscope_core::model::index;
 use shardscope_core::model::tree::Node;
 
 /// Lazy `torch.save` inputs and tensor-at-a-time outputs (also used by the FSDP2 per-rank convert).
@@ -42,6 +45,9 @@ pub enum Fsdp1LocalError {
     /// The folder does not hold one complete set of per-rank files.
     #[error("{dir}: {reason}")]
     Files { dir: PathBuf, reason: String },
+    /// The folder holds several sets that could be the model's (or the optimizer's).
+    #[error("{dir}: {reason}")]
+    Ambiguous { dir: PathBuf, reason: String },
     /// A file could not be read as a torch archive of a state dict.
     #[error("{0}")]
     Bridge(Box<BridgeError>),
@@ -82,20 +88,13 @@ impl RankFiles {
     }
 }
 
-/// `name` with its last decimal number replaced by `{r}`, and that number.
-fn rank_pattern(name: &str) -> Option<(String, usize)> {
-    let bytes = name.as_bytes();
-    let end = bytes.iter().rposition(u8::is_ascii_digit)? + 1;
-    let start = bytes[..end]
-        .iter()
-        .rposition(|b| !b.is_ascii_digit())
-        .map_or(0, |i| i + 1);
-    let rank: usize = name[start..end].parse().ok()?;
-    // `rank01` is not rank 1 of a `{r}` pattern.
-    if end - start > 1 && name.as_bytes()[start] == b'0' {
-        return None;
-    }
-    Some((format!("{}{{r}}{}", &name[..start], &name[end..]), rank))
+/// The rank of `name` in the per-rank set `pattern` (`{r}` stands for the rank, written as
+/// `rank.to_string()` writes it; digits may follow `{r}`).
+pub fn pattern_rank(pattern: &str, name: &str) -> Option<usize> {
+    let (head, tail) = pattern.split_once("{r}")?;
+    let digits = name.strip_prefix(head)?.strip_suffix(tail)?;
+    let rank: usize = digits.parse().ok()?;
+    (rank.to_string() == digits).then_some(rank)
 }
 
 fn is_optimizer_dict(node: &Node) -> bool {
@@ -114,7 +113,7 @@ pub fn find_rank_files(
         path: dir.to_path_buf(),
         source,
     };
-    let mut groups: BTreeMap<String, BTreeSet<usize>> = BTreeMap::new();
+    let mut names = Vec::new();
     for entry in std::fs::read_dir(dir).map_err(io)? {
         let entry = entry.map_err(io)?;
         if !entry.file_type().map_err(io)?.is_file() {
@@ -126,20 +125,46 @@ pub fn find_rank_files(
         if name.starts_with('.') {
             continue;
         }
-        if let Some((pattern, rank)) = rank_pattern(&name) {
-            groups.entry(pattern).or_default().insert(rank);
-        }
+        names.push(name);
     }
+    names.sort();
+    // Sets of files that differ only in the rank (see the module doc), as `{r}` patterns.
+    let groups: BTreeMap<String, BTreeSet<usize>> = index::group_rank_files(&names)
+        .into_iter()
+        .filter(|g| g.pattern.contains("{R}") && g.files.iter().all(|(_, r)| r.is_some()))
+        .map(|g| {
+            let ranks = g.files.iter().filter_map(|(_, r)| *r).map(|r| r as usize);
+            (g.pattern.replace("{R}", "{r}"), ranks.collect())
+        })
+        .collect();
     let files_err = |reason: String| Fsdp1LocalError::Files {
         dir: dir.to_path_buf(),
         reason,
     };
+    let found = || {
+        if groups.is_empty() {
+            "no per-rank file sets found".to_owned()
+        } else {
+            let sets: Vec<&str> = groups.keys().map(String::as_str).collect();
+            format!("per-rank file sets found: {}", sets.join(", "))
+        }
+    };
     let complete = |pattern: &str| -> Result<usize> {
-        let ranks = groups.get(pattern).ok_or_else(|| {
-            files_err(format!(
-                "no file matches `{pattern}` (`{{r}}` is the rank number)"
-            ))
-        })?;
+        if !pattern.contains("{r}") {
+            return Err(files_err(format!(
+                "the file pattern `{pattern}` has no `{{r}}` (it stands for the rank number, e.g. `model_rank{{r}}.pt`)"
+            )));
+        }
+        let ranks: BTreeSet<usize> = names
+            .iter()
+            .filter_map(|n| pattern_rank(pattern, n))
+            .collect();
+        if ranks.is_empty() {
+            return Err(files_err(format!(
+                "no file matches `{pattern}` (`{{r}}` is the rank number); {}",
+                found()
+            )));
+        }
         let n = ranks.len();
         if ranks.iter().copied().eq(0..n) {
             Ok(n)
@@ -185,11 +210,15 @@ pub fn find_rank_files(
                     models.push(p.clone());
                 }
             }
+            let ambiguous = |reason: String| Fsdp1LocalError::Ambiguous {
+                dir: dir.to_path_buf(),
+                reason,
+            };
             let optim = match given_optim {
                 Some(o) => Some(o.to_owned()),
                 None if optims.len() <= 1 => optims.pop(),
                 None => {
-                    return Err(files_err(format!(
+                    return Err(ambiguous(format!(
                         "several optimizer file sets ({}); choose one with --optim-files",
                         optims.join(", ")
                     )));
@@ -203,7 +232,7 @@ pub fn find_rank_files(
                     ));
                 }
                 many => {
-                    return Err(files_err(format!(
+                    return Err(ambiguous(format!(
                         "several model file sets ({}); choose one with --model-files",
                         many.join(", ")
                     )));
@@ -273,17 +302,19 @@ mod tests {
     use super::*;
 
     #[test]
-    fn rank_patterns() {
+    fn pattern_ranks() {
         assert_eq!(
-            rank_pattern("model_rank12.pt"),
-            Some(("model_rank{r}.pt".to_owned(), 12))
+            pattern_rank("model_rank{r}.pt", "model_rank12.pt"),
+            Some(12)
         );
-        assert_eq!(rank_pattern("rank0.pt"), Some(("rank{r}.pt".to_owned(), 0)));
+        assert_eq!(pattern_rank("m{r}_ws3.pt", "m2_ws3.pt"), Some(2));
         assert_eq!(
-            rank_pattern("__3_0.distcp"),
-            Some(("__3_{r}.distcp".to_owned(), 0))
+            pattern_rank("ckpt_{r}_model.pt", "ckpt_0_model.pt"),
+            Some(0)
         );
-        assert_eq!(rank_pattern("rank01.pt"), None);
-        assert_eq!(rank_pattern("model.pt"), None);
+        assert_eq!(pattern_rank("ckpt_{r}_model.pt", "ckpt_0_optim.pt"), None);
+        assert_eq!(pattern_rank("rank{r}.pt", "rank01.pt"), None);
+        assert_eq!(pattern_rank("rank{r}.pt", "rank.pt"), None);
+        assert_eq!(pattern_rank("model.pt", "model.pt"), None);
     }
 }
