@@ -100,7 +100,9 @@ fn clean_key(raw: &str) -> String {
 
 /// The keys of the checkpoint indexed as `index` in the order its files store them.
 ///
-/// `torch.save` files: the first file's dict order (per-rank files of one checkpoint share it).
+/// `torch.save` files: the dict order the index recorded (`IndexEntry::position`: per-rank files of
+/// one checkpoint share it; a folder of several sets of per-rank files gives each set's order, the
+/// sets one after the other), else the first file's dict order.
 /// DCP: the order of `.metadata`'s state-dict metadata. Safetensors: the index order (sorted).
 pub fn stored_key_order(
     source: &dyn Source,
@@ -126,6 +128,19 @@ pub fn stored_key_order(
             })
         }
         Format::TorchSave => {
+            // The index records every key's place in its file's dict (several files: the first
+            // rank's order, sets of per-rank files one after the other, each under its subtree
+            // name): that order keys the entries of a folder as the index names them, which the
+            // first file's own keys (`zz.weight`, not `model.zz.weight`) do not.
+            if !index.entries.is_empty() && index.entries.iter().all(|e| e.position.is_some()) {
+                let mut entries: Vec<&crate::model::index::IndexEntry> =
+                    index.entries.iter().collect();
+                entries.sort_by_key(|e| e.position);
+                return Ok(KeyOrder {
+                    keys: entries.into_iter().map(|e| e.key.clone()).collect(),
+                    registration_order: true,
+                });
+            }
             let Some(first) = index.files.keys().next() else {
                 return Ok(KeyOrder {
                     keys: Vec::new(),

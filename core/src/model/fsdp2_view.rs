@@ -8,8 +8,10 @@
 //! identity. Offline the optimizer is assumed to have been built over `model.parameters()` (one
 //! group, or consecutive slices of it), so the names are, in order:
 //! - without a description: the model state dict's DTensor keys in stored order (FSDP2 makes every
-//!   managed parameter a DTensor; plain tensors are taken to be buffers);
-//! - with a description: its `params` (named_parameters order, tied aliases dropped), or, when the
+//!   managed parameter a DTensor; plain tensors are taken to be buffers), tied aliases (a DTensor
+//!   whose pieces share the storage of an earlier one in every rank's file) dropped;
+//! - with a description: its `params` (named_parameters order, tied aliases dropped: those marked
+//!   `shared_with` and those the model files show to share storage), or, when the
 //!   optimizer holds fewer, only those with `requires_grad`.
 //!
 //! When the count of ids matches none of these the mapping cannot be decided and the error says
@@ -142,14 +144,36 @@ pub fn name_ids(
         })
         .collect();
     dtensors.sort_by_key(|e| (e.position.unwrap_or(u64::MAX), e.key.clone()));
+    // Tied parameters (`head.weight = embed.weight`): `model.state_dict()` lists both names, whose
+    // DTensors share one storage on every rank; `model.parameters()`, and so the optimizer,
+    // holds the parameter once, under the first name.
+    let ties = storage_ties(index, &dtensors, model_prefix);
+    let tie_note = if ties.is_empty() {
+        String::new()
+    } else {
+        let list: Vec<String> = ties
+            .iter()
+            .map(|(alias, keep)| format!("`{alias}` is `{keep}`"))
+            .collect();
+        format!(
+            " (tied weights, counted once: {}; the model files share their storage)",
+            list.join(", ")
+        )
+    };
     let Some(desc) = description else {
         let names: Vec<String> = dtensors
             .iter()
             .map(|e| e.key[model_prefix.len()..].to_owned())
+            .filter(|n| !ties.contains_key(n))
             .collect();
         if names.len() != count {
+            let untied = if names.len() > count && ties.is_empty() {
+                "; no two of them share storage in the model files, so no tied weight was seen: if the model ties weights, pass --model MODEL.json with `shared_with` on the alias (`shardscope layout --from CKPT --emit-model` marks ties it finds)"
+            } else {
+                ""
+            };
             return Err(Fsdp2ViewError::Ids(format!(
-                "the optimizer's param groups hold {count} parameters but the model state dict has {} DTensor parameters: cannot tell which parameter each optimizer id is",
+                "the optimizer's param groups hold {count} parameters but the model state dict has {} DTensor parameters{tie_note}: cannot tell which parameter each optimizer id is{untied}",
                 names.len()
             )));
         }
@@ -157,14 +181,22 @@ pub fn name_ids(
             ids,
             Naming {
                 names,
-                how: "the model state dict's DTensor parameters, in order".to_owned(),
+                how: format!("the model state dict's DTensor parameters, in order{tie_note}"),
             },
         ));
     };
+    let listed: std::collections::BTreeSet<&str> =
+        desc.params.iter().map(|p| p.fqn.as_str()).collect();
     let all: Vec<_> = desc
         .params
         .iter()
         .filter(|p| p.shared_with.is_none())
+        // A tie the description does not mark (`named_parameters(remove_duplicate=False)`
+        // without `shared_with`): the alias is not an optimizer parameter either.
+        .filter(|p| {
+            ties.get(&p.fqn)
+                .is_none_or(|keep| !listed.contains(keep.as_str()))
+        })
         .collect();
     let has_model = index
         .entries
@@ -190,18 +222,50 @@ pub fn name_ids(
         )
     } else {
         return Err(Fsdp2ViewError::Ids(format!(
-            "the optimizer's param groups hold {count} parameters but the model description lists {} parameters ({} with requires_grad): cannot tell which parameter each optimizer id is",
+            "the optimizer's param groups hold {count} parameters but the model description lists {} parameters ({} with requires_grad){}: cannot tell which parameter each optimizer id is",
             all.len(),
-            trainable.len()
+            trainable.len(),
+            if ties.is_empty() {
+                " (a tied weight is counted once when its entry has `shared_with`)".to_owned()
+            } else {
+                tie_note.clone()
+            }
         )));
     };
     Ok((
         ids,
         Naming {
             names: chosen.iter().map(|p| p.fqn.clone()).collect(),
-            how: how.to_owned(),
+            how: format!("{how}{tie_note}"),
         },
     ))
+}
+
+/// Among the model's DTensor entries (in stored order): alias FQN -> the FQN of the earlier entry
+/// whose storage it shares (the same piece of one storage in every rank's file).
+fn storage_ties(
+    index: &CheckpointIndex,
+    dtensors: &[&IndexEntry],
+    model_prefix: &str,
+) -> BTreeMap<String, String> {
+    let at: HashMap<*const IndexEntry, usize> = index
+        .entries
+        .iter()
+        .enumerate()
+        .map(|(i, e)| (std::ptr::from_ref(e), i))
+        .collect();
+    let candidates: Vec<usize> = dtensors
+        .iter()
+        .filter_map(|e| at.get(&std::ptr::from_ref(*e)).copied())
+        .collect();
+    let fqn = |i: usize| {
+        let key = &index.entries[i].key;
+        key.strip_prefix(model_prefix).unwrap_or(key).to_owned()
+    };
+    crate::model::ties::find_storage_ties(index, &candidates)
+        .iter()
+        .flat_map(|g| g.aliases.iter().map(|&a| (fqn(a), fqn(g.keep))))
+        .collect()
 }
 
 /// `index` with the raw optimizer state (int ids) keyed by FQN. `None` naming when the index

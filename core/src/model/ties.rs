@@ -38,12 +38,42 @@ pub fn find_ties(
     source: &dyn Source,
     candidates: &[usize],
 ) -> Result<Vec<TieGroup>, IndexError> {
-    let rank: BTreeMap<usize, usize> = candidates
+    let rank = ranks_of(candidates);
+    let mut groups: Vec<TieGroup> = Vec::new();
+    for same_meta in same_meta_groups(index, candidates) {
+        let (shared, mut rest) = shared_storage_groups(index, &same_meta);
+        groups.extend(shared);
+        rest.sort_by_key(|i| rank[i]);
+        groups.extend(equal_bytes(index, source, &rest)?);
+    }
+    groups.sort_by_key(|g| rank[&g.keep]);
+    Ok(groups)
+}
+
+/// Tie groups among `candidates` found from shared storage alone (`torch.save` files, per-rank
+/// files included: every rank's piece of the two entries is one storage), in `candidates` order.
+/// Reads nothing: equal bytes are not looked at.
+pub fn find_storage_ties(index: &CheckpointIndex, candidates: &[usize]) -> Vec<TieGroup> {
+    let rank = ranks_of(candidates);
+    let mut groups: Vec<TieGroup> = same_meta_groups(index, candidates)
+        .iter()
+        .flat_map(|same_meta| shared_storage_groups(index, same_meta).0)
+        .collect();
+    groups.sort_by_key(|g| rank[&g.keep]);
+    groups
+}
+
+fn ranks_of(candidates: &[usize]) -> BTreeMap<usize, usize> {
+    candidates
         .iter()
         .enumerate()
         .map(|(r, &i)| (i, r))
-        .collect();
-    // Same dtype and shape first: nothing else can be a tie.
+        .collect()
+}
+
+/// Candidates of the same dtype and shape (nothing else can be a tie), groups of two or more, each
+/// in `candidates` order.
+fn same_meta_groups(index: &CheckpointIndex, candidates: &[usize]) -> Vec<Vec<usize>> {
     let mut by_meta: BTreeMap<(DType, &[u64]), Vec<usize>> = BTreeMap::new();
     for &i in candidates {
         let Some(e) = index.entries.get(i) else {
@@ -60,33 +90,36 @@ pub fn find_ties(
         }
         by_meta.entry((dtype, shape)).or_default().push(i);
     }
-    let mut groups: Vec<TieGroup> = Vec::new();
-    for same_meta in by_meta.values().filter(|v| v.len() > 1) {
-        // Shared storage (torch.save): identical chunk placement in the same file.
-        let mut rest: Vec<usize> = Vec::new();
-        let mut by_place: BTreeMap<String, Vec<usize>> = BTreeMap::new();
-        for &i in same_meta {
-            match storage_identity(&index.entries[i]) {
-                Some(id) => by_place.entry(id).or_default().push(i),
-                None => rest.push(i),
-            }
+    by_meta.into_values().filter(|v| v.len() > 1).collect()
+}
+
+/// Shared storage (torch.save): identical chunk placement in the same files. Returns the groups
+/// and the members that share with none.
+fn shared_storage_groups(
+    index: &CheckpointIndex,
+    same_meta: &[usize],
+) -> (Vec<TieGroup>, Vec<usize>) {
+    let mut groups = Vec::new();
+    let mut rest: Vec<usize> = Vec::new();
+    let mut by_place: BTreeMap<String, Vec<usize>> = BTreeMap::new();
+    for &i in same_meta {
+        match storage_identity(&index.entries[i]) {
+            Some(id) => by_place.entry(id).or_default().push(i),
+            None => rest.push(i),
         }
-        for members in by_place.into_values() {
-            if members.len() > 1 {
-                groups.push(TieGroup {
-                    keep: members[0],
-                    aliases: members[1..].to_vec(),
-                    shared_storage: true,
-                });
-            } else {
-                rest.extend(members);
-            }
-        }
-        rest.sort_by_key(|i| rank[i]);
-        groups.extend(equal_bytes(index, source, &rest)?);
     }
-    groups.sort_by_key(|g| rank[&g.keep]);
-    Ok(groups)
+    for members in by_place.into_values() {
+        if members.len() > 1 {
+            groups.push(TieGroup {
+                keep: members[0],
+                aliases: members[1..].to_vec(),
+                shared_storage: true,
+            });
+        } else {
+            rest.extend(members);
+        }
+    }
+    (groups, rest)
 }
 
 /// Where a raw (`torch.save`/safetensors) entry's chunks lie; `None` for DCP items.
