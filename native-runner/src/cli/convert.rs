@@ -346,19 +346,7 @@ fn open_path_with_why(args: &ConvertArgs, src: &Path, per_rank: &Detected) -> Re
 /// global shape (raw FSDP1 `optimizer.state_dict()` pieces, as opposed to FSDP2's DTensor state;
 /// 0-d `step` tensors are plain on both).
 fn has_rank_local_optimizer_state(index: &CheckpointIndex) -> bool {
-    use shardscope_core::model::index::{EntryKind, PathSeg, Role};
-    index.entries.iter().any(|e| {
-        e.kind == EntryKind::Tensor
-            && e.shape.is_none()
-            && e.chunks.iter().any(|c| !c.sizes.is_empty())
-            && matches!(
-                &e.role,
-                Some(Role::OptimizerState {
-                    param: PathSeg::Index(_),
-                    ..
-                })
-            )
-    })
+    super::model_layout::rank_local_optimizer_state(index)
 }
 
 /// True when every tensor of the checkpoint is optimizer state (no model files).

@@ -74,6 +74,25 @@ pub fn needs_layout(index: &CheckpointIndex) -> bool {
     })
 }
 
+/// True when the optimizer state holds rank-local pieces with no global shape under integer ids
+/// (FSDP1 flat parameters next to DTensor model files: FSDP1 SHARDED_STATE_DICT with a device
+/// mesh, as verl saves FSDP1): only the FSDP1 layout places them.
+pub fn rank_local_optimizer_state(index: &CheckpointIndex) -> bool {
+    use shardscope_core::model::index::{EntryKind, PathSeg};
+    index.entries.iter().any(|e| {
+        e.kind == EntryKind::Tensor
+            && e.shape.is_none()
+            && e.chunks.iter().any(|c| !c.sizes.is_empty())
+            && matches!(
+                &e.role,
+                Some(Role::OptimizerState {
+                    param: PathSeg::Index(_),
+                    ..
+                })
+            )
+    })
+}
+
 impl ModelLayoutArgs {
     /// The description and the FSDP1 layout for `world_size` ranks, or `None` without `--model`.
     pub fn layout(
@@ -108,7 +127,7 @@ impl ModelLayoutArgs {
     /// `inspect`, `verify` and `diff` show what torch's full optimizer state dict holds. When the
     /// ids cannot be named without `--model`, the index is kept as it is, with a note.
     pub fn apply(&self, index: CheckpointIndex, label: &str) -> anyhow::Result<CheckpointIndex> {
-        if index.kind == CheckpointKind::Fsdp2 {
+        if index.kind == CheckpointKind::Fsdp2 && !rank_local_optimizer_state(&index) {
             let desc = match &self.model {
                 Some(path) => {
                     let bytes = std::fs::read(path).with_context(|| {
