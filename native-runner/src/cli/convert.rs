@@ -241,7 +241,7 @@ pub fn run(args: &ConvertArgs) -> Result<ExitCode> {
         // device mesh, as verl writes them): the optimizer ids are flat parameters, which only
         // the FSDP1 layout places.
         let folder = open_with_why(args, &per_rank)?;
-        if !has_rank_local_optimizer_state(&folder.1) {
+        if !super::model_layout::rank_local_optimizer_state(&folder.1) {
             return run_index_view(args, &args.src, &per_rank, Some(folder), &View::Fsdp2);
         }
         if args.model.is_none() && args.select.as_deref() == Some("model") {
@@ -340,13 +340,6 @@ fn open_path_with_why(args: &ConvertArgs, src: &Path, per_rank: &Detected) -> Re
         ),
         _ => e,
     })
-}
-
-/// True when the checkpoint at `src` holds optimizer state tensors of positive dimension with no
-/// global shape (raw FSDP1 `optimizer.state_dict()` pieces, as opposed to FSDP2's DTensor state;
-/// 0-d `step` tensors are plain on both).
-fn has_rank_local_optimizer_state(index: &CheckpointIndex) -> bool {
-    super::model_layout::rank_local_optimizer_state(index)
 }
 
 /// True when every tensor of the checkpoint is optimizer state (no model files).

@@ -129,15 +129,7 @@ impl ModelLayoutArgs {
     pub fn apply(&self, index: CheckpointIndex, label: &str) -> anyhow::Result<CheckpointIndex> {
         if index.kind == CheckpointKind::Fsdp2 && !rank_local_optimizer_state(&index) {
             let desc = match &self.model {
-                Some(path) => {
-                    let bytes = std::fs::read(path).with_context(|| {
-                        format!("cannot read model description {}", path.display())
-                    })?;
-                    Some(ModelDescription::from_json_bytes(
-                        &bytes,
-                        &path.display().to_string(),
-                    )?)
-                }
+                Some(path) => Some(shardscope_runner::fsdp1_local::read_description(path)?),
                 None => None,
             };
             return match shardscope_core::model::fsdp2_view::fqn_keyed_optimizer(
