@@ -6,6 +6,7 @@
 //! I/O at its centre and builds for `wasm32-unknown-unknown`.
 
 pub mod cast;
+pub mod checkpoint;
 pub mod doctor;
 pub mod dtype;
 pub mod formats;

@@ -255,36 +255,83 @@ pub struct DiffOptions {
 /// Called before each entry: `(done, total, key)`.
 pub type Progress<'a> = &'a mut dyn FnMut(usize, usize, &str);
 
-/// The entries of `index` under `prefix` (stripped), keyed by clean FQN; a note when the prefix
-/// selects nothing and the side is taken whole.
-fn select<'a>(
-    index: &'a CheckpointIndex,
-    prefix: Option<&str>,
-    label: &str,
-) -> (BTreeMap<String, &'a IndexEntry>, Option<String>) {
-    let all = || index.entries.iter().map(|e| (e.key.clone(), e)).collect();
-    let Some(prefix) = prefix
-        .map(|p| p.trim_end_matches('.'))
-        .filter(|p| !p.is_empty())
-    else {
-        return (all(), None);
-    };
+/// Entries keyed by the name they are compared under.
+type Keyed<'a> = BTreeMap<String, &'a IndexEntry>;
+
+/// The entries of `index` under `prefix` (stripped), or `None` when no key is under it.
+fn under<'a>(index: &'a CheckpointIndex, prefix: &str) -> Option<Keyed<'a>> {
     let dotted = format!("{prefix}.");
-    let picked: BTreeMap<String, &IndexEntry> = index
+    let picked: Keyed<'a> = index
         .entries
         .iter()
         .filter_map(|e| e.key.strip_prefix(&dotted).map(|k| (k.to_owned(), e)))
         .collect();
-    if picked.is_empty() {
-        (
-            all(),
-            Some(format!(
-                "{label}: no key under `{prefix}.`: the whole checkpoint is compared"
-            )),
-        )
-    } else {
-        (picked, None)
+    (!picked.is_empty()).then_some(picked)
+}
+
+fn whole(index: &CheckpointIndex) -> Keyed<'_> {
+    index.entries.iter().map(|e| (e.key.clone(), e)).collect()
+}
+
+/// The entries of each side keyed by the names they are compared under, with notes saying how
+/// `prefix` was applied. On each side that has keys under `prefix`, the prefix is either an
+/// app-state wrapper (stripped: the side is the keys under it) or part of the names (the side is
+/// taken whole): of the four choices the one under which most names match is taken, stripping
+/// where it makes no difference. A DCP app state `model.model.embed_tokens.weight` thus meets HF's
+/// own `model.embed_tokens.weight`. A side with no key under `prefix` is taken whole.
+fn select<'a>(
+    left: (&'a CheckpointIndex, &str),
+    right: (&'a CheckpointIndex, &str),
+    prefix: Option<&str>,
+) -> (Keyed<'a>, Keyed<'a>, Vec<String>) {
+    let Some(prefix) = prefix
+        .map(|p| p.trim_end_matches('.'))
+        .filter(|p| !p.is_empty())
+    else {
+        return (whole(left.0), whole(right.0), Vec::new());
+    };
+    // Each side's choices: (keys, stripped), stripping first.
+    let choices = |index: &'a CheckpointIndex| -> Vec<(Keyed<'a>, bool)> {
+        let mut c = Vec::new();
+        if let Some(picked) = under(index, prefix) {
+            c.push((picked, true));
+        }
+        c.push((whole(index), false));
+        c
+    };
+    let (lc, rc) = (choices(left.0), choices(right.0));
+    let mut best: Option<(usize, usize, usize)> = None;
+    for (i, (l, _)) in lc.iter().enumerate() {
+        for (j, (r, _)) in rc.iter().enumerate() {
+            let matching = l.keys().filter(|k| r.contains_key(*k)).count();
+            if best.is_none_or(|(m, _, _)| matching > m) {
+                best = Some((matching, i, j));
+            }
+        }
     }
+    let (_, i, j) = best.unwrap_or((0, lc.len() - 1, rc.len() - 1));
+    let mut notes = Vec::new();
+    let mut say = |label: &str, has: bool, stripped: bool, other_stripped: bool| {
+        if !has {
+            notes.push(format!(
+                "{label}: no key under `{prefix}.`: the whole checkpoint is compared"
+            ));
+        } else if !stripped {
+            notes.push(format!(
+                "{label}: `{prefix}.` is kept as part of its names (stripped, fewer names would match the other side): the whole checkpoint is compared"
+            ));
+        } else if !other_stripped {
+            notes.push(format!(
+                "{label}: the keys under `{prefix}.` are compared, `{prefix}.` stripped"
+            ));
+        }
+    };
+    let (l_stripped, r_stripped) = (lc[i].1, rc[j].1);
+    say(left.1, lc.len() == 2, l_stripped, r_stripped);
+    say(right.1, rc.len() == 2, r_stripped, l_stripped);
+    let mut lc = lc;
+    let mut rc = rc;
+    (lc.swap_remove(i).0, rc.swap_remove(j).0, notes)
 }
 
 /// Compares two checkpoints key by key.
@@ -299,10 +346,12 @@ pub fn diff(
         Some(left.label.to_owned()),
         Some(right.label.to_owned()),
     );
-    let (lkeys, lnote) = select(left.index, options.select.as_deref(), left.label);
-    let (rkeys, rnote) = select(right.index, options.select.as_deref(), right.label);
-    report.notes.extend(lnote);
-    report.notes.extend(rnote);
+    let (lkeys, rkeys, notes) = select(
+        (left.index, left.label),
+        (right.index, right.label),
+        options.select.as_deref(),
+    );
+    report.notes.extend(notes);
     if let Some(t) = options.tolerance {
         report.notes.push(format!(
             "floating-point values compared with rtol={} atol={} equal_nan={}",

@@ -169,8 +169,10 @@ impl Viewer {
                 ));
                 self.ckpt = crate::panels::checkpoint::CheckpointState::default();
                 // The layout panel follows what was opened: the checkpoint's own configuration.
-                self.controls
-                    .apply_hints(&shardscope_core::model::hints::layout_hints(&ckpt.index));
+                self.controls.apply_hints(&ckpt.hints);
+                for note in &ckpt.notes {
+                    self.messages.push(format!("note: {note}"));
+                }
                 self.checkpoint = Some(*ckpt);
                 self.recompute();
                 if !self.stay_on_tab {

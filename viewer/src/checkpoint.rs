@@ -1,22 +1,27 @@
 //! Opening checkpoints: gathering files into a [`Source`] (files or a folder on the desktop, read by
 //! byte range; dropped files or the members of one `.zip` in the browser), indexing them with
-//! [`index_source`] (metadata only) and deriving what the checkpoint panels draw.
+//! `Checkpoint::open` (metadata only) and deriving what the checkpoint panels draw.
 
 #[cfg(not(target_arch = "wasm32"))]
 use std::borrow::Cow;
 use std::collections::{BTreeMap, BTreeSet};
 use std::io::Read;
 
-use shardscope_core::model::index::{
-    CheckpointIndex, EntryKind, IndexEntry, IndexError, PathSeg, Role, index_source,
-};
 #[cfg(not(target_arch = "wasm32"))]
+use shardscope_core::checkpoint::{Checkpoint, ReadOptions};
+use shardscope_core::model::hints::{LayoutHints, layout_hints};
+use shardscope_core::model::index::{
+    CheckpointIndex, EntryKind, IndexEntry, IndexError, PathSeg, Role,
+};
 use shardscope_core::source::SourceError;
 use shardscope_core::source::{MemorySource, Source};
 
 /// Why a checkpoint cannot be opened.
 #[derive(Debug, Clone, PartialEq, thiserror::Error)]
 pub enum CheckpointError {
+    /// The checkpoint could not be opened (`Checkpoint::open`: its files, or its view).
+    #[error("{message}")]
+    Open { message: String },
     /// The index could not be built.
     #[error("{name}: {source}")]
     Index {
@@ -266,6 +271,10 @@ pub struct CheckpointView {
     /// `shardscope doctor` findings on the checkpoint alone (no target model), shown in the
     /// Verify tab next to the keys they name.
     pub findings: Vec<shardscope_core::doctor::Finding>,
+    /// What the checkpoint states about its FSDP configuration (`Checkpoint::hints`).
+    pub hints: LayoutHints,
+    /// How the checkpoint was read, for people (`Checkpoint::notes`).
+    pub notes: Vec<String>,
 }
 
 /// Scalar tensors no larger than this are read to show their value (`step`).
@@ -287,12 +296,24 @@ impl CheckpointView {
     /// Indexes `source` and reads the few values the panels show (bytes items, scalar `step`
     /// tensors); no other tensor bytes are read.
     pub fn build(name: &str, source: &dyn Source) -> Result<Self, CheckpointError> {
-        let index_err = |source| CheckpointError::Index {
-            name: name.to_owned(),
-            source: Box::new(source),
-        };
-        let index = index_source(source).map_err(index_err)?;
-        Self::from_source_index(name, index, source)
+        let checkpoint = Checkpoint::open(source, name, &ReadOptions::default()).map_err(|e| {
+            CheckpointError::Open {
+                message: e.to_string(),
+            }
+        })?;
+        Self::from_checkpoint(checkpoint, source)
+    }
+
+    /// The view of a checkpoint opened by `Checkpoint::open` from `source` (the browser opens it
+    /// itself, fetching the ranges it reads as it goes).
+    pub fn from_checkpoint(
+        checkpoint: Checkpoint,
+        source: &dyn Source,
+    ) -> Result<Self, CheckpointError> {
+        let mut view = Self::from_source_index(&checkpoint.label, checkpoint.index, source)?;
+        view.notes = checkpoint.notes;
+        view.hints = checkpoint.hints;
+        Ok(view)
     }
 
     /// The part of [`CheckpointView::build`] after indexing: reads the few values the panels
@@ -429,6 +450,7 @@ impl CheckpointView {
         for rows in optimizer.values_mut() {
             rows.sort_by(|a, b| a.name.cmp(&b.name));
         }
+        let hints = layout_hints(&index);
         Self {
             name: name.to_owned(),
             index,
@@ -440,6 +462,8 @@ impl CheckpointView {
             param_groups,
             generation: 0,
             findings: Vec::new(),
+            hints,
+            notes: Vec::new(),
         }
     }
 

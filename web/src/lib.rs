@@ -13,7 +13,7 @@ mod handle {
     use std::collections::BTreeMap;
     use std::sync::{Arc, Mutex};
 
-    use shardscope_core::model::index::index_source;
+    use shardscope_core::checkpoint::{Checkpoint, ReadOptions};
     use shardscope_viewer::Viewer;
     use shardscope_viewer::checkpoint::CheckpointView;
     use shardscope_viewer::docs::Document;
@@ -213,16 +213,17 @@ mod handle {
         };
         src.prefetch_first().await?;
         progress(src);
-        let index = src
+        let checkpoint = src
             .run(
-                |s| index_source(s).map_err(|e| format!("{name}: {e}")),
+                |s| Checkpoint::open(s, name, &ReadOptions::default()).map_err(|e| e.to_string()),
                 &mut progress,
             )
             .await?;
-        src.prefetch(CheckpointView::value_ranges(&index)).await?;
+        src.prefetch(CheckpointView::value_ranges(&checkpoint.index))
+            .await?;
         let view = src
             .run(
-                |s| CheckpointView::from_source_index(name, index.clone(), s),
+                |s| CheckpointView::from_checkpoint(checkpoint.clone(), s),
                 &mut progress,
             )
             .await?;

@@ -638,6 +638,17 @@ pub fn group_rank_files(names: &[String]) -> Vec<RankGroup> {
 
 /// Indexes whatever checkpoint the source holds.
 pub fn index_source(source: &dyn Source) -> Result<CheckpointIndex, IndexError> {
+    index_source_sets(source).map(|(index, _)| index)
+}
+
+/// A per-rank set of files read into an index, with the class of what it holds ([`set_class`]).
+pub type ReadSet = (RankGroup, &'static str);
+
+/// [`index_source`], also giving the per-rank sets of `torch.save` files it read (none for a DCP
+/// directory or safetensors files).
+pub fn index_source_sets(
+    source: &dyn Source,
+) -> Result<(CheckpointIndex, Vec<ReadSet>), IndexError> {
     let names = source.names();
     if names
         .iter()
@@ -649,7 +660,7 @@ pub fn index_source(source: &dyn Source) -> Result<CheckpointIndex, IndexError> 
             .or_else(|| names.iter().find(|n| n.ends_with("/.metadata")))
             .cloned()
             .unwrap_or_default();
-        return index_dcp(source, &meta);
+        return Ok((index_dcp(source, &meta)?, Vec::new()));
     }
     let safetensors: Vec<&String> = names
         .iter()
@@ -657,11 +668,13 @@ pub fn index_source(source: &dyn Source) -> Result<CheckpointIndex, IndexError> 
         .collect();
     let torch: Vec<&String> = names.iter().filter(|n| is_torch_file(n)).collect();
     if !safetensors.is_empty() && torch.is_empty() {
-        return index_safetensors(source, &names);
+        return Ok((index_safetensors(source, &names)?, Vec::new()));
     }
     if !torch.is_empty() && safetensors.is_empty() {
         let torch: Vec<String> = torch.into_iter().cloned().collect();
-        return index_torch_groups(source, &group_rank_files(&torch));
+        let groups = group_rank_files(&torch);
+        let (index, classes) = index_torch_sets(source, &groups)?;
+        return Ok((index, groups.into_iter().zip(classes).collect()));
     }
     if names.is_empty() {
         return Err(IndexError::NotACheckpoint {
@@ -897,11 +910,42 @@ pub fn index_torch_groups(
     source: &dyn Source,
     groups: &[RankGroup],
 ) -> Result<CheckpointIndex, IndexError> {
+    index_torch_sets(source, groups).map(|(index, _)| index)
+}
+
+/// What one per-rank set of `torch.save` files holds, judged by its content: optimizer state
+/// (`state`/`param_groups`), a model (floating-point tensors), or extra state (anything else:
+/// lr scheduler, RNG state, counters).
+pub fn set_class(index: &CheckpointIndex) -> &'static str {
+    if index.has_optimizer_state || index.entries.iter().any(|e| e.role.is_some()) {
+        "optim"
+    } else if index
+        .entries
+        .iter()
+        .any(|e| e.kind == EntryKind::Tensor && e.dtype.is_some_and(DType::is_floating_point))
+    {
+        "model"
+    } else {
+        "extra"
+    }
+}
+
+/// [`index_torch_groups`], also giving each set's class ([`set_class`]) in `groups` order. With
+/// several sets, each is a subtree named by its class (`model`, `optim`, `extra`; by class and
+/// name pattern when a class has several sets).
+pub fn index_torch_sets(
+    source: &dyn Source,
+    groups: &[RankGroup],
+) -> Result<(CheckpointIndex, Vec<&'static str>), IndexError> {
     match groups {
         [] => Err(IndexError::NotACheckpoint {
             reason: "no torch.save files".into(),
         }),
-        [one] => index_torch_files_ranked(source, &one.files),
+        [one] => {
+            let index = index_torch_files_ranked(source, &one.files)?;
+            let class = set_class(&index);
+            Ok((index, vec![class]))
+        }
         _ => index_file_sets(source, groups),
     }
 }
@@ -909,22 +953,13 @@ pub fn index_torch_groups(
 fn index_file_sets(
     source: &dyn Source,
     groups: &[RankGroup],
-) -> Result<CheckpointIndex, IndexError> {
+) -> Result<(CheckpointIndex, Vec<&'static str>), IndexError> {
     let mut parts = Vec::with_capacity(groups.len());
     for RankGroup { pattern, files } in groups {
         let index = index_torch_files_ranked(source, files)?;
-        let class =
-            if index.has_optimizer_state || index.entries.iter().any(|e| e.role.is_some()) {
-                "optim"
-            } else if index.entries.iter().any(|e| {
-                e.kind == EntryKind::Tensor && e.dtype.is_some_and(DType::is_floating_point)
-            }) {
-                "model"
-            } else {
-                "extra"
-            };
-        parts.push((class, pattern.clone(), index));
+        parts.push((set_class(&index), pattern.clone(), index));
     }
+    let classes: Vec<&'static str> = parts.iter().map(|(c, _, _)| *c).collect();
     let count = |class: &str| parts.iter().filter(|(c, _, _)| *c == class).count();
     let names: Vec<String> = parts
         .iter()
@@ -971,7 +1006,7 @@ fn index_file_sets(
         merged.files.extend(index.files);
     }
     merged.entries.sort_by(|a, b| a.key.cmp(&b.key));
-    Ok(merged)
+    Ok((merged, classes))
 }
 
 /// Indexes `torch.save` files as one checkpoint, their ranks read from their names

@@ -2,16 +2,19 @@
 //! tensor at a time, written atomically. The engine is `crate::convert`.
 
 use std::io::IsTerminal;
-use std::path::{Path, PathBuf};
+use std::path::PathBuf;
 use std::process::ExitCode;
 use std::time::Instant;
 
 use anyhow::{Context, Result, bail};
 use clap::{Args, ValueEnum};
+use shardscope_core::checkpoint::{
+    Checkpoint, Fsdp1Flags, View, rank_local_optimizer_state, ranks_in,
+};
+use shardscope_core::layout::Strategy;
 use shardscope_core::model::index::{CheckpointIndex, CheckpointKind, PathSeg};
 
 use super::{human_bytes, print_stdout};
-use crate::convert::fsdp2_ranks::{self, Detected};
 use crate::convert::{self, Progress, Reader, ShardApi};
 use crate::input::Input;
 
@@ -70,14 +73,14 @@ pub struct ConvertArgs {
     pub use_orig_params: bool,
     /// Per-rank FSDP1 files: their sharding strategy (full_shard, shard_grad_op, no_shard,
     /// hybrid_shard, _hybrid_shard_zero2).
-    #[arg(long, requires = "model", value_parser = parse_fsdp1_strategy)]
+    #[arg(long, requires = "model", value_parser = super::read::parse_strategy)]
     pub strategy: Option<shardscope_core::layout::Strategy>,
     /// Per-rank FSDP1 files with a hybrid strategy: ranks per shard group (the first group is read).
     #[arg(long, value_name = "S", requires = "model")]
     pub shard_group_size: Option<u64>,
     /// Per-rank FSDP1 files saved under `MixedPrecision(param_dtype=DTYPE)` (with
     /// `use_orig_params`, the flat parameter's alignment is counted in elements of this dtype).
-    #[arg(long, value_name = "DTYPE", requires = "model", value_parser = super::model_layout::parse_dtype)]
+    #[arg(long, value_name = "DTYPE", requires = "model", value_parser = super::read::parse_dtype)]
     pub param_dtype: Option<shardscope_core::DType>,
     /// Per-rank files: file-name pattern of the model files, `{r}` for the rank (default:
     /// detected by content), when the folder holds several sets or names them unusually.
@@ -207,173 +210,72 @@ impl Progress for Bar {
 }
 
 pub fn run(args: &ConvertArgs) -> Result<ExitCode> {
-    let per_rank = fsdp2_ranks::detect_with(
-        &args.src,
-        args.model_files.as_deref(),
-        args.optim_files.as_deref(),
-    );
-    if let Detected::Ambiguous(why) = &per_rank {
-        bail!(
-            "{why:#}\nhint: --model-files and --optim-files take `{{r}}` patterns of the sets to read"
-        );
-    }
-    // The folder's index, read once whichever way it is converted.
-    let mut opened: Option<Opened> = None;
-    if args.part.is_some() && (args.model.is_some() || matches!(per_rank, Detected::Fsdp2(_))) {
+    if args.part.is_some() && args.model.is_some() {
         bail!(
             "--part applies to DCP directories and full checkpoints; {} holds per-rank FSDP files\nhint: convert them to a full file first, then split that conversion with --part",
             args.src.display()
         );
     }
-    if let Detected::Fsdp2(ranks) = &per_rank {
-        if !args.quiet && !args.json {
-            eprintln!(
-                "note: FSDP2 per-rank files of {} ranks ({}): written as torch's full state dicts",
-                ranks.world_size,
-                if ranks.combined {
-                    "one {\"model\", \"optim\"} file per rank"
-                } else {
-                    "model and optimizer files"
-                }
-            );
-        }
-        // DTensor model files next to raw FSDP1 optimizer files (FSDP1 SHARDED_STATE_DICT with a
-        // device mesh, as verl writes them): the optimizer ids are flat parameters, which only
-        // the FSDP1 layout places.
-        let folder = open_with_why(args, &per_rank)?;
-        if !super::model_layout::rank_local_optimizer_state(&folder.1) {
-            return run_index_view(args, &args.src, &per_rank, Some(folder), &View::Fsdp2);
-        }
-        if args.model.is_none() && args.select.as_deref() == Some("model") {
-            return run_index_view(args, &args.src, &per_rank, Some(folder), &View::AsIs);
-        }
-        opened = Some(folder);
-        if args.model.is_none() {
-            bail!(
-                "{}: the model files hold DTensors but the optimizer files hold rank-local state (FSDP1 flat parameters, as FSDP1 SHARDED_STATE_DICT with a device mesh saves them): which parameters each optimizer id holds depends on how FSDP1 wrapped the model\nhint: pass --model MODEL.json (the `shardscope layout` description; `shardscope layout --from` derives one) and --use-orig-params if it was wrapped so; or convert the model alone with --select model",
-                args.src.display()
-            );
-        }
-    }
-    if let Some(model) = &args.model {
-        // The full model file + `.optim.pt` pair is written by the per-rank engine; every other
-        // output (DCP, `--select`, `--dtype`, optimizer-only folders) reads the folder through
-        // the layout (`core::model::fsdp1_view`) and goes the streaming index path.
-        let explicit = args.model_files.is_some() || args.optim_files.is_some();
-        let other_output = args.select.is_some()
-            || args.dtype.is_some()
-            || args.world_size.is_some()
-            || target_of(args)? == Target::Dcp;
-        if explicit && other_output {
-            bail!(
-                "--model-files and --optim-files choose the files of the two-file output (model file + .optim.pt); with --select, --dtype or DCP output the folder's file sets are told apart by content\nhint: move other per-rank sets out of the folder, or drop --select/--dtype/--world-size"
-            );
-        }
-        let optim_only = if other_output || explicit {
-            false
-        } else {
-            let folder = match opened.take() {
-                Some(folder) => folder,
-                None => open_with_why(args, &per_rank)?,
-            };
-            let only = optimizer_only(&folder.1);
-            opened = Some(folder);
-            only
-        };
-        let layout = super::model_layout::ModelLayoutArgs {
-            model: Some(model.clone()),
-            world_size: None,
-            use_orig_params: args.use_orig_params,
-            strategy: args
-                .strategy
-                .unwrap_or(shardscope_core::layout::Strategy::FullShard),
-            shard_group_size: args.shard_group_size,
-            param_dtype: args.param_dtype,
-        };
-        if other_output || optim_only {
-            if args.optim_output.is_some() {
-                bail!(
-                    "--optim-output applies when the model and optimizer go to two files (no --select, --dtype or DCP output, model files present)"
-                );
-            }
-            return run_index_view(args, &args.src, &per_rank, opened, &View::Fsdp1(&layout));
-        }
-        // The full model file + `.optim.pt` pair.
-        return convert_fsdp1_two_files(args, &layout, &per_rank);
-    }
-    if opened.is_none() && (args.model_files.is_some() || args.optim_files.is_some()) {
-        opened = Some(open_with_why(args, &per_rank)?);
-    }
-    run_index_view(args, &args.src, &per_rank, opened, &View::AsIs).map_err(|e| match &per_rank {
-        // Rank files that were not read as such: say why, next to what failed (once).
-        Detected::Incomplete(why) if !super::error_text(&e).contains("\nas per-rank files: ") => {
-            anyhow::anyhow!(
-                "{}\nas per-rank files: {}",
-                super::error_text(&e),
-                super::error_text(why)
-            )
-        }
-        _ => e,
-    })
-}
-
-/// A checkpoint's source and index, as [`convert::open_unchecked`] returns them.
-type Opened = (Input, CheckpointIndex);
-
-/// Opens `src`; when it does not open, says also what is wrong with it as per-rank files.
-fn open_with_why(args: &ConvertArgs, per_rank: &Detected) -> Result<Opened> {
-    open_path_with_why(args, &args.src, per_rank)
-}
-
-/// [`open_with_why`] of `src` (the per-rank sets `args` names, if any).
-fn open_path_with_why(args: &ConvertArgs, src: &Path, per_rank: &Detected) -> Result<Opened> {
-    convert::open_named_sets(
-        src,
-        args.model_files.as_deref(),
-        args.optim_files.as_deref(),
-    )
-    .map_err(|e| match per_rank {
-        Detected::Incomplete(why) => anyhow::anyhow!(
-            "{}\nas per-rank files: {}",
-            super::error_text(&e),
-            super::error_text(why)
-        ),
-        _ => e,
-    })
-}
-
-/// True when every tensor of the checkpoint is optimizer state (no model files).
-fn optimizer_only(index: &CheckpointIndex) -> bool {
-    use shardscope_core::model::index::EntryKind;
-    index
-        .entries
-        .iter()
-        .filter(|e| e.kind == EntryKind::Tensor)
-        .all(|e| e.role.is_some())
-}
-
-/// How the streaming path reads the index of a per-rank folder.
-enum View<'a> {
-    AsIs,
-    /// FSDP1 per-rank pieces through the layout (`core::model::fsdp1_view`).
-    Fsdp1(&'a super::model_layout::ModelLayoutArgs),
-    /// FSDP2 per-rank files: optimizer ids named (`core::model::fsdp2_view`), by `--model` if given.
-    Fsdp2,
-}
-
-/// The streaming path: the checkpoint at `src` (opened already, or now), its per-rank pieces read
-/// through `view`.
-fn run_index_view(
-    args: &ConvertArgs,
-    src: &Path,
-    per_rank: &Detected,
-    opened: Option<Opened>,
-    view: &View<'_>,
-) -> Result<ExitCode> {
     check_output(args)?;
     let started = Instant::now();
-    let (source, index) = prepare(args, src, per_rank, opened, view)?;
-    let (written, untied) = write_index(args, &source, &index)?;
+    let options = super::read::read_options(
+        args.model.as_deref(),
+        Fsdp1Flags {
+            world_size: None,
+            use_orig_params: args.use_orig_params,
+            strategy: args.strategy.unwrap_or(Strategy::FullShard),
+            shard_group_size: args.shard_group_size,
+            param_dtype: args.param_dtype,
+        },
+        &super::read::RankFileArgs {
+            model_files: args.model_files.clone(),
+            optim_files: args.optim_files.clone(),
+        },
+    )?;
+    let (source, checkpoint) = super::read::open(std::slice::from_ref(&args.src), false, &options)?;
+    super::read::ensure_unambiguous(&checkpoint)?;
+    let quiet = args.quiet || args.json;
+    super::read::show_notes(&checkpoint, quiet);
+    let label = checkpoint.label.clone();
+    let per_rank_fsdp2 = checkpoint.index.kind == CheckpointKind::Fsdp2;
+    if args.part.is_some() && per_rank_fsdp2 {
+        bail!(
+            "--part applies to DCP directories and full checkpoints; {label} holds per-rank FSDP files\nhint: convert them to a full file first, then split that conversion with --part"
+        );
+    }
+    let index = match &checkpoint.view {
+        View::Fsdp2 { .. } => fsdp2_output(args, &checkpoint)?,
+        View::Fsdp1(_) if !other_output(args)? => {
+            return convert_fsdp1_two_files(args, &checkpoint, &source, started);
+        }
+        _ if rank_local_optimizer_state(&checkpoint.index)
+            && args.select.as_deref() != Some("model") =>
+        {
+            // DTensor model files next to raw FSDP1 optimizer files (FSDP1 SHARDED_STATE_DICT
+            // with a device mesh, as verl writes them) without --model.
+            bail!(
+                "{label}: the model files hold DTensors but the optimizer files hold rank-local state (FSDP1 flat parameters, as FSDP1 SHARDED_STATE_DICT with a device mesh saves them): which parameters each optimizer id holds depends on how FSDP1 wrapped the model\nhint: pass --model MODEL.json (the `shardscope layout` description; `shardscope layout --from` derives one) and --use-orig-params if it was wrapped so; or convert the model alone with --select model"
+            );
+        }
+        _ => checkpoint.index,
+    };
+    if args.optim_output.is_some() {
+        bail!(
+            "--optim-output applies when the model and optimizer go to two files (FSDP1 per-rank files with --model, no --select, --dtype or DCP output)"
+        );
+    }
+    convert::ensure_consistent(&args.src, &index)?;
+    if matches!(
+        index.kind,
+        CheckpointKind::Fsdp1Local | CheckpointKind::RankLocal
+    ) {
+        bail!(
+            "{label} holds {}: its tensors have no global shape without the model's layout\nhint: pass --model (FSDP1 LOCAL conversion)",
+            index.kind.describe()
+        );
+    }
+    let output = Output::of(args)?;
+    let (written, untied) = write_index(args, &output, &source, &index)?;
     report(
         args,
         &index,
@@ -381,6 +283,54 @@ fn run_index_view(
         &untied,
         started.elapsed().as_secs_f64(),
     )
+}
+
+/// True when the output is not the FSDP1 model file + `.optim.pt` pair: `--select`, `--dtype` or
+/// DCP output take the index path for one output.
+fn other_output(args: &ConvertArgs) -> Result<bool> {
+    Ok(args.select.is_some()
+        || args.dtype.is_some()
+        || args.world_size.is_some()
+        || target_of(args)? == Target::Dcp)
+}
+
+/// What a conversion of FSDP2 per-rank files writes: torch's full state is the model and the
+/// optimizer; other per-rank sets (extra state: lr scheduler, RNG) are written only when
+/// selected.
+fn fsdp2_output(args: &ConvertArgs, checkpoint: &Checkpoint) -> Result<CheckpointIndex> {
+    let label = &checkpoint.label;
+    if args.use_orig_params || args.optim_output.is_some() {
+        bail!(
+            "--use-orig-params and --optim-output apply to FSDP1 per-rank files; {label} holds FSDP2 (DTensor) files, converted to one output holding `model` and `optim`\nhint: use --select model or --select optim to keep one of them"
+        );
+    }
+    let mut index = checkpoint.index.clone();
+    let quiet = args.quiet || args.json;
+    let has_optim = index.has_optimizer_state;
+    if has_optim && !quiet {
+        eprintln!(
+            "note: FSDP2 per-rank files of {} ranks ({}): written as torch's full state dicts",
+            ranks_in(&index),
+            if checkpoint.sets.len() == 1 {
+                "one {\"model\", \"optim\"} file per rank"
+            } else {
+                "model and optimizer files"
+            }
+        );
+    }
+    if has_optim && args.select.is_none() {
+        let before = index.entries.len();
+        index.entries.retain(
+            |e| matches!(e.path.first(), Some(PathSeg::Key(k)) if k == "model" || k == "optim"),
+        );
+        if index.entries.len() < before && !quiet {
+            eprintln!(
+                "note: {} entries outside `model` and `optim` (extra state) are not written; --select NAME writes one subtree",
+                before - index.entries.len()
+            );
+        }
+    }
+    Ok(index)
 }
 
 /// Refuses output flags that do not fit the output kind, and an output that exists.
@@ -402,80 +352,25 @@ fn check_output(args: &ConvertArgs) -> Result<()> {
     Ok(())
 }
 
-/// The checkpoint at `src` (opened already, or now) read through `view`, and checked.
-fn prepare(
-    args: &ConvertArgs,
-    src: &Path,
-    per_rank: &Detected,
-    opened: Option<Opened>,
-    view: &View<'_>,
-) -> Result<Opened> {
-    let (source, index) = match opened {
-        Some(opened) => opened,
-        None => open_path_with_why(args, src, per_rank)?,
-    };
-    // When nothing reads the folder, say what is wrong with it as per-rank files too.
-    let with_why = |e: anyhow::Error| match per_rank {
-        Detected::Incomplete(why) => anyhow::anyhow!(
-            "{}\nas per-rank files: {}",
-            super::error_text(&e),
-            super::error_text(why)
-        ),
-        _ => e,
-    };
-    let label = args.src.display().to_string();
-    let index = match view {
-        View::AsIs => index,
-        View::Fsdp1(layout) => layout.apply(index, &label)?,
-        View::Fsdp2 => {
-            if args.use_orig_params || args.optim_output.is_some() {
-                bail!(
-                    "--use-orig-params and --optim-output apply to FSDP1 per-rank files; {label} holds FSDP2 (DTensor) files, converted to one output holding `model` and `optim`\nhint: use --select model or --select optim to keep one of them"
-                );
-            }
-            let desc = match &args.model {
-                Some(p) => Some(shardscope_runner::fsdp1_local::read_description(p)?),
-                None => None,
-            };
-            let (view, naming) =
-                shardscope_core::model::fsdp2_view::fqn_keyed_optimizer(&index, desc.as_ref())
-                    .with_context(|| format!("{label}: cannot name the optimizer's parameters"))?;
-            if let Some(naming) = naming
-                && !args.quiet
-                && !args.json
-            {
-                eprintln!("note: optimizer ids named by {}", naming.how);
-            }
-            // torch's full state is the model and the optimizer; other per-rank sets (extra
-            // state: lr scheduler, RNG) are written only when selected.
-            let mut view = view;
-            if args.select.is_none() {
-                let before = view.entries.len();
-                view.entries.retain(|e| {
-                    matches!(e.path.first(), Some(PathSeg::Key(k)) if k == "model" || k == "optim")
-                });
-                if view.entries.len() < before && !args.quiet && !args.json {
-                    eprintln!(
-                        "note: {} entries outside `model` and `optim` (extra state) are not written; --select NAME writes one subtree",
-                        before - view.entries.len()
-                    );
-                }
-            }
-            view
-        }
-    };
-    convert::ensure_consistent(src, &index).map_err(with_why)?;
-    if matches!(
-        index.kind,
-        CheckpointKind::Fsdp1Local | CheckpointKind::RankLocal
-    ) {
-        bail!(
-            "{} holds {}: its tensors have no global shape without the model's layout\nhint: pass --model (FSDP1 LOCAL conversion)",
-            args.src.display(),
-            index.kind.describe()
-        );
+/// One output of a conversion: where, in which format, which subtree.
+#[derive(Debug, Clone)]
+struct Output {
+    path: PathBuf,
+    target: Target,
+    select: Option<String>,
+    max_shard_size: Option<u64>,
+}
+
+impl Output {
+    /// The output `args` names.
+    fn of(args: &ConvertArgs) -> Result<Self> {
+        Ok(Self {
+            path: args.output.clone(),
+            target: target_of(args)?,
+            select: args.select.clone(),
+            max_shard_size: args.max_shard_size,
+        })
     }
-    Ok((source, index))
 }
 
 /// Tied names of a safetensors output: `(kept, dropped)`.
@@ -484,13 +379,14 @@ type Untied = Vec<(String, String)>;
 /// Writes `args.output` from the prepared checkpoint, with a progress bar on a terminal.
 fn write_index(
     args: &ConvertArgs,
+    output: &Output,
     source: &Input,
     index: &CheckpointIndex,
 ) -> Result<(convert::Written, Untied)> {
-    let target = target_of(args)?;
-    let dir_output = target == Target::Dcp || args.max_shard_size.is_some();
+    let target = output.target;
+    let dir_output = target == Target::Dcp || output.max_shard_size.is_some();
     let opts = write_options(args, dir_output)?;
-    let mut sel = convert::select(index, args.select.as_deref())?;
+    let mut sel = convert::select(index, output.select.as_deref())?;
     sel.cast = args.dtype;
     // safetensors cannot share storage: one copy of a tied weight, as `save_pretrained` writes.
     let untied = if target == Target::Safetensors && !args.keep_tied {
@@ -521,16 +417,16 @@ fn write_index(
         Target::Safetensors => convert::to_safetensors(
             &mut reader,
             &sel,
-            &args.output,
-            args.max_shard_size,
+            &output.path,
+            output.max_shard_size,
             &opts,
             &bar,
         ),
         Target::Torch => convert::to_torch_save(
             &mut reader,
             &sel,
-            args.select.as_deref(),
-            &args.output,
+            output.select.as_deref(),
+            &output.path,
             &opts,
             &bar,
         ),
@@ -539,7 +435,7 @@ fn write_index(
             convert::to_dcp(
                 &mut reader,
                 &sel,
-                &args.output,
+                &output.path,
                 world_size,
                 args.api,
                 args.nest.as_deref(),
@@ -638,74 +534,69 @@ fn write_options(args: &ConvertArgs, dir_output: bool) -> Result<convert::WriteO
     })
 }
 
-fn parse_fsdp1_strategy(s: &str) -> Result<shardscope_core::layout::Strategy, String> {
-    s.parse()
-        .map_err(|e: shardscope_core::layout::LayoutError| e.to_string())
-}
-
-/// Per-rank FSDP1 LOCAL files + a model description -> the full model state dict (`torch.save` or
-/// safetensors) and the full FQN-keyed optimizer state dict, as `FSDP.optim_state_dict` returns it.
-/// FSDP1 per-rank model (and optimizer) files to the full model state dict at `args.output`
-/// (`torch.save` or safetensors) and `FSDP.optim_state_dict` at `--optim-output` (default
-/// `<DST stem>.optim.pt` next to it), both read through the layout
-/// (`core::model::fsdp1_view`) by the streaming index path. The files are the folder's model and
-/// optimizer sets (`--model-files`/`--optim-files`, or found by name); other sets are not read.
+/// FSDP1 per-rank model and optimizer files read through the layout (`core::model::fsdp1_view`):
+/// the full model state dict at `args.output` (`torch.save` or safetensors) and
+/// `FSDP.optim_state_dict` at `--optim-output` (default `<DST stem>.optim.pt` next to it), put in
+/// place together. A folder with only one of the two sets converts to the one output.
 fn convert_fsdp1_two_files(
     args: &ConvertArgs,
-    layout: &super::model_layout::ModelLayoutArgs,
-    per_rank: &Detected,
+    checkpoint: &Checkpoint,
+    source: &Input,
+    started: Instant,
 ) -> Result<ExitCode> {
-    let started = Instant::now();
-    check_output(args)?;
-    let files = shardscope_runner::fsdp1_local::find_rank_files(
-        &args.src,
-        args.model_files.as_deref(),
-        args.optim_files.as_deref(),
-    )?;
-    let optim_path = match (&files.optim_pattern, &args.optim_output) {
-        (None, _) => None,
-        (Some(_), Some(path)) => Some(path.clone()),
-        (Some(_), None) => {
-            let stem = args
-                .output
-                .file_stem()
-                .map_or_else(|| "model".into(), |s| s.to_string_lossy().into_owned());
-            Some(args.output.with_file_name(format!("{stem}.optim.pt")))
+    let index = &checkpoint.index;
+    convert::ensure_consistent(&args.src, index)?;
+    let has = |class: &str| checkpoint.sets.iter().any(|s| s.class == class);
+    let model = Output::of(args)?;
+    if !(has("model") && has("optim")) {
+        if args.optim_output.is_some() {
+            bail!(
+                "--optim-output applies when the model and optimizer go to two files; {} holds one of them",
+                checkpoint.label
+            );
         }
-    };
-    if let Some(path) = &optim_path
-        && (path.exists() || *path == args.output)
-    {
-        bail!(
-            "{} already exists\nhint: shardscope never overwrites; remove it or choose another --optim-output",
-            path.display()
+        let (written, untied) = write_index(args, &model, source, index)?;
+        return report(
+            args,
+            index,
+            &written,
+            &untied,
+            started.elapsed().as_secs_f64(),
         );
     }
-    let opened = convert::open_rank_files(&files)?;
-    let (source, index) = prepare(
-        args,
-        &args.src,
-        per_rank,
-        Some(opened),
-        &View::Fsdp1(layout),
-    )?;
-    // With optimizer files the folder indexes as `model` and `optim` subtrees.
-    let mut model_args = args.clone();
-    model_args.select = optim_path.is_some().then(|| "model".to_owned());
-    let mut written = vec![args.output.display().to_string()];
+    let optim_path = args.optim_output.clone().unwrap_or_else(|| {
+        let stem = args
+            .output
+            .file_stem()
+            .map_or_else(|| "model".into(), |s| s.to_string_lossy().into_owned());
+        args.output.with_file_name(format!("{stem}.optim.pt"))
+    });
+    if optim_path.exists() || optim_path == args.output {
+        bail!(
+            "{} already exists\nhint: shardscope never overwrites; remove it or choose another --optim-output",
+            optim_path.display()
+        );
+    }
+    // The folder indexes as `model` and `optim` subtrees (and any extra state, not written).
+    let model = Output {
+        select: Some("model".to_owned()),
+        ..model
+    };
+    let optim = Output {
+        path: optim_path,
+        target: Target::Torch,
+        select: Some("optim".to_owned()),
+        max_shard_size: None,
+    };
+    let written = [
+        model.path.display().to_string(),
+        optim.path.display().to_string(),
+    ];
     // Both or neither: the two files are put in place together once both are written (and the
     // model file is written back to disk while the optimizer file is written).
     crate::atomic::together(|| {
-        write_index(&model_args, &source, &index)?;
-        if let Some(path) = &optim_path {
-            let mut optim_args = args.clone();
-            optim_args.select = Some("optim".to_owned());
-            optim_args.output.clone_from(path);
-            optim_args.to = Some(Target::Torch);
-            optim_args.max_shard_size = None;
-            write_index(&optim_args, &source, &index)?;
-            written.push(path.display().to_string());
-        }
+        write_index(args, &model, source, index)?;
+        write_index(args, &optim, source, index)?;
         Ok(())
     })?;
     let seconds = started.elapsed().as_secs_f64();

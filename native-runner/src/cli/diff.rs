@@ -31,8 +31,10 @@ pub struct DiffArgs {
     /// With a tolerance, count NaN equal to NaN.
     #[arg(long)]
     pub equal_nan: bool,
-    /// Compare only keys under PREFIX (e.g. `model`), with the prefix stripped; a side with no key
-    /// under PREFIX is compared whole.
+    /// Compare only keys under PREFIX (e.g. `model`), with the prefix stripped, on each side where
+    /// it is an app-state wrapper: a side with no key under PREFIX, or whose names begin with
+    /// PREFIX themselves (HF's `model.embed_tokens.weight` against a DCP app state's
+    /// `model.model.embed_tokens.weight`), is compared whole. The report's notes say which.
     #[arg(long, value_name = "PREFIX")]
     pub select: Option<String>,
     /// Print the report as JSON (the schema the viewer's Verify panel reads).
@@ -41,12 +43,10 @@ pub struct DiffArgs {
     /// No progress on stderr.
     #[arg(long, short)]
     pub quiet: bool,
-    /// With --model: whichever side holds FSDP1 per-rank files is read as original parameters.
+    /// With --model: whichever side holds FSDP1 per-rank files is read as original parameters;
+    /// --model-files/--optim-files apply to each side that is a folder.
     #[command(flatten)]
-    pub layout: super::model_layout::ModelLayoutArgs,
-    /// Applies to each side that is a local folder.
-    #[command(flatten)]
-    pub files: super::rank_files::RankFileArgs,
+    pub read: super::read::ReadArgs,
 }
 
 /// Runs `diff`: exit 0 when equal, 1 when they differ, 2 when something cannot be read.
@@ -67,22 +67,30 @@ pub fn run(args: &DiffArgs) -> anyhow::Result<ExitCode> {
             })
         }
     };
-    let left_label = args.left.display().to_string();
-    let right_label = args.right.display().to_string();
-    // Its own progress line: no second one for remote reads.
-    let files_of = |side: &PathBuf| {
-        if side.is_dir() {
-            args.files.clone()
-        } else {
-            super::rank_files::RankFileArgs::default()
+    let options = args.read.options()?;
+    let side_options = |side: &PathBuf| {
+        let mut o = options.clone();
+        if !side.is_dir() {
+            o.model_files = None;
+            o.optim_files = None;
         }
+        o
     };
-    let (left_source, left_index) =
-        files_of(&args.left).open(std::slice::from_ref(&args.left), false, &left_label)?;
-    let left_index = args.layout.apply(left_index, &left_label)?;
-    let (right_source, right_index) =
-        files_of(&args.right).open(std::slice::from_ref(&args.right), false, &right_label)?;
-    let right_index = args.layout.apply(right_index, &right_label)?;
+    // Its own progress line: no second one for remote reads.
+    let (left_source, left) = super::read::open(
+        std::slice::from_ref(&args.left),
+        false,
+        &side_options(&args.left),
+    )?;
+    let (right_source, right) = super::read::open(
+        std::slice::from_ref(&args.right),
+        false,
+        &side_options(&args.right),
+    )?;
+    super::read::show_notes(&left, args.quiet || args.json);
+    super::read::show_notes(&right, args.quiet || args.json);
+    let (left_label, right_label) = (left.label.clone(), right.label.clone());
+    let (left_index, right_index) = (left.index, right.index);
     let options = DiffOptions {
         tolerance,
         select: args.select.clone(),

@@ -8,13 +8,13 @@ use std::process::ExitCode;
 
 use anyhow::Context;
 use clap::{Args, ValueEnum};
+use shardscope_core::checkpoint::{Checkpoint, CheckpointError, Fsdp1Flags};
 use shardscope_core::doctor::{self, Finding, Options, Report, Severity, Target};
 use shardscope_core::formats::{dcp, torch_zip};
 use shardscope_core::model::ModelDescription;
 use shardscope_core::model::index::{self, CheckpointIndex, Format};
 use shardscope_core::source::Source;
 
-use super::inspect::open;
 use super::print_stdout;
 
 #[derive(Debug, Clone, Copy, PartialEq, Eq, ValueEnum)]
@@ -49,14 +49,8 @@ pub struct DoctorArgs {
     /// Print `{"version": 1, "loadable": …, "findings": [...]}`.
     #[arg(long)]
     pub json: bool,
-}
-
-fn label_of(paths: &[PathBuf]) -> String {
-    paths
-        .iter()
-        .map(|p| p.display().to_string())
-        .collect::<Vec<_>>()
-        .join(" ")
+    #[command(flatten)]
+    pub files: super::read::RankFileArgs,
 }
 
 fn load_target(args: &DoctorArgs) -> anyhow::Result<Option<Target>> {
@@ -68,11 +62,16 @@ fn load_target(args: &DoctorArgs) -> anyhow::Result<Option<Target>> {
         return Ok(Some(Target::from_description(&model, &label)));
     }
     if let Some(path) = &args.reference {
-        let source = open(std::slice::from_ref(path))?;
-        let label = path.display().to_string();
-        let idx = index::index_source(&source)
-            .with_context(|| format!("cannot read the reference {label}"))?;
-        return Ok(Some(Target::from_reference(&idx, &label)));
+        let (_, reference) = super::read::open(
+            std::slice::from_ref(path),
+            true,
+            &shardscope_core::checkpoint::ReadOptions::default(),
+        )
+        .context("cannot read the reference")?;
+        return Ok(Some(Target::from_reference(
+            &reference.index,
+            &reference.label,
+        )));
     }
     Ok(None)
 }
@@ -205,12 +204,17 @@ fn pickle_findings(index: &CheckpointIndex, source: &dyn Source) -> Vec<Finding>
 /// Runs `doctor`: exit 0 when nothing stops a strict load, 1 when something does, 2 when the
 /// input holds nothing readable as a checkpoint.
 pub fn run(args: &DoctorArgs) -> anyhow::Result<ExitCode> {
-    let label = label_of(&args.paths);
+    let label = super::read::label_of(&args.paths);
     let target = load_target(args)?;
-    let source = open(&args.paths)?;
-    let (idx, mut findings) = match index::index_source(&source) {
-        Ok(idx) => (Some(idx), Vec::new()),
-        Err(err) => {
+    let options = super::read::read_options(None, Fsdp1Flags::default(), &args.files)?;
+    let source = crate::input::open(&args.paths, true)?;
+    let (idx, mut findings) = match Checkpoint::open(&source, &label, &options) {
+        Ok(checkpoint) => {
+            super::read::show_notes(&checkpoint, args.json);
+            (Some(checkpoint.index), Vec::new())
+        }
+        Err(CheckpointError::Index { source: err, .. }) => {
+            let err = *err;
             let salvage = if source
                 .names()
                 .iter()
@@ -239,6 +243,7 @@ pub fn run(args: &DoctorArgs) -> anyhow::Result<ExitCode> {
             };
             (s.index, s.findings)
         }
+        Err(e) => return Err(e.into()),
     };
     let options = Options {
         target: target.as_ref(),

@@ -11,10 +11,11 @@ use std::sync::Arc;
 use anyhow::{Context, bail};
 use clap::{Args, ValueEnum};
 use shardscope_core::DType;
+use shardscope_core::checkpoint::{Checkpoint, Fsdp1Flags};
 use shardscope_core::layout::{self, Api, LayoutConfig, Strategy};
 use shardscope_core::model::ModelDescription;
 use shardscope_core::model::from_index;
-use shardscope_core::model::index::{self, CheckpointIndex, CheckpointKind};
+use shardscope_core::model::index::{CheckpointIndex, CheckpointKind};
 use shardscope_runner::gather::ckpt::{IndexFull, IndexLocal, Indexed};
 use shardscope_runner::gather::source::{
     RankPrefixedSafetensors, SafetensorsFile, SyntheticSource,
@@ -79,19 +80,19 @@ pub struct GatherArgs {
     #[arg(long, value_name = "N")]
     pub world_size: Option<u64>,
     /// FSDP implementation: fsdp1 (flat parameters) or fsdp2 (fully_shard).
-    #[arg(long, default_value = "fsdp1", value_parser = parse_api)]
+    #[arg(long, default_value = "fsdp1", value_parser = super::read::parse_api)]
     pub api: Api,
     /// FSDP1 `use_orig_params=True` (alignment and world-size padding).
     #[arg(long)]
     pub use_orig_params: bool,
     /// FSDP1 sharding strategy: full_shard, shard_grad_op, no_shard, hybrid_shard.
-    #[arg(long, default_value = "full_shard", value_parser = parse_strategy)]
+    #[arg(long, default_value = "full_shard", value_parser = super::read::parse_strategy)]
     pub strategy: Strategy,
     /// Ranks per shard group (hybrid_shard / HSDP).
     #[arg(long, value_name = "S")]
     pub shard_group_size: Option<u64>,
     /// Mixed-precision compute dtype (sets FSDP1's alignment unit).
-    #[arg(long, value_name = "DTYPE", value_parser = parse_dtype)]
+    #[arg(long, value_name = "DTYPE", value_parser = super::read::parse_dtype)]
     pub param_dtype: Option<DType>,
     /// Where the copies and the all-gather run.
     #[arg(long, value_enum, default_value = "cpu")]
@@ -112,19 +113,9 @@ pub struct GatherArgs {
     /// No progress bar.
     #[arg(long, short = 'q')]
     pub quiet: bool,
-}
-
-fn parse_api(s: &str) -> Result<Api, String> {
-    s.parse().map_err(|e: layout::LayoutError| e.to_string())
-}
-
-fn parse_strategy(s: &str) -> Result<Strategy, String> {
-    s.parse().map_err(|e: layout::LayoutError| e.to_string())
-}
-
-fn parse_dtype(s: &str) -> Result<DType, String> {
-    s.parse()
-        .map_err(|e: shardscope_core::dtype::UnknownDType| e.to_string())
+    /// The per-rank sets of a folder to read (`{r}` patterns); default: every set found.
+    #[command(flatten)]
+    pub files: super::read::RankFileArgs,
 }
 
 fn read_model(path: &Path) -> anyhow::Result<ModelDescription> {
@@ -231,15 +222,19 @@ fn prepare(args: &GatherArgs) -> anyhow::Result<Prepared> {
         [p] => p.is_file() && p.extension().is_some_and(|e| e == "safetensors"),
         _ => false,
     };
-    // Its own progress bar: no second one for remote reads.
+    // Its own progress bar: no second one for remote reads. The pieces as stored: gather replays
+    // FSDP's unshard on them, so no view is applied.
+    let options = super::read::read_options(None, Fsdp1Flags::default(), &args.files)?;
     let files = crate::input::open(paths, false)?;
-    let index = index::index_source(&files).with_context(|| {
+    let checkpoint = Checkpoint::open_stored(&files, &name, &options).with_context(|| {
         if single_safetensors {
             format!("{name}: not a valid safetensors file")
         } else {
             format!("cannot read {name}")
         }
     })?;
+    notes.extend(checkpoint.notes);
+    let index = checkpoint.index;
     let rank_count = if single_safetensors {
         ranks_in(index.entries.iter().map(|e| e.key.as_str()))
     } else {

@@ -15,7 +15,6 @@ use shardscope_core::model::index::{
 use shardscope_core::source::Source;
 
 use super::{human_bytes, print_stdout};
-use crate::input::Input;
 
 #[derive(Debug, Args)]
 pub struct InspectArgs {
@@ -33,14 +32,7 @@ pub struct InspectArgs {
     #[arg(long)]
     pub values: bool,
     #[command(flatten)]
-    pub layout: super::model_layout::ModelLayoutArgs,
-    #[command(flatten)]
-    pub files: super::rank_files::RankFileArgs,
-}
-
-/// Opens the checkpoint named by paths or one URL ([`crate::input::open`]).
-pub(super) fn open(paths: &[PathBuf]) -> anyhow::Result<Input> {
-    crate::input::open(paths, true)
+    pub read: super::read::ReadArgs,
 }
 
 fn ranks_text(entry: &IndexEntry) -> String {
@@ -119,8 +111,9 @@ pub fn run(args: &InspectArgs) -> anyhow::Result<ExitCode> {
         .map(|p| p.display().to_string())
         .collect::<Vec<_>>()
         .join(" ");
-    let (source, idx) = args.files.open(&args.paths, true, &where_)?;
-    let mut idx = args.layout.apply(idx, &where_)?;
+    let (source, checkpoint) = super::read::open(&args.paths, true, &args.read.options()?)?;
+    super::read::show_notes(&checkpoint, false);
+    let mut idx = checkpoint.index;
     let problems = idx.check();
     if let Some(re) = &filter {
         idx.entries.retain(|e| re.is_match(&e.key));

@@ -56,19 +56,19 @@ pub struct LayoutArgs {
     #[arg(long, value_name = "N")]
     pub world_size: u64,
     /// FSDP implementation: fsdp1 (flat parameters) or fsdp2 (fully_shard, DTensor).
-    #[arg(long, default_value = "fsdp1", value_parser = parse_api)]
+    #[arg(long, default_value = "fsdp1", value_parser = super::read::parse_api)]
     pub api: Api,
     /// FSDP1 `use_orig_params=True` (adds alignment and world-size padding).
     #[arg(long)]
     pub use_orig_params: bool,
     /// FSDP1 sharding strategy: full_shard, shard_grad_op, no_shard, hybrid_shard.
-    #[arg(long, default_value = "full_shard", value_parser = parse_strategy)]
+    #[arg(long, default_value = "full_shard", value_parser = super::read::parse_strategy)]
     pub strategy: Strategy,
     /// Ranks per shard group for hybrid_shard / FSDP2 HSDP (groups of consecutive ranks).
     #[arg(long, value_name = "S")]
     pub shard_group_size: Option<u64>,
     /// Mixed-precision compute dtype (MixedPrecision.param_dtype); sets the alignment unit.
-    #[arg(long, value_name = "DTYPE", value_parser = parse_dtype)]
+    #[arg(long, value_name = "DTYPE", value_parser = super::read::parse_dtype)]
     pub param_dtype: Option<DType>,
     /// Only show these ranks (inside the shard group) in the human output, e.g. `--rank 0 --rank 3`.
     #[arg(long = "rank", value_name = "R")]
@@ -76,25 +76,6 @@ pub struct LayoutArgs {
     /// Print the layout as JSON.
     #[arg(long)]
     pub json: bool,
-}
-
-fn parse_api(s: &str) -> Result<Api, String> {
-    s.parse().map_err(|e: layout::LayoutError| e.to_string())
-}
-
-fn parse_strategy(s: &str) -> Result<Strategy, String> {
-    s.parse().map_err(|e: layout::LayoutError| e.to_string())
-}
-
-fn parse_dtype(s: &str) -> Result<DType, String> {
-    s.parse()
-        .map_err(|e: shardscope_core::dtype::UnknownDType| e.to_string())
-}
-
-/// Opens a checkpoint given as one file, a directory (DCP, per-rank files, sharded safetensors),
-/// a DCP `.metadata` file, or several per-rank files.
-pub(crate) fn open_checkpoint(paths: &[PathBuf]) -> anyhow::Result<Input> {
-    crate::input::open(paths, true)
 }
 
 fn full_match(pattern: &str, what: &str) -> anyhow::Result<regex::Regex> {
@@ -157,8 +138,14 @@ fn model_from_checkpoint(args: &LayoutArgs) -> anyhow::Result<ModelDescription> 
         .as_deref()
         .map(|e| full_match(e, "--exclude"))
         .transpose()?;
-    let source = open_checkpoint(&args.from)?;
-    let index = index::index_source(&source).with_context(|| format!("cannot read {where_}"))?;
+    // The pieces as stored: the description comes from the model's entries in stored order.
+    let (source, checkpoint) = super::read::open_stored(
+        &args.from,
+        true,
+        &shardscope_core::checkpoint::ReadOptions::default(),
+    )?;
+    super::read::show_notes(&checkpoint, false);
+    let index = checkpoint.index;
     let order = from_index::stored_key_order(&source, &index)
         .with_context(|| format!("cannot read {where_}"))?;
     if !order.registration_order {

@@ -13,9 +13,9 @@ use shardscope_core::layout::{Api, Layout, LayoutConfig};
 use shardscope_core::transform::Fsdp1Model;
 use shardscope_runner::fsdp1_local::{self, LayoutFlags};
 
-use crate::convert::fsdp2_ranks::{self, Detected};
 use crate::convert::to_fsdp1::{Fsdp1Target, OutputFile, to_fsdp1_local};
 use crate::convert::to_fsdp2::{Fsdp2Target, to_fsdp2_ranks};
+use shardscope_core::checkpoint::{Checkpoint, ReadOptions};
 
 use super::print_stdout;
 
@@ -56,7 +56,7 @@ pub struct ReshardCliArgs {
     pub to_use_orig_params: Option<bool>,
     /// FSDP1 sharding strategy of the input (and, unless --to-strategy, of the output):
     /// full_shard, shard_grad_op, no_shard, hybrid_shard, _hybrid_shard_zero2.
-    #[arg(long, default_value = "full_shard", value_parser = parse_strategy)]
+    #[arg(long, default_value = "full_shard", value_parser = super::read::parse_strategy)]
     pub strategy: Strategy,
     /// Hybrid strategies: ranks per shard group of the input. Ranks r and r+S hold the same shard
     /// (the mesh `init_device_mesh("cpu", (world_size // S, S))`); the first group is read.
@@ -64,13 +64,13 @@ pub struct ReshardCliArgs {
     pub shard_group_size: Option<u64>,
     /// FSDP1 mixed precision of the input: `MixedPrecision(param_dtype=DTYPE)` (with
     /// `use_orig_params`, the flat parameter's alignment is counted in elements of this dtype).
-    #[arg(long, value_name = "DTYPE", value_parser = super::model_layout::parse_dtype)]
+    #[arg(long, value_name = "DTYPE", value_parser = super::read::parse_dtype)]
     pub param_dtype: Option<shardscope_core::DType>,
     /// FSDP1 output: the `param_dtype` the output will be loaded with (default: --param-dtype).
-    #[arg(long, value_name = "DTYPE", value_parser = super::model_layout::parse_dtype)]
+    #[arg(long, value_name = "DTYPE", value_parser = super::read::parse_dtype)]
     pub to_param_dtype: Option<shardscope_core::DType>,
     /// Strategy of the output (default: --strategy).
-    #[arg(long, value_parser = parse_strategy)]
+    #[arg(long, value_parser = super::read::parse_strategy)]
     pub to_strategy: Option<Strategy>,
     /// Hybrid output: ranks per shard group of the output (default: --shard-group-size); every
     /// replica's ranks get their files. FSDP2: an HSDP mesh `(B / S, S)`, placements
@@ -98,10 +98,6 @@ pub enum ToApi {
     Fsdp2,
 }
 
-fn parse_strategy(s: &str) -> Result<Strategy, String> {
-    s.parse().map_err(|e: layout::LayoutError| e.to_string())
-}
-
 pub fn run(args: &ReshardCliArgs) -> anyhow::Result<ExitCode> {
     if args.to_world_size == 0 {
         anyhow::bail!("--to-world-size must be at least 1");
@@ -118,21 +114,11 @@ pub fn run(args: &ReshardCliArgs) -> anyhow::Result<ExitCode> {
     };
     let desc = fsdp1_local::read_description(&args.model)?;
     let full_source = is_full_checkpoint(&args.src);
-    let fsdp2_source = !full_source
-        && matches!(
-            fsdp2_ranks::detect_with(
-                &args.src,
-                args.model_files.as_deref(),
-                args.optim_files.as_deref()
-            ),
-            Detected::Fsdp2(_)
-        );
-    let (source, index, files, model_prefix) = if full_source {
-        open_full(args, &desc)?
-    } else if fsdp2_source {
-        open_fsdp2(args, &desc)?
+    let (source, index, files, model_prefix, fsdp2_source) = if full_source {
+        let (source, index, files, prefix) = open_full(args, &desc)?;
+        (source, index, files, prefix, false)
     } else {
-        open_folder(args)?
+        open_per_rank(args, &desc)?
     };
     let to_api = args.to_api.unwrap_or(if fsdp2_source {
         ToApi::Fsdp2
@@ -345,65 +331,104 @@ fn refuse_fsdp1_input_flags(args: &ReshardCliArgs, what: &str) -> anyhow::Result
     Ok(())
 }
 
-/// A folder of FSDP2 per-rank files, read as `model` and FQN-keyed `optim` subtrees.
-fn open_fsdp2(
+/// A folder of per-rank files read as [`shardscope_core::checkpoint::Checkpoint`] reads it: FSDP2
+/// files as `model` and FQN-keyed `optim` subtrees (extra state is not resharded: a note says
+/// so), FSDP1 files through the source layout. Also says whether it holds FSDP2 files.
+fn open_per_rank(
     args: &ReshardCliArgs,
     desc: &shardscope_core::model::ModelDescription,
-) -> anyhow::Result<Opened> {
-    use shardscope_core::model::index::PathSeg;
-    for (flag, given) in [
-        ("--use-orig-params", args.use_orig_params),
-        ("--shard-group-size", args.shard_group_size.is_some()),
-    ] {
-        if given {
-            anyhow::bail!(
-                "{flag} describes a folder of FSDP1 per-rank files; {} is a folder of FSDP2 (DTensor) per-rank files",
-                args.src.display()
+) -> anyhow::Result<(
+    crate::input::Input,
+    shardscope_core::model::index::CheckpointIndex,
+    fsdp1_local::RankFiles,
+    String,
+    bool,
+)> {
+    use shardscope_core::checkpoint::{Fsdp1Flags, View, ranks_in};
+    use shardscope_core::model::index::{PathSeg, Role};
+    let options = ReadOptions {
+        description: Some((desc.clone(), args.model.display().to_string())),
+        fsdp1: Fsdp1Flags {
+            world_size: None,
+            use_orig_params: args.use_orig_params,
+            strategy: args.strategy,
+            shard_group_size: args.shard_group_size,
+            param_dtype: args.param_dtype,
+        },
+        model_files: args.model_files.clone(),
+        optim_files: args.optim_files.clone(),
+    };
+    let source = crate::input::open(std::slice::from_ref(&args.src), false)?;
+    let label = args.src.display().to_string();
+    let mut checkpoint = Checkpoint::open_stored(&source, &label, &options)?;
+    super::read::ensure_unambiguous(&checkpoint)?;
+    let world_size = ranks_in(&checkpoint.index) as usize;
+    checkpoint.apply_view(&options)?;
+    let quiet = args.quiet || args.json;
+    super::read::show_notes(&checkpoint, quiet);
+    let pattern = |class: &str| {
+        checkpoint
+            .sets
+            .iter()
+            .find(|s| s.class == class)
+            .map(|s| s.pattern.clone())
+    };
+    let fsdp2 = matches!(checkpoint.view, View::Fsdp2 { .. });
+    let mut index = checkpoint.index;
+    if fsdp2 {
+        for (flag, given) in [
+            ("--use-orig-params", args.use_orig_params),
+            ("--shard-group-size", args.shard_group_size.is_some()),
+        ] {
+            if given {
+                anyhow::bail!(
+                    "{flag} describes a folder of FSDP1 per-rank files; {label} is a folder of FSDP2 (DTensor) per-rank files"
+                );
+            }
+        }
+        if index.has_optimizer_state {
+            let before = index.entries.len();
+            index.entries.retain(
+                |e| matches!(e.path.first(), Some(PathSeg::Key(k)) if k == "model" || k == "optim"),
             );
+            if index.entries.len() < before && !quiet {
+                eprintln!(
+                    "note: {} entries outside `model` and `optim` (extra state) are not resharded",
+                    before - index.entries.len()
+                );
+            }
         }
     }
-    let Detected::Fsdp2(ranks) = fsdp2_ranks::detect_with(
-        &args.src,
-        args.model_files.as_deref(),
-        args.optim_files.as_deref(),
-    ) else {
-        anyhow::bail!(
-            "{}: not a folder of FSDP2 per-rank files",
-            args.src.display()
-        );
-    };
-    let label = args.src.display().to_string();
-    let (source, index) = crate::convert::open_named_sets(
-        &args.src,
-        args.model_files.as_deref(),
-        args.optim_files.as_deref(),
-    )?;
-    let (mut view, naming) =
-        shardscope_core::model::fsdp2_view::fqn_keyed_optimizer(&index, Some(desc))
-            .with_context(|| format!("{label}: cannot name the optimizer's parameters"))?;
-    if let Some(naming) = naming
-        && !args.quiet
-        && !args.json
+    crate::convert::ensure_consistent(&args.src, &index)?;
+    let states = index
+        .entries
+        .iter()
+        .any(|e| matches!(e.role, Some(Role::OptimizerState { .. })));
+    let prefix = if index
+        .entries
+        .iter()
+        .any(|e| matches!(e.path.first(), Some(PathSeg::Key(k)) if k == "optim"))
     {
-        eprintln!("note: optimizer ids named by {}", naming.how);
-    }
-    view.entries.retain(
-        |e| matches!(e.path.first(), Some(PathSeg::Key(k)) if k == "model" || k == "optim"),
-    );
-    crate::convert::ensure_consistent(&args.src, &view)?;
-    let states = view.entries.iter().any(|e| {
-        matches!(
-            e.role,
-            Some(shardscope_core::model::index::Role::OptimizerState { .. })
-        )
-    });
-    let names = fsdp1_local::RankFiles {
-        dir: args.src.clone(),
-        model_pattern: "model_rank{r}.pt".to_owned(),
-        optim_pattern: states.then(|| "optim_rank{r}.pt".to_owned()),
-        world_size: ranks.world_size,
+        "model."
+    } else {
+        ""
     };
-    Ok((source, view, names, "model.".to_owned()))
+    let names = if fsdp2 {
+        fsdp1_local::RankFiles {
+            dir: args.src.clone(),
+            model_pattern: "model_rank{r}.pt".to_owned(),
+            optim_pattern: states.then(|| "optim_rank{r}.pt".to_owned()),
+            world_size,
+        }
+    } else {
+        fsdp1_local::RankFiles {
+            dir: args.src.clone(),
+            model_pattern: pattern("model").unwrap_or_else(|| "model_rank{r}.pt".to_owned()),
+            optim_pattern: pattern("optim"),
+            world_size,
+        }
+    };
+    Ok((source, index, names, prefix.to_owned(), fsdp2))
 }
 
 /// A source that is not a folder of per-rank files: a file, or a DCP directory.
@@ -418,33 +443,6 @@ type Opened = (
     String,
 );
 
-/// A folder's model and optimizer sets, read through the source layout.
-fn open_folder(args: &ReshardCliArgs) -> anyhow::Result<Opened> {
-    let files = fsdp1_local::find_rank_files(
-        &args.src,
-        args.model_files.as_deref(),
-        args.optim_files.as_deref(),
-    )?;
-    let (source, index) = crate::convert::open_rank_files(&files)?;
-    let src_layout = super::model_layout::ModelLayoutArgs {
-        model: Some(args.model.clone()),
-        world_size: Some(files.world_size as u64),
-        use_orig_params: args.use_orig_params,
-        strategy: args.strategy,
-        shard_group_size: args.shard_group_size,
-        param_dtype: args.param_dtype,
-    };
-    let index = src_layout.apply(index, &args.src.display().to_string())?;
-    crate::convert::ensure_consistent(&args.src, &index)?;
-    // With optimizer files the folder indexes as `model` and `optim` subtrees.
-    let prefix = if files.optim_pattern.is_some() {
-        "model."
-    } else {
-        ""
-    };
-    Ok((source, index, files, prefix.to_owned()))
-}
-
 /// A checkpoint of full tensors: its model under `model.` or at the top (whichever holds the
 /// description's parameters), its optimizer state when it has `FSDP.optim_state_dict`'s form.
 fn open_full(
@@ -453,14 +451,19 @@ fn open_full(
 ) -> anyhow::Result<Opened> {
     use shardscope_core::model::index::Role;
     refuse_fsdp1_input_flags(args, "a checkpoint of full tensors")?;
-    let (source, mut index) = crate::convert::open_unchecked(&args.src, false)?;
+    let (source, checkpoint) = super::read::open(
+        std::slice::from_ref(&args.src),
+        false,
+        &ReadOptions::default(),
+    )?;
+    let mut index = checkpoint.index;
     // A DCP directory keeps non-tensor values (the optimizer's `param_groups`) as bytes items: the
     // per-rank files pickle them as values.
     index
         .decode_bytes_values(&source)
         .with_context(|| format!("{}: cannot read its non-tensor values", args.src.display()))?;
     crate::convert::ensure_consistent(&args.src, &index)?;
-    if super::model_layout::needs_layout(&index) {
+    if shardscope_core::checkpoint::needs_layout(&index) {
         anyhow::bail!(
             "{} holds rank-local pieces (flat parameters or raw optimizer state) but is not a folder of per-rank files\nhint: give the folder that holds every rank's files",
             args.src.display()

@@ -28,34 +28,25 @@ pub struct VerifyArgs {
     /// With --model: FSDP1 flat parameters are checked against the layout (sizes, rank pieces,
     /// zero padding segments), and the per-rank files must read as every original parameter.
     #[command(flatten)]
-    pub layout: super::model_layout::ModelLayoutArgs,
-    #[command(flatten)]
-    pub files: super::rank_files::RankFileArgs,
+    pub read: super::read::ReadArgs,
 }
 
 /// Runs `verify`: exit 0 when consistent, 1 when parts disagree, 2 when something cannot be read
 /// or does not hold together.
 pub fn run(args: &VerifyArgs) -> anyhow::Result<ExitCode> {
-    let label = args
-        .paths
-        .iter()
-        .map(|p| p.display().to_string())
-        .collect::<Vec<_>>()
-        .join(" ");
-    // Its own progress line: no second one for remote reads.
-    let (source, mut idx) = args.files.open(&args.paths, false, &label)?;
-    let layout = args
-        .layout
-        .layout(super::model_layout::ranks_in(&idx))?
-        .map(|(_, layout)| layout);
+    let options = args.read.options()?;
+    // Its own progress line: no second one for remote reads. The stored pieces are checked first
+    // (against the layout with --model), then read through the view.
+    let (source, mut checkpoint) = super::read::open_stored(&args.paths, false, &options)?;
+    let label = checkpoint.label.clone();
+    let layout = checkpoint.fsdp1_layout(&options)?;
     if let Some(layout) = &layout {
-        shardscope_core::model::fsdp1_view::mark_param_views(&mut idx, layout);
+        shardscope_core::model::fsdp1_view::mark_param_views(&mut checkpoint.index, layout);
     }
-
     let mut progress = Progress::new(args.quiet, "verify");
     let report = verify::verify(
         Side {
-            index: &idx,
+            index: &checkpoint.index,
             source: &source,
             label: &label,
         },
@@ -68,7 +59,8 @@ pub fn run(args: &VerifyArgs) -> anyhow::Result<ExitCode> {
     if report.exit_code() == 0 {
         // The files fit the layout: the original parameters must come out of them too (an error
         // names what does not fit).
-        args.layout.apply(idx.clone(), &label)?;
+        checkpoint.apply_view(&options)?;
+        super::read::show_notes(&checkpoint, args.quiet || args.json);
     }
     if args.json {
         print_stdout(&report.to_json())?;

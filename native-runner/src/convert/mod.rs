@@ -19,11 +19,10 @@
 //!
 //! Per-rank folders go the same way: their index is read through a view first (FSDP2:
 //! `shardscope_core::model::fsdp2_view` names the optimizer ids; FSDP1 with `--model`:
-//! `shardscope_core::model::fsdp1_view` turns flat pieces into original parameters);
-//! [`fsdp2_ranks`] only recognises FSDP2 folders.
+//! `shardscope_core::model::fsdp1_view` turns flat pieces into original parameters), as
+//! `shardscope_core::checkpoint::Checkpoint::open` decides.
 
 pub mod exec;
-pub mod fsdp2_ranks;
 pub mod part;
 pub mod to_fsdp1;
 pub mod to_fsdp2;
@@ -505,68 +504,6 @@ pub fn ensure_consistent(src: &Path, index: &CheckpointIndex) -> Result<()> {
         );
     }
     Ok(())
-}
-
-/// The model and optimizer file sets of a per-rank folder (as `fsdp1_local::find_rank_files`
-/// found them), opened and indexed together: with optimizer files the index has `model` and
-/// `optim` subtrees.
-pub fn open_rank_files(
-    files: &shardscope_runner::fsdp1_local::RankFiles,
-) -> Result<(Input, CheckpointIndex)> {
-    use shardscope_core::model::index::{RankGroup, index_torch_groups};
-    use shardscope_core::source::Source;
-    let mut paths = Vec::with_capacity(files.world_size * 2);
-    for rank in 0..files.world_size {
-        paths.push(files.model_file(rank));
-        paths.extend(files.optim_file(rank));
-    }
-    let source = crate::input::open(&paths, false)?;
-    // The sets as found (or named by --model-files/--optim-files), not grouped again by name.
-    let names = source.names();
-    let group = |pattern: &str| RankGroup {
-        pattern: pattern.replace("{r}", "{R}"),
-        files: (0..files.world_size)
-            .map(|rank| {
-                let name = pattern.replace("{r}", &rank.to_string());
-                let name = names
-                    .iter()
-                    .find(|n| n.rsplit('/').next() == Some(name.as_str()))
-                    .cloned()
-                    .unwrap_or(name);
-                (name, u32::try_from(rank).ok())
-            })
-            .collect(),
-    };
-    let mut groups = vec![group(&files.model_pattern)];
-    groups.extend(files.optim_pattern.as_deref().map(group));
-    let index = index_torch_groups(&source, &groups)
-        .with_context(|| format!("cannot read the per-rank files of {}", files.dir.display()))?;
-    Ok((source, index))
-}
-
-/// Opens and indexes the per-rank sets of the folder `src` named by `model_files`/`optim_files`
-/// (`{r}` patterns, `--model-files`/`--optim-files`); with neither, `src` as
-/// [`open_unchecked`] opens it.
-pub fn open_named_sets(
-    src: &Path,
-    model_files: Option<&str>,
-    optim_files: Option<&str>,
-) -> Result<(Input, CheckpointIndex)> {
-    if model_files.is_none() && optim_files.is_none() {
-        return open_unchecked(src, false);
-    }
-    let files = shardscope_runner::fsdp1_local::find_rank_files(src, model_files, optim_files)?;
-    open_rank_files(&files)
-}
-
-/// Opens and indexes `src` (a file, a folder or a URL: [`crate::input::open`]) without checking
-/// the index (views fix it up first; then [`ensure_consistent`]). `progress`: long remote reads may
-/// show a progress line.
-pub fn open_unchecked(src: &Path, progress: bool) -> Result<(Input, CheckpointIndex)> {
-    let source = crate::input::open(std::slice::from_ref(&src.to_path_buf()), progress)?;
-    let index = shardscope_core::model::index::index_source(&source)
-        .with_context(|| format!("cannot read the checkpoint {}", src.display()))?;
-    Ok((source, index))
 }
 
 /// The entries a conversion takes: tensors and non-tensor values, with their output keys.
