@@ -170,7 +170,7 @@ impl Viewer {
                 self.ckpt = crate::panels::checkpoint::CheckpointState::default();
                 // The layout panel follows what was opened: the checkpoint's own configuration.
                 self.controls
-                    .apply_hints(&shardscope_core::model::hints::layout_hints(&ckpt.index));
+                    .apply_hints(&shardscope_core::view::hints::layout_hints(&ckpt.index));
                 self.checkpoint = Some(*ckpt);
                 self.recompute();
                 if !self.stay_on_tab {

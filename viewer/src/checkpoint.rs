@@ -7,7 +7,7 @@ use std::borrow::Cow;
 use std::collections::{BTreeMap, BTreeSet};
 use std::io::Read;
 
-use shardscope_core::model::index::{
+use shardscope_core::index::{
     CheckpointIndex, EntryKind, IndexEntry, IndexError, PathSeg, Role, index_source,
 };
 #[cfg(not(target_arch = "wasm32"))]

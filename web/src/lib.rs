@@ -13,7 +13,7 @@ mod handle {
     use std::collections::BTreeMap;
     use std::sync::{Arc, Mutex};
 
-    use shardscope_core::model::index::index_source;
+    use shardscope_core::index::index_source;
     use shardscope_viewer::Viewer;
     use shardscope_viewer::checkpoint::CheckpointView;
     use shardscope_viewer::docs::Document;

@@ -8,7 +8,7 @@ use std::time::Instant;
 
 use anyhow::{Context, Result, bail};
 use clap::{Args, ValueEnum};
-use shardscope_core::model::index::{CheckpointIndex, CheckpointKind, PathSeg};
+use shardscope_core::index::{CheckpointIndex, CheckpointKind, PathSeg};
 
 use super::{human_bytes, print_stdout};
 use crate::convert::fsdp2_ranks::{self, Detected};
@@ -258,7 +258,7 @@ pub fn run(args: &ConvertArgs) -> Result<ExitCode> {
     if let Some(model) = &args.model {
         // The full model file + `.optim.pt` pair is written by the per-rank engine; every other
         // output (DCP, `--select`, `--dtype`, optimizer-only folders) reads the folder through
-        // the layout (`core::model::fsdp1_view`) and goes the streaming index path.
+        // the layout (`core::view::fsdp1`) and goes the streaming index path.
         let explicit = args.model_files.is_some() || args.optim_files.is_some();
         let other_output = args.select.is_some()
             || args.dtype.is_some()
@@ -344,7 +344,7 @@ fn open_path_with_why(args: &ConvertArgs, src: &Path, per_rank: &Detected) -> Re
 
 /// True when every tensor of the checkpoint is optimizer state (no model files).
 fn optimizer_only(index: &CheckpointIndex) -> bool {
-    use shardscope_core::model::index::EntryKind;
+    use shardscope_core::index::EntryKind;
     index
         .entries
         .iter()
@@ -355,9 +355,9 @@ fn optimizer_only(index: &CheckpointIndex) -> bool {
 /// How the streaming path reads the index of a per-rank folder.
 enum View<'a> {
     AsIs,
-    /// FSDP1 per-rank pieces through the layout (`core::model::fsdp1_view`).
+    /// FSDP1 per-rank pieces through the layout (`core::view::fsdp1`).
     Fsdp1(&'a super::model_layout::ModelLayoutArgs),
-    /// FSDP2 per-rank files: optimizer ids named (`core::model::fsdp2_view`), by `--model` if given.
+    /// FSDP2 per-rank files: optimizer ids named (`core::view::fsdp2`), by `--model` if given.
     Fsdp2,
 }
 
@@ -438,7 +438,7 @@ fn prepare(
                 None => None,
             };
             let (view, naming) =
-                shardscope_core::model::fsdp2_view::fqn_keyed_optimizer(&index, desc.as_ref())
+                shardscope_core::view::fsdp2::fqn_keyed_optimizer(&index, desc.as_ref())
                     .with_context(|| format!("{label}: cannot name the optimizer's parameters"))?;
             if let Some(naming) = naming
                 && !args.quiet
@@ -648,7 +648,7 @@ fn parse_fsdp1_strategy(s: &str) -> Result<shardscope_core::layout::Strategy, St
 /// FSDP1 per-rank model (and optimizer) files to the full model state dict at `args.output`
 /// (`torch.save` or safetensors) and `FSDP.optim_state_dict` at `--optim-output` (default
 /// `<DST stem>.optim.pt` next to it), both read through the layout
-/// (`core::model::fsdp1_view`) by the streaming index path. The files are the folder's model and
+/// (`core::view::fsdp1`) by the streaming index path. The files are the folder's model and
 /// optimizer sets (`--model-files`/`--optim-files`, or found by name); other sets are not read.
 fn convert_fsdp1_two_files(
     args: &ConvertArgs,

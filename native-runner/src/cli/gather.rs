@@ -11,10 +11,10 @@ use std::sync::Arc;
 use anyhow::{Context, bail};
 use clap::{Args, ValueEnum};
 use shardscope_core::DType;
+use shardscope_core::index::from_index;
+use shardscope_core::index::{self, CheckpointIndex, CheckpointKind};
 use shardscope_core::layout::{self, Api, LayoutConfig, Strategy};
 use shardscope_core::model::ModelDescription;
-use shardscope_core::model::from_index;
-use shardscope_core::model::index::{self, CheckpointIndex, CheckpointKind};
 use shardscope_runner::gather::ckpt::{IndexFull, IndexLocal, Indexed};
 use shardscope_runner::gather::source::{
     RankPrefixedSafetensors, SafetensorsFile, SyntheticSource,

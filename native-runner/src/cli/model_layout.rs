@@ -1,17 +1,17 @@
 //! `--model MODEL.json` and the FSDP1 layout flags, shared by the commands that read checkpoints
 //! (`inspect`, `diff`, `verify`): with them an FSDP1 per-rank folder (LOCAL model files and/or raw
 //! optimizer files) is read as the original parameters and FQN-keyed optimizer state
-//! (`shardscope_core::model::fsdp1_view`).
+//! (`shardscope_core::view::fsdp1`).
 
 use std::path::PathBuf;
 
 use anyhow::{Context, bail};
 use clap::Args;
 use shardscope_core::DType;
+use shardscope_core::index::{CheckpointIndex, CheckpointKind, Role};
 use shardscope_core::layout::{self, Api, Fsdp1Layout, Layout, LayoutConfig, Strategy};
 use shardscope_core::model::ModelDescription;
-use shardscope_core::model::fsdp1_view;
-use shardscope_core::model::index::{CheckpointIndex, CheckpointKind, Role};
+use shardscope_core::view::fsdp1;
 
 #[derive(Debug, Clone, Args)]
 pub struct ModelLayoutArgs {
@@ -67,7 +67,7 @@ pub fn needs_layout(index: &CheckpointIndex) -> bool {
             || matches!(
                 &e.role,
                 Some(Role::OptimizerState {
-                    param: shardscope_core::model::index::PathSeg::Index(_),
+                    param: shardscope_core::index::PathSeg::Index(_),
                     ..
                 })
             )
@@ -78,7 +78,7 @@ pub fn needs_layout(index: &CheckpointIndex) -> bool {
 /// (FSDP1 flat parameters next to DTensor model files: FSDP1 SHARDED_STATE_DICT with a device
 /// mesh, as verl saves FSDP1): only the FSDP1 layout places them.
 pub fn rank_local_optimizer_state(index: &CheckpointIndex) -> bool {
-    use shardscope_core::model::index::{EntryKind, PathSeg};
+    use shardscope_core::index::{EntryKind, PathSeg};
     index.entries.iter().any(|e| {
         e.kind == EntryKind::Tensor
             && e.shape.is_none()
@@ -123,7 +123,7 @@ impl ModelLayoutArgs {
     /// otherwise `index` itself. `label` names the checkpoint in errors.
     ///
     /// FSDP2 per-rank files need no layout: their raw optimizer state (integer ids) is keyed by
-    /// FQN as `convert` keys it (`fsdp2_view`, the description helping when given), so that
+    /// FQN as `convert` keys it (`view::fsdp2`, the description helping when given), so that
     /// `inspect`, `verify` and `diff` show what torch's full optimizer state dict holds. When the
     /// ids cannot be named without `--model`, the index is kept as it is, with a note.
     pub fn apply(&self, index: CheckpointIndex, label: &str) -> anyhow::Result<CheckpointIndex> {
@@ -132,10 +132,7 @@ impl ModelLayoutArgs {
                 Some(path) => Some(shardscope_runner::fsdp1_local::read_description(path)?),
                 None => None,
             };
-            return match shardscope_core::model::fsdp2_view::fqn_keyed_optimizer(
-                &index,
-                desc.as_ref(),
-            ) {
+            return match shardscope_core::view::fsdp2::fqn_keyed_optimizer(&index, desc.as_ref()) {
                 Ok((view, _)) => Ok(view),
                 Err(e) if desc.is_none() => {
                     eprintln!(
@@ -153,22 +150,21 @@ impl ModelLayoutArgs {
         let Some((description, layout)) = self.layout(ranks_in(&index))? else {
             return Ok(index);
         };
-        let view =
-            fsdp1_view::original_params(&index, &description, &layout).with_context(|| {
-                format!(
-                    "{label}: cannot read it through the FSDP1 layout of {} ({} ranks{})",
-                    self.model
-                        .as_deref()
-                        .unwrap_or_else(|| std::path::Path::new(""))
-                        .display(),
-                    layout.world_size,
-                    if layout.use_orig_params {
-                        ", use_orig_params"
-                    } else {
-                        ""
-                    }
-                )
-            })?;
+        let view = fsdp1::original_params(&index, &description, &layout).with_context(|| {
+            format!(
+                "{label}: cannot read it through the FSDP1 layout of {} ({} ranks{})",
+                self.model
+                    .as_deref()
+                    .unwrap_or_else(|| std::path::Path::new(""))
+                    .display(),
+                layout.world_size,
+                if layout.use_orig_params {
+                    ", use_orig_params"
+                } else {
+                    ""
+                }
+            )
+        })?;
         let problems = view.check();
         if let Some(first) = problems.first() {
             bail!(

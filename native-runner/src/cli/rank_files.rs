@@ -6,7 +6,7 @@ use std::path::PathBuf;
 
 use anyhow::{Context, bail};
 use clap::Args;
-use shardscope_core::model::index::{self, CheckpointIndex};
+use shardscope_core::index::{self, CheckpointIndex};
 
 use crate::input::Input;
 

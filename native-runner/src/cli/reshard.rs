@@ -8,9 +8,9 @@ use std::process::ExitCode;
 
 use anyhow::Context;
 use clap::Args;
+use shardscope_core::layout::Fsdp1Model;
 use shardscope_core::layout::{self, Strategy};
 use shardscope_core::layout::{Api, Layout, LayoutConfig};
-use shardscope_core::transform::Fsdp1Model;
 use shardscope_runner::fsdp1_local::{self, LayoutFlags};
 
 use crate::convert::fsdp2_ranks::{self, Detected};
@@ -260,7 +260,7 @@ fn write_fsdp2(
     args: &ReshardCliArgs,
     desc: &shardscope_core::model::ModelDescription,
     source: &crate::input::Input,
-    index: &shardscope_core::model::index::CheckpointIndex,
+    index: &shardscope_core::index::CheckpointIndex,
     files: &fsdp1_local::RankFiles,
     model_prefix: &str,
     full_source: bool,
@@ -350,7 +350,7 @@ fn open_fsdp2(
     args: &ReshardCliArgs,
     desc: &shardscope_core::model::ModelDescription,
 ) -> anyhow::Result<Opened> {
-    use shardscope_core::model::index::PathSeg;
+    use shardscope_core::index::PathSeg;
     for (flag, given) in [
         ("--use-orig-params", args.use_orig_params),
         ("--shard-group-size", args.shard_group_size.is_some()),
@@ -378,9 +378,8 @@ fn open_fsdp2(
         args.model_files.as_deref(),
         args.optim_files.as_deref(),
     )?;
-    let (mut view, naming) =
-        shardscope_core::model::fsdp2_view::fqn_keyed_optimizer(&index, Some(desc))
-            .with_context(|| format!("{label}: cannot name the optimizer's parameters"))?;
+    let (mut view, naming) = shardscope_core::view::fsdp2::fqn_keyed_optimizer(&index, Some(desc))
+        .with_context(|| format!("{label}: cannot name the optimizer's parameters"))?;
     if let Some(naming) = naming
         && !args.quiet
         && !args.json
@@ -394,7 +393,7 @@ fn open_fsdp2(
     let states = view.entries.iter().any(|e| {
         matches!(
             e.role,
-            Some(shardscope_core::model::index::Role::OptimizerState { .. })
+            Some(shardscope_core::index::Role::OptimizerState { .. })
         )
     });
     let names = fsdp1_local::RankFiles {
@@ -413,7 +412,7 @@ fn is_full_checkpoint(src: &Path) -> bool {
 
 type Opened = (
     crate::input::Input,
-    shardscope_core::model::index::CheckpointIndex,
+    shardscope_core::index::CheckpointIndex,
     fsdp1_local::RankFiles,
     String,
 );
@@ -451,7 +450,7 @@ fn open_full(
     args: &ReshardCliArgs,
     desc: &shardscope_core::model::ModelDescription,
 ) -> anyhow::Result<Opened> {
-    use shardscope_core::model::index::Role;
+    use shardscope_core::index::Role;
     refuse_fsdp1_input_flags(args, "a checkpoint of full tensors")?;
     let (source, mut index) = crate::convert::open_unchecked(&args.src, false)?;
     // A DCP directory keeps non-tensor values (the optimizer's `param_groups`) as bytes items: the
@@ -485,7 +484,7 @@ fn open_full(
         matches!(
             &e.role,
             Some(Role::OptimizerState {
-                param: shardscope_core::model::index::PathSeg::Key(_),
+                param: shardscope_core::index::PathSeg::Key(_),
                 ..
             })
         )

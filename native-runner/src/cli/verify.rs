@@ -49,7 +49,7 @@ pub fn run(args: &VerifyArgs) -> anyhow::Result<ExitCode> {
         .layout(super::model_layout::ranks_in(&idx))?
         .map(|(_, layout)| layout);
     if let Some(layout) = &layout {
-        shardscope_core::model::fsdp1_view::mark_param_views(&mut idx, layout);
+        shardscope_core::view::fsdp1::mark_param_views(&mut idx, layout);
     }
 
     let mut progress = Progress::new(args.quiet, "verify");

@@ -5,7 +5,7 @@
 //! are grouped as [`shardscope_runner::fsdp1_local`] groups them (the last number is the rank).
 //!
 //! Such a folder converts through the index like any checkpoint: the DTensor pieces are chunks of
-//! their global tensors, and `shardscope_core::model::fsdp2_view` names the optimizer ids (its
+//! their global tensors, and `shardscope_core::view::fsdp2` names the optimizer ids (its
 //! module doc says how), giving what torch's `get_model_state_dict` /
 //! `get_optimizer_state_dict(full_state_dict=True)` return.
 

@@ -1,13 +1,13 @@
 //! FSDP1 per-rank checkpoint folders: which files are the model's and which the optimizer's, the
 //! model description, and the lazy `torch.save` reader and tensor-at-a-time writer ([`lazy`]).
-//! Reading and writing them is the index's job: `core::model::fsdp1_view` reads the files as
+//! Reading and writing them is the index's job: `core::view::fsdp1` reads the files as
 //! original parameters and FQN-keyed optimizer state, and the runner's `convert::to_fsdp1` writes
 //! per-rank files for any layout (`shardscope reshard`).
 //!
 //! File names: files whose names differ only in one number that runs `0..N` form a per-rank set,
 //! written as a pattern with that number replaced by `{r}` (`model_rank3.pt` →
 //! `model_rank{r}.pt`, `ckpt_3_model.pt` → `ckpt_{r}_model.pt`; numbers that are the same in every
-//! name are not the rank: `model_rank{r}_of_3.pt`); `shardscope_core::model::index::group_rank_files`
+//! name are not the rank: `model_rank{r}_of_3.pt`); `shardscope_core::index::group_rank_files`
 //! says how. Which set is the model and which the optimizer is decided by content (an optimizer
 //! state dict has `state` and `param_groups`), unless given explicitly ([`RankFiles::model_pattern`],
 //! [`RankFiles::optim_pattern`], `--model-files`/`--optim-files`). Outputs keep the input names.
@@ -15,10 +15,10 @@
 use std::collections::{BTreeMap, BTreeSet};
 use std::path::{Path, PathBuf};
 
+use shardscope_core::bridge::BridgeError;
+use shardscope_core::index;
 use shardscope_core::layout::{self, Strategy};
 use shardscope_core::model::ModelDescription;
-use shardscope_core::model::bridge::BridgeError;
-use shardscope_core::model::index;
 use shardscope_core::model::tree::Node;
 
 /// Lazy `torch.save` inputs and tensor-at-a-time outputs (also used by the FSDP2 per-rank convert).
