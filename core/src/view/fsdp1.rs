@@ -6,7 +6,7 @@
 //! int ids over flat parameters (`use_orig_params=False`) or over each rank's slice of the
 //! original parameters (`use_orig_params=True`). With the layout ([`Fsdp1Layout`]) each such piece
 //! is a contiguous range of an original parameter's flattened elements. A contiguous range of a
-//! row-major tensor is the union of at most `2·ndim − 1` boxes ([`flat_range_boxes`](crate::shape::flat_range_boxes)), so every
+//! row-major tensor is the union of at most `2·ndim − 1` boxes ([`flat_range_boxes`]), so every
 //! range piece becomes ordinary [`Chunk`]s (raw views into the same storage bytes, with the
 //! parameter's contiguous strides) and everything downstream (`check`, `read_tensor`, `diff`,
 //! `convert`, the viewer) reads original parameters without knowing where they came from.
