@@ -8,7 +8,7 @@
 //! NaN cast to bfloat16 becomes 0xFFFF on its AVX2 path, 0x7FC0 on its scalar path (float64
 //! sources) and keeps its sign with AVX512-BF16; only NaN-ness is the same everywhere.
 
-use crate::DType;
+use crate::dtype::DType;
 
 /// Why a cast was refused.
 #[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]

@@ -17,12 +17,12 @@ use serde::Serialize;
 
 use crate::dtype::DType;
 use crate::formats::pickle::Global;
-use crate::model::description::ModelDescription;
-use crate::model::fqn::{CHECKPOINT_WRAPPED_MODULE, FLAT_PARAM, FSDP_WRAPPED_MODULE, is_under};
-use crate::model::index::{
+use crate::index::{
     CheckpointIndex, CheckpointKind, ChunkEncoding, EntryKind, Format, FsdpInfo, IndexEntry,
     PathSeg, Problem, Role,
 };
+use crate::model::description::ModelDescription;
+use crate::model::fqn::{CHECKPOINT_WRAPPED_MODULE, FLAT_PARAM, FSDP_WRAPPED_MODULE, is_under};
 use crate::source::Source;
 
 /// The version of the JSON report.

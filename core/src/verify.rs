@@ -19,8 +19,8 @@ use std::fmt::Write as _;
 use serde::{Serialize, Serializer};
 
 use crate::dtype::DType;
+use crate::index::{CheckpointIndex, CheckpointKind, EntryKind, IndexEntry, PathSeg, Role};
 use crate::layout::fsdp1::{FlatParamLayout, Fsdp1Layout};
-use crate::model::index::{CheckpointIndex, CheckpointKind, EntryKind, IndexEntry, PathSeg, Role};
 use crate::source::Source;
 
 /// The `kind` of every report.

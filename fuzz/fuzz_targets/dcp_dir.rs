@@ -1,7 +1,7 @@
 //! A DCP directory: the first 4 bytes split the input into `.metadata` and one data file
 //! `__0_0.distcp`; the whole index is built, checked and every value read.
 #![no_main]
-use shardscope_core::{MemorySource, model::index};
+use shardscope_core::{MemorySource, index};
 
 libfuzzer_sys::fuzz_target!(|data: &[u8]| {
     if data.len() < 4 {

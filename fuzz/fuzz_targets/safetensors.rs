@@ -1,6 +1,6 @@
 //! A safetensors file on arbitrary bytes: index it, check it, read every tensor.
 #![no_main]
-use shardscope_core::{MemorySource, model::index};
+use shardscope_core::{MemorySource, index};
 
 libfuzzer_sys::fuzz_target!(|data: &[u8]| {
     let src = MemorySource::new().with("m.safetensors", data.to_vec());

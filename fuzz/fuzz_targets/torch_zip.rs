@@ -1,6 +1,6 @@
 //! A torch.save archive on arbitrary bytes: open it, then read every tensor view it names.
 #![no_main]
-use shardscope_core::{MemorySource, model::index};
+use shardscope_core::{MemorySource, index};
 
 libfuzzer_sys::fuzz_target!(|data: &[u8]| {
     let src = MemorySource::new().with("f.pt", data.to_vec());

@@ -1,4 +1,4 @@
-//! FSDP2 per-rank folders convert through the index (`core::model::fsdp2_view` names the
+//! FSDP2 per-rank folders convert through the index (`core::view::fsdp2` names the
 //! optimizer ids): the streamed `torch.save` holds exactly the bytes of the in-memory transforms
 //! (`full_model_from_fsdp2`, `full_optim_from_fsdp2`, proven against torch's full state dicts in
 //! `tests/interop/check_fsdp2_optim.py`) serialised with `bridge::to_torch_save`, for torch-written
@@ -9,7 +9,7 @@ use std::collections::BTreeMap;
 use std::path::{Path, PathBuf};
 use std::process::Command;
 
-use shardscope_core::model::bridge::{self, RootDict};
+use shardscope_core::bridge::{self, RootDict};
 use shardscope_core::model::tree::{Dict, Key, Node};
 use shardscope_core::transform::fsdp2_optim::{
     IdNames, dtensor_param_names, full_model_from_fsdp2, full_optim_from_fsdp2,

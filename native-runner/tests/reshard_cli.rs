@@ -25,8 +25,8 @@ use std::time::Instant;
 mod common;
 use common::python;
 
+use shardscope_core::bridge::{self, RootDict};
 use shardscope_core::layout::Strategy;
-use shardscope_core::model::bridge::{self, RootDict};
 use shardscope_core::model::tree::{Dict, Key, Node};
 
 fn fixtures() -> PathBuf {
@@ -883,9 +883,9 @@ fn bad_inputs_exit_2_and_name_the_file() {
 /// weights, `use_orig_params`), to 3 ranks and with `use_orig_params` flipped.
 #[test]
 fn streaming_outputs_equal_the_in_memory_transforms() {
+    use shardscope_core::layout::Fsdp1Model;
     use shardscope_core::layout::{self, Api, Layout, LayoutConfig};
     use shardscope_core::model::ModelDescription;
-    use shardscope_core::transform::Fsdp1Model;
     use shardscope_core::transform::model_state::{
         TORCH_PADDING_FILL, model_full_from_local, model_local_from_full,
     };

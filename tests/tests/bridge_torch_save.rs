@@ -1,4 +1,4 @@
-//! The format ⇄ tree bridge (`shardscope_core::model::bridge`): every `rank*.pt` that torch wrote
+//! The format ⇄ tree bridge (`shardscope_core::bridge`): every `rank*.pt` that torch wrote
 //! in `tests/fixtures/optim` reads as the same tree as the committed `tree.json` +
 //! `tensors.safetensors` form of the same objects, and trees written back with `torch.save`'s
 //! format are loaded by real torch (`weights_only=True`) and re-saved by torch into files that read
@@ -10,7 +10,7 @@ mod transform_support;
 use std::path::PathBuf;
 use std::process::Command;
 
-use shardscope_core::model::bridge::{self, RootDict};
+use shardscope_core::bridge::{self, RootDict};
 use shardscope_core::model::tree::{Dict, Node};
 use transform_support::{assert_same, load};
 

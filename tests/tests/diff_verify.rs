@@ -8,7 +8,7 @@ use std::process::Command;
 use serde_json::Value;
 use shardscope_core::DType;
 use shardscope_core::formats::write::safetensors::{SafetensorsWriter, TensorSpec};
-use shardscope_core::model::index;
+use shardscope_core::index;
 use shardscope_tests::{fixtures_dir, memory_source, shardscope_bin};
 
 fn formats() -> PathBuf {

@@ -10,7 +10,7 @@ use std::process::Command;
 
 use serde_json::Value;
 use sha2::{Digest, Sha256};
-use shardscope_core::model::index::{self, ChunkEncoding};
+use shardscope_core::index::{self, ChunkEncoding};
 use shardscope_tests::{fixtures_dir, memory_source, run_interop_script, shardscope_bin};
 
 fn dtypes_dir() -> PathBuf {

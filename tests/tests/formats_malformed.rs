@@ -6,7 +6,7 @@
 
 use std::path::PathBuf;
 
-use shardscope_core::model::index::{self, CheckpointIndex, EntryKind, IndexError};
+use shardscope_core::index::{self, CheckpointIndex, EntryKind, IndexError};
 use shardscope_core::{MemorySource, Source};
 use shardscope_tests::{fixtures_dir, memory_source};
 

@@ -9,7 +9,7 @@ use std::path::{Path, PathBuf};
 
 use serde_json::Value;
 use shardscope_core::MemorySource;
-use shardscope_core::model::index::{
+use shardscope_core::index::{
     self, CheckpointIndex, CheckpointKind, ChunkEncoding, EntryKind, FsdpInfo, IndexEntry, Role,
 };
 use shardscope_tests::{fixtures_dir, memory_source};

@@ -9,7 +9,7 @@
 use std::path::{Path, PathBuf};
 use std::process::{Command, Output};
 
-use shardscope_core::model::bridge::node_from_torch_save;
+use shardscope_core::bridge::node_from_torch_save;
 use shardscope_core::model::tree::Node;
 
 fn fixtures() -> PathBuf {

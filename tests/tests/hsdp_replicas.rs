@@ -6,7 +6,7 @@
 
 use std::process::Command;
 
-use shardscope_core::model::index::{self, ChunkEncoding};
+use shardscope_core::index::{self, ChunkEncoding};
 use shardscope_tests::{fixtures_dir, memory_source, shardscope_bin};
 
 #[test]

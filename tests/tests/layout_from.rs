@@ -10,10 +10,10 @@
 use std::path::{Path, PathBuf};
 use std::process::Output;
 
-use shardscope_core::model::from_index::{
+use shardscope_core::index::from_index::{
     FromIndexOptions, description_from_index, stored_key_order,
 };
-use shardscope_core::model::index::index_source;
+use shardscope_core::index::index_source;
 use shardscope_tests::{fixtures_dir, memory_source, shardscope_bin};
 
 fn formats() -> PathBuf {

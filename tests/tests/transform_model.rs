@@ -6,8 +6,8 @@ mod transform_support;
 
 use std::collections::HashMap;
 
+use shardscope_core::layout::Fsdp1Model;
 use shardscope_core::model::tree::{Dict, DistKind, DistTensor, Node, Tensor};
-use shardscope_core::transform::Fsdp1Model;
 use shardscope_core::transform::chunk::{full_from_sharded_chunks, sharded_chunk_from_full};
 use shardscope_core::transform::model_state::{
     TORCH_PADDING_FILL, fsdp2_sharded_from_full, model_full_from_local, model_local_from_full,

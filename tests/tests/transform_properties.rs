@@ -6,10 +6,10 @@
 
 use proptest::prelude::*;
 use shardscope_core::DType;
+use shardscope_core::layout::Fsdp1Model;
 use shardscope_core::layout::{self, Api, Fsdp1Layout, Layout, LayoutConfig, Strategy as Sharding};
 use shardscope_core::model::tree::{Dict, DistKind, DistTensor, Key, Node, Tensor};
 use shardscope_core::model::{ModelDescription, ParamSpec};
-use shardscope_core::transform::Fsdp1Model;
 use shardscope_core::transform::chunk::{full_from_sharded_chunks, sharded_chunk_from_full};
 use shardscope_core::transform::model_state::{
     flat_shard_from_full_params, full_params_from_flat_shards,

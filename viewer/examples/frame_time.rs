@@ -16,11 +16,11 @@ use std::time::{Duration, Instant};
 
 use egui::{Event, Modifiers, PointerButton, Pos2, RawInput, Rect, Vec2};
 use shardscope_core::DType;
-use shardscope_core::layout::{Api, Strategy};
-use shardscope_core::model::index::{
+use shardscope_core::index::{
     CheckpointIndex, CheckpointKind, Chunk, ChunkEncoding, EntryKind, FileInfo, Format, IndexEntry,
     PathSeg,
 };
+use shardscope_core::layout::{Api, Strategy};
 use shardscope_core::model::{ModelDescription, ParamSpec};
 use shardscope_viewer::Viewer;
 use shardscope_viewer::app::Tab;

@@ -9,12 +9,10 @@ use std::io::Read;
 
 #[cfg(not(target_arch = "wasm32"))]
 use shardscope_core::checkpoint::{Checkpoint, ReadOptions};
-use shardscope_core::model::hints::{LayoutHints, layout_hints};
-use shardscope_core::model::index::{
-    CheckpointIndex, EntryKind, IndexEntry, IndexError, PathSeg, Role,
-};
+use shardscope_core::index::{CheckpointIndex, EntryKind, IndexEntry, IndexError, PathSeg, Role};
 use shardscope_core::source::SourceError;
 use shardscope_core::source::{MemorySource, Source};
+use shardscope_core::view::hints::{LayoutHints, layout_hints};
 
 /// Why a checkpoint cannot be opened.
 #[derive(Debug, Clone, PartialEq, thiserror::Error)]

@@ -1,11 +1,11 @@
 //! Which per-rank file sets of a folder are read when the user names them (`--model-files`,
 //! `--optim-files`: file-name patterns with `{r}` for the rank). Without patterns every set is read
-//! ([`crate::model::index::index_source_sets`]); with them only the named sets, plus, when only the
+//! ([`crate::index::index_source_sets`]); with them only the named sets, plus, when only the
 //! optimizer's is named, the one set whose content is a model.
 
 use std::collections::BTreeSet;
 
-use crate::model::index::{self, RankGroup};
+use crate::index::{self, RankGroup};
 use crate::source::Source;
 
 use super::CheckpointError;

@@ -8,9 +8,9 @@
 //! state), reads the hints the checkpoint states (world size, API, HSDP shard group), and applies
 //! the view that makes its tensors global:
 //! - FSDP2 per-rank files: the raw optimizer's integer ids are named by FQN
-//!   ([`crate::model::fsdp2_view`]), the description helping when given; extra state is kept.
+//!   ([`crate::view::fsdp2`]), the description helping when given; extra state is kept.
 //! - FSDP1 per-rank files with a model description: flat parameters and raw optimizer state read
-//!   as the original parameters ([`crate::model::fsdp1_view`]) through the layout the flags give.
+//!   as the original parameters ([`crate::view::fsdp1`]) through the layout the flags give.
 //!
 //! What a user should know about how it was read is in [`Checkpoint::notes`]; a front end shows
 //! them (the CLI on stderr).
@@ -19,16 +19,16 @@ mod files;
 
 pub use files::{RANK_PLACEHOLDER, pattern_rank};
 
-use crate::DType;
-use crate::layout::{self, Api, Fsdp1Layout, Layout, LayoutConfig, LayoutError, Strategy};
-use crate::model::ModelDescription;
-use crate::model::fsdp1_view::{self, ViewError};
-use crate::model::fsdp2_view::{self, Fsdp2ViewError};
-use crate::model::hints::{self, LayoutHints};
-use crate::model::index::{
+use crate::dtype::DType;
+use crate::index::{
     self, CheckpointIndex, CheckpointKind, EntryKind, IndexError, PathSeg, ReadSet, Role,
 };
+use crate::layout::{self, Api, Fsdp1Layout, Layout, LayoutConfig, LayoutError, Strategy};
+use crate::model::ModelDescription;
 use crate::source::Source;
+use crate::view::fsdp1::{self as fsdp1_view, ViewError};
+use crate::view::fsdp2::{self as fsdp2_view, Fsdp2ViewError};
+use crate::view::hints::{self, LayoutHints};
 
 /// Why a checkpoint could not be opened. Each names the checkpoint (`label`: its path or URL).
 #[derive(Debug, thiserror::Error)]

@@ -1,5 +1,5 @@
 //! File formats: bytes in, raw records out (readers), and raw records in, bytes out (writers).
-//! Nothing here knows about FSDP semantics or the canonical index; [`crate::model::index`]
+//! Nothing here knows about FSDP semantics or the canonical index; [`crate::index`]
 //! converts the readers' records in one place.
 //!
 //! - [`pickle`]: a restricted pickle machine (protocols 2 to 5) that never executes anything.

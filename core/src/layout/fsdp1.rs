@@ -4,8 +4,9 @@
 use serde::Serialize;
 
 use crate::dtype::DType;
-use crate::layout::{CrossUnitTies, LayoutConfig, LayoutError, Strategy, assign_units, chunk};
+use crate::layout::{CrossUnitTies, LayoutConfig, LayoutError, Strategy, assign_units};
 use crate::model::{ModelDescription, ParamSpec, fqn};
+use crate::shape;
 
 /// FSDP's address alignment in bytes (`_FSDP_ALIGNMENT`... the flat parameter aligns every original
 /// parameter to 16 bytes of the compute dtype when `use_orig_params=True`).
@@ -298,11 +299,11 @@ fn flat_param(
             .collect();
         (total, None, ranks)
     } else {
-        let c = chunk::chunk_size(total, group_size);
+        let c = shape::chunk_size(total, group_size);
         let padded = c.checked_mul(group_size).ok_or_else(overflow)?;
         let ranks = (0..group_size)
             .map(|rank| {
-                let (lo, hi) = chunk::chunk_range(total, group_size, rank);
+                let (lo, hi) = shape::chunk_range(total, group_size, rank);
                 let window_start = c * rank;
                 let window_end = window_start + c; // exclusive
                 RankShard {

@@ -7,8 +7,9 @@ use crate::dtype::DType;
 use std::cmp::Ordering;
 use std::collections::HashMap;
 
-use crate::layout::{AssignedUnit, CrossUnitTies, LayoutConfig, LayoutError, assign_units, chunk};
+use crate::layout::{AssignedUnit, CrossUnitTies, LayoutConfig, LayoutError, assign_units};
 use crate::model::{ModelDescription, ParamSpec};
+use crate::shape;
 
 /// The FSDP2 layout of a whole model.
 #[derive(Debug, Clone, PartialEq, Eq, Serialize)]
@@ -104,10 +105,10 @@ pub fn compute(
                 });
             };
             let mut padded = p.shape.clone();
-            padded[0] = chunk::chunk_size(dim0, n);
+            padded[0] = shape::chunk_size(dim0, n);
             let ranks = (0..n)
                 .map(|rank| {
-                    let (size, offset) = chunk::shard_size_and_offset(dim0, n, rank);
+                    let (size, offset) = shape::shard_size_and_offset(dim0, n, rank);
                     let mut local_shape = Vec::with_capacity(p.shape.len());
                     local_shape.push(size);
                     local_shape.extend_from_slice(rest);

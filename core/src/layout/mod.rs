@@ -2,9 +2,10 @@
 //! padding, rank shards, `_shard_param_infos`) and FSDP2 per-parameter `Shard(0)` chunks, including
 //! hybrid sharding (shard over groups of consecutive ranks, replicate across groups).
 
-pub mod chunk;
+mod catalog;
 pub mod fsdp1;
 pub mod fsdp2;
+pub mod key_plan;
 
 use std::fmt;
 use std::str::FromStr;
@@ -14,6 +15,7 @@ use serde::{Deserialize, Serialize};
 use crate::dtype::DType;
 use crate::model::ModelDescription;
 
+pub use catalog::{Fsdp1Model, ParamRef};
 pub use fsdp1::{FlatParamLayout, Fsdp1Layout, RankShard, ShardParamInfo, SharedParam};
 pub use fsdp2::{Fsdp2Layout, Fsdp2Param, Fsdp2RankShard, Fsdp2Unit};
 
@@ -225,6 +227,9 @@ pub enum LayoutError {
     /// A count overflowed 64 bits.
     #[error("unit `{unit}`: element count overflows 64 bits")]
     Overflow { unit: String },
+    /// The layout does not belong to the description ([`Fsdp1Model::new`]).
+    #[error("layout and model description disagree: {reason}")]
+    DescriptionMismatch { reason: String },
 }
 
 /// Either layout, as `shardscope layout --json` prints it.

@@ -1,17 +1,11 @@
-//! Canonical types shared by layouts, transforms, the CLI and the viewer.
+//! Basic model types shared by every layer above: the model description (parameters, units, tied
+//! aliases), FQN rules (wrapper prefixes, key paths) and the value tree the transforms take.
 //!
 //! Format quirks (wrapper prefixes, pickle classes, DCP flattening) are resolved before data reaches
-//! this module; code that uses these types never sees them.
+//! these types; code that uses them never sees them.
 
-pub mod bridge;
 pub mod description;
 pub mod fqn;
-pub mod from_index;
-pub mod fsdp1_view;
-pub mod fsdp2_view;
-pub mod hints;
-pub mod index;
-pub mod ties;
 pub mod tree;
 
 pub use description::{DescriptionError, ModelDescription, ParamSpec};

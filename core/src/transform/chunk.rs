@@ -1,8 +1,8 @@
 //! Dim-0 `torch.chunk` sharding of whole tensors, as SHARDED_STATE_DICT (FSDP1), the sharded
 //! optimizer state dict and FSDP2 DTensors store them (spec 2.3, 4.4, 8.4), and its inverse.
 
-use crate::layout::chunk::{chunk_range, shard_size_and_offset};
 use crate::model::tree::{ChunkMeta, DistKind, DistTensor, Tensor};
+use crate::shape::{chunk_range, shard_size_and_offset};
 use crate::transform::TransformError;
 
 /// Elements per dim-0 row (1 for a 1-D tensor).

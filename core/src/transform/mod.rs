@@ -20,10 +20,7 @@ pub mod model_state;
 pub mod optim_state;
 pub mod reshard;
 
-mod catalog;
 mod pyrepr;
-
-pub use catalog::{Fsdp1Model, ParamRef};
 
 use crate::dtype::DType;
 
@@ -31,9 +28,6 @@ use crate::dtype::DType;
 /// PyTorch's own text.
 #[derive(Debug, Clone, PartialEq, thiserror::Error)]
 pub enum TransformError {
-    /// The layout is not an FSDP1 layout, or does not belong to the description.
-    #[error("layout and model description disagree: {reason}")]
-    LayoutMismatch { reason: String },
     /// A value has the wrong kind (e.g. a list where a dict is expected).
     #[error("{path}: expected {expected}, found {found}")]
     WrongKind {

@@ -289,22 +289,11 @@ pub fn shard_of_local_entry(
 
 use std::collections::{HashMap, HashSet};
 
+use crate::layout::Fsdp1Model;
+use crate::layout::key_plan::{FullKey, depth, full_key_plan, managed_aliases};
 use crate::model::fqn;
 use crate::model::tree::{Dict, Key, Node};
-use crate::transform::Fsdp1Model;
 use crate::transform::chunk::sharded_chunk_from_full;
-use crate::transform::reshard::{FullKey, full_key_plan};
-
-/// Tied aliases inside flat parameters: alias FQN -> primary FQN.
-pub fn managed_aliases(model: &Fsdp1Model<'_>) -> HashMap<String, String> {
-    model
-        .layout
-        .flat_params
-        .iter()
-        .flat_map(|f| f.shared_params.iter())
-        .map(|s| (s.fqn.clone(), s.prim_fqn.clone()))
-        .collect()
-}
 
 fn tensor_entry<'d>(d: &'d Dict, key: &str) -> Result<&'d Tensor, TransformError> {
     match d.get_str(key) {
@@ -404,15 +393,6 @@ pub fn model_local_from_full(
     Ok(entries.into_iter().collect())
 }
 
-/// Number of dotted segments of a module prefix (`""` is 0).
-pub fn depth(prefix: &str) -> usize {
-    if prefix.is_empty() {
-        0
-    } else {
-        prefix.split('.').count()
-    }
-}
-
 /// `model.state_dict()` under FULL_STATE_DICT, from every rank's LOCAL state dict.
 ///
 /// Key order: modules in pre-order (children in description order, buffer-only modules after),
@@ -458,68 +438,6 @@ pub fn model_full_from_local(
         }
     }
     Ok(out)
-}
-
-fn parent(name: &str) -> &str {
-    name.rfind('.').map_or("", |i| &name[..i])
-}
-
-/// `nn.Module.state_dict` order from parameter and buffer names (`aliases` from
-/// [`managed_aliases`]): the key order of [`model_full_from_local`].
-#[allow(clippy::implicit_hasher)]
-pub fn module_order(
-    model: &Fsdp1Model<'_>,
-    aliases: &HashMap<String, String>,
-    buffers: &[String],
-) -> Vec<String> {
-    let mut children: HashMap<String, Vec<String>> = HashMap::new();
-    let mut known: HashSet<String> = HashSet::from([String::new()]);
-    let mut own_params: HashMap<String, (Vec<String>, Vec<String>)> = HashMap::new();
-    let mut own_buffers: HashMap<String, Vec<String>> = HashMap::new();
-    let mut add_module = |module: &str, known: &mut HashSet<String>| {
-        let mut path = String::new();
-        for segment in module.split('.').filter(|s| !s.is_empty()) {
-            let child = fqn::join(&path, segment);
-            if known.insert(child.clone()) {
-                children
-                    .entry(path.clone())
-                    .or_default()
-                    .push(child.clone());
-            }
-            path = child;
-        }
-    };
-    for p in &model.description.params {
-        add_module(parent(&p.fqn), &mut known);
-        let slot = own_params.entry(parent(&p.fqn).to_owned()).or_default();
-        if aliases.contains_key(&p.fqn) {
-            slot.1.push(p.fqn.clone());
-        } else {
-            slot.0.push(p.fqn.clone());
-        }
-    }
-    for b in buffers {
-        add_module(parent(b), &mut known);
-        own_buffers
-            .entry(parent(b).to_owned())
-            .or_default()
-            .push(b.clone());
-    }
-    let mut out = Vec::new();
-    let mut stack = vec![String::new()];
-    while let Some(module) = stack.pop() {
-        if let Some((params, tied)) = own_params.get(&module) {
-            out.extend(params.iter().cloned());
-            out.extend(tied.iter().cloned());
-        }
-        if let Some(b) = own_buffers.get(&module) {
-            out.extend(b.iter().cloned());
-        }
-        if let Some(c) = children.get(&module) {
-            stack.extend(c.iter().rev().cloned());
-        }
-    }
-    out
 }
 
 /// `model.state_dict()` under SHARDED_STATE_DICT on `rank`, from a FULL state dict: every

@@ -19,9 +19,10 @@ use std::collections::{BTreeMap, BTreeSet, HashMap};
 use std::fmt::Write as _;
 
 use crate::dtype::DType;
+use crate::layout::{Fsdp1Model, ParamRef};
 use crate::model::tree::{Dict, DistKind, Key, Node, Tensor};
 use crate::transform::chunk::{full_from_sharded_chunks, sharded_chunk_from_full};
-use crate::transform::{Fsdp1Model, ParamRef, TransformError, pyrepr, sub};
+use crate::transform::{TransformError, pyrepr, sub};
 
 /// Which optimizer parameter each id is, on one rank.
 #[derive(Debug, Clone)]
@@ -144,8 +145,8 @@ pub fn local_state_runs(
             let (lo, hi, padded) = if flat.padded_unsharded_numel.is_none() || ws == 1 {
                 (0, total, total)
             } else {
-                let (lo, hi) = crate::layout::chunk::chunk_range(total, ws, rank);
-                (lo, hi, crate::layout::chunk::chunk_size(total, ws))
+                let (lo, hi) = crate::shape::chunk_range(total, ws, rank);
+                (lo, hi, crate::shape::chunk_size(total, ws))
             };
             let mut out = Vec::new();
             for (at, n, fqn) in runs {

@@ -11,8 +11,8 @@ use clap::{Args, ValueEnum};
 use shardscope_core::checkpoint::{
     Checkpoint, Fsdp1Flags, View, rank_local_optimizer_state, ranks_in,
 };
+use shardscope_core::index::{CheckpointIndex, CheckpointKind, PathSeg};
 use shardscope_core::layout::Strategy;
-use shardscope_core::model::index::{CheckpointIndex, CheckpointKind, PathSeg};
 
 use super::{human_bytes, print_stdout};
 use crate::convert::{self, Progress, Reader, ShardApi};
@@ -534,7 +534,7 @@ fn write_options(args: &ConvertArgs, dir_output: bool) -> Result<convert::WriteO
     })
 }
 
-/// FSDP1 per-rank model and optimizer files read through the layout (`core::model::fsdp1_view`):
+/// FSDP1 per-rank model and optimizer files read through the layout (`core::view::fsdp1`):
 /// the full model state dict at `args.output` (`torch.save` or safetensors) and
 /// `FSDP.optim_state_dict` at `--optim-output` (default `<DST stem>.optim.pt` next to it), put in
 /// place together. A folder with only one of the two sets converts to the one output.

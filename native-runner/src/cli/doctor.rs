@@ -11,8 +11,8 @@ use clap::{Args, ValueEnum};
 use shardscope_core::checkpoint::{Checkpoint, CheckpointError, Fsdp1Flags};
 use shardscope_core::doctor::{self, Finding, Options, Report, Severity, Target};
 use shardscope_core::formats::{dcp, torch_zip};
+use shardscope_core::index::{self, CheckpointIndex, Format};
 use shardscope_core::model::ModelDescription;
-use shardscope_core::model::index::{self, CheckpointIndex, Format};
 use shardscope_core::source::Source;
 
 use super::print_stdout;

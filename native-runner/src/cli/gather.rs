@@ -12,10 +12,10 @@ use anyhow::{Context, bail};
 use clap::{Args, ValueEnum};
 use shardscope_core::DType;
 use shardscope_core::checkpoint::{Checkpoint, Fsdp1Flags};
+use shardscope_core::index::from_index;
+use shardscope_core::index::{CheckpointIndex, CheckpointKind};
 use shardscope_core::layout::{self, Api, LayoutConfig, Strategy};
 use shardscope_core::model::ModelDescription;
-use shardscope_core::model::from_index;
-use shardscope_core::model::index::{CheckpointIndex, CheckpointKind};
 use shardscope_runner::gather::ckpt::{IndexFull, IndexLocal, Indexed};
 use shardscope_runner::gather::source::{
     RankPrefixedSafetensors, SafetensorsFile, SyntheticSource,

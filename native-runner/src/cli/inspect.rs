@@ -9,9 +9,7 @@ use std::process::ExitCode;
 use anyhow::Context;
 use clap::Args;
 use regex::Regex;
-use shardscope_core::model::index::{
-    self, CheckpointIndex, EntryKind, IndexEntry, Problem, ValueStats,
-};
+use shardscope_core::index::{self, CheckpointIndex, EntryKind, IndexEntry, Problem, ValueStats};
 use shardscope_core::source::Source;
 
 use super::{human_bytes, print_stdout};

@@ -7,11 +7,12 @@ use std::process::ExitCode;
 use anyhow::Context;
 use clap::Args;
 use shardscope_core::DType;
+use shardscope_core::index::{self, from_index};
 use shardscope_core::layout::{
     self, Api, FlatParamLayout, Fsdp1Layout, Fsdp2Layout, Layout, LayoutConfig, Strategy,
     fsdp1::PieceKind,
 };
-use shardscope_core::model::{ModelDescription, from_index, index};
+use shardscope_core::model::ModelDescription;
 
 use crate::input::Input;
 
@@ -110,7 +111,7 @@ fn tied_keys(
         })
         .map(|(i, _)| i)
         .collect();
-    let groups = shardscope_core::model::ties::find_ties(index, source, &candidates)?;
+    let groups = shardscope_core::index::ties::find_ties(index, source, &candidates)?;
     Ok(groups
         .iter()
         .flat_map(|g| {

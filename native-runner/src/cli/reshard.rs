@@ -8,9 +8,9 @@ use std::process::ExitCode;
 
 use anyhow::Context;
 use clap::Args;
+use shardscope_core::layout::Fsdp1Model;
 use shardscope_core::layout::{self, Strategy};
 use shardscope_core::layout::{Api, Layout, LayoutConfig};
-use shardscope_core::transform::Fsdp1Model;
 use shardscope_runner::fsdp1_local::{self, LayoutFlags};
 
 use crate::convert::to_fsdp1::{Fsdp1Target, OutputFile, to_fsdp1_local};
@@ -246,7 +246,7 @@ fn write_fsdp2(
     args: &ReshardCliArgs,
     desc: &shardscope_core::model::ModelDescription,
     source: &crate::input::Input,
-    index: &shardscope_core::model::index::CheckpointIndex,
+    index: &shardscope_core::index::CheckpointIndex,
     files: &fsdp1_local::RankFiles,
     model_prefix: &str,
     full_source: bool,
@@ -339,13 +339,13 @@ fn open_per_rank(
     desc: &shardscope_core::model::ModelDescription,
 ) -> anyhow::Result<(
     crate::input::Input,
-    shardscope_core::model::index::CheckpointIndex,
+    shardscope_core::index::CheckpointIndex,
     fsdp1_local::RankFiles,
     String,
     bool,
 )> {
     use shardscope_core::checkpoint::{Fsdp1Flags, View, ranks_in};
-    use shardscope_core::model::index::{PathSeg, Role};
+    use shardscope_core::index::{PathSeg, Role};
     let options = ReadOptions {
         description: Some((desc.clone(), args.model.display().to_string())),
         fsdp1: Fsdp1Flags {
@@ -438,7 +438,7 @@ fn is_full_checkpoint(src: &Path) -> bool {
 
 type Opened = (
     crate::input::Input,
-    shardscope_core::model::index::CheckpointIndex,
+    shardscope_core::index::CheckpointIndex,
     fsdp1_local::RankFiles,
     String,
 );
@@ -449,7 +449,7 @@ fn open_full(
     args: &ReshardCliArgs,
     desc: &shardscope_core::model::ModelDescription,
 ) -> anyhow::Result<Opened> {
-    use shardscope_core::model::index::Role;
+    use shardscope_core::index::Role;
     refuse_fsdp1_input_flags(args, "a checkpoint of full tensors")?;
     let (source, checkpoint) = super::read::open(
         std::slice::from_ref(&args.src),
@@ -488,7 +488,7 @@ fn open_full(
         matches!(
             &e.role,
             Some(Role::OptimizerState {
-                param: shardscope_core::model::index::PathSeg::Key(_),
+                param: shardscope_core::index::PathSeg::Key(_),
                 ..
             })
         )

@@ -41,7 +41,7 @@ pub fn run(args: &VerifyArgs) -> anyhow::Result<ExitCode> {
     let label = checkpoint.label.clone();
     let layout = checkpoint.fsdp1_layout(&options)?;
     if let Some(layout) = &layout {
-        shardscope_core::model::fsdp1_view::mark_param_views(&mut checkpoint.index, layout);
+        shardscope_core::view::fsdp1::mark_param_views(&mut checkpoint.index, layout);
     }
     let mut progress = Progress::new(args.quiet, "verify");
     let report = verify::verify(

@@ -14,7 +14,7 @@ use std::sync::{Condvar, Mutex, MutexGuard};
 
 use anyhow::{Result, anyhow, bail};
 use shardscope_core::DType;
-use shardscope_core::model::index::{CheckpointIndex, IndexEntry};
+use shardscope_core::index::{CheckpointIndex, IndexEntry};
 
 use super::{Reader, read_cost_bytes};
 use crate::input::Input;

@@ -18,8 +18,8 @@
 //! of the mmap).
 //!
 //! Per-rank folders go the same way: their index is read through a view first (FSDP2:
-//! `shardscope_core::model::fsdp2_view` names the optimizer ids; FSDP1 with `--model`:
-//! `shardscope_core::model::fsdp1_view` turns flat pieces into original parameters), as
+//! `shardscope_core::view::fsdp2` names the optimizer ids; FSDP1 with `--model`:
+//! `shardscope_core::view::fsdp1` turns flat pieces into original parameters), as
 //! `shardscope_core::checkpoint::Checkpoint::open` decides.
 
 pub mod exec;
@@ -45,10 +45,8 @@ use shardscope_core::formats::write::safetensors::{
     SafetensorsWriter, TensorSpec, index_json, plan_shards,
 };
 use shardscope_core::formats::write::torch_save::TorchSaveWriter;
-use shardscope_core::formats::write::{contiguous_strides, nbytes};
-use shardscope_core::model::index::{
-    CheckpointIndex, ChunkEncoding, EntryKind, IndexEntry, PathSeg,
-};
+use shardscope_core::index::{CheckpointIndex, ChunkEncoding, EntryKind, IndexEntry, PathSeg};
+use shardscope_core::shape::{contiguous_strides, nbytes};
 
 use crate::atomic;
 use crate::input::Input;
@@ -577,7 +575,7 @@ pub fn select<'a>(index: &'a CheckpointIndex, prefix: Option<&str>) -> Result<Se
 }
 
 /// Removes the aliases of tied weights from the selection's tensors (see
-/// [`shardscope_core::model::ties`]: shared storage in `torch.save`, equal bytes elsewhere) and
+/// [`shardscope_core::index::ties`]: shared storage in `torch.save`, equal bytes elsewhere) and
 /// returns `(kept, dropped)` output names. The name kept is the one that comes first in the
 /// checkpoint.
 pub fn drop_tied(
@@ -597,7 +595,7 @@ pub fn drop_tied(
         .filter_map(|(name, e)| Some((*position.get(&std::ptr::from_ref(*e))?, name.clone())))
         .collect();
     // The name kept is the first in stored (registration) order.
-    let order = shardscope_core::model::from_index::stored_key_order(source, index)
+    let order = shardscope_core::index::from_index::stored_key_order(source, index)
         .context("cannot read the checkpoint's key order")?;
     let by_key: BTreeMap<&str, usize> = index
         .entries
@@ -613,7 +611,7 @@ pub fn drop_tied(
         .collect();
     let listed: BTreeSet<usize> = candidates.iter().copied().collect();
     candidates.extend(out_name.keys().filter(|i| !listed.contains(i)));
-    let groups = shardscope_core::model::ties::find_ties(index, source, &candidates)
+    let groups = shardscope_core::index::ties::find_ties(index, source, &candidates)
         .context("cannot look for tied weights")?;
     let mut dropped = Vec::new();
     let mut drop_set = BTreeSet::new();

@@ -18,15 +18,15 @@ use std::path::{Path, PathBuf};
 
 use anyhow::{Context, Result, bail};
 use shardscope_core::DType;
-use shardscope_core::model::bridge::{self, RootDict};
-use shardscope_core::model::index::{CheckpointIndex, EntryKind, IndexEntry, PathSeg, Role};
+use shardscope_core::bridge::{self, RootDict};
+use shardscope_core::index::{CheckpointIndex, EntryKind, IndexEntry, PathSeg, Role};
+use shardscope_core::layout::key_plan::{FullKey, LocalKey, local_key_plan};
+use shardscope_core::layout::{Fsdp1Model, ParamRef};
 use shardscope_core::model::tree::{Dict, Key, Node, Tensor, fill_bytes};
 use shardscope_core::transform::model_state::{
     TORCH_PADDING_FILL, local_flat_param_structure, unpadded_shard_numel,
 };
 use shardscope_core::transform::optim_state::{StateRun, local_optim_from_full, local_state_runs};
-use shardscope_core::transform::reshard::{FullKey, LocalKey, local_key_plan};
-use shardscope_core::transform::{Fsdp1Model, ParamRef};
 use shardscope_runner::fsdp1_local::{Fsdp1LocalError, lazy};
 
 use super::Reader;

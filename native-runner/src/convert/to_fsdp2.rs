@@ -14,9 +14,9 @@ use std::collections::{HashMap, HashSet};
 use std::path::Path;
 
 use anyhow::{Context, Result, bail};
+use shardscope_core::bridge::{DeviceMeshSpec, RootDict};
+use shardscope_core::index::{EntryKind, IndexEntry, PathSeg, Role};
 use shardscope_core::model::ModelDescription;
-use shardscope_core::model::bridge::{DeviceMeshSpec, RootDict};
-use shardscope_core::model::index::{EntryKind, IndexEntry, PathSeg, Role};
 use shardscope_core::model::tree::{Dict, DistKind, DistTensor, Key, Node, Tensor};
 use shardscope_runner::fsdp1_local::{Fsdp1LocalError, lazy};
 

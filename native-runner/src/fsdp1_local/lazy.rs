@@ -15,9 +15,9 @@ use std::io::Write;
 use std::os::unix::fs::FileExt;
 use std::path::{Path, PathBuf};
 
+use shardscope_core::bridge::{self, BridgeError, RootDict};
 use shardscope_core::formats::pickle::TensorRef;
 use shardscope_core::formats::torch_zip::{self, MemberRange, TorchArchive};
-use shardscope_core::model::bridge::{self, BridgeError, RootDict};
 use shardscope_core::model::tree::{Node, Tensor};
 use shardscope_core::source::Source;
 

@@ -1,15 +1,15 @@
 //! FSDP1 per-rank checkpoint folders: how per-rank outputs are named ([`RankFiles`]), the model
 //! description, and the lazy `torch.save` reader and tensor-at-a-time writer ([`lazy`]).
 //! Which files of a folder are read, and how, is `shardscope_core::checkpoint`'s decision:
-//! `core::model::fsdp1_view` reads the files as original parameters and FQN-keyed optimizer
+//! `core::view::fsdp1` reads the files as original parameters and FQN-keyed optimizer
 //! state, and the runner's `convert::to_fsdp1` writes per-rank files for any layout (`shardscope
 //! reshard`), keeping the input's names.
 
 use std::path::{Path, PathBuf};
 
+use shardscope_core::bridge::BridgeError;
 use shardscope_core::layout::{self, Strategy};
 use shardscope_core::model::ModelDescription;
-use shardscope_core::model::bridge::BridgeError;
 
 /// Lazy `torch.save` inputs and tensor-at-a-time outputs (also used by the FSDP2 per-rank convert).
 pub mod lazy;

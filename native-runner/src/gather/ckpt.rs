@@ -18,7 +18,7 @@ use std::collections::BTreeSet;
 use std::sync::{Arc, Mutex};
 
 use shardscope_core::DType;
-use shardscope_core::model::index::{CheckpointIndex, ChunkEncoding, EntryKind, IndexEntry};
+use shardscope_core::index::{CheckpointIndex, ChunkEncoding, EntryKind, IndexEntry};
 use shardscope_core::model::{ModelDescription, fqn};
 use shardscope_core::source::Source;
 

@@ -6,7 +6,7 @@ use std::collections::BTreeMap;
 
 use egui::{Pos2, Rect, RichText, Sense, Stroke, Ui, Vec2};
 use egui_extras::{Column, TableBuilder};
-use shardscope_core::model::index::{EntryKind, FsdpInfo, IndexEntry};
+use shardscope_core::index::{EntryKind, FsdpInfo, IndexEntry};
 
 use crate::Selection;
 use crate::checkpoint::{CheckpointView, value_text};

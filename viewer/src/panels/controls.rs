@@ -68,9 +68,9 @@ const DTYPES: [DType; 4] = [
 
 impl Controls {
     /// Takes the world size, API and HSDP shard group from what a checkpoint states (see
-    /// [`shardscope_core::model::hints`]) and records where each came from. Values the checkpoint
+    /// [`shardscope_core::view::hints`]) and records where each came from. Values the checkpoint
     /// does not state, and values set by hand or on the command line, keep their setting.
-    pub fn apply_hints(&mut self, hints: &shardscope_core::model::hints::LayoutHints) {
+    pub fn apply_hints(&mut self, hints: &shardscope_core::view::hints::LayoutHints) {
         let from = |why: &str| Some(format!("from the checkpoint: {why}"));
         let open = |origin: &Option<String>| {
             origin

@@ -30,9 +30,10 @@ use std::ops::Range;
 
 use super::pickle::{PickleWriteError, PyValue, to_pickle};
 use super::torch_save::{TorchSaveError, tensor_to_vec, torch_save_to_vec};
-use super::{CountingWriter, TensorRef, contiguous_strides, nbytes, numel};
-use crate::DType;
-use crate::layout::chunk::{chunk_range, shard_size_and_offset};
+use super::{CountingWriter, TensorRef};
+use crate::dtype::DType;
+use crate::shape::{chunk_range, shard_size_and_offset};
+use crate::shape::{contiguous_strides, nbytes, numel};
 
 const METADATA_MODULE: &str = "torch.distributed.checkpoint.metadata";
 const FILESYSTEM_MODULE: &str = "torch.distributed.checkpoint.filesystem";

@@ -44,7 +44,8 @@ pub mod zip;
 
 use std::io::{self, Write};
 
-use crate::DType;
+use crate::dtype::DType;
+use crate::shape::{nbytes, numel};
 
 /// A borrowed, C-contiguous, little-endian tensor: what every writer takes as data.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -105,25 +106,6 @@ impl<'a> TensorRef<'a> {
         // `new` checked that this does not overflow; a struct built by hand saturates.
         numel(self.shape).unwrap_or(u64::MAX)
     }
-}
-
-/// Number of elements of `shape` (1 for `[]`), `None` on overflow.
-pub fn numel(shape: &[u64]) -> Option<u64> {
-    shape.iter().try_fold(1u64, |acc, &d| acc.checked_mul(d))
-}
-
-/// Bytes of a contiguous tensor of `shape` and `dtype`, `None` on overflow.
-pub fn nbytes(dtype: DType, shape: &[u64]) -> Option<u64> {
-    numel(shape)?.checked_mul(dtype.size_bytes() as u64)
-}
-
-/// C-contiguous strides as torch computes them: `stride[i] = stride[i + 1] * max(shape[i + 1], 1)`.
-pub fn contiguous_strides(shape: &[u64]) -> Vec<u64> {
-    let mut strides = vec![1u64; shape.len()];
-    for i in (0..shape.len().saturating_sub(1)).rev() {
-        strides[i] = strides[i + 1].saturating_mul(shape[i + 1].max(1));
-    }
-    strides
 }
 
 /// A `Write` adapter that counts the bytes written through it (writers need offsets, not `Seek`).
@@ -196,16 +178,6 @@ mod tests {
             TensorRef::new(DType::Float64, &[u64::MAX, 2], &[]),
             Err(TensorRefError::ShapeOverflow { .. })
         ));
-    }
-
-    #[test]
-    fn strides_match_torch() {
-        // torch.zeros(2, 3, 4).stride() == (12, 4, 1); torch.zeros(0, 3).stride() == (3, 1);
-        // torch.zeros(3, 0, 2).stride() == (2, 2, 1).
-        assert_eq!(contiguous_strides(&[2, 3, 4]), [12, 4, 1]);
-        assert_eq!(contiguous_strides(&[0, 3]), [3, 1]);
-        assert_eq!(contiguous_strides(&[3, 0, 2]), [2, 2, 1]);
-        assert_eq!(contiguous_strides(&[]), Vec::<u64>::new());
     }
 
     /// Records the size of every `write` it is given.

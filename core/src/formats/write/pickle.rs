@@ -14,7 +14,7 @@
 //! [`PyValue::Call`] (`callable(*args)` with `REDUCE`) and [`PyValue::Object`] (`cls.__new__(cls)` with
 //! `NEWOBJ`, then `BUILD` with a state, as dataclasses pickle).
 
-use crate::DType;
+use crate::dtype::DType;
 
 /// A Python value to pickle.
 #[derive(Debug, Clone, PartialEq)]
@@ -135,7 +135,7 @@ impl TensorPickle {
             dtype,
             storage_offset: 0,
             shape: shape.to_vec(),
-            stride: super::contiguous_strides(shape),
+            stride: crate::shape::contiguous_strides(shape),
         }
     }
 }

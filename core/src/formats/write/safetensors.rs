@@ -20,7 +20,7 @@ use std::io::{self, Write};
 use serde::Serialize;
 
 use super::{CountingWriter, TensorRef};
-use crate::DType;
+use crate::dtype::DType;
 
 /// Name, dtype and shape of one tensor to write.
 #[derive(Debug, Clone, PartialEq, Eq)]
@@ -45,7 +45,7 @@ impl TensorSpec {
 
     /// Bytes of the tensor's data, `None` on overflow.
     pub fn nbytes(&self) -> Option<u64> {
-        super::nbytes(self.dtype, &self.shape)
+        crate::shape::nbytes(self.dtype, &self.shape)
     }
 }
 

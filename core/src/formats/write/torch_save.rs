@@ -21,7 +21,7 @@ use std::io::{Seek, Write};
 
 use super::pickle::{self, PickleWriteError, PyValue, StorageSpec, TensorPickle};
 use super::zip::{ZipWriteError, ZipWriter};
-use crate::DType;
+use crate::dtype::DType;
 
 /// A `torch.save` archive could not be written.
 #[derive(Debug, thiserror::Error)]

@@ -805,7 +805,7 @@ impl<'n> Writer<'n> {
                 ],
             )
         };
-        let strides = crate::formats::write::contiguous_strides(&mesh.shape);
+        let strides = crate::shape::contiguous_strides(&mesh.shape);
         let layout = PyValue::object(
             "torch.distributed._mesh_layout",
             "_MeshLayout",
@@ -864,7 +864,7 @@ impl<'n> Writer<'n> {
                 }
             })
             .collect();
-        let global_strides = crate::formats::write::contiguous_strides(&d.global_shape);
+        let global_strides = crate::shape::contiguous_strides(&d.global_shape);
         let size = PyValue::call("torch", "Size", vec![PyValue::int_tuple(&d.global_shape)]);
         let tensor_meta = PyValue::call(
             SPEC,
@@ -1016,7 +1016,7 @@ impl<'n> Writer<'n> {
 /// a `DTensor`): the wrapper's global dtype, shape and contiguous strides on the CPU, and the
 /// subclass's `state`.
 fn wrapper_subclass(class: PyValue, d: &DistTensor, state: PyValue) -> PyValue {
-    let strides = crate::formats::write::contiguous_strides(&d.global_shape);
+    let strides = crate::shape::contiguous_strides(&d.global_shape);
     let args = PyValue::Tuple(vec![
         class.clone(),
         dtype_global(d.dtype),

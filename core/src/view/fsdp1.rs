@@ -18,13 +18,14 @@
 
 use std::collections::{BTreeMap, HashMap};
 
-use crate::layout::{FlatParamLayout, Fsdp1Layout};
-use crate::model::ModelDescription;
-use crate::model::index::{
+use crate::index::{
     CheckpointIndex, CheckpointKind, Chunk, ChunkEncoding, EntryKind, IndexEntry, PathSeg, Role,
 };
-use crate::transform::reshard::full_key_plan;
-use crate::transform::{Fsdp1Model, ParamRef};
+use crate::layout::key_plan::full_key_plan;
+use crate::layout::{FlatParamLayout, Fsdp1Layout};
+use crate::layout::{Fsdp1Model, ParamRef};
+use crate::model::ModelDescription;
+use crate::shape::{checked_contiguous_strides, flat_range_boxes};
 
 /// Why a per-rank checkpoint cannot be read through a layout.
 #[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
@@ -41,88 +42,6 @@ fn mismatch(key: &str, what: impl Into<String>) -> ViewError {
     ViewError::Mismatch {
         key: key.to_owned(),
         what: what.into(),
-    }
-}
-
-/// Row-major strides of `shape`, or `None` on overflow.
-fn contiguous_strides(shape: &[u64]) -> Option<Vec<u64>> {
-    let mut strides = vec![0u64; shape.len()];
-    let mut acc = 1u64;
-    for d in (0..shape.len()).rev() {
-        strides[d] = acc;
-        acc = acc.checked_mul(shape[d].max(1))?;
-    }
-    Some(strides)
-}
-
-/// One box of a flat range: `(offsets, sizes, flat index of its first element)`.
-pub type FlatBox = (Vec<u64>, Vec<u64>, u64);
-
-/// The boxes whose union is the flat range `[start, end)` of a row-major tensor of `shape`, in
-/// flat order (at most `2·ndim − 1` of them). `None` when the range lies outside the tensor or
-/// sizes overflow.
-pub fn flat_range_boxes(shape: &[u64], start: u64, end: u64) -> Option<Vec<FlatBox>> {
-    let numel = shape.iter().try_fold(1u64, |a, &d| a.checked_mul(d))?;
-    if start > end || end > numel {
-        return None;
-    }
-    let mut out = Vec::new();
-    let mut prefix = Vec::with_capacity(shape.len());
-    boxes_rec(shape, start, end, &mut prefix, 0, &mut out);
-    Some(out)
-}
-
-fn boxes_rec(
-    shape: &[u64],
-    start: u64,
-    end: u64,
-    prefix: &mut Vec<u64>,
-    flat_base: u64,
-    out: &mut Vec<FlatBox>,
-) {
-    if start >= end {
-        return;
-    }
-    let Some((&dim0, rest)) = shape.split_first() else {
-        // A 0-d tensor: its one element.
-        out.push((prefix.clone(), Vec::new(), flat_base));
-        return;
-    };
-    let inner: u64 = rest.iter().product();
-    if inner == 0 || dim0 == 0 {
-        return;
-    }
-    let (row0, col0) = (start / inner, start % inner);
-    let (row1, col1) = (end / inner, end % inner);
-    let push_rows = |prefix: &mut Vec<u64>, from: u64, to: u64, out: &mut Vec<FlatBox>| {
-        if from < to {
-            let mut offsets = prefix.clone();
-            offsets.push(from);
-            offsets.extend(std::iter::repeat_n(0, rest.len()));
-            let mut sizes = vec![1; prefix.len()];
-            sizes.push(to - from);
-            sizes.extend_from_slice(rest);
-            out.push((offsets, sizes, flat_base + from * inner));
-        }
-    };
-    if row0 == row1 {
-        prefix.push(row0);
-        boxes_rec(rest, col0, col1, prefix, flat_base + row0 * inner, out);
-        prefix.pop();
-        return;
-    }
-    let mut first_full = row0;
-    if col0 != 0 {
-        prefix.push(row0);
-        boxes_rec(rest, col0, inner, prefix, flat_base + row0 * inner, out);
-        prefix.pop();
-        first_full += 1;
-    }
-    push_rows(prefix, first_full, row1, out);
-    if col1 != 0 {
-        prefix.push(row1);
-        boxes_rec(rest, 0, col1, prefix, flat_base + row1 * inner, out);
-        prefix.pop();
     }
 }
 
@@ -161,8 +80,8 @@ fn range_chunks(
             format!("elements {intra_start}..{end} lie outside shape {shape:?}"),
         )
     })?;
-    let pstrides =
-        contiguous_strides(shape).ok_or_else(|| mismatch(key, "shape overflows 64 bits"))?;
+    let pstrides = checked_contiguous_strides(shape)
+        .ok_or_else(|| mismatch(key, "shape overflows 64 bits"))?;
     boxes
         .into_iter()
         .map(|(offsets, sizes, flat)| {
@@ -237,7 +156,7 @@ pub(crate) fn prefix_of(path: &[PathSeg], drop: usize) -> (String, Vec<PathSeg>)
 }
 
 /// The per-rank checkpoint `index` (FSDP1 LOCAL model files and/or raw optimizer files, as
-/// [`crate::model::index::index_source`] reads a folder) with every flat parameter replaced by
+/// [`crate::index::index_source`] reads a folder) with every flat parameter replaced by
 /// the original parameters it holds and raw optimizer state keyed by FQN, as torch's
 /// `FULL_STATE_DICT` and `FSDP.optim_state_dict` key them. `layout` is the layout the files were
 /// written with. Entries that are neither are kept as they are.
@@ -777,70 +696,5 @@ fn id_fqns(model: &Fsdp1Model<'_>, pref: &ParamRef) -> Vec<String> {
         ParamRef::Flat(f) => model.flat(*f).fqns.clone(),
         ParamRef::Orig { flat, index } => vec![model.flat(*flat).fqns[*index].clone()],
         ParamRef::Plain(fqn) => vec![fqn.clone()],
-    }
-}
-
-#[cfg(test)]
-mod tests {
-    use super::*;
-
-    fn covered(shape: &[u64], start: u64, end: u64) -> Vec<u64> {
-        let strides = contiguous_strides(shape).unwrap();
-        let mut flat = Vec::new();
-        for (offsets, sizes, first) in flat_range_boxes(shape, start, end).unwrap() {
-            assert_eq!(offsets.len(), shape.len());
-            let first_of_box: u64 = offsets.iter().zip(&strides).map(|(o, s)| o * s).sum();
-            assert_eq!(first_of_box, first);
-            let n: u64 = sizes.iter().product();
-            let mut idx = vec![0u64; sizes.len()];
-            for _ in 0..n {
-                flat.push(
-                    idx.iter()
-                        .zip(&offsets)
-                        .zip(&strides)
-                        .map(|((i, o), s)| (i + o) * s)
-                        .sum(),
-                );
-                for d in (0..idx.len()).rev() {
-                    idx[d] += 1;
-                    if idx[d] < sizes[d] {
-                        break;
-                    }
-                    idx[d] = 0;
-                }
-            }
-        }
-        flat
-    }
-
-    #[test]
-    fn boxes_tile_every_range_in_order() {
-        for shape in [
-            vec![],
-            vec![7],
-            vec![3, 4],
-            vec![2, 3, 4],
-            vec![3, 1, 5],
-            vec![2, 2, 2, 3],
-        ] {
-            let numel: u64 = shape.iter().product();
-            for start in 0..=numel {
-                for end in start..=numel {
-                    let got = covered(&shape, start, end);
-                    let want: Vec<u64> = (start..end).collect();
-                    assert_eq!(got, want, "shape {shape:?} range {start}..{end}");
-                    let boxes = flat_range_boxes(&shape, start, end).unwrap();
-                    assert!(boxes.len() <= (2 * shape.len()).max(1), "{shape:?}");
-                }
-            }
-        }
-    }
-
-    #[test]
-    fn ranges_outside_are_refused() {
-        assert!(flat_range_boxes(&[2, 3], 0, 7).is_none());
-        assert!(flat_range_boxes(&[2, 3], 4, 3).is_none());
-        assert!(flat_range_boxes(&[u64::MAX, 3], 0, 1).is_none());
-        assert_eq!(flat_range_boxes(&[0, 3], 0, 0).unwrap(), Vec::new());
     }
 }

@@ -13,8 +13,8 @@
 use std::collections::BTreeMap;
 use std::fmt::Write as _;
 
-use crate::DType;
-use crate::model::index::{CheckpointIndex, ChunkEncoding, EntryKind, IndexEntry, IndexError};
+use crate::dtype::DType;
+use crate::index::{CheckpointIndex, ChunkEncoding, EntryKind, IndexEntry, IndexError};
 use crate::source::Source;
 
 /// Entries (indices into `CheckpointIndex::entries`) holding one tensor. `keep` is the one that

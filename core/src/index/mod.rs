@@ -6,6 +6,9 @@
 //! format says about FSDP. Tensor bytes are never read while indexing; [`CheckpointIndex::read_chunk`]
 //! and [`CheckpointIndex::read_tensor`] read values on demand. Format quirks end here.
 
+pub mod from_index;
+pub mod ties;
+
 use std::borrow::Cow;
 use std::collections::{BTreeMap, BTreeSet, HashMap};
 
@@ -127,7 +130,7 @@ pub enum CheckpointKind {
     /// FSDP2 / DTensor state dicts.
     Fsdp2,
     /// FSDP1 per-rank files read through the model's layout: original parameters and FQN-keyed
-    /// optimizer state (`core::model::fsdp1_view`).
+    /// optimizer state (`core::view::fsdp1`).
     Fsdp1Unflattened,
     /// Per-rank optimizer state with rank-local (flat or per-parameter) pieces and no global metadata.
     RankLocal,

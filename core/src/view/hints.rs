@@ -6,8 +6,8 @@
 
 use std::collections::BTreeSet;
 
+use crate::index::{CheckpointIndex, FsdpInfo};
 use crate::layout::Api;
-use crate::model::index::{CheckpointIndex, FsdpInfo};
 
 /// A value and where it comes from, in words (`"2 rank files (__0_0.distcp … __1_0.distcp)"`).
 #[derive(Debug, Clone, PartialEq, Eq)]

@@ -19,9 +19,9 @@
 
 use std::collections::{BTreeMap, HashMap};
 
+use crate::index::{CheckpointIndex, EntryKind, FsdpInfo, IndexEntry, PathSeg, Role};
 use crate::model::ModelDescription;
-use crate::model::fsdp1_view::prefix_of;
-use crate::model::index::{CheckpointIndex, EntryKind, FsdpInfo, IndexEntry, PathSeg, Role};
+use crate::view::fsdp1::prefix_of;
 
 /// Why a per-rank FSDP2 optimizer cannot be keyed by FQN.
 #[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
@@ -262,7 +262,7 @@ fn storage_ties(
         let key = &index.entries[i].key;
         key.strip_prefix(model_prefix).unwrap_or(key).to_owned()
     };
-    crate::model::ties::find_storage_ties(index, &candidates)
+    crate::index::ties::find_storage_ties(index, &candidates)
         .iter()
         .flat_map(|g| g.aliases.iter().map(|&a| (fqn(a), fqn(g.keep))))
         .collect()

@@ -15,9 +15,9 @@ use std::collections::BTreeSet;
 
 use crate::formats::pickle::PyValue;
 use crate::formats::{dcp, torch_zip};
+use crate::index::{CheckpointIndex, EntryKind, Format, IndexError};
 use crate::model::description::{DescriptionError, ModelDescription, ParamSpec};
 use crate::model::fqn::clean_tensor_name;
-use crate::model::index::{CheckpointIndex, EntryKind, Format, IndexError};
 use crate::source::Source;
 
 /// Why a description cannot be derived from a checkpoint.
@@ -133,8 +133,7 @@ pub fn stored_key_order(
             // name): that order keys the entries of a folder as the index names them, which the
             // first file's own keys (`zz.weight`, not `model.zz.weight`) do not.
             if !index.entries.is_empty() && index.entries.iter().all(|e| e.position.is_some()) {
-                let mut entries: Vec<&crate::model::index::IndexEntry> =
-                    index.entries.iter().collect();
+                let mut entries: Vec<&crate::index::IndexEntry> = index.entries.iter().collect();
                 entries.sort_by_key(|e| e.position);
                 return Ok(KeyOrder {
                     keys: entries.into_iter().map(|e| e.key.clone()).collect(),
@@ -180,7 +179,7 @@ pub struct FromIndexOptions<'a> {
     /// Add the root module (`""`) as a unit.
     pub root_unit: bool,
     /// Tied weights: index key of an alias -> index key of the name it shares its tensor with
-    /// (see [`crate::model::ties`]). An alias becomes a parameter with `shared_with`, which takes
+    /// (see [`crate::index::ties`]). An alias becomes a parameter with `shared_with`, which takes
     /// no space in a flat parameter, as `named_parameters(remove_duplicate=False)` lists it.
     pub tied: Option<&'a std::collections::BTreeMap<String, String>>,
 }
@@ -234,7 +233,10 @@ pub fn description_from_index(
         } else if entry.flat_param {
             saw_flat = true;
             Some("FSDP1 flat parameter")
-        } else if !entry.dtype.is_some_and(crate::DType::is_floating_point) {
+        } else if !entry
+            .dtype
+            .is_some_and(crate::dtype::DType::is_floating_point)
+        {
             Some("not floating point")
         } else if entry.shape.is_none() {
             Some("rank-local pieces without a global shape")
@@ -360,7 +362,7 @@ pub fn uniform_dtype_units(
 #[cfg(test)]
 mod unit_choice_tests {
     use super::*;
-    use crate::DType;
+    use crate::dtype::DType;
 
     fn param(fqn: &str, dtype: DType) -> ParamSpec {
         ParamSpec {

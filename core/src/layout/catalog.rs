@@ -3,9 +3,8 @@
 
 use std::collections::{HashMap, HashSet};
 
-use crate::layout::{FlatParamLayout, Fsdp1Layout};
+use crate::layout::{FlatParamLayout, Fsdp1Layout, LayoutError};
 use crate::model::{ModelDescription, fqn};
-use crate::transform::TransformError;
 
 /// One entry of the wrapped model's `named_parameters()`.
 #[derive(Debug, Clone, PartialEq, Eq)]
@@ -18,7 +17,7 @@ pub enum ParamRef {
     Plain(String),
 }
 
-/// A description and its FSDP1 layout, indexed for the transforms.
+/// A description and its FSDP1 layout, indexed for the views and the transforms.
 #[derive(Debug)]
 pub struct Fsdp1Model<'a> {
     pub description: &'a ModelDescription,
@@ -33,7 +32,7 @@ impl<'a> Fsdp1Model<'a> {
     pub fn new(
         description: &'a ModelDescription,
         layout: &'a Fsdp1Layout,
-    ) -> Result<Self, TransformError> {
+    ) -> Result<Self, LayoutError> {
         let mut managed = HashMap::new();
         let mut flat_by_fqn = HashMap::new();
         for (f, flat) in layout.flat_params.iter().enumerate() {
@@ -49,7 +48,7 @@ impl<'a> Fsdp1Model<'a> {
             .collect();
         for name in managed.keys() {
             if !requires_grad.contains_key(name) {
-                return Err(TransformError::LayoutMismatch {
+                return Err(LayoutError::DescriptionMismatch {
                     reason: format!("flat parameters hold `{name}`, which the description lacks"),
                 });
             }
