@@ -127,6 +127,8 @@ impl Viewer {
                     "opened model {name} ({} parameters)",
                     model.params.len()
                 ));
+                // Checkpoints opened from now on read FSDP1 per-rank files through it.
+                self.loader.read_options.description = Some((model.clone(), name.clone()));
                 self.model = Some(LoadedModel { name, model });
                 self.applied_config = None;
                 self.recompute();

@@ -7,9 +7,9 @@ use std::borrow::Cow;
 use std::collections::{BTreeMap, BTreeSet};
 use std::io::Read;
 
-#[cfg(not(target_arch = "wasm32"))]
 use shardscope_core::checkpoint::{Checkpoint, ReadOptions};
 use shardscope_core::index::{CheckpointIndex, EntryKind, IndexEntry, IndexError, PathSeg, Role};
+#[cfg(not(target_arch = "wasm32"))]
 use shardscope_core::source::SourceError;
 use shardscope_core::source::{MemorySource, Source};
 use shardscope_core::view::hints::{LayoutHints, layout_hints};
@@ -205,10 +205,14 @@ impl Source for FsSource {
 
 /// Opens files on disk as one checkpoint (`.zip` files are expanded into memory).
 #[cfg(not(target_arch = "wasm32"))]
-pub fn open_files(name: &str, source: &FsSource) -> Result<CheckpointView, CheckpointError> {
+pub fn open_files(
+    name: &str,
+    source: &FsSource,
+    options: &ReadOptions,
+) -> Result<CheckpointView, CheckpointError> {
     let zips = source.zips();
     if zips.is_empty() {
-        return CheckpointView::build(name, source);
+        return CheckpointView::build(name, source, options);
     }
     let mut mem = MemorySource::new();
     for (zname, path) in zips {
@@ -218,13 +222,14 @@ pub fn open_files(name: &str, source: &FsSource) -> Result<CheckpointView, Check
         })?;
         expand_zip(&zname, &bytes, &mut mem)?;
     }
-    CheckpointView::build(name, &mem)
+    CheckpointView::build(name, &mem, options)
 }
 
 /// Opens in-memory files (browser drops, tests) as one checkpoint; `.zip` files are expanded.
 pub fn open_memory(
     name: &str,
     files: Vec<(String, Vec<u8>)>,
+    options: &ReadOptions,
 ) -> Result<CheckpointView, CheckpointError> {
     let mut mem = MemorySource::new();
     for (fname, bytes) in files {
@@ -234,7 +239,7 @@ pub fn open_memory(
             mem.insert(fname, bytes);
         }
     }
-    CheckpointView::build(name, &mem)
+    CheckpointView::build(name, &mem, options)
 }
 
 /// One optimizer state of one parameter (`state[param][name]`).
@@ -293,12 +298,15 @@ fn is_step_scalar(e: &IndexEntry) -> bool {
 impl CheckpointView {
     /// Indexes `source` and reads the few values the panels show (bytes items, scalar `step`
     /// tensors); no other tensor bytes are read.
-    pub fn build(name: &str, source: &dyn Source) -> Result<Self, CheckpointError> {
-        let checkpoint = Checkpoint::open(source, name, &ReadOptions::default()).map_err(|e| {
-            CheckpointError::Open {
+    pub fn build(
+        name: &str,
+        source: &dyn Source,
+        options: &ReadOptions,
+    ) -> Result<Self, CheckpointError> {
+        let checkpoint =
+            Checkpoint::open(source, name, options).map_err(|e| CheckpointError::Open {
                 message: e.to_string(),
-            }
-        })?;
+            })?;
         Self::from_checkpoint(checkpoint, source)
     }
 

@@ -157,6 +157,10 @@ type Finished = Result<Document, OpenError>;
 #[derive(Debug, Default)]
 pub struct Loader {
     queue: VecDeque<Job>,
+    /// How checkpoints are read (`Checkpoint::open`): the loaded model description, so that
+    /// FSDP1 per-rank files read as their original parameters, as `shardscope inspect --model`
+    /// reads them.
+    pub read_options: shardscope_core::checkpoint::ReadOptions,
     #[cfg(not(target_arch = "wasm32"))]
     worker: Option<std::sync::mpsc::Receiver<Finished>>,
     /// Parse synchronously (tests and benchmarks).
@@ -279,7 +283,7 @@ impl Loader {
         let mut done = Vec::new();
         if self.synchronous {
             while let Some(job) = self.queue.pop_front() {
-                done.extend(run_job(job));
+                done.extend(run_job(job, &self.read_options));
             }
             return done;
         }
@@ -299,12 +303,13 @@ impl Loader {
             }
             if !self.queue.is_empty() && self.worker.is_none() {
                 let jobs: Vec<Job> = self.queue.drain(..).collect();
+                let options = self.read_options.clone();
                 let (tx, rx) = std::sync::mpsc::channel();
                 let spawned = std::thread::Builder::new()
                     .name("shardscope-loader".to_owned())
                     .spawn(move || {
                         for job in jobs {
-                            for result in run_job(job) {
+                            for result in run_job(job, &options) {
                                 if tx.send(result).is_err() {
                                     return;
                                 }
@@ -329,7 +334,7 @@ impl Loader {
                 if self.announced {
                     self.announced = false;
                     if let Some(job) = self.queue.pop_front() {
-                        done.extend(run_job(job));
+                        done.extend(run_job(job, &self.read_options));
                     }
                 } else {
                     self.announced = true;
@@ -340,14 +345,14 @@ impl Loader {
     }
 }
 
-fn run_job(job: Job) -> Vec<Finished> {
+fn run_job(job: Job, options: &shardscope_core::checkpoint::ReadOptions) -> Vec<Finished> {
     match job {
         Job::Bytes { name, bytes } => vec![parse(&name, &bytes)],
         Job::Checkpoint { files, .. } => {
             let names: Vec<&str> = files.iter().map(|(n, _)| n.as_str()).collect();
             let name = group_name(&names);
             vec![
-                crate::checkpoint::open_memory(&name, files)
+                crate::checkpoint::open_memory(&name, files, options)
                     .map(|c| Document::Checkpoint(Box::new(c)))
                     .map_err(OpenError::from),
             ]
@@ -356,7 +361,7 @@ fn run_job(job: Job) -> Vec<Finished> {
         Job::Path(path) => read_path(&path),
         #[cfg(not(target_arch = "wasm32"))]
         Job::Files { name, source } => vec![
-            crate::checkpoint::open_files(&name, &source)
+            crate::checkpoint::open_files(&name, &source, options)
                 .map(|c| Document::Checkpoint(Box::new(c)))
                 .map_err(OpenError::from),
         ],

@@ -45,6 +45,8 @@ mod handle {
         error: Option<String>,
         /// Checkpoints opened (or not) in the background, for the viewer's next frame.
         opened: Vec<Result<Box<CheckpointView>, String>>,
+        /// How the viewer reads checkpoints (its loaded model description), for background opens.
+        read_options: ReadOptions,
     }
 
     /// The app the runner drives: the viewer plus the shared state.
@@ -109,6 +111,7 @@ mod handle {
                 }
                 s.status = status;
                 s.selected.clone_from(&self.viewer.selection.fqn);
+                s.read_options.clone_from(&self.viewer.loader.read_options);
                 s.probe_result = s
                     .probe
                     .as_deref()
@@ -213,9 +216,13 @@ mod handle {
         };
         src.prefetch_first().await?;
         progress(src);
+        let options = shared
+            .lock()
+            .map(|s| s.read_options.clone())
+            .unwrap_or_default();
         let checkpoint = src
             .run(
-                |s| Checkpoint::open(s, name, &ReadOptions::default()).map_err(|e| e.to_string()),
+                |s| Checkpoint::open(s, name, &options).map_err(|e| e.to_string()),
                 &mut progress,
             )
             .await?;

@@ -230,6 +230,20 @@ fn ambiguity(sets: &[FileSet]) -> Option<String> {
     None
 }
 
+/// For a folder of `torch.save` files only, with some at its top level and some in subfolders: the
+/// top-level names and the nested ones.
+fn top_level_torch(names: &[String]) -> Option<(Vec<String>, Vec<String>)> {
+    let other = names
+        .iter()
+        .any(|n| n.ends_with(".metadata") || n.ends_with(".safetensors"));
+    let (nested, top): (Vec<String>, Vec<String>) = names
+        .iter()
+        .filter(|n| index::is_torch_file(n))
+        .cloned()
+        .partition(|n| n.contains('/'));
+    (!other && !top.is_empty() && !nested.is_empty()).then_some((top, nested))
+}
+
 /// Checks that the per-rank sets read (of more than one file) are ranks `0..N` and that the model's and the optimizer's
 /// have the same `N`: a missing rank file of the model or the optimizer is an error naming it; of
 /// extra state (saved by some ranks only, or partly lost), a note.
@@ -300,6 +314,7 @@ impl Checkpoint {
             label: label.to_owned(),
             source: Box::new(source),
         };
+        let mut notes = Vec::new();
         let (index, read): (CheckpointIndex, Vec<ReadSet>) = if options.model_files.is_some()
             || options.optim_files.is_some()
         {
@@ -313,10 +328,19 @@ impl Checkpoint {
             )?;
             let (index, classes) = index::index_torch_sets(source, &groups).map_err(index_err)?;
             (index, groups.into_iter().zip(classes).collect())
+        } else if let Some((top, nested)) = top_level_torch(&source.names()) {
+            // Per-rank files at the top, other torch.save files in subfolders (a trainer's
+            // reference copies, other checkpoints): the top level is the checkpoint.
+            notes.push(format!(
+                "{label}: torch.save files in subfolders are not read ({}); name one to read it",
+                nested.join(", ")
+            ));
+            let groups = index::group_rank_files(&top);
+            let (index, classes) = index::index_torch_sets(source, &groups).map_err(index_err)?;
+            (index, groups.into_iter().zip(classes).collect())
         } else {
             index::index_source_sets(source).map_err(index_err)?
         };
-        let mut notes = Vec::new();
         complete(label, &read, &mut notes)?;
         let sets: Vec<FileSet> = read
             .into_iter()

@@ -417,7 +417,8 @@ fn file_ext(name: &str) -> &str {
         .map_or("", |(_, e)| e)
 }
 
-fn is_torch_file(name: &str) -> bool {
+/// A `torch.save` file by its extension (`.pt`, `.pth`, `.bin`, `.ckpt`, `.tar`).
+pub fn is_torch_file(name: &str) -> bool {
     matches!(file_ext(name), "pt" | "pth" | "bin" | "ckpt" | "tar")
 }
 
