@@ -10,6 +10,7 @@
 //! - [`ckpt`]: those sources over any checkpoint core's index reads (`.pt`, DCP, safetensors), lazily.
 //! - [`engine`]: the per-rank loop every backend runs, over a small [`engine::Device`] trait.
 //! - [`cpu`]: the `cpu` backend, N ranks as threads of one process with a real exchange.
+//! - `faults` (tests): the engine on the `cpu` backend through a device that corrupts or fails.
 //! - [`summary`]: per-unit bandwidth table (nccl-tests' algbw/busbw).
 //! - [`rendezvous`]: the TCP exchange of the NCCL unique id for the `cuda` backend.
 //! - `candle` (feature `candle`): the engine's device over candle tensors; without a GPU it runs on
@@ -23,6 +24,8 @@ pub mod cpu;
 #[cfg(feature = "cuda")]
 pub mod cuda;
 pub mod engine;
+#[cfg(test)]
+mod faults;
 pub mod output;
 pub mod plan;
 pub mod rendezvous;
