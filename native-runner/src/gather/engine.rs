@@ -22,7 +22,7 @@ use crate::gather::{GatherError, GatherOptions, GatheredParam, Observer, VerifyR
 use crate::trace::{Clock, Span, names};
 
 /// One rank's device, as the engine uses it. Buffers are byte buffers; offsets and lengths are bytes.
-pub trait Device {
+pub(crate) trait Device {
     /// A buffer of device memory.
     type Buffer;
     /// A point on the device's timeline (host time, or a CUDA event).
@@ -90,19 +90,19 @@ pub trait Device {
 /// What every rank runs.
 #[derive(Clone, Copy)]
 pub(crate) struct Job<'a> {
-    pub plan: &'a GatherPlan,
-    pub source: &'a Source,
-    pub options: GatherOptions,
-    pub observer: &'a dyn Observer,
+    pub(crate) plan: &'a GatherPlan,
+    pub(crate) source: &'a Source,
+    pub(crate) options: GatherOptions,
+    pub(crate) observer: &'a dyn Observer,
 }
 
 /// What one rank hands back.
 #[derive(Default)]
 pub(crate) struct RankResult {
-    pub spans: Vec<Span>,
-    pub verify: VerifyReport,
-    pub params: BTreeMap<String, GatheredParam>,
-    pub error: Option<GatherError>,
+    pub(crate) spans: Vec<Span>,
+    pub(crate) verify: VerifyReport,
+    pub(crate) params: BTreeMap<String, GatheredParam>,
+    pub(crate) error: Option<GatherError>,
 }
 
 pub(crate) fn usize_of(bytes: u64, unit: &UnitPlan) -> Result<usize, GatherError> {
@@ -238,7 +238,7 @@ pub(crate) fn reference(
 pub(crate) struct Timer {
     origin: Instant,
     rank: u64,
-    pub spans: Vec<Span>,
+    pub(crate) spans: Vec<Span>,
 }
 
 impl Timer {
