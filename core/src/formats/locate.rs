@@ -97,11 +97,11 @@ mod tests {
     #![allow(clippy::unwrap_used)]
 
     use super::*;
-    use crate::formats::pickle::PyValue;
     use crate::formats::write::dcp::{
         BytesValue, DcpEntry, DcpFileWriter, DcpMetadataOptions, DcpPlan, DcpValue, PathKey,
         metadata_pickle,
     };
+    use crate::formats::write::pickle::PyValue;
 
     #[test]
     fn manifests_are_known_by_name() {

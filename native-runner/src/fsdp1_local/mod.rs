@@ -104,6 +104,10 @@ fn is_optimizer_dict(node: &Node) -> bool {
 
 /// Finds the per-rank model and optimizer files in `dir`. `model_pattern`/`optim_pattern` (with
 /// `{r}`) override the detection.
+#[allow(
+    clippy::too_many_lines,
+    reason = "groups a folder's files into per-rank sets with the explicit-pattern overrides and their errors"
+)]
 pub fn find_rank_files(
     dir: &Path,
     model_pattern: Option<&str>,
