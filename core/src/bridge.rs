@@ -743,6 +743,10 @@ impl<'n> Writer<'n> {
 
     /// The pickle torch 2.15 writes for a `DTensor` on `mesh`: `Shard(0)` on the last mesh
     /// dimension, `Replicate()` on the others.
+    #[allow(
+        clippy::too_many_lines,
+        reason = "pickles a DTensor with its spec, mesh and placements exactly as torch lays them out"
+    )]
     fn dtensor(
         &mut self,
         d: &'n DistTensor,
@@ -903,6 +907,10 @@ impl<'n> Writer<'n> {
     }
 
     /// The pickle torch 2.15 writes for an FSDP1 `ShardedTensor` on this rank.
+    #[allow(
+        clippy::too_many_lines,
+        reason = "pickles a ShardedTensor with its metadata and shards exactly as torch lays them out"
+    )]
     fn sharded_tensor(&mut self, d: &'n DistTensor, path: &str) -> Result<PyValue, BridgeError> {
         const ST: &str = "torch.distributed._shard.sharded_tensor.api";
         const META: &str = "torch.distributed._shard.sharded_tensor.metadata";

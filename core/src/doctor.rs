@@ -1017,6 +1017,10 @@ fn empty_finding(raw: &str, key: &str, want: Option<&TargetTensor>, in_part: &st
 }
 
 #[allow(clippy::too_many_arguments)]
+#[allow(
+    clippy::too_many_lines,
+    reason = "one check per way a stored tensor can disagree with the model, in the order they are reported"
+)]
 fn compare(
     index: &CheckpointIndex,
     source: &dyn Source,
@@ -1166,6 +1170,10 @@ fn pieces_identical(
     Some(data.bytes.chunks(piece).all(|c| c == first))
 }
 
+#[allow(
+    clippy::too_many_lines,
+    reason = "both optimizer key forms (FQN-keyed and id-keyed) are diagnosed side by side against the same parameter list"
+)]
 fn diagnose_optim(
     part: &OptimPart<'_>,
     model_keys: &BTreeSet<String>,

@@ -769,6 +769,10 @@ pub fn verify(side: Side<'_>, options: VerifyOptions<'_>, progress: Progress<'_>
 /// layout's `offset_in_shard`, which places the padding segments where the layout says. Padding
 /// values are not checked: torch fills them with 42 or 0 depending on the release, and weight
 /// decay changes them.
+#[allow(
+    clippy::too_many_lines,
+    reason = "every flat parameter and its use_orig_params views checked against the layout, with a report line each"
+)]
 fn check_fsdp1_local(
     side: Side<'_>,
     layout: &Fsdp1Layout,

@@ -3,7 +3,6 @@
 mod atomic;
 mod cli;
 mod convert;
-mod file_source;
 mod input;
 mod remote;
 

@@ -79,7 +79,7 @@ pub enum TraceError {
 
 impl Trace {
     /// Sorts spans by rank, then start, then name (the output is deterministic up to the times).
-    pub fn sort(&mut self) {
+    pub(crate) fn sort(&mut self) {
         self.spans.sort_by(|a, b| {
             (a.rank, a.clock.tid())
                 .cmp(&(b.rank, b.clock.tid()))

@@ -122,6 +122,10 @@ fn interop_with(
 /// description of tests/fixtures/fsdp2_optim), torch's side run with `env` (see
 /// [`run_python_env`]).
 #[allow(clippy::too_many_arguments)]
+#[allow(
+    clippy::too_many_lines,
+    reason = "one interop case end to end: torch writes the folder, then reshard, convert and the torch check, in order"
+)]
 fn interop_env(
     from: usize,
     from_shard: &str,
@@ -759,6 +763,10 @@ fn stderr_of(out: &Output) -> String {
 }
 
 #[test]
+#[allow(
+    clippy::too_many_lines,
+    reason = "one case per refused input, each with its expected message"
+)]
 fn bad_inputs_exit_2_and_name_the_file() {
     let tmp = tempfile::tempdir().unwrap();
     let src = tmp.path().join("src");
@@ -882,6 +890,10 @@ fn bad_inputs_exit_2_and_name_the_file() {
 /// `bridge::to_torch_save`, for torch-made per-rank files of three layouts (nested units, tied
 /// weights, `use_orig_params`), to 3 ranks and with `use_orig_params` flipped.
 #[test]
+#[allow(
+    clippy::too_many_lines,
+    reason = "every output kind compared with the in-memory transform, one after the other"
+)]
 fn streaming_outputs_equal_the_in_memory_transforms() {
     use shardscope_core::layout::Fsdp1Model;
     use shardscope_core::layout::{self, Api, Layout, LayoutConfig};

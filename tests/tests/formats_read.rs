@@ -81,6 +81,10 @@ fn one_file(rel: &str) -> (MemorySource, CheckpointIndex) {
 }
 
 /// Checks one per-rank `torch.save` file against what torch recorded for it.
+#[allow(
+    clippy::too_many_lines,
+    reason = "compares every field torch recorded for a file (keys, dtypes, shapes, storages, views)"
+)]
 fn check_torch_file(rel: &str) -> CheckpointIndex {
     let (src, idx) = one_file(rel);
     let exp_name = rel.replace('/', "__").trim_end_matches(".pt").to_owned();

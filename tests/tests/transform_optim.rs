@@ -376,6 +376,10 @@ fn entry<'a>(state: &'a mut Dict, fqn: &str) -> &'a mut Dict {
 
 /// The validation of `_flatten_optim_state` and `_check_missing_keys_on_rank`, with torch's text.
 #[test]
+#[allow(
+    clippy::too_many_lines,
+    reason = "one case per torch error message, each next to its expected text"
+)]
 fn error_cases_carry_torch_messages() {
     use shardscope_core::DType;
     use shardscope_core::model::tree::{Key, Tensor};

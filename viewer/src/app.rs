@@ -652,6 +652,10 @@ impl Viewer {
         true
     }
 
+    #[allow(
+        clippy::too_many_lines,
+        reason = "immediate-mode UI: the central panel's widgets laid out in drawing order"
+    )]
     fn central(&mut self, ui: &mut Ui) {
         ui.horizontal(|ui| {
             if self.checkpoint.is_some() {

@@ -94,6 +94,10 @@ fn as_i64(v: Option<&Value>) -> Option<i64> {
 
 impl Trace {
     /// Parses Chrome trace JSON bytes.
+    #[allow(
+        clippy::too_many_lines,
+        reason = "reads every Chrome-trace event field with its own error, in one pass over the events"
+    )]
     pub fn from_json_bytes(bytes: &[u8], name: &str) -> Result<Self, TraceError> {
         let value: Value = serde_json::from_slice(bytes).map_err(|e| TraceError::Json {
             name: name.to_owned(),

@@ -386,6 +386,10 @@ fn totals(units: &[UnitView], shard_group_size: u64, replicated: u64) -> Vec<Ran
     totals
 }
 
+#[allow(
+    clippy::too_many_lines,
+    reason = "builds every FSDP1 row kind (parameters, padding, flat parameters) in one pass over the layout"
+)]
 fn from_fsdp1(model: &ModelDescription, layout: &Fsdp1Layout) -> LayoutView {
     let mut b = Builder::new(
         model,
@@ -497,6 +501,10 @@ fn from_fsdp1(model: &ModelDescription, layout: &Fsdp1Layout) -> LayoutView {
     }
 }
 
+#[allow(
+    clippy::too_many_lines,
+    reason = "builds every FSDP2 row kind (parameters, padding, local shards) in one pass over the layout"
+)]
 fn from_fsdp2(model: &ModelDescription, layout: &Fsdp2Layout) -> LayoutView {
     let mut b = Builder::new(
         model,

@@ -9,6 +9,7 @@
 //! - [`write`]: the writers.
 
 pub mod dcp;
+pub mod locate;
 pub mod pickle;
 pub mod safetensors;
 pub mod torch_zip;

@@ -1451,6 +1451,10 @@ impl<'a> Machine<'a> {
         Ok(v)
     }
 
+    #[allow(
+        clippy::too_many_lines,
+        reason = "the pickle machine's opcode dispatch: one match arm per opcode, sharing the stack and memo"
+    )]
     fn run(mut self) -> Result<(Arena, Val), PickleError> {
         loop {
             let at = self.pos;

@@ -155,6 +155,10 @@ struct RawTensor {
 /// `total_len` bytes (header and data): no tensor bytes are needed. Checked as the `safetensors`
 /// crate checks a whole file: tensors tile the data exactly, each as long as its dtype and shape
 /// say, and the data ends where the blob does.
+#[allow(
+    clippy::too_many_lines,
+    reason = "the header's checks (length, JSON, offsets, dtypes, contiguity) run in the order the format defines them"
+)]
 pub fn read_header_prefix(
     prefix: &[u8],
     total_len: u64,

@@ -1031,6 +1031,10 @@ pub fn index_torch_files(
 }
 
 /// Indexes `torch.save` files as one checkpoint, each with its rank.
+#[allow(
+    clippy::too_many_lines,
+    reason = "indexes every torch.save entry kind (tensors, ShardedTensor, DTensor, rank-local pieces, values) from one pass"
+)]
 pub fn index_torch_files_ranked(
     source: &dyn Source,
     files: &[(String, Option<u32>)],
@@ -1338,6 +1342,10 @@ fn assign_roles(entries: &mut [IndexEntry]) -> bool {
 
 // ----- safetensors ------------------------------------------------------------------------------
 
+#[allow(
+    clippy::too_many_lines,
+    reason = "reads the HF index, each file's header and DCP_SHARDING_INFO into entries in one pass"
+)]
 fn index_safetensors(source: &dyn Source, names: &[String]) -> Result<CheckpointIndex, IndexError> {
     let mut files: Vec<String> = names
         .iter()
@@ -1513,6 +1521,10 @@ impl<'m> StorageJoin<'m> {
 }
 
 /// Indexes a DCP directory given the name of its `.metadata` file in the source.
+#[allow(
+    clippy::too_many_lines,
+    reason = "turns every `.metadata` item (tensors, bytes, zstd transforms, SAFETENSORS blobs) into entries in one pass"
+)]
 pub fn index_dcp(source: &dyn Source, metadata_name: &str) -> Result<CheckpointIndex, IndexError> {
     let bytes = source.read_all(metadata_name)?;
     let meta = dcp::read_metadata(&bytes).map_err(|source| IndexError::Dcp {
@@ -1958,6 +1970,10 @@ type ChunkBox<'a> = (&'a [u64], &'a [u64]);
 /// process, instead of SipHash.
 type FastMap<K, V> = HashMap<K, V, foldhash::fast::RandomState>;
 
+#[allow(
+    clippy::too_many_lines,
+    reason = "the tiling check's steps (bounds, distinct boxes, replicas, overlap sweep, coverage) share the sorted boxes"
+)]
 fn check_tiling(e: &IndexEntry, shape: &[u64], problems: &mut Vec<Problem>) {
     let problem = |c: Option<&Chunk>, what: String| Problem {
         key: e.key.clone(),

@@ -164,6 +164,10 @@ impl ModelDescription {
     }
 
     /// Validates parameters, units and ignored FQNs given as values.
+    #[allow(
+        clippy::too_many_lines,
+        reason = "validates every field of a model description (names, shapes, aliases, units, ignored) with a message each"
+    )]
     pub fn new(
         mut params: Vec<ParamSpec>,
         units: Vec<String>,

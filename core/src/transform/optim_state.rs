@@ -234,6 +234,10 @@ fn maybe_chunk(
 /// `optim_params[r]` lists rank `r`'s optimizer parameters in id order, by wrapped or clean name.
 /// `locals` holds one shard group's ranks (for HYBRID_SHARD: one replica). Under
 /// LOCAL_STATE_DICT torch returns the SHARDED form too (spec 8.8).
+#[allow(
+    clippy::too_many_lines,
+    reason = "follows torch's full_optim_state_dict steps in order, which share the per-rank id maps"
+)]
 pub fn full_optim_from_local(
     model: &Fsdp1Model<'_>,
     locals: &[&Dict],
@@ -492,6 +496,10 @@ fn gather_flat<'d>(
     })
 }
 
+#[allow(
+    clippy::too_many_lines,
+    reason = "follows torch's _convert_state_with_orig_params steps in order, over the union of all ranks' keys"
+)]
 fn convert_orig_params(
     model: &Fsdp1Model<'_>,
     states: &[&Dict],
@@ -784,6 +792,10 @@ fn gather_node(nodes: &[&Node], path: &str) -> Result<Node, TransformError> {
 /// `flatten_sharded_optim_state_dict` (after [`full_from_sharded_tree`]): the local optimizer state
 /// dict of `rank`, keyed by that rank's optimizer ids (`optim_params`, wrapped or clean names in id
 /// order).
+#[allow(
+    clippy::too_many_lines,
+    reason = "follows torch's optim_state_dict_to_load steps in order (rekey, flatten, shard)"
+)]
 pub fn local_optim_from_full(
     model: &Fsdp1Model<'_>,
     full: &Dict,
@@ -966,6 +978,10 @@ fn python_type(n: &Node) -> &'static str {
 
 /// `_flatten_optim_state`: one FlatParameter's local state on `rank` from its parameters' full
 /// states, with PyTorch's checks.
+#[allow(
+    clippy::too_many_lines,
+    reason = "follows torch's _flatten_optim_state with its checks, in torch's order"
+)]
 fn flatten_optim_state(
     model: &Fsdp1Model<'_>,
     f: usize,

@@ -160,6 +160,10 @@ pub(crate) fn prefix_of(path: &[PathSeg], drop: usize) -> (String, Vec<PathSeg>)
 /// the original parameters it holds and raw optimizer state keyed by FQN, as torch's
 /// `FULL_STATE_DICT` and `FSDP.optim_state_dict` key them. `layout` is the layout the files were
 /// written with. Entries that are neither are kept as they are.
+#[allow(
+    clippy::too_many_lines,
+    reason = "one pass over model and optimizer entries that share the flat-parameter ranges it builds"
+)]
 pub fn original_params(
     index: &CheckpointIndex,
     description: &ModelDescription,

@@ -126,6 +126,10 @@ fn listed_ids(index: &CheckpointIndex, prefix: &str) -> Vec<u64> {
 }
 
 /// The FQN of every id listed in the optimizer under `optim_prefix` (see the module doc).
+#[allow(
+    clippy::too_many_lines,
+    reason = "the id-naming rules (stored order, description, tied parameters) share one set of lookups"
+)]
 pub fn name_ids(
     index: &CheckpointIndex,
     optim_prefix: &str,
@@ -270,6 +274,10 @@ fn storage_ties(
 
 /// `index` with the raw optimizer state (int ids) keyed by FQN. `None` naming when the index
 /// holds no id-keyed optimizer state.
+#[allow(
+    clippy::too_many_lines,
+    reason = "re-keys every kind of optimizer entry (tensor state, step, param_groups) in one pass over the state"
+)]
 pub fn fqn_keyed_optimizer(
     index: &CheckpointIndex,
     description: Option<&ModelDescription>,

@@ -194,6 +194,10 @@ fn derive_model(
     Ok(model)
 }
 
+#[allow(
+    clippy::too_many_lines,
+    reason = "resolves every gather flag (source kind, model, layout, prefix) into one Prepared, in dependency order"
+)]
 fn prepare(args: &GatherArgs) -> anyhow::Result<Prepared> {
     let model = args.model.as_deref().map(read_model).transpose()?;
     let mut notes = Vec::new();
@@ -353,6 +357,10 @@ impl Observer for Progress {
     }
 }
 
+#[allow(
+    clippy::too_many_lines,
+    reason = "runs the chosen backend and then prints, writes the trace and the output in the order the user reads them"
+)]
 pub fn run(args: &GatherArgs) -> anyhow::Result<ExitCode> {
     let prepared = prepare(args)?;
     let config = LayoutConfig {

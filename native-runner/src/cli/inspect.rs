@@ -303,6 +303,10 @@ impl Summary {
     }
 }
 
+#[allow(
+    clippy::too_many_lines,
+    reason = "the text report's sections in the order they are printed"
+)]
 fn render(
     idx: &CheckpointIndex,
     stats: &BTreeMap<String, ValueStats>,

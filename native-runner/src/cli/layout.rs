@@ -126,6 +126,10 @@ fn tied_keys(
 }
 
 /// `--from`: the description derived from a checkpoint's entries in stored order.
+#[allow(
+    clippy::too_many_lines,
+    reason = "the --from steps in order: read, order keys, derive, warn with hints, emit, compare with --model"
+)]
 fn model_from_checkpoint(args: &LayoutArgs) -> anyhow::Result<ModelDescription> {
     let where_ = args
         .from

@@ -762,6 +762,10 @@ fn largest(sel: &Selection<'_>) -> u64 {
 /// Writes the selection as safetensors: one file at `dest`, or, with `max_shard_bytes`, a directory
 /// `dest` of `model-0000i-of-0000N.safetensors` plus `model.safetensors.index.json`. Non-tensor
 /// values go into every file's `__metadata__` as JSON text, next to `"format": "pt"`.
+#[allow(
+    clippy::too_many_lines,
+    reason = "plans the safetensors shards and their reads in one pass over the index"
+)]
 pub fn to_safetensors(
     reader: &mut Reader<'_>,
     sel: &Selection<'_>,
@@ -1172,6 +1176,10 @@ pub enum ShardApi {
 #[expect(
     clippy::too_many_arguments,
     reason = "the DCP options are the CLI's flags, passed through one by one"
+)]
+#[allow(
+    clippy::too_many_lines,
+    reason = "plans the DCP items, chunk byte ranges and per-rank reads in one pass over the index"
 )]
 pub fn to_dcp(
     reader: &mut Reader<'_>,

@@ -332,6 +332,10 @@ impl BufferPool {
 /// Writes `plan`: a reader thread produces each tree storage with `fill` (in order) while this
 /// thread writes the previous ones; the buffers alive at once stay within the pool's limit (or
 /// the largest storage, when that is larger). The output is the same as writing one storage after the other.
+#[allow(
+    clippy::too_many_lines,
+    reason = "the writer loop and its reader thread share the buffer pool and the memory budget"
+)]
 fn write_plan<W: Write>(
     out: W,
     skeleton: &Node,

@@ -23,7 +23,7 @@ pub(crate) fn candle_err(what: &str) -> impl FnOnce(candle_core::Error) -> Gathe
 }
 
 /// The all-gather and the timeline of a candle device.
-pub trait Collective {
+pub(crate) trait Collective {
     /// A point on the device's timeline.
     type Stamp;
     /// The clock of spans between stamps.
@@ -58,9 +58,9 @@ pub trait Collective {
 
 /// A candle device and the collective among the ranks.
 #[derive(Debug)]
-pub struct CandleDevice<C> {
-    pub device: candle_core::Device,
-    pub collective: C,
+pub(crate) struct CandleDevice<C> {
+    pub(crate) device: candle_core::Device,
+    pub(crate) collective: C,
 }
 
 impl<C: Collective> Device for CandleDevice<C> {
@@ -145,7 +145,7 @@ impl<C: Collective> Device for CandleDevice<C> {
 
 /// The all-gather among rank threads of one process, over candle tensors (host clock).
 #[derive(Debug)]
-pub struct ThreadExchange<'x> {
+pub(crate) struct ThreadExchange<'x> {
     exchange: &'x Exchange<Tensor>,
     rank: usize,
     group: Range<usize>,

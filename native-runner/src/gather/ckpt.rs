@@ -30,11 +30,11 @@ const CACHE_BYTES: u64 = 256 << 20;
 /// An indexed checkpoint and the bytes it is read from.
 pub struct Indexed<S> {
     /// For messages (the paths given).
-    pub name: String,
-    pub source: S,
-    pub index: CheckpointIndex,
+    pub(crate) name: String,
+    pub(crate) source: S,
+    pub(crate) index: CheckpointIndex,
     /// Prepended to a parameter FQN to find its entry (`model.` in a DCP app state, or `""`).
-    pub prefix: String,
+    pub(crate) prefix: String,
 }
 
 impl<S> std::fmt::Debug for Indexed<S> {

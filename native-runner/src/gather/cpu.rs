@@ -20,7 +20,7 @@ use crate::gather::{GatherError, GatherOptions, GatherOutcome, Observer, Summary
 use crate::trace::{Clock, Trace};
 
 /// Most ranks the cpu backend runs (one thread each).
-pub const MAX_RANKS: u64 = 4096;
+pub(crate) const MAX_RANKS: u64 = 4096;
 
 /// A barrier that also returns whether any participant reported a failure in this round.
 #[derive(Debug)]

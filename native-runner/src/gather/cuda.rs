@@ -47,7 +47,7 @@ fn drv_err<E: std::fmt::Debug>(what: &str) -> impl FnOnce(E) -> GatherError + '_
 
 /// The collective of the GPU backend: NCCL over the whole world (the shard group, or a group of one
 /// rank, where the all-gather is a copy), CUDA events on the rank's stream.
-pub struct Nccl {
+pub(crate) struct Nccl {
     comm: Comm,
     stream: Arc<CudaStream>,
     group_size: usize,

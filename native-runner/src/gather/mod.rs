@@ -10,8 +10,9 @@
 //! - [`ckpt`]: those sources over any checkpoint core's index reads (`.pt`, DCP, safetensors), lazily.
 //! - [`engine`]: the per-rank loop every backend runs, over a small [`engine::Device`] trait.
 //! - [`cpu`]: the `cpu` backend, N ranks as threads of one process with a real exchange.
+//! - `faults` (tests): the engine on the `cpu` backend through a device that corrupts or fails.
 //! - [`summary`]: per-unit bandwidth table (nccl-tests' algbw/busbw).
-//! - [`rendezvous`]: the TCP exchange of the NCCL unique id for the `cuda` backend.
+//! - `rendezvous` (feature `cuda`): the TCP exchange of the NCCL unique id for the `cuda` backend.
 //! - `candle` (feature `candle`): the engine's device over candle tensors; without a GPU it runs on
 //!   candle's CPU device with ranks as threads (what the default tests check).
 //! - `cuda` (feature `cuda`): one process per GPU, the candle device on the GPU with NCCL.
@@ -22,10 +23,13 @@ pub mod ckpt;
 pub mod cpu;
 #[cfg(feature = "cuda")]
 pub mod cuda;
-pub mod engine;
+pub(crate) mod engine;
+#[cfg(test)]
+mod faults;
 pub mod output;
 pub mod plan;
-pub mod rendezvous;
+#[cfg(any(feature = "cuda", test))]
+pub(crate) mod rendezvous;
 pub mod source;
 pub mod summary;
 

@@ -140,7 +140,7 @@ impl UnitPlan {
     }
 
     /// Display name: the prefix, or `(root)`.
-    pub fn display_name(&self) -> &str {
+    pub(crate) fn display_name(&self) -> &str {
         if self.name.is_empty() {
             "(root)"
         } else {
@@ -149,7 +149,7 @@ impl UnitPlan {
     }
 
     /// The dtype as shown in traces and summaries.
-    pub fn dtype_label(&self) -> String {
+    pub(crate) fn dtype_label(&self) -> String {
         self.dtype
             .map_or_else(|| "uint8 (mixed)".to_owned(), |d| d.name().to_owned())
     }
@@ -157,7 +157,7 @@ impl UnitPlan {
 
 /// The bytes torch writes into FSDP1 padding segments: `42` in the flat parameter's dtype.
 /// fp8 values are 42 rounded to nearest-even (40).
-pub fn padding_value_bytes(dtype: DType) -> Vec<u8> {
+pub(crate) fn padding_value_bytes(dtype: DType) -> Vec<u8> {
     match dtype {
         DType::Float32 => 42.0f32.to_le_bytes().to_vec(),
         DType::Float64 => 42.0f64.to_le_bytes().to_vec(),
@@ -337,6 +337,10 @@ fn fsdp1_unit(flat: &FlatParamLayout, group_size: u64) -> Result<UnitPlan, PlanE
     })
 }
 
+#[allow(
+    clippy::too_many_lines,
+    reason = "both passes over a unit (shard offsets, then copy-in and copy-out pieces) share the per-parameter layout"
+)]
 fn fsdp2_unit(unit_layout: &Fsdp2Unit, group_size: u64) -> Result<UnitPlan, PlanError> {
     let unit = unit_layout.unit_prefix.as_str();
     let first_dtype = unit_layout.params.first().map(|p| p.dtype);

@@ -20,7 +20,7 @@ const MAX_PAYLOAD: u32 = 4096;
 
 /// Why the launch environment or the rendezvous failed.
 #[derive(Debug, thiserror::Error)]
-pub enum RendezvousError {
+pub(crate) enum RendezvousError {
     /// A launcher variable is missing.
     #[error(
         "environment variable {name} is not set (launch with torchrun, or srun with MASTER_ADDR and MASTER_PORT exported)"
@@ -52,17 +52,17 @@ pub enum RendezvousError {
 
 /// The process's place in the job.
 #[derive(Debug, Clone, PartialEq, Eq)]
-pub struct LaunchEnv {
-    pub rank: u64,
-    pub world_size: u64,
+pub(crate) struct LaunchEnv {
+    pub(crate) rank: u64,
+    pub(crate) world_size: u64,
     /// GPU index on this node.
-    pub local_rank: u64,
-    pub master_addr: String,
-    pub master_port: u16,
+    pub(crate) local_rank: u64,
+    pub(crate) master_addr: String,
+    pub(crate) master_port: u16,
     /// The rendezvous port (see the module documentation).
-    pub rendezvous_port: u16,
+    pub(crate) rendezvous_port: u16,
     /// `torchrun` or `slurm`.
-    pub launcher: &'static str,
+    pub(crate) launcher: &'static str,
 }
 
 fn parse_u64(name: &'static str, value: &str) -> Result<u64, RendezvousError> {
@@ -75,7 +75,7 @@ fn parse_u64(name: &'static str, value: &str) -> Result<u64, RendezvousError> {
 
 impl LaunchEnv {
     /// Reads the launcher's variables through `var` (`std::env::var` in the binary).
-    pub fn from_vars(var: impl Fn(&str) -> Option<String>) -> Result<Self, RendezvousError> {
+    pub(crate) fn from_vars(var: impl Fn(&str) -> Option<String>) -> Result<Self, RendezvousError> {
         let get = |name: &'static str| var(name).ok_or(RendezvousError::MissingVar { name });
         let (rank, world_size, local_rank, launcher) = if var("RANK").is_some() {
             (
@@ -149,7 +149,8 @@ fn io_err(peer: &str, port: u16, what: &str) -> impl FnOnce(std::io::Error) -> R
 }
 
 /// Rank 0: serves `payload` to the `world_size - 1` other ranks.
-pub fn serve(
+#[cfg(feature = "cuda")]
+pub(crate) fn serve(
     port: u16,
     world_size: u64,
     payload: &[u8],
@@ -160,7 +161,7 @@ pub fn serve(
 }
 
 /// [`serve`] on an already bound listener.
-pub fn serve_on(
+pub(crate) fn serve_on(
     listener: &TcpListener,
     world_size: u64,
     payload: &[u8],
@@ -219,7 +220,7 @@ pub fn serve_on(
 }
 
 /// Any rank but 0: fetches the payload from rank 0 at `addr:port`, retrying until `timeout`.
-pub fn fetch(
+pub(crate) fn fetch(
     addr: &str,
     port: u16,
     rank: u64,

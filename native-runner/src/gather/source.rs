@@ -137,7 +137,7 @@ impl std::fmt::Debug for Source {
 }
 
 impl Source {
-    pub fn name(&self) -> String {
+    pub(crate) fn name(&self) -> String {
         match self {
             Source::Full(s) => s.name(),
             Source::PerRank(s) => s.name(),
@@ -184,7 +184,7 @@ impl SyntheticSource {
 }
 
 /// `splitmix64`: a fast, well-mixed 64-bit hash of a counter.
-pub fn splitmix64(x: u64) -> u64 {
+pub(crate) fn splitmix64(x: u64) -> u64 {
     let mut z = x.wrapping_add(0x9e37_79b9_7f4a_7c15);
     z = (z ^ (z >> 30)).wrapping_mul(0xbf58_476d_1ce4_e5b9);
     z = (z ^ (z >> 27)).wrapping_mul(0x94d0_49bb_1331_11eb);
@@ -274,7 +274,7 @@ impl FullSource for SyntheticSource {
 // safetensors
 
 /// Maps a safetensors dtype to torch's.
-pub fn dtype_from_safetensors(dtype: safetensors::Dtype) -> Option<DType> {
+pub(crate) fn dtype_from_safetensors(dtype: safetensors::Dtype) -> Option<DType> {
     use safetensors::Dtype as S;
     Some(match dtype {
         S::BOOL => DType::Bool,
@@ -301,7 +301,7 @@ pub fn dtype_from_safetensors(dtype: safetensors::Dtype) -> Option<DType> {
 }
 
 /// Maps torch's dtype to safetensors'. `complex32` and `complex128` have no safetensors dtype.
-pub fn dtype_to_safetensors(dtype: DType) -> Option<safetensors::Dtype> {
+pub(crate) fn dtype_to_safetensors(dtype: DType) -> Option<safetensors::Dtype> {
     use safetensors::Dtype as S;
     Some(match dtype {
         DType::Bool => S::BOOL,
@@ -329,12 +329,12 @@ pub fn dtype_to_safetensors(dtype: DType) -> Option<safetensors::Dtype> {
 
 /// One tensor of a safetensors file.
 #[derive(Debug, Clone)]
-pub struct TensorRecord {
-    pub dtype: DType,
-    pub shape: Vec<u64>,
+pub(crate) struct TensorRecord {
+    pub(crate) dtype: DType,
+    pub(crate) shape: Vec<u64>,
     /// Byte range in the file.
-    pub start: usize,
-    pub end: usize,
+    pub(crate) start: usize,
+    pub(crate) end: usize,
 }
 
 /// A safetensors file read into memory and indexed (header validated by the `safetensors` crate).
@@ -343,9 +343,9 @@ pub struct SafetensorsFile {
     path: PathBuf,
     bytes: Vec<u8>,
     /// Tensors by name, in file (offset) order of their data.
-    pub tensors: BTreeMap<String, TensorRecord>,
+    pub(crate) tensors: BTreeMap<String, TensorRecord>,
     /// Names in data order (safetensors' own order: dtype alignment, then name).
-    pub order: Vec<String>,
+    pub(crate) order: Vec<String>,
 }
 
 impl SafetensorsFile {

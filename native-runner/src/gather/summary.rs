@@ -12,7 +12,7 @@ use crate::gather::GatherPlan;
 use crate::trace::{Trace, names};
 
 /// nccl-tests' algorithm bandwidth in GB/s: `bytes / seconds / 1e9` (0 for a zero time).
-pub fn algbw_gbps(bytes: u64, seconds: f64) -> f64 {
+pub(crate) fn algbw_gbps(bytes: u64, seconds: f64) -> f64 {
     if seconds > 0.0 {
         bytes as f64 / seconds / 1e9
     } else {
@@ -21,7 +21,7 @@ pub fn algbw_gbps(bytes: u64, seconds: f64) -> f64 {
 }
 
 /// nccl-tests' bus bandwidth of an all-gather over `n` ranks: `algbw × (n − 1) / n`.
-pub fn all_gather_busbw_gbps(algbw_gbps: f64, n: u64) -> f64 {
+pub(crate) fn all_gather_busbw_gbps(algbw_gbps: f64, n: u64) -> f64 {
     if n == 0 {
         0.0
     } else {
@@ -83,7 +83,12 @@ fn slowest(trace: &Trace, name: &str, unit: &str) -> f64 {
 
 impl Summary {
     /// Builds the table from the plan and the spans of a run.
-    pub fn from_trace(plan: &GatherPlan, trace: &Trace, backend: &str, wall_secs: f64) -> Self {
+    pub(crate) fn from_trace(
+        plan: &GatherPlan,
+        trace: &Trace,
+        backend: &str,
+        wall_secs: f64,
+    ) -> Self {
         let n = plan.group_size;
         let mut units = Vec::with_capacity(plan.units.len());
         for unit in &plan.units {

@@ -204,6 +204,10 @@ fn table_rows(view: &CheckpointView, filter: &str) -> Vec<usize> {
 
 /// The key table: raw (wrapped) key ⇄ clean key ⇄ FSDP facts, kind, dtype, shape, bytes, chunks,
 /// ranks. Rows are virtualised.
+#[allow(
+    clippy::too_many_lines,
+    reason = "immediate-mode UI: the table's header, rows and columns laid out in drawing order"
+)]
 pub fn table_ui(
     ui: &mut Ui,
     view: &CheckpointView,
@@ -323,6 +327,10 @@ pub fn table_ui(
 /// The chunk map of one entry: the global tensor as a grid (`[dim0, dim1]`; a strip for 1-D; the
 /// first two dims for more), every stored chunk at its real offsets, coloured by writing rank.
 /// Drag to pan, wheel to zoom. Returns the painted canvas.
+#[allow(
+    clippy::too_many_lines,
+    reason = "immediate-mode UI: the chunk map's layout, interaction and painting in drawing order"
+)]
 pub fn chunk_map_ui(
     ui: &mut Ui,
     view: &CheckpointView,

@@ -51,6 +51,10 @@ pub fn range_rects(start: u64, end: u64, cols: u64, origin: Pos2, cell: Vec2) ->
 }
 
 /// Draws the chunk map of `param` and its per-rank table.
+#[allow(
+    clippy::too_many_lines,
+    reason = "immediate-mode UI: the chunk map and its per-rank table laid out in drawing order"
+)]
 pub fn ui(ui: &mut Ui, param: &ParamRow, theme: Theme) {
     let rows = param.shape.first().copied().unwrap_or(1).max(1);
     let cols = param.row_len().max(1);

@@ -82,6 +82,10 @@ fn sort_button(ui: &mut Ui, st: &mut FqnMapState, key: SortKey, label: &str) {
 }
 
 /// Draws the FQN map.
+#[allow(
+    clippy::too_many_lines,
+    reason = "immediate-mode UI: the FQN map's filter, rows and details laid out in drawing order"
+)]
 pub fn ui(ui: &mut Ui, view: &LayoutView, st: &mut FqnMapState, selection: &mut Selection) {
     let fresh = st.cache.as_ref().is_some_and(|(g, f, k, d, _)| {
         *g == view.generation && *f == st.filter && *k == st.sort && *d == st.descending

@@ -295,6 +295,10 @@ pub fn legend(ui: &mut Ui, theme: Theme) {
     });
 }
 
+#[allow(
+    clippy::too_many_lines,
+    reason = "immediate-mode UI: the canvas's reveal, interaction and one-mesh painting share its transform"
+)]
 fn canvas(
     ui: &mut Ui,
     view: &LayoutView,
@@ -568,6 +572,10 @@ pub fn describe(view: &LayoutView, unit: &UnitView, rank: u64, seg: &Seg) -> Str
 }
 
 #[allow(clippy::too_many_arguments)]
+#[allow(
+    clippy::too_many_lines,
+    reason = "immediate-mode UI: one row's slices, padding and separators painted in order"
+)]
 fn draw_row(
     painter: &egui::Painter,
     mesh: &mut egui::Mesh,

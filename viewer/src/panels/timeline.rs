@@ -56,6 +56,10 @@ pub fn describe(trace: &Trace, span: &Span) -> String {
 }
 
 /// Draws the timeline and the bandwidth plot.
+#[allow(
+    clippy::too_many_lines,
+    reason = "immediate-mode UI: the timeline, its axis and the bandwidth plot laid out in drawing order"
+)]
 pub fn ui(
     ui: &mut Ui,
     trace: &Trace,

@@ -579,6 +579,10 @@ pub struct DcpMetadataOptions {
 }
 
 /// The `.metadata` pickle for `plan`, given the finished records of every rank.
+#[allow(
+    clippy::too_many_lines,
+    reason = "builds the whole `Metadata` pickle (state_dict_metadata, storage_data, planner_data) in torch's field order"
+)]
 pub fn metadata_pickle(
     plan: &DcpPlan,
     records: &[DcpFileRecord],
