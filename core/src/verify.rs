@@ -300,10 +300,20 @@ fn select<'a>(
         c
     };
     let (lc, rc) = (choices(left.0), choices(right.0));
+    // A name counts when it matches and came from under the prefix on at least one side (a whole
+    // side's names outside it, `step` next to `model`, would otherwise favour taking both whole).
+    let dotted = format!("{prefix}.");
+    let selected = |e: &IndexEntry, stripped: bool| stripped || e.key.starts_with(&dotted);
     let mut best: Option<(usize, usize, usize)> = None;
-    for (i, (l, _)) in lc.iter().enumerate() {
-        for (j, (r, _)) in rc.iter().enumerate() {
-            let matching = l.keys().filter(|k| r.contains_key(*k)).count();
+    for (i, (l, ls)) in lc.iter().enumerate() {
+        for (j, (r, rs)) in rc.iter().enumerate() {
+            let matching = l
+                .iter()
+                .filter(|(k, a)| {
+                    r.get(*k)
+                        .is_some_and(|b| selected(a, *ls) || selected(b, *rs))
+                })
+                .count();
             if best.is_none_or(|(m, _, _)| matching > m) {
                 best = Some((matching, i, j));
             }

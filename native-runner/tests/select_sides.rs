@@ -56,13 +56,13 @@ fn app_state_against_hf_names_matches_every_tensor() {
         let st = statuses(&r);
         assert_eq!(r["entries"].as_array().unwrap().len(), 14, "{st:?}");
         assert_eq!(st.len(), 1, "{st:?}");
-        assert_eq!(st[0].0, "equal", "{st:?}");
+        assert_eq!(st[0].0, "match", "{st:?}");
         assert!(
             r["entries"]
                 .as_array()
                 .unwrap()
                 .iter()
-                .any(|e| e["key"] == "lm_head.weight")
+                .any(|e| e["fqn"] == "lm_head.weight")
         );
         // The notes say on which side the prefix was kept as part of the names.
         let notes = r["notes"].to_string();
@@ -84,7 +84,7 @@ fn prefix_is_stripped_on_both_sides_when_both_wrap() {
         .as_array()
         .unwrap()
         .iter()
-        .map(|e| e["key"].as_str().unwrap())
+        .map(|e| e["fqn"].as_str().unwrap())
         .collect();
     assert!(keys.contains(&"model.embed_tokens.weight"), "{keys:?}");
     assert!(!keys.iter().any(|k| k.starts_with("step")), "{keys:?}");
