@@ -15,8 +15,10 @@
 //! What a user should know about how it was read is in [`Checkpoint::notes`]; a front end shows
 //! them (the CLI on stderr).
 
+mod describe;
 mod files;
 
+pub use describe::{DescribeOptions, Described};
 pub use files::{RANK_PLACEHOLDER, pattern_rank};
 
 use crate::dtype::DType;
@@ -30,9 +32,18 @@ use crate::view::fsdp1::{self as fsdp1_view, ViewError};
 use crate::view::fsdp2::{self as fsdp2_view, Fsdp2ViewError};
 use crate::view::hints::{self, LayoutHints};
 
-/// Why a checkpoint could not be opened. Each names the checkpoint (`label`: its path or URL).
+/// Why a checkpoint could not be opened (or described). Each names the checkpoint (`label`: its
+/// path or URL).
 #[derive(Debug, thiserror::Error)]
 pub enum CheckpointError {
+    /// No model description can be derived from it.
+    #[error("{label}: {what}: {source}")]
+    Describe {
+        label: String,
+        what: &'static str,
+        #[source]
+        source: Box<crate::index::from_index::FromIndexError>,
+    },
     /// The files could not be indexed.
     #[error("cannot read {label}: {source}")]
     Index {

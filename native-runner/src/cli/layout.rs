@@ -7,14 +7,12 @@ use std::process::ExitCode;
 use anyhow::Context;
 use clap::Args;
 use shardscope_core::DType;
-use shardscope_core::index::{self, from_index};
+use shardscope_core::checkpoint::DescribeOptions;
 use shardscope_core::layout::{
     self, Api, FlatParamLayout, Fsdp1Layout, Fsdp2Layout, Layout, LayoutConfig, Strategy,
     fsdp1::PieceKind,
 };
 use shardscope_core::model::ModelDescription;
-
-use crate::input::Input;
 
 use super::{human_bytes, print_stdout};
 
@@ -84,47 +82,6 @@ fn full_match(pattern: &str, what: &str) -> anyhow::Result<regex::Regex> {
         .with_context(|| format!("{what}: invalid regular expression `{pattern}`"))
 }
 
-/// Tied weights among the floating-point entries (under `select.` when given): alias key -> the key
-/// it shares its tensor with.
-fn tied_keys(
-    source: &Input,
-    index: &index::CheckpointIndex,
-    order: &from_index::KeyOrder,
-    select: Option<&str>,
-) -> anyhow::Result<std::collections::BTreeMap<String, String>> {
-    let by_key: std::collections::BTreeMap<&str, usize> = index
-        .entries
-        .iter()
-        .enumerate()
-        .map(|(i, e)| (e.key.as_str(), i))
-        .collect();
-    let candidates: Vec<usize> = order
-        .keys
-        .iter()
-        .filter_map(|k| by_key.get(k.as_str()).map(|&i| (i, &index.entries[i])))
-        .filter(|(_, e)| {
-            e.dtype
-                .is_some_and(shardscope_core::DType::is_floating_point)
-        })
-        .filter(|(_, e)| {
-            select.is_none_or(|s| e.key.strip_prefix(s).is_some_and(|r| r.starts_with('.')))
-        })
-        .map(|(i, _)| i)
-        .collect();
-    let groups = shardscope_core::index::ties::find_ties(index, source, &candidates)?;
-    Ok(groups
-        .iter()
-        .flat_map(|g| {
-            g.aliases.iter().map(|&a| {
-                (
-                    index.entries[a].key.clone(),
-                    index.entries[g.keep].key.clone(),
-                )
-            })
-        })
-        .collect())
-}
-
 /// `--from`: the description derived from a checkpoint's entries in stored order.
 #[allow(
     clippy::too_many_lines,
@@ -150,75 +107,22 @@ fn model_from_checkpoint(args: &LayoutArgs) -> anyhow::Result<ModelDescription> 
         &shardscope_core::checkpoint::ReadOptions::default(),
     )?;
     super::read::show_notes(&checkpoint, false);
-    let index = checkpoint.index;
-    let order = from_index::stored_key_order(&source, &index)
-        .with_context(|| format!("cannot read {where_}"))?;
-    if !order.registration_order {
-        eprintln!(
-            "warning: {where_}: safetensors stores keys sorted by name, not in registration order; FSDP1 flat parameters and FSDP2 groups follow registration order\nhint: derive the description from a `.pt` or DCP checkpoint, or write it with --model"
-        );
-    }
     let is_unit = |prefix: &str| units.is_match(prefix);
     let is_excluded = |fqn: &str| exclude.as_ref().is_some_and(|r| r.is_match(fqn));
-    let tied = if args.no_tie_detection {
-        std::collections::BTreeMap::new()
-    } else {
-        tied_keys(&source, &index, &order, args.select.as_deref())
-            .with_context(|| format!("cannot look for tied weights in {where_}"))?
-    };
-    let options = from_index::FromIndexOptions {
-        select: args.select.as_deref(),
-        exclude: Some(&is_excluded),
-        is_unit: &is_unit,
-        root_unit: args.root_unit,
-        tied: Some(&tied),
-    };
-    let derived = from_index::description_from_index(&index, &order, &options)
-        .with_context(|| format!("cannot derive a model description from {where_}"))?;
-    let optim = derived
-        .skipped
-        .iter()
-        .filter(|(_, why)| *why == "optimizer state")
-        .count();
-    let other: Vec<String> = derived
-        .skipped
-        .iter()
-        .filter(|(_, why)| *why != "optimizer state")
-        .map(|(k, why)| format!("{k} ({why})"))
-        .collect();
-    if optim > 0 {
-        eprintln!("note: skipped {optim} optimizer-state entries");
+    let described = checkpoint.describe(
+        &source,
+        &DescribeOptions {
+            select: args.select.as_deref(),
+            exclude: Some(&is_excluded),
+            is_unit: &is_unit,
+            root_unit: args.root_unit,
+            detect_ties: !args.no_tie_detection,
+        },
+    )?;
+    for note in &described.notes {
+        eprintln!("{note}");
     }
-    if !other.is_empty() {
-        eprintln!("note: skipped {}", other.join(", "));
-    }
-    if args.select.is_none() {
-        let tops: std::collections::BTreeSet<&str> = derived
-            .model
-            .params
-            .iter()
-            .filter_map(|p| p.fqn.split_once('.').map(|(t, _)| t))
-            .collect();
-        if tops.contains("model") && tops.len() > 1 {
-            eprintln!(
-                "note: the parameters come from several subtrees ({})\nhint: --select model takes the model's state only",
-                tops.into_iter().collect::<Vec<_>>().join(", ")
-            );
-        }
-    }
-    for p in &derived.model.params {
-        if let Some(partner) = &p.shared_with {
-            eprintln!(
-                "note: `{}` is tied to `{partner}` (same tensor): marked shared_with, it takes no space of its own (--no-tie-detection to turn this off)",
-                p.fqn
-            );
-        }
-    }
-    if derived.model.units.is_empty() {
-        eprintln!(
-            "note: --units matched no module prefix and --root-unit is not given: no FSDP unit manages any parameter"
-        );
-    }
+    let derived = described.derived;
     eprintln!(
         "note: {} parameters from {where_}; units: {}",
         derived.model.params.len(),
