@@ -4,6 +4,8 @@
 //! of per-rank files, sharded safetensors) are read through a [`Source`], so the same code runs on
 //! memory-mapped files (native runner), in tests and in the browser ([`MemorySource`]).
 
+pub mod conformance;
+
 use std::borrow::Cow;
 use std::collections::BTreeMap;
 

@@ -173,3 +173,33 @@ impl Source for FileSource {
         Ok(Cow::Borrowed(&bytes[start..end]))
     }
 }
+
+#[cfg(test)]
+mod conformance {
+    #![allow(clippy::unwrap_used)]
+    use shardscope_core::source::conformance::{sample_files, violations};
+
+    use super::FileSource;
+
+    #[test]
+    fn file_sources_keep_the_source_contract() {
+        let files = sample_files();
+        let tmp = tempfile::tempdir().unwrap();
+        for (name, bytes) in &files {
+            let path = tmp.path().join(name);
+            std::fs::create_dir_all(path.parent().unwrap()).unwrap();
+            std::fs::write(path, bytes).unwrap();
+        }
+        let dir = FileSource::dir(tmp.path()).unwrap();
+        assert_eq!(violations(&dir, &files), Vec::<String>::new());
+        // Named files (`inspect a.pt b.pt`): each under its own name.
+        let top: std::collections::BTreeMap<String, Vec<u8>> = files
+            .iter()
+            .filter(|(n, _)| !n.contains('/'))
+            .map(|(n, b)| (n.clone(), b.clone()))
+            .collect();
+        let paths: Vec<std::path::PathBuf> = top.keys().map(|n| tmp.path().join(n)).collect();
+        let listed = FileSource::files(&paths).unwrap();
+        assert_eq!(violations(&listed, &top), Vec::<String>::new());
+    }
+}

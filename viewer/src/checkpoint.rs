@@ -510,3 +510,27 @@ pub fn format_number(v: f64) -> String {
         format!("{v}")
     }
 }
+
+#[cfg(all(test, not(target_arch = "wasm32")))]
+mod conformance {
+    #![allow(clippy::unwrap_used)]
+    use shardscope_core::source::conformance::{sample_files, violations};
+
+    use super::FsSource;
+
+    #[test]
+    fn the_desktop_files_keep_the_source_contract() {
+        let files = sample_files();
+        let dir = std::env::temp_dir().join(format!("shardscope-fs-{}", std::process::id()));
+        let mut source = FsSource::default();
+        for (name, bytes) in &files {
+            let path = dir.join(name);
+            std::fs::create_dir_all(path.parent().unwrap()).unwrap();
+            std::fs::write(&path, bytes).unwrap();
+            source.insert(name.clone(), path);
+        }
+        let found = violations(&source, &files);
+        let _ = std::fs::remove_dir_all(&dir);
+        assert_eq!(found, Vec::<String>::new());
+    }
+}
