@@ -14,7 +14,8 @@ use shardscope_core::model::from_index::{
     FromIndexOptions, description_from_index, stored_key_order,
 };
 use shardscope_core::model::index::index_source;
-use shardscope_tests::{fixtures_dir, memory_source, shardscope_bin};
+use crate::common::shardscope_bin;
+use shardscope_tests::{fixtures_dir, memory_source};
 
 fn formats() -> PathBuf {
     fixtures_dir().join("formats")

@@ -22,8 +22,8 @@ use std::path::{Path, PathBuf};
 use std::process::{Command, Output};
 use std::time::Instant;
 
-mod common;
-use common::python;
+
+use crate::common::python;
 
 use shardscope_core::layout::Strategy;
 use shardscope_core::model::bridge::{self, RootDict};

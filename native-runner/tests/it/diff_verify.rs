@@ -9,7 +9,8 @@ use serde_json::Value;
 use shardscope_core::DType;
 use shardscope_core::formats::write::safetensors::{SafetensorsWriter, TensorSpec};
 use shardscope_core::model::index;
-use shardscope_tests::{fixtures_dir, memory_source, shardscope_bin};
+use crate::common::shardscope_bin;
+use shardscope_tests::{fixtures_dir, memory_source};
 
 fn formats() -> PathBuf {
     fixtures_dir().join("formats")

@@ -11,7 +11,8 @@ use std::process::Command;
 use serde_json::Value;
 use sha2::{Digest, Sha256};
 use shardscope_core::model::index::{self, ChunkEncoding};
-use shardscope_tests::{fixtures_dir, memory_source, run_interop_script, shardscope_bin};
+use crate::common::{run_interop_script, shardscope_bin};
+use shardscope_tests::{fixtures_dir, memory_source};
 
 fn dtypes_dir() -> PathBuf {
     fixtures_dir().join("dtypes")
