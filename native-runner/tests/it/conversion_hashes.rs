@@ -27,7 +27,11 @@ fn hash_tree(dir: &Path) -> BTreeMap<String, String> {
             if p.is_dir() {
                 walk(root, &p, out);
             } else {
-                let name = p.strip_prefix(root).unwrap().to_string_lossy().replace('\\', "/");
+                let name = p
+                    .strip_prefix(root)
+                    .unwrap()
+                    .to_string_lossy()
+                    .replace('\\', "/");
                 let digest = Sha256::digest(std::fs::read(&p).unwrap());
                 let mut hex = String::with_capacity(64);
                 for b in digest {
@@ -66,7 +70,16 @@ fn recorded_conversions_are_byte_identical() {
             .iter()
             .map(|a| a.as_str().unwrap().replace("{out}", out_str))
             .collect();
-        let shown = format!("shardscope {}", conv["args"].as_array().unwrap().iter().map(|a| a.as_str().unwrap()).collect::<Vec<_>>().join(" "));
+        let shown = format!(
+            "shardscope {}",
+            conv["args"]
+                .as_array()
+                .unwrap()
+                .iter()
+                .map(|a| a.as_str().unwrap())
+                .collect::<Vec<_>>()
+                .join(" ")
+        );
         let run = Command::new(crate::common::shardscope_bin())
             .args(&args)
             .current_dir(&root)

@@ -16,7 +16,6 @@
 use std::path::{Path, PathBuf};
 use std::process::{Command, Output};
 
-
 use crate::common::python;
 
 fn manifest() -> PathBuf {

@@ -6,8 +6,8 @@
 
 use std::process::Command;
 
-use shardscope_core::model::index::{self, ChunkEncoding};
 use crate::common::shardscope_bin;
+use shardscope_core::model::index::{self, ChunkEncoding};
 use shardscope_tests::{fixtures_dir, memory_source};
 
 #[test]

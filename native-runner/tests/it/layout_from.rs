@@ -10,11 +10,11 @@
 use std::path::{Path, PathBuf};
 use std::process::Output;
 
+use crate::common::shardscope_bin;
 use shardscope_core::model::from_index::{
     FromIndexOptions, description_from_index, stored_key_order,
 };
 use shardscope_core::model::index::index_source;
-use crate::common::shardscope_bin;
 use shardscope_tests::{fixtures_dir, memory_source};
 
 fn formats() -> PathBuf {

@@ -22,7 +22,6 @@ use std::path::{Path, PathBuf};
 use std::process::{Command, Output};
 use std::time::Instant;
 
-
 use crate::common::python;
 
 use shardscope_core::layout::Strategy;
