@@ -1,4 +1,4 @@
-"""Interop test of `shardscope convert` against real torch (run by tests/tests/convert_interop.rs).
+"""Interop test of `shardscope convert` against real torch (run by native-runner/tests/it/convert_interop.rs).
 
 usage: check_convert.py SHARDSCOPE_BIN WORKDIR
 

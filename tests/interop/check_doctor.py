@@ -1,4 +1,4 @@
-"""Interop test of `shardscope doctor` fixes (run by tests/tests/doctor.rs).
+"""Interop test of `shardscope doctor` fixes (run by native-runner/tests/it/doctor.rs).
 
 usage: check_doctor.py SHARDSCOPE_BIN WORKDIR
 

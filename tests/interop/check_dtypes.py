@@ -1,5 +1,5 @@
 """Interop test of `shardscope convert` for every dtype and for zstd-compressed DCP items (run by
-tests/tests/dtypes.rs).
+native-runner/tests/it/dtypes.rs).
 
 usage: check_dtypes.py SHARDSCOPE_BIN WORKDIR
 

@@ -1,4 +1,4 @@
-"""Interop test of the HF-style exports (run by tests/tests/export_interop.rs).
+"""Interop test of the HF-style exports (run by native-runner/tests/it/export_interop.rs).
 
 usage: check_export.py SHARDSCOPE_BIN WORKDIR
 

@@ -1,4 +1,4 @@
-"""Torch side of the FSDP1 per-rank layout view test (native-runner/tests/fsdp1_view.rs).
+"""Torch side of the FSDP1 per-rank layout view test (native-runner/tests/it/fsdp1_view.rs).
 
 usage:
   check_fsdp1_view.py same OURS.pt TORCH.pt

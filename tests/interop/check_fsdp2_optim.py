@@ -1,5 +1,5 @@
 """Interop test of FSDP2 optimizer state through `shardscope convert` (run by
-tests/tests/convert_fsdp2_optim.rs).
+native-runner/tests/it/convert_fsdp2_optim.rs).
 
 usage: check_fsdp2_optim.py SHARDSCOPE_BIN WORKDIR
 

@@ -1,4 +1,4 @@
-"""Self-test of ranks.py (run by tests/tests/interop_ranks.rs): a rank that aborts at teardown
+"""Self-test of ranks.py (run by native-runner/tests/it/interop_ranks.rs): a rank that aborts at teardown
 after its results are written does not fail the run; a rank that aborts or raises during its work
 does, and names itself.
 

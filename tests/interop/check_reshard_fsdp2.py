@@ -1,5 +1,5 @@
 """Interop test of FSDP2 per-rank output: `shardscope reshard ... --to-api fsdp2` (run by
-tests/tests/reshard_fsdp2.rs).
+native-runner/tests/it/reshard_fsdp2.rs).
 
 usage: check_reshard_fsdp2.py SHARDSCOPE_BIN WORKDIR
 

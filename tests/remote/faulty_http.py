@@ -1,4 +1,4 @@
-"""A small HTTP server with byte ranges that fails on purpose (tests/tests/remote.rs).
+"""A small HTTP server with byte ranges that fails on purpose (native-runner/tests/it/remote.rs).
 
     python3 faulty_http.py ROOT MODE [N]
 

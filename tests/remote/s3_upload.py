@@ -1,4 +1,4 @@
-"""Uploads a folder to an S3 server (moto in tests/tests/remote.rs) with signed requests.
+"""Uploads a folder to an S3 server (moto in native-runner/tests/it/remote.rs) with signed requests.
 
     python s3_upload.py ENDPOINT BUCKET PREFIX FOLDER
 

@@ -1,29 +1,14 @@
-//! Helpers shared by the integration tests: fixture paths and the `shardscope` binary.
+//! Helpers shared by the integration tests: fixture paths, in-memory sources, torch.
+//!
+//! The tests that run the `shardscope` binary live in the runner's test binary
+//! (`native-runner/tests/it`), the one place where Cargo builds the binary first and names it in
+//! `CARGO_BIN_EXE_shardscope`; they reach these helpers through a dev-dependency on this crate.
 
 use std::path::PathBuf;
 
 /// The `tests/fixtures` folder.
 pub fn fixtures_dir() -> PathBuf {
     PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("fixtures")
-}
-
-/// The `shardscope` binary of this workspace, brought up to date with `cargo build -p shardscope-runner`.
-pub fn shardscope_bin() -> PathBuf {
-    let root = PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("..");
-    let target =
-        std::env::var_os("CARGO_TARGET_DIR").map_or_else(|| root.join("target"), PathBuf::from);
-    let bin = target.join("debug").join("shardscope");
-    // Always ask cargo: a stale binary would test old code (a no-op when up to date).
-    {
-        let status =
-            std::process::Command::new(std::env::var_os("CARGO").unwrap_or_else(|| "cargo".into()))
-                .args(["build", "-q", "-p", "shardscope-runner"])
-                .current_dir(&root)
-                .status()
-                .expect("cannot run cargo to build shardscope");
-        assert!(status.success(), "building shardscope failed");
-    }
-    bin
 }
 
 /// Loads every file under `dir` (recursively) into a [`shardscope_core::MemorySource`], with
@@ -78,11 +63,11 @@ pub fn torch_python() -> Option<std::path::PathBuf> {
     ok.then_some(python)
 }
 
-/// Runs `tests/interop/<script> <shardscope binary> <workdir>` with [`torch_python`] in a fresh
+/// Runs `tests/interop/<script> <shardscope> <workdir>` with [`torch_python`] in a fresh
 /// temporary folder (removed afterwards) and panics with the script's output unless it exits 0
 /// and its last line is `ok`. Returns `false` (after printing "skipped: no torch") when there is
 /// no torch.
-pub fn run_interop_script(script: &str) -> bool {
+pub fn run_interop_script(script: &str, shardscope: &std::path::Path) -> bool {
     let Some(python) = torch_python() else {
         eprintln!("skipped: no torch");
         return false;
@@ -100,7 +85,7 @@ pub fn run_interop_script(script: &str) -> bool {
         .join(script);
     let out = std::process::Command::new(&python)
         .arg(&path)
-        .arg(shardscope_bin())
+        .arg(shardscope)
         .arg(&work)
         .output()
         .unwrap_or_else(|e| panic!("cannot run {}: {e}", python.display()));

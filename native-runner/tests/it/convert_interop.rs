@@ -10,7 +10,7 @@
 
 #[test]
 fn convert_outputs_load_in_torch_and_match_torch_own_conversion() {
-    shardscope_tests::run_interop_script("check_convert.py");
+    crate::common::run_interop_script("check_convert.py");
 }
 
 /// `tests/interop/check_parallel.py`: torchrun (`--standalone --nproc-per-node 3`) launches three
@@ -18,5 +18,5 @@ fn convert_outputs_load_in_torch_and_match_torch_own_conversion() {
 /// run byte for byte, and torch reads them to the values of its own `dcp_to_torch_save`.
 #[test]
 fn parts_launched_by_torchrun_equal_one_run_and_load_in_torch() {
-    shardscope_tests::run_interop_script("check_parallel.py");
+    crate::common::run_interop_script("check_parallel.py");
 }

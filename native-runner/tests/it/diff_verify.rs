@@ -5,11 +5,12 @@
 use std::path::{Path, PathBuf};
 use std::process::Command;
 
+use crate::common::shardscope_bin;
 use serde_json::Value;
 use shardscope_core::DType;
 use shardscope_core::formats::write::safetensors::{SafetensorsWriter, TensorSpec};
 use shardscope_core::index;
-use shardscope_tests::{fixtures_dir, memory_source, shardscope_bin};
+use shardscope_tests::{fixtures_dir, memory_source};
 
 fn formats() -> PathBuf {
     fixtures_dir().join("formats")

@@ -2,7 +2,7 @@
 //! FULL ⇄ LOCAL (flat-parameter shards) ⇄ SHARDED, resharding to another world size or wrapping.
 #![allow(clippy::unwrap_used)]
 
-mod transform_support;
+use crate::transform_support;
 
 use std::collections::HashMap;
 

@@ -17,7 +17,7 @@ fn fixtures() -> PathBuf {
 }
 
 fn shardscope(args: &[&std::ffi::OsStr]) -> Output {
-    Command::new(shardscope_tests::shardscope_bin())
+    Command::new(crate::common::shardscope_bin())
         .args(args)
         .output()
         .unwrap()

@@ -5,7 +5,7 @@
 //! as the original trees.
 #![allow(clippy::unwrap_used, clippy::missing_panics_doc)]
 
-mod transform_support;
+use crate::transform_support;
 
 use std::path::PathBuf;
 use std::process::Command;

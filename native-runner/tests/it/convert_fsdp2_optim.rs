@@ -17,7 +17,7 @@ fn fixtures() -> PathBuf {
 }
 
 fn convert(args: &[&std::ffi::OsStr]) -> Output {
-    Command::new(shardscope_tests::shardscope_bin())
+    Command::new(crate::common::shardscope_bin())
         .arg("convert")
         .args(args)
         .output()
@@ -240,5 +240,5 @@ fn broken_folders_give_errors_naming_file_and_key() {
 
 #[test]
 fn outputs_load_in_torch_and_dcp_loads_into_fsdp2() {
-    shardscope_tests::run_interop_script("check_fsdp2_optim.py");
+    crate::common::run_interop_script("check_fsdp2_optim.py");
 }

@@ -1,6 +1,6 @@
 //! `shardscope inspect` (and so `verify`, `diff`, `convert`: one `Checkpoint::open`) reads each
 //! torch-written per-rank fixture as torch's own full state dicts (`expected/*.pt`, saved by the
-//! generators): the same tensors, dtypes and shapes. viewer/tests/front_ends.rs checks the viewer
+//! generators): the same tensors, dtypes and shapes. viewer/tests/it/front_ends.rs checks the viewer
 //! against the same files; `doctor` reads the same folders without a complaint about their keys.
 #![allow(clippy::unwrap_used, clippy::missing_panics_doc)]
 

@@ -19,7 +19,8 @@ use std::path::{Path, PathBuf};
 use std::process::{Child, Command, Output, Stdio};
 use std::time::{Duration, Instant};
 
-use shardscope_tests::{fixtures_dir, shardscope_bin};
+use crate::common::shardscope_bin;
+use shardscope_tests::fixtures_dir;
 
 fn examples_dir() -> PathBuf {
     PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("../examples")
@@ -538,7 +539,7 @@ fn missing_urls_are_named_in_the_error() {
 
 /// `tests/remote/faulty_http.py ROOT MODE [N]`, on the port it prints.
 fn faulty_server(root: &Path, mode: &[&str]) -> (Server, u16) {
-    let script = PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("remote/faulty_http.py");
+    let script = PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("../tests/remote/faulty_http.py");
     let mut child = Command::new("python3")
         .arg(&script)
         .arg(root)
@@ -700,7 +701,7 @@ impl Moto {
     }
 
     fn upload(&self, bucket: &str, prefix: &str, folder: &Path) {
-        let script = PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("remote/s3_upload.py");
+        let script = PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("../tests/remote/s3_upload.py");
         let mut cmd = Command::new(&self.python);
         cmd.arg(&script)
             .arg(format!("http://127.0.0.1:{}", self.port))

@@ -95,7 +95,7 @@ impl Rng {
 
 #[test]
 fn killed_conversions_leave_no_partial_output_and_inputs_unchanged() {
-    let bin = shardscope_tests::shardscope_bin();
+    let bin = crate::common::shardscope_bin();
     let dir = tempfile::tempdir().unwrap();
     let full = dir.path().join("full.safetensors");
     write_input(&full);

@@ -88,7 +88,7 @@ fn shard_group_shown_is_the_one_the_layout_uses() {
     v.tab = Tab::Ranks;
     v.open_bytes(
         "spec_example_a.json",
-        include_bytes!("fixtures/spec_example_a.json").to_vec(),
+        include_bytes!("../fixtures/spec_example_a.json").to_vec(),
     );
     assert_eq!(v.poll_loader(), 0);
     let mut h = harness(v);

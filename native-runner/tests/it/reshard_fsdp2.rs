@@ -24,7 +24,7 @@ fn model_json() -> PathBuf {
 }
 
 fn run(cmd: &str, args: &[&std::ffi::OsStr]) -> Output {
-    Command::new(shardscope_tests::shardscope_bin())
+    Command::new(crate::common::shardscope_bin())
         .arg(cmd)
         .args(args)
         .output()
@@ -181,5 +181,5 @@ fn wrong_flags_are_clear_errors_and_leave_nothing() {
 
 #[test]
 fn fsdp2_output_loads_into_fsdp2_models_at_new_world_sizes() {
-    shardscope_tests::run_interop_script("check_reshard_fsdp2.py");
+    crate::common::run_interop_script("check_reshard_fsdp2.py");
 }

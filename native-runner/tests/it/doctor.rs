@@ -24,7 +24,7 @@ struct Run {
 
 fn doctor(ckpt: &[&str], extra: &[&str]) -> Run {
     let dir = fixtures();
-    let mut cmd = Command::new(shardscope_tests::shardscope_bin());
+    let mut cmd = Command::new(crate::common::shardscope_bin());
     cmd.arg("doctor");
     for c in ckpt {
         cmd.arg(dir.join(c));
@@ -435,7 +435,7 @@ fn healthy_controls_have_no_error() {
 #[test]
 fn text_output_and_exit_codes() {
     let dir = fixtures();
-    let out = Command::new(shardscope_tests::shardscope_bin())
+    let out = Command::new(crate::common::shardscope_bin())
         .args(["doctor"])
         .arg(dir.join("compiled.pt"))
         .arg("--reference")
@@ -451,7 +451,7 @@ fn text_output_and_exit_codes() {
 
 #[test]
 fn fixes_work_in_torch() {
-    shardscope_tests::run_interop_script("check_doctor.py");
+    crate::common::run_interop_script("check_doctor.py");
 }
 
 #[test]

@@ -10,11 +10,12 @@
 use std::path::{Path, PathBuf};
 use std::process::Output;
 
+use crate::common::shardscope_bin;
 use shardscope_core::index::from_index::{
     FromIndexOptions, description_from_index, stored_key_order,
 };
 use shardscope_core::index::index_source;
-use shardscope_tests::{fixtures_dir, memory_source, shardscope_bin};
+use shardscope_tests::{fixtures_dir, memory_source};
 
 fn formats() -> PathBuf {
     fixtures_dir().join("formats")

@@ -3,7 +3,7 @@
 //! state, verl's FSDP1 folder with its model description opened first) holds exactly the tensors of
 //! torch's own full state dicts (`expected/*.pt`, saved by the generators with
 //! `get_model_state_dict`/`get_optimizer_state_dict(full_state_dict=True)` or FULL_STATE_DICT and
-//! `FSDP.optim_state_dict`), with their dtypes and shapes. `native-runner/tests/front_ends.rs`
+//! `FSDP.optim_state_dict`), with their dtypes and shapes. `native-runner/tests/it/front_ends.rs`
 //! checks `inspect` against the same files.
 #![allow(clippy::unwrap_used)]
 

@@ -11,7 +11,7 @@ use egui_kittest::kittest::{NodeT, Queryable};
 use shardscope_core::layout::Api;
 use shardscope_viewer::{Tab, Viewer};
 
-const SPEC_A: &[u8] = include_bytes!("fixtures/spec_example_a.json");
+const SPEC_A: &[u8] = include_bytes!("../fixtures/spec_example_a.json");
 
 fn harness(viewer: Viewer) -> Harness<'static, Viewer> {
     Harness::builder()
@@ -169,7 +169,7 @@ fn trace_tab_lists_lanes_and_spans() {
     v.loader.synchronous = true;
     v.open_bytes(
         "gather_trace.json",
-        include_bytes!("../../examples/viewer/gather_trace.json").to_vec(),
+        include_bytes!("../../../examples/viewer/gather_trace.json").to_vec(),
     );
     v.poll_loader();
     let mut h = harness(v);
@@ -201,11 +201,11 @@ fn verify_tab_lists_problems_and_links_them_to_the_layout() {
     v.loader.synchronous = true;
     v.open_bytes(
         "tiny_model.json",
-        include_bytes!("../../examples/tiny_model.json").to_vec(),
+        include_bytes!("../../../examples/tiny_model.json").to_vec(),
     );
     v.open_bytes(
         "verify_report.json",
-        include_bytes!("../../examples/viewer/verify_report.json").to_vec(),
+        include_bytes!("../../../examples/viewer/verify_report.json").to_vec(),
     );
     v.poll_loader();
     let mut h = harness(v);

@@ -2,7 +2,7 @@
 //! every expected value below was produced by torch 2.15's FSDP1 on CPU.
 #![allow(clippy::unwrap_used)]
 
-mod transform_support;
+use crate::transform_support;
 
 use shardscope_core::layout::{Fsdp1Model, ParamRef};
 use shardscope_core::model::tree::{Dict, DistKind, Node};

@@ -6,8 +6,9 @@
 
 use std::process::Command;
 
+use crate::common::shardscope_bin;
 use shardscope_core::index::{self, ChunkEncoding};
-use shardscope_tests::{fixtures_dir, memory_source, shardscope_bin};
+use shardscope_tests::{fixtures_dir, memory_source};
 
 #[test]
 fn verify_compares_every_replica_with_the_first() {

@@ -6,5 +6,5 @@
 
 #[test]
 fn dtype_casts_and_tied_exports_match_torch() {
-    shardscope_tests::run_interop_script("check_export.py");
+    crate::common::run_interop_script("check_export.py");
 }

@@ -3,5 +3,5 @@
 
 #[test]
 fn rank_launcher_judges_by_results_not_teardown() {
-    shardscope_tests::run_interop_script("check_ranks.py");
+    crate::common::run_interop_script("check_ranks.py");
 }

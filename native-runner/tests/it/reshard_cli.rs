@@ -22,8 +22,7 @@ use std::path::{Path, PathBuf};
 use std::process::{Command, Output};
 use std::time::Instant;
 
-mod common;
-use common::python;
+use crate::common::python;
 
 use shardscope_core::bridge::{self, RootDict};
 use shardscope_core::layout::Strategy;

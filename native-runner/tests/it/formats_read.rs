@@ -440,7 +440,7 @@ fn value_statistics_match_an_independent_count() {
 }
 
 fn run_cli(args: &[&str]) -> (i32, String, String) {
-    let out = std::process::Command::new(shardscope_tests::shardscope_bin())
+    let out = std::process::Command::new(crate::common::shardscope_bin())
         .args(args)
         .output()
         .unwrap();

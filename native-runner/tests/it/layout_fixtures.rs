@@ -380,23 +380,6 @@ fn torch_rejections_are_our_rejections() {
     assert!(checked >= 4, "only {checked} error cases checked");
 }
 
-/// The `shardscope` binary built next to this test (`cargo test --workspace` builds it first).
-fn shardscope_bin() -> PathBuf {
-    if let Some(path) = std::env::var_os("CARGO_BIN_EXE_shardscope") {
-        return PathBuf::from(path);
-    }
-    // target/<profile>/deps/<this test> -> target/<profile>/shardscope
-    let exe = std::env::current_exe().unwrap();
-    let profile_dir = exe.parent().and_then(Path::parent).unwrap();
-    let bin = profile_dir.join(format!("shardscope{}", std::env::consts::EXE_SUFFIX));
-    assert!(
-        bin.is_file(),
-        "{} not found\nhint: build it first: cargo build -p shardscope-runner (cargo test --workspace does)",
-        bin.display()
-    );
-    bin
-}
-
 fn cli_args(case: &Case) -> Vec<String> {
     let c = &case.config;
     let mut args = vec![
@@ -425,7 +408,7 @@ fn cli_args(case: &Case) -> Vec<String> {
 
 #[test]
 fn the_cli_prints_torchs_layout() {
-    let bin = shardscope_bin();
+    let bin = crate::common::shardscope_bin();
     for name in [
         "fsdp1_nested_ws4_hybrid_shard_2x2_orig",
         "fsdp1_mixed_ws3_orig_mp_bf16",
@@ -448,7 +431,7 @@ fn the_cli_prints_torchs_layout() {
 
 #[test]
 fn the_cli_exits_2_with_torchs_message_on_a_rejected_model() {
-    let bin = shardscope_bin();
+    let bin = crate::common::shardscope_bin();
     let case = load_case(&layout_fixtures_dir().join("fsdp1_err_mixed_dtype"));
     let out = Command::new(&bin).args(cli_args(&case)).output().unwrap();
     assert_eq!(

@@ -1,0 +1,9 @@
+//! The viewer's integration tests: one test binary (one link, one process start), a module per
+//! area, as uv does (`crates/uv/tests/it/main.rs`).
+
+mod checkpoints;
+mod doctor;
+mod follows;
+mod front_ends;
+mod panels;
+mod torch_layouts;
