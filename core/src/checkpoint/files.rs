@@ -83,7 +83,7 @@ fn named_group(label: &str, names: &[String], pattern: &str) -> Result<RankGroup
             .map(|r| pattern.replace(RANK_PLACEHOLDER, &r.to_string()))
             .collect();
         return Err(files_err(format!(
-            "per-rank files `{pattern}` are not ranks 0..N: missing {}",
+            "per-rank files `{pattern}` do not hold every rank 0..N; missing: {}",
             missing.join(", ")
         )));
     }
@@ -178,7 +178,7 @@ mod tests {
         let g = named_group("ckpt", &names, "b_{r}.pt").expect("b is complete");
         assert_eq!(g.files.len(), 2);
         let e = named_group("ckpt", &names, "a_{r}.pt").expect_err("a misses rank 1");
-        assert!(e.to_string().contains("missing a_1.pt"), "{e}");
+        assert!(e.to_string().contains("missing: a_1.pt"), "{e}");
         let e = named_group("ckpt", &names, "c_{r}.pt").expect_err("no c");
         assert!(
             e.to_string().contains("per-rank file sets found: b_{r}.pt"),

@@ -275,7 +275,7 @@ fn complete(label: &str, read: &[ReadSet], notes: &mut Vec<String>) -> Result<()
         // One rank's file alone (`inspect rank1.pt`) is read as what it is.
         if !missing.is_empty() && group.files.len() > 1 {
             let what = format!(
-                "per-rank files `{pattern}` are not ranks 0..N: missing {}",
+                "per-rank files `{pattern}` do not hold every rank 0..N; missing: {}",
                 missing.join(", ")
             );
             if *class == "extra" {

@@ -94,6 +94,10 @@ impl Rng {
 }
 
 #[test]
+#[allow(
+    clippy::too_many_lines,
+    reason = "one scenario: references, twenty killed runs, their checks"
+)]
 fn killed_conversions_leave_no_partial_output_and_inputs_unchanged() {
     let bin = crate::common::shardscope_bin();
     let dir = tempfile::tempdir().unwrap();
@@ -142,19 +146,31 @@ fn killed_conversions_leave_no_partial_output_and_inputs_unchanged() {
             ],
         ),
     ];
-    // Reference outputs and how long an uninterrupted run takes.
+    // Reference outputs and how long an uninterrupted run takes: the fastest of three, so that a
+    // run slowed by other work on the machine does not set kill moments later runs outlive.
     let reference = dir.path().join("reference");
     std::fs::create_dir(&reference).unwrap();
     let mut expected = Vec::new();
     let mut durations = Vec::new();
     for (name, args) in &kinds {
-        let dest = reference.join(name);
-        let mut all: Vec<&str> = args.iter().map(String::as_str).collect();
-        all.extend(["-o", dest.to_str().unwrap()]);
-        let t = Instant::now();
-        assert!(convert(&bin, &all).status().unwrap().success(), "{name}");
-        durations.push(t.elapsed());
-        expected.push(checksums(&dest));
+        let mut fastest = None;
+        for attempt in 0..3 {
+            let dest = reference.join(attempt.to_string()).join(name);
+            std::fs::create_dir_all(dest.parent().unwrap()).unwrap();
+            let mut all: Vec<&str> = args.iter().map(String::as_str).collect();
+            all.extend(["-o", dest.to_str().unwrap()]);
+            let t = Instant::now();
+            assert!(convert(&bin, &all).status().unwrap().success(), "{name}");
+            let took = t.elapsed();
+            fastest = Some(fastest.map_or(took, |f: std::time::Duration| f.min(took)));
+            let sums = checksums(&dest);
+            if attempt == 0 {
+                expected.push(sums);
+            } else {
+                assert_eq!(&sums, expected.last().unwrap(), "{name}: not deterministic");
+            }
+        }
+        durations.push(fastest.unwrap());
     }
 
     let mut rng = Rng(0x5EED_1234_ABCD_0001);
