@@ -7,8 +7,8 @@ use std::path::{Path, PathBuf};
 
 use shardscope_core::source::{Source, SourceError};
 
-use crate::remote::{self, RemoteSource};
 use shardscope_runner::file_source::FileSource;
+use shardscope_runner::remote::{self, RemoteSource};
 
 /// A checkpoint's files: memory-mapped local files, or objects behind a URL.
 #[derive(Debug)]

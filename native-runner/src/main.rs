@@ -4,7 +4,6 @@ mod atomic;
 mod cli;
 mod convert;
 mod input;
-mod remote;
 
 use std::process::ExitCode;
 

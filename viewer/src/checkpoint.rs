@@ -303,10 +303,17 @@ impl CheckpointView {
         source: &dyn Source,
         options: &ReadOptions,
     ) -> Result<Self, CheckpointError> {
-        let checkpoint =
-            Checkpoint::open(source, name, options).map_err(|e| CheckpointError::Open {
-                message: e.to_string(),
-            })?;
+        let checkpoint = Checkpoint::open(source, name, options).map_err(|e| match e {
+            shardscope_core::checkpoint::CheckpointError::Index { source, .. } => {
+                CheckpointError::Index {
+                    name: name.to_owned(),
+                    source,
+                }
+            }
+            other => CheckpointError::Open {
+                message: other.to_string(),
+            },
+        })?;
         Self::from_checkpoint(checkpoint, source)
     }
 

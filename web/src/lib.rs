@@ -13,7 +13,7 @@ mod handle {
     use std::collections::BTreeMap;
     use std::sync::{Arc, Mutex};
 
-    use shardscope_core::checkpoint::{Checkpoint, ReadOptions};
+    use shardscope_core::checkpoint::{Checkpoint, CheckpointError, ReadOptions};
     use shardscope_viewer::Viewer;
     use shardscope_viewer::checkpoint::CheckpointView;
     use shardscope_viewer::docs::Document;
@@ -222,7 +222,12 @@ mod handle {
             .unwrap_or_default();
         let checkpoint = src
             .run(
-                |s| Checkpoint::open(s, name, &options).map_err(|e| e.to_string()),
+                |s| {
+                    Checkpoint::open(s, name, &options).map_err(|e| match e {
+                        CheckpointError::Index { source, .. } => format!("{name}: {source}"),
+                        other => other.to_string(),
+                    })
+                },
                 &mut progress,
             )
             .await?;

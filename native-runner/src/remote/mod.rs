@@ -24,5 +24,5 @@ mod source;
 mod store;
 mod url;
 
-pub(crate) use source::RemoteSource;
-pub(crate) use url::is_url;
+pub use source::RemoteSource;
+pub use url::is_url;

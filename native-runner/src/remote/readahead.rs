@@ -52,12 +52,7 @@ impl Block {
 impl RemoteSource {
     /// Reads `offset..offset + out.len()` of `name` into `out`: small reads through the
     /// read-ahead block, large ones straight into `out` ([`Source::read_range`] reads here too).
-    pub(crate) fn read_into(
-        &self,
-        name: &str,
-        offset: u64,
-        out: &mut [u8],
-    ) -> Result<(), SourceError> {
+    pub fn read_into(&self, name: &str, offset: u64, out: &mut [u8]) -> Result<(), SourceError> {
         let len = out.len() as u64;
         let size = self.size(name)?;
         let (start, end) = checked_range(name, offset, len, size)?;

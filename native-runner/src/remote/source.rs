@@ -23,7 +23,7 @@ pub(super) struct RemoteFile {
 }
 
 /// Files under one URL folder, read by range over the network.
-pub(crate) struct RemoteSource {
+pub struct RemoteSource {
     pub(super) runtime: tokio::runtime::Runtime,
     pub(super) store: Arc<dyn ObjectStore>,
     pub(super) url: RemoteUrl,

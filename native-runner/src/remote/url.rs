@@ -53,7 +53,7 @@ impl RemoteUrl {
 }
 
 /// True when an input argument is a URL this module reads (not a local path).
-pub(crate) fn is_url(input: &str) -> bool {
+pub fn is_url(input: &str) -> bool {
     ["http://", "https://", "s3://", "gs://", "az://", "abfs://"]
         .iter()
         .any(|p| {

@@ -1010,3 +1010,24 @@ fn inspect_of_a_torch_save_url_with_many_storages() {
     );
     assert!(log.len() <= 120 + 8, "{} requests", log.len());
 }
+
+/// The `Source` contract (`shardscope_core::source::conformance`, which memory, mmap and the
+/// viewer's files pass too) holds for objects behind a real HTTP server: every sample file (empty,
+/// one byte, odd sizes, larger than a read-ahead block) by its URL.
+#[test]
+fn http_objects_keep_the_source_contract() {
+    use shardscope_core::source::conformance::{sample_files, violations};
+    let Some(nginx) = Nginx::start() else { return };
+    let www = nginx.www().join("conformance");
+    for (name, bytes) in sample_files() {
+        let path = www.join(&name);
+        std::fs::create_dir_all(path.parent().unwrap()).unwrap();
+        std::fs::write(&path, &bytes).unwrap();
+        let url = nginx.url(&format!("conformance/{name}"));
+        let source = shardscope_runner::remote::RemoteSource::open(&url, false)
+            .unwrap_or_else(|e| panic!("{url}: {e:#}"));
+        let base = name.rsplit('/').next().unwrap().to_owned();
+        let files = std::collections::BTreeMap::from([(base, bytes)]);
+        assert_eq!(violations(&source, &files), Vec::<String>::new(), "{url}");
+    }
+}
