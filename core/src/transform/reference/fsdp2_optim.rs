@@ -24,7 +24,7 @@ use std::collections::{BTreeMap, BTreeSet};
 
 use crate::model::tree::{Dict, DistKind, DistTensor, Key, Node, Tensor};
 use crate::transform::TransformError;
-use crate::transform::chunk::full_from_sharded_chunks;
+use crate::transform::reference::chunk::full_from_sharded_chunks;
 
 /// Why per-rank FSDP2 state dicts cannot be combined.
 #[derive(Debug, Clone, PartialEq, thiserror::Error)]
