@@ -16,7 +16,9 @@ use shardscope_core::model::ModelDescription;
 
 use crate::input::Input;
 
-use super::{human_bytes, print_stdout};
+use shardscope_runner::gather::output::human_bytes;
+
+use super::print_stdout;
 
 #[derive(Debug, Args)]
 pub struct LayoutArgs {

@@ -10,7 +10,7 @@ use anyhow::{Context, Result, bail};
 use shardscope_core::DType;
 use shardscope_core::cast::cast_in_place;
 use shardscope_core::index::{CheckpointIndex, ChunkEncoding, IndexEntry};
-use shardscope_core::shape::{contiguous_strides, nbytes};
+use shardscope_core::shape::{contiguous_strides, nbytes, numel};
 
 use crate::input::Input;
 
@@ -351,9 +351,7 @@ pub struct SlabPiece {
 /// the two dtype sizes (the cast happens in place).
 pub fn read_cost_bytes(entry: &IndexEntry, to: DType) -> Result<u64> {
     let (dtype, shape) = tensor_meta(entry)?;
-    shape
-        .iter()
-        .try_fold(1u64, |n, &d| n.checked_mul(d))
+    numel(shape)
         .and_then(|numel| numel.checked_mul(to.size_bytes().max(dtype.size_bytes()) as u64))
         .with_context(|| format!("{}: tensor size overflows", entry.key))
 }

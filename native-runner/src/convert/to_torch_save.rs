@@ -17,14 +17,14 @@ use super::select::Selection;
 use super::values::py_value_of;
 use super::{Progress, WriteOptions, Written};
 
-/// A node of the nested state dict rebuilt from entry paths.
-enum Node {
-    Map(Vec<(PathSeg, Node)>),
+/// The nested state dict rebuilt from entry paths: containers by path segment, leaves by entry.
+enum KeyTree {
+    Map(Vec<(PathSeg, KeyTree)>),
     Leaf(usize),
 }
 
-fn insert(node: &mut Node, path: &[PathSeg], leaf: usize, key: &str) -> Result<()> {
-    let Node::Map(children) = node else {
+fn insert(node: &mut KeyTree, path: &[PathSeg], leaf: usize, key: &str) -> Result<()> {
+    let KeyTree::Map(children) = node else {
         bail!("{key}: its path goes through a value that is not a container");
     };
     let (first, rest) = path.split_first().context("empty path")?;
@@ -33,13 +33,13 @@ fn insert(node: &mut Node, path: &[PathSeg], leaf: usize, key: &str) -> Result<(
         if pos.is_some() {
             bail!("{key}: two entries have this path");
         }
-        children.push((first.clone(), Node::Leaf(leaf)));
+        children.push((first.clone(), KeyTree::Leaf(leaf)));
         return Ok(());
     }
     let i = if let Some(i) = pos {
         i
     } else {
-        children.push((first.clone(), Node::Map(Vec::new())));
+        children.push((first.clone(), KeyTree::Map(Vec::new())));
         children.len() - 1
     };
     insert(&mut children[i].1, rest, leaf, key)
@@ -54,14 +54,14 @@ struct Storages {
 }
 
 fn to_py(
-    node: &Node,
+    node: &KeyTree,
     leaves: &[(String, &IndexEntry)],
     reader: &Reader<'_>,
     sel: &Selection<'_>,
     storages: &mut Storages,
 ) -> Result<PyValue> {
     match node {
-        Node::Leaf(i) => {
+        KeyTree::Leaf(i) => {
             let e = leaves[*i].1;
             if e.kind == EntryKind::Tensor {
                 let (dtype, shape) = sel.out_meta(e)?;
@@ -95,13 +95,13 @@ fn to_py(
                 py_value_of(reader, e)
             }
         }
-        Node::Map(children) => {
+        KeyTree::Map(children) => {
             let is_list = children
                 .first()
                 .is_some_and(|(k, _)| matches!(k, PathSeg::Index(_)));
             if is_list {
                 // `dcp_to_torch_save` grows lists to the largest index, filling gaps with None.
-                let mut items: Vec<Option<&Node>> = Vec::new();
+                let mut items: Vec<Option<&KeyTree>> = Vec::new();
                 for (k, child) in children {
                     let PathSeg::Index(i) = k else {
                         bail!("a container mixes list indices and dict keys at `{k}`");
@@ -159,7 +159,7 @@ pub fn to_torch_save(
         (ea.position.is_none(), ea.position, a).cmp(&(eb.position.is_none(), eb.position, b))
     });
     let strip = prefix.map_or(0, |p| p.matches('.').count() + 1);
-    let mut root = Node::Map(Vec::new());
+    let mut root = KeyTree::Map(Vec::new());
     for (i, (_, e)) in leaves.iter().enumerate() {
         let path: Vec<PathSeg> = if e.path.is_empty() {
             vec![PathSeg::Key(e.key.clone())]
