@@ -424,9 +424,7 @@ impl DeviceMeshSpec {
                 "a mesh of shape {shape:?}: only 1-D (FSDP2) and 2-D (HSDP) meshes of positive sizes are written"
             )));
         }
-        let numel = shape
-            .iter()
-            .try_fold(1u64, |acc, &d| acc.checked_mul(d))
+        let numel = crate::shape::numel(shape)
             .filter(|&n| i32::try_from(n).is_ok())
             .ok_or_else(|| bad(format!("a mesh of shape {shape:?} has too many ranks")))?;
         if rank >= numel {

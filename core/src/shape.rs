@@ -75,7 +75,7 @@ pub type FlatBox = (Vec<u64>, Vec<u64>, u64);
 /// flat order (at most `2·ndim − 1` of them). `None` when the range lies outside the tensor or
 /// sizes overflow.
 pub fn flat_range_boxes(shape: &[u64], start: u64, end: u64) -> Option<Vec<FlatBox>> {
-    let numel = shape.iter().try_fold(1u64, |a, &d| a.checked_mul(d))?;
+    let numel = numel(shape)?;
     if start > end || end > numel {
         return None;
     }

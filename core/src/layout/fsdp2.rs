@@ -121,10 +121,8 @@ pub fn compute(
                     }
                 })
                 .collect();
-            let padded_numel = padded
-                .iter()
-                .try_fold(1u64, |acc, &d| acc.checked_mul(d))
-                .ok_or_else(|| LayoutError::Overflow {
+            let padded_numel =
+                crate::shape::numel(&padded).ok_or_else(|| LayoutError::Overflow {
                     unit: unit.prefix.to_owned(),
                 })?;
             all_gather_input_numel = all_gather_input_numel

@@ -189,11 +189,7 @@ impl ModelDescription {
                     second: i,
                 });
             }
-            if p.shape
-                .iter()
-                .try_fold(1u64, |acc, &d| acc.checked_mul(d))
-                .is_none()
-            {
+            if crate::shape::numel(&p.shape).is_none() {
                 return Err(DescriptionError::NumelOverflow {
                     fqn: p.fqn.clone(),
                     shape: p.shape.clone(),

@@ -68,10 +68,8 @@ pub struct TensorSizeError {
 impl Tensor {
     /// A tensor over `data`, checked against `dtype` and `shape`.
     pub fn new(dtype: DType, shape: Vec<u64>, data: Vec<u8>) -> Result<Self, TensorSizeError> {
-        let expected = shape
-            .iter()
-            .try_fold(1u64, |acc, &d| acc.checked_mul(d))
-            .and_then(|n| n.checked_mul(dtype.size_bytes() as u64));
+        let expected =
+            crate::shape::numel(&shape).and_then(|n| n.checked_mul(dtype.size_bytes() as u64));
         if expected != Some(data.len() as u64) {
             return Err(TensorSizeError {
                 dtype,

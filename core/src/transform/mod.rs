@@ -2,23 +2,20 @@
 //! 3.9): every collective of PyTorch's FSDP code has a closed form once all ranks' data and the
 //! layout are known.
 //!
-//! - [`chunk`]: dim-0 `torch.chunk` sharding (ShardedTensor and DTensor conventions) and its inverse.
-//! - [`model_state`]: full parameters ⇄ FSDP1 flat-parameter shards (LOCAL state dicts).
-//! - [`optim_state`]: optimizer state dicts in the three shapes of spec section 3.1 (local, full,
-//!   sharded), with PyTorch's validation and messages, and id ⇄ FQN rekeying.
-//! - [`fsdp2_optim`]: FSDP2 per-rank model and raw optimizer state dicts (DTensors, integer ids)
-//!   to the full FQN-keyed ones DSD returns with `full_state_dict=True`.
-//! - [`reshard`]: FSDP1 LOCAL model state and raw optimizer state from one layout (world size,
-//!   wrapping, `use_orig_params`) to another.
+//! What the tools use (streaming writers build structure here and read the bytes themselves):
 //!
-//! Everything here is a pure function over [`crate::model::tree`] values; tensor-level functions
-//! copy one tensor at a time (see [`model_state::FlatCopy`]) so a caller can stream.
+//! - [`model_state`]: FSDP1 flat parameters as a LOCAL state dict stores them (padding fill,
+//!   stored lengths, the `_flat_param` ShardedTensor entry).
+//! - [`optim_state`]: a rank's raw optimizer state dict from the full one, and the element runs
+//!   its tensors are made of.
+//!
+//! [`reference`] holds the in-memory transforms the integration tests compare the streaming
+//! executor against (FSDP1 flat shards, whole model and optimizer state dicts, FSDP2 gathers,
+//! resharding). Everything here is a pure function over [`crate::model::tree`] values.
 
-pub mod chunk;
-pub mod fsdp2_optim;
 pub mod model_state;
 pub mod optim_state;
-pub mod reshard;
+pub mod reference;
 
 mod pyrepr;
 

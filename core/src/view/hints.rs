@@ -38,7 +38,7 @@ pub fn layout_hints(index: &CheckpointIndex) -> LayoutHints {
         _ => None,
     });
     if let Some((placements, shape, key)) = &mesh {
-        let world = shape.iter().try_fold(1u64, |a, &d| a.checked_mul(d));
+        let world = crate::shape::numel(shape);
         if let Some(world) = world.filter(|&w| w > 0) {
             hints.world_size = Some(Hint {
                 value: world,

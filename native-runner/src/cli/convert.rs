@@ -14,7 +14,9 @@ use shardscope_core::checkpoint::{
 use shardscope_core::index::{CheckpointIndex, CheckpointKind, PathSeg};
 use shardscope_core::layout::Strategy;
 
-use super::{human_bytes, print_stdout};
+use shardscope_runner::gather::output::human_bytes;
+
+use super::print_stdout;
 use crate::convert::{self, Progress, Reader, ShardApi};
 use crate::input::Input;
 

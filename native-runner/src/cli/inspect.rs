@@ -12,7 +12,9 @@ use regex::Regex;
 use shardscope_core::index::{self, CheckpointIndex, EntryKind, IndexEntry, Problem, ValueStats};
 use shardscope_core::source::Source;
 
-use super::{human_bytes, print_stdout};
+use shardscope_runner::gather::output::human_bytes;
+
+use super::print_stdout;
 
 #[derive(Debug, Args)]
 pub struct InspectArgs {

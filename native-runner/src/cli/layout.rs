@@ -14,7 +14,9 @@ use shardscope_core::layout::{
 };
 use shardscope_core::model::ModelDescription;
 
-use super::{human_bytes, print_stdout};
+use shardscope_runner::gather::output::human_bytes;
+
+use super::print_stdout;
 
 #[derive(Debug, Args)]
 pub struct LayoutArgs {

@@ -11,7 +11,7 @@ use std::process::Command;
 
 use shardscope_core::bridge::{self, RootDict};
 use shardscope_core::model::tree::{Dict, Key, Node};
-use shardscope_core::transform::fsdp2_optim::{
+use shardscope_core::transform::reference::fsdp2_optim::{
     IdNames, dtensor_param_names, full_model_from_fsdp2, full_optim_from_fsdp2,
 };
 

@@ -897,10 +897,12 @@ fn streaming_outputs_equal_the_in_memory_transforms() {
     use shardscope_core::layout::Fsdp1Model;
     use shardscope_core::layout::{self, Api, Layout, LayoutConfig};
     use shardscope_core::model::ModelDescription;
-    use shardscope_core::transform::model_state::{
-        TORCH_PADDING_FILL, model_full_from_local, model_local_from_full,
+    use shardscope_core::transform::model_state::TORCH_PADDING_FILL;
+    use shardscope_core::transform::optim_state::local_optim_from_full;
+    use shardscope_core::transform::reference::model_state::{
+        model_full_from_local, model_local_from_full,
     };
-    use shardscope_core::transform::optim_state::{full_optim_from_local, local_optim_from_full};
+    use shardscope_core::transform::reference::optim_state::full_optim_from_local;
 
     fn fsdp1(
         desc: &ModelDescription,

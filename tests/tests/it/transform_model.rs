@@ -8,12 +8,15 @@ use std::collections::HashMap;
 
 use shardscope_core::layout::Fsdp1Model;
 use shardscope_core::model::tree::{Dict, DistKind, DistTensor, Node, Tensor};
-use shardscope_core::transform::chunk::{full_from_sharded_chunks, sharded_chunk_from_full};
-use shardscope_core::transform::model_state::{
-    TORCH_PADDING_FILL, fsdp2_sharded_from_full, model_full_from_local, model_local_from_full,
-    model_sharded_from_full, shard_of_local_entry,
+use shardscope_core::transform::model_state::TORCH_PADDING_FILL;
+use shardscope_core::transform::reference::chunk::{
+    full_from_sharded_chunks, sharded_chunk_from_full,
 };
-use shardscope_core::transform::reshard::{FullParamSource, reshard_flat_params};
+use shardscope_core::transform::reference::flat_shards::shard_of_local_entry;
+use shardscope_core::transform::reference::model_state::{
+    fsdp2_sharded_from_full, model_full_from_local, model_local_from_full, model_sharded_from_full,
+};
+use shardscope_core::transform::reference::reshard::{FullParamSource, reshard_flat_params};
 use transform_support::{SCENARIOS, Scenario, assert_same, load};
 
 fn sharded_scenarios() -> Vec<Scenario> {
@@ -226,7 +229,8 @@ fn fsdp2_dtensor_state_dict_matches_torch_both_ways() {
         );
     }
     let gathered =
-        shardscope_core::transform::optim_state::full_from_sharded_tree(&per_rank).unwrap();
+        shardscope_core::transform::reference::optim_state::full_from_sharded_tree(&per_rank)
+            .unwrap();
     assert_same(&gathered, s.get(0, "model_full"), "fsdp2 gather");
     // Some parameter really has an empty trailing rank (bias: 5 rows over 4 ranks).
     let Node::Dist(d) = s.dict(3, "model_dtensor").get_str("bias").unwrap() else {

@@ -6,11 +6,11 @@ use crate::transform_support;
 
 use shardscope_core::layout::{Fsdp1Model, ParamRef};
 use shardscope_core::model::tree::{Dict, DistKind, Node};
-use shardscope_core::transform::optim_state::{
-    full_from_sharded_tree, full_optim_from_local, local_optim_from_full, rekey_fqns_to_ids,
-    rekey_ids_to_fqns,
+use shardscope_core::transform::optim_state::local_optim_from_full;
+use shardscope_core::transform::reference::optim_state::{
+    full_from_sharded_tree, full_optim_from_local, rekey_fqns_to_ids, rekey_ids_to_fqns,
 };
-use shardscope_core::transform::reshard::reshard_local_optim;
+use shardscope_core::transform::reference::reshard::reshard_local_optim;
 use transform_support::{SCENARIOS, Scenario, assert_same, load, sort_state_entries};
 
 fn locals<'a>(s: &'a Scenario, name: &str) -> Vec<&'a Dict> {

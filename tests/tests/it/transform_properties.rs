@@ -10,11 +10,14 @@ use shardscope_core::layout::Fsdp1Model;
 use shardscope_core::layout::{self, Api, Fsdp1Layout, Layout, LayoutConfig, Strategy as Sharding};
 use shardscope_core::model::tree::{Dict, DistKind, DistTensor, Key, Node, Tensor};
 use shardscope_core::model::{ModelDescription, ParamSpec};
-use shardscope_core::transform::chunk::{full_from_sharded_chunks, sharded_chunk_from_full};
-use shardscope_core::transform::model_state::{
+use shardscope_core::transform::optim_state::local_optim_from_full;
+use shardscope_core::transform::reference::chunk::{
+    full_from_sharded_chunks, sharded_chunk_from_full,
+};
+use shardscope_core::transform::reference::flat_shards::{
     flat_shard_from_full_params, full_params_from_flat_shards,
 };
-use shardscope_core::transform::optim_state::{full_optim_from_local, local_optim_from_full};
+use shardscope_core::transform::reference::optim_state::full_optim_from_local;
 
 fn description(shapes: &[Vec<u64>], units: &[&str]) -> ModelDescription {
     // Parameters m<i>.p under modules m0..; units are module prefixes.

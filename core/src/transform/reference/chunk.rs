@@ -111,10 +111,8 @@ pub fn full_from_sharded_chunks(
     }
     let row_numel = row_numel(&shape);
     let itemsize = first.dtype.size_bytes();
-    let numel = shape
-        .iter()
-        .try_fold(1u64, |a, &d| a.checked_mul(d))
-        .ok_or_else(|| bad("global shape overflows".to_owned()))?;
+    let numel =
+        crate::shape::numel(&shape).ok_or_else(|| bad("global shape overflows".to_owned()))?;
     let mut out = Tensor::zeros(first.dtype, shape.clone());
     let mut covered = 0u64;
     let mut claimed = vec![false; shape[0] as usize];

@@ -11,8 +11,11 @@ use std::collections::HashMap;
 use crate::layout::Fsdp1Model;
 use crate::model::tree::{Dict, Tensor};
 use crate::transform::TransformError;
-use crate::transform::model_state::{flat_shard_from_full_params, full_param_from_flat_shards};
-use crate::transform::optim_state::{full_optim_from_local, local_optim_from_full};
+use crate::transform::optim_state::local_optim_from_full;
+use crate::transform::reference::flat_shards::{
+    flat_shard_from_full_params, full_param_from_flat_shards,
+};
+use crate::transform::reference::optim_state::full_optim_from_local;
 
 /// A source of full parameters: FSDP-managed ones are rebuilt from the source flat shards
 /// (`src_shards[flat index][rank]`), the others come from `plain` (e.g. the unmanaged entries of

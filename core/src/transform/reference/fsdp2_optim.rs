@@ -24,7 +24,7 @@ use std::collections::{BTreeMap, BTreeSet};
 
 use crate::model::tree::{Dict, DistKind, DistTensor, Key, Node, Tensor};
 use crate::transform::TransformError;
-use crate::transform::chunk::full_from_sharded_chunks;
+use crate::transform::reference::chunk::full_from_sharded_chunks;
 
 /// Why per-rank FSDP2 state dicts cannot be combined.
 #[derive(Debug, Clone, PartialEq, thiserror::Error)]
@@ -219,10 +219,8 @@ fn placement(pieces: &[&DistTensor], key: &str, file: &str) -> Result<Vec<(u64, 
             "a sharded tensor must have at least one dimension".to_owned()
         ));
     };
-    let row_numel = shape[1..]
-        .iter()
-        .try_fold(1u64, |a, &d| a.checked_mul(d))
-        .ok_or_else(|| bad("global shape overflows".to_owned()))?;
+    let row_numel =
+        crate::shape::numel(&shape[1..]).ok_or_else(|| bad("global shape overflows".to_owned()))?;
     let numel = row_numel
         .checked_mul(rows)
         .ok_or_else(|| bad("global shape overflows".to_owned()))?;
@@ -323,10 +321,7 @@ fn gather_value(
             pieces.push(d);
         }
         // Only allocate what the pieces can fill: Shard(0) pieces tile the tensor exactly.
-        let global: Option<u64> = d0
-            .global_shape
-            .iter()
-            .try_fold(1u64, |a, &x| a.checked_mul(x));
+        let global: Option<u64> = crate::shape::numel(&d0.global_shape);
         if d0.kind != DistKind::DTensor || global != Some(local_numel) {
             return Err(Fsdp2OptimError::Pieces {
                 file: first.file.to_owned(),

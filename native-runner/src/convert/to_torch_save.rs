@@ -1,0 +1,233 @@
+//! The `torch.save` writer: the entries nested as `dcp_to_torch_save` nests them, tensors streamed
+//! into their zip members, tied names sharing one storage.
+
+use std::path::Path;
+
+use anyhow::{Context, Result, bail};
+use shardscope_core::formats::write::pickle::{PyValue, StorageSpec, TensorPickle};
+use shardscope_core::formats::write::torch_save::TorchSaveWriter;
+use shardscope_core::index::{ChunkEncoding, EntryKind, IndexEntry, PathSeg};
+
+use crate::atomic;
+
+use super::exec;
+use super::jobs::{fix_limit, largest, push_piece_jobs};
+use super::reader::Reader;
+use super::select::Selection;
+use super::values::py_value_of;
+use super::{Progress, WriteOptions, Written};
+
+/// The nested state dict rebuilt from entry paths: containers by path segment, leaves by entry.
+enum KeyTree {
+    Map(Vec<(PathSeg, KeyTree)>),
+    Leaf(usize),
+}
+
+fn insert(node: &mut KeyTree, path: &[PathSeg], leaf: usize, key: &str) -> Result<()> {
+    let KeyTree::Map(children) = node else {
+        bail!("{key}: its path goes through a value that is not a container");
+    };
+    let (first, rest) = path.split_first().context("empty path")?;
+    let pos = children.iter().position(|(k, _)| k == first);
+    if rest.is_empty() {
+        if pos.is_some() {
+            bail!("{key}: two entries have this path");
+        }
+        children.push((first.clone(), KeyTree::Leaf(leaf)));
+        return Ok(());
+    }
+    let i = if let Some(i) = pos {
+        i
+    } else {
+        children.push((first.clone(), KeyTree::Map(Vec::new())));
+        children.len() - 1
+    };
+    insert(&mut children[i].1, rest, leaf, key)
+}
+
+/// The storage table of a `torch.save` output: `(spec, leaf)` in table order, and which table
+/// entry holds the bytes of a given chunk list (tied names share one).
+#[derive(Default)]
+struct Storages {
+    list: Vec<(StorageSpec, usize)>,
+    by_chunks: std::collections::HashMap<String, usize>,
+}
+
+fn to_py(
+    node: &KeyTree,
+    leaves: &[(String, &IndexEntry)],
+    reader: &Reader<'_>,
+    sel: &Selection<'_>,
+    storages: &mut Storages,
+) -> Result<PyValue> {
+    match node {
+        KeyTree::Leaf(i) => {
+            let e = leaves[*i].1;
+            if e.kind == EntryKind::Tensor {
+                let (dtype, shape) = sel.out_meta(e)?;
+                let numel = shape.iter().product();
+                // Names whose chunks are the same storage views (tied weights: one storage in a
+                // `torch.save` source) share one storage, as torch saved them. DCP items are
+                // separate objects even when their bytes coincide, so they never share.
+                let raw_views = !e.chunks.is_empty()
+                    && e.chunks
+                        .iter()
+                        .all(|c| matches!(c.encoding, ChunkEncoding::Raw { .. }));
+                let signature =
+                    raw_views.then(|| format!("{dtype:?} {:?} {:?}", e.shape, e.chunks));
+                let same = signature
+                    .as_ref()
+                    .and_then(|sig| storages.by_chunks.get(sig).copied());
+                let storage = if let Some(k) = same {
+                    k
+                } else {
+                    storages.list.push((StorageSpec { dtype, numel }, *i));
+                    let k = storages.list.len() - 1;
+                    if let Some(sig) = signature {
+                        storages.by_chunks.insert(sig, k);
+                    }
+                    k
+                };
+                Ok(PyValue::Tensor(TensorPickle::contiguous(
+                    storage, dtype, shape,
+                )))
+            } else {
+                py_value_of(reader, e)
+            }
+        }
+        KeyTree::Map(children) => {
+            let is_list = children
+                .first()
+                .is_some_and(|(k, _)| matches!(k, PathSeg::Index(_)));
+            if is_list {
+                // `dcp_to_torch_save` grows lists to the largest index, filling gaps with None.
+                let mut items: Vec<Option<&KeyTree>> = Vec::new();
+                for (k, child) in children {
+                    let PathSeg::Index(i) = k else {
+                        bail!("a container mixes list indices and dict keys at `{k}`");
+                    };
+                    let i = usize::try_from(*i).context("negative list index")?;
+                    if items.len() <= i {
+                        items.resize(i + 1, None);
+                    }
+                    items[i] = Some(child);
+                }
+                Ok(PyValue::List(
+                    items
+                        .into_iter()
+                        .map(|c| {
+                            c.map_or(Ok(PyValue::None), |c| {
+                                to_py(c, leaves, reader, sel, storages)
+                            })
+                        })
+                        .collect::<Result<_>>()?,
+                ))
+            } else {
+                Ok(PyValue::Dict(
+                    children
+                        .iter()
+                        .map(|(k, child)| {
+                            let key = match k {
+                                PathSeg::Key(s) => PyValue::Str(s.clone()),
+                                PathSeg::Index(i) => PyValue::Int(*i),
+                            };
+                            Ok((key, to_py(child, leaves, reader, sel, storages)?))
+                        })
+                        .collect::<Result<_>>()?,
+                ))
+            }
+        }
+    }
+}
+
+/// Writes the selection as one `torch.save` file, nested by the entries' paths as
+/// `dcp_to_torch_save` nests them (`{"model": {...}, "optim": {"state": ..., "param_groups": [...]}}`),
+/// loadable with `torch.load(weights_only=True)`. With `--select`, paths lose the selected prefix.
+pub fn to_torch_save(
+    reader: &mut Reader<'_>,
+    sel: &Selection<'_>,
+    prefix: Option<&str>,
+    dest: &Path,
+    opts: &WriteOptions,
+    progress: &dyn Progress,
+) -> Result<Written> {
+    // In stored order (registration order for state dicts, `.metadata` order for DCP), as torch
+    // nests them; entries without one (made by a view) after, by key.
+    let mut leaves: Vec<(String, &IndexEntry)> =
+        sel.tensors.iter().chain(&sel.values).cloned().collect();
+    leaves.sort_by(|(a, ea), (b, eb)| {
+        (ea.position.is_none(), ea.position, a).cmp(&(eb.position.is_none(), eb.position, b))
+    });
+    let strip = prefix.map_or(0, |p| p.matches('.').count() + 1);
+    let mut root = KeyTree::Map(Vec::new());
+    for (i, (_, e)) in leaves.iter().enumerate() {
+        let path: Vec<PathSeg> = if e.path.is_empty() {
+            vec![PathSeg::Key(e.key.clone())]
+        } else {
+            e.path.clone()
+        };
+        // `--select a.b` removes as many leading segments as the prefix joins, when they match.
+        let path =
+            if strip > 0 && path.len() > strip && join(&path[..strip]) == prefix.unwrap_or("") {
+                path[strip..].to_vec()
+            } else if strip > 0 {
+                vec![PathSeg::Key(leaves[i].0.clone())]
+            } else {
+                path
+            };
+        insert(&mut root, &path, i, &e.key)?;
+    }
+    let mut storages = Storages::default();
+    let value = to_py(&root, &leaves, reader, sel, &mut storages)?;
+    let archive = dest
+        .file_stem()
+        .and_then(|s| s.to_str())
+        .filter(|s| !s.is_empty() && !s.contains('\n'))
+        .unwrap_or("archive")
+        .to_owned();
+    // Large tensors stored in place are read and written in pieces (the storage's CRC-32 is
+    // patched into its header when it ends): memory stays far below the tensor, and each piece is
+    // still in the CPU cache when it is checksummed and written.
+    let mut jobs: Vec<exec::Job<'_>> = Vec::with_capacity(storages.list.len());
+    for (spec, leaf) in &storages.list {
+        let n = spec
+            .numel
+            .checked_mul(spec.dtype.size_bytes() as u64)
+            .with_context(|| format!("{}: tensor size overflows", leaves[*leaf].1.key))?;
+        push_piece_jobs(reader, leaves[*leaf].1, spec.dtype, n, &mut jobs);
+    }
+    let (exec_opts, limit) = fix_limit(reader, &jobs, &opts.exec)?;
+    atomic::write_file(dest, |out| {
+        let table = storages.list.iter().map(|(s, _)| *s).collect();
+        let mut writer = TorchSaveWriter::new(out, &archive, &value, table)?;
+        exec::run(
+            reader.source(),
+            reader.index(),
+            &jobs,
+            &exec_opts,
+            |_, bytes| {
+                writer.write_storage_part(bytes)?;
+                progress.advance(bytes.len() as u64);
+                Ok(())
+            },
+        )?;
+        writer.finish()?;
+        Ok(())
+    })?;
+    Ok(Written {
+        outputs: vec![dest.display().to_string()],
+        tensors: sel.tensors.len(),
+        values: sel.values.len(),
+        tensor_bytes: sel.tensor_bytes(),
+        largest_tensor_bytes: largest(sel),
+        memory_limit_bytes: limit,
+        complete: true,
+    })
+}
+
+fn join(path: &[PathSeg]) -> String {
+    path.iter()
+        .map(ToString::to_string)
+        .collect::<Vec<_>>()
+        .join(".")
+}
