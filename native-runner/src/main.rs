@@ -69,7 +69,7 @@ fn main() -> ExitCode {
     match result {
         Ok(code) => code,
         Err(err) => {
-            cli::report_error(&err);
+            shardscope_runner::errors::report_error(&err);
             ExitCode::from(2)
         }
     }

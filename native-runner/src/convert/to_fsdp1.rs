@@ -593,9 +593,12 @@ fn fill(
     path: &str,
     buf: Vec<u8>,
 ) -> std::result::Result<Vec<u8>, Fsdp1LocalError> {
-    filler
-        .bytes(fill_at(fills, path)?, buf)
-        .map_err(|e| fill_error(format!("{path}: {}", crate::cli::error_text(&e))))
+    filler.bytes(fill_at(fills, path)?, buf).map_err(|e| {
+        fill_error(format!(
+            "{path}: {}",
+            shardscope_runner::errors::error_text(&e)
+        ))
+    })
 }
 
 /// How the tensor at writer path `path` is filled.

@@ -344,8 +344,12 @@ fn fill(
     path: &str,
     buf: Vec<u8>,
 ) -> std::result::Result<Vec<u8>, Fsdp1LocalError> {
-    plain_bytes(reader, parts, fill_at(fills, path)?, buf)
-        .map_err(|e| fill_error(format!("{path}: {}", crate::cli::error_text(&e))))
+    plain_bytes(reader, parts, fill_at(fills, path)?, buf).map_err(|e| {
+        fill_error(format!(
+            "{path}: {}",
+            shardscope_runner::errors::error_text(&e)
+        ))
+    })
 }
 
 #[cfg(test)]
