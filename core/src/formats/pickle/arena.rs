@@ -69,13 +69,40 @@ impl std::fmt::Debug for Val {
 /// live in one shared pool rather than one allocation each).
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub(super) struct Span {
-    pub(super) start: usize,
-    pub(super) len: usize,
+    start: u32,
+    len: u32,
 }
 
+/// An index into one of the arena's tables as 32 bits: tables never hold more entries than the
+/// pickle has bytes, which is less than 4 GiB (see [`Span::new`]).
+pub(super) fn index_u32(i: usize) -> u32 {
+    u32::try_from(i).unwrap_or(u32::MAX)
+}
+
+// Pass 1 holds a node per 7 bytes of a `.metadata`: keep a node at 16 bytes.
+const _: () = assert!(std::mem::size_of::<Node>() == 16);
+
 impl Span {
-    fn range(self) -> std::ops::Range<usize> {
-        self.start..self.start.saturating_add(self.len)
+    /// The run `start..start + len` of a pool. Pools never hold more entries than the pickle has
+    /// bytes (every entry comes from at least one byte of input), and the machine refuses pickles
+    /// of 4 GiB and more ([`Machine::run`](super::machine::Machine::run)), so both fit in 32 bits:
+    /// a node is 16 bytes (a 1-million-chunk `.metadata` holds 19 million of them).
+    pub(super) const EMPTY: Span = Span { start: 0, len: 0 };
+
+    pub(super) fn new(start: usize, len: usize) -> Span {
+        Span {
+            start: index_u32(start),
+            len: index_u32(len),
+        }
+    }
+
+    pub(super) fn len(self) -> usize {
+        self.len as usize
+    }
+
+    pub(super) fn range(self) -> std::ops::Range<usize> {
+        let start = self.start as usize;
+        start..start.saturating_add(self.len as usize)
     }
 }
 
@@ -86,7 +113,7 @@ impl Span {
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub(super) enum Items {
     Pooled(Span),
-    Owned(usize),
+    Owned(u32),
 }
 
 /// Which kind of value a [`Node::Seq`] is.
@@ -116,7 +143,7 @@ pub(super) enum Node {
     Global(Box<Global>),
     PersId(Val),
     /// An index into [`Arena::objects`].
-    Object(usize),
+    Object(u32),
 }
 
 /// Pass 1's output: the nodes, the pools their contents live in, and the object records. A
@@ -152,14 +179,14 @@ impl Arena {
     pub(super) fn seq(&self, items: Items) -> &[Val] {
         match items {
             Items::Pooled(span) => self.vals(span),
-            Items::Owned(i) => self.owned_vals.get(i).map_or(&[], Vec::as_slice),
+            Items::Owned(i) => self.owned_vals.get(i as usize).map_or(&[], Vec::as_slice),
         }
     }
 
     pub(super) fn dict(&self, items: Items) -> &[(Val, Val)] {
         match items {
             Items::Pooled(span) => self.pairs.get(span.range()).unwrap_or(&[]),
-            Items::Owned(i) => self.owned_pairs.get(i).map_or(&[], Vec::as_slice),
+            Items::Owned(i) => self.owned_pairs.get(i as usize).map_or(&[], Vec::as_slice),
         }
     }
 
@@ -184,26 +211,24 @@ pub(super) fn extend_items<T: Copy>(
     new: impl Iterator<Item = T>,
 ) {
     match items {
-        Items::Pooled(span) if span.len == 0 => {
+        Items::Pooled(span) if span.len() == 0 => {
             let start = pool.len();
             pool.extend(new);
-            *span = Span {
-                start,
-                len: pool.len() - start,
-            };
+            *span = Span::new(start, pool.len() - start);
         }
-        Items::Pooled(span) if span.start + span.len == pool.len() => {
+        Items::Pooled(span) if span.range().end == pool.len() => {
+            let start = span.range().start;
             pool.extend(new);
-            span.len = pool.len() - span.start;
+            *span = Span::new(start, pool.len() - start);
         }
         Items::Pooled(span) => {
             let mut v: Vec<T> = pool.get(span.range()).unwrap_or(&[]).to_vec();
             v.extend(new);
             owned.push(v);
-            *items = Items::Owned(owned.len() - 1);
+            *items = Items::Owned(index_u32(owned.len() - 1));
         }
         Items::Owned(i) => {
-            if let Some(v) = owned.get_mut(*i) {
+            if let Some(v) = owned.get_mut(*i as usize) {
                 v.extend(new);
             }
         }

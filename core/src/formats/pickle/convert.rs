@@ -66,15 +66,15 @@ impl Converter<'_> {
                 Node::Int(i) => PyValue::Int(*i),
                 Node::Float(f) => PyValue::Float(*f),
                 Node::Str(span) => {
-                    self.charge(0, span.len)?;
+                    self.charge(0, span.len())?;
                     PyValue::Str(self.arena.str(*span).to_owned())
                 }
                 Node::Bytes(span) => {
-                    self.charge(0, span.len)?;
+                    self.charge(0, span.len())?;
                     PyValue::Bytes(self.arena.blob(*span).to_vec())
                 }
                 Node::BigInt(span) => {
-                    self.charge(0, span.len)?;
+                    self.charge(0, span.len())?;
                     PyValue::BigInt(self.arena.blob(*span).to_vec())
                 }
                 Node::Tuple(span) => {
@@ -103,7 +103,7 @@ impl Converter<'_> {
                 }
                 Node::Object(o) => {
                     let arena = self.arena;
-                    let node = &arena.objects[*o];
+                    let node = &arena.objects[*o as usize];
                     let ObjNode {
                         callable,
                         args,

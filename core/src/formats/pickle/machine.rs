@@ -1,6 +1,8 @@
 //! Pass 1: the machine that runs the opcodes into the node arena.
 
-use super::arena::{Arena, Items, Node, ObjItems, ObjNode, SeqKind, Span, V, Val, extend_items};
+use super::arena::{
+    Arena, Items, Node, ObjItems, ObjNode, SeqKind, Span, V, Val, extend_items, index_u32,
+};
 use super::limits::{PickleError, PickleLimits};
 use super::value::Global;
 
@@ -30,7 +32,10 @@ fn add_items(
     let i = Machine::container(target, at)?;
     match &mut arena.nodes[i] {
         Node::Seq(_, seq) => extend_items(seq, &mut arena.vals, &mut arena.owned_vals, items),
-        Node::Object(o) => arena.objects[*o].items_mut().list_items.extend(items),
+        Node::Object(o) => arena.objects[*o as usize]
+            .items_mut()
+            .list_items
+            .extend(items),
         _ => {
             return Err(PickleError::WrongType {
                 offset: at,
@@ -51,7 +56,10 @@ fn add_pairs(
     let i = Machine::container(target, at)?;
     match &mut arena.nodes[i] {
         Node::Dict(d) => extend_items(d, &mut arena.pairs, &mut arena.owned_pairs, pairs),
-        Node::Object(o) => arena.objects[*o].items_mut().dict_items.extend(pairs),
+        Node::Object(o) => arena.objects[*o as usize]
+            .items_mut()
+            .dict_items
+            .extend(pairs),
         _ => {
             return Err(PickleError::WrongType {
                 offset: at,
@@ -243,7 +251,7 @@ impl<'a> Machine<'a> {
             let start = self.arena.vals.len();
             self.arena.vals.extend_from_slice(&self.stack[first..]);
             self.stack.truncate(first);
-            return self.alloc(Node::Tuple(Span { start, len: n }));
+            return self.alloc(Node::Tuple(Span::new(start, n)));
         }
         let (first, drop_from) = match n {
             None => {
@@ -276,7 +284,7 @@ impl<'a> Machine<'a> {
         }
         let span = self.pool_from_stack(first, drop_from);
         let v = self.alloc(Node::Tuple(span))?;
-        if span.len == 0 {
+        if span.len() == 0 {
             self.empty_tuple = Some(v);
         }
         Ok(v)
@@ -340,19 +348,13 @@ impl<'a> Machine<'a> {
     fn text_node(&mut self, s: &str) -> Result<Val, PickleError> {
         let start = self.arena.text.len();
         self.arena.text.push_str(s);
-        self.alloc(Node::Str(Span {
-            start,
-            len: s.len(),
-        }))
+        self.alloc(Node::Str(Span::new(start, s.len())))
     }
 
     fn blob_span(&mut self, b: &[u8]) -> Span {
         let start = self.arena.blob.len();
         self.arena.blob.extend_from_slice(b);
-        Span {
-            start,
-            len: b.len(),
-        }
+        Span::new(start, b.len())
     }
 
     pub(super) fn bytes(&mut self, n: u64) -> Result<Val, PickleError> {
@@ -460,7 +462,7 @@ impl<'a> Machine<'a> {
         args: Val,
         kwargs: Option<Val>,
     ) -> Result<Val, PickleError> {
-        let v = self.alloc(Node::Object(self.arena.objects.len()))?;
+        let v = self.alloc(Node::Object(index_u32(self.arena.objects.len())))?;
         self.arena.objects.push(ObjNode {
             callable,
             args,
@@ -476,6 +478,13 @@ impl<'a> Machine<'a> {
     }
 
     pub(super) fn run(mut self) -> Result<(Arena, Val), PickleError> {
+        // Spans of the pools are 32-bit (see [`Span::new`]).
+        if u32::try_from(self.data.len()).is_err() {
+            return Err(PickleError::Limit {
+                what: "bytes of one pickle",
+                limit: u32::MAX as usize,
+            });
+        }
         loop {
             let at = self.pos;
             let op = self.u8()?;
@@ -738,7 +747,7 @@ impl<'a> Machine<'a> {
                     let target = self.top(op, at)?;
                     let i = Self::container(target, at)?;
                     match &self.arena.nodes[i] {
-                        Node::Object(o) => self.arena.objects[*o].state = state,
+                        Node::Object(o) => self.arena.objects[*o as usize].state = state,
                         _ => {
                             return Err(PickleError::WrongType {
                                 offset: at,
@@ -824,7 +833,7 @@ impl<'a> Machine<'a> {
         }
     }
 
-    const EMPTY: Items = Items::Pooled(Span { start: 0, len: 0 });
+    const EMPTY: Items = Items::Pooled(Span::EMPTY);
 
     /// `LIST`/`FROZENSET`: the values above the topmost mark, straight into the pool.
     fn seq_from_mark(&mut self, kind: SeqKind, at: usize) -> Result<Val, PickleError> {
@@ -839,9 +848,6 @@ impl<'a> Machine<'a> {
         let start = self.arena.vals.len();
         self.arena.vals.extend_from_slice(&self.stack[first..]);
         self.stack.truncate(drop_from);
-        Span {
-            start,
-            len: self.arena.vals.len() - start,
-        }
+        Span::new(start, self.arena.vals.len() - start)
     }
 }

@@ -98,7 +98,7 @@ impl<'a> PyRef<'a> {
         let this = self;
         let pairs: &'a [(Val, Val)] = match self.node()? {
             Node::Dict(d) => self.arena.nodes.dict(*d),
-            Node::Object(o) => self.arena.nodes.objects[*o].dict_items(),
+            Node::Object(o) => self.arena.nodes.objects[*o as usize].dict_items(),
             _ => return None,
         };
         Some(pairs.iter().map(move |&(k, v)| (this.at(k), this.at(v))))
@@ -125,7 +125,7 @@ impl<'a> PyRef<'a> {
         match self.node()? {
             Node::Object(o) => Some(ObjRef {
                 arena: self.arena,
-                node: &self.arena.nodes.objects[*o],
+                node: &self.arena.nodes.objects[*o as usize],
             }),
             _ => None,
         }
@@ -136,7 +136,7 @@ impl<'a> PyRef<'a> {
         let nodes = &self.arena.nodes;
         let vals: &'a [Val] = match self.node()? {
             Node::Object(o) => {
-                let o = &nodes.objects[*o];
+                let o = &nodes.objects[*o as usize];
                 if !self.at(o.callable).global()?.is("torch", "Size") {
                     return None;
                 }
@@ -189,7 +189,10 @@ impl<'a> PyRef<'a> {
             Some(Node::Global(g)) => format!("global {g}"),
             Some(Node::PersId(_)) => "persistent id".into(),
             Some(Node::Object(o)) => {
-                match self.at(self.arena.nodes.objects[*o].callable).global() {
+                match self
+                    .at(self.arena.nodes.objects[*o as usize].callable)
+                    .global()
+                {
                     Some(g) => format!("object {g}"),
                     None => "object".into(),
                 }
