@@ -565,7 +565,7 @@ impl RemoteSource {
         for (_, info) in &meta.storage {
             check_member_name(&info.relative_path, &meta_url)?;
             self.files
-                .entry(info.relative_path.clone())
+                .entry(info.relative_path.to_string())
                 .or_insert(RemoteFile {
                     size: OnceLock::new(),
                     bytes: None,

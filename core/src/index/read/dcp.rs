@@ -32,7 +32,7 @@ impl<'m> StorageJoin<'m> {
     fn new(storage: &'m [(dcp::StorageIndex, dcp::StorageInfo)]) -> Self {
         let mut by_fqn: FastMap<&str, Vec<usize>> = FastMap::default();
         for (p, (idx, _)) in storage.iter().enumerate() {
-            by_fqn.entry(idx.fqn.as_str()).or_default().push(p);
+            by_fqn.entry(&*idx.fqn).or_default().push(p);
         }
         StorageJoin {
             storage,
@@ -146,7 +146,7 @@ pub fn index_dcp(source: &dyn Source, metadata_name: &str) -> Result<CheckpointI
                 for (i, c) in metas.into_iter().enumerate() {
                     let info = lookup(i, Some(&c.offsets))?;
                     let (file, file_size, rank) = if let Some(facts) =
-                        data_files.get(info.relative_path.as_str())
+                        data_files.get(&*info.relative_path)
                     {
                         facts.clone()
                     } else {
@@ -157,7 +157,7 @@ pub fn index_dcp(source: &dyn Source, metadata_name: &str) -> Result<CheckpointI
                         })?;
                         file_sizes.insert(file.clone(), size);
                         let facts = (file, size, dcp_rank(&info.relative_path));
-                        data_files.insert(info.relative_path.as_str(), facts.clone());
+                        data_files.insert(&*info.relative_path, facts.clone());
                         facts
                     };
                     let mut chunk = Chunk {
@@ -399,7 +399,7 @@ mod tests {
         (
             dcp::StorageIndex {
                 fqn: fqn.into(),
-                offset: offsets,
+                offset: offsets.map(Vec::into_boxed_slice),
                 index: None,
             },
             dcp::StorageInfo {
@@ -425,7 +425,7 @@ mod tests {
         ];
         let mut join = StorageJoin::new(&storage);
         let path = |j: &mut StorageJoin<'_>, f: &str, i: usize, o: Option<&[u64]>| {
-            j.find(f, i, o).map(|info| info.relative_path.clone())
+            j.find(f, i, o).map(|info| info.relative_path.to_string())
         };
         assert_eq!(
             path(&mut join, "a", 0, Some(&[0, 0])).as_deref(),
