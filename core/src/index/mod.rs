@@ -8,6 +8,7 @@
 
 mod check;
 pub mod from_index;
+pub mod json;
 mod names;
 mod read;
 mod stats;
