@@ -92,6 +92,10 @@ impl CheckpointIndex {
 /// A chunk's `(offsets, sizes)`.
 type ChunkBox<'a> = (&'a [u64], &'a [u64]);
 
+#[allow(
+    clippy::too_many_lines,
+    reason = "the tiling check's steps (bounds, distinct boxes, replicas, overlap sweep, coverage) share the sorted boxes"
+)]
 pub(crate) fn check_tiling(e: &IndexEntry, shape: &[u64], problems: &mut Vec<Problem>) {
     let problem = |c: Option<&Chunk>, what: String| Problem {
         key: e.key.clone(),

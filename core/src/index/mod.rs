@@ -20,8 +20,8 @@ use std::collections::HashMap;
 
 use crate::source::Source;
 
-pub use names::{RankGroup, RankedFiles, group_rank_files, rank_from_name};
-use names::{file_ext, is_torch_file};
+use names::file_ext;
+pub use names::{RankGroup, RankedFiles, group_rank_files, is_torch_file, rank_from_name};
 pub use read::dcp::index_dcp;
 use read::safetensors::index_safetensors;
 pub use read::torch::{

@@ -10,7 +10,8 @@ pub(crate) fn file_ext(name: &str) -> &str {
         .map_or("", |(_, e)| e)
 }
 
-pub(crate) fn is_torch_file(name: &str) -> bool {
+/// A `torch.save` file by its extension (`.pt`, `.pth`, `.bin`, `.ckpt`, `.tar`).
+pub fn is_torch_file(name: &str) -> bool {
     matches!(file_ext(name), "pt" | "pth" | "bin" | "ckpt" | "tar")
 }
 

@@ -477,6 +477,10 @@ impl<'a> Machine<'a> {
         Ok(v)
     }
 
+    #[allow(
+        clippy::too_many_lines,
+        reason = "the pickle machine's opcode dispatch: one match arm per opcode, sharing the stack and memo"
+    )]
     pub(super) fn run(mut self) -> Result<(Arena, Val), PickleError> {
         // Spans of the pools are 32-bit (see [`Span::new`]).
         if u32::try_from(self.data.len()).is_err() {

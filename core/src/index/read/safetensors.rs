@@ -12,6 +12,10 @@ use crate::index::{
 use crate::model::fqn::clean_tensor_name;
 use crate::source::Source;
 
+#[allow(
+    clippy::too_many_lines,
+    reason = "reads the HF index, each file's header and DCP_SHARDING_INFO into entries in one pass"
+)]
 pub(crate) fn index_safetensors(
     source: &dyn Source,
     names: &[String],
