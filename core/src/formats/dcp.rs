@@ -2,7 +2,8 @@
 //! `__{rank}_{k}.distcp` files (each a standalone `torch.save` archive, or, in the SAFETENSORS
 //! serialization, one safetensors blob per file).
 
-use std::collections::BTreeMap;
+use std::collections::{BTreeMap, HashMap};
+use std::sync::Arc;
 
 use crate::dtype::DType;
 use crate::formats::pickle::{self, AttrCache, ObjRef, PickleError, PyRef};
@@ -55,9 +56,10 @@ pub enum ItemMeta {
 /// A key of `storage_data` (`MetadataIndex`).
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub struct StorageIndex {
-    pub fqn: String,
+    /// Shared by the records of one item (a `.metadata` holds a record per chunk).
+    pub fqn: Arc<str>,
     /// Chunk offsets for tensors, `None` for bytes items.
-    pub offset: Option<Vec<u64>>,
+    pub offset: Option<Box<[u64]>>,
     /// Lookup hint: the position in `chunks`.
     pub index: Option<u64>,
 }
@@ -65,7 +67,8 @@ pub struct StorageIndex {
 /// Where an item lives (`_StorageInfo`).
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub struct StorageInfo {
-    pub relative_path: String,
+    /// Shared by the records of one data file.
+    pub relative_path: Arc<str>,
     pub offset: u64,
     pub length: u64,
     /// `transform_descriptors`: the stream transform extensions the item's bytes went through
@@ -278,13 +281,27 @@ fn storage_records(
     };
     let mut storage = Vec::with_capacity(range.len());
     let (mut index_keys, mut info_keys) = (AttrCache::new(), AttrCache::new());
+    let mut names = Interner::default();
     for (k, v) in records.skip(range.start).take(range.len()) {
         storage.push((
-            storage_index(k, &mut index_keys)?,
-            storage_info(v, &mut info_keys)?,
+            storage_index(k, &mut index_keys, &mut names)?,
+            storage_info(v, &mut info_keys, &mut names)?,
         ));
     }
     Ok(storage)
+}
+
+/// One shared `Arc<str>` per distinct text: the records of a tensor's chunks name the same fqn,
+/// and those of a rank the same file (a million records, a few thousand names).
+#[derive(Default)]
+struct Interner<'a> {
+    names: HashMap<&'a str, Arc<str>, foldhash::fast::RandomState>,
+}
+
+impl<'a> Interner<'a> {
+    fn get(&mut self, text: &'a str) -> Arc<str> {
+        Arc::clone(self.names.entry(text).or_insert_with(|| Arc::from(text)))
+    }
 }
 
 /// `what` names the field in the error; it is built only when the field is not a `torch.Size`
@@ -346,19 +363,27 @@ fn tensor_meta(
     })
 }
 
-fn storage_index(v: PyRef<'_>, keys: &mut AttrCache<3>) -> Result<StorageIndex, DcpError> {
+fn storage_index<'a>(
+    v: PyRef<'a>,
+    keys: &mut AttrCache<3>,
+    names: &mut Interner<'a>,
+) -> Result<StorageIndex, DcpError> {
     let o = as_object(v, "MetadataIndex")?;
     let [fqn, offset, index] = o.attrs_cached(keys, ["fqn", "offset", "index"]);
-    let fqn = fqn
-        .and_then(|f| f.as_str())
-        .ok_or_else(|| malformed("MetadataIndex without fqn"))?
-        .to_owned();
+    let fqn = names.get(
+        fqn.and_then(|f| f.as_str())
+            .ok_or_else(|| malformed("MetadataIndex without fqn"))?,
+    );
     let offset = match offset {
         None => None,
         Some(x) if x.is_none() => None,
-        Some(x) => Some(x.as_dims().ok_or_else(|| {
-            malformed(format!("MetadataIndex({fqn}).offset is not a torch.Size"))
-        })?),
+        Some(x) => Some(
+            x.as_dims()
+                .ok_or_else(|| {
+                    malformed(format!("MetadataIndex({fqn}).offset is not a torch.Size"))
+                })?
+                .into_boxed_slice(),
+        ),
     };
     let index = match index {
         None => None,
@@ -368,16 +393,21 @@ fn storage_index(v: PyRef<'_>, keys: &mut AttrCache<3>) -> Result<StorageIndex, 
     Ok(StorageIndex { fqn, offset, index })
 }
 
-fn storage_info(v: PyRef<'_>, keys: &mut AttrCache<4>) -> Result<StorageInfo, DcpError> {
+fn storage_info<'a>(
+    v: PyRef<'a>,
+    keys: &mut AttrCache<4>,
+    names: &mut Interner<'a>,
+) -> Result<StorageInfo, DcpError> {
     let o = as_object(v, "_StorageInfo")?;
     let [relative_path, offset, length, transforms] = o.attrs_cached(
         keys,
         ["relative_path", "offset", "length", "transform_descriptors"],
     );
-    let relative_path = relative_path
-        .and_then(|p| p.as_str())
-        .ok_or_else(|| malformed("_StorageInfo without relative_path"))?
-        .to_owned();
+    let relative_path = names.get(
+        relative_path
+            .and_then(|p| p.as_str())
+            .ok_or_else(|| malformed("_StorageInfo without relative_path"))?,
+    );
     if relative_path.contains("..") || relative_path.starts_with('/') || relative_path.is_empty() {
         return Err(malformed(format!(
             "_StorageInfo.relative_path {relative_path:?} leaves the checkpoint folder"

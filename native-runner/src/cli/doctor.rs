@@ -104,8 +104,8 @@ fn salvage_dcp(source: &dyn Source, err: &index::IndexError) -> Option<Salvage> 
         let file = format!("{dir}{}", info.relative_path);
         if !source.contains(&file) {
             let keys = missing.entry(file).or_default();
-            if !keys.contains(&idx.fqn) {
-                keys.push(idx.fqn.clone());
+            if !keys.iter().any(|k| **k == *idx.fqn) {
+                keys.push(idx.fqn.to_string());
             }
         }
     }

@@ -3,6 +3,7 @@
 
 use std::collections::BTreeMap;
 use std::fmt::Write as _;
+use std::io::Write as _;
 use std::path::PathBuf;
 use std::process::ExitCode;
 
@@ -135,25 +136,31 @@ pub fn run(args: &InspectArgs) -> anyhow::Result<ExitCode> {
     }
     let summary = Summary::of(&idx);
     if args.json {
-        let mut value = serde_json::to_value(&idx)?;
-        if let Some(entries) = value
-            .get_mut("entries")
-            .and_then(serde_json::Value::as_array_mut)
-        {
-            for e in entries {
-                let key = e
-                    .get("key")
-                    .and_then(|k| k.as_str())
-                    .unwrap_or("")
-                    .to_owned();
-                if let Some(s) = stats.get(&key) {
-                    e["stats"] = serde_json::to_value(s)?;
-                }
-            }
+        // One entry's JSON tree at a time (a DCP of a million chunks would need gigabytes).
+        let top = serde_json::Map::from_iter([
+            ("summary".to_owned(), serde_json::to_value(&summary)?),
+            ("problems".to_owned(), serde_json::to_value(&problems)?),
+        ]);
+        let mut out = std::io::BufWriter::new(std::io::stdout().lock());
+        let written = index::json::write_pretty(
+            &mut out,
+            &idx,
+            |e| {
+                stats
+                    .get(&e.key)
+                    .and_then(|s| serde_json::to_value(s).ok())
+                    .map(|s| serde_json::Map::from_iter([("stats".to_owned(), s)]))
+                    .unwrap_or_default()
+            },
+            top,
+        )
+        .map_err(std::io::Error::from)
+        .and_then(|()| out.write_all(b"\n"))
+        .and_then(|()| out.flush());
+        match written {
+            Err(e) if e.kind() == std::io::ErrorKind::BrokenPipe => {}
+            written => written?,
         }
-        value["summary"] = serde_json::to_value(&summary)?;
-        value["problems"] = serde_json::to_value(&problems)?;
-        print_stdout(&(serde_json::to_string_pretty(&value)? + "\n"))?;
     } else {
         print_stdout(&render(&idx, &stats, &summary, args.values))?;
     }

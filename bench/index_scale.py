@@ -1,0 +1,162 @@
+#!/usr/bin/env python3
+"""Benchmark: how `shardscope inspect --json` scales with the number of DCP chunks (issue 22 item 6),
+against torch's own `FileSystemReader(path).read_metadata()`.
+
+The `.metadata` is built with torch's own classes (`Metadata`, `TensorStorageMetadata`,
+`ChunkStorageMetadata`, `MetadataIndex`, and `filesystem._StorageInfo` for `storage_data`) and pickled
+as `FileSystemWriter.finish` does (`pickle.dump(metadata, f)`). A 512-rank run: every tensor is split
+into one dim-0 chunk per rank, rank r writing `__{r}_0.distcp`; `--chunks N` gives N / 512 tensors.
+The data files are sparse (`truncate` to the end of their last byte range: `inspect` checks byte
+ranges against file sizes and reads each file's first 4 bytes, which start like a `torch.save` item).
+
+Each measurement is a process of its own under `/usr/bin/time -v` (peak RSS, wall):
+- `shardscope inspect DIR --json > /dev/null`;
+- torch: a Python process that imports torch, then times `read_metadata()` alone; its peak RSS
+  includes torch's import (printed beside the same process's RSS just before the read).
+
+Usage:
+  python bench/index_scale.py --shardscope /path/to/release/shardscope [--chunks 100000 1000000]
+      [--runs 3] [--dir /tmp/index-scale]   (checkpoints are kept in --dir and reused)
+Prints one JSON line per size and a Markdown table row. See BENCHMARKS.md.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import pickle
+import re
+import statistics
+import subprocess
+import sys
+from pathlib import Path
+
+RANKS = 512
+ROWS, COLS = 16, 64  # rows per chunk, columns: a [512 * 16, 64] float32 tensor per 512 chunks
+
+
+def build(path: Path, chunks: int) -> int:
+    import torch
+    from torch.distributed.checkpoint.filesystem import _StorageInfo
+    from torch.distributed.checkpoint.metadata import (
+        ChunkStorageMetadata,
+        Metadata,
+        MetadataIndex,
+        StorageMeta,
+        TensorProperties,
+        TensorStorageMetadata,
+    )
+
+    tensors = max(1, chunks // RANKS)
+    path.mkdir(parents=True, exist_ok=True)
+    sdm, storage = {}, {}
+    file_end = [0] * RANKS
+    chunk_bytes = ROWS * COLS * 4
+    for t in range(tensors):
+        key = f"model.layers.{t // 8}.block{t % 8}.weight"
+        chunk_list = []
+        for r in range(RANKS):
+            offsets = torch.Size([r * ROWS, 0])
+            # A Size object per chunk, as torch's planner makes them (no pickle memo hits).
+            chunk_list.append(ChunkStorageMetadata(offsets=offsets, sizes=torch.Size([ROWS, COLS])))
+            storage[MetadataIndex(fqn=key, offset=offsets, index=r)] = _StorageInfo(
+                relative_path=f"__{r}_0.distcp", offset=file_end[r], length=chunk_bytes
+            )
+            file_end[r] += chunk_bytes
+        sdm[key] = TensorStorageMetadata(
+            properties=TensorProperties(dtype=torch.float32),
+            size=torch.Size([RANKS * ROWS, COLS]),
+            chunks=chunk_list,
+        )
+    meta = Metadata(
+        state_dict_metadata=sdm,
+        planner_data={k: ("model", k.removeprefix("model.")) for k in sdm},
+        storage_data=storage,
+        storage_meta=StorageMeta(checkpoint_id=str(path), save_id="bench", load_id="bench"),
+        version="1.0.0",
+    )
+    tmp = path / ".metadata.tmp"
+    with open(tmp, "wb") as f:
+        pickle.dump(meta, f)  # what FileSystemWriter.finish does
+    for r in range(RANKS):
+        with open(path / f"__{r}_0.distcp", "wb") as f:
+            f.write(b"PK\x03\x04")  # the first item starts like a torch.save archive
+            f.truncate(file_end[r])
+    tmp.rename(path / ".metadata")
+    return tensors * RANKS
+
+
+TORCH_READ = """
+import resource, sys, time
+from torch.distributed.checkpoint import FileSystemReader
+before = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+t0 = time.perf_counter()
+m = FileSystemReader(sys.argv[1]).read_metadata()
+print(time.perf_counter() - t0, before, len(m.storage_data))
+"""
+
+
+def time_v(cmd: list[str], stdout=subprocess.DEVNULL) -> tuple[float, int, str]:
+    """Wall seconds and peak RSS (KiB) of `cmd` under /usr/bin/time -v, and its stdout."""
+    p = subprocess.run(["/usr/bin/time", "-v", *cmd], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    if p.returncode != 0:
+        raise SystemExit(f"{cmd[0]} failed: {p.stderr[-2000:]}")
+    rss = int(re.search(r"Maximum resident set size \(kbytes\): (\d+)", p.stderr).group(1))
+    m = re.search(r"Elapsed \(wall clock\) time \(h:mm:ss or m:ss\): (?:(\d+):)?(\d+):([\d.]+)", p.stderr)
+    wall = int(m.group(1) or 0) * 3600 + int(m.group(2)) * 60 + float(m.group(3))
+    return wall, rss, p.stdout
+
+
+def measure(binary: str, path: Path, runs: int) -> dict:
+    ss_wall, ss_rss, torch_read, torch_rss, torch_before = [], [], [], [], []
+    for _ in range(runs):
+        w, rss, _ = time_v([binary, "inspect", str(path), "--json"])
+        ss_wall.append(w)
+        ss_rss.append(rss)
+        _, rss, out = time_v([sys.executable, "-c", TORCH_READ, str(path)], stdout=subprocess.PIPE)
+        secs, before, _n = out.split()
+        torch_read.append(float(secs))
+        torch_rss.append(rss)
+        torch_before.append(int(before))
+    med = statistics.median
+    return {
+        "shardscope_inspect_wall_s": round(med(ss_wall), 3),
+        "shardscope_peak_rss_mib": round(max(ss_rss) / 1024, 1),
+        "torch_read_metadata_s": round(med(torch_read), 3),
+        "torch_peak_rss_mib": round(max(torch_rss) / 1024, 1),
+        "torch_rss_after_import_mib": round(med(torch_before) / 1024, 1),
+        "x_faster_than_torch": round(med(torch_read) / med(ss_wall), 2),
+    }
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--shardscope", default="target/release/shardscope")
+    ap.add_argument("--chunks", type=int, nargs="+", default=[100_000, 1_000_000])
+    ap.add_argument("--runs", type=int, default=3)
+    ap.add_argument("--dir", default="/tmp/index-scale")
+    ap.add_argument("--build-only", action="store_true")
+    args = ap.parse_args()
+    for n in args.chunks:
+        path = Path(args.dir) / f"dcp-{n}"
+        if not (path / ".metadata").exists():
+            build(path, n)
+        if args.build_only:
+            continue
+        chunks = (n // RANKS) * RANKS
+        r = {"chunks": chunks, "metadata_mib": round((path / ".metadata").stat().st_size / 2**20, 1), "runs": args.runs}
+        r.update(measure(args.shardscope, path, args.runs))
+        r["bytes_per_chunk"] = round(r["shardscope_peak_rss_mib"] * 2**20 / chunks)
+        r["load_average_1min"] = os.getloadavg()[0]
+        print(json.dumps(r), flush=True)
+        print(
+            f"| {chunks:,} | {r['metadata_mib']} MiB | {r['shardscope_inspect_wall_s']} s | "
+            f"{r['shardscope_peak_rss_mib']} MiB ({r['bytes_per_chunk']} B/chunk) | "
+            f"{r['torch_read_metadata_s']} s | {r['torch_peak_rss_mib']} MiB | {r['x_faster_than_torch']}x |",
+            flush=True,
+        )
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,5 @@
+//! One reader per format, each turning raw records into a [`CheckpointIndex`].
+
+pub mod dcp;
+pub mod safetensors;
+pub mod torch;

@@ -1,0 +1,667 @@
+//! `torch.save` files (one or per-rank sets) into a [`CheckpointIndex`].
+
+use std::collections::{BTreeMap, BTreeSet, HashMap};
+
+use crate::dtype::DType;
+use crate::formats::pickle::{Placement, PyValue, TensorRef};
+use crate::formats::torch_zip;
+use crate::index::{
+    CheckpointIndex, CheckpointKind, Chunk, ChunkEncoding, EntryKind, FileInfo, Format, FsdpInfo,
+    IndexEntry, IndexError, PathSeg, RankGroup, Role, ShardPlacement, group_rank_files,
+};
+use crate::model::fqn::clean_tensor_name;
+use crate::source::Source;
+
+struct Leaf<'a> {
+    path: Vec<PathSeg>,
+    value: &'a PyValue,
+}
+
+fn path_seg_of_key(k: &PyValue) -> Option<PathSeg> {
+    match k {
+        PyValue::Str(s) => Some(PathSeg::Key(s.clone())),
+        PyValue::Int(i) => Some(PathSeg::Index(*i)),
+        PyValue::Bool(b) => Some(PathSeg::Key(if *b { "True" } else { "False" }.into())),
+        _ => None,
+    }
+}
+
+fn is_tensorish(v: &PyValue) -> bool {
+    matches!(
+        v,
+        PyValue::Tensor(_) | PyValue::ShardedTensor(_) | PyValue::DTensor(_)
+    )
+}
+
+/// DCP's traversal: mappings are always descended; a list/tuple is descended when it holds a
+/// tensor or a container; everything else is a leaf.
+fn flatten<'a>(v: &'a PyValue, path: &mut Vec<PathSeg>, out: &mut Vec<Leaf<'a>>) {
+    match v {
+        PyValue::Dict(items) if items.iter().all(|(k, _)| path_seg_of_key(k).is_some()) => {
+            for (k, val) in items {
+                if let Some(seg) = path_seg_of_key(k) {
+                    path.push(seg);
+                    flatten(val, path, out);
+                    path.pop();
+                }
+            }
+        }
+        PyValue::List(items) | PyValue::Tuple(items)
+            if items.iter().any(|i| {
+                is_tensorish(i)
+                    || matches!(i, PyValue::Dict(_) | PyValue::List(_) | PyValue::Tuple(_))
+            }) =>
+        {
+            for (i, val) in items.iter().enumerate() {
+                path.push(PathSeg::Index(i as i64));
+                flatten(val, path, out);
+                path.pop();
+            }
+        }
+        _ => out.push(Leaf {
+            path: path.clone(),
+            value: v,
+        }),
+    }
+}
+
+pub(crate) fn join_path(path: &[PathSeg]) -> String {
+    path.iter()
+        .map(ToString::to_string)
+        .collect::<Vec<_>>()
+        .join(".")
+}
+
+pub(crate) fn clean_path(path: &[PathSeg]) -> Vec<PathSeg> {
+    path.iter()
+        .map(|s| match s {
+            PathSeg::Key(k) => PathSeg::Key(
+                clean_tensor_name(&format!("{k}."))
+                    .trim_end_matches('.')
+                    .to_owned(),
+            ),
+            PathSeg::Index(i) => PathSeg::Index(*i),
+        })
+        .collect()
+}
+
+/// A Python value as JSON (for scalars and decoded bytes items).
+pub fn json_of(v: &PyValue) -> serde_json::Value {
+    use serde_json::Value as J;
+    match v {
+        PyValue::None => J::Null,
+        PyValue::Bool(b) => J::Bool(*b),
+        PyValue::Int(i) => J::from(*i),
+        PyValue::BigInt(b) => J::String(format!("<int of {} bytes>", b.len())),
+        PyValue::Float(f) => {
+            serde_json::Number::from_f64(*f).map_or_else(|| J::String(f.to_string()), J::Number)
+        }
+        PyValue::Str(s) => J::String(s.clone()),
+        PyValue::Bytes(b) => J::String(format!("<{} bytes>", b.len())),
+        PyValue::Tuple(items) | PyValue::List(items) | PyValue::Set(items) => {
+            J::Array(items.iter().map(json_of).collect())
+        }
+        PyValue::Dict(items) => {
+            if items.iter().all(|(k, _)| path_seg_of_key(k).is_some()) {
+                J::Object(
+                    items
+                        .iter()
+                        .filter_map(|(k, v)| {
+                            path_seg_of_key(k).map(|s| (s.to_string(), json_of(v)))
+                        })
+                        .collect(),
+                )
+            } else {
+                J::Array(
+                    items
+                        .iter()
+                        .map(|(k, v)| J::Array(vec![json_of(k), json_of(v)]))
+                        .collect(),
+                )
+            }
+        }
+        PyValue::Global(g) => J::String(g.to_string()),
+        PyValue::DType(d) => J::String(d.torch_name()),
+        PyValue::Size(s) => J::Array(s.iter().map(|&d| J::from(d)).collect()),
+        other => J::String(format!("<{}>", other.type_name())),
+    }
+}
+
+fn raw_chunk(
+    file: &str,
+    rank: Option<u32>,
+    archive: &torch_zip::TorchArchive,
+    t: &TensorRef,
+    offsets: Vec<u64>,
+) -> Result<Chunk, IndexError> {
+    let range = archive
+        .storage_range(t)
+        .map_err(|source| IndexError::TorchZip {
+            file: file.to_owned(),
+            source,
+        })?;
+    Ok(Chunk {
+        offsets,
+        sizes: t.shape.clone(),
+        file: file.to_owned(),
+        byte_offset: range.offset,
+        byte_length: range.len,
+        rank,
+        encoding: ChunkEncoding::Raw {
+            storage_offset: t.storage_offset,
+            strides: t.stride.clone(),
+        },
+    })
+}
+
+/// §4.4: the local shape and global offset of mesh coordinate `coord` under `placements`.
+fn dtensor_offsets(
+    global: &[u64],
+    placements: &[Placement],
+    mesh: &[u64],
+    coord: &[u64],
+) -> Option<Vec<u64>> {
+    let mut local: Vec<u64> = global.to_vec();
+    let mut offsets = vec![0u64; global.len()];
+    for (i, p) in placements.iter().enumerate() {
+        match p {
+            Placement::Replicate | Placement::Partial { .. } => {}
+            Placement::Shard { dim } => {
+                let tensor_dim = usize::try_from(if *dim < 0 {
+                    *dim + global.len() as i64
+                } else {
+                    *dim
+                })
+                .ok()?;
+                let mesh_size = *mesh.get(i)?;
+                let coordinate = *coord.get(i)?;
+                let current = *local.get(tensor_dim)?;
+                if mesh_size == 0 {
+                    return None;
+                }
+                let (size, offset) = if current % mesh_size == 0 {
+                    (current / mesh_size, coordinate * (current / mesh_size))
+                } else {
+                    let full_chunk = current.div_ceil(mesh_size);
+                    let start = full_chunk * coordinate;
+                    if start >= current {
+                        (0, current)
+                    } else {
+                        (current.min(start + full_chunk) - start, start)
+                    }
+                };
+                local[tensor_dim] = size;
+                offsets[tensor_dim] += offset;
+            }
+            Placement::StridedShard { .. } | Placement::Other { .. } => return None,
+        }
+    }
+    Some(offsets)
+}
+
+struct Partial {
+    entry: IndexEntry,
+    /// Per rank: the local shape of a plain tensor (to tell replicated from rank-local).
+    plain_shapes: Vec<Vec<u64>>,
+}
+
+/// Indexes one or more per-rank `torch.save` files of the same checkpoint.
+/// A folder of several sets of per-rank files, as training runs write them (model, optimizer and
+/// extra state, e.g. `model_world_size_2_rank_{r}.pt`, `optim_…`, `extra_state_…`): one checkpoint
+/// with a subtree per set, as a DCP app state nests them. Each set is classified by its content:
+/// `optim` (optimizer state: `state`/`param_groups`), `model` (floating-point tensors), `extra`
+/// (the rest: schedulers, RNG state); two sets of one class are told apart by their name patterns
+/// (`model.rank{R}_full`, `model.rank{R}_sharded`, ...). Every set must index on its own.
+/// Indexes `torch.save` files grouped into per-rank sets ([`group_rank_files`], or the sets a
+/// caller names): one set is read as one checkpoint; several become subtrees named by what they
+/// hold (`model`, `optim`, `extra`).
+pub fn index_torch_groups(
+    source: &dyn Source,
+    groups: &[RankGroup],
+) -> Result<CheckpointIndex, IndexError> {
+    index_torch_sets(source, groups).map(|(index, _)| index)
+}
+
+/// What one per-rank set of `torch.save` files holds, judged by its content: optimizer state
+/// (`state`/`param_groups`), a model (floating-point tensors), or extra state (anything else:
+/// lr scheduler, RNG state, counters).
+pub fn set_class(index: &CheckpointIndex) -> &'static str {
+    if index.has_optimizer_state || index.entries.iter().any(|e| e.role.is_some()) {
+        "optim"
+    } else if index
+        .entries
+        .iter()
+        .any(|e| e.kind == EntryKind::Tensor && e.dtype.is_some_and(DType::is_floating_point))
+    {
+        "model"
+    } else {
+        "extra"
+    }
+}
+
+/// [`index_torch_groups`], also giving each set's class ([`set_class`]) in `groups` order. With
+/// several sets, each is a subtree named by its class (`model`, `optim`, `extra`; by class and
+/// name pattern when a class has several sets).
+pub fn index_torch_sets(
+    source: &dyn Source,
+    groups: &[RankGroup],
+) -> Result<(CheckpointIndex, Vec<&'static str>), IndexError> {
+    match groups {
+        [] => Err(IndexError::NotACheckpoint {
+            reason: "no torch.save files".into(),
+        }),
+        [one] => {
+            let index = index_torch_files_ranked(source, &one.files)?;
+            let class = set_class(&index);
+            Ok((index, vec![class]))
+        }
+        _ => index_file_sets(source, groups),
+    }
+}
+
+fn index_file_sets(
+    source: &dyn Source,
+    groups: &[RankGroup],
+) -> Result<(CheckpointIndex, Vec<&'static str>), IndexError> {
+    let mut parts = Vec::with_capacity(groups.len());
+    for RankGroup { pattern, files } in groups {
+        let index = index_torch_files_ranked(source, files)?;
+        parts.push((set_class(&index), pattern.clone(), index));
+    }
+    let classes: Vec<&'static str> = parts.iter().map(|(c, _, _)| *c).collect();
+    let count = |class: &str| parts.iter().filter(|(c, _, _)| *c == class).count();
+    let names: Vec<String> = parts
+        .iter()
+        .map(|(class, pattern, _)| {
+            if count(class) == 1 {
+                (*class).to_owned()
+            } else {
+                // The set's name pattern without its extension, one path segment.
+                let stem = pattern
+                    .rsplit_once('.')
+                    .map_or(pattern.as_str(), |(s, _)| s);
+                format!("{class}.{}", stem.replace('.', "_"))
+            }
+        })
+        .collect();
+    let kind = parts
+        .iter()
+        .find(|(c, _, _)| *c == "model")
+        .or(parts.first())
+        .map_or(CheckpointKind::Plain, |(_, _, i)| i.kind);
+    let mut merged = CheckpointIndex {
+        format: parts
+            .first()
+            .map_or(Format::TorchSave, |(_, _, i)| i.format),
+        kind,
+        has_optimizer_state: parts.iter().any(|(_, _, i)| i.has_optimizer_state),
+        entries: Vec::new(),
+        files: BTreeMap::new(),
+        dcp: None,
+    };
+    for ((_, _, index), name) in parts.into_iter().zip(names) {
+        let prefix: Vec<PathSeg> = name
+            .split('.')
+            .map(|s| PathSeg::Key(s.to_owned()))
+            .collect();
+        let base = merged.entries.len() as u64;
+        for mut e in index.entries {
+            e.position = e.position.map(|p| p + base);
+            e.key = format!("{name}.{}", e.key);
+            e.raw_key = e.raw_key.map(|k| format!("{name}.{k}"));
+            e.path.splice(0..0, prefix.iter().cloned());
+            merged.entries.push(e);
+        }
+        merged.files.extend(index.files);
+    }
+    merged.entries.sort_by(|a, b| a.key.cmp(&b.key));
+    Ok((merged, classes))
+}
+
+/// Indexes `torch.save` files as one checkpoint, their ranks read from their names
+/// ([`group_rank_files`]).
+pub fn index_torch_files(
+    source: &dyn Source,
+    files: &[String],
+) -> Result<CheckpointIndex, IndexError> {
+    let ranks: HashMap<String, Option<u32>> = group_rank_files(files)
+        .into_iter()
+        .flat_map(|g| g.files)
+        .collect();
+    let ranked: Vec<(String, Option<u32>)> = files
+        .iter()
+        .map(|f| (f.clone(), ranks.get(f).copied().flatten()))
+        .collect();
+    index_torch_files_ranked(source, &ranked)
+}
+
+/// Indexes `torch.save` files as one checkpoint, each with its rank.
+#[allow(
+    clippy::too_many_lines,
+    reason = "indexes every torch.save entry kind (tensors, ShardedTensor, DTensor, rank-local pieces, values) from one pass"
+)]
+pub fn index_torch_files_ranked(
+    source: &dyn Source,
+    files: &[(String, Option<u32>)],
+) -> Result<CheckpointIndex, IndexError> {
+    let mut merged: BTreeMap<String, Partial> = BTreeMap::new();
+    let mut file_infos = BTreeMap::new();
+    let mut saw_sharded = false;
+    let mut saw_dtensor = false;
+    let mut saw_flat = false;
+    let many = files.len() > 1;
+    for (file, rank) in files {
+        let rank = rank.or(if many { None } else { Some(0) });
+        // By range: the zip directory, local headers and data.pkl, not the tensor bytes.
+        let archive = torch_zip::read_archive_from(source, file).map_err(|e| match e {
+            torch_zip::ArchiveFileError::Source(e) => IndexError::from(e),
+            torch_zip::ArchiveFileError::Archive(source) => IndexError::TorchZip {
+                file: file.clone(),
+                source,
+            },
+        })?;
+        let mut leaves = Vec::new();
+        flatten(&archive.root, &mut Vec::new(), &mut leaves);
+        for leaf in leaves {
+            let raw_key = join_path(&leaf.path);
+            let path = clean_path(&leaf.path);
+            let key = join_path(&path);
+            let flat_param = key.ends_with("_flat_param");
+            let mut chunks = Vec::new();
+            let mut plain_shape = None;
+            let mut object = None;
+            let (kind, dtype, shape, fsdp, value) = match leaf.value {
+                PyValue::Tensor(t) => {
+                    chunks.push(raw_chunk(file, rank, &archive, t, vec![0; t.shape.len()])?);
+                    plain_shape = Some(t.shape.clone());
+                    (
+                        EntryKind::Tensor,
+                        Some(t.storage.dtype),
+                        Some(t.shape.clone()),
+                        None,
+                        None,
+                    )
+                }
+                PyValue::ShardedTensor(s) => {
+                    saw_sharded = true;
+                    saw_flat |= flat_param;
+                    for ls in &s.local_shards {
+                        chunks.push(raw_chunk(
+                            file,
+                            rank,
+                            &archive,
+                            &ls.tensor,
+                            ls.offsets.clone(),
+                        )?);
+                    }
+                    let info = FsdpInfo::ShardedTensor {
+                        shards: s
+                            .shards
+                            .iter()
+                            .map(|m| ShardPlacement {
+                                offsets: m.offsets.clone(),
+                                sizes: m.sizes.clone(),
+                                placement: m.placement.clone(),
+                            })
+                            .collect(),
+                    };
+                    (
+                        EntryKind::Tensor,
+                        Some(s.dtype),
+                        Some(s.global_shape.clone()),
+                        Some(info),
+                        None,
+                    )
+                }
+                PyValue::DTensor(d) => {
+                    saw_dtensor = true;
+                    // Without a readable mesh, a 1-D mesh over the given rank files.
+                    let mesh = d
+                        .mesh_shape
+                        .clone()
+                        .unwrap_or_else(|| vec![files.len() as u64; d.placements.len()]);
+                    let coord = d
+                        .mesh_coordinate
+                        .clone()
+                        .or_else(|| rank.map(|r| vec![u64::from(r)]))
+                        .unwrap_or_default();
+                    let offsets = dtensor_offsets(&d.global_shape, &d.placements, &mesh, &coord).ok_or_else(|| {
+                        IndexError::Unsupported {
+                            key: key.clone(),
+                            file: file.clone(),
+                            what: format!(
+                                "cannot place the DTensor's local piece (placements {:?}, mesh {mesh:?}, coordinate {coord:?}): per-rank DTensor files are read for Shard(0) and Replicate placements (FSDP2, HSDP); tensor-parallel and _StridedShard placements are read from DCP checkpoints (dcp.save)",
+                                d.placements
+                            ),
+                        }
+                    })?;
+                    chunks.push(raw_chunk(file, rank, &archive, &d.local, offsets)?);
+                    let info = FsdpInfo::DTensor {
+                        placements: d.placements.iter().map(ToString::to_string).collect(),
+                        mesh_shape: d.mesh_shape.clone(),
+                    };
+                    (
+                        EntryKind::Tensor,
+                        Some(d.dtype),
+                        Some(d.global_shape.clone()),
+                        Some(info),
+                        None,
+                    )
+                }
+                other => {
+                    object = Some(Box::new(other.clone()));
+                    (EntryKind::Scalar, None, None, None, Some(json_of(other)))
+                }
+            };
+            let position = merged.len() as u64;
+            let p = merged.entry(key.clone()).or_insert_with(|| Partial {
+                entry: IndexEntry {
+                    position: Some(position),
+                    key: key.clone(),
+                    raw_key: (raw_key != key).then(|| raw_key.clone()),
+                    path,
+                    kind,
+                    dtype,
+                    shape: shape.clone(),
+                    chunks: Vec::new(),
+                    fsdp,
+                    role: None,
+                    flat_param,
+                    value: value.clone(),
+                    object,
+                },
+                plain_shapes: Vec::new(),
+            });
+            if p.entry.kind != kind || p.entry.dtype != dtype {
+                return Err(IndexError::Inconsistent {
+                    file: file.clone(),
+                    what: format!(
+                        "{key}: kind or dtype differs from the same key in another rank's file"
+                    ),
+                });
+            }
+            if kind == EntryKind::Scalar && p.entry.value != value {
+                p.entry.value = Some(serde_json::Value::String("<differs across ranks>".into()));
+            }
+            if let Some(s) = plain_shape {
+                p.plain_shapes.push(s);
+            } else if p.entry.shape != shape {
+                return Err(IndexError::Inconsistent {
+                    file: file.clone(),
+                    what: format!(
+                        "{key}: global shape {shape:?} differs from another rank's {:?}",
+                        p.entry.shape
+                    ),
+                });
+            }
+            p.entry.chunks.extend(chunks);
+        }
+        let unreferenced = unreferenced_bytes(&archive);
+        file_infos.insert(
+            file.clone(),
+            FileInfo {
+                size: source.size(file)?,
+                rank,
+                unreferenced_bytes: unreferenced,
+            },
+        );
+    }
+    let mut rank_local = false;
+    let mut entries: Vec<IndexEntry> = merged
+        .into_values()
+        .map(|mut p| {
+            if !p.plain_shapes.is_empty() && p.plain_shapes.iter().any(|s| *s != p.plain_shapes[0])
+            {
+                // Plain tensors whose shapes differ across ranks: rank-local pieces, no global shape.
+                p.entry.shape = None;
+                rank_local = true;
+            }
+            p.entry
+        })
+        .collect();
+    let has_optimizer_state = assign_roles(&mut entries);
+    // Raw `optim.state_dict()` files (state keyed by int ids) from several ranks of an FSDP job hold
+    // each rank's own piece, even when the pieces happen to have equal shapes (padded flat shards).
+    if many {
+        for e in &mut entries {
+            if e.kind == EntryKind::Tensor
+                && e.fsdp.is_none()
+                && matches!(
+                    e.role,
+                    Some(Role::OptimizerState {
+                        param: PathSeg::Index(_),
+                        ..
+                    })
+                )
+            {
+                e.shape = None;
+                rank_local = true;
+            }
+        }
+    }
+    let all_plain_replicated = entries
+        .iter()
+        .filter(|e| e.kind == EntryKind::Tensor)
+        .all(|e| e.fsdp.is_none() && e.shape.is_some());
+    let kind = if saw_flat {
+        CheckpointKind::Fsdp1Local
+    } else if saw_sharded {
+        CheckpointKind::Fsdp1Sharded
+    } else if saw_dtensor {
+        CheckpointKind::Fsdp2
+    } else if rank_local {
+        CheckpointKind::RankLocal
+    } else if many && all_plain_replicated {
+        CheckpointKind::Fsdp1Full
+    } else {
+        CheckpointKind::Plain
+    };
+    Ok(CheckpointIndex {
+        format: Format::TorchSave,
+        kind,
+        has_optimizer_state,
+        entries,
+        files: file_infos,
+        dcp: None,
+    })
+}
+
+/// Storage bytes that no tensor view of the archive reaches.
+fn unreferenced_bytes(archive: &torch_zip::TorchArchive) -> u64 {
+    let mut used: BTreeMap<&str, Vec<(u64, u64)>> = BTreeMap::new();
+    for t in archive.tensors() {
+        let Some(extent) = t.storage_extent() else {
+            continue;
+        };
+        if extent > t.storage_offset {
+            used.entry(t.storage.key.as_str())
+                .or_default()
+                .push((t.storage_offset, extent));
+        }
+    }
+    let mut total = 0u64;
+    let mut item_of: HashMap<&str, u64> = HashMap::new();
+    for t in archive.tensors() {
+        item_of.insert(t.storage.key.as_str(), t.storage.dtype.size_bytes() as u64);
+    }
+    for (key, range) in &archive.storages {
+        let item = item_of.get(key.as_str()).copied().unwrap_or(1);
+        let mut spans = used.remove(key.as_str()).unwrap_or_default();
+        spans.sort_unstable();
+        let mut covered = 0u64;
+        let mut cur: Option<(u64, u64)> = None;
+        for (a, b) in spans {
+            match cur {
+                Some((ca, cb)) if a <= cb => cur = Some((ca, cb.max(b))),
+                Some((ca, cb)) => {
+                    covered += cb - ca;
+                    cur = Some((a, b));
+                }
+                None => cur = Some((a, b)),
+            }
+        }
+        if let Some((ca, cb)) = cur {
+            covered += cb - ca;
+        }
+        total += range.len.saturating_sub(covered.saturating_mul(item));
+    }
+    total
+}
+
+/// Marks optimizer entries: any path `P + ["state", param, name]` where some entry lies under
+/// `P + ["param_groups"]`. Returns whether any was found.
+pub(crate) fn assign_roles(entries: &mut [IndexEntry]) -> bool {
+    let mut optim_prefixes: BTreeSet<Vec<PathSeg>> = BTreeSet::new();
+    for e in entries.iter() {
+        for (i, seg) in e.path.iter().enumerate() {
+            if *seg == PathSeg::Key("param_groups".into()) {
+                optim_prefixes.insert(e.path[..i].to_vec());
+            }
+        }
+    }
+    let mut found = false;
+    for e in entries.iter_mut() {
+        for prefix in &optim_prefixes {
+            if !e.path.starts_with(prefix) {
+                continue;
+            }
+            let rest = &e.path[prefix.len()..];
+            match rest {
+                [PathSeg::Key(s), param, PathSeg::Key(name)] if s == "state" => {
+                    e.role = Some(Role::OptimizerState {
+                        param: param.clone(),
+                        state: name.clone(),
+                    });
+                    found = true;
+                }
+                [PathSeg::Key(s), PathSeg::Index(g), ..] if s == "param_groups" => {
+                    e.role = Some(Role::ParamGroup { group: *g });
+                    found = true;
+                }
+                _ => {}
+            }
+        }
+    }
+    found
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn dtensor_offsets_follow_chunk_rules() {
+        // `a` (5), ws=4: offsets 0, 2, 4, 5 (empty shard's offset is the dim size).
+        let p = [Placement::Shard { dim: 0 }];
+        let got: Vec<u64> = (0..4)
+            .map(|k| dtensor_offsets(&[5], &p, &[4], &[k]).unwrap()[0])
+            .collect();
+        assert_eq!(got, vec![0, 2, 4, 5]);
+        // HSDP (Replicate, Shard(0)) on a (2, 2) mesh.
+        let p = [Placement::Replicate, Placement::Shard { dim: 0 }];
+        assert_eq!(
+            dtensor_offsets(&[5], &p, &[2, 2], &[1, 1]).unwrap(),
+            vec![3]
+        );
+    }
+}
