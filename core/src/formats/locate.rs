@@ -60,7 +60,7 @@ impl Manifest {
                 let meta = dcp::read_metadata(bytes)?;
                 for (_, info) in meta.storage {
                     check_member_name(&info.relative_path)?;
-                    files.insert(info.relative_path);
+                    files.insert(info.relative_path.to_string());
                 }
             }
             Manifest::HfIndex => {
