@@ -44,24 +44,36 @@ RANKS = 100
 ROWS, COLS = 64, 64  # rows per chunk, columns
 
 
-def build(path: Path) -> int:
+def build(
+    path: Path,
+    tensors: int = TENSORS,
+    ranks: int = RANKS,
+    rows: int = ROWS,
+    cols: int = COLS,
+    blocks_per_layer: int = 10,
+) -> int:
+    """Writes a DCP of `tensors` float32 tensors of [ranks * rows, cols], each split into one dim-0
+    chunk per rank (rank r writing `__{r}_0.distcp`), as torch's own classes describe it; returns
+    the number of chunks. `.metadata` appears last (written aside, then renamed), so a folder that
+    has one is complete. Also used by bench/index_scale.py."""
     path.mkdir(parents=True, exist_ok=True)
     sdm, storage = {}, {}
-    file_end = [0] * RANKS
-    chunk_bytes = ROWS * COLS * 4
-    for t in range(TENSORS):
-        key = f"model.layers.{t // 10}.block{t % 10}.weight"
+    file_end = [0] * ranks
+    chunk_bytes = rows * cols * 4
+    for t in range(tensors):
+        key = f"model.layers.{t // blocks_per_layer}.block{t % blocks_per_layer}.weight"
         chunks = []
-        for r in range(RANKS):
-            offsets = torch.Size([r * ROWS, 0])
-            chunks.append(ChunkStorageMetadata(offsets=offsets, sizes=torch.Size([ROWS, COLS])))
+        for r in range(ranks):
+            offsets = torch.Size([r * rows, 0])
+            # A Size object per chunk, as torch's planner makes them (no pickle memo hits).
+            chunks.append(ChunkStorageMetadata(offsets=offsets, sizes=torch.Size([rows, cols])))
             storage[MetadataIndex(fqn=key, offset=offsets, index=r)] = _StorageInfo(
                 relative_path=f"__{r}_0.distcp", offset=file_end[r], length=chunk_bytes
             )
             file_end[r] += chunk_bytes
         sdm[key] = TensorStorageMetadata(
             properties=TensorProperties(dtype=torch.float32),
-            size=torch.Size([RANKS * ROWS, COLS]),
+            size=torch.Size([ranks * rows, cols]),
             chunks=chunks,
         )
     meta = Metadata(
@@ -71,15 +83,17 @@ def build(path: Path) -> int:
         storage_meta=StorageMeta(checkpoint_id=str(path), save_id="bench", load_id="bench"),
         version="1.0.0",
     )
-    with open(path / ".metadata", "wb") as f:
+    tmp = path / ".metadata.tmp"
+    with open(tmp, "wb") as f:
         pickle.dump(meta, f)  # what FileSystemWriter.finish does
-    for r in range(RANKS):
+    for r in range(ranks):
         with open(path / f"__{r}_0.distcp", "wb") as f:
             # Sparse: no tensor bytes on disk. Only the first item starts like the torch.save
             # archive it would be (readers look at a file's first item to tell the serialization).
             f.write(b"PK\x03\x04")
             f.truncate(file_end[r])
-    return TENSORS * RANKS
+    tmp.rename(path / ".metadata")
+    return tensors * ranks
 
 
 def time_torch(path: Path, runs: int) -> tuple[float, float]:

@@ -25,7 +25,6 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import pickle
 import re
 import statistics
 import subprocess
@@ -37,54 +36,12 @@ ROWS, COLS = 16, 64  # rows per chunk, columns: a [512 * 16, 64] float32 tensor 
 
 
 def build(path: Path, chunks: int) -> int:
-    import torch
-    from torch.distributed.checkpoint.filesystem import _StorageInfo
-    from torch.distributed.checkpoint.metadata import (
-        ChunkStorageMetadata,
-        Metadata,
-        MetadataIndex,
-        StorageMeta,
-        TensorProperties,
-        TensorStorageMetadata,
-    )
+    """The checkpoint of `chunks` chunks (rounded to whole tensors of 512 chunks), written by
+    bench/dcp_metadata_100k.py's generator."""
+    sys.path.insert(0, str(Path(__file__).resolve().parent))
+    from dcp_metadata_100k import build as build_dcp
 
-    tensors = max(1, chunks // RANKS)
-    path.mkdir(parents=True, exist_ok=True)
-    sdm, storage = {}, {}
-    file_end = [0] * RANKS
-    chunk_bytes = ROWS * COLS * 4
-    for t in range(tensors):
-        key = f"model.layers.{t // 8}.block{t % 8}.weight"
-        chunk_list = []
-        for r in range(RANKS):
-            offsets = torch.Size([r * ROWS, 0])
-            # A Size object per chunk, as torch's planner makes them (no pickle memo hits).
-            chunk_list.append(ChunkStorageMetadata(offsets=offsets, sizes=torch.Size([ROWS, COLS])))
-            storage[MetadataIndex(fqn=key, offset=offsets, index=r)] = _StorageInfo(
-                relative_path=f"__{r}_0.distcp", offset=file_end[r], length=chunk_bytes
-            )
-            file_end[r] += chunk_bytes
-        sdm[key] = TensorStorageMetadata(
-            properties=TensorProperties(dtype=torch.float32),
-            size=torch.Size([RANKS * ROWS, COLS]),
-            chunks=chunk_list,
-        )
-    meta = Metadata(
-        state_dict_metadata=sdm,
-        planner_data={k: ("model", k.removeprefix("model.")) for k in sdm},
-        storage_data=storage,
-        storage_meta=StorageMeta(checkpoint_id=str(path), save_id="bench", load_id="bench"),
-        version="1.0.0",
-    )
-    tmp = path / ".metadata.tmp"
-    with open(tmp, "wb") as f:
-        pickle.dump(meta, f)  # what FileSystemWriter.finish does
-    for r in range(RANKS):
-        with open(path / f"__{r}_0.distcp", "wb") as f:
-            f.write(b"PK\x03\x04")  # the first item starts like a torch.save archive
-            f.truncate(file_end[r])
-    tmp.rename(path / ".metadata")
-    return tensors * RANKS
+    return build_dcp(path, max(1, chunks // RANKS), RANKS, ROWS, COLS, blocks_per_layer=8)
 
 
 TORCH_READ = """
