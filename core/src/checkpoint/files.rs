@@ -118,7 +118,7 @@ pub(super) fn named_sets(
             let Ok(first) = index::index_torch_files_ranked(source, &group.files[..1]) else {
                 continue;
             };
-            if index::set_class(&first) == "model" {
+            if index::set_class(&first, &group.pattern) == "model" {
                 models.push((pattern, group));
             }
         }

@@ -91,6 +91,26 @@ pub fn diagnose(
             fix: "save on rank 0 only: `if dist.get_rank() == 0: torch.save(sd, path)`, and use rank 0's file".into(),
         });
     }
+    if parts.models.is_empty()
+        && let Some(target) = options.target
+        && !target.tensors.is_empty()
+        && index.entries.iter().any(|e| e.kind == EntryKind::Tensor)
+    {
+        // Optimizer state or training state only: nothing here can be compared with the model
+        // the target describes, so nothing here says it would load.
+        findings.push(Finding {
+            code: "missing-key",
+            severity: Severity::Error,
+            keys: target.tensors.keys().cloned().collect(),
+            message: format!(
+                "the checkpoint holds no model part to compare with {} ({} tensor(s)): only optimizer or training state was found{}",
+                target.label,
+                target.tensors.len(),
+                if parts.optims.is_empty() { "" } else { " (the optimizer part is checked against the target's parameters)" }
+            ),
+            fix: "point at the folder or file set that holds the model's weights (--model-files PATTERN for per-rank sets)".into(),
+        });
+    }
     for part in &parts.optims {
         optim::diagnose_optim(part, &flat_model, &parts, options, &mut findings);
     }

@@ -36,6 +36,12 @@ pub(super) fn join(path: &[PathSeg]) -> String {
 
 fn optim_prefix(e: &IndexEntry) -> Option<Vec<PathSeg>> {
     match &e.role {
+        // Flattened (`state.<fqn>.<name>` one key): the part is the key's parent.
+        Some(Role::OptimizerState { .. }) if matches!(e.path.last(), Some(PathSeg::Key(k)) if k.starts_with("state.")) =>
+        {
+            let n = e.path.len().checked_sub(1)?;
+            Some(e.path[..n].to_vec())
+        }
         Some(Role::OptimizerState { .. }) => {
             let n = e.path.len().checked_sub(3)?;
             Some(e.path[..n].to_vec())
@@ -99,6 +105,11 @@ pub(super) fn split_parts(index: &CheckpointIndex) -> Parts<'_> {
         } else {
             (None, e.key.clone())
         };
+        // The training state beside a model and its optimizer (RNG, scheduler, counters: the
+        // `extra` sets of a trainer's folder) is not a model.
+        if name.as_deref() == Some("extra") {
+            continue;
+        }
         models
             .entry(name.clone())
             .or_insert_with(|| ModelPart {

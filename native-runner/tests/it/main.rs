@@ -39,3 +39,4 @@ mod remote;
 mod reshard_cli;
 mod reshard_fsdp2;
 mod select_sides;
+mod trainer_sets;

@@ -2,4 +2,5 @@
 
 pub mod dcp;
 pub mod safetensors;
+pub mod sets;
 pub mod torch;

@@ -2,12 +2,11 @@
 
 use std::collections::{BTreeMap, BTreeSet, HashMap};
 
-use crate::dtype::DType;
 use crate::formats::pickle::{Placement, PyValue, TensorRef};
 use crate::formats::torch_zip;
 use crate::index::{
     CheckpointIndex, CheckpointKind, Chunk, ChunkEncoding, EntryKind, FileInfo, Format, FsdpInfo,
-    IndexEntry, IndexError, PathSeg, RankGroup, Role, ShardPlacement, group_rank_files,
+    IndexEntry, IndexError, PathSeg, Role, ShardPlacement, group_rank_files,
 };
 use crate::model::fqn::clean_tensor_name;
 use crate::source::Source;
@@ -203,119 +202,6 @@ struct Partial {
     entry: IndexEntry,
     /// Per rank: the local shape of a plain tensor (to tell replicated from rank-local).
     plain_shapes: Vec<Vec<u64>>,
-}
-
-/// Indexes one or more per-rank `torch.save` files of the same checkpoint.
-/// A folder of several sets of per-rank files, as training runs write them (model, optimizer and
-/// extra state, e.g. `model_world_size_2_rank_{r}.pt`, `optim_…`, `extra_state_…`): one checkpoint
-/// with a subtree per set, as a DCP app state nests them. Each set is classified by its content:
-/// `optim` (optimizer state: `state`/`param_groups`), `model` (floating-point tensors), `extra`
-/// (the rest: schedulers, RNG state); two sets of one class are told apart by their name patterns
-/// (`model.rank{R}_full`, `model.rank{R}_sharded`, ...). Every set must index on its own.
-/// Indexes `torch.save` files grouped into per-rank sets ([`group_rank_files`], or the sets a
-/// caller names): one set is read as one checkpoint; several become subtrees named by what they
-/// hold (`model`, `optim`, `extra`).
-pub fn index_torch_groups(
-    source: &dyn Source,
-    groups: &[RankGroup],
-) -> Result<CheckpointIndex, IndexError> {
-    index_torch_sets(source, groups).map(|(index, _)| index)
-}
-
-/// What one per-rank set of `torch.save` files holds, judged by its content: optimizer state
-/// (`state`/`param_groups`), a model (floating-point tensors), or extra state (anything else:
-/// lr scheduler, RNG state, counters).
-pub fn set_class(index: &CheckpointIndex) -> &'static str {
-    if index.has_optimizer_state || index.entries.iter().any(|e| e.role.is_some()) {
-        "optim"
-    } else if index
-        .entries
-        .iter()
-        .any(|e| e.kind == EntryKind::Tensor && e.dtype.is_some_and(DType::is_floating_point))
-    {
-        "model"
-    } else {
-        "extra"
-    }
-}
-
-/// [`index_torch_groups`], also giving each set's class ([`set_class`]) in `groups` order. With
-/// several sets, each is a subtree named by its class (`model`, `optim`, `extra`; by class and
-/// name pattern when a class has several sets).
-pub fn index_torch_sets(
-    source: &dyn Source,
-    groups: &[RankGroup],
-) -> Result<(CheckpointIndex, Vec<&'static str>), IndexError> {
-    match groups {
-        [] => Err(IndexError::NotACheckpoint {
-            reason: "no torch.save files".into(),
-        }),
-        [one] => {
-            let index = index_torch_files_ranked(source, &one.files)?;
-            let class = set_class(&index);
-            Ok((index, vec![class]))
-        }
-        _ => index_file_sets(source, groups),
-    }
-}
-
-fn index_file_sets(
-    source: &dyn Source,
-    groups: &[RankGroup],
-) -> Result<(CheckpointIndex, Vec<&'static str>), IndexError> {
-    let mut parts = Vec::with_capacity(groups.len());
-    for RankGroup { pattern, files } in groups {
-        let index = index_torch_files_ranked(source, files)?;
-        parts.push((set_class(&index), pattern.clone(), index));
-    }
-    let classes: Vec<&'static str> = parts.iter().map(|(c, _, _)| *c).collect();
-    let count = |class: &str| parts.iter().filter(|(c, _, _)| *c == class).count();
-    let names: Vec<String> = parts
-        .iter()
-        .map(|(class, pattern, _)| {
-            if count(class) == 1 {
-                (*class).to_owned()
-            } else {
-                // The set's name pattern without its extension, one path segment.
-                let stem = pattern
-                    .rsplit_once('.')
-                    .map_or(pattern.as_str(), |(s, _)| s);
-                format!("{class}.{}", stem.replace('.', "_"))
-            }
-        })
-        .collect();
-    let kind = parts
-        .iter()
-        .find(|(c, _, _)| *c == "model")
-        .or(parts.first())
-        .map_or(CheckpointKind::Plain, |(_, _, i)| i.kind);
-    let mut merged = CheckpointIndex {
-        format: parts
-            .first()
-            .map_or(Format::TorchSave, |(_, _, i)| i.format),
-        kind,
-        has_optimizer_state: parts.iter().any(|(_, _, i)| i.has_optimizer_state),
-        entries: Vec::new(),
-        files: BTreeMap::new(),
-        dcp: None,
-    };
-    for ((_, _, index), name) in parts.into_iter().zip(names) {
-        let prefix: Vec<PathSeg> = name
-            .split('.')
-            .map(|s| PathSeg::Key(s.to_owned()))
-            .collect();
-        let base = merged.entries.len() as u64;
-        for mut e in index.entries {
-            e.position = e.position.map(|p| p + base);
-            e.key = format!("{name}.{}", e.key);
-            e.raw_key = e.raw_key.map(|k| format!("{name}.{k}"));
-            e.path.splice(0..0, prefix.iter().cloned());
-            merged.entries.push(e);
-        }
-        merged.files.extend(index.files);
-    }
-    merged.entries.sort_by(|a, b| a.key.cmp(&b.key));
-    Ok((merged, classes))
 }
 
 /// Indexes `torch.save` files as one checkpoint, their ranks read from their names
@@ -640,6 +526,49 @@ pub(crate) fn assign_roles(entries: &mut [IndexEntry]) -> bool {
                 }
                 _ => {}
             }
+        }
+    }
+    found | assign_flat_roles(entries)
+}
+
+/// Roles in a flattened optimizer state dict (`flatten_optimizer_state_dict=True`, torchtitan's):
+/// under one parent, keys `param_groups.<fqn>.<key>` name the parameters, and `state.<fqn>.<name>`
+/// is optimizer state `name` of parameter `fqn` (its param segment is the FQN). The per-parameter
+/// group keys have no group number: they keep no role.
+fn assign_flat_roles(entries: &mut [IndexEntry]) -> bool {
+    let split = |e: &IndexEntry| -> Option<(Vec<PathSeg>, String)> {
+        let (PathSeg::Key(last), parent) = e.path.split_last()? else {
+            return None;
+        };
+        Some((parent.to_vec(), last.clone()))
+    };
+    let mut params: BTreeMap<Vec<PathSeg>, BTreeSet<String>> = BTreeMap::new();
+    for e in entries.iter() {
+        if let Some((parent, last)) = split(e)
+            && let Some((fqn, _)) = last
+                .strip_prefix("param_groups.")
+                .and_then(|r| r.rsplit_once('.'))
+        {
+            params.entry(parent).or_default().insert(fqn.to_owned());
+        }
+    }
+    let mut found = false;
+    for e in entries.iter_mut() {
+        if e.role.is_some() {
+            continue;
+        }
+        let Some((parent, last)) = split(e) else {
+            continue;
+        };
+        let Some((fqn, name)) = last.strip_prefix("state.").and_then(|r| r.rsplit_once('.')) else {
+            continue;
+        };
+        if params.get(&parent).is_some_and(|p| p.contains(fqn)) {
+            e.role = Some(Role::OptimizerState {
+                param: PathSeg::Key(fqn.to_owned()),
+                state: name.to_owned(),
+            });
+            found = true;
         }
     }
     found

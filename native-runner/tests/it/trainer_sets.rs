@@ -1,0 +1,252 @@
+//! Folders of several per-rank sets as trainers write them, told apart by what each set is:
+//! torch_checkpointing's `<item>_<rank>.pt` (written by the library itself,
+//! `tests/fixtures/trainer_folders/gen_torch_checkpointing.py`: FSDP2 model, torchtitan's
+//! flattened optimizer, `lr_scheduler`, `train_state`, `step`), and verl's extra state holding
+//! floating-point tensors. References are torch's own full state dicts (`expected/tc_full_*.pt`),
+//! compared in torch.
+#![allow(clippy::unwrap_used, clippy::missing_panics_doc)]
+
+use std::path::{Path, PathBuf};
+use std::process::{Command, Output};
+
+use crate::common::python;
+
+fn fixtures() -> PathBuf {
+    PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("../tests/fixtures/trainer_folders")
+}
+
+fn shardscope(args: &[&str]) -> Output {
+    Command::new(env!("CARGO_BIN_EXE_shardscope"))
+        .args(args)
+        .output()
+        .unwrap()
+}
+
+fn s(p: &Path) -> &str {
+    p.to_str().unwrap()
+}
+
+fn ok(out: &Output, what: &str) -> (String, String) {
+    let stdout = String::from_utf8_lossy(&out.stdout).into_owned();
+    let stderr = String::from_utf8_lossy(&out.stderr).into_owned();
+    assert!(
+        out.status.success(),
+        "{what} failed ({:?}):\n{stdout}\n{stderr}",
+        out.status.code()
+    );
+    (stdout, stderr)
+}
+
+/// The keys `inspect --json` lists.
+fn keys(dir: &Path, extra: &[&str]) -> Vec<String> {
+    let mut args = vec!["inspect", s(dir), "--json"];
+    args.extend_from_slice(extra);
+    let (out, err) = ok(&shardscope(&args), &format!("inspect {}", dir.display()));
+    assert!(!err.contains("several"), "{}: {err}", dir.display());
+    let v: serde_json::Value = serde_json::from_str(&out).unwrap();
+    v["entries"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .map(|e| e["key"].as_str().unwrap().to_owned())
+        .collect()
+}
+
+#[test]
+fn torch_checkpointing_items_are_read_by_what_they_are() {
+    for folder in ["tc_default", "tc_resharder"] {
+        let dir = fixtures().join(folder);
+        for extra in [
+            &[][..],
+            &[
+                "--model-files",
+                "model_{r}.pt",
+                "--optim-files",
+                "optimizer_{r}.pt",
+            ][..],
+        ] {
+            let keys = keys(&dir, extra);
+            let bad: Vec<&String> = keys
+                .iter()
+                .filter(|k| k.contains('{') || k.ends_with('.'))
+                .collect();
+            assert!(bad.is_empty(), "{folder} {extra:?}: {bad:?}");
+            let mut wanted = vec![
+                "model.tok_embeddings.weight",
+                "model.output.weight",
+                "optim.state.layers.1.feed_forward.w2.weight.exp_avg_sq",
+                "optim.param_groups.norm.bias.lr",
+            ];
+            // Named sets: only those are read (the model's and the optimizer's).
+            if extra.is_empty() {
+                wanted.extend([
+                    "extra.lr_scheduler.last_epoch",
+                    "extra.train_state.ntokens_seen",
+                    "extra.step",
+                ]);
+            }
+            for want in wanted {
+                assert!(
+                    keys.iter().any(|k| k == want),
+                    "{folder} {extra:?}: no {want}"
+                );
+            }
+        }
+    }
+}
+
+/// Runs `script` (argv: the files) in torch; it prints `OK` when every comparison holds.
+fn torch_says_ok(script: &str, files: &[&Path]) {
+    let Some(py) = python() else {
+        eprintln!("skipped: no Python with torch");
+        return;
+    };
+    let mut cmd = Command::new(py);
+    cmd.arg("-c").arg(script);
+    for f in files {
+        cmd.arg(f);
+    }
+    let out = cmd.output().unwrap();
+    let text = String::from_utf8_lossy(&out.stdout);
+    assert!(
+        text.lines().any(|l| l == "OK"),
+        "{text}\n{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+}
+
+const SAME_AS_TORCH: &str = r#"
+import sys, torch
+got = torch.load(sys.argv[1], weights_only=True)
+model = torch.load(sys.argv[2], weights_only=True)
+optim = torch.load(sys.argv[3], weights_only=True)
+def eq(a, b, at):
+    if isinstance(a, torch.Tensor):
+        assert isinstance(b, torch.Tensor) and a.dtype == b.dtype and a.shape == b.shape and torch.equal(a, b), at
+    elif isinstance(a, dict):
+        assert isinstance(b, dict) and list(a) == list(b), (at, list(a)[:5], list(b)[:5])
+        for k in a:
+            eq(a[k], b[k], f"{at}.{k}")
+    elif isinstance(a, (list, tuple)):
+        assert len(a) == len(b), at
+        for i, (x, y) in enumerate(zip(a, b)):
+            eq(x, y, f"{at}[{i}]")
+    else:
+        assert a == b, (at, a, b)
+eq(model, got["model"], "model")
+eq(optim, got["optim"], "optim")
+print("OK")
+"#;
+
+#[test]
+fn torch_checkpointing_converts_to_torchs_full_state_dicts() {
+    let tmp = tempfile::tempdir().unwrap();
+    let expected = fixtures().join("expected");
+    for folder in ["tc_default", "tc_resharder"] {
+        let out = tmp.path().join(format!("{folder}.pt"));
+        let (_, err) = ok(
+            &shardscope(&["convert", s(&fixtures().join(folder)), "-o", s(&out)]),
+            folder,
+        );
+        // The extra items are not part of a model+optimizer file: said, not silently dropped.
+        assert!(err.contains("extra state"), "{folder}: {err}");
+        torch_says_ok(
+            SAME_AS_TORCH,
+            &[
+                &out,
+                &expected.join("tc_full_model.pt"),
+                &expected.join("tc_full_optim.pt"),
+            ],
+        );
+    }
+}
+
+const EXTRA_WITH_FLOATS: &str = r#"
+import sys, random, torch, numpy as np
+src, dst = sys.argv[1], sys.argv[2]
+for r in range(2):
+    name = f"extra_state_world_size_2_rank_{r}.pt"
+    extra = torch.load(f"{src}/{name}", weights_only=False)
+    # What schedulers with tensor learning rates and RNG savers leave: float tensors, numpy state.
+    extra["lr_scheduler"]["_last_lr"] = [torch.tensor(0.005)]
+    extra["lr_scheduler"]["base_lrs"] = [torch.tensor(0.01)]
+    extra["rng"]["numpy"] = np.random.get_state()
+    extra["rng"]["random"] = random.getstate()
+    torch.save(extra, f"{dst}/{name}")
+print("OK")
+"#;
+
+#[test]
+fn extra_state_holding_float_tensors_stays_extra() {
+    let tmp = tempfile::tempdir().unwrap();
+    let src = fixtures().join("verl_fsdp2");
+    let dst = tmp.path().join("verl");
+    std::fs::create_dir(&dst).unwrap();
+    for entry in std::fs::read_dir(&src).unwrap() {
+        let name = entry.unwrap().file_name();
+        std::fs::copy(src.join(&name), dst.join(&name)).unwrap();
+    }
+    if python().is_none() {
+        eprintln!("skipped: no Python with torch");
+        return;
+    }
+    torch_says_ok(EXTRA_WITH_FLOATS, &[&src, &dst]);
+    let keys = keys(&dst, &[]);
+    assert!(
+        keys.iter().any(|k| k == "extra.lr_scheduler._last_lr.0"),
+        "{keys:?}"
+    );
+    assert!(keys.iter().all(|k| !k.contains('{')), "{keys:?}");
+    // The model and optimizer read as from the untouched folder: torch's full state dicts.
+    let full = fixtures().join("expected/verl_fsdp2_full.pt");
+    let (text, _) = ok(
+        &shardscope(&["diff", s(&dst), s(&full), "--select", "model", "-q"]),
+        "diff",
+    );
+    assert!(
+        text.contains(" 0 mismatch, 0 missing, 0 unexpected, 0 error"),
+        "{text}"
+    );
+    let out = tmp.path().join("out.pt");
+    ok(
+        &shardscope(&["convert", s(&dst), "-o", s(&out)]),
+        "convert verl",
+    );
+    let (text, _) = ok(&shardscope(&["diff", s(&out), s(&full), "-q"]), "diff out");
+    assert!(
+        text.contains(" 0 mismatch, 0 missing, 0 unexpected, 0 error"),
+        "{text}"
+    );
+}
+
+/// `doctor` reads every set: the model part is compared with the reference (the optimizer and
+/// the training state are not model parts); without the model's files it cannot say "loadable".
+#[test]
+fn doctor_compares_the_model_set_and_never_passes_without_it() {
+    let reference = fixtures().join("expected/tc_full_model.pt");
+    let folder = fixtures().join("tc_default");
+    let out = shardscope(&["doctor", s(&folder), "--reference", s(&reference), "--json"]);
+    let (text, _) = ok(&out, "doctor tc_default");
+    let v: serde_json::Value = serde_json::from_str(&text).unwrap();
+    assert_eq!(v["loadable"], true, "{v:#}");
+
+    let tmp = tempfile::tempdir().unwrap();
+    for entry in std::fs::read_dir(&folder).unwrap() {
+        let name = entry.unwrap().file_name().into_string().unwrap();
+        if !name.starts_with("model_") {
+            std::fs::copy(folder.join(&name), tmp.path().join(&name)).unwrap();
+        }
+    }
+    let out = shardscope(&[
+        "doctor",
+        s(tmp.path()),
+        "--reference",
+        s(&reference),
+        "--json",
+    ]);
+    assert_eq!(out.status.code(), Some(1), "{out:?}");
+    let v: serde_json::Value = serde_json::from_slice(&out.stdout).unwrap();
+    assert_eq!(v["loadable"], false, "{v:#}");
+    let text = v.to_string();
+    assert!(text.contains("no model part"), "{v:#}");
+}
