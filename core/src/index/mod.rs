@@ -52,17 +52,16 @@ pub fn index_source_sets(
     source: &dyn Source,
 ) -> Result<(CheckpointIndex, Vec<ReadSet>), IndexError> {
     let names = source.names();
-    if names
-        .iter()
-        .any(|n| n == ".metadata" || n.ends_with("/.metadata"))
-    {
-        let meta = names
-            .iter()
-            .find(|n| n.as_str() == ".metadata")
-            .or_else(|| names.iter().find(|n| n.ends_with("/.metadata")))
-            .cloned()
-            .unwrap_or_default();
-        return Ok((index_dcp(source, &meta)?, Vec::new()));
+    if names.iter().any(|n| n == ".metadata") {
+        return Ok((index_dcp(source, ".metadata")?, Vec::new()));
+    }
+    // DCP folders one level down (a trainer's folder: accelerate's `save_state`, `checkpoint-N`).
+    let nested = read::folders::nested_dcp_metadata(&names);
+    if !nested.is_empty() {
+        return read::folders::index_dcp_folders(source, &nested);
+    }
+    if let Some(meta) = names.iter().find(|n| n.ends_with("/.metadata")) {
+        return Ok((index_dcp(source, meta)?, Vec::new()));
     }
     let safetensors: Vec<&String> = names
         .iter()

@@ -250,3 +250,58 @@ fn doctor_compares_the_model_set_and_never_passes_without_it() {
     let text = v.to_string();
     assert!(text.contains("no model part"), "{v:#}");
 }
+
+/// accelerate's `save_state` folder and the HF Trainer's `checkpoint-N` (written by accelerate's
+/// own save functions, `gen_accelerate.py`): every DCP folder and the files beside them are read,
+/// not the first DCP folder alone; the model converts byte for byte to what
+/// `accelerate merge-weights` writes, and equals torch's full state dict.
+#[test]
+fn accelerate_folders_are_read_whole() {
+    let f = fixtures();
+    for (folder, extra) in [
+        ("acc_save_state", "extra.scheduler.last_epoch"),
+        ("checkpoint-2", "extra.rng_state.cpu"),
+    ] {
+        let dir = f.join(folder);
+        let keys = keys(&dir, &[]);
+        for want in [
+            "model.embed_tokens.weight",
+            "model.lm_head.weight",
+            "optimizer.state.layers.1.mlp.weight.exp_avg_sq",
+            extra,
+        ] {
+            assert!(keys.iter().any(|k| k == want), "{folder}: no {want}");
+        }
+        let full = f.join("expected/acc_full_model.pt");
+        let (text, _) = ok(
+            &shardscope(&["diff", s(&dir), s(&full), "--select", "model", "-q"]),
+            "diff",
+        );
+        assert!(
+            text.contains("14 match, 0 mismatch, 0 missing, 0 unexpected, 0 error"),
+            "{folder}: {text}"
+        );
+        let out = shardscope(&["doctor", s(&dir), "--reference", s(&full), "--json"]);
+        let (text, _) = ok(&out, "doctor");
+        let v: serde_json::Value = serde_json::from_str(&text).unwrap();
+        assert_eq!(v["loadable"], true, "{folder}: {v:#}");
+    }
+    let tmp = tempfile::tempdir().unwrap();
+    let out = tmp.path().join("model.safetensors");
+    ok(
+        &shardscope(&[
+            "convert",
+            s(&f.join("acc_save_state")),
+            "-o",
+            s(&out),
+            "--select",
+            "model",
+        ]),
+        "convert --select model",
+    );
+    assert_eq!(
+        std::fs::read(&out).unwrap(),
+        std::fs::read(f.join("expected/acc_merged.safetensors")).unwrap(),
+        "not the bytes accelerate merge-weights writes"
+    );
+}

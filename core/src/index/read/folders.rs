@@ -1,0 +1,173 @@
+//! Trainer folders that hold several DCP checkpoints side by side, read as one checkpoint:
+//! accelerate's `save_state` folder (`pytorch_model_fsdp_0/` holding `{"model": …}`,
+//! `optimizer_0/` holding `{"optimizer": …}`, with `scheduler.bin` and the RNG states beside
+//! them), the HF Trainer's `checkpoint-N/` (the same folders beside `scheduler.pt`,
+//! `rng_state_{rank}.pth`, `trainer_state.json`).
+//!
+//! Every DCP folder one level down is read; their keys keep their own names when the folders'
+//! top-level keys differ (`model.…`, `optimizer.…`), else each folder is a subtree named by the
+//! folder. The `torch.save` files at the top level are read as per-rank sets
+//! ([`super::sets`]), each under `extra.<item>` (or `model.<item>`/`optim.<item>` for what they
+//! hold), so that no part of the folder is left out silently.
+
+use std::collections::{BTreeMap, BTreeSet};
+
+use crate::index::read::dcp::index_dcp;
+use crate::index::read::sets::{index_torch_sets, set_item};
+use crate::index::{
+    CheckpointIndex, Format, IndexEntry, IndexError, PathSeg, RankGroup, group_rank_files,
+    is_torch_file,
+};
+use crate::source::Source;
+
+/// The `.metadata` files of DCP folders one level below the top (`X/.metadata`, `X` not hidden),
+/// in name order.
+pub fn nested_dcp_metadata(names: &[String]) -> Vec<String> {
+    let mut metas: Vec<String> = names
+        .iter()
+        .filter(|n| {
+            n.strip_suffix("/.metadata")
+                .is_some_and(|dir| !dir.is_empty() && !dir.contains('/') && !dir.starts_with('.'))
+        })
+        .cloned()
+        .collect();
+    metas.sort();
+    metas
+}
+
+/// One DCP folder's part: its folder name and its index.
+struct Part {
+    folder: String,
+    index: CheckpointIndex,
+}
+
+fn top_keys(index: &CheckpointIndex) -> BTreeSet<String> {
+    index
+        .entries
+        .iter()
+        .filter_map(|e| match e.path.first() {
+            Some(PathSeg::Key(k)) => Some(k.clone()),
+            _ => None,
+        })
+        .collect()
+}
+
+fn prefixed(mut e: IndexEntry, name: &str) -> IndexEntry {
+    e.key = if e.key.is_empty() {
+        name.to_owned()
+    } else {
+        format!("{name}.{}", e.key)
+    };
+    e.raw_key = e.raw_key.map(|k| format!("{name}.{k}"));
+    let prefix: Vec<PathSeg> = name
+        .split('.')
+        .map(|s| PathSeg::Key(s.to_owned()))
+        .collect();
+    e.path.splice(0..0, prefix);
+    e
+}
+
+/// Reads the DCP folders `metas` (`X/.metadata`) and the top-level `torch.save` files of `source`
+/// as one checkpoint (see the module doc), with the per-rank sets read and their classes.
+pub fn index_dcp_folders(
+    source: &dyn Source,
+    metas: &[String],
+) -> Result<(CheckpointIndex, Vec<(RankGroup, &'static str)>), IndexError> {
+    let mut parts = Vec::with_capacity(metas.len());
+    for meta in metas {
+        let folder = meta.strip_suffix("/.metadata").unwrap_or(meta).to_owned();
+        parts.push(Part {
+            folder,
+            index: index_dcp(source, meta)?,
+        });
+    }
+    let mut seen: BTreeSet<String> = BTreeSet::new();
+    let disjoint = parts.iter().all(|p| {
+        let keys = top_keys(&p.index);
+        let clash = keys.iter().any(|k| seen.contains(k));
+        seen.extend(keys);
+        !clash
+    });
+    let mut merged = CheckpointIndex {
+        format: Format::Dcp,
+        kind: parts
+            .first()
+            .map_or(crate::index::CheckpointKind::Plain, |p| p.index.kind),
+        has_optimizer_state: parts.iter().any(|p| p.index.has_optimizer_state),
+        entries: Vec::new(),
+        files: BTreeMap::new(),
+        dcp: parts.first().and_then(|p| p.index.dcp.clone()),
+    };
+    for part in parts {
+        let base = merged.entries.len() as u64;
+        let name = part.folder.replace('.', "_");
+        for mut e in part.index.entries {
+            e.position = e.position.map(|p| p + base);
+            merged
+                .entries
+                .push(if disjoint { e } else { prefixed(e, &name) });
+        }
+        merged.files.extend(part.index.files);
+    }
+    // The torch.save files beside the folders (scheduler, RNG state, a full model file).
+    let torch: Vec<String> = source
+        .names()
+        .into_iter()
+        .filter(|n| !n.contains('/') && is_torch_file(n))
+        .collect();
+    let mut sets = Vec::new();
+    if !torch.is_empty() {
+        let groups = group_rank_files(&torch);
+        for group in groups {
+            let (index, classes) = index_torch_sets(source, std::slice::from_ref(&group))?;
+            let class = classes.first().copied().unwrap_or("extra");
+            let item = set_item(&group.pattern);
+            let name = if item.is_empty() {
+                class.to_owned()
+            } else {
+                format!("{class}.{item}")
+            };
+            let base = merged.entries.len() as u64;
+            for mut e in index.entries {
+                e.position = e.position.map(|p| p + base);
+                merged.entries.push(prefixed(e, &name));
+            }
+            merged.files.extend(index.files);
+            sets.push((group, class));
+        }
+    }
+    merged.entries.sort_by(|a, b| a.key.cmp(&b.key));
+    if let Some(pair) = merged.entries.windows(2).find(|w| w[0].key == w[1].key) {
+        return Err(IndexError::NotACheckpoint {
+            reason: format!(
+                "the folder's parts ({}) both hold the key `{}`",
+                metas.join(", "),
+                pair[0].key
+            ),
+        });
+    }
+    Ok((merged, sets))
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn dcp_folders_one_level_down() {
+        let names: Vec<String> = [
+            ".hidden/.metadata",
+            "optimizer_0/.metadata",
+            "pytorch_model_fsdp_0/.metadata",
+            "a/b/.metadata",
+            "scheduler.bin",
+        ]
+        .iter()
+        .map(|s| (*s).to_owned())
+        .collect();
+        assert_eq!(
+            nested_dcp_metadata(&names),
+            vec!["optimizer_0/.metadata", "pytorch_model_fsdp_0/.metadata"]
+        );
+    }
+}
