@@ -72,7 +72,7 @@ fn prefixed(mut e: IndexEntry, name: &str) -> IndexEntry {
 pub fn index_dcp_folders(
     source: &dyn Source,
     metas: &[String],
-) -> Result<(CheckpointIndex, Vec<(RankGroup, &'static str)>), IndexError> {
+) -> Result<(CheckpointIndex, Vec<crate::index::ReadSet>), IndexError> {
     let mut parts = Vec::with_capacity(metas.len());
     for meta in metas {
         let folder = meta.strip_suffix("/.metadata").unwrap_or(meta).to_owned();
