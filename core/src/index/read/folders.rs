@@ -15,8 +15,7 @@ use std::collections::{BTreeMap, BTreeSet};
 use crate::index::read::dcp::index_dcp;
 use crate::index::read::sets::{index_torch_sets, set_item};
 use crate::index::{
-    CheckpointIndex, Format, IndexEntry, IndexError, PathSeg, RankGroup, group_rank_files,
-    is_torch_file,
+    CheckpointIndex, Format, IndexEntry, IndexError, PathSeg, group_rank_files, is_torch_file,
 };
 use crate::source::Source;
 
