@@ -17,6 +17,7 @@
 
 mod describe;
 mod files;
+mod model_only;
 
 pub use describe::{DescribeOptions, Described};
 pub use files::{RANK_PLACEHOLDER, pattern_rank};
@@ -44,6 +45,9 @@ pub enum CheckpointError {
         #[source]
         source: Box<crate::index::from_index::FromIndexError>,
     },
+    /// `--model-only` found no model part.
+    #[error("{label}: --model-only: {reason}")]
+    ModelOnly { label: String, reason: String },
     /// The files could not be indexed.
     #[error("cannot read {label}: {source}")]
     Index {
@@ -129,6 +133,9 @@ pub struct ReadOptions {
     pub model_files: Option<String>,
     /// `--optim-files`: the optimizer's per-rank set, `{r}` for the rank.
     pub optim_files: Option<String>,
+    /// `--model-only`: keep the model part alone, with the model's own names
+    /// ([`model_only`]).
+    pub model_only: bool,
 }
 
 /// Which view the index was read through.
@@ -411,6 +418,23 @@ impl Checkpoint {
     /// Reads the stored index through the view its content and `options` call for (a no-op when
     /// a view was applied already).
     pub fn apply_view(&mut self, options: &ReadOptions) -> Result<(), CheckpointError> {
+        self.apply_layout_view(options)?;
+        if options.model_only {
+            let note =
+                model_only::keep_model_only(&mut self.index, &self.label).map_err(|reason| {
+                    CheckpointError::ModelOnly {
+                        label: self.label.clone(),
+                        reason,
+                    }
+                })?;
+            self.notes.push(note);
+            // The model alone: the other sets no longer make it ambiguous.
+            self.ambiguous = None;
+        }
+        Ok(())
+    }
+
+    fn apply_layout_view(&mut self, options: &ReadOptions) -> Result<(), CheckpointError> {
         if self.view != View::Stored {
             return Ok(());
         }

@@ -91,6 +91,10 @@ pub struct ConvertArgs {
     /// Per-rank files: file-name pattern of the optimizer files, `{r}` for the rank.
     #[arg(long, value_name = "PATTERN")]
     pub optim_files: Option<String>,
+    /// The model alone, from a training checkpoint (optimizer and training state left out,
+    /// the model's own names kept): see `shardscope inspect --help`.
+    #[arg(long)]
+    pub model_only: bool,
     /// Per-rank FSDP1 files: where the full optimizer state dict goes (default `<DST stem>.optim.pt`).
     #[arg(long, value_name = "PATH", requires = "model")]
     pub optim_output: Option<PathBuf>,
@@ -232,6 +236,7 @@ pub fn run(args: &ConvertArgs) -> Result<ExitCode> {
         &super::read::RankFileArgs {
             model_files: args.model_files.clone(),
             optim_files: args.optim_files.clone(),
+            model_only: args.model_only,
         },
     )?;
     let (source, checkpoint) = super::read::open(std::slice::from_ref(&args.src), false, &options)?;

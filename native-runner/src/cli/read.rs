@@ -22,6 +22,12 @@ pub struct RankFileArgs {
     /// Per-rank files: file-name pattern of the optimizer files, `{r}` for the rank.
     #[arg(long, value_name = "PATTERN")]
     pub optim_files: Option<String>,
+    /// The model alone, from a training checkpoint: the part that is the model (a DCP app
+    /// state's `model`, accelerate's `pytorch_model_fsdp_0/`, torchtitan's top-level model keys
+    /// beside `optimizer`/`lr_scheduler`/`train_state`/`dataloader`, Lightning's `state_dict`),
+    /// with the model's own names; optimizer and training state are left out (said on stderr).
+    #[arg(long)]
+    pub model_only: bool,
 }
 
 /// `--model MODEL.json` and the FSDP1 layout flags, with the rank-file patterns: how `inspect`,
@@ -105,6 +111,7 @@ pub fn read_options(
         fsdp1,
         model_files: files.model_files.clone(),
         optim_files: files.optim_files.clone(),
+        model_only: files.model_only,
     })
 }
 

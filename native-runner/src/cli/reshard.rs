@@ -361,6 +361,7 @@ fn open_per_rank(
         },
         model_files: args.model_files.clone(),
         optim_files: args.optim_files.clone(),
+        model_only: false,
     };
     let source = crate::input::open(std::slice::from_ref(&args.src), false)?;
     let label = args.src.display().to_string();

@@ -305,3 +305,72 @@ fn accelerate_folders_are_read_whole() {
         "not the bytes accelerate merge-weights writes"
     );
 }
+
+/// `--model-only` picks the model part by what the parts are and keeps the model's own names:
+/// torchtitan's top-level model keys beside `optimizer`/`lr_scheduler`/`train_state`/`dataloader`
+/// (`gen_torchtitan.py`), accelerate's `model`, torch_checkpointing's `model` item, a DCP app
+/// state's `model` around HF's Llama names (`model.embed_tokens.weight` stays). Each equals the
+/// library's or torch's own full model.
+#[test]
+fn model_only_takes_the_model_part_with_its_own_names() {
+    let f = fixtures();
+    let tmp = tempfile::tempdir().unwrap();
+    for (i, (folder, reference)) in [
+        ("step-2", "expected/titan_full_model.pt"),
+        ("acc_save_state", "expected/acc_merged.safetensors"),
+        ("checkpoint-2", "expected/acc_full_model.pt"),
+        ("tc_resharder", "expected/tc_full_model.pt"),
+        ("../app_state/dcp", "../app_state/merged.safetensors"),
+    ]
+    .into_iter()
+    .enumerate()
+    {
+        let out = tmp.path().join(format!("m{i}.safetensors"));
+        let (_, err) = ok(
+            &shardscope(&["convert", s(&f.join(folder)), "--model-only", "-o", s(&out)]),
+            folder,
+        );
+        assert!(err.contains("--model-only"), "{folder}: {err}");
+        let reference = f.join(reference);
+        let (text, _) = ok(&shardscope(&["diff", s(&out), s(&reference), "-q"]), folder);
+        assert!(
+            text.contains(" 0 mismatch, 0 missing, 0 unexpected, 0 error"),
+            "{folder}: {text}"
+        );
+        // The same through diff's own reading.
+        let (text, _) = ok(
+            &shardscope(&[
+                "diff",
+                s(&f.join(folder)),
+                s(&reference),
+                "--model-only",
+                "-q",
+            ]),
+            folder,
+        );
+        assert!(
+            text.contains(" 0 mismatch, 0 missing, 0 unexpected, 0 error"),
+            "{folder}: {text}"
+        );
+    }
+    // accelerate's model: the bytes `accelerate merge-weights` writes.
+    assert_eq!(
+        std::fs::read(tmp.path().join("m1.safetensors")).unwrap(),
+        std::fs::read(f.join("expected/acc_merged.safetensors")).unwrap()
+    );
+    // Optimizer state alone has no model part: an error, not an empty file.
+    let out = tmp.path().join("none.safetensors");
+    let res = shardscope(&[
+        "convert",
+        s(&f.join("acc_save_state/optimizer_0")),
+        "--model-only",
+        "-o",
+        s(&out),
+    ]);
+    assert_eq!(res.status.code(), Some(2), "{res:?}");
+    assert!(
+        String::from_utf8_lossy(&res.stderr).contains("no model part"),
+        "{res:?}"
+    );
+    assert!(!out.exists());
+}
