@@ -53,6 +53,10 @@ pub fn index_source_sets(
 ) -> Result<(CheckpointIndex, Vec<ReadSet>), IndexError> {
     let names = source.names();
     if names.iter().any(|n| n == ".metadata") {
+        // torch.save files beside it (Lightning's meta.pt, Megatron's common.pt) are read too.
+        if names.iter().any(|n| !n.contains('/') && is_torch_file(n)) {
+            return read::folders::index_dcp_folders(source, &[".metadata".to_owned()]);
+        }
         return Ok((index_dcp(source, ".metadata")?, Vec::new()));
     }
     // DCP folders one level down (a trainer's folder: accelerate's `save_state`, `checkpoint-N`).

@@ -374,3 +374,52 @@ fn model_only_takes_the_model_part_with_its_own_names() {
     );
     assert!(!out.exists());
 }
+
+const SAME_CHECKPOINT: &str = r#"
+import sys, torch
+got = torch.load(sys.argv[1], weights_only=True)
+want = torch.load(sys.argv[2], weights_only=True)
+def eq(a, b, at):
+    if isinstance(a, torch.Tensor):
+        assert isinstance(b, torch.Tensor) and a.dtype == b.dtype and a.shape == b.shape and torch.equal(a, b), at
+    elif isinstance(a, dict):
+        assert isinstance(b, dict) and list(a) == list(b), (at, list(a), list(b))
+        for k in a:
+            eq(a[k], b[k], f"{at}.{k}")
+    elif isinstance(a, (list, tuple)):
+        assert len(a) == len(b), at
+        for i, (x, y) in enumerate(zip(a, b)):
+            eq(x, y, f"{at}[{i}]")
+    else:
+        assert a == b, (at, a, b)
+eq(want, got, "checkpoint")
+print("OK")
+"#;
+
+/// Lightning's sharded folder (a DCP beside `meta.pt`, written by Lightning's own
+/// `_save_checkpoint`, `gen_lightning.py`): `meta.pt`'s state joins the top level, so a `.pt`
+/// conversion equals Lightning's own consolidation (`consolidate_checkpoint`), keys in order.
+#[test]
+fn lightning_sharded_folder_keeps_its_meta() {
+    let f = fixtures();
+    let dir = f.join("lightning_sharded");
+    let keys = keys(&dir, &[]);
+    for want in [
+        "model.head.weight",
+        "optimizer.state.head.weight.exp_avg",
+        "step",
+        "note",
+    ] {
+        assert!(keys.iter().any(|k| k == want), "no {want}: {keys:?}");
+    }
+    let tmp = tempfile::tempdir().unwrap();
+    let out = tmp.path().join("consolidated.pt");
+    ok(
+        &shardscope(&["convert", s(&dir), "-o", s(&out)]),
+        "convert lightning",
+    );
+    torch_says_ok(
+        SAME_CHECKPOINT,
+        &[&out, &f.join("expected/lightning_consolidated.pt")],
+    );
+}

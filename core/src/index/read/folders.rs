@@ -4,6 +4,10 @@
 //! them), the HF Trainer's `checkpoint-N/` (the same folders beside `scheduler.pt`,
 //! `rng_state_{rank}.pth`, `trainer_state.json`).
 //!
+//! Also a DCP folder with `torch.save` files beside it (Lightning's `meta.pt`, Megatron-core's
+//! `common.pt`, merged into the top level as their loaders merge them; anything else under
+//! `extra.<item>`).
+//!
 //! Every DCP folder one level down is read; their keys keep their own names when the folders'
 //! top-level keys differ (`model.…`, `optimizer.…`), else each folder is a subtree named by the
 //! folder. The `torch.save` files at the top level are read as per-rank sets
@@ -18,6 +22,12 @@ use crate::index::{
     CheckpointIndex, Format, IndexEntry, IndexError, PathSeg, group_rank_files, is_torch_file,
 };
 use crate::source::Source;
+
+/// `torch.save` files beside a DCP that the trainer's loader merges into the checkpoint's top
+/// level: Lightning's `meta.pt` (the user's state besides model and optimizer, `checkpoint.update`
+/// in its consolidation), Megatron-core's `common.pt` (the common state `dist_checkpointing.load`
+/// merges).
+const MERGED_AT_TOP: &[&str] = &["meta.pt", "common.pt"];
 
 /// The `.metadata` files of DCP folders one level below the top (`X/.metadata`, `X` not hidden),
 /// in name order.
@@ -74,7 +84,11 @@ pub fn index_dcp_folders(
 ) -> Result<(CheckpointIndex, Vec<crate::index::ReadSet>), IndexError> {
     let mut parts = Vec::with_capacity(metas.len());
     for meta in metas {
-        let folder = meta.strip_suffix("/.metadata").unwrap_or(meta).to_owned();
+        let folder = meta
+            .strip_suffix(".metadata")
+            .unwrap_or(meta)
+            .trim_end_matches('/')
+            .to_owned();
         parts.push(Part {
             folder,
             index: index_dcp(source, meta)?,
@@ -126,10 +140,21 @@ pub fn index_dcp_folders(
             } else {
                 format!("{class}.{item}")
             };
+            // The trainer's own state file beside its DCP is merged into the top level, as the
+            // trainer's loader merges it, unless a key would clash.
+            let at_top = MERGED_AT_TOP.contains(&group.pattern.as_str()) && {
+                let have: BTreeSet<&str> = merged.entries.iter().map(|e| e.key.as_str()).collect();
+                index
+                    .entries
+                    .iter()
+                    .all(|e| !e.key.is_empty() && !have.contains(e.key.as_str()))
+            };
             let base = merged.entries.len() as u64;
             for mut e in index.entries {
                 e.position = e.position.map(|p| p + base);
-                merged.entries.push(prefixed(e, &name));
+                merged
+                    .entries
+                    .push(if at_top { e } else { prefixed(e, &name) });
             }
             merged.files.extend(index.files);
             sets.push((group, class));
