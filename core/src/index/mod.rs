@@ -67,6 +67,14 @@ pub fn index_source_sets(
     if let Some(meta) = names.iter().find(|n| n.ends_with("/.metadata")) {
         return Ok((index_dcp(source, meta)?, Vec::new()));
     }
+    // torch_checkpointing: its metadata.pkl says what every item is and where it lies.
+    if names
+        .iter()
+        .any(|n| n == read::torch_checkpointing::METADATA_PKL)
+        && let Some(read) = read::torch_checkpointing::index_torch_checkpointing(source)?
+    {
+        return Ok(read);
+    }
     let safetensors: Vec<&String> = names
         .iter()
         .filter(|n| file_ext(n) == "safetensors")

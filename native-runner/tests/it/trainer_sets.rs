@@ -138,6 +138,56 @@ eq(optim, got["optim"], "optim")
 print("OK")
 "#;
 
+/// torch_checkpointing with the model item as safetensors (`model/shard_{rank}.safetensors`:
+/// each rank's local slice, the global geometry only in `metadata.pkl`): placed as DTensor places
+/// them, equal to torch's full state dicts (safetensors keeps no key order: compared by key).
+#[test]
+fn torch_checkpointing_safetensors_items_read_through_metadata_pkl() {
+    let tmp = tempfile::tempdir().unwrap();
+    let expected = fixtures().join("expected");
+    let dir = fixtures().join("tc_safetensors");
+    let keys = keys(&dir, &[]);
+    for want in [
+        "model.tok_embeddings.weight",
+        "optim.state.output.weight.exp_avg",
+        "extra.train_state.step",
+    ] {
+        assert!(keys.iter().any(|k| k == want), "no {want}: {keys:?}");
+    }
+    let out = tmp.path().join("tc.pt");
+    ok(&shardscope(&["convert", s(&dir), "-o", s(&out)]), "convert");
+    torch_says_ok(
+        &SAME_AS_TORCH.replace(
+            "assert isinstance(b, dict) and list(a) == list(b)",
+            "assert isinstance(b, dict) and sorted(a) == sorted(b)",
+        ),
+        &[
+            &out,
+            &expected.join("tc_full_model.pt"),
+            &expected.join("tc_full_optim.pt"),
+        ],
+    );
+    // A slice that does not fit its global shape, or a missing item file: errors naming the file.
+    let broken = tmp.path().join("broken");
+    std::fs::create_dir(&broken).unwrap();
+    for entry in std::fs::read_dir(&dir).unwrap() {
+        let name = entry.unwrap().file_name();
+        if name != "model" {
+            std::fs::copy(dir.join(&name), broken.join(&name)).unwrap();
+        }
+    }
+    std::fs::create_dir(broken.join("model")).unwrap();
+    std::fs::copy(
+        dir.join("model/shard_0.safetensors"),
+        broken.join("model/shard_0.safetensors"),
+    )
+    .unwrap();
+    let res = shardscope(&["inspect", s(&broken)]);
+    assert_eq!(res.status.code(), Some(2), "{res:?}");
+    let err = String::from_utf8_lossy(&res.stderr);
+    assert!(err.contains("model/shard_1.safetensors"), "{err}");
+}
+
 #[test]
 fn torch_checkpointing_converts_to_torchs_full_state_dicts() {
     let tmp = tempfile::tempdir().unwrap();

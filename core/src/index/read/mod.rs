@@ -5,3 +5,4 @@ pub mod folders;
 pub mod safetensors;
 pub mod sets;
 pub mod torch;
+pub mod torch_checkpointing;

@@ -209,19 +209,17 @@ pub fn index_torch_sets(
     }
 }
 
-/// The subtree name of each set: its class alone when the class has one set, else `class.item`
-/// ([`set_item`]; the set's position when two items read the same).
+/// The subtree name of each set `(class, item)`: its class alone when the class has one set, else
+/// `class.item` (the set's position when the item is empty or two items read the same).
 fn subtree_names(parts: &[(&'static str, String)]) -> Vec<String> {
     let count = |class: &str| parts.iter().filter(|(c, _)| *c == class).count();
     let mut names: Vec<String> = parts
         .iter()
         .enumerate()
-        .map(|(i, (class, pattern))| {
+        .map(|(i, (class, item))| {
             if count(class) == 1 {
-                return (*class).to_owned();
-            }
-            let item = set_item(pattern);
-            if item.is_empty() {
+                (*class).to_owned()
+            } else if item.is_empty() {
                 format!("{class}.set{i}")
             } else {
                 format!("{class}.{item}")
@@ -247,13 +245,19 @@ fn index_file_sets(
     let mut parts = Vec::with_capacity(groups.len());
     for RankGroup { pattern, files } in groups {
         let index = index_torch_files_ranked(source, files)?;
-        parts.push((set_class(&index, pattern), pattern.clone(), index));
+        parts.push((set_class(&index, pattern), set_item(pattern), index));
     }
     let classes: Vec<&'static str> = parts.iter().map(|(c, _, _)| *c).collect();
+    Ok((merge_sets(parts), classes))
+}
+
+/// One checkpoint from the indexes of several sets, each `(class, item, index)`: a subtree per
+/// set, named by its class alone when the class has one set, else `class.item`.
+pub(crate) fn merge_sets(parts: Vec<(&'static str, String, CheckpointIndex)>) -> CheckpointIndex {
     let names = subtree_names(
         &parts
             .iter()
-            .map(|(c, p, _)| (*c, p.clone()))
+            .map(|(c, item, _)| (*c, item.clone()))
             .collect::<Vec<_>>(),
     );
     let kind = parts
@@ -298,7 +302,7 @@ fn index_file_sets(
         merged.files.extend(index.files);
     }
     merged.entries.sort_by(|a, b| a.key.cmp(&b.key));
-    Ok((merged, classes))
+    merged
 }
 
 #[cfg(test)]
@@ -347,9 +351,9 @@ mod tests {
     #[test]
     fn same_items_stay_apart() {
         let parts = vec![
-            ("extra", "a_{R}.pt".to_owned()),
-            ("extra", "a-{R}.pt".to_owned()),
-            ("model", "m_{R}.pt".to_owned()),
+            ("extra", set_item("a_{R}.pt")),
+            ("extra", set_item("a-{R}.pt")),
+            ("model", set_item("m_{R}.pt")),
         ];
         let names = subtree_names(&parts);
         assert_eq!(names, vec!["extra.a_0", "extra.a_1", "model"]);

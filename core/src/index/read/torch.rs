@@ -154,7 +154,7 @@ fn raw_chunk(
 }
 
 /// §4.4: the local shape and global offset of mesh coordinate `coord` under `placements`.
-fn dtensor_offsets(
+pub(crate) fn dtensor_offsets(
     global: &[u64],
     placements: &[Placement],
     mesh: &[u64],
