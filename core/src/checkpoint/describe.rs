@@ -126,12 +126,25 @@ impl Checkpoint {
             .iter()
             .filter(|(_, why)| *why == "optimizer state")
             .count();
-        let other: Vec<String> = derived
-            .skipped
-            .iter()
-            .filter(|(_, why)| *why != "optimizer state")
-            .map(|(k, why)| format!("{k} ({why})"))
-            .collect();
+        // Non-tensor values are counted per top-level key (a trainer's checkpoint has hundreds);
+        // anything else skipped is named.
+        let mut values: BTreeMap<&str, usize> = BTreeMap::new();
+        let mut other: Vec<String> = Vec::new();
+        for (k, why) in &derived.skipped {
+            match *why {
+                "optimizer state" => {}
+                "not a tensor" => *values.entry(k.split('.').next().unwrap_or(k)).or_default() += 1,
+                _ => other.push(format!("{k} ({why})")),
+            }
+        }
+        if !values.is_empty() {
+            let total: usize = values.values().sum();
+            let parts: Vec<String> = values.iter().map(|(t, n)| format!("{t}: {n}")).collect();
+            notes.push(format!(
+                "note: skipped {total} values that are not tensors ({})",
+                parts.join(", ")
+            ));
+        }
         if optim > 0 {
             notes.push(format!("note: skipped {optim} optimizer-state entries"));
         }
@@ -167,5 +180,100 @@ impl Checkpoint {
             );
         }
         Ok(Described { derived, notes })
+    }
+}
+
+/// The module lists of a model (`model.layers`, `transformer.h`, `blocks`): dotted prefixes whose
+/// children are numbered `0, 1, …` (at least two of them), outermost only (the experts inside a
+/// layer are not listed), in the order they first appear among `fqns`, with their block counts.
+/// These are what the transformer-block auto-wrap policies of HF, accelerate and torchtitan make
+/// FSDP units (`<list>.<n>`, with the root).
+pub fn repeated_blocks<'a>(fqns: impl IntoIterator<Item = &'a str>) -> Vec<(String, usize)> {
+    let mut order: Vec<String> = Vec::new();
+    let mut numbers: BTreeMap<String, BTreeSet<u64>> = BTreeMap::new();
+    for fqn in fqns {
+        let segs: Vec<&str> = fqn.split('.').collect();
+        // The parameter's own name is the last segment: only module segments count.
+        for i in 1..segs.len().saturating_sub(1) {
+            if let Ok(n) = segs[i].parse::<u64>()
+                && segs[i].bytes().all(|b| b.is_ascii_digit())
+            {
+                let list = segs[..i].join(".");
+                if !numbers.contains_key(&list) {
+                    order.push(list.clone());
+                }
+                numbers.entry(list).or_default().insert(n);
+            }
+        }
+    }
+    let lists: Vec<(String, usize)> = order
+        .into_iter()
+        .filter_map(|l| {
+            let n = numbers.get(&l)?;
+            // Numbered from 0, consecutively: a module list, not a stray number in a name.
+            (n.len() >= 2 && n.iter().copied().eq(0..n.len() as u64)).then_some((l, n.len()))
+        })
+        .collect();
+    lists
+        .iter()
+        .filter(|(l, _)| {
+            !lists.iter().any(|(outer, _)| {
+                l.strip_prefix(outer.as_str())
+                    .and_then(|r| r.strip_prefix('.'))
+                    .is_some_and(|r| {
+                        r.split('.')
+                            .next()
+                            .is_some_and(|s| s.parse::<u64>().is_ok())
+                    })
+            })
+        })
+        .cloned()
+        .collect()
+}
+
+/// Whether `prefix` is one block of the module lists `lists` (`model.layers.3`).
+pub fn is_block(lists: &[(String, usize)], prefix: &str) -> bool {
+    lists.iter().any(|(l, _)| {
+        prefix
+            .strip_prefix(l.as_str())
+            .and_then(|r| r.strip_prefix('.'))
+            .is_some_and(|n| !n.is_empty() && n.bytes().all(|b| b.is_ascii_digit()))
+    })
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn module_lists_are_found_outermost_first() {
+        let fqns = [
+            "model.embed_tokens.weight",
+            "model.layers.0.self_attn.q_proj.weight",
+            "model.layers.0.mlp.experts.0.w1.weight",
+            "model.layers.0.mlp.experts.1.w1.weight",
+            "model.layers.1.self_attn.q_proj.weight",
+            "model.layers.1.mlp.experts.0.w1.weight",
+            "model.layers.1.mlp.experts.1.w1.weight",
+            "transformer.h.0.attn.weight",
+            "transformer.h.1.attn.weight",
+            "transformer.h.2.attn.weight",
+            "lm_head.weight",
+            "proj.3.weight",
+        ];
+        assert_eq!(
+            repeated_blocks(fqns),
+            vec![
+                ("model.layers".to_owned(), 2),
+                ("transformer.h".to_owned(), 3)
+            ]
+        );
+        let lists = repeated_blocks(fqns);
+        assert!(is_block(&lists, "model.layers.1"));
+        assert!(!is_block(&lists, "model.layers"));
+        assert!(!is_block(&lists, "model.layers.1.mlp"));
+        assert!(!is_block(&lists, "proj.3"));
+        // Parameters numbered directly (`weights.0`, a ParameterList) are no module list.
+        assert!(repeated_blocks(["w.0", "w.1"]).is_empty());
     }
 }

@@ -19,8 +19,9 @@ mod describe;
 mod files;
 mod model_only;
 
-pub use describe::{DescribeOptions, Described};
+pub use describe::{DescribeOptions, Described, is_block, repeated_blocks};
 pub use files::{RANK_PLACEHOLDER, pattern_rank};
+pub use model_only::app_state_prefix;
 
 use crate::dtype::DType;
 use crate::index::{

@@ -102,6 +102,12 @@ fn model_wrapper(index: &CheckpointIndex) -> Result<Option<&'static str>, String
     Ok(None)
 }
 
+/// The app-state key the model sits under (`model` of a DCP app state, Lightning's `state_dict`),
+/// when the checkpoint nests it so; `None` when the model's keys are at the top level.
+pub fn app_state_prefix(index: &CheckpointIndex) -> Option<&'static str> {
+    model_wrapper(index).ok().flatten()
+}
+
 /// Keeps only the model part of `index` (see the module doc) and says what was left out.
 pub fn keep_model_only(index: &mut CheckpointIndex, label: &str) -> Result<String, String> {
     let wrapper = model_wrapper(index)?;

@@ -29,11 +29,13 @@ pub struct LayoutArgs {
     )]
     pub model: Option<PathBuf>,
     /// Derive the description from a checkpoint (`.pt`, DCP directory, per-rank files, safetensors):
-    /// its floating-point tensor entries in stored order, FSDP units chosen with --units.
-    #[arg(long = "from", value_name = "CKPT", num_args = 1.., requires = "units")]
+    /// its floating-point tensor entries in stored order. FSDP units: --units, or by default the
+    /// repeated blocks (`model.layers.N`, `transformer.h.N`, `blocks.N`) and the root, as the
+    /// transformer-block auto-wrap policies wrap them; the model part of an app state is found.
+    #[arg(long = "from", value_name = "CKPT", num_args = 1..)]
     pub from: Vec<PathBuf>,
     /// With --from: a regex; every module prefix (dotted prefix of a parameter FQN) it matches in
-    /// full becomes an FSDP unit, e.g. `layers\.\d+`.
+    /// full becomes an FSDP unit, e.g. `layers\.\d+` (default: the repeated blocks and the root).
     #[arg(long, value_name = "REGEX", requires = "from")]
     pub units: Option<String>,
     /// With --from: also make the root module (`""`) a unit.
@@ -96,7 +98,11 @@ fn model_from_checkpoint(args: &LayoutArgs) -> anyhow::Result<ModelDescription> 
         .map(|p| p.display().to_string())
         .collect::<Vec<_>>()
         .join(", ");
-    let units = full_match(args.units.as_deref().unwrap_or_default(), "--units")?;
+    let units = args
+        .units
+        .as_deref()
+        .map(|u| full_match(u, "--units"))
+        .transpose()?;
     let exclude = args
         .exclude
         .as_deref()
@@ -109,15 +115,61 @@ fn model_from_checkpoint(args: &LayoutArgs) -> anyhow::Result<ModelDescription> 
         &shardscope_core::checkpoint::ReadOptions::default(),
     )?;
     super::read::show_notes(&checkpoint, false);
-    let is_unit = |prefix: &str| units.is_match(prefix);
+    // The model part of an app state, found unless --select says.
+    let select = match &args.select {
+        Some(s) => Some(s.clone()),
+        None => shardscope_core::checkpoint::app_state_prefix(&checkpoint.index).map(|p| {
+            eprintln!(
+                "note: the model is under `{p}` in {where_} (an app-state key): its entries are taken, `{p}.` removed (--select PREFIX to choose)"
+            );
+            p.to_owned()
+        }),
+    };
+    let blocks = if units.is_none() {
+        let fqns: Vec<&str> = checkpoint
+            .index
+            .entries
+            .iter()
+            .filter(|e| e.role.is_none() && e.dtype.is_some_and(DType::is_floating_point))
+            .filter_map(|e| match &select {
+                Some(s) => e.key.strip_prefix(s.as_str())?.strip_prefix('.'),
+                None => Some(e.key.as_str()),
+            })
+            .collect();
+        let blocks = shardscope_core::checkpoint::repeated_blocks(fqns);
+        let lists: Vec<String> = blocks
+            .iter()
+            .map(|(l, n)| format!("`{l}.N` ({n} blocks)"))
+            .collect();
+        eprintln!(
+            "note: units: {}the root, as transformer-block auto-wrap policies (HF, accelerate, torchtitan) wrap them\nhint: --units REGEX [--root-unit] chooses others (e.g. --units '{}' --root-unit)",
+            if lists.is_empty() {
+                "no repeated blocks found; ".to_owned()
+            } else {
+                format!("{} and ", lists.join(", "))
+            },
+            blocks.first().map_or_else(
+                || r"layers\.\d+".to_owned(),
+                |(l, _)| format!(r"{}\.\d+", l.replace('.', r"\."))
+            )
+        );
+        Some(blocks)
+    } else {
+        None
+    };
+    let is_unit = |prefix: &str| match (&units, &blocks) {
+        (Some(u), _) => u.is_match(prefix),
+        (None, Some(b)) => shardscope_core::checkpoint::is_block(b, prefix),
+        (None, None) => false,
+    };
     let is_excluded = |fqn: &str| exclude.as_ref().is_some_and(|r| r.is_match(fqn));
     let described = checkpoint.describe(
         &source,
         &DescribeOptions {
-            select: args.select.as_deref(),
+            select: select.as_deref(),
             exclude: Some(&is_excluded),
             is_unit: &is_unit,
-            root_unit: args.root_unit,
+            root_unit: args.root_unit || units.is_none(),
             detect_ties: !args.no_tie_detection,
         },
     )?;

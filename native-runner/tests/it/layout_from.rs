@@ -268,3 +268,55 @@ fn layout_from_safetensors_warns_about_sorted_keys_and_bad_regex_exits_2() {
     let err = String::from_utf8_lossy(&out.stderr);
     assert!(err.contains("--units") && err.contains("invalid"), "{err}");
 }
+
+/// `layout --from CKPT --world-size N` with no `--units` and no `--select`: the app-state prefix
+/// (`model`) is found and the units are the repeated blocks (`model.layers.N`) and the root, as
+/// torch's `transformer_auto_wrap_policy` wraps them. Expected: the FlatParameters torch built for
+/// the same model (`fixtures/app_state/auto_wrap_ws2.json`, `gen_auto_wrap.py`).
+#[test]
+fn layout_from_a_checkpoint_alone_equals_torchs_transformer_auto_wrap() {
+    let app = fixtures_dir().join("app_state");
+    let out = shardscope(&[
+        "layout",
+        "--from",
+        s(&app.join("dcp")),
+        "--world-size",
+        "2",
+        "--json",
+    ]);
+    let err = String::from_utf8_lossy(&out.stderr).into_owned();
+    assert!(
+        err.contains("`model.layers.N` (2 blocks) and the root") && err.contains("--units"),
+        "{err}"
+    );
+    let ours: serde_json::Value = serde_json::from_str(&ok_stdout(&out)).unwrap();
+    let torch: serde_json::Value =
+        serde_json::from_str(&std::fs::read_to_string(app.join("auto_wrap_ws2.json")).unwrap())
+            .unwrap();
+    let ours_fp = ours["flat_params"].as_array().unwrap();
+    for rank in torch["ranks"].as_array().unwrap() {
+        let r = usize::try_from(rank["rank"].as_u64().unwrap()).unwrap();
+        let torch_fp = rank["flat_params"].as_array().unwrap();
+        assert_eq!(
+            ours_fp.len(),
+            torch_fp.len(),
+            "rank {r}: number of flat params"
+        );
+        for (o, t) in ours_fp.iter().zip(torch_fp) {
+            for field in [
+                "unit_prefix",
+                "fqns",
+                "numels",
+                "unpadded_unsharded_numel",
+                "sharded_numel",
+            ] {
+                assert_eq!(o[field], t[field], "rank {r} {}: {field}", t["unit_prefix"]);
+            }
+            assert_eq!(
+                o["ranks"][r]["shard_numel_padded"], t["shard_numel_padded"],
+                "rank {r} {}",
+                t["unit_prefix"]
+            );
+        }
+    }
+}
