@@ -344,6 +344,7 @@ fn main() {
         big.model = Some(shardscope_viewer::app::LoadedModel {
             name: "synthetic".to_owned(),
             model,
+            derived: None,
         });
         big.recompute();
         let build = t.elapsed();

@@ -48,6 +48,18 @@ pub enum Tab {
 pub struct LoadedModel {
     pub name: String,
     pub model: ModelDescription,
+    /// Derived from the opened checkpoint (not opened as a description): its units follow
+    /// `unit_patterns`, which the user edits.
+    pub derived: Option<DerivedUnits>,
+}
+
+/// The units of a model derived from a checkpoint, as the user edits them.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct DerivedUnits {
+    /// Comma-separated module patterns, `N` for a block number (`model.layers.N`).
+    pub patterns: String,
+    /// The root module is a unit too.
+    pub root: bool,
 }
 
 /// All viewer state.
@@ -129,7 +141,11 @@ impl Viewer {
                 ));
                 // Checkpoints opened from now on read FSDP1 per-rank files through it.
                 self.loader.read_options.description = Some((model.clone(), name.clone()));
-                self.model = Some(LoadedModel { name, model });
+                self.model = Some(LoadedModel {
+                    name,
+                    model,
+                    derived: None,
+                });
                 self.applied_config = None;
                 self.recompute();
                 if self.tab == Tab::Trace {
@@ -174,6 +190,26 @@ impl Viewer {
                 self.controls.apply_hints(&ckpt.hints);
                 for note in &ckpt.notes {
                     self.messages.push(format!("note: {note}"));
+                }
+                // The shard map of what was opened, from the checkpoint alone, unless a model
+                // description was opened by hand.
+                if self.model.as_ref().is_none_or(|m| m.derived.is_some())
+                    && let Some(d) = &ckpt.derived
+                {
+                    self.messages.push(format!(
+                        "layout derived from {}: {}",
+                        ckpt.name,
+                        d.notes.join("; ")
+                    ));
+                    self.model = Some(LoadedModel {
+                        name: format!("derived from {}", ckpt.name),
+                        model: d.model.clone(),
+                        derived: Some(DerivedUnits {
+                            patterns: d.unit_patterns.clone(),
+                            root: true,
+                        }),
+                    });
+                    self.applied_config = None;
                 }
                 self.checkpoint = Some(*ckpt);
                 self.recompute();
@@ -536,6 +572,10 @@ impl Viewer {
         } else {
             ui.weak("no model loaded");
         }
+        if self.units_ui(ui) {
+            self.applied_config = None;
+            self.recompute();
+        }
         if self.controls.ui(ui) {
             self.recompute();
         }
@@ -552,6 +592,31 @@ impl Viewer {
         if let Some(view) = &self.view {
             tensor_tree::ui(ui, view, &mut self.tree, &mut self.selection, self.theme);
         }
+    }
+
+    /// The units of a model derived from the checkpoint: a field of module patterns and the root,
+    /// applied as they are edited. True when the units changed.
+    fn units_ui(&mut self, ui: &mut Ui) -> bool {
+        let Some(m) = &mut self.model else {
+            return false;
+        };
+        let Some(d) = &mut m.derived else {
+            return false;
+        };
+        let before = d.clone();
+        ui.horizontal(|ui| {
+            let label = ui.label("units").on_hover_text(
+                "FSDP units: module patterns, comma-separated; N is a block number (model.layers.N)",
+            );
+            ui.add(egui::TextEdit::singleline(&mut d.patterns).id_salt("unit-patterns"))
+                .labelled_by(label.id);
+        });
+        ui.checkbox(&mut d.root, "root module is a unit");
+        if *d == before {
+            return false;
+        }
+        set_units(m);
+        true
     }
 
     fn inspector(&mut self, ui: &mut Ui) {
@@ -787,4 +852,13 @@ impl eframe::App for Viewer {
     fn ui(&mut self, ui: &mut Ui, _frame: &mut eframe::Frame) {
         Viewer::ui(self, ui);
     }
+}
+
+/// Recomputes the units of a derived model from its patterns.
+pub fn set_units(m: &mut LoadedModel) {
+    let Some(d) = &m.derived else { return };
+    let patterns = d.patterns.clone();
+    let is_unit = |prefix: &str| crate::checkpoint::matches_unit_patterns(&patterns, prefix);
+    m.model.units =
+        shardscope_core::index::from_index::module_units(&m.model.params, &is_unit, d.root);
 }

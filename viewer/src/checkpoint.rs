@@ -278,6 +278,79 @@ pub struct CheckpointView {
     pub hints: LayoutHints,
     /// How the checkpoint was read, for people (`Checkpoint::notes`).
     pub notes: Vec<String>,
+    /// The model description the checkpoint implies on its own (`Checkpoint::describe_auto`: the
+    /// model part, its repeated blocks and the root as units), for the layout panels; `None` when
+    /// none can be derived (why: in `notes`).
+    pub derived: Option<DerivedModel>,
+}
+
+/// A model description derived from an opened checkpoint, with the unit patterns chosen.
+#[derive(Debug, Clone)]
+pub struct DerivedModel {
+    pub model: shardscope_core::model::ModelDescription,
+    /// The unit patterns, as the user edits them: module lists with `N` for the block number
+    /// (`model.layers.N`), comma-separated.
+    pub unit_patterns: String,
+    /// What was derived, for people (the model part, units, tied weights).
+    pub notes: Vec<String>,
+}
+
+/// Whether the module prefix `prefix` matches one of `patterns` (comma-separated dotted patterns;
+/// a segment `N` matches a block number, `*` any one segment).
+pub fn matches_unit_patterns(patterns: &str, prefix: &str) -> bool {
+    patterns
+        .split(',')
+        .map(str::trim)
+        .filter(|p| !p.is_empty())
+        .any(|p| {
+            let want: Vec<&str> = p.split('.').collect();
+            let got: Vec<&str> = prefix.split('.').collect();
+            want.len() == got.len()
+                && want.iter().zip(&got).all(|(w, g)| match *w {
+                    "N" => !g.is_empty() && g.bytes().all(|b| b.is_ascii_digit()),
+                    "*" => !g.is_empty(),
+                    w => w == *g,
+                })
+        })
+}
+
+fn derive_model(checkpoint: &Checkpoint, source: &dyn Source) -> Result<DerivedModel, String> {
+    let auto = checkpoint
+        .describe_auto(source)
+        .map_err(|e| e.to_string())?;
+    let unit_patterns = auto
+        .blocks
+        .iter()
+        .map(|(l, _)| format!("{l}.N"))
+        .collect::<Vec<_>>()
+        .join(", ");
+    let mut notes = Vec::new();
+    if let Some(p) = auto.select {
+        notes.push(format!("the model is under `{p}` (an app-state key)"));
+    }
+    notes.push(if auto.blocks.is_empty() {
+        "units: no repeated blocks found; the root only".to_owned()
+    } else {
+        format!(
+            "units: {} and the root, as transformer-block auto-wrap policies wrap them",
+            auto.blocks
+                .iter()
+                .map(|(l, n)| format!("{l}.N ({n} blocks)"))
+                .collect::<Vec<_>>()
+                .join(", ")
+        )
+    });
+    notes.extend(
+        auto.described
+            .notes
+            .iter()
+            .map(|n| n.trim_start_matches("note: ").to_owned()),
+    );
+    Ok(DerivedModel {
+        model: auto.described.derived.model,
+        unit_patterns,
+        notes,
+    })
 }
 
 /// Scalar tensors no larger than this are read to show their value (`step`).
@@ -323,9 +396,16 @@ impl CheckpointView {
         checkpoint: Checkpoint,
         source: &dyn Source,
     ) -> Result<Self, CheckpointError> {
+        let derived = derive_model(&checkpoint, source);
         let mut view = Self::from_source_index(&checkpoint.label, checkpoint.index, source)?;
         view.notes = checkpoint.notes;
         view.hints = checkpoint.hints;
+        match derived {
+            Ok(d) => view.derived = Some(d),
+            Err(e) => view
+                .notes
+                .push(format!("no layout can be derived from it alone: {e}")),
+        }
         Ok(view)
     }
 
@@ -477,6 +557,7 @@ impl CheckpointView {
             findings: Vec::new(),
             hints,
             notes: Vec::new(),
+            derived: None,
         }
     }
 

@@ -183,6 +183,55 @@ impl Checkpoint {
     }
 }
 
+/// A description derived from the checkpoint alone: the model part found ([`super::app_state_prefix`])
+/// and the repeated blocks as units with the root ([`repeated_blocks`]).
+#[derive(Debug, Clone)]
+pub struct AutoDescribed {
+    pub described: Described,
+    /// The app-state key the model was taken from (`model`), removed from the FQNs.
+    pub select: Option<&'static str>,
+    /// The module lists whose blocks are units, with their block counts.
+    pub blocks: Vec<(String, usize)>,
+}
+
+impl Checkpoint {
+    /// The description a checkpoint implies with no choice from the user: the model part, its
+    /// repeated blocks and the root as FSDP units, tied weights detected (see
+    /// [`Checkpoint::describe`]).
+    pub fn describe_auto(&self, source: &dyn Source) -> Result<AutoDescribed, CheckpointError> {
+        let select = super::app_state_prefix(&self.index);
+        let fqns: Vec<&str> = self
+            .index
+            .entries
+            .iter()
+            .filter(|e| {
+                e.role.is_none() && e.dtype.is_some_and(crate::dtype::DType::is_floating_point)
+            })
+            .filter_map(|e| match select {
+                Some(s) => e.key.strip_prefix(s)?.strip_prefix('.'),
+                None => Some(e.key.as_str()),
+            })
+            .collect();
+        let blocks = repeated_blocks(fqns);
+        let is_unit = |prefix: &str| is_block(&blocks, prefix);
+        let described = self.describe(
+            source,
+            &DescribeOptions {
+                select,
+                exclude: None,
+                is_unit: &is_unit,
+                root_unit: true,
+                detect_ties: true,
+            },
+        )?;
+        Ok(AutoDescribed {
+            described,
+            select,
+            blocks,
+        })
+    }
+}
+
 /// The module lists of a model (`model.layers`, `transformer.h`, `blocks`): dotted prefixes whose
 /// children are numbered `0, 1, …` (at least two of them), outermost only (the experts inside a
 /// layer are not listed), in the order they first appear among `fqns`, with their block counts.

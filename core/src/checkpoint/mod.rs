@@ -19,7 +19,7 @@ mod describe;
 mod files;
 mod model_only;
 
-pub use describe::{DescribeOptions, Described, is_block, repeated_blocks};
+pub use describe::{AutoDescribed, DescribeOptions, Described, is_block, repeated_blocks};
 pub use files::{RANK_PLACEHOLDER, pattern_rank};
 pub use model_only::app_state_prefix;
 

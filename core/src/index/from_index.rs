@@ -279,23 +279,34 @@ pub fn description_from_index(
             flat: saw_flat,
         });
     }
+    let units = module_units(&params, options.is_unit, options.root_unit);
+    let model = ModelDescription::new(params, units, Vec::new())?;
+    Ok(Derived { model, skipped })
+}
+
+/// The FSDP units of `params`: every module prefix (dotted prefix of a parameter FQN) `is_unit`
+/// accepts, in the order the parameters first reach it, after the root (`""`) when `root_unit`.
+pub fn module_units(
+    params: &[crate::model::ParamSpec],
+    is_unit: &dyn Fn(&str) -> bool,
+    root_unit: bool,
+) -> Vec<String> {
     let mut units = Vec::new();
-    if options.root_unit {
+    if root_unit {
         units.push(String::new());
     }
     let mut seen_units = BTreeSet::new();
-    for p in &params {
+    for p in params {
         let mut end = 0;
         while let Some(dot) = p.fqn[end..].find('.') {
             let prefix = &p.fqn[..end + dot];
-            if seen_units.insert(prefix.to_owned()) && (options.is_unit)(prefix) {
+            if seen_units.insert(prefix.to_owned()) && is_unit(prefix) {
                 units.push(prefix.to_owned());
             }
             end += dot + 1;
         }
     }
-    let model = ModelDescription::new(params, units, Vec::new())?;
-    Ok(Derived { model, skipped })
+    units
 }
 
 /// How [`uniform_dtype_units`] grouped the parameters.

@@ -2,6 +2,7 @@
 //! area, as uv does (`crates/uv/tests/it/main.rs`).
 
 mod checkpoints;
+mod derived_layout;
 mod doctor;
 mod follows;
 mod front_ends;
