@@ -21,6 +21,7 @@
 mod coverage;
 mod files;
 mod model;
+mod moments;
 mod optim;
 mod parts;
 mod pickle_globals;
@@ -114,5 +115,6 @@ pub fn diagnose(
     for part in &parts.optims {
         optim::diagnose_optim(part, &flat_model, &parts, options, &mut findings);
     }
+    moments::diagnose_moments(index, source, &parts, &mut findings);
     findings
 }

@@ -88,7 +88,7 @@ fn merge_alike(findings: Vec<Finding>) -> Vec<Finding> {
     out
 }
 
-const CODES: [&str; 15] = [
+const CODES: [&str; 16] = [
     "coverage",
     "unsafe-pickle",
     "world-size",
@@ -102,6 +102,7 @@ const CODES: [&str; 15] = [
     "unexpected-key",
     "shape-mismatch",
     "optimizer-mismatch",
+    "optimizer-moments-equal",
     "dtype-mismatch",
     "unreadable",
 ];

@@ -473,3 +473,25 @@ fn lightning_sharded_folder_keeps_its_meta() {
         &[&out, &f.join("expected/lightning_consolidated.pt")],
     );
 }
+
+/// torch's FSDP1 `use_orig_params=True` + `offload_to_cpu=True` full optimizer state dict has
+/// `exp_avg == exp_avg_sq` bit for bit (`gen_offload_bug.py` asserts it in torch): `doctor` says
+/// so; the same state taken without offload (what training holds) is fine.
+#[test]
+fn doctor_flags_adam_moments_that_are_copies() {
+    let dir = fixtures().join("fsdp1_offload");
+    let out = shardscope(&["doctor", s(&dir.join("optimizer.bin")), "--json"]);
+    assert_eq!(out.status.code(), Some(1), "{out:?}");
+    let v: serde_json::Value = serde_json::from_slice(&out.stdout).unwrap();
+    let codes: Vec<&str> = v["findings"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .map(|f| f["code"].as_str().unwrap())
+        .collect();
+    assert_eq!(codes, vec!["optimizer-moments-equal"], "{v:#}");
+    let out = shardscope(&["doctor", s(&dir.join("optimizer_ref.bin")), "--json"]);
+    let (text, _) = ok(&out, "doctor optimizer_ref.bin");
+    let v: serde_json::Value = serde_json::from_str(&text).unwrap();
+    assert_eq!(v["loadable"], true, "{v:#}");
+}
