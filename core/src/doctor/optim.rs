@@ -73,6 +73,35 @@ pub(super) fn diagnose_optim(
             bad.extend(unknown);
         }
     }
+    // FQN-keyed state names every parameter it holds state for: a trainable parameter of the
+    // target without any is refused by torch's set_optimizer_state_dict (strict).
+    let state_names: BTreeSet<String> = part
+        .state_params
+        .iter()
+        .filter_map(|p| match p {
+            PathSeg::Key(k) if k.parse::<i64>().is_err() => {
+                Some(strip_compile_ddp(&crate::model::fqn::clean_tensor_name(k)))
+            }
+            PathSeg::Key(_) | PathSeg::Index(_) => None,
+        })
+        .collect();
+    if let Some(trainable) = options.target.and_then(|t| t.trainable_names.as_ref())
+        && !state_names.is_empty()
+    {
+        let without: Vec<String> = trainable
+            .iter()
+            .filter(|n| !state_names.contains(*n))
+            .cloned()
+            .collect();
+        if let Some(first) = without.first() {
+            reasons.push(format!(
+                "{} trainable parameter(s) of the target have no optimizer state: {} (a run that froze them, resumed with them trainable); torch's set_optimizer_state_dict refuses: \"Missing optimizer state for parameter '{first}' in checkpoint\"",
+                without.len(),
+                list(&without)
+            ));
+            bad.extend(without);
+        }
+    }
     // Id-keyed state (optim.state_dict()).
     let ids: BTreeSet<i64> = part
         .state_params

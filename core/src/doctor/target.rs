@@ -37,6 +37,9 @@ pub struct Target {
     pub params: usize,
     /// Parameters with `requires_grad` (description only): the fewest an optimizer may hold.
     pub trainable: Option<usize>,
+    /// Their FQNs (description only; tied aliases left out): each needs optimizer state in an
+    /// FQN-keyed optimizer state dict, or torch's `set_optimizer_state_dict` refuses.
+    pub trainable_names: Option<BTreeSet<String>>,
     /// How to name the target in fix commands (`--model model.json`).
     pub label: String,
 }
@@ -48,6 +51,7 @@ impl Target {
         let mut ties: BTreeMap<String, BTreeSet<String>> = BTreeMap::new();
         let mut params = 0usize;
         let mut trainable = 0usize;
+        let mut trainable_names = BTreeSet::new();
         for p in &model.params {
             tensors.insert(
                 p.fqn.clone(),
@@ -63,6 +67,9 @@ impl Target {
             } else {
                 params += 1;
                 trainable += usize::from(p.requires_grad);
+                if p.requires_grad {
+                    trainable_names.insert(p.fqn.clone());
+                }
             }
         }
         Target {
@@ -71,6 +78,7 @@ impl Target {
             ties: ties.into_values().collect(),
             params,
             trainable: Some(trainable),
+            trainable_names: Some(trainable_names),
             label: label.to_owned(),
         }
     }
@@ -119,6 +127,7 @@ impl Target {
             tensors,
             ties,
             trainable: None,
+            trainable_names: None,
             label: label.to_owned(),
         }
     }

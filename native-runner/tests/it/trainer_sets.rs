@@ -495,3 +495,44 @@ fn doctor_flags_adam_moments_that_are_copies() {
     let v: serde_json::Value = serde_json::from_str(&text).unwrap();
     assert_eq!(v["loadable"], true, "{v:#}");
 }
+
+/// A run that froze `0.bias`, resumed with it trainable (`gen_frozen_resume.py`): torch's
+/// `set_optimizer_state_dict` refuses ("Missing optimizer state for parameter '0.bias'",
+/// `torch_error.txt`); `doctor --model` says it is not loadable and names the parameter. With the
+/// model as trained (`0.bias` frozen) it is loadable.
+#[test]
+fn doctor_names_trainable_parameters_without_optimizer_state() {
+    let dir = fixtures().join("frozen_resume");
+    let torch = std::fs::read_to_string(dir.join("torch_error.txt")).unwrap();
+    assert!(torch.contains("'0.bias'"), "{torch}");
+    let ckpt = dir.join("ckpt.pt");
+    let out = shardscope(&[
+        "doctor",
+        s(&ckpt),
+        "--model",
+        s(&dir.join("model_trainable.json")),
+        "--json",
+    ]);
+    assert_eq!(out.status.code(), Some(1), "{out:?}");
+    let v: serde_json::Value = serde_json::from_slice(&out.stdout).unwrap();
+    let f = v["findings"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .find(|f| f["code"] == "optimizer-mismatch")
+        .unwrap_or_else(|| panic!("{v:#}"));
+    assert!(
+        f["message"].as_str().unwrap().contains("'0.bias'") && f["keys"][0] == "0.bias",
+        "{f:#}"
+    );
+    let out = shardscope(&[
+        "doctor",
+        s(&ckpt),
+        "--model",
+        s(&dir.join("model_frozen.json")),
+        "--json",
+    ]);
+    let (text, _) = ok(&out, "doctor frozen");
+    let v: serde_json::Value = serde_json::from_str(&text).unwrap();
+    assert_eq!(v["loadable"], true, "{v:#}");
+}
