@@ -518,18 +518,19 @@ fn cli_inspect_human_summary() {
     assert!(out.contains("bytes per rank: rank 0:"), "{out}");
     assert!(out.contains("block._flat_param"), "{out}");
     // A folder with several sets of per-rank files is one checkpoint, a subtree per set (told
-    // apart by their file names when two sets are of one kind).
+    // apart by their file names without the rank when two sets are of one kind; never a `{R}`).
     let (code, out, err) = run_cli(&["inspect", p(&formats().join("fsdp1_orig0"))]);
     assert_eq!(code, 0, "{err}");
     for subtree in [
-        "model.rank{R}_full.",
-        "model.rank{R}_sharded.",
-        "model.rank{R}_local.",
-        "optim.rank{R}_optim_raw.state.",
-        "optim.rank{R}_optim_full.param_groups.",
+        "model.full.",
+        "model.sharded.",
+        "model.local.",
+        "optim.optim_raw.state.",
+        "optim.optim_full.param_groups.",
     ] {
         assert!(out.contains(subtree), "{subtree} missing:\n{out}");
     }
+    assert!(!out.contains('{'), "{out}");
 }
 
 #[test]
