@@ -1,33 +1,40 @@
-//! A [`Source`] over files on disk, memory-mapped: reading a byte range touches only its pages,
-//! so indexing a checkpoint never reads tensor data it does not look at.
+//! A [`Source`] over files on disk, read with positioned reads (`pread`): reading a byte range
+//! reads only that range, so indexing a checkpoint never reads tensor data it does not look at.
+//!
+//! Not memory-mapped: a mapped input that another process truncates while it is read kills the
+//! process with `SIGBUS`, leaving no error and no chance to clean up. A positioned read of bytes
+//! that are gone instead returns short, and [`FileSource`] says which file changed and how
+//! ("… changed while it was read: it was N bytes, now M"). The size of every file is taken when
+//! the source is opened; every read is checked against it.
+//!
+//! Folders are walked following symbolic links to files and folders (a Hugging Face cache
+//! snapshot is a folder of links into `../../blobs/`). The names the source serves are only the
+//! entries found in the folder: a path that a checkpoint's metadata names (an HF index's
+//! `weight_map`, DCP storage paths) is looked up among them and can never reach outside it.
 
 use std::borrow::Cow;
 use std::collections::BTreeMap;
 use std::fs::File;
+use std::os::unix::fs::FileExt;
 use std::path::{Path, PathBuf};
+use std::sync::OnceLock;
 
 use anyhow::Context;
-use memmap2::Mmap;
+use shardscope_core::formats::locate::Manifest;
 use shardscope_core::source::{Source, SourceError, checked_range};
 
-enum Mapped {
-    Empty,
-    Map(Mmap),
+/// One input file: where it is, its size when the source was opened, and (once read) its
+/// descriptor.
+struct Entry {
+    path: PathBuf,
+    size: u64,
+    file: OnceLock<File>,
 }
 
-impl Mapped {
-    fn bytes(&self) -> &[u8] {
-        match self {
-            Mapped::Empty => &[],
-            Mapped::Map(m) => m,
-        }
-    }
-}
-
-/// Files under a root folder, mapped read-only. Names are relative paths with `/`.
+/// Files under a root folder, read by range. Names are relative paths with `/`.
 pub struct FileSource {
     root: PathBuf,
-    files: BTreeMap<String, Mapped>,
+    files: BTreeMap<String, Entry>,
 }
 
 impl std::fmt::Debug for FileSource {
@@ -39,35 +46,88 @@ impl std::fmt::Debug for FileSource {
     }
 }
 
-fn map_file(path: &Path) -> anyhow::Result<Mapped> {
-    let file = File::open(path).with_context(|| format!("cannot open {}", path.display()))?;
-    let len = file
-        .metadata()
-        .with_context(|| format!("cannot stat {}", path.display()))?
-        .len();
-    if len == 0 {
-        return Ok(Mapped::Empty);
+/// The error for a file whose size is no longer the one it had when the source was opened.
+fn changed(path: &Path, was: u64, now: Option<u64>) -> SourceError {
+    let now = now.map_or_else(|| "gone".to_owned(), |n| format!("now {n} bytes"));
+    SourceError::Io {
+        name: path.display().to_string(),
+        message: format!(
+            "the file changed while it was read (it was {was} bytes, {now}); \
+             was it being written or replaced?"
+        ),
     }
-    // SAFETY: the map is read-only and private to this process; shardscope never writes its
-    // inputs. Another process truncating the file while we read it could fault, as with any
-    // mmap-based reader (safetensors, candle); the inputs are checkpoints at rest.
-    #[allow(unsafe_code)]
-    let map =
-        unsafe { Mmap::map(&file) }.with_context(|| format!("cannot map {}", path.display()))?;
-    Ok(Mapped::Map(map))
+}
+
+fn io_error(path: &Path, what: &str, e: &std::io::Error) -> SourceError {
+    SourceError::Io {
+        name: path.display().to_string(),
+        message: format!("{what}: {e}"),
+    }
+}
+
+/// An entry for `path`: its size now (following links).
+fn entry(path: &Path) -> anyhow::Result<Entry> {
+    let meta =
+        std::fs::metadata(path).with_context(|| format!("cannot stat {}", path.display()))?;
+    Ok(Entry {
+        path: path.to_path_buf(),
+        size: meta.len(),
+        file: OnceLock::new(),
+    })
+}
+
+impl Entry {
+    /// The open file, opened on first use (a folder of thousands of files holds no descriptor
+    /// for a file it never reads). Its size must still be the one listed.
+    fn file(&self) -> Result<&File, SourceError> {
+        if let Some(f) = self.file.get() {
+            return Ok(f);
+        }
+        let file = File::open(&self.path).map_err(|e| io_error(&self.path, "cannot open", &e))?;
+        let now = file
+            .metadata()
+            .map_err(|e| io_error(&self.path, "cannot stat", &e))?
+            .len();
+        if now != self.size {
+            return Err(changed(&self.path, self.size, Some(now)));
+        }
+        // Another thread may have opened it meanwhile: either descriptor reads the same file.
+        Ok(self.file.get_or_init(|| file))
+    }
+
+    /// Fills `out` from `offset` (checked against the listed size by the caller).
+    fn read_at(&self, offset: u64, out: &mut [u8]) -> Result<(), SourceError> {
+        let file = self.file()?;
+        match file.read_exact_at(out, offset) {
+            Ok(()) => Ok(()),
+            Err(e) if e.kind() == std::io::ErrorKind::UnexpectedEof => {
+                let now = file.metadata().ok().map(|m| m.len());
+                Err(changed(&self.path, self.size, now))
+            }
+            Err(e) => Err(io_error(
+                &self.path,
+                &format!("cannot read {} bytes at offset {offset}", out.len()),
+                &e,
+            )),
+        }
+    }
+}
+
+fn file_name_of(path: &Path) -> anyhow::Result<String> {
+    Ok(path
+        .file_name()
+        .and_then(|n| n.to_str())
+        .with_context(|| format!("{} has no UTF-8 file name", path.display()))?
+        .to_owned())
 }
 
 impl FileSource {
     /// One file: its name in the source is its file name.
     pub fn file(path: &Path) -> anyhow::Result<Self> {
-        let name = path
-            .file_name()
-            .and_then(|n| n.to_str())
-            .with_context(|| format!("{} has no UTF-8 file name", path.display()))?
-            .to_owned();
+        let name = file_name_of(path)?;
         let root = path.parent().map(Path::to_path_buf).unwrap_or_default();
         let mut files = BTreeMap::new();
-        files.insert(name, map_file(path)?);
+        files.insert(name, entry(path)?);
         Ok(FileSource { root, files })
     }
 
@@ -75,12 +135,8 @@ impl FileSource {
     pub fn files(paths: &[PathBuf]) -> anyhow::Result<Self> {
         let mut files = BTreeMap::new();
         for p in paths {
-            let name = p
-                .file_name()
-                .and_then(|n| n.to_str())
-                .with_context(|| format!("{} has no UTF-8 file name", p.display()))?
-                .to_owned();
-            if files.insert(name.clone(), map_file(p)?).is_some() {
+            let name = file_name_of(p)?;
+            if files.insert(name.clone(), entry(p)?).is_some() {
                 anyhow::bail!("two inputs are named {name}");
             }
         }
@@ -92,13 +148,42 @@ impl FileSource {
         Ok(FileSource { root, files })
     }
 
+    /// An HF index (`model.safetensors.index.json`) given by its path: the index and the files its
+    /// `weight_map` names, in the index's folder — what the same index behind a URL opens. A name
+    /// that would leave the folder, or a file that is not there, is an error naming the index.
+    pub fn hf_index(path: &Path) -> anyhow::Result<Self> {
+        let name = file_name_of(path)?;
+        let root = match path.parent() {
+            Some(p) if !p.as_os_str().is_empty() => p.to_path_buf(),
+            _ => PathBuf::from("."),
+        };
+        let index = entry(path)?;
+        let bytes = index.read_all_bytes()?;
+        let named = Manifest::HfIndex
+            .files(&bytes)
+            .with_context(|| format!("cannot read {}", path.display()))?;
+        let mut files = BTreeMap::new();
+        files.insert(name, index);
+        for file in named {
+            let p = root.join(&file);
+            let e = entry(&p).with_context(|| {
+                format!("{} names {file}, which cannot be opened", path.display())
+            })?;
+            if !std::fs::metadata(&p).is_ok_and(|m| m.is_file()) {
+                anyhow::bail!("{} names {file}, which is not a file", path.display());
+            }
+            files.insert(file, e);
+        }
+        Ok(FileSource { root, files })
+    }
+
     /// The folder the source's names are relative to.
     pub fn root(&self) -> &Path {
         &self.root
     }
 
     /// Every regular file in a folder and its sub-folders (two levels deep), hidden ones included
-    /// (`.metadata`).
+    /// (`.metadata`); symbolic links are followed (to files and to folders).
     pub fn dir(root: &Path) -> anyhow::Result<Self> {
         let mut files = BTreeMap::new();
         walk(root, "", 0, &mut files)?;
@@ -107,45 +192,120 @@ impl FileSource {
             files,
         })
     }
+
+    fn get(&self, name: &str) -> Result<&Entry, SourceError> {
+        self.files.get(name).ok_or_else(|| SourceError::NotFound {
+            name: self.root.join(name).display().to_string(),
+        })
+    }
+
+    /// Fills `out` with the bytes of `name` from `offset`, with no intermediate buffer (tensor
+    /// data read straight into the caller's). Errors name the file; a file that became shorter
+    /// than when the source was opened is reported as changed.
+    pub fn read_into(&self, name: &str, offset: u64, out: &mut [u8]) -> Result<(), SourceError> {
+        pause_for_tests();
+        let e = self.get(name)?;
+        checked_range(name, offset, out.len() as u64, e.size)?;
+        e.read_at(offset, out)
+    }
+}
+
+/// The environment variable of [`pause_for_tests`].
+pub const PAUSE_ENV: &str = "SHARDSCOPE_TEST_PAUSE_BEFORE_DATA";
+
+/// For tests that change an input under a running process, deterministically: when
+/// `SHARDSCOPE_TEST_PAUSE_BEFORE_DATA` names a folder, the first [`FileSource::read_into`] (the
+/// first tensor data read, after the checkpoint was indexed) creates `paused` in it and waits until
+/// `resume` exists there (at most ten minutes); every other reader thread waits with it. Unset
+/// (always, outside tests): one check of a cached value.
+fn pause_for_tests() {
+    static FOLDER: OnceLock<Option<PathBuf>> = OnceLock::new();
+    static ONCE: std::sync::Once = std::sync::Once::new();
+    let Some(folder) = FOLDER.get_or_init(|| std::env::var_os(PAUSE_ENV).map(PathBuf::from)) else {
+        return;
+    };
+    ONCE.call_once(|| {
+        let _ = std::fs::write(folder.join("paused"), std::process::id().to_string());
+        let deadline = std::time::Instant::now() + std::time::Duration::from_secs(600);
+        while !folder.join("resume").exists() && std::time::Instant::now() < deadline {
+            std::thread::sleep(std::time::Duration::from_millis(5));
+        }
+    });
+}
+
+impl Entry {
+    fn read_all_bytes(&self) -> Result<Vec<u8>, SourceError> {
+        let mut buf = alloc(&self.path, self.size)?;
+        self.read_at(0, &mut buf)?;
+        Ok(buf)
+    }
+}
+
+/// A zeroed buffer of `len` bytes, or an error naming the file when memory cannot hold it.
+fn alloc(path: &Path, len: u64) -> Result<Vec<u8>, SourceError> {
+    let too_big = || SourceError::Io {
+        name: path.display().to_string(),
+        message: format!("cannot hold {len} bytes of it in memory"),
+    };
+    let n = usize::try_from(len).map_err(|_| too_big())?;
+    let mut buf = Vec::new();
+    buf.try_reserve_exact(n).map_err(|_| too_big())?;
+    buf.resize(n, 0);
+    Ok(buf)
+}
+
+/// What a directory entry is, links followed: `None` for anything else (sockets, dangling
+/// links, links this process cannot follow), which the walk skips.
+fn kind_of(entry: &std::fs::DirEntry, path: &Path) -> anyhow::Result<Option<bool>> {
+    let kind = entry
+        .file_type()
+        .with_context(|| format!("cannot stat {}", path.display()))?;
+    if kind.is_symlink() {
+        return Ok(std::fs::metadata(path)
+            .ok()
+            .and_then(|m| (m.is_dir() || m.is_file()).then_some(m.is_dir())));
+    }
+    Ok((kind.is_dir() || kind.is_file()).then_some(kind.is_dir()))
 }
 
 fn walk(
     dir: &Path,
     prefix: &str,
     depth: usize,
-    out: &mut BTreeMap<String, Mapped>,
+    out: &mut BTreeMap<String, Entry>,
 ) -> anyhow::Result<()> {
     let entries =
         std::fs::read_dir(dir).with_context(|| format!("cannot list {}", dir.display()))?;
-    for entry in entries {
-        let entry = entry.with_context(|| format!("cannot list {}", dir.display()))?;
-        let Some(name) = entry.file_name().to_str().map(str::to_owned) else {
+    for dir_entry in entries {
+        let dir_entry = dir_entry.with_context(|| format!("cannot list {}", dir.display()))?;
+        let Some(name) = dir_entry.file_name().to_str().map(str::to_owned) else {
             continue;
         };
-        let path = entry.path();
-        let kind = entry
-            .file_type()
-            .with_context(|| format!("cannot stat {}", path.display()))?;
+        let path = dir_entry.path();
         let rel = format!("{prefix}{name}");
-        if kind.is_dir() {
-            if depth < 2 && !name.starts_with('.') {
-                walk(&path, &format!("{rel}/"), depth + 1, out)?;
+        match kind_of(&dir_entry, &path)? {
+            Some(true) => {
+                if depth < 2 && !name.starts_with('.') {
+                    walk(&path, &format!("{rel}/"), depth + 1, out)?;
+                }
             }
-        } else if kind.is_file()
-            && !Path::new(&name)
-                .extension()
-                .is_some_and(|e| e.eq_ignore_ascii_case("tmp"))
-        {
-            out.insert(rel, map_file(&path)?);
+            Some(false)
+                if !Path::new(&name)
+                    .extension()
+                    .is_some_and(|e| e.eq_ignore_ascii_case("tmp")) =>
+            {
+                out.insert(rel, entry(&path)?);
+            }
+            _ => {}
         }
     }
     Ok(())
 }
 
 impl Source for FileSource {
-    /// Memory-mapped: only the pages a parser touches are read.
+    /// No: a whole read copies the whole file into memory, so readers fetch the parts they use.
     fn whole_reads_are_cheap(&self) -> bool {
-        true
+        false
     }
 
     fn names(&self) -> Vec<String> {
@@ -153,24 +313,42 @@ impl Source for FileSource {
     }
 
     fn size(&self, name: &str) -> Result<u64, SourceError> {
-        self.files
-            .get(name)
-            .map(|m| m.bytes().len() as u64)
-            .ok_or_else(|| SourceError::NotFound {
-                name: self.root.join(name).display().to_string(),
-            })
+        self.get(name).map(|e| e.size)
     }
 
     fn read_range(&self, name: &str, offset: u64, len: u64) -> Result<Cow<'_, [u8]>, SourceError> {
-        let bytes = self
-            .files
-            .get(name)
-            .ok_or_else(|| SourceError::NotFound {
-                name: self.root.join(name).display().to_string(),
-            })?
-            .bytes();
-        let (start, end) = checked_range(name, offset, len, bytes.len() as u64)?;
-        Ok(Cow::Borrowed(&bytes[start..end]))
+        let e = self.get(name)?;
+        checked_range(name, offset, len, e.size)?;
+        let mut buf = alloc(&e.path, len)?;
+        e.read_at(offset, &mut buf)?;
+        Ok(Cow::Owned(buf))
+    }
+
+    /// Reads only both ends; the middle stays zero (and, in a fresh zeroed allocation, is never
+    /// touched, so a large item's tensor bytes cost neither a read nor resident memory).
+    fn read_ends(
+        &self,
+        name: &str,
+        offset: u64,
+        len: u64,
+        head_bytes: u64,
+        tail_bytes: u64,
+    ) -> Result<Cow<'_, [u8]>, SourceError> {
+        if head_bytes.saturating_add(tail_bytes) >= len {
+            return self.read_range(name, offset, len);
+        }
+        let e = self.get(name)?;
+        let (start, end) = checked_range(name, offset, len, e.size)?;
+        // `len` fits in the file, and the address space (checked above); `vec!` of zeros asks the
+        // allocator for zeroed memory, which it leaves untouched.
+        let mut buf = vec![0u8; end - start];
+        let head = usize::try_from(head_bytes)
+            .unwrap_or(usize::MAX)
+            .min(buf.len());
+        e.read_at(offset, &mut buf[..head])?;
+        let tail_start = buf.len() - usize::try_from(tail_bytes).unwrap_or(0).min(buf.len());
+        e.read_at(offset + tail_start as u64, &mut buf[tail_start..])?;
+        Ok(Cow::Owned(buf))
     }
 }
 
@@ -201,5 +379,98 @@ mod conformance {
         let paths: Vec<std::path::PathBuf> = top.keys().map(|n| tmp.path().join(n)).collect();
         let listed = FileSource::files(&paths).unwrap();
         assert_eq!(violations(&listed, &top), Vec::<String>::new());
+    }
+
+    fn write(dir: &std::path::Path, name: &str, len: usize) -> std::path::PathBuf {
+        let path = dir.join(name);
+        std::fs::write(
+            &path,
+            (0..len).map(|i| (i % 251) as u8).collect::<Vec<u8>>(),
+        )
+        .unwrap();
+        path
+    }
+
+    /// A file truncated after the source was opened: before its first read (caught when it is
+    /// opened), and between two reads (caught by the short read). Never a signal; the error names
+    /// the file and both sizes.
+    #[test]
+    fn a_file_truncated_under_the_source_is_an_error_naming_it() {
+        use shardscope_core::source::Source;
+        let tmp = tempfile::tempdir().unwrap();
+        let a = write(tmp.path(), "a.distcp", 1 << 20);
+        let b = write(tmp.path(), "b.distcp", 1 << 20);
+        let source = FileSource::dir(tmp.path()).unwrap();
+        // `a`: truncated before anything read it.
+        std::fs::File::options()
+            .write(true)
+            .open(&a)
+            .unwrap()
+            .set_len(1000)
+            .unwrap();
+        let err = source
+            .read_range("a.distcp", 0, 10)
+            .unwrap_err()
+            .to_string();
+        assert!(
+            err.contains(&a.display().to_string())
+                && err.contains("changed while it was read")
+                && err.contains("it was 1048576 bytes, now 1000 bytes"),
+            "{err}"
+        );
+        // `b`: read, then truncated; a range that still exists reads, one past the new end fails.
+        assert_eq!(
+            source.read_range("b.distcp", 0, 4).unwrap().as_ref(),
+            &[0, 1, 2, 3]
+        );
+        std::fs::File::options()
+            .write(true)
+            .open(&b)
+            .unwrap()
+            .set_len(4096)
+            .unwrap();
+        assert_eq!(source.read_range("b.distcp", 4092, 4).unwrap().len(), 4);
+        let mut out = vec![0u8; 8192];
+        let err = source
+            .read_into("b.distcp", 0, &mut out)
+            .unwrap_err()
+            .to_string();
+        assert!(
+            err.contains(&b.display().to_string()) && err.contains("now 4096 bytes"),
+            "{err}"
+        );
+        let err = source.read_all("b.distcp").unwrap_err().to_string();
+        assert!(err.contains("changed while it was read"), "{err}");
+        // Removed: the open descriptor still reads the old bytes (as `cp` would); a file removed
+        // before it was opened is named.
+        let c = write(tmp.path(), "c.distcp", 100);
+        let source = FileSource::dir(tmp.path()).unwrap();
+        std::fs::remove_file(&c).unwrap();
+        let err = source.read_range("c.distcp", 0, 1).unwrap_err().to_string();
+        assert!(err.contains(&c.display().to_string()), "{err}");
+    }
+
+    /// Links to files and to folders are followed (a Hugging Face cache snapshot), dangling ones
+    /// skipped; names stay the folder's own, so nothing outside it can be named.
+    #[test]
+    fn symbolic_links_in_a_folder_are_followed() {
+        use shardscope_core::source::Source;
+        use std::os::unix::fs::symlink;
+        let tmp = tempfile::tempdir().unwrap();
+        let blobs = tmp.path().join("blobs");
+        let snap = tmp.path().join("snapshots/rev");
+        std::fs::create_dir_all(&blobs).unwrap();
+        std::fs::create_dir_all(&snap).unwrap();
+        write(&blobs, "1234", 10);
+        std::fs::create_dir(blobs.join("sub")).unwrap();
+        write(&blobs.join("sub"), "x.bin", 3);
+        symlink("../../blobs/1234", snap.join("model.safetensors")).unwrap();
+        symlink("../../blobs/sub", snap.join("sub")).unwrap();
+        symlink("../../blobs/missing", snap.join("dangling")).unwrap();
+        let source = FileSource::dir(&snap).unwrap();
+        assert_eq!(source.names(), ["model.safetensors", "sub/x.bin"]);
+        assert_eq!(source.size("model.safetensors").unwrap(), 10);
+        assert_eq!(source.read_all("sub/x.bin").unwrap().as_ref(), &[0, 1, 2]);
+        assert!(source.read_range("../../blobs/1234", 0, 1).is_err());
     }
 }
