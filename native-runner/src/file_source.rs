@@ -5,7 +5,9 @@
 //! process with `SIGBUS`, leaving no error and no chance to clean up. A positioned read of bytes
 //! that are gone instead returns short, and [`FileSource`] says which file changed and how
 //! ("… changed while it was read: it was N bytes, now M"). The size of every file is taken when
-//! the source is opened; every read is checked against it.
+//! the source is opened; every read is checked against it. [`Source::read_ends`] (a DCP item's zip
+//! headers and directory, around its tensor bytes) lends both ends out of an anonymous zero
+//! mapping, so that the middle costs nothing, as it did when the files were mapped.
 //!
 //! Folders are walked following symbolic links to files and folders (a Hugging Face cache
 //! snapshot is a folder of links into `../../blobs/`). The names the source serves are only the
@@ -20,6 +22,7 @@ use std::path::{Path, PathBuf};
 use std::sync::OnceLock;
 
 use anyhow::Context;
+use memmap2::MmapRaw;
 use shardscope_core::formats::locate::Manifest;
 use shardscope_core::source::{Source, SourceError, checked_range};
 
@@ -29,6 +32,8 @@ struct Entry {
     path: PathBuf,
     size: u64,
     file: OnceLock<File>,
+    /// Where [`Source::read_ends`] puts the ends it reads (`None`: no mapping could be made).
+    ends: OnceLock<Option<Ends>>,
 }
 
 /// Files under a root folder, read by range. Names are relative paths with `/`.
@@ -73,6 +78,7 @@ fn entry(path: &Path) -> anyhow::Result<Entry> {
         path: path.to_path_buf(),
         size: meta.len(),
         file: OnceLock::new(),
+        ends: OnceLock::new(),
     })
 }
 
@@ -210,6 +216,122 @@ impl FileSource {
     }
 }
 
+/// An anonymous, zero-filled mapping as long as a file, into which [`Source::read_ends`] reads
+/// the ends asked for and which it lends out as the whole range: a large item's middle (tensor
+/// bytes) is then neither read nor allocated nor zeroed (its pages are never touched), as with
+/// the memory-mapped reads before, and the mapping is not the file's, so a file truncated under
+/// it cannot fault.
+///
+/// Invariant (kept under `state`'s lock): bytes are written only once, only outside every range
+/// lent out so far, and a range is lent only after the writes to it are done. A lent slice is
+/// therefore never written while it is borrowed; an end that would have to be written inside a
+/// lent range (overlapping items, which no writer makes) is served by a copy instead.
+struct Ends {
+    map: MmapRaw,
+    state: std::sync::Mutex<EndsState>,
+}
+
+#[derive(Default)]
+struct EndsState {
+    /// Byte ranges read into the map (`start..end`); never written again.
+    filled: Vec<(u64, u64)>,
+    /// Byte ranges lent out as borrowed slices.
+    lent: Vec<(u64, u64)>,
+}
+
+fn overlaps(a: (u64, u64), b: (u64, u64)) -> bool {
+    a.0 < b.1 && b.0 < a.1
+}
+
+impl EndsState {
+    /// The parts of `want` not read yet.
+    fn gaps(&self, want: (u64, u64)) -> Vec<(u64, u64)> {
+        let mut gaps = vec![want];
+        for &f in &self.filled {
+            gaps = gaps
+                .into_iter()
+                .flat_map(|g| {
+                    if overlaps(g, f) {
+                        [(g.0, f.0.max(g.0)), (f.1.min(g.1), g.1)]
+                            .into_iter()
+                            .filter(|p| p.0 < p.1)
+                            .collect()
+                    } else {
+                        vec![g]
+                    }
+                })
+                .collect();
+        }
+        gaps
+    }
+}
+
+impl Ends {
+    fn new(size: u64) -> Option<Ends> {
+        let len = usize::try_from(size).ok().filter(|&n| n > 0)?;
+        // Not counted against the commit limit: only the pages written are ever backed.
+        let map = memmap2::MmapOptions::new()
+            .len(len)
+            .no_reserve_swap()
+            .map_anon()
+            .ok()?;
+        Some(Ends {
+            map: MmapRaw::from(map),
+            state: std::sync::Mutex::default(),
+        })
+    }
+
+    /// `start..end` of the file with `head..` and `..tail` read (both checked to lie inside it),
+    /// or `None` when that would write inside a lent range.
+    fn lend(
+        &self,
+        entry: &Entry,
+        (start, end): (u64, u64),
+        head: (u64, u64),
+        tail: (u64, u64),
+    ) -> Result<Option<&[u8]>, SourceError> {
+        let mut state = self
+            .state
+            .lock()
+            .unwrap_or_else(std::sync::PoisonError::into_inner);
+        let gaps: Vec<(u64, u64)> = [head, tail]
+            .into_iter()
+            .flat_map(|w| state.gaps(w))
+            .collect();
+        if gaps
+            .iter()
+            .any(|&g| state.lent.iter().any(|&l| overlaps(g, l)))
+        {
+            return Ok(None);
+        }
+        for g in gaps {
+            // In range: `end <= entry.size == map.len()`, checked by the caller.
+            let (at, n) = (g.0 as usize, (g.1 - g.0) as usize);
+            // SAFETY: `at + n <= map.len()`; the bytes lie outside every lent range (checked
+            // above) and outside every filled one (`gaps`), so no slice handed out covers them
+            // and no other thread writes them (the lock is held).
+            #[allow(unsafe_code)]
+            let dst = unsafe { std::slice::from_raw_parts_mut(self.map.as_mut_ptr().add(at), n) };
+            entry.read_at(g.0, dst)?;
+            state.filled.push(g);
+        }
+        if !state.lent.contains(&(start, end)) {
+            state.lent.push((start, end));
+        }
+        // SAFETY: in range (as above); from now on nothing writes inside `start..end` (it is
+        // lent), and the writes into it happened before, under the lock this thread holds; the
+        // map lives as long as `self`, which the slice borrows.
+        #[allow(unsafe_code)]
+        let bytes = unsafe {
+            std::slice::from_raw_parts(
+                self.map.as_ptr().add(start as usize),
+                (end - start) as usize,
+            )
+        };
+        Ok(Some(bytes))
+    }
+}
+
 /// The environment variable of [`pause_for_tests`].
 pub const PAUSE_ENV: &str = "SHARDSCOPE_TEST_PAUSE_BEFORE_DATA";
 
@@ -324,8 +446,8 @@ impl Source for FileSource {
         Ok(Cow::Owned(buf))
     }
 
-    /// Reads only both ends; the middle stays zero (and, in a fresh zeroed allocation, is never
-    /// touched, so a large item's tensor bytes cost neither a read nor resident memory).
+    /// Reads only both ends, into the file's [`Ends`] mapping (lent out, no copy); the middle is
+    /// zero and never touched, so a large item's tensor bytes cost neither a read nor memory.
     fn read_ends(
         &self,
         name: &str,
@@ -339,15 +461,19 @@ impl Source for FileSource {
         }
         let e = self.get(name)?;
         let (start, end) = checked_range(name, offset, len, e.size)?;
-        // `len` fits in the file, and the address space (checked above); `vec!` of zeros asks the
-        // allocator for zeroed memory, which it leaves untouched.
-        let mut buf = vec![0u8; end - start];
-        let head = usize::try_from(head_bytes)
-            .unwrap_or(usize::MAX)
-            .min(buf.len());
-        e.read_at(offset, &mut buf[..head])?;
-        let tail_start = buf.len() - usize::try_from(tail_bytes).unwrap_or(0).min(buf.len());
-        e.read_at(offset + tail_start as u64, &mut buf[tail_start..])?;
+        let (start, end) = (start as u64, end as u64);
+        let head = (start, start + head_bytes);
+        let tail = (end - tail_bytes, end);
+        if let Some(ends) = e.ends.get_or_init(|| Ends::new(e.size))
+            && let Some(bytes) = ends.lend(e, (start, end), head, tail)?
+        {
+            return Ok(Cow::Borrowed(bytes));
+        }
+        // No mapping, or overlapping items: a zeroed copy with both ends read.
+        let mut buf = alloc(&e.path, len)?;
+        let n = buf.len();
+        e.read_at(head.0, &mut buf[..head_bytes as usize])?;
+        e.read_at(tail.0, &mut buf[n - tail_bytes as usize..])?;
         Ok(Cow::Owned(buf))
     }
 }
@@ -472,5 +598,55 @@ mod conformance {
         assert_eq!(source.size("model.safetensors").unwrap(), 10);
         assert_eq!(source.read_all("sub/x.bin").unwrap().as_ref(), &[0, 1, 2]);
         assert!(source.read_range("../../blobs/1234", 0, 1).is_err());
+    }
+
+    /// Both ends of large ranges, lent from the mapping (repeatedly, overlapping, and from a file
+    /// truncated since): the ends are always the file's bytes, never a fault.
+    #[test]
+    fn read_ends_reads_both_ends_only_and_handles_overlaps() {
+        use shardscope_core::source::Source;
+        let tmp = tempfile::tempdir().unwrap();
+        let len = 1usize << 20;
+        let path = write(tmp.path(), "a.distcp", len);
+        let bytes = std::fs::read(&path).unwrap();
+        let source = FileSource::dir(tmp.path()).unwrap();
+        let check = |offset: usize, n: usize, head: usize, tail: usize| {
+            let got = source
+                .read_ends(
+                    "a.distcp",
+                    offset as u64,
+                    n as u64,
+                    head as u64,
+                    tail as u64,
+                )
+                .unwrap();
+            assert_eq!(got.len(), n);
+            assert_eq!(got[..head], bytes[offset..offset + head]);
+            assert_eq!(got[n - tail..], bytes[offset + n - tail..offset + n]);
+            matches!(got, std::borrow::Cow::Borrowed(_))
+        };
+        assert!(check(0, len, 100, 100));
+        assert!(check(0, len, 100, 100));
+        // Its head lies partly in the lent range above, not yet read: a copy.
+        assert!(!check(50, 500_000, 100, 100));
+        // Its ends already read: lent again; an end inside a lent range never read: a copy.
+        assert!(check(0, len, 50, 20));
+        assert!(!check(0, 1000, 10, 10));
+        // A file truncated since it was listed.
+        let b = write(tmp.path(), "b.distcp", len);
+        let source = FileSource::dir(tmp.path()).unwrap();
+        std::fs::File::options()
+            .write(true)
+            .open(&b)
+            .unwrap()
+            .set_len(1000)
+            .unwrap();
+        let err = source
+            .read_ends("b.distcp", 0, len as u64, 10, 10)
+            .unwrap_err();
+        assert!(
+            err.to_string().contains("changed while it was read"),
+            "{err}"
+        );
     }
 }
