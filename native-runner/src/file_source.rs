@@ -348,7 +348,7 @@ fn pause_for_tests() {
     };
     ONCE.call_once(|| {
         let _ = std::fs::write(folder.join("paused"), std::process::id().to_string());
-        let deadline = std::time::Instant::now() + std::time::Duration::from_secs(600);
+        let deadline = std::time::Instant::now() + std::time::Duration::from_mins(10);
         while !folder.join("resume").exists() && std::time::Instant::now() < deadline {
             std::thread::sleep(std::time::Duration::from_millis(5));
         }
@@ -406,10 +406,8 @@ fn walk(
         let path = dir_entry.path();
         let rel = format!("{prefix}{name}");
         match kind_of(&dir_entry, &path)? {
-            Some(true) => {
-                if depth < 2 && !name.starts_with('.') {
-                    walk(&path, &format!("{rel}/"), depth + 1, out)?;
-                }
+            Some(true) if depth < 2 && !name.starts_with('.') => {
+                walk(&path, &format!("{rel}/"), depth + 1, out)?;
             }
             Some(false)
                 if !Path::new(&name)

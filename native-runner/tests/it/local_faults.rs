@@ -64,7 +64,7 @@ fn stderr(out: &Output) -> String {
 /// Waits until the process paused by `PAUSE_ENV` in `folder` says so (or has exited: then the
 /// test fails with what it printed).
 fn wait_paused(child: &mut Child, folder: &Path) {
-    let deadline = Instant::now() + Duration::from_secs(300);
+    let deadline = Instant::now() + Duration::from_mins(5);
     while !folder.join("paused").exists() {
         if let Some(status) = child.try_wait().unwrap() {
             let mut err = String::new();
