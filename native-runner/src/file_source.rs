@@ -332,8 +332,8 @@ impl Ends {
     }
 }
 
-/// The environment variable of [`pause_for_tests`].
-pub const PAUSE_ENV: &str = "SHARDSCOPE_TEST_PAUSE_BEFORE_DATA";
+/// The environment variable of `pause_for_tests`.
+const PAUSE_ENV: &str = "SHARDSCOPE_TEST_PAUSE_BEFORE_DATA";
 
 /// For tests that change an input under a running process, deterministically: when
 /// `SHARDSCOPE_TEST_PAUSE_BEFORE_DATA` names a folder, the first [`FileSource::read_into`] (the
@@ -444,7 +444,7 @@ impl Source for FileSource {
         Ok(Cow::Owned(buf))
     }
 
-    /// Reads only both ends, into the file's [`Ends`] mapping (lent out, no copy); the middle is
+    /// Reads only both ends, into the file's `Ends` mapping (lent out, no copy); the middle is
     /// zero and never touched, so a large item's tensor bytes cost neither a read nor memory.
     fn read_ends(
         &self,
