@@ -20,11 +20,19 @@ use std::fs::File;
 use std::os::unix::fs::FileExt;
 use std::path::{Path, PathBuf};
 use std::sync::OnceLock;
+use std::sync::atomic::{AtomicUsize, Ordering};
 
 use anyhow::Context;
 use memmap2::MmapRaw;
 use shardscope_core::formats::locate::Manifest;
 use shardscope_core::source::{Source, SourceError, checked_range};
+
+/// How many input files stay open at most (in the whole process), well below the usual limit of
+/// 1024 descriptors.
+const KEPT_OPEN: usize = 256;
+
+/// How many input files are kept open now.
+static OPEN_FILES: AtomicUsize = AtomicUsize::new(0);
 
 /// One input file: where it is, its size when the source was opened, and (once read) its
 /// descriptor.
@@ -82,12 +90,39 @@ fn entry(path: &Path) -> anyhow::Result<Entry> {
     })
 }
 
+/// An input file's descriptor: the one kept open, or one opened for a single read.
+enum Opened<'a> {
+    Kept(&'a File),
+    Once(File),
+}
+
+impl std::ops::Deref for Opened<'_> {
+    type Target = File;
+
+    fn deref(&self) -> &File {
+        match self {
+            Opened::Kept(f) => f,
+            Opened::Once(f) => f,
+        }
+    }
+}
+
+impl Drop for Entry {
+    fn drop(&mut self) {
+        if self.file.get().is_some() {
+            OPEN_FILES.fetch_sub(1, Ordering::Relaxed);
+        }
+    }
+}
+
 impl Entry {
     /// The open file, opened on first use (a folder of thousands of files holds no descriptor
-    /// for a file it never reads). Its size must still be the one listed.
-    fn file(&self) -> Result<&File, SourceError> {
+    /// for a file it never reads) and kept open while fewer than [`KEPT_OPEN`] are (a folder of
+    /// thousands of per-rank files that are all read then opens each file again per read rather
+    /// than running out of descriptors). Its size must still be the one listed.
+    fn file(&self) -> Result<Opened<'_>, SourceError> {
         if let Some(f) = self.file.get() {
-            return Ok(f);
+            return Ok(Opened::Kept(f));
         }
         let file = File::open(&self.path).map_err(|e| io_error(&self.path, "cannot open", &e))?;
         let now = file
@@ -97,8 +132,13 @@ impl Entry {
         if now != self.size {
             return Err(changed(&self.path, self.size, Some(now)));
         }
-        // Another thread may have opened it meanwhile: either descriptor reads the same file.
-        Ok(self.file.get_or_init(|| file))
+        if OPEN_FILES.fetch_add(1, Ordering::Relaxed) >= KEPT_OPEN {
+            OPEN_FILES.fetch_sub(1, Ordering::Relaxed);
+            return Ok(Opened::Once(file));
+        }
+        // Another thread may have opened it meanwhile: either descriptor reads the same file
+        // (the count then over-counts by one, which only makes the limit stricter).
+        Ok(Opened::Kept(self.file.get_or_init(|| file)))
     }
 
     /// Fills `out` from `offset` (checked against the listed size by the caller).
@@ -641,6 +681,39 @@ mod conformance {
             .unwrap();
         let err = source
             .read_ends("b.distcp", 0, len as u64, 10, 10)
+            .unwrap_err();
+        assert!(
+            err.to_string().contains("changed while it was read"),
+            "{err}"
+        );
+    }
+
+    /// More files than are kept open: every one still reads (opened per read beyond the limit),
+    /// and a truncated one is still named.
+    #[test]
+    fn more_files_than_are_kept_open_all_read() {
+        use shardscope_core::source::Source;
+        let tmp = tempfile::tempdir().unwrap();
+        let n = super::KEPT_OPEN + 50;
+        for i in 0..n {
+            write(tmp.path(), &format!("rank{i}.pt"), 64);
+        }
+        let source = FileSource::dir(tmp.path()).unwrap();
+        for round in 0..2 {
+            for i in 0..n {
+                let got = source.read_range(&format!("rank{i}.pt"), 1, 3).unwrap();
+                assert_eq!(got.as_ref(), &[1, 2, 3], "round {round}, file {i}");
+            }
+        }
+        let last = tmp.path().join(format!("rank{}.pt", n - 1));
+        std::fs::File::options()
+            .write(true)
+            .open(&last)
+            .unwrap()
+            .set_len(2)
+            .unwrap();
+        let err = source
+            .read_range(&format!("rank{}.pt", n - 1), 1, 3)
             .unwrap_err();
         assert!(
             err.to_string().contains("changed while it was read"),
