@@ -2,7 +2,7 @@
 //!
 //! Readers in [`crate::formats`] take byte slices; multi-file checkpoints (DCP directories, folders
 //! of per-rank files, sharded safetensors) are read through a [`Source`], so the same code runs on
-//! memory-mapped files (native runner), in tests and in the browser ([`MemorySource`]).
+//! local files (native runner, positioned reads), in tests and in the browser ([`MemorySource`]).
 
 pub mod conformance;
 
@@ -36,7 +36,7 @@ pub trait Source {
     /// The size of a file in bytes.
     fn size(&self, name: &str) -> Result<u64, SourceError>;
 
-    /// The bytes `offset..offset + len` of a file. Borrowed where the source can (memory, mmap).
+    /// The bytes `offset..offset + len` of a file. Borrowed where the source can (memory).
     fn read_range(&self, name: &str, offset: u64, len: u64) -> Result<Cow<'_, [u8]>, SourceError>;
 
     /// The bytes `offset..offset + len` of a file, of which only the first `head_bytes` and the
@@ -72,8 +72,11 @@ pub trait Source {
     }
 
     /// True when reading a whole file costs no more than the parts of it that are used (a
-    /// memory-mapped local file: pages are read when touched). Readers then parse whole files
-    /// instead of fetching their parts range by range (which copies them).
+    /// memory-mapped file, whose pages are read when touched). Readers then parse whole files
+    /// instead of fetching their parts range by range (which copies them). A source that copies
+    /// what it reads (the runner's local files, read with positioned reads so that a file
+    /// truncated under them is an error, not a `SIGBUS`) must say false: a whole read of a
+    /// multi-GB file would hold all of it in memory.
     fn whole_reads_are_cheap(&self) -> bool {
         false
     }

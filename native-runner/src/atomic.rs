@@ -1,40 +1,53 @@
-//! Atomic outputs: a destination appears complete or not at all.
+//! Atomic outputs: a destination appears complete or not at all, and never in place of a file
+//! that appeared meanwhile.
 //!
 //! [`write_file`] writes into a temporary file in the destination's directory (same file system, so
-//! the final rename is atomic), flushes and `fsync`s it, renames it over the destination and `fsync`s
+//! the final rename is atomic), flushes and `fsync`s it, moves it to the destination and `fsync`s
 //! the directory. [`write_dir`] does the same for a directory output such as a DCP checkpoint: the
 //! closure fills a temporary directory next to the destination, every file in it is `fsync`ed, and the
-//! directory is renamed into place. On any error (or panic) the temporary file or directory is removed
+//! directory is moved into place. On any error (or panic) the temporary file or directory is removed
 //! and an existing destination is left untouched.
 //!
-//! A process killed with SIGKILL cannot clean up: its hidden temporary output
-//! (`.{name}.shardscope-tmp-{pid}-{n}`) stays next to the destination. The next write into the same
-//! folder, whatever its destination, removes every such leftover whose process no longer runs (on
-//! Linux, where `/proc` tells; elsewhere they are left alone), and says so on stderr.
+//! The move never replaces anything: `renameat2(RENAME_NOREPLACE)` on Linux; where the file system
+//! does not support it, a hard link to the destination (which fails if it exists) and removing
+//! the temporary name; where neither is supported, a check that the destination is still free
+//! before a plain rename (the only case in which a writer racing in between could be replaced).
+//! Of two processes writing the same destination at once, exactly one wins; the other fails with
+//! "… appeared while this run was writing it; not replaced" and removes its temporary output.
+//! [`write_file_replacing`] (and [`write_file_shared`]) replace an existing file on purpose.
+//!
+//! A destination that is a symbolic link (to a file, to a folder, or dangling) is refused
+//! ([`refuse_link`]): nothing is written through a link, and no link is replaced.
+//!
+//! Temporary names are `.{name}.shardscope-tmp-{pid}-{random}`, created exclusively (`O_EXCL`)
+//! with another random part when the name is taken: a name planted in advance cannot make a
+//! write fail. A process killed with SIGKILL cannot clean up: its hidden temporary output stays
+//! next to the destination. The next write into the same folder, whatever its destination,
+//! removes every such leftover whose process no longer runs (on Linux, where `/proc` tells;
+//! elsewhere they are left alone), and says so on stderr.
 //!
 //! [`together`] keeps back every file [`write_file`] finishes inside it (written, not yet synced or
 //! renamed) until all are written, then syncs and moves them into place: a set of outputs (a model file
 //! and its `.optim.pt`) appears together or not at all, and the disk writes one back while the next is
 //! written instead of the process waiting for each `fsync` in turn.
 //!
-//! The core writers (`shardscope_core::formats::write`) take any `Write`; pass them the `BufWriter`
-//! given to the closure.
+//! I/O errors name the path; running out of space names the destination. The core writers
+//! (`shardscope_core::formats::write`) take any `Write`; pass them the `BufWriter` given to the
+//! closure.
 
 use std::cell::RefCell;
 use std::fs::{self, File, OpenOptions};
-use std::io::BufWriter;
+use std::io::{BufWriter, ErrorKind};
 use std::path::{Path, PathBuf};
-use std::sync::atomic::{AtomicU64, Ordering};
 
 use anyhow::{Context, Result, bail};
-
-static COUNTER: AtomicU64 = AtomicU64::new(0);
 
 /// A finished temporary file waiting for [`together`] to put it in place.
 struct Staged {
     file: File,
     tmp: PathBuf,
     dest: PathBuf,
+    replace: bool,
     guard: Cleanup,
 }
 
@@ -44,7 +57,7 @@ thread_local! {
 }
 
 /// Runs `write`, keeping back every file that [`write_file`] finishes on this thread meanwhile;
-/// when `write` succeeds, syncs them all, then renames each into place, so that they appear
+/// when `write` succeeds, syncs them all, then moves each into place, so that they appear
 /// together. When `write` fails (or a sync does), none appears and their temporary files go.
 /// Nested calls join the outer one.
 pub fn together<T>(write: impl FnOnce() -> Result<T>) -> Result<T> {
@@ -65,17 +78,19 @@ pub fn together<T>(write: impl FnOnce() -> Result<T>) -> Result<T> {
     for s in &staged {
         s.file
             .sync_all()
-            .with_context(|| format!("cannot sync {}", s.tmp.display()))?;
+            .with_context(|| {
+                format!(
+                    "cannot write {} (syncing {})",
+                    s.dest.display(),
+                    s.tmp.display()
+                )
+            })
+            .map_err(|e| name_full_disk(e, &s.dest))?;
     }
     let mut dirs = Vec::new();
     for s in staged {
         drop(s.file);
-        fs::rename(&s.tmp, &s.dest).with_context(|| {
-            format!(
-                "cannot move the finished output into place: {}",
-                s.dest.display()
-            )
-        })?;
+        move_into_place(&s.tmp, &s.dest, s.replace)?;
         s.guard.disarm();
         let dir = parent_dir(&s.dest);
         if !dirs.contains(&dir) {
@@ -88,47 +103,65 @@ pub fn together<T>(write: impl FnOnce() -> Result<T>) -> Result<T> {
     Ok(value)
 }
 
-/// Writes `dest` atomically: `write` fills a buffered temporary file next to it.
+/// Writes `dest` atomically: `write` fills a buffered temporary file next to it. Fails, leaving
+/// nothing, when `dest` exists when the file is ready (it may have appeared meanwhile: another
+/// process writing the same path), or is a symbolic link.
 pub fn write_file<T>(
     dest: &Path,
     write: impl FnOnce(&mut BufWriter<File>) -> Result<T>,
 ) -> Result<T> {
-    write_file_inner(dest, true, write)
+    write_file_inner(dest, true, false, write)
 }
 
-/// [`write_file`] into a folder that other processes, maybe on other machines, write at the same
-/// time (`convert --part`): leftovers are not swept, since a process id says nothing about a
-/// process of another machine.
+/// [`write_file`] that replaces an existing `dest` (outputs that are rewritten on purpose). A
+/// symbolic link is still refused.
+pub fn write_file_replacing<T>(
+    dest: &Path,
+    write: impl FnOnce(&mut BufWriter<File>) -> Result<T>,
+) -> Result<T> {
+    write_file_inner(dest, true, true, write)
+}
+
+/// [`write_file_replacing`] into a folder that other processes, maybe on other machines, write at
+/// the same time (`convert --part`, which decides itself which files may exist): leftovers are not
+/// swept, since a process id says nothing about a process of another machine.
 pub fn write_file_shared<T>(
     dest: &Path,
     write: impl FnOnce(&mut BufWriter<File>) -> Result<T>,
 ) -> Result<T> {
-    write_file_inner(dest, false, write)
+    write_file_inner(dest, false, true, write)
 }
 
 fn write_file_inner<T>(
     dest: &Path,
     sweep: bool,
+    replace: bool,
     write: impl FnOnce(&mut BufWriter<File>) -> Result<T>,
 ) -> Result<T> {
-    let tmp = temp_path(dest, sweep)?;
-    let file = OpenOptions::new()
-        .write(true)
-        .create_new(true)
-        .open(&tmp)
-        .with_context(|| format!("cannot create temporary file {}", tmp.display()))?;
+    refuse_link(dest)?;
+    let (tmp, file) = create_temp(dest, sweep, |p| {
+        OpenOptions::new().write(true).create_new(true).open(p)
+    })?;
     let guard = Cleanup::file(tmp.clone());
     let mut out = BufWriter::new(file);
-    let value = write(&mut out)?;
+    let value = write(&mut out).map_err(|e| name_full_disk(e, dest))?;
     let file = out
         .into_inner()
         .map_err(std::io::IntoInnerError::into_error)
-        .with_context(|| format!("cannot write {}", tmp.display()))?;
+        .with_context(|| {
+            format!(
+                "cannot write {} (its temporary file {})",
+                dest.display(),
+                tmp.display()
+            )
+        })
+        .map_err(|e| name_full_disk(e, dest))?;
     // Inside `together` (and only for the sweeping, single-process writes): kept back.
     let staged = Staged {
         file,
         tmp,
         dest: dest.to_path_buf(),
+        replace,
         guard,
     };
     let staged = if sweep {
@@ -149,22 +182,26 @@ fn write_file_inner<T>(
         return Ok(value);
     };
     file.sync_all()
-        .with_context(|| format!("cannot sync {}", tmp.display()))?;
+        .with_context(|| {
+            format!(
+                "cannot write {} (syncing {})",
+                dest.display(),
+                tmp.display()
+            )
+        })
+        .map_err(|e| name_full_disk(e, dest))?;
     drop(file);
-    fs::rename(&tmp, dest).with_context(|| {
-        format!(
-            "cannot move the finished output into place: {}",
-            dest.display()
-        )
-    })?;
+    move_into_place(&tmp, dest, replace)?;
     guard.disarm();
     sync_dir(&parent_dir(dest));
     Ok(value)
 }
 
 /// Creates the directory `dest` atomically: `write` fills a temporary directory next to it (the path
-/// it is given). `dest` must not exist, or be an empty directory.
+/// it is given). `dest` must not exist, or be an empty directory; a directory that appears
+/// meanwhile is never replaced.
 pub fn write_dir<T>(dest: &Path, write: impl FnOnce(&Path) -> Result<T>) -> Result<T> {
+    refuse_link(dest)?;
     let replace_empty = match fs::read_dir(dest) {
         Ok(mut entries) => {
             if entries.next().is_some() {
@@ -175,7 +212,7 @@ pub fn write_dir<T>(dest: &Path, write: impl FnOnce(&Path) -> Result<T>) -> Resu
             }
             true
         }
-        Err(e) if e.kind() == std::io::ErrorKind::NotFound => false,
+        Err(e) if e.kind() == ErrorKind::NotFound => false,
         Err(e) if dest.exists() => {
             return Err(e).with_context(|| {
                 format!(
@@ -186,25 +223,118 @@ pub fn write_dir<T>(dest: &Path, write: impl FnOnce(&Path) -> Result<T>) -> Resu
         }
         Err(e) => return Err(e).with_context(|| format!("cannot inspect {}", dest.display())),
     };
-    let tmp = temp_path(dest, true)?;
-    fs::create_dir(&tmp)
-        .with_context(|| format!("cannot create temporary directory {}", tmp.display()))?;
+    let (tmp, ()) = create_temp(dest, true, |p| fs::create_dir(p))?;
     let guard = Cleanup::dir(tmp.clone());
-    let value = write(&tmp)?;
-    sync_tree(&tmp)?;
+    let value = write(&tmp).map_err(|e| name_full_disk(e, dest))?;
+    sync_tree(&tmp).map_err(|e| name_full_disk(e, dest))?;
     if replace_empty {
-        fs::remove_dir(dest)
-            .with_context(|| format!("cannot replace empty directory {}", dest.display()))?;
+        match fs::remove_dir(dest) {
+            Ok(()) => {}
+            // Gone already, or filled meanwhile: the move below refuses what is there.
+            Err(e)
+                if e.kind() == ErrorKind::NotFound || e.kind() == ErrorKind::DirectoryNotEmpty => {}
+            Err(e) => {
+                return Err(e)
+                    .with_context(|| format!("cannot replace empty directory {}", dest.display()));
+            }
+        }
     }
-    fs::rename(&tmp, dest).with_context(|| {
-        format!(
-            "cannot move the finished directory into place: {}",
-            dest.display()
-        )
-    })?;
+    move_into_place(&tmp, dest, false)?;
     guard.disarm();
     sync_dir(&parent_dir(dest));
     Ok(value)
+}
+
+/// Refuses a destination that is a symbolic link (to a file, to a folder, or dangling): writing
+/// through it would put the output somewhere the command line does not say, and replacing it
+/// would lose the link.
+pub fn refuse_link(dest: &Path) -> Result<()> {
+    match fs::symlink_metadata(dest) {
+        Ok(meta) if meta.file_type().is_symlink() => {
+            let target = fs::read_link(dest)
+                .map(|t| format!(" (to {})", t.display()))
+                .unwrap_or_default();
+            bail!(
+                "{} is a symbolic link{target}; shardscope neither writes through a link nor replaces it\nhint: give the path it points to, or remove the link",
+                dest.display()
+            )
+        }
+        _ => Ok(()),
+    }
+}
+
+/// Moves the finished temporary `tmp` to `dest`; unless `replace`, never over something there.
+fn move_into_place(tmp: &Path, dest: &Path, replace: bool) -> Result<()> {
+    let moved = if replace {
+        fs::rename(tmp, dest)
+    } else {
+        rename_noreplace(tmp, dest)
+    };
+    match moved {
+        Ok(()) => Ok(()),
+        Err(e)
+            if e.kind() == ErrorKind::AlreadyExists || e.kind() == ErrorKind::DirectoryNotEmpty =>
+        {
+            bail!(
+                "{} appeared while this run was writing it; not replaced (this run's output is discarded)\nhint: another process may be writing the same path",
+                dest.display()
+            )
+        }
+        Err(e) => Err(e).with_context(|| {
+            format!(
+                "cannot move the finished output into place: {} (from {})",
+                dest.display(),
+                tmp.display()
+            )
+        }),
+    }
+}
+
+/// `rename(from, to)` that fails with `AlreadyExists` when `to` exists, atomically where the
+/// system allows (see the module documentation).
+fn rename_noreplace(from: &Path, to: &Path) -> std::io::Result<()> {
+    #[cfg(target_os = "linux")]
+    {
+        use rustix::fs::{CWD, RenameFlags, renameat_with};
+        use rustix::io::Errno;
+        match renameat_with(CWD, from, CWD, to, RenameFlags::NOREPLACE) {
+            Ok(()) => return Ok(()),
+            // Not supported by this kernel or file system: the fallbacks below.
+            Err(e) if e == Errno::INVAL || e == Errno::NOSYS || e == Errno::OPNOTSUPP => {}
+            Err(e) => return Err(e.into()),
+        }
+    }
+    if fs::symlink_metadata(from).is_ok_and(|m| m.is_file()) {
+        match fs::hard_link(from, to) {
+            Ok(()) => return fs::remove_file(from),
+            Err(e) if e.kind() == ErrorKind::AlreadyExists => return Err(e),
+            Err(_) => {} // no hard links here (FAT, some network file systems)
+        }
+    }
+    if fs::symlink_metadata(to).is_ok() {
+        return Err(ErrorKind::AlreadyExists.into());
+    }
+    fs::rename(from, to)
+}
+
+/// Adds the destination to an error caused by a full disk (or quota), which the system reports
+/// without a path.
+fn name_full_disk(err: anyhow::Error, dest: &Path) -> anyhow::Error {
+    let full = err.chain().any(|c| {
+        c.downcast_ref::<std::io::Error>().is_some_and(|e| {
+            e.kind() == ErrorKind::StorageFull || e.kind() == ErrorKind::QuotaExceeded
+        })
+    });
+    if full {
+        let dir = parent_dir(dest);
+        err.context(format!(
+            "cannot write {}: no space left in {}",
+            dest.display(),
+            dir.display()
+        ))
+    } else {
+        err
+    }
 }
 
 fn parent_dir(dest: &Path) -> PathBuf {
@@ -214,8 +344,14 @@ fn parent_dir(dest: &Path) -> PathBuf {
     }
 }
 
-/// `.{name}.shardscope-tmp-{pid}-{n}` in the destination's directory (hidden, unique per process).
-fn temp_path(dest: &Path, sweep: bool) -> Result<PathBuf> {
+/// Creates (with `create`, which must fail with `AlreadyExists` when the name is taken) a hidden
+/// temporary `.{name}.shardscope-tmp-{pid}-{random}` in the destination's directory, trying
+/// other random parts while names are taken.
+fn create_temp<R>(
+    dest: &Path,
+    sweep: bool,
+    create: impl FnMut(&Path) -> std::io::Result<R>,
+) -> Result<(PathBuf, R)> {
     let name = dest
         .file_name()
         .with_context(|| format!("output path has no file name: {}", dest.display()))?;
@@ -230,15 +366,33 @@ fn temp_path(dest: &Path, sweep: bool) -> Result<PathBuf> {
     if sweep {
         remove_stale_temps(dest);
     }
-    let n = COUNTER.fetch_add(1, Ordering::Relaxed);
-    Ok(parent_dir(dest).join(format!(
-        ".{}.shardscope-tmp-{}-{n}",
+    let prefix = format!(
+        ".{}.shardscope-tmp-{}-",
         name.to_string_lossy(),
         std::process::id()
-    )))
+    );
+    let made = tempfile::Builder::new()
+        .prefix(&prefix)
+        .rand_bytes(TEMP_RANDOM_CHARS)
+        .disable_cleanup(true)
+        .make_in(&dir, create)
+        .and_then(|t| t.keep().map_err(|e| e.error))
+        .with_context(|| {
+            format!(
+                "cannot create a temporary output next to {} (in {})",
+                dest.display(),
+                dir.display()
+            )
+        })
+        .map_err(|e| name_full_disk(e, dest))?;
+    Ok((made.1, made.0))
 }
 
-/// Whether `entry` is a temporary name `.{name}.shardscope-tmp-{pid}-{n}` for the output `name`.
+/// Random characters (`[A-Za-z0-9]`) in a temporary name.
+const TEMP_RANDOM_CHARS: usize = 12;
+
+/// Whether `entry` is a temporary name `.{name}.shardscope-tmp-{pid}-{random}` for the output
+/// `name`.
 pub fn is_temp_of(entry: &str, name: &str) -> bool {
     temp_owner(entry).is_some()
         && entry
@@ -247,14 +401,15 @@ pub fn is_temp_of(entry: &str, name: &str) -> bool {
             .is_some_and(|(n, _)| n == name)
 }
 
-/// The pid in a temporary name `.{name}.shardscope-tmp-{pid}-{n}` (any non-empty `name`).
+/// The pid in a temporary name `.{name}.shardscope-tmp-{pid}-{random}` (any non-empty `name`;
+/// `random` is letters and digits, as earlier versions' counters are).
 fn temp_owner(entry: &str) -> Option<u32> {
     let (name, rest) = entry.strip_prefix('.')?.rsplit_once(".shardscope-tmp-")?;
     if name.is_empty() {
         return None;
     }
     let (pid, n) = rest.split_once('-')?;
-    if n.is_empty() || !n.bytes().all(|b| b.is_ascii_digit()) {
+    if n.is_empty() || !n.bytes().all(|b| b.is_ascii_alphanumeric()) {
         return None;
     }
     pid.parse().ok()
@@ -605,5 +760,130 @@ mod tests {
         fs::create_dir(&empty).unwrap();
         write_dir(&empty, |tmp| Ok(fs::write(tmp.join("f"), b"x")?)).unwrap();
         assert_eq!(names(&empty), ["f"]);
+    }
+
+    #[test]
+    fn a_destination_that_appears_meanwhile_is_never_replaced() {
+        let dir = tempfile::tempdir().unwrap();
+        let dest = dir.path().join("out.safetensors");
+        let err = write_file(&dest, |w| {
+            fs::write(&dest, b"the other writer's")?;
+            Ok(w.write_all(b"mine")?)
+        })
+        .unwrap_err();
+        let msg = format!("{err:#}");
+        assert!(
+            msg.contains(&dest.display().to_string())
+                && msg.contains("appeared while this run was writing it; not replaced"),
+            "{msg}"
+        );
+        assert_eq!(fs::read(&dest).unwrap(), b"the other writer's");
+        assert_eq!(names(dir.path()), ["out.safetensors"]);
+        // Inside `together` too.
+        let err = together(|| {
+            write_file(&dest, |w| Ok(w.write_all(b"mine")?))?;
+            Ok(())
+        })
+        .unwrap_err();
+        assert!(format!("{err:#}").contains("appeared"), "{err:#}");
+        assert_eq!(names(dir.path()), ["out.safetensors"]);
+        // Replacing on purpose.
+        write_file_replacing(&dest, |w| Ok(w.write_all(b"new")?)).unwrap();
+        assert_eq!(fs::read(&dest).unwrap(), b"new");
+
+        let ckpt = dir.path().join("ckpt");
+        let err = write_dir(&ckpt, |tmp| {
+            fs::create_dir(&ckpt)?;
+            fs::write(ckpt.join("theirs"), b"x")?;
+            Ok(fs::write(tmp.join("mine"), b"y")?)
+        })
+        .unwrap_err();
+        assert!(format!("{err:#}").contains("appeared"), "{err:#}");
+        assert_eq!(names(&ckpt), ["theirs"]);
+        assert_eq!(names(dir.path()), ["ckpt", "out.safetensors"]);
+    }
+
+    #[test]
+    fn rename_noreplace_moves_files_and_folders_but_never_over_anything() {
+        let dir = tempfile::tempdir().unwrap();
+        let (a, b) = (dir.path().join("a"), dir.path().join("b"));
+        fs::write(&a, b"a").unwrap();
+        rename_noreplace(&a, &b).unwrap();
+        assert_eq!(names(dir.path()), ["b"]);
+        fs::write(&a, b"a").unwrap();
+        let err = rename_noreplace(&a, &b).unwrap_err();
+        assert_eq!(err.kind(), ErrorKind::AlreadyExists);
+        assert_eq!(fs::read(&b).unwrap(), b"a");
+        let (d, e) = (dir.path().join("d"), dir.path().join("e"));
+        fs::create_dir(&d).unwrap();
+        fs::create_dir(&e).unwrap();
+        assert_eq!(
+            rename_noreplace(&d, &e).unwrap_err().kind(),
+            ErrorKind::AlreadyExists
+        );
+        fs::remove_dir(&e).unwrap();
+        rename_noreplace(&d, &e).unwrap();
+        assert_eq!(names(dir.path()), ["a", "b", "e"]);
+    }
+
+    #[test]
+    fn a_full_disk_names_the_destination_and_leaves_nothing() {
+        let dir = tempfile::tempdir().unwrap();
+        let dest = dir.path().join("out.pt");
+        let enospc = || std::io::Error::from_raw_os_error(28);
+        let err = write_file(&dest, |w| -> Result<()> {
+            save_big_tensor(FailAfter { inner: w, left: 0 }).map_err(|_| enospc())?;
+            Ok(())
+        })
+        .unwrap_err();
+        let msg = format!("{err:#}");
+        assert!(
+            msg.contains(&dest.display().to_string()) && msg.contains("no space left"),
+            "{msg}"
+        );
+        let err = write_dir(&dir.path().join("ckpt"), |_| -> Result<()> {
+            Err(enospc().into())
+        })
+        .unwrap_err();
+        assert!(
+            format!("{err:#}").contains("ckpt: no space left"),
+            "{err:#}"
+        );
+        // Other errors are left as they are.
+        let err = write_file(&dest, |_| -> Result<()> { bail!("bad input") }).unwrap_err();
+        assert_eq!(format!("{err:#}"), "bad input");
+        assert!(names(dir.path()).is_empty());
+    }
+
+    #[test]
+    fn links_are_refused_and_temporary_names_are_random() {
+        let dir = tempfile::tempdir().unwrap();
+        let link = dir.path().join("link");
+        std::os::unix::fs::symlink("missing", &link).unwrap();
+        for err in [
+            write_file(&link, |_| Ok(())).unwrap_err(),
+            write_file_replacing(&link, |_| Ok(())).unwrap_err(),
+            write_dir(&link, |_| Ok(())).unwrap_err(),
+        ] {
+            assert!(
+                format!("{err:#}").contains("is a symbolic link (to missing)"),
+                "{err:#}"
+            );
+        }
+        assert_eq!(names(dir.path()), ["link"]);
+        let dest = dir.path().join("out.pt");
+        let (a, _) = create_temp(&dest, false, |p| fs::File::create_new(p)).unwrap();
+        let (b, _) = create_temp(&dest, false, |p| fs::File::create_new(p)).unwrap();
+        let a = a.file_name().unwrap().to_str().unwrap().to_owned();
+        let b = b.file_name().unwrap().to_str().unwrap().to_owned();
+        assert_ne!(a, b);
+        for n in [&a, &b] {
+            assert_eq!(temp_owner(n), Some(std::process::id()), "{n}");
+            assert!(is_temp_of(n, "out.pt"), "{n}");
+            let random = n.rsplit_once('-').unwrap().1;
+            assert_eq!(random.len(), TEMP_RANDOM_CHARS, "{n}");
+        }
+        assert_eq!(temp_owner(".out.pt.shardscope-tmp-123-aZ09"), Some(123));
+        assert_eq!(temp_owner(".out.pt.shardscope-tmp-123-a.b"), None);
     }
 }

@@ -5,12 +5,13 @@
 use std::borrow::Cow;
 use std::path::{Path, PathBuf};
 
+use shardscope_core::formats::locate::Manifest;
 use shardscope_core::source::{Source, SourceError};
 
 use shardscope_runner::file_source::FileSource;
 use shardscope_runner::remote::{self, RemoteSource};
 
-/// A checkpoint's files: memory-mapped local files, or objects behind a URL.
+/// A checkpoint's files: local files, or objects behind a URL.
 #[derive(Debug)]
 pub enum Input {
     Local(FileSource),
@@ -22,8 +23,10 @@ pub fn as_url(path: &Path) -> Option<&str> {
     path.to_str().filter(|s| remote::is_url(s))
 }
 
-/// Opens one checkpoint given as one file, a directory (DCP, per-rank files, sharded safetensors),
-/// a DCP `.metadata` file, several per-rank files, or one URL. `progress`: long remote reads may
+/// Opens one checkpoint given as one file, a directory (DCP, per-rank files, sharded safetensors;
+/// symbolic links in it are followed, as in a Hugging Face cache snapshot), a DCP `.metadata`
+/// file (its folder), an HF `*.index.json` (it and the files it names, as for its URL), several
+/// per-rank files, or one URL. `progress`: long remote reads may
 /// draw a progress line on stderr (only when it is a terminal).
 pub fn open(paths: &[PathBuf], progress: bool) -> anyhow::Result<Input> {
     if let Some(url) = paths.iter().find_map(|p| as_url(p)) {
@@ -39,7 +42,13 @@ pub fn open(paths: &[PathBuf], progress: bool) -> anyhow::Result<Input> {
             FileSource::dir(path)?
         } else if path.file_name().is_some_and(|n| n == ".metadata") {
             // `.metadata` given directly: the DCP directory around it.
-            FileSource::dir(path.parent().unwrap_or(path))?
+            FileSource::dir(parent_of(path))?
+        } else if path
+            .file_name()
+            .and_then(|n| n.to_str())
+            .is_some_and(|n| Manifest::of_file(n) == Some(Manifest::HfIndex))
+        {
+            FileSource::hf_index(path)?
         } else {
             FileSource::file(path)?
         }
@@ -47,6 +56,14 @@ pub fn open(paths: &[PathBuf], progress: bool) -> anyhow::Result<Input> {
         FileSource::files(paths)?
     };
     Ok(Input::Local(local))
+}
+
+/// The folder holding `path` (`.` for a bare file name).
+fn parent_of(path: &Path) -> &Path {
+    match path.parent() {
+        Some(p) if !p.as_os_str().is_empty() => p,
+        _ => Path::new("."),
+    }
 }
 
 impl Source for Input {

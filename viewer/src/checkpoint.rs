@@ -187,19 +187,42 @@ impl Source for FsSource {
             })
     }
 
+    /// A positioned read (never a memory map: a file truncated while it is read is an error
+    /// naming it, not a `SIGBUS`).
     fn read_range(&self, name: &str, offset: u64, len: u64) -> Result<Cow<'_, [u8]>, SourceError> {
-        use std::io::{Seek, SeekFrom};
-        let io = |e: std::io::Error| SourceError::Io {
-            name: name.to_owned(),
-            message: e.to_string(),
+        use std::os::unix::fs::FileExt;
+        let path = self.path(name)?;
+        let io = |what: &str, e: std::io::Error| SourceError::Io {
+            name: path.display().to_string(),
+            message: format!("{what}: {e}"),
         };
-        let size = self.size(name)?;
+        let file = std::fs::File::open(path).map_err(|e| io("cannot open", e))?;
+        let size = file.metadata().map_err(|e| io("cannot stat", e))?.len();
         let (start, end) = shardscope_core::source::checked_range(name, offset, len, size)?;
-        let mut file = std::fs::File::open(self.path(name)?).map_err(io)?;
-        file.seek(SeekFrom::Start(offset)).map_err(io)?;
-        let mut buf = vec![0u8; end - start];
-        file.read_exact(&mut buf).map_err(io)?;
-        Ok(Cow::Owned(buf))
+        let mut buf = Vec::new();
+        buf.try_reserve_exact(end - start)
+            .map_err(|_| SourceError::Io {
+                name: path.display().to_string(),
+                message: format!("cannot hold {len} bytes of it in memory"),
+            })?;
+        buf.resize(end - start, 0);
+        match file.read_exact_at(&mut buf, offset) {
+            Ok(()) => Ok(Cow::Owned(buf)),
+            Err(e) if e.kind() == std::io::ErrorKind::UnexpectedEof => {
+                let now = file.metadata().map_or(0, |m| m.len());
+                Err(SourceError::Io {
+                    name: path.display().to_string(),
+                    message: format!(
+                        "the file changed while it was read (it was {size} bytes, now {now} bytes); \
+                         was it being written or replaced?"
+                    ),
+                })
+            }
+            Err(e) => Err(io(
+                &format!("cannot read {len} bytes at offset {offset}"),
+                e,
+            )),
+        }
     }
 }
 

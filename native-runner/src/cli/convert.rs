@@ -342,6 +342,7 @@ fn fsdp2_output(args: &ConvertArgs, checkpoint: &Checkpoint) -> Result<Checkpoin
 
 /// Refuses output flags that do not fit the output kind, and an output that exists.
 fn check_output(args: &ConvertArgs) -> Result<()> {
+    crate::atomic::refuse_link(&args.output)?;
     let target = target_of(args)?;
     if args.max_shard_size.is_some() && target != Target::Safetensors {
         bail!("--max-shard-size applies to safetensors output only");

@@ -531,7 +531,7 @@ fn write_output(
 ) -> anyhow::Result<()> {
     let origin = std::time::Instant::now();
     let bytes = output::safetensors_bytes(params, path)?;
-    crate::atomic::write_file(path, |w| {
+    crate::atomic::write_file_replacing(path, |w| {
         std::io::Write::write_all(w, &bytes)
             .with_context(|| format!("cannot write {}", path.display()))
     })?;

@@ -191,7 +191,7 @@ fn model_from_checkpoint(args: &LayoutArgs) -> anyhow::Result<ModelDescription> 
     if let Some(out) = &args.emit_model {
         let mut text = serde_json::to_string_pretty(&derived.model)?;
         text.push('\n');
-        crate::atomic::write_file(out, |w| {
+        crate::atomic::write_file_replacing(out, |w| {
             std::io::Write::write_all(w, text.as_bytes())
                 .with_context(|| format!("cannot write {}", out.display()))
         })?;

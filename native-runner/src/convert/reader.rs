@@ -2,9 +2,7 @@
 //! (`pread`) straight into the destination for dim-0 slabs, a scratch buffer and a box copy for
 //! other chunks, byte ranges of slab-stored tensors, and casts in place.
 
-use std::collections::{BTreeMap, BTreeSet};
-use std::fs::File;
-use std::os::unix::fs::FileExt;
+use std::collections::BTreeSet;
 
 use anyhow::{Context, Result, bail};
 use shardscope_core::DType;
@@ -19,7 +17,6 @@ use crate::input::Input;
 pub struct Reader<'a> {
     source: &'a Input,
     index: &'a CheckpointIndex,
-    files: BTreeMap<String, File>,
     scratch: Vec<u8>,
     /// The buffer of [`Reader::append_range_as`] for tensors that are not slabs.
     range_scratch: Vec<u8>,
@@ -30,7 +27,6 @@ impl<'a> Reader<'a> {
         Self {
             source,
             index,
-            files: BTreeMap::new(),
             scratch: Vec::new(),
             range_scratch: Vec::new(),
         }
@@ -44,25 +40,11 @@ impl<'a> Reader<'a> {
         self.source
     }
 
-    fn pread(&mut self, name: &str, offset: u64, out: &mut [u8]) -> Result<()> {
-        let root = match self.source {
-            Input::Local(local) => local.root(),
-            Input::Remote(remote) => return Ok(remote.read_into(name, offset, out)?),
-        };
-        let path = root.join(name);
-        if !self.files.contains_key(name) {
-            let file =
-                File::open(&path).with_context(|| format!("cannot open {}", path.display()))?;
-            self.files.insert(name.to_owned(), file);
+    fn pread(&self, name: &str, offset: u64, out: &mut [u8]) -> Result<()> {
+        match self.source {
+            Input::Local(local) => Ok(local.read_into(name, offset, out)?),
+            Input::Remote(remote) => Ok(remote.read_into(name, offset, out)?),
         }
-        let file = &self.files[name];
-        file.read_exact_at(out, offset).with_context(|| {
-            format!(
-                "cannot read {} bytes at offset {offset} of {}",
-                out.len(),
-                path.display()
-            )
-        })
     }
 
     /// Reads the whole tensor of `entry` into `buf[..nbytes]` (growing `buf` when needed), cast to

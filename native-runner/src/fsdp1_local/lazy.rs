@@ -1,9 +1,9 @@
 //! Lazy per-rank `torch.save` inputs and tensor-at-a-time `torch.save` outputs.
 //!
 //! - [`LazyFile`]: a `torch.save` file whose pickle and storage table are read once (through the
-//!   memory-mapped [`FileSource`], which touches the zip directory and `data.pkl` only, then
-//!   unmapped); tensor bytes are read later with positioned reads of exactly the elements needed,
-//!   so nothing stays resident after use.
+//!   [`FileSource`], which reads the zip directory and `data.pkl` only); tensor bytes are read
+//!   later with positioned reads of exactly the elements needed, so nothing stays resident after
+//!   use.
 //! - Skeletons: a [`Node`] whose tensors carry dtype and shape but no bytes (see
 //!   [`bridge::node_from_archive`]); every tensor is named by its path in the tree (`/state/3/exp_avg`,
 //!   the path format of the bridge). An output file is planned from a skeleton and each storage is
@@ -19,7 +19,6 @@ use shardscope_core::bridge::{self, BridgeError, RootDict};
 use shardscope_core::formats::pickle::TensorRef;
 use shardscope_core::formats::torch_zip::{self, MemberRange, TorchArchive};
 use shardscope_core::model::tree::{Node, Tensor};
-use shardscope_core::source::Source;
 
 use super::Fsdp1LocalError;
 use crate::file_source::FileSource;
@@ -57,15 +56,16 @@ impl LazyFile {
                 .file_name()
                 .and_then(|n| n.to_str())
                 .unwrap_or_default();
-            let bytes = source
-                .read_all(member)
-                .map_err(|source| BridgeError::Source {
+            // By range: the zip directory, local headers and data.pkl, not the tensor bytes.
+            torch_zip::read_archive_from(&source, member).map_err(|e| match e {
+                torch_zip::ArchiveFileError::Source(source) => BridgeError::Source {
                     file: name.clone(),
                     source,
-                })?;
-            torch_zip::read_archive(&bytes).map_err(|source| BridgeError::Archive {
-                file: name.clone(),
-                source,
+                },
+                torch_zip::ArchiveFileError::Archive(source) => BridgeError::Archive {
+                    file: name.clone(),
+                    source,
+                },
             })?
         };
         let file = File::open(path).map_err(io_err(path))?;

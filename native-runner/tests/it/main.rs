@@ -34,6 +34,7 @@ mod hsdp_replicas;
 mod interop_ranks;
 mod layout_fixtures;
 mod layout_from;
+mod local_faults;
 mod rank_names;
 mod remote;
 mod reshard_cli;
