@@ -72,3 +72,20 @@ pub fn globals(data: &[u8]) -> Result<Vec<Global>, PickleError> {
     }
     Ok(out)
 }
+
+/// The globals a pickle names before it stops or fails to parse, and the error if it failed:
+/// what an unpickler that imports would already have imported (and may have called) when it
+/// reached that point. Pass 1 only: nothing is imported, called or built.
+pub fn globals_until_error(data: &[u8]) -> (Vec<Global>, Option<PickleError>) {
+    let limits = PickleLimits::for_len(data.len());
+    if u32::try_from(data.len()).is_err() {
+        return (
+            Vec::new(),
+            Some(PickleError::Limit {
+                what: "bytes of one pickle",
+                limit: u32::MAX as usize,
+            }),
+        );
+    }
+    Machine::new(data, limits).globals_until_error()
+}
