@@ -113,7 +113,8 @@ impl Limits {
     };
 }
 
-/// `Ok(None)`: not parsed from ranges (fall back to the whole file).
+/// `Ok(None)`: not parsed from ranges (tests compare with the whole-file reader).
+#[cfg(test)]
 fn read_lazily(
     source: &dyn Source,
     name: &str,
@@ -190,6 +191,7 @@ pub fn pickle_globals_from(
 /// bytes fetched to read it (its end records, directory, every member's local header, and
 /// `data.pkl` and `byteorder` where their headers' slack covers them). `Ok(None)`: the ranges do
 /// not parse alone.
+#[cfg(test)]
 fn open_lazily(
     source: &dyn Source,
     name: &str,
