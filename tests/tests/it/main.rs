@@ -5,6 +5,7 @@
 
 mod bridge_torch_save;
 mod formats_malformed;
+mod huge_inputs;
 mod layout_errors;
 mod layout_properties;
 mod transform_model;

@@ -42,9 +42,16 @@ const HEADER_SLACK: u64 = 512;
 const COALESCE_GAP: u64 = 128 << 10;
 /// Fetch-and-retry rounds per step before giving up on the lazy path.
 const MAX_ROUNDS: usize = 8;
-/// The most bytes one round fetches to fill a read the zip parser missed (the central
-/// directory is fetched in steps of this size: 8 rounds read a directory of up to 512 MiB, some
-/// five million members), so a junk file claiming a huge directory costs one step, not its size.
+/// The most bytes the first round fetches to fill a read the zip parser missed (the central
+/// directory); each further round may fetch twice as much as the one before, up to
+/// [`MAX_DIRECTORY_BYTES`] in all.
+const MISS_FIRST_STEP: u64 = 1 << 20;
+/// The most bytes fetched to read the end records and central directory (256 MiB, the directory
+/// of some two and a half million members of a `torch.save` archive). A real directory is
+/// fetched once; a junk end record makes the zip parser read on (it searches for the directory),
+/// which stops here.
+pub const MAX_DIRECTORY_BYTES: u64 = 256 << 20;
+/// The most bytes one round fetches for a local header the parser missed.
 const MISS_STEP: u64 = 64 << 20;
 /// The most bytes one fetch of a torch archive's parts may ask for: the directory, the headers
 /// and `data.pkl` (a pickle over 4 GiB is refused by the pickle reader anyway).
@@ -216,7 +223,8 @@ fn open_lazily_why(
     // The end records and the central directory. The directory runs up to the end records: a
     // miss fetches everything from it to the bytes already held, in one request.
     let mut archive = None;
-    for _ in 0..MAX_ROUNDS {
+    let mut directory_bytes = 0u64;
+    for round in 0..MAX_ROUNDS {
         let result = zip::ZipArchive::new(Sparse::new(&store));
         let miss = store.borrow_mut().miss.take();
         match (result, miss) {
@@ -224,12 +232,20 @@ fn open_lazily_why(
                 archive = Some(a);
                 break;
             }
-            (_, Some((offset, _))) => {
+            (_, Some((offset, len))) => {
                 let end = store
                     .borrow()
                     .next_held(offset)
                     .unwrap_or(size)
-                    .min(offset.saturating_add(MISS_STEP));
+                    .min(offset.saturating_add(len.max(MISS_FIRST_STEP << round)));
+                directory_bytes = directory_bytes.saturating_add(end.saturating_sub(offset));
+                if directory_bytes > MAX_DIRECTORY_BYTES {
+                    return Ok(Err(Some(TorchZipError::Zip {
+                        message: format!(
+                            "its zip directory is not where its end record says (read up to byte {offset} of {size}), and reading on would fetch more than the limit of {MAX_DIRECTORY_BYTES} bytes (256 MiB) for a torch.save archive's directory: damaged or not a torch.save archive"
+                        ),
+                    })));
+                }
                 store
                     .borrow_mut()
                     .fetch(source, name, vec![(offset, end)])?;
