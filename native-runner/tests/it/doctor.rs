@@ -526,7 +526,7 @@ fn assert_unsafe_first(report: &str, file: &str, global: &str) {
     assert_eq!(report["loadable"], false, "{report}");
     let first = &report["findings"][0];
     assert_eq!(first["code"], "unsafe-pickle", "{report}");
-    let message = first["message"].as_str().unwrap();
+    let message = first["message"].as_str().expect("a message");
     assert!(message.contains(file), "{message}");
     assert!(message.contains(global), "{message}");
     assert!(message.contains("execute code"), "{message}");

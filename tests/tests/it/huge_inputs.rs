@@ -18,17 +18,20 @@ use shardscope_core::{Source, SourceError};
 const HUGE: u64 = 6 << 30;
 const REFUSED_OVER: u64 = 256 << 20;
 
+/// Bytes placed at an offset of a sparse file.
+type Island = (u64, Vec<u8>);
+
 /// Files of a claimed size: zeros, except the bytes placed at given offsets.
 #[derive(Default)]
 struct Sparse {
-    files: BTreeMap<String, (u64, Vec<(u64, Vec<u8>)>)>,
+    files: BTreeMap<String, (u64, Vec<Island>)>,
     largest_read: Cell<u64>,
     total_read: Cell<u64>,
     refused: RefCell<Vec<(String, u64)>>,
 }
 
 impl Sparse {
-    fn with(mut self, name: &str, size: u64, islands: Vec<(u64, Vec<u8>)>) -> Self {
+    fn with(mut self, name: &str, size: u64, islands: Vec<Island>) -> Self {
         self.files.insert(name.to_owned(), (size, islands));
         self
     }
