@@ -71,8 +71,8 @@ fn outside(globals: &[Global], allows: impl Fn(&Global) -> bool) -> Vec<String> 
         .collect()
 }
 
-/// `.metadata` itself, then the bytes items its records place in `.distcp` files (or, when it
-/// does not parse and whole reads are cheap, every `data.pkl` found in the `.distcp` files).
+/// `.metadata` itself, then the bytes items its records place in `.distcp` files (or, when it is
+/// damaged or hostile and whole reads are cheap, every `data.pkl` found in the `.distcp` files).
 fn scan_dcp(source: &dyn Source, meta_name: &str, out: &mut Vec<Finding>) {
     let Ok(bytes) = formats::read_all_capped(
         source,
@@ -82,7 +82,8 @@ fn scan_dcp(source: &dyn Source, meta_name: &str, out: &mut Vec<Finding>) {
     ) else {
         return;
     };
-    let (globals, _) = pickle::globals_until_error(&bytes);
+    let (globals, error) = pickle::globals_until_error(&bytes);
+    let damaged = error.is_some();
     let bad = outside(&globals, metadata_allows);
     if !bad.is_empty() {
         out.push(finding(
@@ -95,7 +96,17 @@ fn scan_dcp(source: &dyn Source, meta_name: &str, out: &mut Vec<Finding>) {
         .rsplit_once('/')
         .map_or(String::new(), |(d, _)| format!("{d}/"));
     let item_loader = "torch.distributed.checkpoint's DefaultLoadPlanner loads a bytes item with torch.load(weights_only=False)";
-    if let Ok(meta) = dcp::read_metadata(&bytes) {
+    // Bytes items are `BytesStorageMetadata` records: without that class there are none, and
+    // the metadata is not parsed again.
+    let has_bytes_items = globals.iter().any(|g| {
+        g.module == "torch.distributed.checkpoint.metadata" && g.name == "BytesStorageMetadata"
+    });
+    let parsed = if has_bytes_items {
+        dcp::read_metadata(&bytes).ok()
+    } else {
+        None
+    };
+    if let Some(meta) = parsed {
         let bytes_items: std::collections::BTreeSet<&str> = meta
             .items
             .iter()
@@ -121,7 +132,7 @@ fn scan_dcp(source: &dyn Source, meta_name: &str, out: &mut Vec<Finding>) {
                 }
             }
         }
-    } else if source.whole_reads_are_cheap() {
+    } else if (has_bytes_items || damaged || !bad.is_empty()) && source.whole_reads_are_cheap() {
         for file in source.names() {
             if !(file.starts_with(&dir) && file.ends_with(".distcp")) {
                 continue;
