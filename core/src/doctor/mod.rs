@@ -40,7 +40,7 @@ use crate::source::Source;
 pub use files::{unreadable_file, unsupported_file};
 pub use pickle_globals::{unsafe_globals, unsafe_pickle, weights_only_allows};
 pub use report::{Finding, REPORT_VERSION, Report, Severity};
-pub use safety::{metadata_allows, unsafe_loader_pickles};
+pub use safety::{metadata_allows, unsafe_loader_pickles, unsafe_loader_pickles_indexed};
 pub use target::{Target, TargetKind, TargetTensor};
 
 /// Options of one diagnosis.

@@ -7,6 +7,7 @@
 
 use crate::formats::pickle::{self, Global};
 use crate::formats::{self, dcp, torch_zip};
+use crate::index::{CheckpointIndex, ChunkEncoding, EntryKind, Format};
 use crate::source::Source;
 
 use super::pickle_globals::{torch_own, weights_only_allows};
@@ -31,13 +32,28 @@ pub fn metadata_allows(g: &Global) -> bool {
 }
 
 /// The `unsafe-pickle` findings of every pickle in `source` that torch unpickles with no
-/// restriction. Files that cannot be read are left to the other findings.
+/// restriction, file by file (for a checkpoint that may not index). Files that cannot be read
+/// are left to the other findings.
 pub fn unsafe_loader_pickles(source: &dyn Source) -> Vec<Finding> {
+    scan(source, None)
+}
+
+/// [`unsafe_loader_pickles`] of a checkpoint that indexed: a DCP's `.metadata` globals and its
+/// bytes items come from the index (the metadata is not read again).
+pub fn unsafe_loader_pickles_indexed(source: &dyn Source, index: &CheckpointIndex) -> Vec<Finding> {
+    scan(source, Some(index))
+}
+
+fn scan(source: &dyn Source, index: Option<&CheckpointIndex>) -> Vec<Finding> {
+    let dcp_index = index.filter(|i| i.format == Format::Dcp && i.dcp.is_some());
     let mut out = Vec::new();
     for name in source.names() {
         let base = name.rsplit('/').next().unwrap_or(&name);
         match base {
-            ".metadata" => scan_dcp(source, &name, &mut out),
+            ".metadata" => match dcp_index {
+                Some(index) => scan_indexed_dcp(source, &name, index, &mut out),
+                None => scan_dcp(source, &name, &mut out),
+            },
             "metadata.pkl" => {
                 let Ok(bytes) = formats::read_all_capped(
                     source,
@@ -63,6 +79,52 @@ pub fn unsafe_loader_pickles(source: &dyn Source) -> Vec<Finding> {
     out
 }
 
+const METADATA_LOADER: &str = "torch.distributed.checkpoint's FileSystemReader unpickles .metadata with pickle.load (no restriction) before it loads anything";
+const ITEM_LOADER: &str = "torch.distributed.checkpoint's DefaultLoadPlanner loads a bytes item with torch.load(weights_only=False)";
+
+/// A DCP that indexed: the globals its `.metadata` named, and each bytes entry's item (a
+/// `torch.save` archive, zstd-compressed where the item was).
+fn scan_indexed_dcp(
+    source: &dyn Source,
+    meta_name: &str,
+    index: &CheckpointIndex,
+    out: &mut Vec<Finding>,
+) {
+    if let Some(facts) = &index.dcp {
+        let bad = outside(&facts.metadata_globals, metadata_allows);
+        if !bad.is_empty() {
+            out.push(finding(meta_name, &bad, METADATA_LOADER));
+        }
+    }
+    for e in index.entries.iter().filter(|e| e.kind == EntryKind::Bytes) {
+        for c in &e.chunks {
+            if c.byte_length > formats::MAX_PICKLE_FILE_BYTES {
+                continue;
+            }
+            let Ok(raw) = source.read_range(&c.file, c.byte_offset, c.byte_length) else {
+                continue;
+            };
+            let item = match c.encoding {
+                ChunkEncoding::TorchSaveItem => raw,
+                ChunkEncoding::ZstdTorchSaveItem => {
+                    match dcp::decompress_zstd(&raw, c.max_decoded_bytes()) {
+                        Ok(b) => b.into(),
+                        Err(_) => continue,
+                    }
+                }
+                ChunkEncoding::Raw { .. } => continue,
+            };
+            if let Ok(globals) = torch_zip::pickle_globals(&item) {
+                let bad = outside(&globals, |g| weights_only_allows(g) || torch_own(g));
+                if !bad.is_empty() {
+                    let at = format!("{} (item `{}` at byte {})", c.file, e.key, c.byte_offset);
+                    out.push(finding(&at, &bad, ITEM_LOADER));
+                }
+            }
+        }
+    }
+}
+
 fn outside(globals: &[Global], allows: impl Fn(&Global) -> bool) -> Vec<String> {
     globals
         .iter()
@@ -86,16 +148,12 @@ fn scan_dcp(source: &dyn Source, meta_name: &str, out: &mut Vec<Finding>) {
     let damaged = error.is_some();
     let bad = outside(&globals, metadata_allows);
     if !bad.is_empty() {
-        out.push(finding(
-            meta_name,
-            &bad,
-            "torch.distributed.checkpoint's FileSystemReader unpickles .metadata with pickle.load (no restriction) before it loads anything",
-        ));
+        out.push(finding(meta_name, &bad, METADATA_LOADER));
     }
     let dir = meta_name
         .rsplit_once('/')
         .map_or(String::new(), |(d, _)| format!("{d}/"));
-    let item_loader = "torch.distributed.checkpoint's DefaultLoadPlanner loads a bytes item with torch.load(weights_only=False)";
+    let item_loader = ITEM_LOADER;
     // Bytes items are `BytesStorageMetadata` records: without that class there are none, and
     // the metadata is not parsed again.
     let has_bytes_items = globals.iter().any(|g| {

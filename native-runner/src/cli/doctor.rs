@@ -265,10 +265,15 @@ pub fn run(args: &DoctorArgs) -> anyhow::Result<ExitCode> {
     let target = load_target(args)?;
     let options = super::read::read_options(None, Fsdp1Flags::default(), &args.files)?;
     let source = crate::input::open(&args.paths, true)?;
-    // Pickles torch would unpickle with no restriction, file by file: reported even when the
-    // checkpoint does not read (a hostile `.metadata` is rarely a valid one).
-    let unsafe_pickles = doctor::unsafe_loader_pickles(&source);
-    let (idx, mut findings) = match open_or_salvage(&source, &label, &options, args.json) {
+    // Pickles torch would unpickle with no restriction: from the index when the checkpoint read,
+    // file by file when it did not (a hostile `.metadata` is rarely a valid one): reported
+    // either way.
+    let opened = open_or_salvage(&source, &label, &options, args.json);
+    let unsafe_pickles = match &opened {
+        Ok((Some(idx), _)) => doctor::unsafe_loader_pickles_indexed(&source, idx),
+        _ => doctor::unsafe_loader_pickles(&source),
+    };
+    let (idx, mut findings) = match opened {
         Ok(opened) => opened,
         Err(e) if !unsafe_pickles.is_empty() => (
             None,

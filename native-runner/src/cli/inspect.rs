@@ -100,8 +100,14 @@ fn fmt_num(v: Option<f64>) -> String {
 
 /// Prints (to stderr) an `unsafe-pickle` error for each pickle of `source` that torch's loaders
 /// would unpickle with no restriction and that names globals they do not need; true when any.
-fn show_unsafe_pickles(source: &dyn shardscope_core::source::Source) -> bool {
-    let findings = shardscope_core::doctor::unsafe_loader_pickles(source);
+fn show_unsafe_pickles(
+    source: &dyn shardscope_core::source::Source,
+    index: Option<&shardscope_core::index::CheckpointIndex>,
+) -> bool {
+    let findings = match index {
+        Some(index) => shardscope_core::doctor::unsafe_loader_pickles_indexed(source, index),
+        None => shardscope_core::doctor::unsafe_loader_pickles(source),
+    };
     for f in &findings {
         eprintln!("error[{}]: {}", f.code, f.message);
     }
@@ -128,13 +134,13 @@ pub fn run(args: &InspectArgs) -> anyhow::Result<ExitCode> {
         Err(e) => {
             // A hostile pickle is rarely a valid checkpoint: why it is dangerous comes first.
             if let Ok(source) = crate::input::open(&args.paths, false) {
-                show_unsafe_pickles(&source);
+                show_unsafe_pickles(&source, None);
             }
             return Err(e);
         }
     };
     super::read::show_notes(&checkpoint, false);
-    let unsafe_pickles = show_unsafe_pickles(&source);
+    let unsafe_pickles = show_unsafe_pickles(&source, Some(&checkpoint.index));
     let mut idx = checkpoint.index;
     let problems = idx.check();
     if let Some(re) = &filter {

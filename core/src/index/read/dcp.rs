@@ -335,6 +335,7 @@ pub fn index_dcp(source: &dyn Source, metadata_name: &str) -> Result<CheckpointI
             version: meta.version,
             checkpoint_id: meta.checkpoint_id,
             save_id: meta.save_id,
+            metadata_globals: meta.globals,
         }),
     })
 }
