@@ -45,7 +45,7 @@ const MAX_ROUNDS: usize = 8;
 /// The most bytes the first round fetches to fill a read the zip parser missed (the central
 /// directory); each further round may fetch twice as much as the one before, up to
 /// [`MAX_DIRECTORY_BYTES`] in all.
-const MISS_FIRST_STEP: u64 = 1 << 20;
+const MISS_FIRST_STEP: u64 = 16 << 20;
 /// The most bytes fetched to read the end records and central directory (256 MiB, the directory
 /// of some two and a half million members of a `torch.save` archive). A real directory is
 /// fetched once; a junk end record makes the zip parser read on (it searches for the directory),
