@@ -38,20 +38,28 @@ pub fn unsafe_loader_pickles(source: &dyn Source) -> Vec<Finding> {
     scan(source, None)
 }
 
-/// [`unsafe_loader_pickles`] of a checkpoint that indexed: a DCP's `.metadata` globals and its
-/// bytes items come from the index (the metadata is not read again).
-pub fn unsafe_loader_pickles_indexed(source: &dyn Source, index: &CheckpointIndex) -> Vec<Finding> {
-    scan(source, Some(index))
+/// [`unsafe_loader_pickles`] of a checkpoint that indexed: a DCP's `.metadata` globals come from
+/// the index (the metadata is not read again), its bytes items are read where the index places
+/// them when `read_items` (a request each on a remote source: `inspect` reads them only from
+/// local files, `doctor` always).
+pub fn unsafe_loader_pickles_indexed(
+    source: &dyn Source,
+    index: &CheckpointIndex,
+    read_items: bool,
+) -> Vec<Finding> {
+    scan(source, Some((index, read_items)))
 }
 
-fn scan(source: &dyn Source, index: Option<&CheckpointIndex>) -> Vec<Finding> {
-    let dcp_index = index.filter(|i| i.format == Format::Dcp && i.dcp.is_some());
+fn scan(source: &dyn Source, index: Option<(&CheckpointIndex, bool)>) -> Vec<Finding> {
+    let dcp_index = index.filter(|(i, _)| i.format == Format::Dcp && i.dcp.is_some());
     let mut out = Vec::new();
     for name in source.names() {
         let base = name.rsplit('/').next().unwrap_or(&name);
         match base {
             ".metadata" => match dcp_index {
-                Some(index) => scan_indexed_dcp(source, &name, index, &mut out),
+                Some((index, read_items)) => {
+                    scan_indexed_dcp(source, &name, index, read_items, &mut out);
+                }
                 None => scan_dcp(source, &name, &mut out),
             },
             "metadata.pkl" => {
@@ -88,6 +96,7 @@ fn scan_indexed_dcp(
     source: &dyn Source,
     meta_name: &str,
     index: &CheckpointIndex,
+    read_items: bool,
     out: &mut Vec<Finding>,
 ) {
     if let Some(facts) = &index.dcp {
@@ -96,9 +105,15 @@ fn scan_indexed_dcp(
             out.push(finding(meta_name, &bad, METADATA_LOADER));
         }
     }
+    if !read_items {
+        return;
+    }
+    let mut seen = std::collections::BTreeSet::new();
     for e in index.entries.iter().filter(|e| e.kind == EntryKind::Bytes) {
         for c in &e.chunks {
-            if c.byte_length > formats::MAX_PICKLE_FILE_BYTES {
+            if c.byte_length > formats::MAX_PICKLE_FILE_BYTES
+                || !seen.insert((c.file.as_str(), c.byte_offset))
+            {
                 continue;
             }
             let Ok(raw) = source.read_range(&c.file, c.byte_offset, c.byte_length) else {

@@ -93,7 +93,13 @@ fn salvage_dcp(source: &dyn Source, err: &index::IndexError) -> Option<Salvage> 
     let meta_name = names
         .iter()
         .find(|n| n.as_str() == ".metadata" || n.ends_with("/.metadata"))?;
-    let bytes = source.read_all(meta_name).ok()?;
+    let bytes = shardscope_core::formats::read_all_capped(
+        source,
+        meta_name,
+        shardscope_core::formats::MAX_DCP_METADATA_BYTES,
+        "a DCP .metadata file",
+    )
+    .ok()?;
     let meta = dcp::read_metadata(&bytes).ok()?;
     let dir = meta_name
         .rsplit_once('/')
@@ -270,7 +276,7 @@ pub fn run(args: &DoctorArgs) -> anyhow::Result<ExitCode> {
     // either way.
     let opened = open_or_salvage(&source, &label, &options, args.json);
     let unsafe_pickles = match &opened {
-        Ok((Some(idx), _)) => doctor::unsafe_loader_pickles_indexed(&source, idx),
+        Ok((Some(idx), _)) => doctor::unsafe_loader_pickles_indexed(&source, idx, true),
         _ => doctor::unsafe_loader_pickles(&source),
     };
     let (idx, mut findings) = match opened {

@@ -105,7 +105,12 @@ fn show_unsafe_pickles(
     index: Option<&shardscope_core::index::CheckpointIndex>,
 ) -> bool {
     let findings = match index {
-        Some(index) => shardscope_core::doctor::unsafe_loader_pickles_indexed(source, index),
+        // The bytes items of a remote DCP are not fetched (a request each); doctor reads them.
+        Some(index) => shardscope_core::doctor::unsafe_loader_pickles_indexed(
+            source,
+            index,
+            source.whole_reads_are_cheap(),
+        ),
         None => shardscope_core::doctor::unsafe_loader_pickles(source),
     };
     for f in &findings {
