@@ -4,8 +4,10 @@
 //! bytes of `data.pkl` and `byteorder`. The zip crate parses all of it, over a reader that holds
 //! only the fetched byte ranges ([`Sparse`]): a read it needs and does not hold fails and is
 //! recorded, the range is fetched and the parse runs again (a bounded number of times). The result
-//! is the [`TorchArchive`] [`read_archive`] gives for the whole bytes; when the ranges alone do
-//! not parse, the whole file is read and [`read_archive`] decides, as before.
+//! is the [`TorchArchive`] [`read_archive`] gives for the whole bytes. When the ranges do not
+//! parse, the zip parser's error is final: the file is never read whole (a junk file of many GiB
+//! behind a URL), and what is fetched is capped ([`MAX_DIRECTORY_BYTES`], [`MAX_FETCH_BYTES`]).
+//! Sources whose whole reads are cheap (memory-mapped files) are read whole by [`read_archive`].
 
 use std::cell::RefCell;
 use std::collections::BTreeMap;
@@ -61,7 +63,7 @@ pub const MAX_FETCH_BYTES: u64 = 1 << 30;
 /// equal to `read_archive(&source.read_all(name)?)`, which it uses directly when the source says
 /// whole reads are cheap (memory-mapped local files). Otherwise the file is never read whole
 /// (a remote junk file of many GiB): when the ranges do not parse, that is the error
-/// ([`lazy_failure`]).
+/// (see `lazy_failure`).
 ///
 /// [`read_archive`]: super::read_archive
 pub fn read_archive_from(
