@@ -4,8 +4,9 @@
 //! reads a diagnosis needs), optionally a [`Target`] (the model the checkpoint should load into,
 //! from a reference checkpoint or a model description) and returns [`Finding`]s: a stable `code`,
 //! a severity, the keys involved, a message in plain words and a fix (a `shardscope` command or a
-//! line of Python). No file I/O happens here; the CLI opens the inputs and scans pickles for
-//! globals ([`unsafe_globals`]).
+//! line of Python). No file is opened here; the CLI opens the inputs and scans `torch.save`
+//! pickles for globals ([`unsafe_globals`]); [`unsafe_loader_pickles`] reads the pickles torch's
+//! DCP and `torch_checkpointing` loaders unpickle from the [`Source`] it is given.
 //!
 //! A nested checkpoint (`{"model": …, "optim": …}`, DCP app states) is diagnosed part by part: each
 //! model part against the target, each optimizer part against the target's parameters.
@@ -16,6 +17,8 @@
 //!   optimizer parts), over the checkpoint split into [`parts`];
 //! - [`files`], [`pickle_globals`]: findings about whole files (unreadable, unsupported, unsafe
 //!   pickle globals);
+//! - [`safety`]: `unsafe-pickle` for the pickles torch's loaders unpickle with no restriction
+//!   (`.metadata`, `.distcp` bytes items, `metadata.pkl`), file by file, before anything is parsed;
 //! - [`text`]: how findings write shapes, key lists and shell arguments.
 
 mod coverage;
@@ -26,6 +29,7 @@ mod optim;
 mod parts;
 mod pickle_globals;
 mod report;
+mod safety;
 mod target;
 mod text;
 
@@ -37,6 +41,7 @@ use crate::source::Source;
 pub use files::{unreadable_file, unsupported_file};
 pub use pickle_globals::{unsafe_globals, unsafe_pickle, weights_only_allows};
 pub use report::{Finding, REPORT_VERSION, Report, Severity};
+pub use safety::{metadata_allows, unsafe_loader_pickles, unsafe_loader_pickles_indexed};
 pub use target::{Target, TargetKind, TargetTensor};
 
 /// Options of one diagnosis.

@@ -129,7 +129,7 @@ fn sub_byte_int(name: &str) -> bool {
 /// torch's own distributed records (DTensor, DeviceMesh, placements, ShardedTensor and its
 /// metadata, DCP metadata): torch registers them as safe when `torch.distributed` is imported, and
 /// shardscope reads them as data.
-fn torch_own(g: &Global) -> bool {
+pub(super) fn torch_own(g: &Global) -> bool {
     g.module.starts_with("torch.distributed.")
         && !g.module.contains(".elastic")
         && !g.module.contains(".rpc")

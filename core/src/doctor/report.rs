@@ -89,8 +89,8 @@ fn merge_alike(findings: Vec<Finding>) -> Vec<Finding> {
 }
 
 const CODES: [&str; 16] = [
-    "coverage",
     "unsafe-pickle",
+    "coverage",
     "world-size",
     "wrapper-prefix",
     "flat-param",

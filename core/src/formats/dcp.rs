@@ -89,6 +89,8 @@ pub struct DcpMetadata {
     /// `storage_meta.checkpoint_id` (the absolute path it was saved to).
     pub checkpoint_id: Option<String>,
     pub save_id: Option<String>,
+    /// Every global the pickle names (what `pickle.load` in torch's reader would import).
+    pub globals: Vec<pickle::Global>,
 }
 
 fn as_object<'a>(v: PyRef<'a>, expected: &str) -> Result<ObjRef<'a>, DcpError> {
@@ -228,6 +230,7 @@ pub fn read_metadata(bytes: &[u8]) -> Result<DcpMetadata, DcpError> {
         version,
         checkpoint_id,
         save_id,
+        globals: arena.globals(),
     })
 }
 

@@ -71,6 +71,10 @@ pub enum TorchZipError {
         extent: u64,
         numel: u64,
     },
+    /// A tensor's bytes cannot be allocated (a broadcast view of a huge shape over a small
+    /// storage, or less memory than the tensor needs).
+    #[error("tensor over storage `{key}` needs {bytes} bytes, which cannot be allocated")]
+    TooLarge { key: String, bytes: u64 },
 }
 
 fn not_zip_text(head: &[u8]) -> String {
@@ -210,7 +214,7 @@ fn build_archive(
 
 type Members = BTreeMap<String, (MemberRange, zip::CompressionMethod)>;
 
-fn zip_error(e: &zip::result::ZipError) -> TorchZipError {
+pub(crate) fn zip_error(e: &zip::result::ZipError) -> TorchZipError {
     TorchZipError::Zip {
         message: e.to_string(),
     }
@@ -395,8 +399,16 @@ pub fn gather_view(storage: &[u8], t: &TensorRef) -> Result<Vec<u8>, TorchZipErr
     {
         return Err(too_short());
     }
-    let numel = t.numel().ok_or_else(too_short)? as usize;
-    let mut out = Vec::with_capacity(numel * item);
+    let numel = usize::try_from(t.numel().ok_or_else(too_short)?).map_err(|_| too_short())?;
+    // A stride-0 view may have far more elements than its storage: allocate what it needs, or
+    // say that it cannot be (never abort).
+    let too_large = || TorchZipError::TooLarge {
+        key: t.storage.key.clone(),
+        bytes: (numel as u64).saturating_mul(item as u64),
+    };
+    let mut out = Vec::new();
+    out.try_reserve_exact(numel.checked_mul(item).ok_or_else(too_large)?)
+        .map_err(|_| too_large())?;
     if numel == 0 {
         return Ok(out);
     }

@@ -117,7 +117,13 @@ pub fn stored_key_order(
                 .or_else(|| names.iter().find(|n| n.ends_with("/.metadata")))
                 .cloned()
                 .unwrap_or_else(|| ".metadata".to_owned());
-            let bytes = source.read_all(&meta).map_err(IndexError::from)?;
+            let bytes = crate::formats::read_all_capped(
+                source,
+                &meta,
+                crate::formats::MAX_DCP_METADATA_BYTES,
+                "a DCP .metadata file",
+            )
+            .map_err(IndexError::from)?;
             let parsed = dcp::read_metadata(&bytes).map_err(|e| FromIndexError::DcpMetadata {
                 file: meta.clone(),
                 message: e.to_string(),

@@ -345,6 +345,9 @@ pub struct DcpFacts {
     pub version: Option<String>,
     pub checkpoint_id: Option<String>,
     pub save_id: Option<String>,
+    /// The globals `.metadata` names (for doctor's `unsafe-pickle`; not in `inspect --json`).
+    #[serde(skip)]
+    pub metadata_globals: Vec<crate::formats::pickle::Global>,
 }
 
 /// The canonical index of a checkpoint.

@@ -178,7 +178,10 @@ impl CheckpointIndex {
             // Allocated once a chunk has been read: a compressed chunk's size is only proven by
             // decoding it, so a lying `.metadata` fails before the whole tensor is allocated.
             if out.len() != total {
-                out = vec![0u8; total];
+                out = Vec::new();
+                out.try_reserve_exact(total)
+                    .map_err(|_| not(&format!("its {total} bytes cannot be allocated")))?;
+                out.resize(total, 0);
             }
             copy_box(&mut out, &strides, &c.offsets, &c.sizes, &data.bytes, item);
         }

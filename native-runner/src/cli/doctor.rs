@@ -93,7 +93,13 @@ fn salvage_dcp(source: &dyn Source, err: &index::IndexError) -> Option<Salvage> 
     let meta_name = names
         .iter()
         .find(|n| n.as_str() == ".metadata" || n.ends_with("/.metadata"))?;
-    let bytes = source.read_all(meta_name).ok()?;
+    let bytes = shardscope_core::formats::read_all_capped(
+        source,
+        meta_name,
+        shardscope_core::formats::MAX_DCP_METADATA_BYTES,
+        "a DCP .metadata file",
+    )
+    .ok()?;
     let meta = dcp::read_metadata(&bytes).ok()?;
     let dir = meta_name
         .rsplit_once('/')
@@ -201,16 +207,17 @@ fn pickle_findings(index: &CheckpointIndex, source: &dyn Source) -> Vec<Finding>
     out
 }
 
-/// Runs `doctor`: exit 0 when nothing stops a strict load, 1 when something does, 2 when the
-/// input holds nothing readable as a checkpoint.
-pub fn run(args: &DoctorArgs) -> anyhow::Result<ExitCode> {
-    let label = super::read::label_of(&args.paths);
-    let target = load_target(args)?;
-    let options = super::read::read_options(None, Fsdp1Flags::default(), &args.files)?;
-    let source = crate::input::open(&args.paths, true)?;
-    let (idx, mut findings) = match Checkpoint::open(&source, &label, &options) {
+/// The checkpoint's index (`None` when only parts of it read) and the findings of what could
+/// not be read; an error when nothing in it reads as a checkpoint.
+fn open_or_salvage(
+    source: &dyn Source,
+    label: &str,
+    options: &shardscope_core::checkpoint::ReadOptions,
+    json: bool,
+) -> anyhow::Result<(Option<CheckpointIndex>, Vec<Finding>)> {
+    Ok(match Checkpoint::open(source, label, options) {
         Ok(checkpoint) => {
-            super::read::show_notes(&checkpoint, args.json);
+            super::read::show_notes(&checkpoint, json);
             (Some(checkpoint.index), Vec::new())
         }
         // Per-rank sets with a missing rank (or model and optimizer sets of different sizes):
@@ -218,7 +225,7 @@ pub fn run(args: &DoctorArgs) -> anyhow::Result<ExitCode> {
         Err(CheckpointError::Files { .. })
             if options.model_files.is_none() && options.optim_files.is_none() =>
         {
-            match index::index_source(&source) {
+            match index::index_source(source) {
                 Ok(idx) => (Some(idx), Vec::new()),
                 Err(e) => return Err(anyhow::Error::new(e).context(format!("cannot read {label}"))),
             }
@@ -230,11 +237,11 @@ pub fn run(args: &DoctorArgs) -> anyhow::Result<ExitCode> {
                 .iter()
                 .any(|n| n == ".metadata" || n.ends_with("/.metadata"))
             {
-                salvage_dcp(&source, &err)
+                salvage_dcp(source, &err)
             } else if matches!(err, index::IndexError::SeveralCheckpoints { .. }) {
                 None
             } else {
-                salvage_torch(&source)
+                salvage_torch(source)
             };
             let Some(s) = salvage else {
                 let lfs = source.names().iter().any(|n| {
@@ -254,7 +261,33 @@ pub fn run(args: &DoctorArgs) -> anyhow::Result<ExitCode> {
             (s.index, s.findings)
         }
         Err(e) => return Err(e.into()),
+    })
+}
+
+/// Runs `doctor`: exit 0 when nothing stops a strict load, 1 when something does, 2 when the
+/// input holds nothing readable as a checkpoint.
+pub fn run(args: &DoctorArgs) -> anyhow::Result<ExitCode> {
+    let label = super::read::label_of(&args.paths);
+    let target = load_target(args)?;
+    let options = super::read::read_options(None, Fsdp1Flags::default(), &args.files)?;
+    let source = crate::input::open(&args.paths, true)?;
+    // Pickles torch would unpickle with no restriction: from the index when the checkpoint read,
+    // file by file when it did not (a hostile `.metadata` is rarely a valid one): reported
+    // either way.
+    let opened = open_or_salvage(&source, &label, &options, args.json);
+    let unsafe_pickles = match &opened {
+        Ok((Some(idx), _)) => doctor::unsafe_loader_pickles_indexed(&source, idx, true),
+        _ => doctor::unsafe_loader_pickles(&source),
     };
+    let (idx, mut findings) = match opened {
+        Ok(opened) => opened,
+        Err(e) if !unsafe_pickles.is_empty() => (
+            None,
+            vec![doctor::unreadable_file(&label, &e.root_cause().to_string())],
+        ),
+        Err(e) => return Err(e),
+    };
+    findings.extend(unsafe_pickles);
     let options = Options {
         target: target.as_ref(),
         world_size: args.world_size,

@@ -98,7 +98,29 @@ fn fmt_num(v: Option<f64>) -> String {
     })
 }
 
-/// Runs `inspect`; exit 0 when the checkpoint is consistent, 2 when a problem was found.
+/// Prints (to stderr) an `unsafe-pickle` error for each pickle of `source` that torch's loaders
+/// would unpickle with no restriction and that names globals they do not need; true when any.
+fn show_unsafe_pickles(
+    source: &dyn shardscope_core::source::Source,
+    index: Option<&shardscope_core::index::CheckpointIndex>,
+) -> bool {
+    let findings = match index {
+        // The bytes items of a remote DCP are not fetched (a request each); doctor reads them.
+        Some(index) => shardscope_core::doctor::unsafe_loader_pickles_indexed(
+            source,
+            index,
+            source.whole_reads_are_cheap(),
+        ),
+        None => shardscope_core::doctor::unsafe_loader_pickles(source),
+    };
+    for f in &findings {
+        eprintln!("error[{}]: {}", f.code, f.message);
+    }
+    !findings.is_empty()
+}
+
+/// Runs `inspect`; exit 0 when the checkpoint is consistent, 2 when a problem was found (or a
+/// pickle torch would unpickle names code to run).
 pub fn run(args: &InspectArgs) -> anyhow::Result<ExitCode> {
     let filter = args
         .filter
@@ -112,8 +134,18 @@ pub fn run(args: &InspectArgs) -> anyhow::Result<ExitCode> {
         .map(|p| p.display().to_string())
         .collect::<Vec<_>>()
         .join(" ");
-    let (source, checkpoint) = super::read::open(&args.paths, true, &args.read.options()?)?;
+    let (source, checkpoint) = match super::read::open(&args.paths, true, &args.read.options()?) {
+        Ok(opened) => opened,
+        Err(e) => {
+            // A hostile pickle is rarely a valid checkpoint: why it is dangerous comes first.
+            if let Ok(source) = crate::input::open(&args.paths, false) {
+                show_unsafe_pickles(&source, None);
+            }
+            return Err(e);
+        }
+    };
     super::read::show_notes(&checkpoint, false);
+    let unsafe_pickles = show_unsafe_pickles(&source, Some(&checkpoint.index));
     let mut idx = checkpoint.index;
     let problems = idx.check();
     if let Some(re) = &filter {
@@ -165,7 +197,11 @@ pub fn run(args: &InspectArgs) -> anyhow::Result<ExitCode> {
         print_stdout(&render(&idx, &stats, &summary, args.values))?;
     }
     if problems.is_empty() {
-        return Ok(ExitCode::SUCCESS);
+        return Ok(if unsafe_pickles {
+            ExitCode::from(2)
+        } else {
+            ExitCode::SUCCESS
+        });
     }
     let mut err = String::new();
     for p in &problems {

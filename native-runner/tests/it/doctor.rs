@@ -503,3 +503,128 @@ fn alone_without_a_target() {
     let run = doctor(&["../formats/dcp_torch_save"], &[]);
     assert_eq!(run.code, 0, "{:#}", run.report);
 }
+
+/// `shardscope doctor DIR --json` / `inspect DIR` on a folder outside the fixtures: exit code,
+/// the report (doctor) and stderr.
+fn run_on(cmd: &str, dir: &std::path::Path) -> (i32, String, String) {
+    let mut c = Command::new(crate::common::shardscope_bin());
+    c.arg(cmd).arg(dir);
+    if cmd == "doctor" {
+        c.arg("--json");
+    }
+    let out = c.output().expect("run shardscope");
+    (
+        out.status.code().expect("exit code"),
+        String::from_utf8_lossy(&out.stdout).into_owned(),
+        String::from_utf8_lossy(&out.stderr).into_owned(),
+    )
+}
+
+/// The first finding of a doctor report is `unsafe-pickle`, naming `file` and `global`.
+fn assert_unsafe_first(report: &str, file: &str, global: &str) {
+    let report: Value = serde_json::from_str(report).expect("doctor JSON");
+    assert_eq!(report["loadable"], false, "{report}");
+    let first = &report["findings"][0];
+    assert_eq!(first["code"], "unsafe-pickle", "{report}");
+    let message = first["message"].as_str().expect("a message");
+    assert!(message.contains(file), "{message}");
+    assert!(message.contains(global), "{message}");
+    assert!(message.contains("execute code"), "{message}");
+}
+
+/// A `.metadata` that is a pickle calling `posix.system("true")` and nothing else (by hand, as
+/// `pickle.dumps` writes it for an object whose `__reduce__` returns `(os.system, ("true",))`):
+/// not a DCP checkpoint at all, yet doctor says first why it is dangerous, and inspect says so
+/// before its error.
+#[test]
+fn hostile_metadata_that_does_not_parse() {
+    let dir = tempfile::tempdir().unwrap();
+    let pickle: &[u8] = b"\x80\x02cposix\nsystem\nq\x00X\x04\x00\x00\x00trueq\x01\x85q\x02Rq\x03.";
+    std::fs::write(dir.path().join(".metadata"), pickle).unwrap();
+    std::fs::write(dir.path().join("__0_0.distcp"), b"").unwrap();
+    let (code, stdout, stderr) = run_on("doctor", dir.path());
+    assert_eq!(code, 1, "{stdout}\n{stderr}");
+    assert_unsafe_first(&stdout, ".metadata", "`posix.system`");
+    let (code, _, stderr) = run_on("inspect", dir.path());
+    assert_eq!(code, 2, "{stderr}");
+    let first = stderr.lines().next().unwrap_or_default();
+    assert!(
+        first.starts_with("error[unsafe-pickle]: .metadata") && first.contains("posix.system"),
+        "{stderr}"
+    );
+    // A pickle cut short after the call still names it (torch would have run it by then).
+    std::fs::write(dir.path().join(".metadata"), &pickle[..pickle.len() - 3]).unwrap();
+    let (code, stdout, _) = run_on("doctor", dir.path());
+    assert_eq!(code, 1);
+    assert_unsafe_first(&stdout, ".metadata", "`posix.system`");
+}
+
+/// Checkpoints written by real torch that torch would run code from when loading: a DCP whose
+/// bytes item is an object whose `__reduce__` calls `os.system` (`dcp.save` pickles it with
+/// `torch.save`; `dcp.load` unpickles it with `weights_only=False`), a DCP whose `.metadata`
+/// holds such an object, and a `torch_checkpointing`-style folder whose `metadata.pkl` does. The
+/// generator never loads them. The healthy DCP fixtures name nothing outside torch's classes.
+#[test]
+fn hostile_pickles_torch_would_run() {
+    for ckpt in ["dcp", "dcp_missing"] {
+        let run = doctor(&[ckpt], &[]);
+        assert!(!error_codes(&run).contains("unsafe-pickle"), "{ckpt}");
+    }
+    for fixture in [
+        "formats/dcp_torch_save",
+        "formats/dcp_safetensors",
+        "app_state/dcp",
+        "dtypes/dcp_zstd",
+        "dtypes/dcp_rot13",
+    ] {
+        let (_, stdout, stderr) = run_on("doctor", &shardscope_tests::fixtures_dir().join(fixture));
+        assert!(!stdout.contains("unsafe-pickle"), "{fixture}: {stdout}");
+        assert!(!stderr.contains("unsafe-pickle"), "{fixture}: {stderr}");
+    }
+    let Some(python) = crate::common::python() else {
+        eprintln!("skipped: no python with torch");
+        return;
+    };
+    let dir = tempfile::tempdir().unwrap();
+    let script = r#"
+import os, sys, pickle, warnings
+warnings.filterwarnings("ignore")
+import torch, torch.distributed.checkpoint as dcp
+out = sys.argv[1]
+class Evil:
+    def __reduce__(self):
+        return (os.system, ("true",))
+dcp.save({"w": torch.arange(6.0).reshape(2, 3), "evil": Evil()}, checkpoint_id=f"{out}/bytes_item", no_dist=True)
+dcp.save({"w": torch.arange(6.0)}, checkpoint_id=f"{out}/metadata", no_dist=True)
+with open(f"{out}/metadata/.metadata", "rb") as f:
+    meta = pickle.load(f)  # the file just written: torch's own classes only
+meta.planner_data = {"w": Evil()}
+with open(f"{out}/metadata/.metadata", "wb") as f:
+    pickle.dump(meta, f)
+os.makedirs(f"{out}/tc")
+torch.save({"w": torch.zeros(2)}, f"{out}/tc/item_0.pt")
+with open(f"{out}/tc/metadata.pkl", "wb") as f:
+    pickle.dump({"items": ["item_0.pt"], "hook": Evil()}, f)
+"#;
+    let status = Command::new(python)
+        .args(["-c", script])
+        .arg(dir.path())
+        .status()
+        .unwrap();
+    assert!(status.success());
+    for (sub, file) in [
+        ("bytes_item", "__0_0.distcp (item `evil`"),
+        ("metadata", ".metadata"),
+        ("tc", "metadata.pkl"),
+    ] {
+        let (code, stdout, stderr) = run_on("doctor", &dir.path().join(sub));
+        assert_eq!(code, 1, "{sub}: {stdout}\n{stderr}");
+        assert_unsafe_first(&stdout, file, "`posix.system`");
+        let (code, _, stderr) = run_on("inspect", &dir.path().join(sub));
+        assert_eq!(code, 2, "{sub}: {stderr}");
+        assert!(
+            stderr.contains("error[unsafe-pickle]") && stderr.contains(file),
+            "{sub}: {stderr}"
+        );
+    }
+}

@@ -5,6 +5,8 @@
 
 mod bridge_torch_save;
 mod formats_malformed;
+mod fuzz_readers;
+mod huge_inputs;
 mod layout_errors;
 mod layout_properties;
 mod transform_model;

@@ -477,11 +477,33 @@ impl<'a> Machine<'a> {
         Ok(v)
     }
 
+    /// Runs the pickle to `STOP`: the arena and the root value.
+    pub(super) fn run(mut self) -> Result<(Arena, Val), PickleError> {
+        let root = self.run_ops()?;
+        Ok((self.arena, root))
+    }
+
+    /// Runs the pickle as far as it goes: every global named before `STOP` or the first error
+    /// (in first-seen order, once each), and that error. For safety scans: an unpickler that
+    /// runs code has imported (and may have called) what comes before a later error.
+    pub(super) fn globals_until_error(mut self) -> (Vec<Global>, Option<PickleError>) {
+        let err = self.run_ops().err();
+        let mut out: Vec<Global> = Vec::new();
+        for node in &self.arena.nodes {
+            if let Node::Global(g) = node
+                && !out.contains(g)
+            {
+                out.push((**g).clone());
+            }
+        }
+        (out, err)
+    }
+
     #[allow(
         clippy::too_many_lines,
         reason = "the pickle machine's opcode dispatch: one match arm per opcode, sharing the stack and memo"
     )]
-    pub(super) fn run(mut self) -> Result<(Arena, Val), PickleError> {
+    fn run_ops(&mut self) -> Result<Val, PickleError> {
         // Spans of the pools are 32-bit (see [`Span::new`]).
         if u32::try_from(self.data.len()).is_err() {
             return Err(PickleError::Limit {
@@ -512,7 +534,7 @@ impl<'a> Machine<'a> {
                             len: self.stack.len() + 1,
                         });
                     }
-                    return Ok((self.arena, v));
+                    return Ok(v);
                 }
                 b'(' => {
                     if self.stack.len() >= self.limits.max_stack {

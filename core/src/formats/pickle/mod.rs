@@ -61,14 +61,37 @@ pub fn parse_arena(data: &[u8]) -> Result<PickleArena, PickleError> {
 /// Every global the pickle names (`GLOBAL`, `STACK_GLOBAL`), once each, in first-seen order.
 /// Pass 1 only: nothing is imported, called or built.
 pub fn globals(data: &[u8]) -> Result<Vec<Global>, PickleError> {
-    let arena = parse_arena(data)?;
-    let mut out: Vec<Global> = Vec::new();
-    for node in &arena.nodes.nodes {
-        if let Node::Global(g) = node
-            && !out.contains(g)
-        {
-            out.push((**g).clone());
+    Ok(parse_arena(data)?.globals())
+}
+
+impl PickleArena {
+    /// Every global the pickle names, once each, in first-seen order.
+    pub fn globals(&self) -> Vec<Global> {
+        let mut out: Vec<Global> = Vec::new();
+        for node in &self.nodes.nodes {
+            if let Node::Global(g) = node
+                && !out.contains(g)
+            {
+                out.push((**g).clone());
+            }
         }
+        out
     }
-    Ok(out)
+}
+
+/// The globals a pickle names before it stops or fails to parse, and the error if it failed:
+/// what an unpickler that imports would already have imported (and may have called) when it
+/// reached that point. Pass 1 only: nothing is imported, called or built.
+pub fn globals_until_error(data: &[u8]) -> (Vec<Global>, Option<PickleError>) {
+    let limits = PickleLimits::for_len(data.len());
+    if u32::try_from(data.len()).is_err() {
+        return (
+            Vec::new(),
+            Some(PickleError::Limit {
+                what: "bytes of one pickle",
+                limit: u32::MAX as usize,
+            }),
+        );
+    }
+    Machine::new(data, limits).globals_until_error()
 }

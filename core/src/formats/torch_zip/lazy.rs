@@ -4,8 +4,10 @@
 //! bytes of `data.pkl` and `byteorder`. The zip crate parses all of it, over a reader that holds
 //! only the fetched byte ranges ([`Sparse`]): a read it needs and does not hold fails and is
 //! recorded, the range is fetched and the parse runs again (a bounded number of times). The result
-//! is the [`TorchArchive`] [`read_archive`] gives for the whole bytes; when the ranges alone do
-//! not parse, the whole file is read and [`read_archive`] decides, as before.
+//! is the [`TorchArchive`] [`read_archive`] gives for the whole bytes. When the ranges do not
+//! parse, the zip parser's error is final: the file is never read whole (a junk file of many GiB
+//! behind a URL), and what is fetched is capped ([`MAX_DIRECTORY_BYTES`], [`MAX_FETCH_BYTES`]).
+//! Sources whose whole reads are cheap (memory-mapped files) are read whole by [`read_archive`].
 
 use std::cell::RefCell;
 use std::collections::BTreeMap;
@@ -13,7 +15,7 @@ use std::io::{self, Read, Seek, SeekFrom};
 
 use super::{
     Layout, Members, TorchArchive, TorchZipError, archive_members, build_archive, looks_like_zip,
-    pickle_member, stored,
+    pickle_member, stored, zip_error,
 };
 use crate::formats::pickle;
 use crate::source::{Source, SourceError};
@@ -42,24 +44,67 @@ const HEADER_SLACK: u64 = 512;
 const COALESCE_GAP: u64 = 128 << 10;
 /// Fetch-and-retry rounds per step before giving up on the lazy path.
 const MAX_ROUNDS: usize = 8;
+/// The most bytes the first round fetches to fill a read the zip parser missed (the central
+/// directory); each further round may fetch twice as much as the one before, up to
+/// [`MAX_DIRECTORY_BYTES`] in all.
+const MISS_FIRST_STEP: u64 = 16 << 20;
+/// The most bytes fetched to read the end records and central directory (256 MiB, the directory
+/// of some two and a half million members of a `torch.save` archive). A real directory is
+/// fetched once; a junk end record makes the zip parser read on (it searches for the directory),
+/// which stops here.
+pub const MAX_DIRECTORY_BYTES: u64 = 256 << 20;
+/// The most bytes one round fetches for a local header the parser missed.
+const MISS_STEP: u64 = 64 << 20;
+/// The most bytes one fetch of a torch archive's parts may ask for: the directory, the headers
+/// and `data.pkl` (a pickle over 4 GiB is refused by the pickle reader anyway).
+pub const MAX_FETCH_BYTES: u64 = 1 << 30;
 
 /// Opens the torch archive `name` of `source`, reading only what [`read_archive`] looks at;
-/// equal to `read_archive(&source.read_all(name)?)`, which it falls back to when the ranges
-/// alone do not parse (a damaged file: the whole-file reader gives the error), and which it uses
-/// directly when the source says whole reads are cheap (memory-mapped local files).
+/// equal to `read_archive(&source.read_all(name)?)`, which it uses directly when the source says
+/// whole reads are cheap (memory-mapped local files). Otherwise the file is never read whole
+/// (a remote junk file of many GiB): when the ranges do not parse, that is the error
+/// (see `lazy_failure`).
 ///
 /// [`read_archive`]: super::read_archive
 pub fn read_archive_from(
     source: &dyn Source,
     name: &str,
 ) -> Result<TorchArchive, ArchiveFileError> {
-    if !source.whole_reads_are_cheap()
-        && let Some(archive) = read_lazily(source, name, Limits::DEFAULT)?
-    {
-        return Ok(archive);
+    if source.whole_reads_are_cheap() {
+        let bytes = source.read_all(name)?;
+        return Ok(super::read_archive(&bytes)?);
     }
-    let bytes = source.read_all(name)?;
-    Ok(super::read_archive(&bytes)?)
+    let (members, mut store) = match open_lazily_why(source, name, Limits::DEFAULT)? {
+        Ok(opened) => opened,
+        Err(why) => return Err(lazy_failure(source, name, why)),
+    };
+    match archive_from(source, name, &members, &mut store)? {
+        Some(archive) => Ok(archive),
+        None => Err(lazy_failure(source, name, None)),
+    }
+}
+
+/// Why a file read by range is not a torch archive: not a zip at all (its first bytes, as the
+/// whole-file reader checks first), or what the zip parser said of its end records, central
+/// directory or member headers (`why`). No whole-file read.
+fn lazy_failure(source: &dyn Source, name: &str, why: Option<TorchZipError>) -> ArchiveFileError {
+    let size = match source.size(name) {
+        Ok(s) => s,
+        Err(e) => return e.into(),
+    };
+    let head = match source.read_range(name, 0, size.min(4)) {
+        Ok(h) => h.into_owned(),
+        Err(e) => return e.into(),
+    };
+    if !looks_like_zip(&head) {
+        return TorchZipError::NotZip { head }.into();
+    }
+    why.unwrap_or_else(|| TorchZipError::Zip {
+        message: format!(
+            "the end records, central directory or member headers of this {size}-byte file do not parse (read by range: its last {TAIL_BYTES} bytes, the directory and each member's header; a remote file is never read whole): damaged, cut short, or not a torch.save archive"
+        ),
+    })
+    .into()
 }
 
 /// How much [`read_lazily`] fetches at first and how far apart ranges may be to share a request
@@ -77,7 +122,8 @@ impl Limits {
     };
 }
 
-/// `Ok(None)`: not parsed from ranges (fall back to the whole file).
+/// `Ok(None)`: not parsed from ranges (tests compare with the whole-file reader).
+#[cfg(test)]
 fn read_lazily(
     source: &dyn Source,
     name: &str,
@@ -86,8 +132,19 @@ fn read_lazily(
     let Some((members, mut store)) = open_lazily(source, name, limits)? else {
         return Ok(None);
     };
+    archive_from(source, name, &members, &mut store)
+}
+
+/// The archive of an opened directory: `data.pkl` and `byteorder` fetched and parsed. `Ok(None)`:
+/// they are not held after the fetch.
+fn archive_from(
+    source: &dyn Source,
+    name: &str,
+    members: &Members,
+    store: &mut Store,
+) -> Result<Option<TorchArchive>, ArchiveFileError> {
     // From here on the directory is the whole file's: its errors are final.
-    let layout = Layout::of(&members)?;
+    let layout = Layout::of(members)?;
     let ranges = [Some(layout.pkl), layout.byteorder]
         .into_iter()
         .flatten()
@@ -104,23 +161,26 @@ fn read_lazily(
         },
         None => None,
     };
-    Ok(Some(build_archive(&members, &layout, pkl, order)?))
+    Ok(Some(build_archive(members, &layout, pkl, order)?))
 }
 
 /// The globals `data.pkl` of the archive `name` names ([`pickle_globals`]), reading its zip
-/// directory and `data.pkl` by range; the whole file when they do not parse alone.
+/// directory and `data.pkl` by range (the whole file only where whole reads are cheap).
 ///
 /// [`pickle_globals`]: super::pickle_globals
 pub fn pickle_globals_from(
     source: &dyn Source,
     name: &str,
 ) -> Result<Vec<pickle::Global>, ArchiveFileError> {
-    let lazily = if source.whole_reads_are_cheap() {
-        None
-    } else {
-        open_lazily(source, name, Limits::DEFAULT)?
+    if source.whole_reads_are_cheap() {
+        let bytes = source.read_all(name)?;
+        return Ok(super::pickle_globals(&bytes)?);
+    }
+    let (members, mut store) = match open_lazily_why(source, name, Limits::DEFAULT)? {
+        Ok(opened) => opened,
+        Err(why) => return Err(lazy_failure(source, name, why)),
     };
-    if let Some((members, mut store)) = lazily {
+    {
         let (member, (range, method)) = pickle_member(&members).ok_or(TorchZipError::NoPickle)?;
         stored(&member, method)?;
         store.fetch(
@@ -133,19 +193,29 @@ pub fn pickle_globals_from(
                 .map_err(|source| ArchiveFileError::Archive(TorchZipError::Pickle { source }));
         }
     }
-    let bytes = source.read_all(name)?;
-    Ok(super::pickle_globals(&bytes)?)
+    Err(lazy_failure(source, name, None))
 }
 
 /// The zip directory of `name` (as [`archive_members`] lists it for the whole file) and the
 /// bytes fetched to read it (its end records, directory, every member's local header, and
 /// `data.pkl` and `byteorder` where their headers' slack covers them). `Ok(None)`: the ranges do
 /// not parse alone.
+#[cfg(test)]
 fn open_lazily(
     source: &dyn Source,
     name: &str,
     limits: Limits,
 ) -> Result<Option<(Members, Store)>, SourceError> {
+    Ok(open_lazily_why(source, name, limits)?.ok())
+}
+
+/// [`open_lazily`], with why the ranges do not parse (`None` where the parser gave no error
+/// but needed more rounds of fetches than allowed).
+fn open_lazily_why(
+    source: &dyn Source,
+    name: &str,
+    limits: Limits,
+) -> Result<Result<(Members, Store), Option<TorchZipError>>, SourceError> {
     let size = source.size(name)?;
     let store = RefCell::new(Store::new(size, limits.coalesce_gap));
     store
@@ -155,7 +225,8 @@ fn open_lazily(
     // The end records and the central directory. The directory runs up to the end records: a
     // miss fetches everything from it to the bytes already held, in one request.
     let mut archive = None;
-    for _ in 0..MAX_ROUNDS {
+    let mut directory_bytes = 0u64;
+    for round in 0..MAX_ROUNDS {
         let result = zip::ZipArchive::new(Sparse::new(&store));
         let miss = store.borrow_mut().miss.take();
         match (result, miss) {
@@ -163,24 +234,37 @@ fn open_lazily(
                 archive = Some(a);
                 break;
             }
-            (_, Some((offset, _))) => {
-                let end = store.borrow().next_held(offset).unwrap_or(size);
+            (_, Some((offset, len))) => {
+                let end = store
+                    .borrow()
+                    .next_held(offset)
+                    .unwrap_or(size)
+                    .min(offset.saturating_add(len.max(MISS_FIRST_STEP << round)));
+                directory_bytes = directory_bytes.saturating_add(end.saturating_sub(offset));
+                if directory_bytes > MAX_DIRECTORY_BYTES {
+                    return Ok(Err(Some(TorchZipError::Zip {
+                        message: format!(
+                            "its zip directory is not where its end record says (read up to byte {offset} of {size}), and reading on would fetch more than the limit of {MAX_DIRECTORY_BYTES} bytes (256 MiB) for a torch.save archive's directory: damaged or not a torch.save archive"
+                        ),
+                    })));
+                }
                 store
                     .borrow_mut()
                     .fetch(source, name, vec![(offset, end)])?;
             }
-            (Err(_), None) => return Ok(None),
+            (Err(e), None) => return Ok(Err(Some(zip_error(&e)))),
         }
     }
     let Some(mut archive) = archive else {
-        return Ok(None);
+        return Ok(Err(None));
     };
 
     // Each member's local header; `data.pkl` and `byteorder` with their bytes.
     let mut wanted = Vec::with_capacity(archive.len());
     for i in 0..archive.len() {
-        let Ok(entry) = archive.by_index_data(i) else {
-            return Ok(None);
+        let entry = match archive.by_index_data(i) {
+            Ok(entry) => entry,
+            Err(e) => return Ok(Err(Some(zip_error(&e)))),
         };
         let start = entry.header_start();
         let mut len = LOCAL_HEADER_BYTES;
@@ -205,24 +289,24 @@ fn open_lazily(
                 break;
             }
             (_, Some((offset, len))) => {
-                let end = offset.saturating_add(len.max(LOCAL_HEADER_BYTES));
+                let end = offset.saturating_add(len.clamp(LOCAL_HEADER_BYTES, MISS_STEP));
                 store
                     .borrow_mut()
                     .fetch(source, name, vec![(offset, end)])?;
             }
-            (Err(_), None) => return Ok(None),
+            (Err(e), None) => return Ok(Err(Some(e))),
         }
     }
     let Some(members) = members else {
-        return Ok(None);
+        return Ok(Err(None));
     };
     drop(archive);
     let store = store.into_inner();
     // The whole-file reader looks at the first bytes before anything else.
     if !store.get(0, 4).is_some_and(looks_like_zip) {
-        return Ok(None);
+        return Ok(Err(None));
     }
-    Ok(Some((members, store)))
+    Ok(Ok((members, store)))
 }
 
 /// The byte ranges of one file fetched so far (merged where they touch), and the first read
@@ -283,6 +367,10 @@ impl Store {
             r.1 = r.1.min(self.size);
         }
         ranges.retain(|r| r.0 < r.1);
+        // What the directory asks for (before close ranges are merged into one request).
+        let wanted = ranges
+            .iter()
+            .fold(0u64, |sum, r| sum.saturating_add(r.1 - r.0));
         ranges.sort_unstable();
         let mut merged: Vec<(u64, u64)> = Vec::new();
         for (start, end) in ranges {
@@ -304,6 +392,15 @@ impl Store {
             if start < end {
                 requests.push((start, end - start));
             }
+        }
+        if wanted > MAX_FETCH_BYTES {
+            let total = wanted;
+            return Err(SourceError::Io {
+                name: name.to_owned(),
+                message: format!(
+                    "reading its zip directory, member headers and data.pkl would fetch {total} bytes, over the limit of {MAX_FETCH_BYTES} bytes (1 GiB) for them; damaged or hostile (its directory claims members larger than any torch.save pickle)"
+                ),
+            });
         }
         // All at once: a remote source fetches them concurrently.
         let fetched = source.read_ranges(name, &requests)?;

@@ -73,7 +73,12 @@ impl<'m> StorageJoin<'m> {
     reason = "turns every `.metadata` item (tensors, bytes, zstd transforms, SAFETENSORS blobs) into entries in one pass"
 )]
 pub fn index_dcp(source: &dyn Source, metadata_name: &str) -> Result<CheckpointIndex, IndexError> {
-    let bytes = source.read_all(metadata_name)?;
+    let bytes = crate::formats::read_all_capped(
+        source,
+        metadata_name,
+        crate::formats::MAX_DCP_METADATA_BYTES,
+        "a DCP .metadata file",
+    )?;
     let meta = dcp::read_metadata(&bytes).map_err(|source| IndexError::Dcp {
         file: metadata_name.to_owned(),
         source,
@@ -330,6 +335,7 @@ pub fn index_dcp(source: &dyn Source, metadata_name: &str) -> Result<CheckpointI
             version: meta.version,
             checkpoint_id: meta.checkpoint_id,
             save_id: meta.save_id,
+            metadata_globals: meta.globals,
         }),
     })
 }

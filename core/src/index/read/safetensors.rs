@@ -29,7 +29,12 @@ pub(crate) fn index_safetensors(
         .iter()
         .find(|n| n.ends_with(".safetensors.index.json"))
     {
-        let bytes = source.read_all(index_name)?;
+        let bytes = crate::formats::read_all_capped(
+            source,
+            index_name,
+            crate::formats::MAX_HF_INDEX_BYTES,
+            "a safetensors index file",
+        )?;
         let index = st::read_index(&bytes).map_err(|source| IndexError::Safetensors {
             file: index_name.clone(),
             source,
