@@ -81,6 +81,12 @@ pub trait Source {
         false
     }
 
+    /// True when a read is a local operation (memory, a local file), not a request over the
+    /// network: checks that read many small pieces (every bytes item of a DCP) are affordable.
+    fn reads_are_local(&self) -> bool {
+        false
+    }
+
     /// The whole file.
     fn read_all(&self, name: &str) -> Result<Cow<'_, [u8]>, SourceError> {
         let size = self.size(name)?;
@@ -150,6 +156,10 @@ impl MemorySource {
 }
 
 impl Source for MemorySource {
+    fn reads_are_local(&self) -> bool {
+        true
+    }
+
     fn names(&self) -> Vec<String> {
         self.files.keys().cloned().collect()
     }
@@ -201,6 +211,9 @@ impl<S: Source + ?Sized> Source for &S {
     }
     fn whole_reads_are_cheap(&self) -> bool {
         (**self).whole_reads_are_cheap()
+    }
+    fn reads_are_local(&self) -> bool {
+        (**self).reads_are_local()
     }
 }
 

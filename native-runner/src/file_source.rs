@@ -468,6 +468,11 @@ impl Source for FileSource {
         false
     }
 
+    /// Yes: a positioned read of a local file.
+    fn reads_are_local(&self) -> bool {
+        true
+    }
+
     fn names(&self) -> Vec<String> {
         self.files.keys().cloned().collect()
     }

@@ -74,6 +74,13 @@ impl Source for Input {
         }
     }
 
+    fn reads_are_local(&self) -> bool {
+        match self {
+            Input::Local(s) => s.reads_are_local(),
+            Input::Remote(s) => s.reads_are_local(),
+        }
+    }
+
     fn names(&self) -> Vec<String> {
         match self {
             Input::Local(s) => s.names(),

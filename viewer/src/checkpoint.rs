@@ -173,6 +173,10 @@ impl FsSource {
 
 #[cfg(not(target_arch = "wasm32"))]
 impl Source for FsSource {
+    fn reads_are_local(&self) -> bool {
+        true
+    }
+
     fn names(&self) -> Vec<String> {
         self.files.keys().cloned().collect()
     }

@@ -87,6 +87,10 @@ fn scan(source: &dyn Source, index: Option<(&CheckpointIndex, bool)>) -> Vec<Fin
     out
 }
 
+/// `.distcp` files larger than this are not read whole to look for embedded pickles (the scan for a
+/// `.metadata` that does not parse): a whole read of a local file copies it into memory.
+const MAX_SCANNED_DATA_FILE: u64 = 1 << 30;
+
 const METADATA_LOADER: &str = "torch.distributed.checkpoint's FileSystemReader unpickles .metadata with pickle.load (no restriction) before it loads anything";
 const ITEM_LOADER: &str = "torch.distributed.checkpoint's DefaultLoadPlanner loads a bytes item with torch.load(weights_only=False)";
 
@@ -205,9 +209,13 @@ fn scan_dcp(source: &dyn Source, meta_name: &str, out: &mut Vec<Finding>) {
                 }
             }
         }
-    } else if (has_bytes_items || damaged || !bad.is_empty()) && source.whole_reads_are_cheap() {
+    } else if (has_bytes_items || damaged || !bad.is_empty()) && source.reads_are_local() {
         for file in source.names() {
             if !(file.starts_with(&dir) && file.ends_with(".distcp")) {
+                continue;
+            }
+            // A whole read copies the file: data files past the limit are left unscanned.
+            if source.size(&file).is_ok_and(|n| n > MAX_SCANNED_DATA_FILE) {
                 continue;
             }
             let Ok(data) = source.read_all(&file) else {

@@ -109,7 +109,7 @@ fn show_unsafe_pickles(
         Some(index) => shardscope_core::doctor::unsafe_loader_pickles_indexed(
             source,
             index,
-            source.whole_reads_are_cheap(),
+            source.reads_are_local(),
         ),
         None => shardscope_core::doctor::unsafe_loader_pickles(source),
     };
