@@ -76,11 +76,56 @@ pub fn select<'a>(index: &'a CheckpointIndex, prefix: Option<&str>) -> Result<Se
             tops.into_iter().collect::<Vec<_>>().join(", ")
         );
     }
+    if let Some(p) = prefix {
+        warn_own_prefix(index, p);
+    }
     Ok(Selection {
         tensors,
         values,
         cast: None,
     })
+}
+
+/// `--select PREFIX` is a plain prefix: when `PREFIX` is not an app-state key but the start of the
+/// model's own names (HF's `model.embed_tokens.weight` beside `lm_head.weight`), the model tensors
+/// outside it are left out; say so, with `--model-only` as the way to take the model part.
+fn warn_own_prefix(index: &CheckpointIndex, prefix: &str) {
+    if shardscope_core::checkpoint::app_state_prefix(index) == Some(prefix) {
+        return;
+    }
+    let under = |k: &str| k.strip_prefix(prefix).is_some_and(|r| r.starts_with('.'));
+    let model_tensor = |e: &&IndexEntry| {
+        e.kind == EntryKind::Tensor
+            && e.role.is_none()
+            && e.dtype
+                .is_some_and(shardscope_core::DType::is_floating_point)
+    };
+    let selects_model = index
+        .entries
+        .iter()
+        .filter(model_tensor)
+        .any(|e| under(&e.key));
+    let left_out: Vec<&str> = index
+        .entries
+        .iter()
+        .filter(model_tensor)
+        .filter(|e| !under(&e.key))
+        .map(|e| e.key.as_str())
+        .collect();
+    let model_of_own = shardscope_core::checkpoint::app_state_prefix(index).is_none();
+    if model_of_own && selects_model && !left_out.is_empty() {
+        let shown: Vec<&str> = left_out.iter().take(4).copied().collect();
+        eprintln!(
+            "warning: --select {prefix} is a plain prefix: `{prefix}.` starts this model's own names, and {} model tensor(s) outside it are left out ({}{})\nhint: --model-only takes the model part with its own names",
+            left_out.len(),
+            shown.join(", "),
+            if left_out.len() > shown.len() {
+                ", …"
+            } else {
+                ""
+            }
+        );
+    }
 }
 
 /// Removes the aliases of tied weights from the selection's tensors (see

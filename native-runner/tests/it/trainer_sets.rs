@@ -536,3 +536,43 @@ fn doctor_names_trainable_parameters_without_optimizer_state() {
     let v: serde_json::Value = serde_json::from_str(&text).unwrap();
     assert_eq!(v["loadable"], true, "{v:#}");
 }
+
+/// `--select` stays a plain prefix, and says so when the prefix starts the model's own names (HF's
+/// `model.embed_tokens.weight` beside `lm_head.weight`): the tensors left out are named. An
+/// app-state `model` (the same Llama in a DCP app state) is no such case.
+#[test]
+fn select_says_when_it_cuts_the_models_own_names() {
+    let app = fixtures().join("../app_state");
+    let tmp = tempfile::tempdir().unwrap();
+    let out = tmp.path().join("a.safetensors");
+    let (_, err) = ok(
+        &shardscope(&[
+            "convert",
+            s(&app.join("merged.safetensors")),
+            "--select",
+            "model",
+            "-o",
+            s(&out),
+        ]),
+        "convert merged --select model",
+    );
+    assert!(
+        err.contains("plain prefix")
+            && err.contains("lm_head.weight")
+            && err.contains("--model-only"),
+        "{err}"
+    );
+    let out = tmp.path().join("b.safetensors");
+    let (_, err) = ok(
+        &shardscope(&[
+            "convert",
+            s(&app.join("dcp")),
+            "--select",
+            "model",
+            "-o",
+            s(&out),
+        ]),
+        "convert dcp --select model",
+    );
+    assert!(!err.contains("plain prefix"), "{err}");
+}
