@@ -17,43 +17,27 @@ use std::collections::BTreeSet;
 use crate::dtype::DType;
 use crate::index::{CheckpointIndex, EntryKind, IndexEntry, PathSeg};
 
-/// Top-level keys of a training checkpoint that are not the model.
+/// Top-level keys of a training checkpoint that are not the model besides the training-state keys
+/// ([`crate::index::EXTRA_KEYS`]): optimizer state, extra state, an EMA copy.
 const NOT_MODEL: &[&str] = &[
     "optimizer",
     "optimizers",
     "optim",
     "optimizer_states",
     "optimizer_state_dict",
-    "lr_scheduler",
-    "lr_schedulers",
-    "scheduler",
-    "schedulers",
-    "train_state",
-    "trainer_state",
-    "dataloader",
-    "dataloaders",
-    "data_loader",
     "extra",
     "extra_state",
-    "rng",
-    "rng_state",
-    "rng_states",
-    "step",
-    "global_step",
-    "epoch",
-    "iteration",
-    "loops",
-    "callbacks",
-    "hparams",
-    "hyper_parameters",
-    "args",
+    "dataloaders",
     "meta",
     "common",
-    "scaler",
-    "grad_scaler",
     "checkpoint_version",
     "ema",
 ];
+
+/// Whether a top-level key is training state, not the model.
+fn not_model(key: &str) -> bool {
+    NOT_MODEL.contains(&key) || crate::index::EXTRA_KEYS.contains(&key)
+}
 
 /// App-state keys a trainer nests the model under, in the order they are tried.
 const WRAPPERS: &[&str] = &["model", "state_dict", "model_state_dict", "module"];
@@ -80,7 +64,7 @@ fn model_wrapper(index: &CheckpointIndex) -> Result<Option<&'static str>, String
         .iter()
         .filter(|e| is_model_tensor(e))
         .filter_map(top)
-        .filter(|k| !NOT_MODEL.contains(k))
+        .filter(|k| !not_model(k))
         .collect();
     for w in WRAPPERS {
         if holders.len() == 1
@@ -119,7 +103,7 @@ pub fn keep_model_only(index: &mut CheckpointIndex, label: &str) -> Result<Strin
             && match (wrapper, top(&e)) {
                 (Some(w), Some(t)) => t == w && e.path.len() > 1,
                 (Some(_), None) => false,
-                (None, Some(t)) => !NOT_MODEL.contains(&t),
+                (None, Some(t)) => !not_model(t),
                 (None, None) => true,
             };
         if !keep {

@@ -60,7 +60,7 @@ const EXTRA_NAME_PAIRS: &[(&str, &str)] = &[
 
 /// Top-level keys of a saved object that are training state, not parameters: a file whose keys
 /// are all among them is extra state (`{"lr_scheduler": …, "rng": {…}}`).
-const EXTRA_KEYS: &[&str] = &[
+pub const EXTRA_KEYS: &[&str] = &[
     "lr_scheduler",
     "lr_schedulers",
     "scheduler",
