@@ -17,10 +17,8 @@
 use std::collections::{BTreeMap, BTreeSet};
 
 use crate::index::read::dcp::index_dcp;
-use crate::index::read::sets::{index_torch_sets, set_item};
-use crate::index::{
-    CheckpointIndex, Format, IndexEntry, IndexError, PathSeg, group_rank_files, is_torch_file,
-};
+use crate::index::read::sets::{index_torch_sets, prefixed, set_item};
+use crate::index::{CheckpointIndex, Format, IndexError, PathSeg, group_rank_files, is_torch_file};
 use crate::source::Source;
 
 /// `torch.save` files beside a DCP that the trainer's loader merges into the checkpoint's top
@@ -59,21 +57,6 @@ fn top_keys(index: &CheckpointIndex) -> BTreeSet<String> {
             _ => None,
         })
         .collect()
-}
-
-fn prefixed(mut e: IndexEntry, name: &str) -> IndexEntry {
-    e.key = if e.key.is_empty() {
-        name.to_owned()
-    } else {
-        format!("{name}.{}", e.key)
-    };
-    e.raw_key = e.raw_key.map(|k| format!("{name}.{k}"));
-    let prefix: Vec<PathSeg> = name
-        .split('.')
-        .map(|s| PathSeg::Key(s.to_owned()))
-        .collect();
-    e.path.splice(0..0, prefix);
-    e
 }
 
 /// Reads the DCP folders `metas` (`X/.metadata`) and the top-level `torch.save` files of `source`

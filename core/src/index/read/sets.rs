@@ -15,7 +15,7 @@ use std::collections::BTreeMap;
 use crate::dtype::DType;
 use crate::index::read::torch::index_torch_files_ranked;
 use crate::index::{
-    CheckpointIndex, CheckpointKind, EntryKind, Format, IndexError, PathSeg, RankGroup,
+    CheckpointIndex, CheckpointKind, EntryKind, Format, IndexEntry, IndexError, PathSeg, RankGroup,
 };
 use crate::source::Source;
 
@@ -251,6 +251,26 @@ fn index_file_sets(
     Ok((merge_sets(parts), classes))
 }
 
+/// `e` under the subtree `name` (dotted): its key, raw key and path. A set that is one value
+/// (`step_{R}.pt` holding an int) is the subtree itself.
+pub(crate) fn prefixed(mut e: IndexEntry, name: &str) -> IndexEntry {
+    fn join(name: &str, k: &str) -> String {
+        if k.is_empty() {
+            name.to_owned()
+        } else {
+            format!("{name}.{k}")
+        }
+    }
+    e.key = join(name, &e.key);
+    e.raw_key = e.raw_key.as_deref().map(|k| join(name, k));
+    let prefix: Vec<PathSeg> = name
+        .split('.')
+        .map(|s| PathSeg::Key(s.to_owned()))
+        .collect();
+    e.path.splice(0..0, prefix);
+    e
+}
+
 /// One checkpoint from the indexes of several sets, each `(class, item, index)`: a subtree per
 /// set, named by its class alone when the class has one set, else `class.item`.
 pub(crate) fn merge_sets(parts: Vec<(&'static str, String, CheckpointIndex)>) -> CheckpointIndex {
@@ -276,28 +296,10 @@ pub(crate) fn merge_sets(parts: Vec<(&'static str, String, CheckpointIndex)>) ->
         dcp: None,
     };
     for ((_, _, index), name) in parts.into_iter().zip(names) {
-        let prefix: Vec<PathSeg> = name
-            .split('.')
-            .map(|s| PathSeg::Key(s.to_owned()))
-            .collect();
         let base = merged.entries.len() as u64;
         for mut e in index.entries {
             e.position = e.position.map(|p| p + base);
-            // A set that is one value (`step_{R}.pt` holding an int) is the subtree itself.
-            e.key = if e.key.is_empty() {
-                name.clone()
-            } else {
-                format!("{name}.{}", e.key)
-            };
-            e.raw_key = e.raw_key.map(|k| {
-                if k.is_empty() {
-                    name.clone()
-                } else {
-                    format!("{name}.{k}")
-                }
-            });
-            e.path.splice(0..0, prefix.iter().cloned());
-            merged.entries.push(e);
+            merged.entries.push(prefixed(e, &name));
         }
         merged.files.extend(index.files);
     }
