@@ -30,7 +30,9 @@ struct Cli {
 fn parse_io_timeout(s: &str) -> Result<f64, String> {
     match s.parse::<f64>() {
         Ok(v) if v.is_finite() && v > 0.0 && v <= 86_400.0 => Ok(v),
-        _ => Err(format!("`{s}` is not a timeout in seconds (more than 0, at most 86400)")),
+        _ => Err(format!(
+            "`{s}` is not a timeout in seconds (more than 0, at most 86400)"
+        )),
     }
 }
 

@@ -146,7 +146,10 @@ impl RemoteSource {
 
     /// One try: the bytes of `part` from `at.filled` on, each wait for a byte limited to
     /// `--io-timeout`.
-    #[allow(clippy::too_many_arguments, reason = "one try of `fetch_part`, its state passed in")]
+    #[allow(
+        clippy::too_many_arguments,
+        reason = "one try of `fetch_part`, its state passed in"
+    )]
     async fn fetch_rest(
         &self,
         location: &ObjectPath,

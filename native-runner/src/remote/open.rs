@@ -102,7 +102,9 @@ impl RemoteSource {
         let metas: Vec<object_store::ObjectMeta> = self
             .runtime
             .block_on(self.with_retries(|| self.store.list(prefix.as_ref()).try_collect()))
-            .map_err(|f| anyhow::anyhow!("cannot list {folder_url}: {}", f.describe(self.url.scheme)))?;
+            .map_err(|f| {
+                anyhow::anyhow!("cannot list {folder_url}: {}", f.describe(self.url.scheme))
+            })?;
         let skip = prefix.as_ref().map_or(0, |p| p.parts().count());
         for meta in metas {
             let parts: Vec<String> = meta

@@ -83,7 +83,11 @@ pub(super) enum Fault {
     /// The redirects never ended (a loop, or more than the client follows).
     Redirects,
     /// The object is larger than a whole-file read allows.
-    TooLarge { size: u64, limit: u64, what: &'static str },
+    TooLarge {
+        size: u64,
+        limit: u64,
+        what: &'static str,
+    },
     /// A buffer for a size the server gave could not be allocated.
     NoMemory { size: u64 },
     /// The server sent more than the range asked for.
@@ -130,8 +134,11 @@ impl Fault {
                         cut = Some(true);
                     }
                     K::UnexpectedEof => cut = cut.or(Some(false)),
-                    K::ConnectionRefused | K::NotConnected | K::AddrNotAvailable
-                    | K::HostUnreachable | K::NetworkUnreachable => connect = true,
+                    K::ConnectionRefused
+                    | K::NotConnected
+                    | K::AddrNotAvailable
+                    | K::HostUnreachable
+                    | K::NetworkUnreachable => connect = true,
                     K::TimedOut => timeout = true,
                     _ => {}
                 }
@@ -179,10 +186,13 @@ impl Fault {
                     "the connection closed"
                 };
                 if *missing == 0 {
-                    format!("{how} before the body of bytes {}..{} arrived", range.0, range.1)
+                    format!(
+                        "{how} before the body of bytes {}..{} arrived",
+                        range.0, range.1
+                    )
                 } else {
                     format!(
-                        "short body: {how} with {missing} bytes of bytes {}..{} still to come",
+                        "short body: {how} with {missing} bytes of the range {}..{} still to come",
                         range.0, range.1
                     )
                 }
@@ -215,7 +225,10 @@ pub(super) struct Failure {
 
 impl Failure {
     pub(super) fn is_not_found(&self) -> bool {
-        matches!(self.fault, Fault::Store(object_store::Error::NotFound { .. }))
+        matches!(
+            self.fault,
+            Fault::Store(object_store::Error::NotFound { .. })
+        )
     }
 
     pub(super) fn describe(&self, scheme: Scheme) -> String {
@@ -299,7 +312,10 @@ mod tests {
                 std::io::Error::other("x"),
             )),
         };
-        assert!(matches!(Fault::of(Scheme::Http, refused, (0, 1)), Fault::Connect(_)));
+        assert!(matches!(
+            Fault::of(Scheme::Http, refused, (0, 1)),
+            Fault::Connect(_)
+        ));
         // A message that says "timed out" with no timeout behind it is not one.
         let text = object_store::Error::Generic {
             store: "HTTP",

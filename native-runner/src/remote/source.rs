@@ -11,8 +11,8 @@ use object_store::{ObjectStore, ObjectStoreExt};
 use shardscope_core::source::{Source, SourceError, checked_range};
 
 use super::fetch::{PART_BYTES, lazy_zeroed, zeroed};
-use super::retry::Failure;
 use super::readahead::Block;
+use super::retry::Failure;
 use super::url::RemoteUrl;
 
 pub(super) struct RemoteFile {

@@ -42,7 +42,9 @@ fn origin(url: &str) -> Option<(String, String, u16)> {
 
 /// `Authorization: Bearer $HF_TOKEN` when `store_url` is the Hugging Face endpoint's origin.
 fn hf_token_headers(store_url: &str) -> Option<http::HeaderMap> {
-    let token = std::env::var("HF_TOKEN").ok().filter(|t| !t.trim().is_empty())?;
+    let token = std::env::var("HF_TOKEN")
+        .ok()
+        .filter(|t| !t.trim().is_empty())?;
     let endpoint =
         std::env::var("HF_ENDPOINT").unwrap_or_else(|_| "https://huggingface.co".to_owned());
     if origin(&endpoint)? != origin(store_url)? {

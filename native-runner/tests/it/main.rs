@@ -36,6 +36,7 @@ mod layout_fixtures;
 mod layout_from;
 mod rank_names;
 mod remote;
+mod remote_faults;
 mod reshard_cli;
 mod reshard_fsdp2;
 mod select_sides;
