@@ -163,21 +163,20 @@ impl RemoteSource {
         let io = settings.io_timeout;
         let from = part.start + at.filled as u64;
         let span = (part.start, part.end);
-        let got = match first {
-            Some(got) => got,
-            None => {
-                let options = object_store::GetOptions {
-                    range: Some((from..part.end).into()),
-                    if_match: at.etag.clone(),
-                    ..Default::default()
-                };
-                let got = tokio::time::timeout(io, self.store.get_opts(location, options))
-                    .await
-                    .map_err(|_| Fault::Stalled(io))?
-                    .map_err(|e| Fault::of(self.url.scheme, e, span))?;
-                self.requests.fetch_add(1, Ordering::Relaxed);
-                got
-            }
+        let got = if let Some(got) = first {
+            got
+        } else {
+            let options = object_store::GetOptions {
+                range: Some((from..part.end).into()),
+                if_match: at.etag.clone(),
+                ..Default::default()
+            };
+            let got = tokio::time::timeout(io, self.store.get_opts(location, options))
+                .await
+                .map_err(|_| Fault::Stalled(io))?
+                .map_err(|e| Fault::of(self.url.scheme, e, span))?;
+            self.requests.fetch_add(1, Ordering::Relaxed);
+            got
         };
         if at.etag.is_none() {
             at.etag.clone_from(&got.meta.e_tag);

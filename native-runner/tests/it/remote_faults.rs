@@ -218,7 +218,9 @@ fn respond(state: &State, stream: &mut TcpStream, seen: &Seen, if_match: Option<
         return head_only(stream, "416 Range Not Satisfiable", "");
     }
     let len = end - start;
-    let data_file = rel.ends_with(".distcp") || rel.ends_with(".pt");
+    let data_file = Path::new(rel)
+        .extension()
+        .is_some_and(|e| e == "distcp" || e == "pt");
     let struck = seen.method == "GET" && data_file && len >= STRIKE_MIN && {
         match state.fault {
             Fault::ResetOnce | Fault::ShortOnce | Fault::Status500Once => {
@@ -276,6 +278,12 @@ fn respond(state: &State, stream: &mut TcpStream, seen: &Seen, if_match: Option<
             sent: send,
         },
     ));
+    end_struck(state, stream);
+    false
+}
+
+/// After the half of a struck body: a reset, a close, or a stall until the server stops.
+fn end_struck(state: &State, stream: &mut TcpStream) {
     let _ = stream.flush();
     match state.fault {
         Fault::ResetOnce | Fault::ResetAlways => {
@@ -295,7 +303,6 @@ fn respond(state: &State, stream: &mut TcpStream, seen: &Seen, if_match: Option<
         }
         _ => {}
     }
-    false
 }
 
 /// `len` bytes of `path` from `start` to the client (large files in pieces).
