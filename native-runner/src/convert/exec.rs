@@ -33,7 +33,7 @@ pub struct ExecOptions {
     /// Reader threads, each beside the writing thread (at least one is spawned).
     pub threads: usize,
     /// Bytes of tensor buffers alive at once; `None`: the largest read plus
-    /// [`DEFAULT_HEADROOM_BYTES`].
+    /// [`DEFAULT_HEADROOM_BYTES`] (a remote input: twice the largest read plus the headroom).
     pub memory_limit_bytes: Option<u64>,
 }
 
@@ -114,6 +114,11 @@ pub fn memory_limit(
     let largest_bytes = largest.map_or(0, |(c, _)| c);
     let limit = match options.memory_limit_bytes {
         Some(limit) => limit,
+        // A remote input: room for two of the largest reads, so that a reader fetches the next
+        // tensor while the writer writes the current one (the network and the disk overlap).
+        None if matches!(source, Input::Remote(_)) => largest_bytes
+            .saturating_mul(2)
+            .saturating_add(DEFAULT_HEADROOM_BYTES),
         None => largest_bytes.saturating_add(DEFAULT_HEADROOM_BYTES),
     };
     if let Some((cost, key)) = largest
