@@ -45,6 +45,14 @@ impl<'a> Reader<'a> {
         }
     }
 
+    /// A new reader of the same checkpoint that starts with what this one found of where
+    /// tensors lie (for another thread).
+    pub fn fork(&self) -> Reader<'a> {
+        let reader = Reader::new(self.source, self.index);
+        reader.slabs.borrow_mut().clone_from(&self.slabs.borrow());
+        reader
+    }
+
     pub fn index(&self) -> &'a CheckpointIndex {
         self.index
     }
