@@ -20,6 +20,20 @@ static ALLOCATOR: mimalloc::MiMalloc = mimalloc::MiMalloc;
 struct Cli {
     #[command(subcommand)]
     command: Command,
+    /// Remote inputs: a request that receives no byte for this long fails (and is retried, then
+    /// resumed where it stopped); per wait, not for a whole transfer.
+    #[arg(long, global = true, value_name = "SECS", default_value_t = 30.0, value_parser = parse_io_timeout)]
+    io_timeout: f64,
+}
+
+/// `--io-timeout`: seconds, more than 0.
+fn parse_io_timeout(s: &str) -> Result<f64, String> {
+    match s.parse::<f64>() {
+        Ok(v) if v.is_finite() && v > 0.0 && v <= 86_400.0 => Ok(v),
+        _ => Err(format!(
+            "`{s}` is not a timeout in seconds (more than 0, at most 86400)"
+        )),
+    }
 }
 
 #[derive(Debug, Subcommand)]
@@ -50,6 +64,7 @@ enum Command {
 
 fn main() -> ExitCode {
     let cli = Cli::parse();
+    shardscope_runner::remote::set_io_timeout(std::time::Duration::from_secs_f64(cli.io_timeout));
     let result = match cli.command {
         Command::Layout(args) => cli::layout::run(&args),
         Command::Inspect(args) => cli::inspect::run(&args),

@@ -115,7 +115,8 @@ pub struct ConvertArgs {
     pub threads: Option<usize>,
     /// At most this many bytes of tensor buffers alive at once (`2GiB`, `500MB`, bytes); must hold
     /// the largest tensor. Default: the largest tensor plus 40 MiB (the process then stays within the
-    /// largest tensor + 64 MiB).
+    /// largest tensor + 64 MiB); from a URL, twice the largest tensor plus 40 MiB (the next tensor
+    /// is fetched while the current one is written).
     #[arg(long, value_name = "SIZE", value_parser = parse_size)]
     pub memory_limit: Option<u64>,
     /// Write part R of N of a multi-file output (HF shards with --max-shard-size, DCP rank files):

@@ -33,7 +33,7 @@ pub struct ExecOptions {
     /// Reader threads, each beside the writing thread (at least one is spawned).
     pub threads: usize,
     /// Bytes of tensor buffers alive at once; `None`: the largest read plus
-    /// [`DEFAULT_HEADROOM_BYTES`].
+    /// [`DEFAULT_HEADROOM_BYTES`] (a remote input: twice the largest read plus the headroom).
     pub memory_limit_bytes: Option<u64>,
 }
 
@@ -96,17 +96,17 @@ pub struct ExecStats {
     pub largest_read_bytes: u64,
 }
 
-/// The memory limit for `jobs` under `options`, or a clear error when a job cannot fit it.
+/// The memory limit for `jobs` under `options`, or a clear error when a job cannot fit it
+/// (`reader` keeps what it finds of where tensors lie, for the reads).
 pub fn memory_limit(
-    source: &Input,
-    index: &CheckpointIndex,
+    reader: &Reader<'_>,
     jobs: &[Job<'_>],
     options: &ExecOptions,
 ) -> Result<ExecStats> {
-    let reader = Reader::new(source, index);
+    let source = reader.source();
     let mut largest: Option<(u64, &str)> = None;
     for job in jobs {
-        let cost = job.cost_bytes(&reader)?;
+        let cost = job.cost_bytes(reader)?;
         if largest.is_none_or(|(c, _)| cost > c) {
             largest = Some((cost, &job.entry.key));
         }
@@ -114,6 +114,11 @@ pub fn memory_limit(
     let largest_bytes = largest.map_or(0, |(c, _)| c);
     let limit = match options.memory_limit_bytes {
         Some(limit) => limit,
+        // A remote input: room for two of the largest reads, so that a reader fetches the next
+        // tensor while the writer writes the current one (the network and the disk overlap).
+        None if matches!(source, Input::Remote(_)) => largest_bytes
+            .saturating_mul(2)
+            .saturating_add(DEFAULT_HEADROOM_BYTES),
         None => largest_bytes.saturating_add(DEFAULT_HEADROOM_BYTES),
     };
     if let Some((cost, key)) = largest
@@ -183,7 +188,9 @@ pub fn run(
     options: &ExecOptions,
     mut write: impl FnMut(usize, &[u8]) -> Result<()>,
 ) -> Result<ExecStats> {
-    let stats = memory_limit(source, index, jobs, options)?;
+    // One reader locates the tensors for the costs; the workers start from what it found.
+    let cost_reader = Reader::new(source, index);
+    let stats = memory_limit(&cost_reader, jobs, options)?;
     if jobs.is_empty() {
         return Ok(stats);
     }
@@ -191,12 +198,10 @@ pub fn run(
     // the last one. Reading in the writing thread was slower on every output measured (2 cores,
     // page-cache reads; BENCHMARKS.md, "convert in parallel").
     let threads = options.threads.clamp(1, jobs.len());
-    let costs: Vec<u64> = {
-        let reader = Reader::new(source, index);
-        jobs.iter()
-            .map(|j| j.cost_bytes(&reader))
-            .collect::<Result<_>>()?
-    };
+    let costs: Vec<u64> = jobs
+        .iter()
+        .map(|j| j.cost_bytes(&cost_reader))
+        .collect::<Result<_>>()?;
     let limit = stats.memory_limit_bytes;
     let shared = Shared {
         state: Mutex::new(State::default()),
@@ -204,8 +209,10 @@ pub fn run(
     };
     std::thread::scope(|scope| -> Result<()> {
         let _stop = StopOnDrop(&shared);
+        let (costs, shared) = (&costs, &shared);
         for _ in 0..threads {
-            scope.spawn(|| worker(source, index, jobs, &costs, limit, &shared));
+            let reader = cost_reader.fork();
+            scope.spawn(move || worker(reader, jobs, costs, limit, shared));
         }
         for i in 0..jobs.len() {
             let mut state = shared.lock();
@@ -229,15 +236,7 @@ pub fn run(
     Ok(stats)
 }
 
-fn worker(
-    source: &Input,
-    index: &CheckpointIndex,
-    jobs: &[Job<'_>],
-    costs: &[u64],
-    limit: u64,
-    shared: &Shared,
-) {
-    let mut reader = Reader::new(source, index);
+fn worker(mut reader: Reader<'_>, jobs: &[Job<'_>], costs: &[u64], limit: u64, shared: &Shared) {
     loop {
         let mut state = shared.lock();
         let (i, mut buf) = loop {

@@ -49,7 +49,7 @@ pub(super) fn fix_limit(
     jobs: &[exec::Job<'_>],
     options: &exec::ExecOptions,
 ) -> Result<(exec::ExecOptions, u64)> {
-    let stats = exec::memory_limit(reader.source(), reader.index(), jobs, options)?;
+    let stats = exec::memory_limit(reader, jobs, options)?;
     Ok((
         exec::ExecOptions {
             threads: options.threads,

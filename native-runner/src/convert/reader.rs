@@ -2,7 +2,8 @@
 //! (`pread`) straight into the destination for dim-0 slabs, a scratch buffer and a box copy for
 //! other chunks, byte ranges of slab-stored tensors, and casts in place.
 
-use std::collections::BTreeSet;
+use std::cell::RefCell;
+use std::collections::{BTreeSet, HashMap};
 
 use anyhow::{Context, Result, bail};
 use shardscope_core::DType;
@@ -20,7 +21,14 @@ pub struct Reader<'a> {
     scratch: Vec<u8>,
     /// The buffer of [`Reader::append_range_as`] for tensors that are not slabs.
     range_scratch: Vec<u8>,
+    /// [`Reader::slab_pieces`] by tensor key and dtype: locating a chunk parses its item's zip
+    /// ends, which for a remote source means a buffer as long as the item (every piece job of a
+    /// tensor asks again).
+    slabs: RefCell<SlabMemo>,
 }
+
+/// [`Reader::slab_pieces`] by tensor key and dtype.
+type SlabMemo = HashMap<(String, DType), Option<Vec<SlabPiece>>>;
 
 impl<'a> Reader<'a> {
     pub fn new(source: &'a Input, index: &'a CheckpointIndex) -> Self {
@@ -29,7 +37,16 @@ impl<'a> Reader<'a> {
             index,
             scratch: Vec::new(),
             range_scratch: Vec::new(),
+            slabs: RefCell::new(HashMap::new()),
         }
+    }
+
+    /// A new reader of the same checkpoint that starts with what this one found of where
+    /// tensors lie (for another thread).
+    pub fn fork(&self) -> Reader<'a> {
+        let reader = Reader::new(self.source, self.index);
+        reader.slabs.borrow_mut().clone_from(&self.slabs.borrow());
+        reader
     }
 
     pub fn index(&self) -> &'a CheckpointIndex {
@@ -166,6 +183,17 @@ impl<'a> Reader<'a> {
     /// `(byte offset in the tensor, length, file, byte offset in the file)` per distinct chunk,
     /// covering the tensor exactly. Any byte range of it can then be read in place.
     pub fn slab_pieces(&self, entry: &IndexEntry, to: DType) -> Option<Vec<SlabPiece>> {
+        let key = (entry.key.clone(), to);
+        if let Some(known) = self.slabs.borrow().get(&key) {
+            return known.clone();
+        }
+        let pieces = self.locate_slab_pieces(entry, to);
+        self.slabs.borrow_mut().insert(key, pieces.clone());
+        pieces
+    }
+
+    /// [`Self::slab_pieces`], not remembered.
+    fn locate_slab_pieces(&self, entry: &IndexEntry, to: DType) -> Option<Vec<SlabPiece>> {
         let (dtype, shape) = tensor_meta(entry).ok()?;
         if to != dtype {
             return None;

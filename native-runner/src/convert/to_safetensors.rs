@@ -62,7 +62,8 @@ pub fn to_safetensors(
     }
     let by_name: BTreeMap<&str, &IndexEntry> =
         sel.tensors.iter().map(|(n, e)| (n.as_str(), *e)).collect();
-    let piece_reader = Reader::new(reader.source(), reader.index());
+    // The caller's reader: what it finds of where tensors lie serves the memory check too.
+    let piece_reader: &Reader<'_> = reader;
     // Per file: tensor names in the writer's data order (dtype rank, then name), and the reads:
     // whole tensors, or pieces of at most `PIECE_BYTES` of those read in place by byte range.
     let jobs_of =
@@ -80,7 +81,7 @@ pub fn to_safetensors(
                     .out_nbytes(entry)
                     .with_context(|| format!("{}: tensor size overflows", entry.key))?;
                 let before = jobs.len();
-                push_piece_jobs(&piece_reader, entry, to, n, &mut jobs);
+                push_piece_jobs(piece_reader, entry, to, n, &mut jobs);
                 job_tensor.resize(jobs.len(), t);
                 debug_assert!(jobs.len() > before);
             }

@@ -7,22 +7,28 @@
 //! ([`read_ends`](shardscope_core::source::Source::read_ends): a `torch.save` item's two ends, not its tensor bytes). Large ranges are
 //! split into parts fetched in parallel (bounded), each streamed into its place in the caller's
 //! buffer; small reads that walk a file forward are served from one read-ahead block, so a reader
-//! going through many small adjacent items makes few requests. Transient failures (5xx, resets, timeouts) are retried with backoff by
-//! `object_store`'s `RetryConfig`; a body shorter than the range asked for is an error. Every error
-//! names the object's URL.
+//! going through many small adjacent items makes few requests. Transient faults (5xx, 408, 429,
+//! resets, bodies cut short, no byte for `--io-timeout`, no connection) are retried with backoff,
+//! a cut body resumed from where it stopped (`retry`, `fetch`); faults are told apart by type,
+//! never by message text. Files fetched whole are capped, buffers sized by the network allocated
+//! fallibly. Every error names the object's URL (never a query).
 //!
 //! One job per file: `url` parses the URL, `store` builds the client (retries), `open` finds the
 //! files (a listing, or the checkpoint's manifest, whose names core's `formats::locate` reads),
-//! `source` is the `Source` implementation, `fetch` the parallel ranged GETs, `readahead` the block
-//! that serves small forward reads, `error` the messages.
+//! `source` is the `Source` implementation, `fetch` the parallel ranged GETs (resumed), `retry` the
+//! typed faults and the retry budget, `connector` the HTTP client (statuses as types), `readahead`
+//! the block that serves small forward reads, `error` the messages.
 
+mod connector;
 mod error;
 mod fetch;
 mod open;
 mod readahead;
+mod retry;
 mod source;
 mod store;
 mod url;
 
+pub use retry::set_io_timeout;
 pub use source::RemoteSource;
 pub use url::is_url;

@@ -4,8 +4,8 @@
 
 use std::collections::{BTreeMap, HashMap};
 use std::io::IsTerminal;
-use std::sync::atomic::{AtomicU64, Ordering};
-use std::sync::{Arc, Mutex, OnceLock};
+use std::sync::atomic::AtomicU64;
+use std::sync::{Mutex, OnceLock};
 
 use anyhow::{Context, bail};
 use bytes::Bytes;
@@ -14,11 +14,18 @@ use object_store::ObjectStoreExt;
 use object_store::path::Path as ObjectPath;
 use shardscope_core::formats::locate::{DCP_METADATA, HF_INDEX, LocateError, Manifest};
 
-use super::error::describe_error;
 use super::fetch::PARALLEL_REQUESTS;
+use super::retry::Failure;
 use super::source::{RemoteFile, RemoteSource};
 use super::store::build_store;
 use super::url::parse_url;
+
+/// A DCP `.metadata` larger than this is refused (fetched whole on open; 100 000 chunks take
+/// tens of MiB).
+pub(super) const MAX_METADATA_BYTES: u64 = 1 << 30;
+/// An HF `*.index.json` larger than this is refused (fetched whole on open; the largest models'
+/// take a few MiB).
+pub(super) const MAX_INDEX_BYTES: u64 = 256 << 20;
 
 impl RemoteSource {
     /// Opens a URL: a folder (`…/`: a DCP directory; listed on object stores, read through its
@@ -64,7 +71,7 @@ impl RemoteSource {
                             "{e}\nhint: this URL names a file; a folder (DCP directory, prefix) URL ends with `/`"
                         );
                     }
-                    Err(e) => return Err(e),
+                    Err(e) => return Err(e.into()),
                 };
                 source.files.insert(
                     file,
@@ -78,16 +85,12 @@ impl RemoteSource {
         Ok(source)
     }
 
-    fn get_whole(&self, name: &str) -> Result<Bytes, object_store::Error> {
-        let location = self.location(name);
-        let bytes = self.runtime.block_on(async {
-            let got = self.store.get(&location).await?;
-            got.bytes().await
-        })?;
-        self.requests.fetch_add(1, Ordering::Relaxed);
-        self.fetched
-            .fetch_add(bytes.len() as u64, Ordering::Relaxed);
-        Ok(bytes)
+    /// A manifest fetched whole (`.metadata`, an HF index), within its limit.
+    fn get_manifest(&self, name: &str, manifest: Manifest) -> Result<Bytes, Failure> {
+        match manifest {
+            Manifest::Dcp => self.get_whole(name, MAX_METADATA_BYTES, "metadata files"),
+            Manifest::HfIndex => self.get_whole(name, MAX_INDEX_BYTES, "index files"),
+        }
     }
 
     /// Lists every object under the folder (two sub-folder levels, hidden folders and `*.tmp`
@@ -98,12 +101,9 @@ impl RemoteSource {
         let folder_url = self.url.folder_url();
         let metas: Vec<object_store::ObjectMeta> = self
             .runtime
-            .block_on(self.store.list(prefix.as_ref()).try_collect())
-            .map_err(|e| {
-                anyhow::anyhow!(
-                    "cannot list {folder_url}: {}",
-                    describe_error(self.url.scheme, &e)
-                )
+            .block_on(self.with_retries(|| self.store.list(prefix.as_ref()).try_collect()))
+            .map_err(|f| {
+                anyhow::anyhow!("cannot list {folder_url}: {}", f.describe(self.url.scheme))
             })?;
         let skip = prefix.as_ref().map_or(0, |p| p.parts().count());
         for meta in metas {
@@ -142,10 +142,10 @@ impl RemoteSource {
     /// `.metadata`, or else (`try_hf`) an HF `model.safetensors.index.json`.
     fn open_folder_over_http(&mut self, try_hf: bool) -> anyhow::Result<()> {
         let meta_url = self.url.url_of(DCP_METADATA);
-        let bytes = match self.get_whole(DCP_METADATA) {
+        let bytes = match self.get_manifest(DCP_METADATA, Manifest::Dcp) {
             Ok(b) => b,
-            Err(object_store::Error::NotFound { .. }) if try_hf => {
-                if let Ok(b) = self.get_whole(HF_INDEX) {
+            Err(f) if f.is_not_found() && try_hf => {
+                if let Ok(b) = self.get_manifest(HF_INDEX, Manifest::HfIndex) {
                     return self.add_manifest(HF_INDEX, Manifest::HfIndex, b);
                 }
                 bail!(
@@ -153,7 +153,7 @@ impl RemoteSource {
                      `model.safetensors.index.json`; name a single file by its own URL"
                 );
             }
-            Err(e) => bail!("{meta_url}: {}", describe_error(self.url.scheme, &e)),
+            Err(f) => bail!("{meta_url}: {}", f.describe(self.url.scheme)),
         };
         self.add_manifest(DCP_METADATA, Manifest::Dcp, bytes)
     }
@@ -167,17 +167,15 @@ impl RemoteSource {
             .filter(|(_, f)| f.size.get().is_none())
             .map(|(n, _)| n)
             .collect();
-        let sizes: Vec<Result<u64, (String, object_store::Error)>> = self.runtime.block_on(
+        let sizes: Vec<Result<u64, (String, Failure)>> = self.runtime.block_on(
             futures::stream::iter(names.iter().map(|n| {
                 let location = self.location(n);
-                let store = Arc::clone(&self.store);
                 let name = (*n).clone();
                 async move {
-                    store
-                        .head(&location)
+                    self.with_retries(|| self.store.head(&location))
                         .await
                         .map(|m| m.size)
-                        .map_err(|e| (name, e))
+                        .map_err(|f| (name, f))
                 }
             }))
             .buffered(PARALLEL_REQUESTS)
@@ -190,10 +188,10 @@ impl RemoteSource {
                         let _ = f.size.set(size);
                     }
                 }
-                Err((name, e)) => bail!(
+                Err((name, f)) => bail!(
                     "{}: {} (named by {named_by})",
                     self.url.url_of(&name),
-                    describe_error(self.url.scheme, &e)
+                    f.describe(self.url.scheme)
                 ),
             }
         }
@@ -202,12 +200,8 @@ impl RemoteSource {
 
     /// A manifest named by its own URL (an HF `*.index.json`).
     fn open_manifest(&mut self, name: &str, manifest: Manifest) -> anyhow::Result<()> {
-        let bytes = self.get_whole(name).map_err(|e| {
-            anyhow::anyhow!(
-                "{}: {}",
-                self.url.url_of(name),
-                describe_error(self.url.scheme, &e)
-            )
+        let bytes = self.get_manifest(name, manifest).map_err(|f| {
+            anyhow::anyhow!("{}: {}", self.url.url_of(name), f.describe(self.url.scheme))
         })?;
         self.add_manifest(name, manifest, bytes)
     }

@@ -10,9 +10,9 @@ use object_store::path::Path as ObjectPath;
 use object_store::{ObjectStore, ObjectStoreExt};
 use shardscope_core::source::{Source, SourceError, checked_range};
 
-use super::error::describe_error;
-use super::fetch::PART_BYTES;
+use super::fetch::{PART_BYTES, lazy_zeroed, zeroed};
 use super::readahead::Block;
+use super::retry::Failure;
 use super::url::RemoteUrl;
 
 pub(super) struct RemoteFile {
@@ -61,20 +61,20 @@ impl RemoteSource {
         }
     }
 
-    pub(super) fn io_error(&self, name: &str, err: &object_store::Error) -> SourceError {
-        SourceError::Io {
-            name: self.url.url_of(name),
-            message: describe_error(self.url.scheme, err),
-        }
-    }
-
-    pub(super) fn head(&self, name: &str) -> anyhow::Result<u64> {
+    /// The size of `name` by `HEAD` (retried like every request).
+    pub(super) fn head(&self, name: &str) -> Result<u64, SourceError> {
         let location = self.location(name);
         let meta = self
             .runtime
-            .block_on(self.store.head(&location))
-            .map_err(|e| self.io_error(name, &e))?;
+            .block_on(self.with_retries(|| self.store.head(&location)))
+            .map_err(|f| self.failure(name, &f))?;
         Ok(meta.size)
+    }
+
+    /// A zeroed buffer for `len` bytes of `name`: a size from the network, so a failed allocation
+    /// is an error naming the URL, never an abort.
+    pub(super) fn buffer(&self, name: &str, len: u64) -> Result<Vec<u8>, SourceError> {
+        zeroed(len).map_err(|fault| self.failure(name, &Failure { fault, tries: 1 }))
     }
 
     pub(super) fn file(&self, name: &str) -> Result<&RemoteFile, SourceError> {
@@ -94,12 +94,8 @@ impl Source for RemoteSource {
         if let Some(size) = file.size.get() {
             return Ok(*size);
         }
-        let location = self.location(name);
-        let meta = self
-            .runtime
-            .block_on(self.store.head(&location))
-            .map_err(|e| self.io_error(name, &e))?;
-        Ok(*file.size.get_or_init(|| meta.size))
+        let size = self.head(name)?;
+        Ok(*file.size.get_or_init(|| size))
     }
 
     fn read_range(&self, name: &str, offset: u64, len: u64) -> Result<Cow<'_, [u8]>, SourceError> {
@@ -108,7 +104,7 @@ impl Source for RemoteSource {
         if let Some(bytes) = &self.file(name)?.bytes {
             return Ok(Cow::Borrowed(&bytes[start..end]));
         }
-        let mut out = vec![0u8; end - start];
+        let mut out = self.buffer(name, (end - start) as u64)?;
         self.read_into(name, offset, &mut out)?;
         Ok(Cow::Owned(out))
     }
@@ -140,7 +136,10 @@ impl Source for RemoteSource {
                 .map(|&(offset, len)| self.read_range(name, offset, len))
                 .collect();
         }
-        let mut outs: Vec<Vec<u8>> = bounds.iter().map(|(s, e)| vec![0u8; e - s]).collect();
+        let mut outs: Vec<Vec<u8>> = bounds
+            .iter()
+            .map(|(s, e)| self.buffer(name, (e - s) as u64))
+            .collect::<Result<_, _>>()?;
         let jobs = ranges
             .iter()
             .zip(outs.iter_mut())
@@ -167,7 +166,8 @@ impl Source for RemoteSource {
         if self.file(name)?.bytes.is_some() || len <= ends {
             return self.read_range(name, offset, len);
         }
-        let mut out = vec![0u8; end - start];
+        let mut out = lazy_zeroed((end - start) as u64)
+            .map_err(|fault| self.failure(name, &Failure { fault, tries: 1 }))?;
         let head = usize::try_from(head_bytes)
             .unwrap_or(usize::MAX)
             .min(out.len());

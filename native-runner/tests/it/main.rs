@@ -37,6 +37,7 @@ mod layout_from;
 mod local_faults;
 mod rank_names;
 mod remote;
+mod remote_faults;
 mod reshard_cli;
 mod reshard_fsdp2;
 mod select_sides;

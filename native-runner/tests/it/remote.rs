@@ -563,9 +563,10 @@ fn faulty_server(root: &Path, mode: &[&str]) -> (Server, u16) {
     (server, port)
 }
 
-/// Transient 503s are retried (the output equals the local one); a body cut short, and a server
-/// that stops after indexing: `convert` fails with a message naming the URL, and leaves nothing at
-/// the destination (no output, no temporary file).
+/// Transient 503s are retried (the output equals the local one); a body cut short on every try
+/// (resumed, cut again, until the 5 tries are spent), and a server that stops after indexing:
+/// `convert` fails with a message naming the URL, and leaves nothing at the destination (no
+/// output, no temporary file). One-off faults, stalls and the rest: `remote_faults`.
 #[test]
 fn faults_mid_convert_fail_cleanly() {
     let root = tempfile::tempdir().unwrap();
