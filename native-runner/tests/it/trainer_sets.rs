@@ -308,9 +308,17 @@ fn doctor_compares_the_model_set_and_never_passes_without_it() {
 #[test]
 fn accelerate_folders_are_read_whole() {
     let f = fixtures();
-    for (folder, extra) in [
-        ("acc_save_state", "extra.scheduler.last_epoch"),
-        ("checkpoint-2", "extra.rng_state.cpu"),
+    for (folder, extra, more) in [
+        (
+            "acc_save_state",
+            "extra.scheduler.last_epoch",
+            "extra.random_states.torch_manual_seed",
+        ),
+        (
+            "checkpoint-2",
+            "extra.rng_state.cpu",
+            "extra.trainer_state.global_step",
+        ),
     ] {
         let dir = f.join(folder);
         let keys = keys(&dir, &[]);
@@ -319,6 +327,7 @@ fn accelerate_folders_are_read_whole() {
             "model.lm_head.weight",
             "optimizer.state.layers.1.mlp.weight.exp_avg_sq",
             extra,
+            more,
         ] {
             assert!(keys.iter().any(|k| k == want), "{folder}: no {want}");
         }

@@ -27,6 +27,18 @@ use crate::source::Source;
 /// merges).
 const MERGED_AT_TOP: &[&str] = &["meta.pt", "common.pt"];
 
+/// The HF Trainer's state file beside accelerate's folders in `checkpoint-N/`.
+const TRAINER_STATE: &str = "trainer_state.json";
+
+/// A `.pkl` file that is a `torch.save` archive (a zip; accelerate's `random_states_{rank}.pkl`),
+/// told by its first bytes; a plain pickle (`metadata.pkl`) is not.
+fn is_zipped_pickle(source: &dyn Source, name: &str) -> bool {
+    crate::index::names::file_ext(name) == "pkl"
+        && source
+            .read_range(name, 0, 4)
+            .is_ok_and(|b| b.as_ref() == b"PK\x03\x04")
+}
+
 /// The `.metadata` files of DCP folders one level below the top (`X/.metadata`, `X` not hidden),
 /// in name order.
 pub fn nested_dcp_metadata(names: &[String]) -> Vec<String> {
@@ -109,7 +121,7 @@ pub fn index_dcp_folders(
     let torch: Vec<String> = source
         .names()
         .into_iter()
-        .filter(|n| !n.contains('/') && is_torch_file(n))
+        .filter(|n| !n.contains('/') && (is_torch_file(n) || is_zipped_pickle(source, n)))
         .collect();
     let mut sets = Vec::new();
     if !torch.is_empty() {
@@ -141,6 +153,14 @@ pub fn index_dcp_folders(
             }
             merged.files.extend(index.files);
             sets.push((group, class));
+        }
+    }
+    // The HF Trainer's own state (global step, epoch, log history), as values.
+    if source.contains(TRAINER_STATE) {
+        let index =
+            crate::index::read::torch_checkpointing::index_json_item(source, TRAINER_STATE)?;
+        for e in index.entries {
+            merged.entries.push(prefixed(e, "extra.trainer_state"));
         }
     }
     merged.entries.sort_by(|a, b| a.key.cmp(&b.key));

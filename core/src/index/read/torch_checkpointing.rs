@@ -308,7 +308,10 @@ fn index_safetensors_item(
 }
 
 /// A JSON item: one file's value, shown as values.
-fn index_json_item(source: &dyn Source, file: &str) -> Result<CheckpointIndex, IndexError> {
+pub(crate) fn index_json_item(
+    source: &dyn Source,
+    file: &str,
+) -> Result<CheckpointIndex, IndexError> {
     let bytes = source.read_all(file)?;
     let value: Value = serde_json::from_slice(&bytes).map_err(|e| IndexError::Inconsistent {
         file: file.to_owned(),
