@@ -41,13 +41,18 @@ pub const MAX_ZIP_EXPANDED: u64 = 2 << 30;
 /// File names the checkpoint readers understand (everything else of a folder is left alone).
 pub fn is_checkpoint_name(name: &str) -> bool {
     let base = name.rsplit(['/', '\\']).next().unwrap_or(name);
-    if base == ".metadata" || base.ends_with(".safetensors.index.json") {
+    // A trainer's state files belong to its checkpoint folder too (torch_checkpointing's
+    // `metadata.pkl`, accelerate's `random_states_{rank}.pkl`, the HF Trainer's state).
+    if base == ".metadata"
+        || base.ends_with(".safetensors.index.json")
+        || base == "trainer_state.json"
+    {
         return true;
     }
     let ext = base.rsplit_once('.').map_or("", |(_, e)| e);
     matches!(
         ext,
-        "pt" | "pth" | "bin" | "ckpt" | "tar" | "safetensors" | "distcp" | "zip"
+        "pt" | "pth" | "bin" | "ckpt" | "tar" | "safetensors" | "distcp" | "zip" | "pkl"
     )
 }
 

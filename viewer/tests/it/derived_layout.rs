@@ -144,3 +144,48 @@ fn units_are_edited_live() {
     assert_eq!(v.poll_loader(), 0, "{:?}", v.messages);
     assert_eq!(v.model.as_ref().unwrap().name, "tiny_model.json");
 }
+
+/// Training checkpoints as trainers write them open in the viewer as in the CLI (both through
+/// `Checkpoint::open`): every part listed, and a layout derived for the model part.
+#[test]
+fn trainer_folders_open_with_every_part_and_a_layout() {
+    let f = PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("../tests/fixtures/trainer_folders");
+    for (folder, want) in [
+        (
+            "acc_save_state",
+            ["model.lm_head.weight", "extra.scheduler.last_epoch"],
+        ),
+        (
+            "checkpoint-2",
+            ["model.lm_head.weight", "extra.rng_state.cpu"],
+        ),
+        (
+            "tc_safetensors",
+            ["model.output.weight", "extra.train_state.step"],
+        ),
+        ("lightning_sharded", ["model.head.weight", "step"]),
+        ("step-2", ["output.weight", "train_state.step"]),
+    ] {
+        let mut v = Viewer::new();
+        v.loader.synchronous = true;
+        v.loader.open_path(f.join(folder));
+        while v.poll_loader() > 0 {}
+        let ckpt = v
+            .checkpoint
+            .as_ref()
+            .unwrap_or_else(|| panic!("{folder}: {:?}", v.messages));
+        for key in want {
+            assert!(ckpt.by_key.contains_key(key), "{folder}: no {key}");
+        }
+        let m = v
+            .model
+            .as_ref()
+            .unwrap_or_else(|| panic!("{folder}: {:?}", v.messages));
+        assert!(m.derived.is_some(), "{folder}");
+        assert!(
+            m.model.units.len() >= 2,
+            "{folder}: units {:?}",
+            m.model.units
+        );
+    }
+}
