@@ -304,6 +304,11 @@ impl Viewer {
                 v.units.len(),
                 v.chunk_count()
             ),
+            // A model derived from the checkpoint that FSDP could not wrap is no error of the
+            // user's: say why there is no layout.
+            (None, Some(e)) if self.model.as_ref().is_some_and(|m| m.derived.is_some()) => {
+                format!("no layout for the derived model ({e})")
+            }
             (None, Some(e)) => format!("layout error: {e}"),
             (None, None) => "no layout".to_owned(),
         };

@@ -378,8 +378,28 @@ fn derive_model(checkpoint: &Checkpoint, source: &dyn Source) -> Result<DerivedM
             .iter()
             .map(|n| n.trim_start_matches("note: ").to_owned()),
     );
+    let mut model = auto.described.derived.model;
+    let mut unit_patterns = unit_patterns;
+    // Several dtypes: FSDP1 flattens one dtype per unit, so each module holding parameters is a
+    // unit (when no module mixes dtypes itself).
+    if let Ok((uniform, shardscope_core::index::from_index::UnitChoice::PerModule { dtypes, .. })) =
+        shardscope_core::index::from_index::uniform_dtype_units(&model)
+    {
+        notes.push(format!(
+            "parameters of several dtypes ({}): each module holding parameters is a unit",
+            dtypes.join(", ")
+        ));
+        unit_patterns = uniform
+            .units
+            .iter()
+            .filter(|u| !u.is_empty())
+            .cloned()
+            .collect::<Vec<_>>()
+            .join(", ");
+        model = uniform;
+    }
     Ok(DerivedModel {
-        model: auto.described.derived.model,
+        model,
         unit_patterns,
         notes,
     })
