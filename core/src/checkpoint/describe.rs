@@ -200,19 +200,7 @@ impl Checkpoint {
     /// [`Checkpoint::describe`]).
     pub fn describe_auto(&self, source: &dyn Source) -> Result<AutoDescribed, CheckpointError> {
         let select = super::app_state_prefix(&self.index);
-        let fqns: Vec<&str> = self
-            .index
-            .entries
-            .iter()
-            .filter(|e| {
-                e.role.is_none() && e.dtype.is_some_and(crate::dtype::DType::is_floating_point)
-            })
-            .filter_map(|e| match select {
-                Some(s) => e.key.strip_prefix(s)?.strip_prefix('.'),
-                None => Some(e.key.as_str()),
-            })
-            .collect();
-        let blocks = repeated_blocks(fqns);
+        let blocks = repeated_blocks(super::model_fqns(&self.index, select));
         let is_unit = |prefix: &str| is_block(&blocks, prefix);
         let described = self.describe(
             source,

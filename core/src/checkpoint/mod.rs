@@ -21,7 +21,7 @@ mod model_only;
 
 pub use describe::{AutoDescribed, DescribeOptions, Described, is_block, repeated_blocks};
 pub use files::{RANK_PLACEHOLDER, pattern_rank};
-pub use model_only::app_state_prefix;
+pub use model_only::{app_state_prefix, is_model_tensor, model_fqns};
 
 use crate::dtype::DType;
 use crate::index::{

@@ -49,8 +49,22 @@ fn top(e: &IndexEntry) -> Option<&str> {
     }
 }
 
-fn is_model_tensor(e: &IndexEntry) -> bool {
+/// A floating-point tensor that is no optimizer state: what a model's parameters look like.
+pub fn is_model_tensor(e: &IndexEntry) -> bool {
     e.kind == EntryKind::Tensor && e.role.is_none() && e.dtype.is_some_and(DType::is_floating_point)
+}
+
+/// The keys of the model tensors under `select.` (prefix removed), or all of them.
+pub fn model_fqns<'a>(index: &'a CheckpointIndex, select: Option<&str>) -> Vec<&'a str> {
+    index
+        .entries
+        .iter()
+        .filter(|e| is_model_tensor(e))
+        .filter_map(|e| match select {
+            Some(s) => e.key.strip_prefix(s)?.strip_prefix('.'),
+            None => Some(e.key.as_str()),
+        })
+        .collect()
 }
 
 /// The model part of `index`: `Some(wrapper)` when the model sits under an app-state key,

@@ -126,17 +126,9 @@ fn model_from_checkpoint(args: &LayoutArgs) -> anyhow::Result<ModelDescription> 
         }),
     };
     let blocks = if units.is_none() {
-        let fqns: Vec<&str> = checkpoint
-            .index
-            .entries
-            .iter()
-            .filter(|e| e.role.is_none() && e.dtype.is_some_and(DType::is_floating_point))
-            .filter_map(|e| match &select {
-                Some(s) => e.key.strip_prefix(s.as_str())?.strip_prefix('.'),
-                None => Some(e.key.as_str()),
-            })
-            .collect();
-        let blocks = shardscope_core::checkpoint::repeated_blocks(fqns);
+        let blocks = shardscope_core::checkpoint::repeated_blocks(
+            shardscope_core::checkpoint::model_fqns(&checkpoint.index, select.as_deref()),
+        );
         let lists: Vec<String> = blocks
             .iter()
             .map(|(l, n)| format!("`{l}.N` ({n} blocks)"))

@@ -94,12 +94,7 @@ fn warn_own_prefix(index: &CheckpointIndex, prefix: &str) {
         return;
     }
     let under = |k: &str| k.strip_prefix(prefix).is_some_and(|r| r.starts_with('.'));
-    let model_tensor = |e: &&IndexEntry| {
-        e.kind == EntryKind::Tensor
-            && e.role.is_none()
-            && e.dtype
-                .is_some_and(shardscope_core::DType::is_floating_point)
-    };
+    let model_tensor = |e: &&IndexEntry| shardscope_core::checkpoint::is_model_tensor(e);
     let selects_model = index
         .entries
         .iter()
