@@ -1,6 +1,19 @@
 //! The shardscope runner library: the sources a checkpoint is read from (memory-mapped files,
 //! remote objects), the gather/flatten executor behind `shardscope gather` and the Chrome-trace
-//! writer. The `shardscope` binary is a thin CLI over it.
+//! writer; the `shardscope` command itself ([`main_with`], run by the binary and by the Python
+//! package's entry point), and [`api`], what the Python module reads checkpoints with.
+
+// The command's modules name this crate by its name, as the binary's did.
+extern crate self as shardscope_runner;
+
+pub mod api;
+mod app;
+mod atomic;
+mod cli;
+mod convert;
+mod input;
+
+pub use app::main_with;
 
 pub mod errors;
 pub mod file_source;

@@ -1,19 +1,621 @@
-"""shardscope: the `shardscope` command, packaged. Run it as `shardscope ...` or `python -m shardscope ...`."""
+"""shardscope: look inside, read, convert and check sharded PyTorch checkpoints (FSDP1, FSDP2, HSDP, DCP,
+per-rank files, safetensors, HF shards), local or remote, without torch.
 
+>>> import shardscope
+>>> ck = shardscope.open("examples/fsdp2_dcp")            # a folder, a file, per-rank files or a URL
+>>> ck.kind, ck.world_size
+('dcp', 2)
+>>> ck.info("model.embed.weight")["shape"]
+(7, 5)
+>>> w = ck.read("model.embed.weight")                       # numpy.ndarray, assembled from both ranks
+>>> sd = ck.state_dict(select="model", framework="torch")  # {name: torch.Tensor}, torch imported only now
+
+The same reader as the `shardscope` command (which this wheel also installs). Every failure raises
+`shardscope.ShardscopeError` with the command's message.
+"""
+
+from __future__ import annotations
+
+import builtins
+import json
 import os
+import re
+import subprocess
 import sys
-import sysconfig
+import tempfile
+from typing import Any, Dict, Iterator, List, Mapping, Optional, Sequence, Tuple, Union
+
+from shardscope import _native
+from shardscope._native import ShardscopeError
+
+__all__ = [
+    "Checkpoint",
+    "ShardscopeError",
+    "convert",
+    "describe",
+    "diff",
+    "doctor",
+    "layout",
+    "open",
+    "verify",
+]
+__version__: str = _native.__version__
+
+PathLike = Union[str, "os.PathLike[str]"]
+Rows = Union[slice, Tuple[int, int]]
+
+# Floating dtypes a read can be cast to (`dtype=`); others are read as stored.
+_CASTABLE = ("float16", "bfloat16", "float32", "float64")
+# dtypes numpy has no type for: ml_dtypes has them (when installed).
+_ML_DTYPES = ("bfloat16", "float8_e4m3fn", "float8_e5m2", "float8_e4m3fnuz", "float8_e5m2fnuz", "float8_e8m0fnu")
 
 
-def binary() -> str:
-    """The path of the `shardscope` executable installed with this package."""
-    name = "shardscope.exe" if os.name == "nt" else "shardscope"
-    candidates = [
-        os.path.join(sysconfig.get_path("scripts"), name),
-        os.path.join(sysconfig.get_path("scripts", f"{os.name}_user"), name),
-        os.path.join(os.path.dirname(sys.executable), name),
-    ]
-    for path in candidates:
-        if os.path.isfile(path) and os.access(path, os.X_OK):
-            return path
-    raise FileNotFoundError(f"the shardscope executable is not installed (looked in {', '.join(candidates)})")
+def _dtype_name(dtype: Any) -> Optional[str]:
+    """`torch.bfloat16`, `numpy.float32`, `"bf16"` -> a name the reader parses (None stays None)."""
+    if dtype is None:
+        return None
+    if isinstance(dtype, str):
+        return dtype
+    name = str(dtype)
+    if name.startswith("torch."):
+        return name[len("torch.") :]
+    try:  # numpy dtypes and scalar types
+        import numpy as np
+
+        return str(np.dtype(dtype))
+    except Exception:
+        return name
+
+
+def _framework(framework: str) -> str:
+    if framework not in ("numpy", "torch"):
+        raise ShardscopeError(f'framework={framework!r}: expected "numpy" or "torch"')
+    return framework
+
+
+def _numpy_dtype(name: str, key: str) -> Any:
+    import numpy as np
+
+    if name in _ML_DTYPES:
+        try:
+            import ml_dtypes
+        except ImportError:
+            raise ShardscopeError(
+                f"{key} is {name}, which numpy has no type for\n"
+                f'hint: read it with framework="torch", or `pip install ml_dtypes`'
+            ) from None
+        return np.dtype(getattr(ml_dtypes, name))
+    if name == "complex32":
+        raise ShardscopeError(f'{key} is complex32, which numpy has no type for\nhint: read it with framework="torch"')
+    return np.dtype(name).newbyteorder("<")
+
+
+def _torch_dtype(name: str, key: str) -> Any:
+    import torch
+
+    dtype = getattr(torch, name, None)
+    if not isinstance(dtype, torch.dtype):
+        raise ShardscopeError(f"{key} is {name}, which this torch ({torch.__version__}) has no dtype for")
+    return dtype
+
+
+def _wrap(buf: bytearray, dtype: str, shape: Sequence[int], framework: str, key: str) -> Any:
+    """The tensor over `buf` (no copy): a numpy array or a torch tensor."""
+    if framework == "numpy":
+        import numpy as np
+
+        return np.frombuffer(buf, dtype=_numpy_dtype(dtype, key)).reshape(tuple(shape))
+    import torch
+
+    tdtype = _torch_dtype(dtype, key)
+    if len(buf) == 0:
+        return torch.empty(tuple(shape), dtype=tdtype)
+    if sys.byteorder != "little":
+        raise ShardscopeError("reading into torch tensors needs a little-endian machine")
+    return torch.frombuffer(buf, dtype=tdtype).reshape(tuple(shape))
+
+
+class Checkpoint:
+    """A checkpoint opened by `shardscope.open`: its keys, what each holds, and its tensors.
+
+    Keys are the checkpoint's flattened keys (`model.layers.0.attn.weight`,
+    `optim.state.model.embed.weight.exp_avg`), in the order the checkpoint stores them. Tensors are
+    global: the chunks of every rank assembled, padding removed, as torch's own consolidation gives.
+    """
+
+    def __init__(self, native: Any) -> None:
+        self._ck = native
+
+    # -- what it holds -------------------------------------------------------------------------
+    def keys(self) -> List[str]:
+        """The keys, in stored order (registration order for a state dict, `.metadata` order for DCP)."""
+        return self._ck.keys()
+
+    def __contains__(self, key: object) -> bool:
+        return isinstance(key, str) and self._ck.__contains__(key)
+
+    def __len__(self) -> int:
+        return self._ck.__len__()
+
+    def __iter__(self) -> Iterator[str]:
+        return iter(self.keys())
+
+    def __repr__(self) -> str:
+        return self._ck.__repr__()
+
+    @property
+    def label(self) -> str:
+        """The path or URL it was opened from, as messages name it."""
+        return self._ck.label
+
+    @property
+    def kind(self) -> str:
+        """What it looks like: `dcp`, `fsdp2`, `fsdp1_sharded`, `fsdp1_local`, `rank_local`, `plain`, ..."""
+        return self._ck.kind
+
+    @property
+    def format(self) -> str:
+        """The file format: `dcp`, `safetensors` or `torch_save`."""
+        return self._ck.format
+
+    @property
+    def world_size(self) -> int:
+        """Ranks that wrote it: what it states (a DTensor mesh, DCP's planner), else its highest rank + 1."""
+        return self._ck.world_size
+
+    @property
+    def view(self) -> str:
+        """How it was read: `stored`, `fsdp1` (per-rank pieces through `model=`'s layout) or `fsdp2`."""
+        return self._ck.view
+
+    @property
+    def notes(self) -> List[str]:
+        """What to know about how it was read (the command prints these as `note: ...`)."""
+        return self._ck.notes
+
+    def info(self, key: str) -> Dict[str, Any]:
+        """`dict(kind, dtype, shape, chunks, ranks, nbytes)` of `key`, without reading its values.
+
+        >>> ck.info("model.embed.weight")
+        {'kind': 'tensor', 'dtype': 'float32', 'shape': (7, 5), 'chunks': 2, 'ranks': [0, 1], 'nbytes': 140}
+        """
+        return self._ck.info(key)
+
+    # -- values --------------------------------------------------------------------------------
+    def read(
+        self,
+        key: str,
+        *,
+        framework: str = "numpy",
+        dtype: Any = None,
+        rows: Optional[Rows] = None,
+    ) -> Any:
+        """The tensor `key`, assembled from its chunks straight into the returned buffer.
+
+        framework: "numpy" (numpy.ndarray; bfloat16/float8 need `ml_dtypes`) or "torch" (torch.Tensor).
+        dtype: cast floating tensors to this (`"bfloat16"`, `torch.float32`, ...), as `Tensor.to` does.
+        rows: `slice(a, b)` (or `(a, b)`) of dim 0: only those rows' bytes are read.
+
+        >>> ck.read("model.embed.weight", rows=slice(0, 2)).shape
+        (2, 5)
+        """
+        framework = _framework(framework)
+        info = self._ck.info(key)
+        if info["kind"] != "tensor":
+            raise ShardscopeError(f"{self.label}: {key} is not a tensor ({info['kind']}): use value()")
+        to = _dtype_name(dtype)
+        out_dtype = to if to is not None else info["dtype"]
+        if framework == "numpy" and out_dtype is not None:
+            _numpy_dtype(out_dtype, key)  # before reading: a missing ml_dtypes fails at once
+        span = self._rows(key, info, rows)
+        buf, got, shape = self._ck.read(key, to, span)
+        return _wrap(buf, got, shape, framework, key)
+
+    def value(self, key: str) -> Any:
+        """A non-tensor entry's value (a step count, a learning rate, a param group's list)."""
+        return json.loads(self._ck.value_json(key))
+
+    def state_dict(
+        self,
+        *,
+        select: Optional[str] = None,
+        framework: str = "torch",
+        dtype: Any = None,
+        keep_tied: bool = True,
+    ) -> Dict[str, Any]:
+        """Every key (or those under `select.`, prefix removed) as {name: tensor or value}, in stored order.
+
+        select: an app-state prefix, e.g. "model" for a DCP written as {"model": ..., "optim": ...}.
+        dtype: floating tensors are cast to it (integers and bools are kept), as `convert --dtype`.
+        keep_tied: True keeps every name of a tied weight (the same tensor object where the checkpoint
+            shares the storage, as `model.state_dict()` does); False drops the aliases, as `convert` does.
+
+        >>> model.load_state_dict(shardscope.open("ckpt/").state_dict(select="model"))
+        """
+        framework = _framework(framework)
+        to = _dtype_name(dtype)
+        keys = self.keys()
+        if select:
+            prefix = select.rstrip(".") + "."
+            pairs = [(k, k[len(prefix) :]) for k in keys if k.startswith(prefix) and len(k) > len(prefix)]
+            if not pairs:
+                tops = sorted({k.split(".", 1)[0] for k in keys})
+                raise ShardscopeError(
+                    f"{self.label}: no key under `{prefix}`\nhint: its top-level prefixes are {', '.join(tops[:8])}"
+                )
+        else:
+            pairs = [(k, k) for k in keys]
+        infos = {k: self._ck.info(k) for k, _ in pairs}
+        tensors = [k for k, _ in pairs if infos[k]["kind"] == "tensor"]
+        alias_of: Dict[str, str] = {}
+        dropped: set = set()
+        if keep_tied:
+            for kept, aliases in self._ck.storage_ties(tensors):
+                for a in aliases:
+                    alias_of[a] = kept
+        else:
+            dropped = {d for _, d in self._ck.tied_aliases(tensors)}
+        read: Dict[str, Any] = {}
+        out: Dict[str, Any] = {}
+        for key, name in pairs:
+            info = infos[key]
+            if info["kind"] != "tensor":
+                out[name] = self.value(key)
+                continue
+            if key in dropped:
+                continue
+            source = alias_of.get(key, key)
+            if source not in read:
+                cast = to if to is not None and infos[source]["dtype"] in _CASTABLE else None
+                read[source] = self.read(source, framework=framework, dtype=cast)
+            out[name] = read[source]
+        return out
+
+    def _rows(self, key: str, info: Mapping[str, Any], rows: Optional[Rows]) -> Optional[Tuple[int, int]]:
+        if rows is None:
+            return None
+        shape = info["shape"]
+        if not shape:
+            raise ShardscopeError(f"{self.label}: {key} is 0-dim: it has no rows")
+        if isinstance(rows, slice):
+            start, stop, step = rows.indices(shape[0])
+            if step != 1:
+                raise ShardscopeError(f"{self.label}: {key}: rows={rows!r}: only a step of 1 is read")
+            return (start, max(start, stop))
+        start, stop = rows
+        return (int(start), int(stop))
+
+
+def open(
+    path: Union[PathLike, Sequence[PathLike]],
+    *,
+    model: Union[None, PathLike, Mapping[str, Any]] = None,
+    model_files: Optional[str] = None,
+    optim_files: Optional[str] = None,
+    model_only: bool = False,
+    world_size: Optional[int] = None,
+    use_orig_params: bool = False,
+    strategy: Optional[str] = None,
+    shard_group_size: Optional[int] = None,
+    param_dtype: Any = None,
+) -> Checkpoint:
+    """Opens a checkpoint as the `shardscope` command does.
+
+    path: a file, a DCP or per-rank folder, an HF `*.index.json`, several per-rank files (a list), or
+        one URL (`https://`, `s3://`, `gs://`, `az://`).
+    model: the model description (a path to the `--model` JSON, or the dict `describe()` returns): FSDP1
+        per-rank (LOCAL) files are read as the original parameters through its layout, with
+        `world_size`, `use_orig_params`, `strategy`, `shard_group_size` and `param_dtype` as the model
+        was wrapped; FSDP2 per-rank optimizer ids are named by FQN.
+    model_files / optim_files: file-name patterns of the per-rank sets to read, `{r}` for the rank.
+    model_only: keep the model part of a training checkpoint, with the model's own names.
+
+    >>> ck = shardscope.open("ckpt/", model=shardscope.describe(model), world_size=4)
+    """
+    if isinstance(path, (list, tuple)):
+        paths = [os.fspath(p) for p in path]
+    else:
+        paths = [os.fspath(path)]
+    model_path = model_json = None
+    if isinstance(model, Mapping):
+        model_json = json.dumps(model)
+    elif model is not None:
+        model_path = os.fspath(model)
+    return Checkpoint(
+        _native.open(
+            paths,
+            model_path=model_path,
+            model_json=model_json,
+            model_name="model=" if model_json is not None else None,
+            model_files=model_files,
+            optim_files=optim_files,
+            model_only=model_only,
+            world_size=world_size,
+            use_orig_params=use_orig_params,
+            strategy=strategy,
+            shard_group_size=shard_group_size,
+            param_dtype=_dtype_name(param_dtype),
+        )
+    )
+
+
+# -- the model description of a live module ------------------------------------------------------
+
+_WRAPPER_PREFIXES = ("_fsdp_wrapped_module.", "_checkpoint_wrapped_module.", "_orig_mod.", "module.")
+
+
+def _clean(name: str) -> str:
+    """An FQN without the wrappers' segments (FSDP1, activation checkpointing, torch.compile, DDP)."""
+    for seg in ("_fsdp_wrapped_module.", "_checkpoint_wrapped_module.", "_orig_mod."):
+        name = name.replace(seg, "")
+    return name
+
+
+def _fsdp1_class() -> Any:
+    try:
+        from torch.distributed.fsdp import FullyShardedDataParallel
+
+        return FullyShardedDataParallel
+    except Exception:
+        return None
+
+
+def _fsdp2_class() -> Any:
+    try:
+        from torch.distributed.fsdp import FSDPModule
+
+        return FSDPModule
+    except Exception:
+        try:
+            from torch.distributed._composable.fsdp import FSDPModule
+
+            return FSDPModule
+        except Exception:
+            return None
+
+
+def _params_of_fsdp1(module: Any) -> List[Tuple[str, Any, Tuple[int, ...], bool, Optional[str]]]:
+    """Original parameters of an FSDP1-wrapped module, from its FlatParameters' records, in
+    registration order: (fqn, dtype, shape, requires_grad, shared_with)."""
+    fsdp = _fsdp1_class()
+    by_module: Dict[int, List[Tuple[str, Any, Tuple[int, ...], bool]]] = {}
+    shared: Dict[int, List[Tuple[str, int, str]]] = {}
+    for m in module.modules():
+        if not isinstance(m, fsdp) or getattr(m, "_handle", None) is None:
+            continue
+        fp = m._handle.flat_param
+        for info, shape in zip(fp._param_infos, fp._shapes):
+            by_module.setdefault(id(info.module), []).append(
+                (info.param_name, fp.dtype, tuple(int(d) for d in shape), bool(fp.requires_grad))
+            )
+        for s in getattr(fp, "_shared_param_infos", []) or []:
+            shared.setdefault(id(s.module), []).append((s.param_name, id(s.prim_module), s.prim_param_name))
+    out: List[Tuple[str, Any, Tuple[int, ...], bool, Optional[str]]] = []
+    fqn_of: Dict[Tuple[int, str], str] = {}
+    meta_of: Dict[Tuple[int, str], Tuple[Any, Tuple[int, ...], bool]] = {}
+    for raw, m in module.named_modules(remove_duplicate=False):
+        prefix = _clean(raw)
+        if isinstance(m, fsdp):
+            continue
+        join = (prefix + ".") if prefix else ""
+        for name, dtype, shape, rg in by_module.get(id(m), []):
+            if (id(m), name) in fqn_of:
+                continue
+            fqn_of[(id(m), name)] = join + name
+            meta_of[(id(m), name)] = (dtype, shape, rg)
+            out.append((join + name, dtype, shape, rg, None))
+        for name, prim_module, prim_name in shared.get(id(m), []):
+            prim = fqn_of.get((prim_module, prim_name))
+            if prim is None:
+                continue
+            dtype, shape, rg = meta_of[(prim_module, prim_name)]
+            out.append((join + name, dtype, shape, rg, prim))
+    return out
+
+
+def describe(module: Any, *, units: Union[None, str, Sequence[str]] = None) -> Dict[str, Any]:
+    """The `--model` description (the `shardscope layout` format) of a live `torch.nn.Module`.
+
+    Parameters come from `named_parameters(remove_duplicate=False)` in registration order; a tied
+    parameter (the same object under a second name) is marked `shared_with` its first name; frozen ones
+    have `requires_grad: false`. FSDP units:
+    - `units`: a regex (or a list of them); every module whose name one matches in full is a unit,
+      with the root (`""`);
+    - else, for a module already wrapped, the wrapping: FSDP1 (`FullyShardedDataParallel`, original
+      parameters read from its FlatParameters) or FSDP2 (`fully_shard`, global DTensor shapes);
+    - else the repeated blocks (`model.layers.N`, `transformer.h.N`) and the root, as `layout --from`
+      and the transformer-block auto-wrap policies choose them.
+
+    >>> desc = shardscope.describe(model)
+    >>> shardscope.layout(desc, world_size=8)["ranks"][0]["flat_params"][0]["sharded_numel"]
+    """
+    fsdp1 = _fsdp1_class()
+    fsdp2 = _fsdp2_class()
+    modules = list(module.named_modules(remove_duplicate=False))
+    wrapped1 = fsdp1 is not None and any(isinstance(m, fsdp1) for _, m in modules)
+    wrapped2 = fsdp2 is not None and any(isinstance(m, fsdp2) for _, m in modules)
+    if wrapped1:
+        rows = _params_of_fsdp1(module)
+    else:
+        rows = []
+        first: Dict[int, str] = {}
+        for raw, p in module.named_parameters(remove_duplicate=False):
+            fqn = _clean(raw)
+            shared = first.get(id(p))
+            if shared is None:
+                first[id(p)] = fqn
+            rows.append((fqn, p.dtype, tuple(int(d) for d in p.shape), bool(p.requires_grad), shared))
+    params = []
+    for fqn, dtype, shape, rg, shared in rows:
+        entry: Dict[str, Any] = {"fqn": fqn, "shape": list(shape), "dtype": str(dtype).replace("torch.", "")}
+        if not rg:
+            entry["requires_grad"] = False
+        if shared is not None:
+            entry["shared_with"] = shared
+        params.append(entry)
+    description: Dict[str, Any] = {"params": params}
+    names = {_clean(raw) for raw, _ in modules}
+    if units is not None:
+        patterns = [units] if isinstance(units, str) else list(units)
+        try:
+            compiled = [re.compile(p) for p in patterns]
+        except re.error as e:
+            raise ShardscopeError(f"units: not a regex: {e}") from None
+        chosen = [""] + [n for n in _module_order(params) if n in names and any(c.fullmatch(n) for c in compiled)]
+        description["units"] = chosen
+    elif wrapped1:
+        description["units"] = _dedupe(_clean(raw) for raw, m in modules if isinstance(m, fsdp1))
+    elif wrapped2:
+        description["units"] = _dedupe(_clean(raw) for raw, m in modules if isinstance(m, fsdp2))
+    else:
+        description["units"] = _native.auto_units(json.dumps({"params": params, "units": []}))
+    _native.check_description(json.dumps(description), "describe()")
+    return description
+
+
+def _module_order(params: Sequence[Mapping[str, Any]]) -> List[str]:
+    """Module prefixes in the order the parameters first reach them."""
+    seen: List[str] = []
+    known = set()
+    for p in params:
+        parts = p["fqn"].split(".")
+        for i in range(1, len(parts)):
+            prefix = ".".join(parts[:i])
+            if prefix not in known:
+                known.add(prefix)
+                seen.append(prefix)
+    return seen
+
+
+def _dedupe(names: Any) -> List[str]:
+    out: List[str] = []
+    for n in names:
+        if n not in out:
+            out.append(n)
+    return out
+
+
+# -- the commands, as functions -------------------------------------------------------------------
+
+
+def _flags(options: Mapping[str, Any]) -> List[str]:
+    """`rtol=1e-3, equal_nan=True, rank=[0, 1]` -> `--rtol 1e-3 --equal-nan --rank 0 --rank 1`."""
+    argv: List[str] = []
+    for name, value in options.items():
+        flag = "--" + name.replace("_", "-")
+        if value is None or value is False:
+            continue
+        if value is True:
+            argv.append(flag)
+        elif isinstance(value, (list, tuple)):
+            for v in value:
+                argv += [flag, str(v)]
+        else:
+            argv += [flag, _dtype_name(value) if "dtype" in name else os.fspath(value) if isinstance(value, os.PathLike) else str(value)]
+    return argv
+
+
+def _run(argv: List[str], ok: Sequence[int] = (0,)) -> str:
+    """Runs `shardscope ARGV` (this package's command, in a child process) and returns its stdout. An
+    exit status outside `ok` raises ShardscopeError with the command's message; its notes and warnings
+    go to this process's stderr."""
+    proc = subprocess.run(
+        [sys.executable, "-m", "shardscope", *argv],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+        check=False,
+    )
+    if proc.returncode not in ok:
+        message = proc.stderr.strip()
+        if message.startswith("error: "):
+            message = message[len("error: ") :]
+        if not message:
+            message = f"shardscope {argv[0]} exited with status {proc.returncode}"
+        raise ShardscopeError(message)
+    if proc.stderr:
+        sys.stderr.write(proc.stderr)
+    return proc.stdout
+
+
+def _paths(path: Union[PathLike, Sequence[PathLike]]) -> List[str]:
+    if isinstance(path, (list, tuple)):
+        return [os.fspath(p) for p in path]
+    return [os.fspath(path)]
+
+
+def layout(
+    description: Union[PathLike, Mapping[str, Any]],
+    *,
+    world_size: int,
+    api: str = "fsdp1",
+    use_orig_params: bool = False,
+    **options: Any,
+) -> Dict[str, Any]:
+    """`shardscope layout --json`: which elements of which parameter every rank holds.
+
+    description: the dict `describe()` returns, or a path to the JSON. options: `strategy`,
+    `shard_group_size`, `param_dtype`, as the command's flags.
+    """
+    with tempfile.TemporaryDirectory(prefix="shardscope-") as tmp:
+        if isinstance(description, Mapping):
+            path = os.path.join(tmp, "model.json")
+            with builtins.open(path, "w") as f:
+                json.dump(description, f)
+        else:
+            path = os.fspath(description)
+        argv = ["layout", "--model", path, "--world-size", str(world_size), "--api", api, "--json"]
+        argv += _flags({"use_orig_params": use_orig_params, **options})
+        return json.loads(_run(argv))
+
+
+def doctor(
+    path: Union[PathLike, Sequence[PathLike]],
+    *,
+    reference: Union[None, PathLike, Mapping[str, Any]] = None,
+    **options: Any,
+) -> Dict[str, Any]:
+    """`shardscope doctor --json`: will it load, and how to fix it. `loadable` is in the result.
+
+    reference: what the model expects, as a checkpoint path or a state dict (`model.state_dict()`).
+    options: `model` (description path), `world_size`, `api`, `use_orig_params`, `model_files`, ...
+    """
+    with tempfile.TemporaryDirectory(prefix="shardscope-") as tmp:
+        argv = ["doctor", *_paths(path), "--json"]
+        if isinstance(reference, Mapping):
+            ref = os.path.join(tmp, "reference.pt")
+            import torch
+
+            torch.save(dict(reference), ref)
+            argv += ["--reference", ref]
+        elif reference is not None:
+            argv += ["--reference", os.fspath(reference)]
+        model = options.pop("model", None)
+        if isinstance(model, Mapping):
+            mpath = os.path.join(tmp, "model.json")
+            with builtins.open(mpath, "w") as f:
+                json.dump(model, f)
+            model = mpath
+        argv += _flags({"model": model, **options})
+        return json.loads(_run(argv, ok=(0, 1)))
+
+
+def diff(a: Union[PathLike, Sequence[PathLike]], b: Union[PathLike, Sequence[PathLike]], **options: Any) -> Dict[str, Any]:
+    """`shardscope diff --json`: the two checkpoints tensor by tensor (`rtol`, `atol`, `equal_nan`, `select`)."""
+    pa, pb = _paths(a), _paths(b)
+    if len(pa) != 1 or len(pb) != 1:
+        raise ShardscopeError("diff compares two checkpoints: give one path or URL for each")
+    return json.loads(_run(["diff", pa[0], pb[0], "--json", "--quiet", *_flags(options)], ok=(0, 1)))
+
+
+def verify(path: Union[PathLike, Sequence[PathLike]], **options: Any) -> Dict[str, Any]:
+    """`shardscope verify --json`: the checkpoint checked against itself (`shallow`, `model`, ...)."""
+    return json.loads(_run(["verify", *_paths(path), "--json", "--quiet", *_flags(options)], ok=(0, 1)))
+
+
+def convert(src: Union[PathLike, Sequence[PathLike]], dst: PathLike, **options: Any) -> Dict[str, Any]:
+    """`shardscope convert -o DST --json`: `to` ("safetensors", "torch", "dcp"), `select`, `dtype`,
+    `world_size`, `api`, `max_shard_size`, `keep_tied`, `threads`, ... Returns what it wrote."""
+    argv = ["convert", *_paths(src), "-o", os.fspath(dst), "--json", "--quiet", *_flags(options)]
+    return json.loads(_run(argv))
+

@@ -1,15 +1,6 @@
-"""`python -m shardscope ARGS...` runs the installed `shardscope` executable with ARGS."""
+"""`python -m shardscope ARGS...` runs the `shardscope` command with ARGS."""
 
-import os
-import sys
-
-from shardscope import binary
-
-
-def main() -> None:
-    path = binary()
-    os.execv(path, [path, *sys.argv[1:]])
-
+from shardscope._cli import main
 
 if __name__ == "__main__":
     main()

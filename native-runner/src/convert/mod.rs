@@ -47,7 +47,7 @@ use std::path::Path;
 use anyhow::{Result, bail};
 use shardscope_core::index::CheckpointIndex;
 
-pub use reader::{Reader, read_cost_bytes};
+pub use reader::{Reader, read_cost_bytes, tensor_meta};
 pub use select::{drop_tied, select};
 pub use to_dcp::{ShardApi, to_dcp};
 pub use to_safetensors::to_safetensors;

@@ -71,7 +71,7 @@ impl<'a> Reader<'a> {
     /// which [`open`] ensures.
     pub fn tensor_as(&mut self, entry: &IndexEntry, to: DType, buf: &mut Vec<u8>) -> Result<usize> {
         let (dtype, shape) = tensor_meta(entry)?;
-        let total = self.tensor_raw_into(entry, buf)?;
+        let total = self.tensor_raw_into(entry, Dest::Grow(buf))?;
         if to == dtype {
             return Ok(total);
         }
@@ -86,7 +86,62 @@ impl<'a> Reader<'a> {
         cast_in_place(buf, numel, dtype, to).with_context(|| entry.key.clone())
     }
 
-    fn tensor_raw_into(&mut self, entry: &IndexEntry, buf: &mut Vec<u8>) -> Result<usize> {
+    /// [`Self::tensor_as`] into `out`, which the caller allocated (at least
+    /// [`read_cost_bytes`] long: the cast happens in place): the tensor's bytes are read straight
+    /// into it. Returns the length of the (cast) tensor at its start.
+    pub fn tensor_as_into(
+        &mut self,
+        entry: &IndexEntry,
+        to: DType,
+        out: &mut [u8],
+    ) -> Result<usize> {
+        let (dtype, shape) = tensor_meta(entry)?;
+        let total = self.tensor_raw_into(entry, Dest::Fixed(out))?;
+        if to == dtype {
+            return Ok(total);
+        }
+        let numel = usize::try_from(shape.iter().product::<u64>())
+            .with_context(|| format!("{}: tensor size overflows", entry.key))?;
+        cast_in_place(out, numel, dtype, to).with_context(|| entry.key.clone())
+    }
+
+    /// Rows `rows` of dim 0 of the tensor of `entry`, cast to `to`, into `out` (at least the
+    /// rows' elements at the larger of the two dtype sizes). A tensor stored as dim-0 slabs is
+    /// read in place, only the rows' bytes; any other is assembled whole first (a scratch buffer
+    /// as large as the tensor). Returns the length of the (cast) rows at the start of `out`.
+    pub fn rows_as_into(
+        &mut self,
+        entry: &IndexEntry,
+        to: DType,
+        rows: std::ops::Range<u64>,
+        out: &mut [u8],
+    ) -> Result<usize> {
+        let (dtype, shape) = tensor_meta(entry)?;
+        let range = row_byte_range(entry, dtype, shape, &rows)?;
+        let len = range_len(entry, &range)?;
+        let dst = out.get_mut(..len).with_context(|| {
+            format!("{}: the output buffer is smaller than the rows", entry.key)
+        })?;
+        if let Some(pieces) = self.slab_pieces(entry, dtype) {
+            self.read_slab_range(entry, &pieces, &range, dst)?;
+        } else {
+            let mut whole = std::mem::take(&mut self.range_scratch);
+            let read = self.tensor_raw_into(entry, Dest::Grow(&mut whole));
+            if read.is_ok() {
+                dst.copy_from_slice(&whole[range.start as usize..range.end as usize]);
+            }
+            whole.clear();
+            self.range_scratch = whole;
+            read?;
+        }
+        if to == dtype {
+            return Ok(len);
+        }
+        let numel = len / dtype.size_bytes();
+        cast_in_place(out, numel, dtype, to).with_context(|| entry.key.clone())
+    }
+
+    fn tensor_raw_into(&mut self, entry: &IndexEntry, mut dest: Dest<'_>) -> Result<usize> {
         let (dtype, shape) = tensor_meta(entry)?;
         let item = dtype.size_bytes();
         let total = nbytes(dtype, shape)
@@ -103,11 +158,6 @@ impl<'a> Reader<'a> {
         }
         // Allocated before the first chunk is copied, and after decoding it when it is compressed
         // (a compressed chunk's size is only proven by decoding it).
-        let ensure = |buf: &mut Vec<u8>| {
-            if buf.len() < total {
-                buf.resize(total, 0);
-            }
-        };
         let strides = contiguous_strides(shape);
         let row_bytes = shape.iter().skip(1).product::<u64>() * item as u64;
         let mut done: BTreeSet<(&[u64], &[u64])> = BTreeSet::new();
@@ -132,7 +182,7 @@ impl<'a> Reader<'a> {
             let slab = shape.is_empty() || chunk.sizes[1..] == shape[1..];
             match range {
                 Some((location, (start, len))) if slab => {
-                    ensure(buf);
+                    let buf = dest.get(&entry.key, total)?;
                     let dst = chunk.offsets.first().map_or(0, |&o| o * row_bytes) as usize;
                     let end = dst.checked_add(len as usize).filter(|&e| e <= total);
                     let Some(end) = end else {
@@ -141,7 +191,7 @@ impl<'a> Reader<'a> {
                     self.pread(&location.file, start, &mut buf[dst..end])?;
                 }
                 Some((location, (start, len))) => {
-                    ensure(buf);
+                    let buf = dest.get(&entry.key, total)?;
                     let mut scratch = std::mem::take(&mut self.scratch);
                     scratch.resize(len as usize, 0);
                     self.pread(&location.file, start, &mut scratch)?;
@@ -161,7 +211,7 @@ impl<'a> Reader<'a> {
                     // compressed item, decoded (memory bounded by the chunk) before the tensor's
                     // buffer is allocated: its size is only proven by decoding it.
                     let data = self.index.read_chunk(self.source, entry, chunk)?;
-                    ensure(buf);
+                    let buf = dest.get(&entry.key, total)?;
                     copy_box(
                         &mut buf[..total],
                         &strides,
@@ -174,7 +224,7 @@ impl<'a> Reader<'a> {
                 }
             }
         }
-        ensure(buf);
+        dest.get(&entry.key, total)?;
         Ok(total)
     }
 
@@ -338,6 +388,64 @@ impl Reader<'_> {
     }
 }
 
+/// Where [`Reader::tensor_raw_into`] writes: a buffer it may grow, or one the caller allocated.
+enum Dest<'b> {
+    Grow(&'b mut Vec<u8>),
+    Fixed(&'b mut [u8]),
+}
+
+impl Dest<'_> {
+    /// The first `total` bytes of the destination (a growable buffer is grown to them).
+    fn get(&mut self, key: &str, total: usize) -> Result<&mut [u8]> {
+        match self {
+            Dest::Grow(buf) => {
+                if buf.len() < total {
+                    buf.resize(total, 0);
+                }
+                Ok(&mut buf[..total])
+            }
+            Dest::Fixed(buf) => buf.get_mut(..total).with_context(|| {
+                format!("{key}: the output buffer is smaller than the tensor ({total} bytes)")
+            }),
+        }
+    }
+}
+
+/// The bytes of rows `rows` (dim 0) of a contiguous tensor of `dtype` and `shape`, checked to lie
+/// inside it.
+fn row_byte_range(
+    entry: &IndexEntry,
+    dtype: DType,
+    shape: &[u64],
+    rows: &std::ops::Range<u64>,
+) -> Result<std::ops::Range<u64>> {
+    let Some((&dim0, rest)) = shape.split_first() else {
+        bail!("{}: a 0-dim tensor has no rows", entry.key);
+    };
+    if rows.start > rows.end || rows.end > dim0 {
+        bail!(
+            "{}: rows {}..{} are not inside its {dim0} rows",
+            entry.key,
+            rows.start,
+            rows.end
+        );
+    }
+    let row_bytes = rest
+        .iter()
+        .try_fold(dtype.size_bytes() as u64, |n, &d| n.checked_mul(d))
+        .with_context(|| format!("{}: tensor size overflows", entry.key))?;
+    // Both ends are at most the tensor's size, which `tensor_meta`'s callers proved fits.
+    let start = rows
+        .start
+        .checked_mul(row_bytes)
+        .with_context(|| format!("{}: tensor size overflows", entry.key))?;
+    let end = rows
+        .end
+        .checked_mul(row_bytes)
+        .with_context(|| format!("{}: tensor size overflows", entry.key))?;
+    Ok(start..end)
+}
+
 /// The length of the byte range `range` of `entry`'s tensor, checked (`start <= end`, and it fits
 /// in memory).
 fn range_len(entry: &IndexEntry, range: &std::ops::Range<u64>) -> Result<usize> {
@@ -366,7 +474,7 @@ pub fn read_cost_bytes(entry: &IndexEntry, to: DType) -> Result<u64> {
         .with_context(|| format!("{}: tensor size overflows", entry.key))
 }
 
-pub(super) fn tensor_meta(entry: &IndexEntry) -> Result<(DType, &[u64])> {
+pub fn tensor_meta(entry: &IndexEntry) -> Result<(DType, &[u64])> {
     let dtype = entry
         .dtype
         .with_context(|| format!("{}: not a tensor", entry.key))?;

@@ -1,0 +1,329 @@
+//! What the Python module (`import shardscope`) reads checkpoints with: the command's own way to
+//! open a checkpoint (files, a folder or a URL, through `Checkpoint::open`) and to read a tensor
+//! from its chunks straight into a buffer the caller allocated. Nothing here decides how a
+//! checkpoint is read; it only hands the CLI's reading to another front end.
+
+use std::collections::{BTreeMap, BTreeSet};
+use std::path::PathBuf;
+
+use anyhow::{Context, Result, bail};
+use shardscope_core::DType;
+use shardscope_core::checkpoint::{Checkpoint, Fsdp1Flags, ReadOptions};
+use shardscope_core::index::{EntryKind, IndexEntry, Problem};
+use shardscope_core::model::ModelDescription;
+use shardscope_core::shape::numel;
+
+pub use crate::errors::error_text;
+use crate::input::Input;
+
+/// The model description a checkpoint is read with.
+#[derive(Debug, Clone)]
+pub enum Model {
+    /// A description file (`--model MODEL.json`).
+    Path(PathBuf),
+    /// A description's JSON text, and the name messages show it by.
+    Json { text: String, name: String },
+}
+
+/// How to open a checkpoint: what `--model`, the FSDP1 flags, `--model-files`, `--optim-files`
+/// and `--model-only` say on the command line.
+#[derive(Debug, Clone, Default)]
+pub struct OpenArgs {
+    pub model: Option<Model>,
+    pub fsdp1: Fsdp1Flags,
+    pub model_files: Option<String>,
+    pub optim_files: Option<String>,
+    pub model_only: bool,
+}
+
+/// An opened checkpoint: its source and how `Checkpoint::open` read it.
+#[derive(Debug)]
+pub struct Opened {
+    input: Input,
+    checkpoint: Checkpoint,
+    /// The first problem of each entry whose chunks do not tile it (read refuses those).
+    problems: BTreeMap<String, Problem>,
+}
+
+/// What reading one tensor gives: its dtype and shape after the cast and row slice, and the bytes
+/// the caller must allocate (the cast happens in place: the larger of the two dtype sizes).
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct ReadPlan {
+    pub dtype: DType,
+    pub shape: Vec<u64>,
+    /// Bytes of the result.
+    pub nbytes: u64,
+    /// Bytes the buffer passed to [`Opened::read_into`] must have.
+    pub buffer: u64,
+}
+
+impl Opened {
+    /// Opens `paths` (one file, a folder, several per-rank files, or one URL) as every command
+    /// does.
+    pub fn open(paths: &[PathBuf], args: &OpenArgs) -> Result<Self> {
+        let description = match &args.model {
+            None => None,
+            Some(Model::Path(path)) => Some((
+                crate::fsdp1_local::read_description(path)?,
+                path.display().to_string(),
+            )),
+            Some(Model::Json { text, name }) => Some((
+                ModelDescription::from_json_bytes(text.as_bytes(), name)?,
+                name.clone(),
+            )),
+        };
+        let options = ReadOptions {
+            description,
+            fsdp1: args.fsdp1,
+            model_files: args.model_files.clone(),
+            optim_files: args.optim_files.clone(),
+            model_only: args.model_only,
+        };
+        let (input, checkpoint) = crate::cli::read::open(paths, false, &options)?;
+        let mut problems = BTreeMap::new();
+        for p in checkpoint.index.check() {
+            problems.entry(p.key.clone()).or_insert(p);
+        }
+        Ok(Self {
+            input,
+            checkpoint,
+            problems,
+        })
+    }
+
+    pub fn checkpoint(&self) -> &Checkpoint {
+        &self.checkpoint
+    }
+
+    /// The entry of `key`, or an error naming the checkpoint, the key and the closest keys.
+    pub fn entry(&self, key: &str) -> Result<&IndexEntry> {
+        if let Some(e) = self.checkpoint.index.entry(key) {
+            return Ok(e);
+        }
+        let near: Vec<&str> = self
+            .checkpoint
+            .index
+            .entries
+            .iter()
+            .map(|e| e.key.as_str())
+            .filter(|k| shares_tail(k, key))
+            .take(3)
+            .collect();
+        if near.is_empty() {
+            bail!("{}: no key `{key}`", self.checkpoint.label);
+        }
+        bail!(
+            "{}: no key `{key}`\nhint: keys that end the same: {}",
+            self.checkpoint.label,
+            near.join(", ")
+        )
+    }
+
+    /// What reading `key` cast to `to` (floating tensors only; `None`: as stored), rows `rows` of
+    /// dim 0 (`None`: all), gives.
+    pub fn plan(&self, key: &str, to: Option<DType>, rows: Option<(u64, u64)>) -> Result<ReadPlan> {
+        let entry = self.readable(key)?;
+        let (dtype, shape) = crate::convert::tensor_meta(entry)?;
+        let out = match to {
+            None => dtype,
+            Some(to) if to == dtype => dtype,
+            Some(to) => {
+                if !(shardscope_core::cast::is_castable(dtype)
+                    && shardscope_core::cast::is_castable(to))
+                {
+                    bail!(
+                        "{}: {key} is {dtype}: only float16, bfloat16, float32 and float64 tensors are cast (asked for {to})",
+                        self.checkpoint.label
+                    );
+                }
+                to
+            }
+        };
+        let mut out_shape = shape.to_vec();
+        if let Some((start, end)) = rows {
+            let Some(dim0) = out_shape.first_mut() else {
+                bail!("{}: {key} is 0-dim: it has no rows", self.checkpoint.label);
+            };
+            if start > end || end > *dim0 {
+                bail!(
+                    "{}: {key}: rows {start}..{end} are not inside its {dim0} rows",
+                    self.checkpoint.label
+                );
+            }
+            *dim0 = end - start;
+        }
+        let n = numel(&out_shape)
+            .with_context(|| format!("{}: {key}: size overflows", self.checkpoint.label))?;
+        let nbytes = n
+            .checked_mul(out.size_bytes() as u64)
+            .with_context(|| format!("{}: {key}: size overflows", self.checkpoint.label))?;
+        let buffer = n
+            .checked_mul(out.size_bytes().max(dtype.size_bytes()) as u64)
+            .with_context(|| format!("{}: {key}: size overflows", self.checkpoint.label))?;
+        // Never ask for more memory than the files holding the chunks can fill.
+        let available = self.checkpoint.index.max_decoded_bytes(entry);
+        let stored = n.saturating_mul(dtype.size_bytes() as u64);
+        if stored > available {
+            bail!(
+                "{}: {key}: the tensor ({stored} bytes) is larger than the chunks holding it can decode to ({available} bytes)",
+                self.checkpoint.label
+            );
+        }
+        Ok(ReadPlan {
+            dtype: out,
+            shape: out_shape,
+            nbytes,
+            buffer,
+        })
+    }
+
+    /// Reads `key` as [`Self::plan`] describes into `out` (at least `plan.buffer` bytes) and
+    /// returns the result's length at the start of `out`.
+    pub fn read_into(
+        &self,
+        key: &str,
+        to: Option<DType>,
+        rows: Option<(u64, u64)>,
+        out: &mut [u8],
+    ) -> Result<usize> {
+        let plan = self.plan(key, to, rows)?;
+        let entry = self.readable(key)?;
+        let mut reader = crate::convert::Reader::new(&self.input, &self.checkpoint.index);
+        let label = &self.checkpoint.label;
+        let n = match rows {
+            None => reader.tensor_as_into(entry, plan.dtype, out),
+            Some((a, b)) => reader.rows_as_into(entry, plan.dtype, a..b, out),
+        }
+        .with_context(|| format!("{label}: cannot read {key}"))?;
+        if n as u64 != plan.nbytes {
+            bail!(
+                "{label}: {key}: read {n} bytes, the tensor has {}",
+                plan.nbytes
+            );
+        }
+        Ok(n)
+    }
+
+    /// The value of a non-tensor entry (a scalar of a `torch.save` file, a DCP bytes item) as
+    /// JSON.
+    pub fn value(&self, key: &str) -> Result<serde_json::Value> {
+        let entry = self.entry(key)?;
+        match entry.kind {
+            EntryKind::Tensor => bail!("{}: {key} is a tensor", self.checkpoint.label),
+            EntryKind::Scalar => Ok(entry.value.clone().unwrap_or(serde_json::Value::Null)),
+            EntryKind::Bytes => self
+                .checkpoint
+                .index
+                .read_bytes_value(&self.input, entry)
+                .with_context(|| format!("{}: cannot read {key}", self.checkpoint.label)),
+        }
+    }
+
+    /// Tie groups among `keys` found from shared storage (`torch.save` files): for each group,
+    /// the key that comes first in `keys` and the keys that alias it. Reads nothing.
+    pub fn storage_ties(&self, keys: &[String]) -> Vec<(String, Vec<String>)> {
+        let candidates = self.positions(keys);
+        shardscope_core::index::ties::find_storage_ties(&self.checkpoint.index, &candidates)
+            .into_iter()
+            .map(|g| {
+                (
+                    self.key_at(g.keep),
+                    g.aliases.iter().map(|&a| self.key_at(a)).collect(),
+                )
+            })
+            .collect()
+    }
+
+    /// The aliases of tied weights among `keys`, as `shardscope convert` drops them (shared
+    /// storage in `torch.save`, equal bytes elsewhere): `(kept, dropped)` pairs, the kept key
+    /// the one that comes first in the checkpoint.
+    pub fn tied_aliases(&self, keys: &[String]) -> Result<Vec<(String, String)>> {
+        let wanted: BTreeSet<&str> = keys.iter().map(String::as_str).collect();
+        let mut sel = crate::convert::select(&self.checkpoint.index, None)?;
+        sel.tensors
+            .retain(|(name, _)| wanted.contains(name.as_str()));
+        crate::convert::drop_tied(&self.input, &self.checkpoint.index, &mut sel)
+    }
+
+    /// The keys in the order the checkpoint stores them (registration order for a state dict;
+    /// `.metadata` order for DCP); keys the order does not list follow, sorted.
+    pub fn stored_order(&self) -> Vec<String> {
+        let index = &self.checkpoint.index;
+        let mut keys = Vec::with_capacity(index.entries.len());
+        let mut seen = BTreeSet::new();
+        if let Ok(order) = shardscope_core::index::from_index::stored_key_order(&self.input, index)
+        {
+            for k in order.keys {
+                if index.entry(&k).is_some() && seen.insert(k.clone()) {
+                    keys.push(k);
+                }
+            }
+        }
+        for e in &index.entries {
+            if !seen.contains(&e.key) {
+                keys.push(e.key.clone());
+            }
+        }
+        keys
+    }
+
+    fn readable(&self, key: &str) -> Result<&IndexEntry> {
+        let entry = self.entry(key)?;
+        if let Some(p) = self.problems.get(key) {
+            bail!(
+                "{}: {p}\nhint: `shardscope inspect {}` lists the checkpoint's problems",
+                self.checkpoint.label,
+                self.checkpoint.label
+            );
+        }
+        Ok(entry)
+    }
+
+    fn positions(&self, keys: &[String]) -> Vec<usize> {
+        let at: BTreeMap<&str, usize> = self
+            .checkpoint
+            .index
+            .entries
+            .iter()
+            .enumerate()
+            .map(|(i, e)| (e.key.as_str(), i))
+            .collect();
+        keys.iter()
+            .filter_map(|k| at.get(k.as_str()).copied())
+            .collect()
+    }
+
+    fn key_at(&self, i: usize) -> String {
+        self.checkpoint.index.entries[i].key.clone()
+    }
+}
+
+/// True when `a` and `b` end with the same two dotted segments (`layers.0.attn.weight` and
+/// `model.layers.0.attn.weight`) or one ends with the other.
+fn shares_tail(a: &str, b: &str) -> bool {
+    fn tail(s: &str) -> Vec<&str> {
+        s.rsplit('.').take(2).collect()
+    }
+    if a.ends_with(b) || b.ends_with(a) {
+        return true;
+    }
+    let (ta, tb) = (tail(a), tail(b));
+    ta.len() == 2 && ta == tb
+}
+
+/// The description of the `--model` JSON in `text` (named `name` in messages), as the CLI
+/// validates it.
+pub fn parse_description(text: &str, name: &str) -> Result<ModelDescription> {
+    Ok(ModelDescription::from_json_bytes(text.as_bytes(), name)?)
+}
+
+/// The FSDP units `layout --from` chooses for a model of these parameters: the root and every
+/// block of a repeated module list (`layers.0`, `layers.1`, …: the transformer-block auto-wrap
+/// policies of HF, accelerate and torchtitan), in the order the parameters reach them.
+pub fn auto_units(description: &ModelDescription) -> Vec<String> {
+    let blocks = shardscope_core::checkpoint::repeated_blocks(
+        description.params.iter().map(|p| p.fqn.as_str()),
+    );
+    let is_unit = |prefix: &str| shardscope_core::checkpoint::is_block(&blocks, prefix);
+    shardscope_core::index::from_index::module_units(&description.params, &is_unit, true)
+}
