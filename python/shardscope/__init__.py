@@ -23,7 +23,7 @@ import re
 import subprocess
 import sys
 import tempfile
-from typing import Any, Dict, Iterator, List, Mapping, Optional, Sequence, Tuple, Union
+from typing import Any, Dict, Iterator, List, Mapping, Optional, Sequence, Set, Tuple, Union, cast
 
 from shardscope import _native
 from shardscope._native import ShardscopeError
@@ -73,8 +73,22 @@ def _framework(framework: str) -> str:
     return framework
 
 
+def _import(module: str, framework: str) -> Any:
+    """numpy or torch, imported only when a tensor is returned as one."""
+    import importlib
+
+    try:
+        return importlib.import_module(module)
+    except ImportError:
+        other = "torch" if framework == "numpy" else "numpy"
+        raise ShardscopeError(
+            f"framework={framework!r} needs {module}, which is not installed\n"
+            f"hint: `pip install {module}`, or read with framework={other!r}"
+        ) from None
+
+
 def _numpy_dtype(name: str, key: str) -> Any:
-    import numpy as np
+    np = _import("numpy", "numpy")
 
     if name in _ML_DTYPES:
         try:
@@ -91,7 +105,7 @@ def _numpy_dtype(name: str, key: str) -> Any:
 
 
 def _torch_dtype(name: str, key: str) -> Any:
-    import torch
+    torch = _import("torch", "torch")
 
     dtype = getattr(torch, name, None)
     if not isinstance(dtype, torch.dtype):
@@ -102,10 +116,9 @@ def _torch_dtype(name: str, key: str) -> Any:
 def _wrap(buf: bytearray, dtype: str, shape: Sequence[int], framework: str, key: str) -> Any:
     """The tensor over `buf` (no copy): a numpy array or a torch tensor."""
     if framework == "numpy":
-        import numpy as np
-
+        np = _import("numpy", "numpy")
         return np.frombuffer(buf, dtype=_numpy_dtype(dtype, key)).reshape(tuple(shape))
-    import torch
+    torch = _import("torch", "torch")
 
     tdtype = _torch_dtype(dtype, key)
     if len(buf) == 0:
@@ -123,7 +136,7 @@ class Checkpoint:
     global: the chunks of every rank assembled, padding removed, as torch's own consolidation gives.
     """
 
-    def __init__(self, native: Any) -> None:
+    def __init__(self, native: _native.Checkpoint) -> None:
         self._ck = native
 
     # -- what it holds -------------------------------------------------------------------------
@@ -205,8 +218,11 @@ class Checkpoint:
             raise ShardscopeError(f"{self.label}: {key} is not a tensor ({info['kind']}): use value()")
         to = _dtype_name(dtype)
         out_dtype = to if to is not None else info["dtype"]
+        # Before reading: a missing numpy, ml_dtypes or torch fails at once.
         if framework == "numpy" and out_dtype is not None:
-            _numpy_dtype(out_dtype, key)  # before reading: a missing ml_dtypes fails at once
+            _numpy_dtype(out_dtype, key)
+        elif out_dtype is not None:
+            _torch_dtype(out_dtype, key)
         span = self._rows(key, info, rows)
         buf, got, shape = self._ck.read(key, to, span)
         return _wrap(buf, got, shape, framework, key)
@@ -248,7 +264,7 @@ class Checkpoint:
         infos = {k: self._ck.info(k) for k, _ in pairs}
         tensors = [k for k, _ in pairs if infos[k]["kind"] == "tensor"]
         alias_of: Dict[str, str] = {}
-        dropped: set = set()
+        dropped: Set[str] = set()
         if keep_tied:
             for kept, aliases in self._ck.storage_ties(tensors):
                 for a in aliases:
@@ -312,10 +328,7 @@ def open(
 
     >>> ck = shardscope.open("ckpt/", model=shardscope.describe(model), world_size=4)
     """
-    if isinstance(path, (list, tuple)):
-        paths = [os.fspath(p) for p in path]
-    else:
-        paths = [os.fspath(path)]
+    paths = _paths(path)
     model_path = model_json = None
     if isinstance(model, Mapping):
         model_json = json.dumps(model)
@@ -367,9 +380,9 @@ def _fsdp2_class() -> Any:
         return FSDPModule
     except Exception:
         try:
-            from torch.distributed._composable.fsdp import FSDPModule
+            from torch.distributed._composable import fsdp as composable
 
-            return FSDPModule
+            return getattr(composable, "FSDPModule")
         except Exception:
             return None
 
@@ -511,7 +524,8 @@ def _flags(options: Mapping[str, Any]) -> List[str]:
             for v in value:
                 argv += [flag, str(v)]
         else:
-            argv += [flag, _dtype_name(value) if "dtype" in name else os.fspath(value) if isinstance(value, os.PathLike) else str(value)]
+            text = _dtype_name(value) if "dtype" in name else value
+            argv += [flag, os.fspath(text) if isinstance(text, os.PathLike) else str(text)]
     return argv
 
 
@@ -538,10 +552,14 @@ def _run(argv: List[str], ok: Sequence[int] = (0,)) -> str:
     return proc.stdout
 
 
+def _json(text: str) -> Dict[str, Any]:
+    return cast(Dict[str, Any], json.loads(text))
+
+
 def _paths(path: Union[PathLike, Sequence[PathLike]]) -> List[str]:
-    if isinstance(path, (list, tuple)):
-        return [os.fspath(p) for p in path]
-    return [os.fspath(path)]
+    if isinstance(path, (str, os.PathLike)):
+        return [os.fspath(path)]
+    return [os.fspath(p) for p in path]
 
 
 def layout(
@@ -566,7 +584,7 @@ def layout(
             path = os.fspath(description)
         argv = ["layout", "--model", path, "--world-size", str(world_size), "--api", api, "--json"]
         argv += _flags({"use_orig_params": use_orig_params, **options})
-        return json.loads(_run(argv))
+        return _json(_run(argv))
 
 
 def doctor(
@@ -597,7 +615,7 @@ def doctor(
                 json.dump(model, f)
             model = mpath
         argv += _flags({"model": model, **options})
-        return json.loads(_run(argv, ok=(0, 1)))
+        return _json(_run(argv, ok=(0, 1)))
 
 
 def diff(a: Union[PathLike, Sequence[PathLike]], b: Union[PathLike, Sequence[PathLike]], **options: Any) -> Dict[str, Any]:
@@ -605,17 +623,17 @@ def diff(a: Union[PathLike, Sequence[PathLike]], b: Union[PathLike, Sequence[Pat
     pa, pb = _paths(a), _paths(b)
     if len(pa) != 1 or len(pb) != 1:
         raise ShardscopeError("diff compares two checkpoints: give one path or URL for each")
-    return json.loads(_run(["diff", pa[0], pb[0], "--json", "--quiet", *_flags(options)], ok=(0, 1)))
+    return _json(_run(["diff", pa[0], pb[0], "--json", "--quiet", *_flags(options)], ok=(0, 1)))
 
 
 def verify(path: Union[PathLike, Sequence[PathLike]], **options: Any) -> Dict[str, Any]:
     """`shardscope verify --json`: the checkpoint checked against itself (`shallow`, `model`, ...)."""
-    return json.loads(_run(["verify", *_paths(path), "--json", "--quiet", *_flags(options)], ok=(0, 1)))
+    return _json(_run(["verify", *_paths(path), "--json", "--quiet", *_flags(options)], ok=(0, 1)))
 
 
 def convert(src: Union[PathLike, Sequence[PathLike]], dst: PathLike, **options: Any) -> Dict[str, Any]:
     """`shardscope convert -o DST --json`: `to` ("safetensors", "torch", "dcp"), `select`, `dtype`,
     `world_size`, `api`, `max_shard_size`, `keep_tied`, `threads`, ... Returns what it wrote."""
     argv = ["convert", *_paths(src), "-o", os.fspath(dst), "--json", "--quiet", *_flags(options)]
-    return json.loads(_run(argv))
+    return _json(_run(argv))
 

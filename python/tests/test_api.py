@@ -1,0 +1,152 @@
+"""The command-shaped functions (`doctor`, `diff`, `verify`, `convert`, `layout`) and the command itself
+(`python -m shardscope`, the `shardscope` entry point) of the Python package: the same reports as the
+command line, and what they write loads in torch as torch's own tools give it."""
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+import shardscope
+
+HERE = Path(__file__).resolve().parent
+REPO = HERE.parents[1]
+FIX = REPO / "tests" / "fixtures"
+DCP = REPO / "examples" / "fsdp2_dcp"
+
+
+def cli(*args, ok=(0,)):
+    """`python -m shardscope ARGS` (this wheel's command): (status, stdout, stderr)."""
+    proc = subprocess.run(
+        [sys.executable, "-m", "shardscope", *map(str, args)],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+        check=False,
+    )
+    assert proc.returncode in ok, proc.stderr
+    return proc.returncode, proc.stdout, proc.stderr
+
+
+def test_the_command_runs_from_python_with_its_exit_statuses():
+    status, out, _ = cli("--version")
+    assert out.startswith("shardscope ")
+    status, _, err = cli("inspect", "--no-such-flag", ok=(2,))
+    assert "--no-such-flag" in err
+    # diff: 0 equal, 1 differ, 2 unreadable (its documented statuses).
+    cli("diff", DCP, DCP, "--quiet", ok=(0,))
+    cli("diff", FIX / "doctor/clean.pt", FIX / "doctor/other_config.pt", "--quiet", ok=(1,))
+    status, _, err = cli("inspect", FIX / "doctor/truncated.pt", ok=(2,))
+    assert err.startswith("error: ") and "truncated.pt" in err
+
+
+@pytest.mark.parametrize(
+    "args",
+    [
+        ["doctor", FIX / "doctor/clean.pt", "--reference", FIX / "doctor/reference.pt"],
+        ["doctor", FIX / "doctor/compiled.pt", "--reference", FIX / "doctor/reference.pt"],
+        ["verify", DCP],
+        ["diff", FIX / "doctor/clean.pt", FIX / "doctor/other_config.pt"],
+    ],
+    ids=["doctor-ok", "doctor-not-loadable", "verify", "diff"],
+)
+def test_functions_report_what_the_command_reports(args):
+    _, out, _ = cli(*args, "--json", ok=(0, 1))
+    expected = json.loads(out)
+    command, *rest = args
+    if command == "doctor":
+        got = shardscope.doctor(rest[0], reference=rest[2])
+    elif command == "verify":
+        got = shardscope.verify(rest[0])
+    else:
+        got = shardscope.diff(rest[0], rest[1])
+    assert got == expected
+
+
+def test_doctor_takes_a_live_state_dict_as_reference():
+    reference = torch.load(FIX / "doctor/reference.pt", weights_only=True)
+    by_path = shardscope.doctor(FIX / "doctor/compiled.pt", reference=FIX / "doctor/reference.pt")
+    by_dict = shardscope.doctor(FIX / "doctor/compiled.pt", reference=reference)
+    assert by_dict["loadable"] is False
+    assert by_dict["findings"] == by_path["findings"]
+
+
+def test_layout_is_the_commands_layout(tmp_path):
+    model = REPO / "examples" / "tiny_model.json"
+    _, out, _ = cli("layout", "--model", model, "--world-size", "3", "--use-orig-params", "--json")
+    assert shardscope.layout(model, world_size=3, use_orig_params=True) == json.loads(out)
+    description = json.loads(model.read_text())
+    assert shardscope.layout(description, world_size=3, use_orig_params=True) == json.loads(out)
+
+
+def test_convert_writes_what_torch_loads_as_dcp_to_torch_save_gives(tmp_path):
+    from torch.distributed.checkpoint.format_utils import dcp_to_torch_save
+
+    dcp_to_torch_save(str(DCP), str(tmp_path / "torch.pt"))
+    theirs = torch.load(tmp_path / "torch.pt", weights_only=True)
+    written = shardscope.convert(DCP, tmp_path / "ours.pt", to="torch")
+    assert written["outputs"]
+    ours = torch.load(tmp_path / "ours.pt", weights_only=True)
+
+    def flat(d, prefix=""):
+        for k, v in d.items():
+            if isinstance(v, dict):
+                yield from flat(v, f"{prefix}{k}.")
+            else:
+                yield f"{prefix}{k}", v
+
+    a, b = dict(flat(theirs)), dict(flat(ours))
+    assert a.keys() == b.keys()
+    for k in a:
+        if isinstance(a[k], torch.Tensor):
+            assert torch.equal(a[k], b[k]), k
+        else:
+            assert a[k] == b[k], k
+
+
+def test_failures_are_shardscope_errors_with_the_commands_text(tmp_path):
+    with pytest.raises(shardscope.ShardscopeError) as e:
+        shardscope.doctor(tmp_path / "missing.pt")
+    _, _, err = cli("doctor", tmp_path / "missing.pt", "--json", ok=(2,))
+    assert str(e.value) == err.strip()[len("error: ") :]
+    with pytest.raises(shardscope.ShardscopeError, match="unexpected argument"):
+        shardscope.verify(DCP, no_such_option=True)
+    with pytest.raises(shardscope.ShardscopeError, match="framework"):
+        shardscope.open(DCP).read("model.embed.weight", framework="jax")
+    ck = shardscope.open(DCP)
+    with pytest.raises(shardscope.ShardscopeError, match="not inside its 32 rows"):
+        ck.read("model.embed.weight", rows=(30, 40))
+    with pytest.raises(shardscope.ShardscopeError, match="no key under `nothing.`"):
+        ck.state_dict(select="nothing")
+
+
+def test_the_readme_notebook_example_runs():
+    proc = subprocess.run(
+        [sys.executable, str(REPO / "python/examples/notebook.py"), str(DCP)],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+        check=False,
+    )
+    assert proc.returncode == 0, proc.stderr
+    lines = proc.stdout.splitlines()
+    # torch wrote it on 2 ranks (examples/gen_fsdp2_dcp.py).
+    assert lines[0].startswith("dcp_torch_save 2 ")
+    assert lines[2] == "(2, 16)"
+    assert lines[-1].startswith("error: ") and "no.such.key" in lines[-1]
+
+
+def test_importing_shardscope_does_not_import_torch_or_numpy():
+    code = "import sys, shardscope; ck = shardscope.open(sys.argv[1]); ck.keys(); ck.info(ck.keys()[0]); print(sorted(m for m in ('torch', 'numpy') if m in sys.modules))"
+    out = subprocess.run([sys.executable, "-c", code, str(DCP)], stdout=subprocess.PIPE, text=True, check=True)
+    assert out.stdout.strip() == "[]"
+
+
+def test_mypy_checks_the_example_against_the_package_types():
+    from mypy import api as mypy
+
+    out, err, status = mypy.run(["--strict", str(REPO / "python/examples/notebook.py")])
+    assert status == 0, out + err
