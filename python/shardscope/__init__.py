@@ -298,8 +298,13 @@ class Checkpoint:
             if step != 1:
                 raise ShardscopeError(f"{self.label}: {key}: rows={rows!r}: only a step of 1 is read")
             return (start, max(start, stop))
-        start, stop = rows
-        return (int(start), int(stop))
+        try:
+            start, stop = (int(rows[0]), int(rows[1]))
+        except (TypeError, ValueError, IndexError):
+            raise ShardscopeError(f"{self.label}: {key}: rows={rows!r}: expected slice(a, b) or (a, b)") from None
+        if start < 0 or stop < start or stop > shape[0]:
+            raise ShardscopeError(f"{self.label}: {key}: rows {start}..{stop} are not inside its {shape[0]} rows")
+        return (start, stop)
 
 
 def open(
