@@ -79,12 +79,32 @@ pub enum TorchZipError {
 
 fn not_zip_text(head: &[u8]) -> String {
     if head.is_empty() {
-        "empty (0 bytes), not a torch.save archive (a copy or save that did not finish?)".to_owned()
-    } else {
-        format!(
-            "not a torch.save zip archive (first bytes {head:02x?}); legacy torch.save files are not supported"
-        )
+        return "empty (0 bytes), not a torch.save archive (a copy or save that did not finish?)"
+            .to_owned();
     }
+    if head.starts_with(b"version https://git-lfs") {
+        return "a Git LFS pointer file, not the checkpoint itself (`git lfs pull` fetches the file)"
+            .to_owned();
+    }
+    if head.first() == Some(&0x80) {
+        return "a legacy torch.save file (a bare pickle, from torch < 1.6 or `_use_new_zipfile_serialization=False`), which is not supported: re-save it with a current torch".to_owned();
+    }
+    let shown = &head[..head.len().min(8)];
+    let hex: Vec<String> = shown.iter().map(|b| format!("{b:02x}")).collect();
+    let text: String = shown
+        .iter()
+        .map(|&b| {
+            if b.is_ascii_graphic() || b == b' ' {
+                b as char
+            } else {
+                '.'
+            }
+        })
+        .collect();
+    format!(
+        "not a torch.save zip archive (first bytes: {} \"{text}\")",
+        hex.join(" ")
+    )
 }
 
 /// The byte range of one storage member, relative to the start of the archive bytes.
@@ -225,7 +245,7 @@ pub(crate) fn zip_error(e: &zip::result::ZipError) -> TorchZipError {
 fn zip_members(bytes: &[u8], keep: impl Fn(&str) -> bool) -> Result<Members, TorchZipError> {
     if !looks_like_zip(bytes) {
         return Err(TorchZipError::NotZip {
-            head: bytes.iter().take(4).copied().collect(),
+            head: bytes.iter().take(32).copied().collect(),
         });
     }
     let mut archive = zip::ZipArchive::new(Cursor::new(bytes)).map_err(|e| zip_error(&e))?;
@@ -432,4 +452,25 @@ pub fn gather_view(storage: &[u8], t: &TensorRef) -> Result<Vec<u8>, TorchZipErr
         }
     }
     Ok(out)
+}
+
+#[cfg(test)]
+mod not_zip_tests {
+    use super::not_zip_text;
+
+    #[test]
+    fn a_file_that_is_not_a_zip_is_named_for_what_it_is() {
+        let lfs = b"version https://git-lfs.github.com/spec/v1\noid sha256:ab";
+        assert!(
+            not_zip_text(lfs).contains("Git LFS pointer")
+                && not_zip_text(lfs).contains("git lfs pull")
+        );
+        // torch.save(..., _use_new_zipfile_serialization=False) starts with a pickle protocol byte.
+        assert!(not_zip_text(&[0x80, 0x02, 0x8a, 0x0a]).contains("legacy torch.save file"));
+        assert_eq!(
+            not_zip_text(b"<html>\n\x00"),
+            "not a torch.save zip archive (first bytes: 3c 68 74 6d 6c 3e 0a 00 \"<html>..\")"
+        );
+        assert!(not_zip_text(b"").contains("empty (0 bytes)"));
+    }
 }

@@ -92,7 +92,7 @@ fn lazy_failure(source: &dyn Source, name: &str, why: Option<TorchZipError>) -> 
         Ok(s) => s,
         Err(e) => return e.into(),
     };
-    let head = match source.read_range(name, 0, size.min(4)) {
+    let head = match source.read_range(name, 0, size.min(32)) {
         Ok(h) => h.into_owned(),
         Err(e) => return e.into(),
     };
