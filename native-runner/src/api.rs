@@ -204,6 +204,56 @@ impl Opened {
         Ok(n)
     }
 
+    /// Where the bytes of `key` (rows `rows` of dim 0, or all) lie as one contiguous range of one
+    /// local file, as stored (no cast): `(path, byte offset, byte length)`, checked to lie inside the
+    /// file's size when it was opened. `None` for a remote source, a tensor split over several
+    /// chunks or files, a compressed or strided chunk: it must be read.
+    pub fn locate(
+        &self,
+        key: &str,
+        rows: Option<(u64, u64)>,
+    ) -> Result<Option<(PathBuf, u64, u64)>> {
+        let Input::Local(local) = &self.input else {
+            return Ok(None);
+        };
+        let entry = self.readable(key)?;
+        let plan = self.plan(key, None, rows)?;
+        let (dtype, shape) = crate::convert::tensor_meta(entry)?;
+        let reader = crate::convert::Reader::new(&self.input, &self.checkpoint.index);
+        let Some(pieces) = reader.slab_pieces(entry, dtype) else {
+            return Ok(None);
+        };
+        let row_bytes = shape
+            .iter()
+            .skip(1)
+            .try_fold(dtype.size_bytes() as u64, |n, &d| n.checked_mul(d));
+        let start = match (rows, row_bytes) {
+            (None, _) => 0,
+            (Some((a, _)), Some(rb)) => a.saturating_mul(rb),
+            (Some(_), None) => return Ok(None),
+        };
+        let end = start.saturating_add(plan.nbytes);
+        let Some(piece) = pieces
+            .iter()
+            .find(|p| p.tensor_start <= start && end <= p.tensor_start.saturating_add(p.len))
+        else {
+            return Ok(None);
+        };
+        let Some((path, size)) = local.path_of(&piece.file) else {
+            return Ok(None);
+        };
+        let at = piece.file_start + (start - piece.tensor_start);
+        if at.checked_add(plan.nbytes).is_none_or(|e| e > size) {
+            bail!(
+                "{}: {key}: bytes {at}..+{} lie past the end of {} ({size} bytes)",
+                self.checkpoint.label,
+                plan.nbytes,
+                path.display()
+            );
+        }
+        Ok(Some((path.to_path_buf(), at, plan.nbytes)))
+    }
+
     /// The value of a non-tensor entry (a scalar of a `torch.save` file, a DCP bytes item) as
     /// JSON.
     pub fn value(&self, key: &str) -> Result<serde_json::Value> {

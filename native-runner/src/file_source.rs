@@ -237,6 +237,12 @@ impl FileSource {
         &self.root
     }
 
+    /// The path of the file `name` and its size when the source was opened (`None`: not one of
+    /// its files).
+    pub fn path_of(&self, name: &str) -> Option<(&Path, u64)> {
+        self.files.get(name).map(|e| (e.path.as_path(), e.size))
+    }
+
     /// Every regular file in a folder and its sub-folders (two levels deep), hidden ones included
     /// (`.metadata`); symbolic links are followed (to files and to folders).
     pub fn dir(root: &Path) -> anyhow::Result<Self> {

@@ -12,6 +12,7 @@ use std::path::PathBuf;
 use std::process::ExitCode;
 use std::sync::OnceLock;
 
+use pyo3::buffer::PyBuffer;
 use pyo3::create_exception;
 use pyo3::exceptions::PyException;
 use pyo3::prelude::*;
@@ -185,6 +186,83 @@ impl PyCheckpoint {
             array.resize(plan.nbytes as usize)?;
         }
         Ok((array, plan.dtype.name(), plan.shape))
+    }
+
+    /// What reading `key` (cast to `dtype`, rows `rows`) gives: `(buffer bytes to allocate, result
+    /// bytes, result dtype, result shape)`.
+    #[pyo3(signature = (key, dtype=None, rows=None))]
+    fn plan(
+        &self,
+        py: Python<'_>,
+        key: &str,
+        dtype: Option<&str>,
+        rows: Option<(u64, u64)>,
+    ) -> PyResult<(u64, u64, &'static str, Vec<u64>)> {
+        let to = guarded(|| dtype.map(parse_dtype).transpose())?;
+        let plan = py.detach(|| guarded(|| self.opened.plan(key, to, rows)))?;
+        Ok((plan.buffer, plan.nbytes, plan.dtype.name(), plan.shape))
+    }
+
+    /// Reads `key` (as [`Self::plan`] says) into `out`, a writable C-contiguous buffer of at
+    /// least the planned bytes that the caller allocated (a `numpy.empty` array: no zero-fill,
+    /// no copy afterwards). The GIL is released while reading. Returns the result's bytes.
+    #[pyo3(signature = (key, out, dtype=None, rows=None))]
+    fn read_into(
+        &self,
+        py: Python<'_>,
+        key: &str,
+        out: &Bound<'_, PyAny>,
+        dtype: Option<&str>,
+        rows: Option<(u64, u64)>,
+    ) -> PyResult<usize> {
+        let to = guarded(|| dtype.map(parse_dtype).transpose())?;
+        let plan = py.detach(|| guarded(|| self.opened.plan(key, to, rows)))?;
+        let buffer = PyBuffer::<u8>::get(out)?;
+        if buffer.readonly() || !buffer.is_c_contiguous() {
+            return Err(ShardscopeError::new_err(
+                "read_into: the output must be a writable, C-contiguous buffer",
+            ));
+        }
+        let len = buffer.len_bytes();
+        if (len as u64) < plan.buffer {
+            return Err(ShardscopeError::new_err(format!(
+                "read_into: the output holds {len} bytes, reading {key} needs {}",
+                plan.buffer
+            )));
+        }
+        let address = buffer.buf_ptr() as usize;
+        let n = py.detach(|| {
+            // SAFETY: `buffer` (a PyBuffer, alive until the end of this function) holds the
+            // export of `out`'s memory: the exporter (numpy, bytearray) can neither free nor
+            // resize it while the export exists. It is writable and C-contiguous (checked above),
+            // so `address..address + len` is one valid, writable allocation. The caller
+            // allocated it for this call and holds no other view it writes through.
+            #[allow(unsafe_code)]
+            let dst = unsafe { std::slice::from_raw_parts_mut(address as *mut u8, len) };
+            guarded(|| self.opened.read_into(key, to, rows, dst))
+        })?;
+        drop(buffer);
+        Ok(n)
+    }
+
+    /// Where `key` (rows `rows`) lies as one contiguous range of one local file, as stored:
+    /// `(path, byte offset, byte length)`, or `None` when it must be read (see
+    /// `Opened::locate`).
+    #[pyo3(signature = (key, rows=None))]
+    fn locate(
+        &self,
+        py: Python<'_>,
+        key: &str,
+        rows: Option<(u64, u64)>,
+    ) -> PyResult<Option<(String, u64, u64)>> {
+        py.detach(|| {
+            guarded(|| {
+                Ok(self
+                    .opened
+                    .locate(key, rows)?
+                    .map(|(p, at, n)| (p.display().to_string(), at, n)))
+            })
+        })
     }
 
     /// A non-tensor entry's value, as JSON text.

@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import builtins
 import json
+import mmap
 import os
 import re
 import subprocess
@@ -113,19 +114,32 @@ def _torch_dtype(name: str, key: str) -> Any:
     return dtype
 
 
-def _wrap(buf: bytearray, dtype: str, shape: Sequence[int], framework: str, key: str) -> Any:
-    """The tensor over `buf` (no copy): a numpy array or a torch tensor."""
+def _optional(module: str) -> Any:
+    """`module` when it is installed, else None."""
+    import importlib
+
+    try:
+        return importlib.import_module(module)
+    except ImportError:
+        return None
+
+
+def _wrap(buf: Any, dtype: str, shape: Sequence[int], framework: str, key: str, offset: int = 0) -> Any:
+    """The tensor over `buf` (a numpy uint8 array, a bytearray or a mapping; no copy), `offset` bytes in:
+    a numpy array or a torch tensor."""
+    count = 1
+    for d in shape:
+        count *= int(d)
     if framework == "numpy":
         np = _import("numpy", "numpy")
-        return np.frombuffer(buf, dtype=_numpy_dtype(dtype, key)).reshape(tuple(shape))
+        return np.frombuffer(buf, dtype=_numpy_dtype(dtype, key), count=count, offset=offset).reshape(tuple(shape))
     torch = _import("torch", "torch")
-
     tdtype = _torch_dtype(dtype, key)
-    if len(buf) == 0:
+    if count == 0:
         return torch.empty(tuple(shape), dtype=tdtype)
     if sys.byteorder != "little":
         raise ShardscopeError("reading into torch tensors needs a little-endian machine")
-    return torch.frombuffer(buf, dtype=tdtype).reshape(tuple(shape))
+    return torch.frombuffer(buf, dtype=tdtype, count=count, offset=offset).reshape(tuple(shape))
 
 
 class Checkpoint:
@@ -138,6 +152,7 @@ class Checkpoint:
 
     def __init__(self, native: _native.Checkpoint) -> None:
         self._ck = native
+        self._maps: Dict[str, mmap.mmap] = {}
 
     # -- what it holds -------------------------------------------------------------------------
     def keys(self) -> List[str]:
@@ -202,12 +217,18 @@ class Checkpoint:
         framework: str = "numpy",
         dtype: Any = None,
         rows: Optional[Rows] = None,
+        mmap: bool = False,
     ) -> Any:
         """The tensor `key`, assembled from its chunks straight into the returned buffer.
 
         framework: "numpy" (numpy.ndarray; bfloat16/float8 need `ml_dtypes`) or "torch" (torch.Tensor).
         dtype: cast floating tensors to this (`"bfloat16"`, `torch.float32`, ...), as `Tensor.to` does.
         rows: `slice(a, b)` (or `(a, b)`) of dim 0: only those rows' bytes are read.
+        mmap: a tensor stored whole and contiguous in one local file (a safetensors tensor, a
+            one-chunk DCP item, a `torch.save` storage) is returned over a copy-on-write mapping of
+            the file instead of being read: nothing is read until used, and writes stay private.
+            As with `safetensors` and `torch.load(mmap=True)`, a file truncated while such a tensor
+            is in use ends the process (SIGBUS); the default reads into memory the tensor owns.
 
         >>> ck.read("model.embed.weight", rows=slice(0, 2)).shape
         (2, 5)
@@ -224,8 +245,43 @@ class Checkpoint:
         elif out_dtype is not None:
             _torch_dtype(out_dtype, key)
         span = self._rows(key, info, rows)
-        buf, got, shape = self._ck.read(key, to, span)
-        return _wrap(buf, got, shape, framework, key)
+        if mmap and (to is None or to == info["dtype"]):
+            where = self._ck.locate(key, span)
+            if where is not None:
+                return self._mapped(key, where, info, span, framework)
+        np = _optional("numpy")
+        if np is not None:
+            need, nbytes, got, shape = self._ck.plan(key, to, span)
+            # numpy.empty: fresh memory, not zero-filled; the reader writes every byte of the result.
+            buf = np.empty(need, dtype=np.uint8)
+            self._ck.read_into(key, buf, to, span)
+            if need != nbytes:  # a narrowing cast, done in place: keep the result only
+                buf = buf[:nbytes].copy()
+            return _wrap(buf, got, shape, framework, key)
+        data, got, shape = self._ck.read(key, to, span)
+        return _wrap(data, got, shape, framework, key)
+
+    def _mapped(
+        self,
+        key: str,
+        where: Tuple[str, int, int],
+        info: Mapping[str, Any],
+        span: Optional[Tuple[int, int]],
+        framework: str,
+    ) -> Any:
+        """The tensor over a copy-on-write mapping of the file that holds it."""
+        path, offset, length = where
+        mapping = self._maps.get(path)
+        if mapping is None:
+            with builtins.open(path, "rb") as f:
+                mapping = mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_COPY)
+            self._maps[path] = mapping
+        if offset + length > len(mapping):
+            raise ShardscopeError(f"{path}: {key}: the file is shorter than when it was opened (was it replaced?)")
+        shape = list(info["shape"])
+        if span is not None:
+            shape[0] = span[1] - span[0]
+        return _wrap(mapping, info["dtype"], shape, framework, key, offset=offset)
 
     def value(self, key: str) -> Any:
         """A non-tensor entry's value (a step count, a learning rate, a param group's list)."""
@@ -238,6 +294,7 @@ class Checkpoint:
         framework: str = "torch",
         dtype: Any = None,
         keep_tied: bool = True,
+        mmap: bool = False,
     ) -> Dict[str, Any]:
         """Every key (or those under `select.`, prefix removed) as {name: tensor or value}, in stored order.
 
@@ -245,6 +302,8 @@ class Checkpoint:
         dtype: floating tensors are cast to it (integers and bools are kept), as `convert --dtype`.
         keep_tied: True keeps every name of a tied weight (the same tensor object where the checkpoint
             shares the storage, as `model.state_dict()` does); False drops the aliases, as `convert` does.
+        mmap: tensors stored whole in one local file are mapped, not read (see `read`): what
+            `safetensors.torch.load_file` does.
 
         >>> model.load_state_dict(shardscope.open("ckpt/").state_dict(select="model"))
         """
@@ -283,7 +342,7 @@ class Checkpoint:
             source = alias_of.get(key, key)
             if source not in read:
                 cast = to if to is not None and infos[source]["dtype"] in _CASTABLE else None
-                read[source] = self.read(source, framework=framework, dtype=cast)
+                read[source] = self.read(source, framework=framework, dtype=cast, mmap=mmap)
             out[name] = read[source]
         return out
 

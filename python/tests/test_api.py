@@ -150,3 +150,56 @@ def test_mypy_checks_the_example_against_the_package_types():
 
     out, err, status = mypy.run(["--strict", str(REPO / "python/examples/notebook.py")])
     assert status == 0, out + err
+
+
+def test_mmap_maps_whole_stored_tensors_and_never_writes_the_file(tmp_path):
+    import hashlib
+    import mmap
+
+    from safetensors.torch import load_file
+
+    path = REPO / "tests/fixtures/app_state/merged.safetensors"
+    before = hashlib.sha256(path.read_bytes()).hexdigest()
+    want = load_file(str(path))
+    ck = shardscope.open(path)
+    mapped = ck.state_dict(mmap=True)
+    assert mapped.keys() == want.keys()
+    for k, v in want.items():
+        assert torch.equal(mapped[k], v), k
+    def owner(a):
+        """What a numpy array's memory belongs to, through views."""
+        while True:
+            if isinstance(a, memoryview):
+                a = a.obj
+            elif getattr(a, "base", None) is not None:
+                a = a.base
+            else:
+                return a
+
+    key = next(iter(want))
+    arr = ck.read(key, mmap=True)
+    assert isinstance(owner(arr), mmap.mmap), "a whole stored tensor is mapped, not read"
+    assert not isinstance(owner(ck.read(key)), mmap.mmap), "without mmap=True it is read"
+    rows = ck.read(key, mmap=True, rows=slice(1, 3))
+    assert torch.equal(torch.from_numpy(rows.copy()), want[key][1:3])
+    # Copy-on-write: the tensors are writable, the file is never modified.
+    mapped[key].add_(1.0)
+    arr[...] = 0
+    assert hashlib.sha256(path.read_bytes()).hexdigest() == before
+    # A tensor split over ranks' files is read, whatever mmap says.
+    dcp = shardscope.open(DCP)
+    split = dcp.read("model.embed.weight", mmap=True)
+    assert not isinstance(owner(split), mmap.mmap)
+    assert (split == dcp.read("model.embed.weight")).all()
+
+
+def test_without_numpy_torch_tensors_are_read_into_a_bytearray(monkeypatch):
+    ck = shardscope.open(DCP)
+    want = {k: ck.read(k, framework="torch") for k in ck.keys() if ck.info(k)["kind"] == "tensor"}
+    real = shardscope._optional
+    monkeypatch.setattr(shardscope, "_optional", lambda m: None if m == "numpy" else real(m))
+    for k, v in want.items():
+        got = ck.read(k, framework="torch")
+        assert torch.equal(got, v), k
+    got = ck.read("model.embed.weight", framework="torch", dtype="bfloat16", rows=slice(2, 5))
+    assert torch.equal(got, want["model.embed.weight"][2:5].to(torch.bfloat16))
