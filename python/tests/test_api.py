@@ -203,3 +203,37 @@ def test_without_numpy_torch_tensors_are_read_into_a_bytearray(monkeypatch):
         assert torch.equal(got, v), k
     got = ck.read("model.embed.weight", framework="torch", dtype="bfloat16", rows=slice(2, 5))
     assert torch.equal(got, want["model.embed.weight"][2:5].to(torch.bfloat16))
+
+
+def test_the_docstring_examples_run(monkeypatch):
+    """The module's and Checkpoint's examples, on the bundled example they name."""
+    import doctest
+
+    monkeypatch.chdir(REPO)
+    ck = shardscope.open(DCP)
+    globs = {"shardscope": shardscope, "ck": ck}
+    for obj in (shardscope, shardscope.Checkpoint.info, shardscope.Checkpoint.read):
+        finder = doctest.DocTestFinder(recurse=False)
+        runner = doctest.DocTestRunner(optionflags=doctest.ELLIPSIS)
+        for test in finder.find(obj, globs=dict(globs)):
+            runner.run(test)
+        assert runner.failures == 0, f"{obj.__name__}: {runner.failures} docstring examples failed"
+
+
+def test_reads_from_several_threads_equal_one_thread():
+    """The reader releases the GIL: reads from threads overlap; results do not depend on them."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    ck = shardscope.open(FIX / "fsdp2_hsdp/ws4_2x2")
+    one = ck.state_dict(threads=1)
+    many = ck.state_dict(threads=8)
+    assert one.keys() == many.keys()
+    tensors = [k for k, v in one.items() if isinstance(v, torch.Tensor)]
+    assert tensors
+    for k in tensors:
+        assert torch.equal(one[k], many[k]), k
+    keys = [k for k in ck.keys() if ck.info(k)["kind"] == "tensor"] * 4
+    with ThreadPoolExecutor(8) as pool:
+        got = list(pool.map(lambda k: ck.read(k, framework="torch"), keys))
+    for k, v in zip(keys, got):
+        assert torch.equal(v, ck.read(k, framework="torch")), k
