@@ -220,7 +220,7 @@ pub fn run(args: &ConvertArgs) -> Result<ExitCode> {
     if args.part.is_some() && args.model.is_some() {
         bail!(
             "--part applies to DCP directories and full checkpoints; {} holds per-rank FSDP files\nhint: convert them to a full file first, then split that conversion with --part",
-            args.src.display()
+            super::read::shown(&args.src)
         );
     }
     check_output(args)?;
@@ -472,7 +472,7 @@ fn report(
     let opts = write_options(args, dir_output)?;
     if args.json {
         let summary = serde_json::json!({
-            "source": args.src.display().to_string(),
+            "source": super::read::shown(&args.src),
             "source_kind": index.kind,
             "to": format!("{target:?}").to_ascii_lowercase(),
             "outputs": written.outputs,

@@ -219,7 +219,7 @@ fn prepare(args: &GatherArgs) -> anyhow::Result<Prepared> {
     }
     let name = paths
         .iter()
-        .map(|p| p.display().to_string())
+        .map(|p| super::read::shown(p))
         .collect::<Vec<_>>()
         .join(", ");
     let single_safetensors = match paths.as_slice() {

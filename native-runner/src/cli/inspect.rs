@@ -131,7 +131,7 @@ pub fn run(args: &InspectArgs) -> anyhow::Result<ExitCode> {
     let where_ = args
         .paths
         .iter()
-        .map(|p| p.display().to_string())
+        .map(|p| super::read::shown(p))
         .collect::<Vec<_>>()
         .join(" ");
     let (source, checkpoint) = match super::read::open(&args.paths, true, &args.read.options()?) {

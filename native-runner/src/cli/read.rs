@@ -115,13 +115,19 @@ pub fn read_options(
     })
 }
 
-/// The label of a checkpoint given as `paths` (its paths, space-separated).
+/// An input as messages show it: a path, or a URL with its query (which may carry a signature)
+/// as `?…`.
+pub fn shown(path: &Path) -> String {
+    match crate::input::as_url(path) {
+        Some(url) => shardscope_runner::remote::shown(url),
+        None => path.display().to_string(),
+    }
+}
+
+/// The label of a checkpoint given as `paths` (its paths, space-separated; a URL's query, which
+/// may carry a signature, as `?…`).
 pub fn label_of(paths: &[PathBuf]) -> String {
-    paths
-        .iter()
-        .map(|p| p.display().to_string())
-        .collect::<Vec<_>>()
-        .join(" ")
+    paths.iter().map(|p| shown(p)).collect::<Vec<_>>().join(" ")
 }
 
 /// Opens the checkpoint at `paths` (files, a folder or one URL: [`crate::input::open`]) and reads
