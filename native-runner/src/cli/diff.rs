@@ -77,13 +77,14 @@ pub fn run(args: &DiffArgs) -> anyhow::Result<ExitCode> {
         o
     };
     // Its own progress line: no second one for remote reads.
+    let ranks = args.read.files.ranks;
     let (left_source, left) = super::read::open(
-        std::slice::from_ref(&args.left),
+        &super::read::expand_ranks(std::slice::from_ref(&args.left), ranks)?,
         false,
         &side_options(&args.left),
     )?;
     let (right_source, right) = super::read::open(
-        std::slice::from_ref(&args.right),
+        &super::read::expand_ranks(std::slice::from_ref(&args.right), ranks)?,
         false,
         &side_options(&args.right),
     )?;

@@ -213,7 +213,7 @@ fn prepare(args: &GatherArgs) -> anyhow::Result<Prepared> {
             notes,
         });
     }
-    let paths = &args.checkpoint;
+    let paths = &super::read::expand_ranks(&args.checkpoint, args.files.ranks)?;
     if paths.is_empty() {
         bail!("give a checkpoint, or --synthetic with --model");
     }

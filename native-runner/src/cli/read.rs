@@ -28,6 +28,53 @@ pub struct RankFileArgs {
     /// with the model's own names; optimizer and training state are left out (said on stderr).
     #[arg(long)]
     pub model_only: bool,
+    /// Per-rank files named by one `{r}` pattern (a URL or a path): the number of ranks, the
+    /// pattern read as the files of ranks 0 to N-1 (`'https://h/ckpt/model_rank{r}.pt' --ranks 4`).
+    #[arg(long, value_name = "N")]
+    pub ranks: Option<u64>,
+}
+
+/// The most ranks `--ranks` expands (one input per rank).
+const MAX_RANKS: u64 = 1 << 16;
+
+/// `paths` with each `{r}` pattern (a URL or a path holding `{r}`) read as `ranks` inputs, the
+/// files of ranks 0 to `ranks`-1 (`--ranks`); the others as given.
+pub fn expand_ranks(paths: &[PathBuf], ranks: Option<u64>) -> anyhow::Result<Vec<PathBuf>> {
+    let has_pattern = |p: &PathBuf| p.to_string_lossy().contains("{r}");
+    let Some(ranks) = ranks else {
+        if let Some(p) = paths
+            .iter()
+            .find(|p| has_pattern(p) && (crate::input::as_url(p).is_some() || !p.exists()))
+        {
+            anyhow::bail!(
+                "{}: `{{r}}` stands for the rank: give the number of ranks with --ranks N",
+                shown(p)
+            );
+        }
+        return Ok(paths.to_vec());
+    };
+    if !(1..=MAX_RANKS).contains(&ranks) {
+        anyhow::bail!("--ranks {ranks}: give 1 to {MAX_RANKS} ranks");
+    }
+    if !paths.iter().any(has_pattern) {
+        anyhow::bail!(
+            "--ranks {ranks}: no input holds a `{{r}}` pattern (`model_rank{{r}}.pt`, \
+             `https://h/ckpt/model_rank{{r}}.pt`)"
+        );
+    }
+    let mut out = Vec::new();
+    for p in paths {
+        match p.to_str() {
+            Some(text) if has_pattern(p) => {
+                out.extend((0..ranks).map(|r| PathBuf::from(text.replace("{r}", &r.to_string()))));
+            }
+            None if has_pattern(p) => {
+                anyhow::bail!("{}: a `{{r}}` pattern must be valid UTF-8", p.display())
+            }
+            _ => out.push(p.clone()),
+        }
+    }
+    Ok(out)
 }
 
 /// `--model MODEL.json` and the FSDP1 layout flags, with the rank-file patterns: how `inspect`,

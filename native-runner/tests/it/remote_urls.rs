@@ -46,6 +46,9 @@ fn signature_of(file: &str) -> String {
     q[q.find("X-Amz-Signature=").unwrap() + "X-Amz-Signature=".len()..].to_owned()
 }
 
+/// A container-wide query (an Azure container SAS): every file under `/sas/` needs exactly it.
+const SAS: &str = "sv=2024-11-04&sr=c&sp=r&se=2030-01-01T00%3A00%3A00Z&sig=SASsignatureSECRET%3D";
+
 /// The files served under `/p/` (signed) and `/open/` (plain): (served path, local file).
 fn served() -> Vec<(String, PathBuf)> {
     let f = formats();
@@ -78,10 +81,13 @@ fn start() -> Option<Nginx> {
     map.push_str("}\n");
     let nginx = Nginx::start_with(
         &map,
-        "location /p/ { if ($args != $signed_query) { return 403; } }",
+        &format!(
+            "location /p/ {{ if ($args != $signed_query) {{ return 403; }} }}\n\
+             location /sas/ {{ if ($args != \"{SAS}\") {{ return 403; }} }}"
+        ),
     )?;
     for (path, local) in served() {
-        for top in ["p", "open"] {
+        for top in ["p", "open", "sas"] {
             let to = nginx.www().join(top).join(&path);
             std::fs::create_dir_all(to.parent().unwrap()).unwrap();
             std::fs::copy(&local, &to).unwrap();
@@ -373,4 +379,72 @@ fn several_plain_urls_are_one_checkpoint() {
     ]);
     assert_ok(&files, "inspect DCP file URLs");
     assert_eq!(text(&folder.stdout), text(&files.stdout));
+}
+
+/// `--ranks N` reads a `{r}` pattern as the files of ranks 0 to N-1, a URL's query kept for each
+/// (a container SAS): the same checkpoint as the local files, and torch's full weights once
+/// converted (FSDP2 per-rank model files assemble to the HF safetensors torch wrote).
+#[test]
+fn a_rank_pattern_with_ranks_reads_every_rank() {
+    let Some(nginx) = start() else { return };
+    let f = formats();
+    let pattern = format!("{}?{SAS}", nginx.url("sas/fsdp2/rank{r}_model.pt"));
+    let remote = run(&["inspect", "--json", &pattern, "--ranks", "2"]);
+    assert_ok(&remote, "inspect pattern --ranks 2");
+    assert_all_answered(&nginx, "inspect pattern");
+    let local = run(&[
+        "inspect",
+        "--json",
+        p(&f.join("fsdp2/rank0_model.pt")),
+        p(&f.join("fsdp2/rank1_model.pt")),
+    ]);
+    assert_ok(&local, "inspect local");
+    assert_eq!(json(&remote), json(&local));
+
+    let dir = tempfile::tempdir().unwrap();
+    let out_path = dir.path().join("full.safetensors");
+    let out = run(&["convert", &pattern, "--ranks", "2", "-o", p(&out_path)]);
+    assert_ok(&out, "convert pattern --ranks 2");
+    assert_all_answered(&nginx, "convert pattern");
+    let all = format!("{}{}", text(&out.stdout), text(&out.stderr));
+    assert!(!all.contains("SASsignatureSECRET"), "{all}");
+    let out = run(&["diff", "--json", p(&out_path), p(&f.join("hf_sharded"))]);
+    assert_ok(&out, "diff converted hf_sharded");
+    assert_eq!(json(&out)["summary"]["matched"], 7, "{}", text(&out.stdout));
+
+    // The same pattern for local files; errors that say what to do.
+    let local_pattern = f.join("fsdp2/rank{r}_model.pt");
+    let out = run(&["verify", "--json", p(&local_pattern), "--ranks", "2"]);
+    assert_ok(&out, "verify local pattern");
+    assert_eq!(json(&out)["summary"]["matched"], 7, "{}", text(&out.stdout));
+    let err = |args: &[&str]| {
+        let out = run(args);
+        assert_eq!(
+            out.status.code(),
+            Some(2),
+            "{args:?}: {}",
+            text(&out.stdout)
+        );
+        let e = text(&out.stderr);
+        assert!(!e.contains("SASsignatureSECRET"), "{e}");
+        e
+    };
+    let e = err(&["inspect", &pattern]);
+    assert!(e.contains("give the number of ranks with --ranks N"), "{e}");
+    let e = err(&[
+        "inspect",
+        &nginx.url("open/fsdp2/rank0_model.pt"),
+        "--ranks",
+        "2",
+    ]);
+    assert!(e.contains("no input holds a `{r}` pattern"), "{e}");
+    let e = err(&["inspect", &pattern, "--ranks", "0"]);
+    assert!(e.contains("--ranks 0: give 1 to"), "{e}");
+    // Three ranks where two were saved: the missing one is named.
+    let e = err(&["inspect", &pattern, "--ranks", "3"]);
+    assert!(
+        e.contains(&format!("{}?…", nginx.url("sas/fsdp2/rank2_model.pt")))
+            && e.contains("not found"),
+        "{e}"
+    );
 }
