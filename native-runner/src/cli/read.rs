@@ -40,38 +40,49 @@ const MAX_RANKS: u64 = 1 << 16;
 /// `paths` with each `{r}` pattern (a URL or a path holding `{r}`) read as `ranks` inputs, the
 /// files of ranks 0 to `ranks`-1 (`--ranks`); the others as given.
 pub fn expand_ranks(paths: &[PathBuf], ranks: Option<u64>) -> anyhow::Result<Vec<PathBuf>> {
+    let [side] = expand_sides([paths], ranks)?;
+    Ok(side)
+}
+
+/// [`expand_ranks`] for the inputs of several checkpoints (`diff`'s two sides): `--ranks` needs a
+/// pattern in one of them at least.
+pub fn expand_sides<const N: usize>(
+    sides: [&[PathBuf]; N],
+    ranks: Option<u64>,
+) -> anyhow::Result<[Vec<PathBuf>; N]> {
     let has_pattern = |p: &PathBuf| p.to_string_lossy().contains("{r}");
+    let all = || sides.iter().flat_map(|s| s.iter());
     let Some(ranks) = ranks else {
-        if let Some(p) = paths
-            .iter()
-            .find(|p| has_pattern(p) && (crate::input::as_url(p).is_some() || !p.exists()))
+        if let Some(p) =
+            all().find(|p| has_pattern(p) && (crate::input::as_url(p).is_some() || !p.exists()))
         {
             anyhow::bail!(
                 "{}: `{{r}}` stands for the rank: give the number of ranks with --ranks N",
                 shown(p)
             );
         }
-        return Ok(paths.to_vec());
+        return Ok(sides.map(<[PathBuf]>::to_vec));
     };
     if !(1..=MAX_RANKS).contains(&ranks) {
         anyhow::bail!("--ranks {ranks}: give 1 to {MAX_RANKS} ranks");
     }
-    if !paths.iter().any(has_pattern) {
+    if !all().any(has_pattern) {
         anyhow::bail!(
             "--ranks {ranks}: no input holds a `{{r}}` pattern (`model_rank{{r}}.pt`, \
              `https://h/ckpt/model_rank{{r}}.pt`)"
         );
     }
-    let mut out = Vec::new();
-    for p in paths {
-        match p.to_str() {
-            Some(text) if has_pattern(p) => {
-                out.extend((0..ranks).map(|r| PathBuf::from(text.replace("{r}", &r.to_string()))));
+    let mut out = sides.map(|_| Vec::new());
+    for (paths, out) in sides.iter().zip(out.iter_mut()) {
+        for p in *paths {
+            match p.to_str() {
+                Some(text) if has_pattern(p) => out
+                    .extend((0..ranks).map(|r| PathBuf::from(text.replace("{r}", &r.to_string())))),
+                None if has_pattern(p) => {
+                    anyhow::bail!("{}: a `{{r}}` pattern must be valid UTF-8", p.display())
+                }
+                _ => out.push(p.clone()),
             }
-            None if has_pattern(p) => {
-                anyhow::bail!("{}: a `{{r}}` pattern must be valid UTF-8", p.display())
-            }
-            _ => out.push(p.clone()),
         }
     }
     Ok(out)

@@ -412,8 +412,28 @@ fn a_rank_pattern_with_ranks_reads_every_rank() {
     assert_ok(&out, "diff converted hf_sharded");
     assert_eq!(json(&out)["summary"]["matched"], 7, "{}", text(&out.stdout));
 
-    // The same pattern for local files; errors that say what to do.
+    // The same pattern for local files (and both sides of a diff); errors that say what to do.
     let local_pattern = f.join("fsdp2/rank{r}_model.pt");
+    let out = run(&[
+        "diff",
+        "--json",
+        &pattern,
+        p(&local_pattern),
+        "--ranks",
+        "2",
+    ]);
+    assert_ok(&out, "diff pattern pattern");
+    assert_eq!(json(&out)["summary"]["matched"], 7, "{}", text(&out.stdout));
+    let out = run(&[
+        "diff",
+        "--json",
+        &pattern,
+        p(&f.join("hf_sharded")),
+        "--ranks",
+        "2",
+    ]);
+    assert_ok(&out, "diff pattern hf_sharded");
+    assert_eq!(json(&out)["summary"]["matched"], 7, "{}", text(&out.stdout));
     let out = run(&["verify", "--json", p(&local_pattern), "--ranks", "2"]);
     assert_ok(&out, "verify local pattern");
     assert_eq!(json(&out)["summary"]["matched"], 7, "{}", text(&out.stdout));
