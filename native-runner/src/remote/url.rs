@@ -22,7 +22,7 @@ impl Scheme {
 
 /// A parsed remote input: the store's root URL, the folder inside it (`/`-separated, no leading
 /// or trailing `/`), and the file named, if any (`None` for a folder URL ending with `/`).
-#[derive(Debug, Clone, PartialEq, Eq)]
+#[derive(Clone, PartialEq, Eq)]
 pub(super) struct RemoteUrl {
     pub(super) scheme: Scheme,
     /// `http://host:port/` or `s3://bucket` (what the store is built from).
@@ -32,6 +32,13 @@ pub(super) struct RemoteUrl {
     /// The query of an HTTP(S) URL that names one file (a presigned URL's signature, an Azure
     /// SAS): sent as it is on every request for that file, never shown (`?…` in messages).
     pub(super) query: Option<String>,
+}
+
+/// Never the query.
+impl std::fmt::Debug for RemoteUrl {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_tuple("RemoteUrl").field(&self.shown()).finish()
+    }
 }
 
 impl RemoteUrl {
@@ -65,9 +72,16 @@ impl RemoteUrl {
     }
 }
 
-/// `input` as messages show it: the query of a URL (a presigned URL's signature) as `?…`.
+/// `input` (one URL, or a path) as messages show it: the query of a URL (a presigned URL's
+/// signature) as `?…`, all of it (to the end, spaces included).
 pub fn shown(input: &str) -> String {
-    super::error::hide_queries(input)
+    if !is_url(input) {
+        return input.to_owned();
+    }
+    match input.split_once('?') {
+        Some((head, _)) => format!("{head}?…"),
+        None => input.to_owned(),
+    }
 }
 
 /// True when an input argument is a URL this module reads (not a local path).
@@ -232,6 +246,13 @@ mod tests {
                 "{bad}: {err}"
             );
         }
+        assert_eq!(shown("https://h/a b.pt?sig=SE CRET"), "https://h/a b.pt?…");
+        assert_eq!(
+            shown("ckpt/a?b.pt"),
+            "ckpt/a?b.pt",
+            "a path is shown as it is"
+        );
+        assert!(!format!("{u:?}").contains("Signature"), "{u:?}");
         let err = parse_url("https://h/ckpt/?sig=SECRET")
             .unwrap_err()
             .to_string();
