@@ -26,16 +26,25 @@ pub fn as_url(path: &Path) -> Option<&str> {
 /// Opens one checkpoint given as one file, a directory (DCP, per-rank files, sharded safetensors;
 /// symbolic links in it are followed, as in a Hugging Face cache snapshot), a DCP `.metadata`
 /// file (its folder), an HF `*.index.json` (it and the files it names, as for its URL), several
-/// per-rank files, or one URL. `progress`: long remote reads may
+/// per-rank files, one URL, or several URLs of files (per-rank files, a DCP's `.metadata` and
+/// its `.distcp` files; presigned URLs each with its own query). `progress`: long remote reads may
 /// draw a progress line on stderr (only when it is a terminal).
 pub fn open(paths: &[PathBuf], progress: bool) -> anyhow::Result<Input> {
     if let Some(url) = paths.iter().find_map(|p| as_url(p)) {
-        if paths.len() > 1 {
+        if let [_] = paths {
+            return Ok(Input::Remote(Box::new(RemoteSource::open(url, progress)?)));
+        }
+        let urls: Vec<&str> = paths.iter().filter_map(|p| as_url(p)).collect();
+        if let Some(local) = paths.iter().find(|p| as_url(p).is_none()) {
             anyhow::bail!(
-                "{url}: a URL names the whole checkpoint; give it alone\nhint: a folder URL ends with `/`"
+                "{} and {}: one checkpoint's files are all local or all URLs",
+                remote::shown(url),
+                local.display()
             );
         }
-        return Ok(Input::Remote(Box::new(RemoteSource::open(url, progress)?)));
+        return Ok(Input::Remote(Box::new(RemoteSource::open_files(
+            &urls, progress,
+        )?)));
     }
     let local = if let [path] = paths {
         if path.is_dir() {

@@ -2,7 +2,7 @@
 //! tensor at a time, written atomically. The engine is `crate::convert`.
 
 use std::io::IsTerminal;
-use std::path::PathBuf;
+use std::path::{Path, PathBuf};
 use std::process::ExitCode;
 use std::time::Instant;
 
@@ -95,6 +95,10 @@ pub struct ConvertArgs {
     /// the model's own names kept): see `shardscope inspect --help`.
     #[arg(long)]
     pub model_only: bool,
+    /// Per-rank files named by one `{r}` pattern (a URL or a path): the number of ranks, the
+    /// pattern read as the files of ranks 0 to N-1 (`'https://h/ckpt/model_rank{r}.pt' --ranks 4`).
+    #[arg(long, value_name = "N")]
+    pub ranks: Option<u64>,
     /// Per-rank FSDP1 files: where the full optimizer state dict goes (default `<DST stem>.optim.pt`).
     #[arg(long, value_name = "PATH", requires = "model")]
     pub optim_output: Option<PathBuf>,
@@ -220,7 +224,7 @@ pub fn run(args: &ConvertArgs) -> Result<ExitCode> {
     if args.part.is_some() && args.model.is_some() {
         bail!(
             "--part applies to DCP directories and full checkpoints; {} holds per-rank FSDP files\nhint: convert them to a full file first, then split that conversion with --part",
-            args.src.display()
+            super::read::shown(&args.src)
         );
     }
     check_output(args)?;
@@ -238,9 +242,14 @@ pub fn run(args: &ConvertArgs) -> Result<ExitCode> {
             model_files: args.model_files.clone(),
             optim_files: args.optim_files.clone(),
             model_only: args.model_only,
+            ranks: args.ranks,
         },
     )?;
-    let (source, checkpoint) = super::read::open(std::slice::from_ref(&args.src), false, &options)?;
+    let (source, checkpoint) = super::read::open(
+        &super::read::expand_ranks(std::slice::from_ref(&args.src), args.ranks)?,
+        false,
+        &options,
+    )?;
     super::read::ensure_unambiguous(&checkpoint)?;
     let quiet = args.quiet || args.json;
     super::read::show_notes(&checkpoint, quiet);
@@ -272,7 +281,7 @@ pub fn run(args: &ConvertArgs) -> Result<ExitCode> {
             "--optim-output applies when the model and optimizer go to two files (FSDP1 per-rank files with --model, no --select, --dtype or DCP output)"
         );
     }
-    convert::ensure_consistent(&args.src, &index)?;
+    convert::ensure_consistent(Path::new(&super::read::shown(&args.src)), &index)?;
     if matches!(
         index.kind,
         CheckpointKind::Fsdp1Local | CheckpointKind::RankLocal
@@ -472,7 +481,7 @@ fn report(
     let opts = write_options(args, dir_output)?;
     if args.json {
         let summary = serde_json::json!({
-            "source": args.src.display().to_string(),
+            "source": super::read::shown(&args.src),
             "source_kind": index.kind,
             "to": format!("{target:?}").to_ascii_lowercase(),
             "outputs": written.outputs,
@@ -554,7 +563,7 @@ fn convert_fsdp1_two_files(
     started: Instant,
 ) -> Result<ExitCode> {
     let index = &checkpoint.index;
-    convert::ensure_consistent(&args.src, index)?;
+    convert::ensure_consistent(Path::new(&super::read::shown(&args.src)), index)?;
     let has = |class: &str| checkpoint.sets.iter().any(|s| s.class == class);
     let model = Output::of(args)?;
     if !(has("model") && has("optim")) {

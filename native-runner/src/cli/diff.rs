@@ -77,16 +77,15 @@ pub fn run(args: &DiffArgs) -> anyhow::Result<ExitCode> {
         o
     };
     // Its own progress line: no second one for remote reads.
-    let (left_source, left) = super::read::open(
-        std::slice::from_ref(&args.left),
-        false,
-        &side_options(&args.left),
+    let [left_paths, right_paths] = super::read::expand_sides(
+        [
+            std::slice::from_ref(&args.left),
+            std::slice::from_ref(&args.right),
+        ],
+        args.read.files.ranks,
     )?;
-    let (right_source, right) = super::read::open(
-        std::slice::from_ref(&args.right),
-        false,
-        &side_options(&args.right),
-    )?;
+    let (left_source, left) = super::read::open(&left_paths, false, &side_options(&args.left))?;
+    let (right_source, right) = super::read::open(&right_paths, false, &side_options(&args.right))?;
     super::read::show_notes(&left, args.quiet || args.json);
     super::read::show_notes(&right, args.quiet || args.json);
     let (left_label, right_label) = (left.label.clone(), right.label.clone());

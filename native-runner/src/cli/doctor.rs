@@ -267,10 +267,11 @@ fn open_or_salvage(
 /// Runs `doctor`: exit 0 when nothing stops a strict load, 1 when something does, 2 when the
 /// input holds nothing readable as a checkpoint.
 pub fn run(args: &DoctorArgs) -> anyhow::Result<ExitCode> {
-    let label = super::read::label_of(&args.paths);
+    let paths = super::read::expand_ranks(&args.paths, args.files.ranks)?;
+    let label = super::read::label_of(&paths);
     let target = load_target(args)?;
     let options = super::read::read_options(None, Fsdp1Flags::default(), &args.files)?;
-    let source = crate::input::open(&args.paths, true)?;
+    let source = crate::input::open(&paths, true)?;
     // Pickles torch would unpickle with no restriction: from the index when the checkpoint read,
     // file by file when it did not (a hostile `.metadata` is rarely a valid one): reported
     // either way.

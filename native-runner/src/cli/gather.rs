@@ -213,13 +213,13 @@ fn prepare(args: &GatherArgs) -> anyhow::Result<Prepared> {
             notes,
         });
     }
-    let paths = &args.checkpoint;
+    let paths = &super::read::expand_ranks(&args.checkpoint, args.files.ranks)?;
     if paths.is_empty() {
         bail!("give a checkpoint, or --synthetic with --model");
     }
     let name = paths
         .iter()
-        .map(|p| p.display().to_string())
+        .map(|p| super::read::shown(p))
         .collect::<Vec<_>>()
         .join(", ");
     let single_safetensors = match paths.as_slice() {

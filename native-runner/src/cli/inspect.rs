@@ -128,17 +128,17 @@ pub fn run(args: &InspectArgs) -> anyhow::Result<ExitCode> {
         .map(Regex::new)
         .transpose()
         .context("bad --filter regular expression")?;
-    let where_ = args
-        .paths
+    let paths = super::read::expand_ranks(&args.paths, args.read.files.ranks)?;
+    let where_ = paths
         .iter()
-        .map(|p| p.display().to_string())
+        .map(|p| super::read::shown(p))
         .collect::<Vec<_>>()
         .join(" ");
-    let (source, checkpoint) = match super::read::open(&args.paths, true, &args.read.options()?) {
+    let (source, checkpoint) = match super::read::open(&paths, true, &args.read.options()?) {
         Ok(opened) => opened,
         Err(e) => {
             // A hostile pickle is rarely a valid checkpoint: why it is dangerous comes first.
-            if let Ok(source) = crate::input::open(&args.paths, false) {
+            if let Ok(source) = crate::input::open(&paths, false) {
                 show_unsafe_pickles(&source, None);
             }
             return Err(e);

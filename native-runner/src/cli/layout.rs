@@ -95,7 +95,7 @@ fn model_from_checkpoint(args: &LayoutArgs) -> anyhow::Result<ModelDescription> 
     let where_ = args
         .from
         .iter()
-        .map(|p| p.display().to_string())
+        .map(|p| super::read::shown(p))
         .collect::<Vec<_>>()
         .join(", ");
     let units = args

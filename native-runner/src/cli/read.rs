@@ -28,6 +28,64 @@ pub struct RankFileArgs {
     /// with the model's own names; optimizer and training state are left out (said on stderr).
     #[arg(long)]
     pub model_only: bool,
+    /// Per-rank files named by one `{r}` pattern (a URL or a path): the number of ranks, the
+    /// pattern read as the files of ranks 0 to N-1 (`'https://h/ckpt/model_rank{r}.pt' --ranks 4`).
+    #[arg(long, value_name = "N")]
+    pub ranks: Option<u64>,
+}
+
+/// The most ranks `--ranks` expands (one input per rank).
+const MAX_RANKS: u64 = 1 << 16;
+
+/// `paths` with each `{r}` pattern (a URL or a path holding `{r}`) read as `ranks` inputs, the
+/// files of ranks 0 to `ranks`-1 (`--ranks`); the others as given.
+pub fn expand_ranks(paths: &[PathBuf], ranks: Option<u64>) -> anyhow::Result<Vec<PathBuf>> {
+    let [side] = expand_sides([paths], ranks)?;
+    Ok(side)
+}
+
+/// [`expand_ranks`] for the inputs of several checkpoints (`diff`'s two sides): `--ranks` needs a
+/// pattern in one of them at least.
+pub fn expand_sides<const N: usize>(
+    sides: [&[PathBuf]; N],
+    ranks: Option<u64>,
+) -> anyhow::Result<[Vec<PathBuf>; N]> {
+    let has_pattern = |p: &PathBuf| p.to_string_lossy().contains("{r}");
+    let all = || sides.iter().flat_map(|s| s.iter());
+    let Some(ranks) = ranks else {
+        if let Some(p) =
+            all().find(|p| has_pattern(p) && (crate::input::as_url(p).is_some() || !p.exists()))
+        {
+            anyhow::bail!(
+                "{}: `{{r}}` stands for the rank: give the number of ranks with --ranks N",
+                shown(p)
+            );
+        }
+        return Ok(sides.map(<[PathBuf]>::to_vec));
+    };
+    if !(1..=MAX_RANKS).contains(&ranks) {
+        anyhow::bail!("--ranks {ranks}: give 1 to {MAX_RANKS} ranks");
+    }
+    if !all().any(has_pattern) {
+        anyhow::bail!(
+            "--ranks {ranks}: no input holds a `{{r}}` pattern (`model_rank{{r}}.pt`, \
+             `https://h/ckpt/model_rank{{r}}.pt`)"
+        );
+    }
+    let mut out = sides.map(|_| Vec::new());
+    for (paths, out) in sides.iter().zip(out.iter_mut()) {
+        for p in *paths {
+            match p.to_str() {
+                Some(text) if has_pattern(p) => out
+                    .extend((0..ranks).map(|r| PathBuf::from(text.replace("{r}", &r.to_string())))),
+                None if has_pattern(p) => {
+                    anyhow::bail!("{}: a `{{r}}` pattern must be valid UTF-8", p.display())
+                }
+                _ => out.push(p.clone()),
+            }
+        }
+    }
+    Ok(out)
 }
 
 /// `--model MODEL.json` and the FSDP1 layout flags, with the rank-file patterns: how `inspect`,
@@ -115,13 +173,19 @@ pub fn read_options(
     })
 }
 
-/// The label of a checkpoint given as `paths` (its paths, space-separated).
+/// An input as messages show it: a path, or a URL with its query (which may carry a signature)
+/// as `?…`.
+pub fn shown(path: &Path) -> String {
+    match crate::input::as_url(path) {
+        Some(url) => shardscope_runner::remote::shown(url),
+        None => path.display().to_string(),
+    }
+}
+
+/// The label of a checkpoint given as `paths` (its paths, space-separated; a URL's query, which
+/// may carry a signature, as `?…`).
 pub fn label_of(paths: &[PathBuf]) -> String {
-    paths
-        .iter()
-        .map(|p| p.display().to_string())
-        .collect::<Vec<_>>()
-        .join(" ")
+    paths.iter().map(|p| shown(p)).collect::<Vec<_>>().join(" ")
 }
 
 /// Opens the checkpoint at `paths` (files, a folder or one URL: [`crate::input::open`]) and reads

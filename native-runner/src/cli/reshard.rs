@@ -172,7 +172,7 @@ pub fn run(args: &ReshardCliArgs) -> anyhow::Result<ExitCode> {
             }
             bar.set_message(format!(
                 "resharding {} to {} ranks",
-                args.src.display(),
+                super::read::shown(&args.src),
                 args.to_world_size
             ));
             bar.enable_steady_tick(std::time::Duration::from_millis(200));
@@ -201,7 +201,7 @@ pub fn run(args: &ReshardCliArgs) -> anyhow::Result<ExitCode> {
     };
     let text = format!(
         "resharded {} ({from}) to {} ranks: {} files in {}\n",
-        args.src.display(),
+        super::read::shown(&args.src),
         args.to_world_size,
         outputs.len(),
         args.dst.display()
@@ -225,7 +225,7 @@ fn print_summary(
 ) -> anyhow::Result<ExitCode> {
     if args.json {
         let mut summary = serde_json::json!({
-            "source": args.src.display().to_string(),
+            "source": super::read::shown(&args.src),
             "output": args.dst.display().to_string(),
             "from_world_size": (!full_source).then_some(files.world_size),
             "to_world_size": args.to_world_size,
@@ -304,7 +304,7 @@ fn write_fsdp2(
     };
     let text = format!(
         "resharded {} to FSDP2 on {mesh_text}: {} files in {}\n",
-        args.src.display(),
+        super::read::shown(&args.src),
         outputs.len(),
         args.dst.display()
     );
@@ -328,7 +328,7 @@ fn refuse_fsdp1_input_flags(args: &ReshardCliArgs, what: &str) -> anyhow::Result
         if given {
             anyhow::bail!(
                 "{flag} describes a folder of FSDP1 per-rank files; {} is {what}",
-                args.src.display()
+                super::read::shown(&args.src)
             );
         }
     }
@@ -364,7 +364,7 @@ fn open_per_rank(
         model_only: false,
     };
     let source = crate::input::open(std::slice::from_ref(&args.src), false)?;
-    let label = args.src.display().to_string();
+    let label = super::read::shown(&args.src);
     let mut checkpoint = Checkpoint::open_stored(&source, &label, &options)?;
     super::read::ensure_unambiguous(&checkpoint)?;
     let world_size = ranks_in(&checkpoint.index) as usize;
@@ -464,14 +464,17 @@ fn open_full(
     let mut index = checkpoint.index;
     // A DCP directory keeps non-tensor values (the optimizer's `param_groups`) as bytes items: the
     // per-rank files pickle them as values.
-    index
-        .decode_bytes_values(&source)
-        .with_context(|| format!("{}: cannot read its non-tensor values", args.src.display()))?;
+    index.decode_bytes_values(&source).with_context(|| {
+        format!(
+            "{}: cannot read its non-tensor values",
+            super::read::shown(&args.src)
+        )
+    })?;
     crate::convert::ensure_consistent(&args.src, &index)?;
     if shardscope_core::checkpoint::needs_layout(&index) {
         anyhow::bail!(
             "{} holds rank-local pieces (flat parameters or raw optimizer state) but is not a folder of per-rank files\nhint: give the folder that holds every rank's files",
-            args.src.display()
+            super::read::shown(&args.src)
         );
     }
     let first = desc
@@ -484,7 +487,7 @@ fn open_full(
         .with_context(|| {
             format!(
                 "{}: no `{}` (nor `model.{}`): it does not hold the model the description describes",
-                args.src.display(),
+                super::read::shown(&args.src),
                 first.fqn,
                 first.fqn
             )
@@ -505,7 +508,7 @@ fn open_full(
     if states && !groups {
         anyhow::bail!(
             "{}: the optimizer state has no `param_groups` list (as `FSDP.optim_state_dict` returns it), so the optimizer ids of the new ranks cannot be given\nhint: save the optimizer state with FSDP.optim_state_dict, or reshard the model alone",
-            args.src.display()
+            super::read::shown(&args.src)
         );
     }
     let names = fsdp1_local::RankFiles {

@@ -37,7 +37,8 @@ pub fn run(args: &VerifyArgs) -> anyhow::Result<ExitCode> {
     let options = args.read.options()?;
     // Its own progress line: no second one for remote reads. The stored pieces are checked first
     // (against the layout with --model), then read through the view.
-    let (source, mut checkpoint) = super::read::open_stored(&args.paths, false, &options)?;
+    let paths = super::read::expand_ranks(&args.paths, args.read.files.ranks)?;
+    let (source, mut checkpoint) = super::read::open_stored(&paths, false, &options)?;
     let label = checkpoint.label.clone();
     let layout = checkpoint.fsdp1_layout(&options)?;
     if let Some(layout) = &layout {

@@ -49,7 +49,7 @@ impl RemoteSource {
         let want = range.end - range.start;
         if out.len() as u64 != want {
             return Err(SourceError::Io {
-                name: self.url.url_of(name),
+                name: self.url_of(name),
                 message: format!("internal: a {}-byte buffer for {want} bytes", out.len()),
             });
         }
@@ -61,7 +61,7 @@ impl RemoteSource {
             ) {
                 bar.set_style(style);
             }
-            bar.set_message(format!("fetching {}", self.url.url_of(name)));
+            bar.set_message(format!("fetching {}", self.url_of(name)));
             bar
         });
         let part_len = usize::try_from(PART_BYTES).unwrap_or(usize::MAX);
@@ -264,7 +264,7 @@ impl RemoteSource {
     /// `Failure` of a read of `name`, as the error that names its URL.
     pub(super) fn failure(&self, name: &str, failure: &Failure) -> SourceError {
         SourceError::Io {
-            name: self.url.url_of(name),
+            name: self.url_of(name),
             message: failure.describe(self.url.scheme),
         }
     }

@@ -31,4 +31,4 @@ mod url;
 
 pub use retry::set_io_timeout;
 pub use source::RemoteSource;
-pub use url::is_url;
+pub use url::{is_url, shown};

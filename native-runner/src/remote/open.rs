@@ -5,7 +5,7 @@
 use std::collections::{BTreeMap, HashMap};
 use std::io::IsTerminal;
 use std::sync::atomic::AtomicU64;
-use std::sync::{Mutex, OnceLock};
+use std::sync::{Arc, Mutex, OnceLock};
 
 use anyhow::{Context, bail};
 use bytes::Bytes;
@@ -14,11 +14,12 @@ use object_store::ObjectStoreExt;
 use object_store::path::Path as ObjectPath;
 use shardscope_core::formats::locate::{DCP_METADATA, HF_INDEX, LocateError, Manifest};
 
+use super::connector::{Queries, request_url};
 use super::fetch::PARALLEL_REQUESTS;
 use super::retry::Failure;
 use super::source::{RemoteFile, RemoteSource};
 use super::store::build_store;
-use super::url::parse_url;
+use super::url::{RemoteUrl, parse_url};
 
 /// A DCP `.metadata` larger than this is refused (fetched whole on open; 100 000 chunks take
 /// tens of MiB).
@@ -28,27 +29,36 @@ pub(super) const MAX_METADATA_BYTES: u64 = 1 << 30;
 pub(super) const MAX_INDEX_BYTES: u64 = 256 << 20;
 
 impl RemoteSource {
-    /// Opens a URL: a folder (`…/`: a DCP directory; listed on object stores, read through its
-    /// `.metadata` over HTTP), a DCP `.metadata`, an HF `*.index.json`, or one file.
-    pub fn open(input: &str, progress: bool) -> anyhow::Result<RemoteSource> {
-        let mut url = parse_url(input)?;
-        let store = build_store(&url)?;
+    /// An empty source over `url`'s store (`queries`: see [`Connector`](super::connector)).
+    fn empty(url: RemoteUrl, queries: Queries, progress: bool) -> anyhow::Result<RemoteSource> {
+        let store = build_store(&url, queries)?;
         let runtime = tokio::runtime::Builder::new_multi_thread()
             .worker_threads(2)
             .thread_name("shardscope-remote")
             .enable_all()
             .build()
             .context("cannot start the runtime for remote reads")?;
-        let mut source = RemoteSource {
+        Ok(RemoteSource {
             runtime,
             store,
-            url: url.clone(),
+            url,
             files: BTreeMap::new(),
             blocks: Mutex::new(HashMap::new()),
             fetched: AtomicU64::new(0),
             requests: AtomicU64::new(0),
             progress: progress && std::io::stderr().is_terminal(),
-        };
+        })
+    }
+
+    /// Opens a URL: a folder (`…/`: a DCP directory; listed on object stores, read through its
+    /// `.metadata` over HTTP), a DCP `.metadata`, an HF `*.index.json`, or one file. A URL with a
+    /// query (presigned) is one file: [`RemoteSource::open_files`].
+    pub fn open(input: &str, progress: bool) -> anyhow::Result<RemoteSource> {
+        let mut url = parse_url(input)?;
+        if url.query.is_some() {
+            return Self::open_files(&[input], progress);
+        }
+        let mut source = Self::empty(url.clone(), Queries::default(), progress)?;
         let is_metadata = url.file.as_deref() == Some(DCP_METADATA);
         if url.file.is_none() || is_metadata {
             url.file = None;
@@ -73,13 +83,96 @@ impl RemoteSource {
                     }
                     Err(e) => return Err(e.into()),
                 };
-                source.files.insert(
-                    file,
-                    RemoteFile {
-                        size: OnceLock::from(size),
-                        bytes: None,
-                    },
+                source.files.insert(file, RemoteFile::new(Some(size)));
+            }
+        }
+        Ok(source)
+    }
+
+    /// Opens files each named by its own URL (per-rank `.pt` files, a DCP's `.metadata` and every
+    /// `.distcp`, presigned URLs each with its own query) as one checkpoint: each is the file its
+    /// URL names, named by its file name. They must be on one server (one bucket); a `.metadata`
+    /// or `*.index.json` among them is read as the list of the files that must be there too.
+    pub fn open_files(inputs: &[&str], progress: bool) -> anyhow::Result<RemoteSource> {
+        let urls = inputs
+            .iter()
+            .map(|i| parse_url(i))
+            .collect::<anyhow::Result<Vec<_>>>()?;
+        let Some(first) = urls.first() else {
+            bail!("no URL given");
+        };
+        let mut files: BTreeMap<String, RemoteFile> = BTreeMap::new();
+        let mut queries = HashMap::new();
+        for url in &urls {
+            if (url.scheme, &url.store_url) != (first.scheme, &first.store_url) {
+                bail!(
+                    "{} and {}: the URLs of one checkpoint must be on one server (scheme, host \
+                     and port) or in one bucket",
+                    first.shown(),
+                    url.shown()
                 );
+            }
+            let Some(name) = url.file.clone() else {
+                bail!(
+                    "{}: names a folder; among several URLs each names one file\nhint: a folder \
+                     URL (ending with `/`) is given alone",
+                    url.shown()
+                );
+            };
+            let location = if url.folder.is_empty() {
+                ObjectPath::from(name.as_str())
+            } else {
+                ObjectPath::from(format!("{}/{name}", url.folder))
+            };
+            if let Some(query) = &url.query {
+                let key = request_url(&url.store_url, &location)
+                    .with_context(|| format!("{}: cannot build its request URL", url.shown()))?;
+                queries.insert(key, query.clone());
+            }
+            let mut file = RemoteFile::new(None);
+            file.at = Some((location, url.shown()));
+            if let Some(other) = files.insert(name.clone(), file) {
+                let other = other.at.map(|(_, shown)| shown).unwrap_or_default();
+                bail!(
+                    "two URLs name a file called {name} ({other}, {}): files are told apart by name",
+                    url.shown()
+                );
+            }
+        }
+        let mut root = first.clone();
+        root.file = None;
+        root.query = None;
+        let mut source = Self::empty(root, Arc::new(queries), progress)?;
+        source.files = files;
+        source.head_all(None)?;
+        // A manifest among them names the files that must be there (all of a DCP's, all of an
+        // HF index's shards); it is fetched whole now and served from memory.
+        let manifests: Vec<(String, Manifest)> = source
+            .files
+            .keys()
+            .filter_map(|n| Manifest::of_file(n).map(|m| (n.clone(), m)))
+            .collect();
+        for (name, manifest) in manifests {
+            let url = source.url_of(&name);
+            let bytes = source
+                .get_manifest(&name, manifest)
+                .map_err(|f| anyhow::anyhow!("{url}: {}", f.describe(source.url.scheme)))?;
+            let named = manifest_files(manifest, &url, &bytes)?;
+            let missing: Vec<&String> = named
+                .iter()
+                .filter(|n| !source.files.contains_key(n.as_str()))
+                .collect();
+            if let Some(first_missing) = missing.first() {
+                bail!(
+                    "{url} names {} file(s) not among the URLs given ({first_missing}{})\nhint: \
+                     give the URL of every file of the checkpoint, each with its own query",
+                    missing.len(),
+                    if missing.len() > 1 { ", …" } else { "" }
+                );
+            }
+            if let Some(file) = source.files.get_mut(&name) {
+                let _ = file.size.set(bytes.len() as u64);
+                file.bytes = Some(bytes);
             }
         }
         Ok(source)
@@ -124,13 +217,8 @@ impl RemoteSource {
             {
                 continue;
             }
-            self.files.insert(
-                parts.join("/"),
-                RemoteFile {
-                    size: OnceLock::from(meta.size),
-                    bytes: None,
-                },
-            );
+            self.files
+                .insert(parts.join("/"), RemoteFile::new(Some(meta.size)));
         }
         if self.files.is_empty() {
             bail!("{folder_url}: not found (no objects under this prefix)");
@@ -158,9 +246,9 @@ impl RemoteSource {
         self.add_manifest(DCP_METADATA, Manifest::Dcp, bytes)
     }
 
-    /// Sizes of every file named by `named_by` (a `.metadata`, an index), by `HEAD` requests in
-    /// parallel: a missing file is reported here, with its URL.
-    fn head_all(&self, named_by: &str) -> anyhow::Result<()> {
+    /// Sizes of every file not sized yet (named by `named_by`, a `.metadata` or an index; or
+    /// given by URL), by `HEAD` requests in parallel: a missing file is reported here, with its URL.
+    fn head_all(&self, named_by: Option<&str>) -> anyhow::Result<()> {
         let names: Vec<&String> = self
             .files
             .iter()
@@ -189,9 +277,10 @@ impl RemoteSource {
                     }
                 }
                 Err((name, f)) => bail!(
-                    "{}: {} (named by {named_by})",
-                    self.url.url_of(&name),
-                    f.describe(self.url.scheme)
+                    "{}: {}{}",
+                    self.url_of(&name),
+                    f.describe(self.url.scheme),
+                    named_by.map_or(String::new(), |m| format!(" (named by {m})"))
                 ),
             }
         }
@@ -201,7 +290,7 @@ impl RemoteSource {
     /// A manifest named by its own URL (an HF `*.index.json`).
     fn open_manifest(&mut self, name: &str, manifest: Manifest) -> anyhow::Result<()> {
         let bytes = self.get_manifest(name, manifest).map_err(|f| {
-            anyhow::anyhow!("{}: {}", self.url.url_of(name), f.describe(self.url.scheme))
+            anyhow::anyhow!("{}: {}", self.url_of(name), f.describe(self.url.scheme))
         })?;
         self.add_manifest(name, manifest, bytes)
     }
@@ -210,24 +299,10 @@ impl RemoteSource {
     /// itself, served from the bytes already fetched.
     fn add_manifest(&mut self, name: &str, manifest: Manifest, bytes: Bytes) -> anyhow::Result<()> {
         let manifest_url = self.url.url_of(name);
-        let files = manifest.files(&bytes).map_err(|e| match e {
-            LocateError::Dcp(e) => {
-                anyhow::Error::new(e).context(format!("cannot read {manifest_url}"))
-            }
-            LocateError::Index(e) => {
-                anyhow::Error::new(e).context(format!("cannot read {manifest_url}"))
-            }
-            outside @ LocateError::OutsideFolder { .. } => {
-                anyhow::anyhow!("{manifest_url} {outside}")
-            }
-        })?;
-        for file in files {
-            self.files.entry(file).or_insert(RemoteFile {
-                size: OnceLock::new(),
-                bytes: None,
-            });
+        for file in manifest_files(manifest, &manifest_url, &bytes)? {
+            self.files.entry(file).or_insert(RemoteFile::new(None));
         }
-        self.head_all(&manifest_url)?;
+        self.head_all(Some(&manifest_url))?;
         self.insert_fetched(name, bytes);
         Ok(())
     }
@@ -238,7 +313,17 @@ impl RemoteSource {
             RemoteFile {
                 size: OnceLock::from(bytes.len() as u64),
                 bytes: Some(bytes),
+                at: None,
             },
         );
     }
+}
+
+/// The files a manifest (`url`: its URL, for messages) names.
+fn manifest_files(manifest: Manifest, url: &str, bytes: &[u8]) -> anyhow::Result<Vec<String>> {
+    manifest.files(bytes).map_err(|e| match e {
+        LocateError::Dcp(e) => anyhow::Error::new(e).context(format!("cannot read {url}")),
+        LocateError::Index(e) => anyhow::Error::new(e).context(format!("cannot read {url}")),
+        outside @ LocateError::OutsideFolder { .. } => anyhow::anyhow!("{url} {outside}"),
+    })
 }

@@ -66,7 +66,7 @@ impl RemoteSource {
         }
         let end_offset = offset + len; // checked above
         let poisoned = || SourceError::Io {
-            name: self.url.url_of(name),
+            name: self.url_of(name),
             message: "a reader thread panicked".into(),
         };
         // Served from the read-ahead block: whole, or its front part (then the rest is fetched).
@@ -102,7 +102,7 @@ impl RemoteSource {
         let range = fetch_range(rest_offset, rest.len() as u64, size, sequential);
         let block = if range.end > end_offset {
             let too_big = || SourceError::Io {
-                name: self.url.url_of(name),
+                name: self.url_of(name),
                 message: "the read-ahead block does not fit in memory".into(),
             };
             let block_len = usize::try_from(range.end - range.start).map_err(|_| too_big())?;

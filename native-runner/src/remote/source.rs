@@ -20,6 +20,20 @@ pub(super) struct RemoteFile {
     pub(super) size: OnceLock<u64>,
     /// Fetched whole when the source was opened (`.metadata`, an HF index): served borrowed.
     pub(super) bytes: Option<Bytes>,
+    /// Where it is and how messages name it, when not `name` in the source's folder (a file
+    /// given by its own URL among several: its path, its URL with a query shown as `?…`).
+    pub(super) at: Option<(ObjectPath, String)>,
+}
+
+impl RemoteFile {
+    /// A file of the source's folder, its size known or not yet.
+    pub(super) fn new(size: Option<u64>) -> RemoteFile {
+        RemoteFile {
+            size: size.map_or_else(OnceLock::new, OnceLock::from),
+            bytes: None,
+            at: None,
+        }
+    }
 }
 
 /// Files under one URL folder, read by range over the network.
@@ -54,10 +68,21 @@ impl RemoteSource {
     }
 
     pub(super) fn location(&self, name: &str) -> ObjectPath {
+        if let Some((location, _)) = self.files.get(name).and_then(|f| f.at.as_ref()) {
+            return location.clone();
+        }
         if self.url.folder.is_empty() {
             ObjectPath::from(name)
         } else {
             ObjectPath::from(format!("{}/{name}", self.url.folder))
+        }
+    }
+
+    /// The URL of `name`, for messages (a query shown as `?…`).
+    pub(super) fn url_of(&self, name: &str) -> String {
+        match self.files.get(name).and_then(|f| f.at.as_ref()) {
+            Some((_, shown)) => shown.clone(),
+            None => self.url.url_of(name),
         }
     }
 
@@ -79,7 +104,7 @@ impl RemoteSource {
 
     pub(super) fn file(&self, name: &str) -> Result<&RemoteFile, SourceError> {
         self.files.get(name).ok_or_else(|| SourceError::NotFound {
-            name: self.url.url_of(name),
+            name: self.url_of(name),
         })
     }
 }
@@ -202,20 +227,8 @@ mod tests {
             .unwrap();
         let url = parse_url("s3://bucket/ck/").unwrap();
         let mut files = BTreeMap::new();
-        files.insert(
-            "big.bin".to_owned(),
-            RemoteFile {
-                size: OnceLock::new(),
-                bytes: None,
-            },
-        );
-        files.insert(
-            "gone.bin".to_owned(),
-            RemoteFile {
-                size: OnceLock::from(10),
-                bytes: None,
-            },
-        );
+        files.insert("big.bin".to_owned(), RemoteFile::new(None));
+        files.insert("gone.bin".to_owned(), RemoteFile::new(Some(10)));
         let source = RemoteSource {
             runtime,
             store,

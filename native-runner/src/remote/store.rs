@@ -12,7 +12,7 @@ use std::time::Duration;
 use anyhow::Context;
 use object_store::{BackoffConfig, ClientOptions, ObjectStore, RetryConfig};
 
-use super::connector::Connector;
+use super::connector::{Connector, Queries};
 use super::retry::Settings;
 use super::url::{RemoteUrl, Scheme};
 
@@ -69,14 +69,19 @@ fn http_options(url: &RemoteUrl) -> ClientOptions {
     options
 }
 
-pub(super) fn build_store(url: &RemoteUrl) -> anyhow::Result<Arc<dyn ObjectStore>> {
+/// The store of `url`'s origin or bucket; `queries`: the query of each file by the URL requested
+/// (HTTP only, [`Connector`]).
+pub(super) fn build_store(
+    url: &RemoteUrl,
+    queries: Queries,
+) -> anyhow::Result<Arc<dyn ObjectStore>> {
     let what = || format!("cannot set up access to {}", url.folder_url());
     Ok(match url.scheme {
         Scheme::Http => Arc::new(
             object_store::http::HttpBuilder::new()
                 .with_url(url.store_url.clone())
                 .with_retry(retry_config())
-                .with_http_connector(Connector)
+                .with_http_connector(Connector { queries })
                 .with_client_options(http_options(url))
                 .build()
                 .with_context(what)?,
@@ -85,7 +90,7 @@ pub(super) fn build_store(url: &RemoteUrl) -> anyhow::Result<Arc<dyn ObjectStore
             object_store::aws::AmazonS3Builder::from_env()
                 .with_url(url.store_url.clone())
                 .with_retry(retry_config())
-                .with_http_connector(Connector)
+                .with_http_connector(Connector::default())
                 .build()
                 .with_context(what)?,
         ),
@@ -93,7 +98,7 @@ pub(super) fn build_store(url: &RemoteUrl) -> anyhow::Result<Arc<dyn ObjectStore
             object_store::gcp::GoogleCloudStorageBuilder::from_env()
                 .with_url(url.store_url.clone())
                 .with_retry(retry_config())
-                .with_http_connector(Connector)
+                .with_http_connector(Connector::default())
                 .build()
                 .with_context(what)?,
         ),
@@ -101,7 +106,7 @@ pub(super) fn build_store(url: &RemoteUrl) -> anyhow::Result<Arc<dyn ObjectStore
             object_store::azure::MicrosoftAzureBuilder::from_env()
                 .with_url(url.store_url.clone())
                 .with_retry(retry_config())
-                .with_http_connector(Connector)
+                .with_http_connector(Connector::default())
                 .build()
                 .with_context(what)?,
         ),

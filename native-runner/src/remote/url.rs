@@ -22,13 +22,23 @@ impl Scheme {
 
 /// A parsed remote input: the store's root URL, the folder inside it (`/`-separated, no leading
 /// or trailing `/`), and the file named, if any (`None` for a folder URL ending with `/`).
-#[derive(Debug, Clone, PartialEq, Eq)]
+#[derive(Clone, PartialEq, Eq)]
 pub(super) struct RemoteUrl {
     pub(super) scheme: Scheme,
     /// `http://host:port/` or `s3://bucket` (what the store is built from).
     pub(super) store_url: String,
     pub(super) folder: String,
     pub(super) file: Option<String>,
+    /// The query of an HTTP(S) URL that names one file (a presigned URL's signature, an Azure
+    /// SAS): sent as it is on every request for that file, never shown (`?…` in messages).
+    pub(super) query: Option<String>,
+}
+
+/// Never the query.
+impl std::fmt::Debug for RemoteUrl {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_tuple("RemoteUrl").field(&self.shown()).finish()
+    }
 }
 
 impl RemoteUrl {
@@ -50,6 +60,28 @@ impl RemoteUrl {
     pub(super) fn folder_url(&self) -> String {
         self.url_of("")
     }
+
+    /// The URL as messages show it: its file's URL, a query as `?…`.
+    pub(super) fn shown(&self) -> String {
+        let base = self.url_of(self.file.as_deref().unwrap_or(""));
+        if self.query.is_some() {
+            format!("{base}?…")
+        } else {
+            base
+        }
+    }
+}
+
+/// `input` (one URL, or a path) as messages show it: the query of a URL (a presigned URL's
+/// signature) as `?…`, all of it (to the end, spaces included).
+pub fn shown(input: &str) -> String {
+    if !is_url(input) {
+        return input.to_owned();
+    }
+    match input.split_once('?') {
+        Some((head, _)) => format!("{head}?…"),
+        None => input.to_owned(),
+    }
 }
 
 /// True when an input argument is a URL this module reads (not a local path).
@@ -65,16 +97,34 @@ pub fn is_url(input: &str) -> bool {
 
 /// Splits a URL into store, folder and file. A trailing `/` names a folder.
 pub(super) fn parse_url(input: &str) -> anyhow::Result<RemoteUrl> {
-    let url = Url::parse(input).with_context(|| format!("{input} is not a valid URL"))?;
+    // Never the query in a message: it may carry a signature.
+    let shown = shown(input);
+    let url = Url::parse(input).map_err(|e| anyhow::anyhow!("{shown} is not a valid URL: {e}"))?;
     let scheme = match url.scheme() {
         "http" | "https" => Scheme::Http,
         "s3" => Scheme::S3,
         "gs" => Scheme::Gcs,
         "az" | "abfs" => Scheme::Azure,
-        other => bail!("{input}: unsupported URL scheme `{other}` (use http, https, s3, gs or az)"),
+        other => bail!("{shown}: unsupported URL scheme `{other}` (use http, https, s3, gs or az)"),
     };
-    if url.query().is_some() || url.fragment().is_some() {
-        bail!("{input}: URLs with a query or a fragment are not supported");
+    let input = shown.as_str();
+    if url.fragment().is_some() {
+        bail!("{input}: URLs with a fragment (`#…`) are not supported");
+    }
+    let query = url.query().map(str::to_owned);
+    if query.is_some() && scheme != Scheme::Http {
+        bail!(
+            "{input}: a query is read on http(s) URLs only (a presigned URL is an https URL); \
+             {} URLs take their credentials from the environment",
+            url.scheme()
+        );
+    }
+    if query.is_some() && (url.path().is_empty() || url.path().ends_with('/')) {
+        bail!(
+            "{input}: a URL with a query (a presigned URL, an Azure SAS) names one file, not a \
+             folder: a signature covers one object\nhint: give the URL of each file \
+             (`.metadata` and every `.distcp`, each per-rank `.pt`), each with its own query"
+        );
     }
     let host = url
         .host_str()
@@ -105,6 +155,7 @@ pub(super) fn parse_url(input: &str) -> anyhow::Result<RemoteUrl> {
         store_url,
         folder: segments.join("/"),
         file,
+        query,
     })
 }
 
@@ -170,12 +221,42 @@ mod tests {
             "ftp://h/x",
             "s3:///x",
             "http://h/a/%zz",
-            "http://h/x?a=1",
+            "http://h/x#a",
             "http://h/a/%2fb/x",
         ] {
             let err = parse_url(bad).unwrap_err().to_string();
             assert!(err.contains(bad), "{bad}: {err}");
         }
+        // The query is kept exactly; messages show it as `?…`.
+        let u = parse_url("https://h/b/k.pt?X-Amz-Signature=ab%2Fc&X-Amz-Date=1").unwrap();
+        assert_eq!(
+            u.query.as_deref(),
+            Some("X-Amz-Signature=ab%2Fc&X-Amz-Date=1")
+        );
+        assert_eq!((u.folder.as_str(), u.file.as_deref()), ("b", Some("k.pt")));
+        assert_eq!(u.shown(), "https://h/b/k.pt?…");
+        for bad in [
+            "https://h/b/?sig=SECRET",
+            "s3://b/k?sig=SECRET",
+            "https://h/%zz?sig=SECRET",
+        ] {
+            let err = parse_url(bad).unwrap_err().to_string();
+            assert!(
+                !err.contains("SECRET") && err.contains("?…"),
+                "{bad}: {err}"
+            );
+        }
+        assert_eq!(shown("https://h/a b.pt?sig=SE CRET"), "https://h/a b.pt?…");
+        assert_eq!(
+            shown("ckpt/a?b.pt"),
+            "ckpt/a?b.pt",
+            "a path is shown as it is"
+        );
+        assert!(!format!("{u:?}").contains("Signature"), "{u:?}");
+        let err = parse_url("https://h/ckpt/?sig=SECRET")
+            .unwrap_err()
+            .to_string();
+        assert!(err.contains("names one file, not a folder"), "{err}");
         assert!(is_url("S3://b/x") && is_url("https://h/") && is_url("az://c/"));
         assert!(!is_url("./s3:/x") && !is_url("ckpt/") && !is_url("http:/x"));
     }

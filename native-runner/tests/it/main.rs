@@ -38,6 +38,7 @@ mod local_faults;
 mod rank_names;
 mod remote;
 mod remote_faults;
+mod remote_urls;
 mod reshard_cli;
 mod reshard_fsdp2;
 mod select_sides;

@@ -22,7 +22,7 @@ use std::time::{Duration, Instant};
 use crate::common::shardscope_bin;
 use shardscope_tests::fixtures_dir;
 
-fn examples_dir() -> PathBuf {
+pub(crate) fn examples_dir() -> PathBuf {
     PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("../examples")
 }
 
@@ -71,7 +71,7 @@ impl Drop for Server {
     }
 }
 
-fn copy_dir(from: &Path, to: &Path) {
+pub(crate) fn copy_dir(from: &Path, to: &Path) {
     std::fs::create_dir_all(to).unwrap();
     for entry in std::fs::read_dir(from).unwrap() {
         let entry = entry.unwrap();
@@ -99,7 +99,7 @@ fn nginx_binary() -> Option<PathBuf> {
 
 /// nginx serving `www/` of a temporary prefix; `bytes.log` holds one line per request:
 /// `METHOD URI STATUS BODY_BYTES_SENT`.
-struct Nginx {
+pub(crate) struct Nginx {
     _server: Server,
     prefix: tempfile::TempDir,
     port: u16,
@@ -107,6 +107,12 @@ struct Nginx {
 
 impl Nginx {
     fn start() -> Option<Nginx> {
+        Self::start_with("", "")
+    }
+
+    /// nginx with `http_extra` in its `http` block and `server_extra` in its `server` block
+    /// (`remote_urls`: a `map` and a `location` that refuse requests without their query).
+    pub(crate) fn start_with(http_extra: &str, server_extra: &str) -> Option<Nginx> {
         let Some(bin) = nginx_binary() else {
             skip("nginx");
             return None;
@@ -131,7 +137,8 @@ impl Nginx {
                  http {{\n  log_format bytes '$request_method $uri $status $body_bytes_sent';\n\
                  access_log {p}/logs/bytes.log bytes;\n  client_body_temp_path {p}/tmp;\n  proxy_temp_path {p}/tmp;\n\
                  fastcgi_temp_path {p}/tmp;\n  uwsgi_temp_path {p}/tmp;\n  scgi_temp_path {p}/tmp;\n\
-                 server {{ listen 127.0.0.1:{port}; root {p}/www; }}\n}}\n"
+                 {http_extra}\n\
+                 server {{ listen 127.0.0.1:{port}; root {p}/www; {server_extra} }}\n}}\n"
             );
             let conf_path = prefix.path().join("nginx.conf");
             std::fs::write(&conf_path, conf).unwrap();
@@ -157,16 +164,16 @@ impl Nginx {
         panic!("nginx did not start in 5 attempts");
     }
 
-    fn www(&self) -> PathBuf {
+    pub(crate) fn www(&self) -> PathBuf {
         self.prefix.path().join("www")
     }
 
-    fn url(&self, path: &str) -> String {
+    pub(crate) fn url(&self, path: &str) -> String {
         format!("http://127.0.0.1:{}/{path}", self.port)
     }
 
     /// (method, uri, status, body bytes) per request since the last call; the log is emptied.
-    fn take_log(&self) -> Vec<(String, String, u16, u64)> {
+    pub(crate) fn take_log(&self) -> Vec<(String, String, u16, u64)> {
         let path = self.prefix.path().join("logs/bytes.log");
         let text = std::fs::read_to_string(&path).unwrap_or_default();
         std::fs::write(&path, "").unwrap();
@@ -185,7 +192,7 @@ impl Nginx {
     }
 }
 
-fn shardscope(args: &[&str]) -> Output {
+pub(crate) fn shardscope(args: &[&str]) -> Output {
     Command::new(shardscope_bin())
         .args(args)
         .env_remove("RUST_BACKTRACE")
@@ -193,11 +200,11 @@ fn shardscope(args: &[&str]) -> Output {
         .expect("cannot run shardscope")
 }
 
-fn text(b: &[u8]) -> String {
+pub(crate) fn text(b: &[u8]) -> String {
     String::from_utf8_lossy(b).into_owned()
 }
 
-fn assert_ok(out: &Output, what: &str) {
+pub(crate) fn assert_ok(out: &Output, what: &str) {
     assert!(
         out.status.success(),
         "{what}: exit {:?}\nstdout:\n{}\nstderr:\n{}",

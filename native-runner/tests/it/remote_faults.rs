@@ -6,7 +6,8 @@
 //! reset every time, 503 every time, a stall, a wrong `Content-Range`, a redirect loop, a
 //! `.metadata` of 6 GiB) exit 2 with a message naming the URL and leave nothing at the destination.
 //! A redirect to another origin is followed, and `HF_TOKEN` reaches the Hugging Face endpoint's
-//! origin only.
+//! origin only. A URL's query (presigned) is sent on every request of its file (retries, resumes)
+//! and on no other file's or origin's.
 //!
 //! Faults strike `GET`s of data files (`*.distcp`, `*.pt`) whose body is at least
 //! [`STRIKE_MIN`] bytes, so that opening (`.metadata`) works and the fault lands mid-conversion.
@@ -58,6 +59,8 @@ enum Fault {
 struct Seen {
     method: String,
     path: String,
+    /// The query, as sent (`None`: none).
+    query: Option<String>,
     /// `Range: bytes=START-END` (END inclusive), when given.
     range: Option<(u64, Option<u64>)>,
     authorization: Option<String>,
@@ -171,6 +174,7 @@ fn serve(state: &State, stream: TcpStream) {
         let seen = Seen {
             method: method.to_owned(),
             path: target.split('?').next().unwrap_or("").to_owned(),
+            query: target.split_once('?').map(|(_, q)| q.to_owned()),
             range: headers.get("range").and_then(|r| parse_range(r)),
             authorization: headers.get("authorization").cloned(),
         };
@@ -586,6 +590,103 @@ fn a_cross_origin_redirect_is_followed_without_credentials() {
     assert!(
         !after.is_empty() && after.iter().all(|s| s.authorization.is_none()),
         "a token sent to a host that is not the HF endpoint: {after:?}"
+    );
+}
+
+/// The example DCP by one presigned-style URL per file (`verify` reads every tensor's bytes):
+/// each file's query.
+fn signed_dcp(server: &FaultServer) -> Vec<(String, String)> {
+    [".metadata", "__0_0.distcp", "__1_0.distcp"]
+        .iter()
+        .enumerate()
+        .map(|(i, name)| {
+            let query = format!("X-Amz-Date=20260101T000000Z&X-Amz-Signature=sig%2B{i}");
+            (format!("/ck/{name}"), query)
+        })
+        .map(|(path, query)| (format!("{}{}?{query}", server.url(""), &path[1..]), query))
+        .collect()
+}
+
+/// `verify` of the example DCP given by presigned-style URLs, one per file.
+fn verify_signed(server: &FaultServer) -> Output {
+    let urls = signed_dcp(server);
+    let mut args = vec!["verify"];
+    args.extend(urls.iter().map(|(u, _)| u.as_str()));
+    shardscope(&args, &[])
+}
+
+/// Every request the server saw carried its own file's query, exactly.
+fn assert_every_request_signed(server: &FaultServer, what: &str) {
+    let want: HashMap<String, String> = signed_dcp(server)
+        .into_iter()
+        .map(|(url, q)| {
+            (
+                url.split('?')
+                    .next()
+                    .unwrap()
+                    .trim_start_matches(&server.url(""))
+                    .to_owned(),
+                q,
+            )
+        })
+        .map(|(path, q)| (format!("/{path}"), q))
+        .collect();
+    let log = server.log();
+    assert!(
+        log.iter()
+            .any(|s| s.method == "GET" && s.path.ends_with(".distcp")),
+        "{what}: {log:?}"
+    );
+    for seen in &log {
+        assert_eq!(
+            seen.query.as_ref(),
+            want.get(&seen.path),
+            "{what}: {} {} was sent with another query",
+            seen.method,
+            seen.path
+        );
+    }
+}
+
+/// A URL's query is sent on every request of its file, exactly: the first, the retry after a 500,
+/// the resume after a reset (the range asked for again from where it stopped); never another
+/// file's.
+#[test]
+fn queries_are_kept_on_retries_and_resumes() {
+    for fault in [Fault::ResetOnce, Fault::Status500Once, Fault::None] {
+        let root = served_checkpoint();
+        let server = FaultServer::start(root.path(), fault);
+        let out = verify_signed(&server);
+        assert!(out.status.success(), "{fault:?}: {}", text(&out.stderr));
+        assert_every_request_signed(&server, &format!("{fault:?}"));
+        if fault == Fault::ResetOnce {
+            let (strike, ranges) = resumed_after(&server);
+            assert!(
+                ranges.contains(&(strike.start + strike.sent, Some(strike.end - 1))),
+                "resumed from where it stopped: {strike:?} {ranges:?}"
+            );
+        }
+    }
+}
+
+/// A redirect to another origin is followed as the server says: the query given is not sent
+/// there (a presigned URL's own redirect carries its own query).
+#[test]
+fn a_query_never_goes_to_another_origin() {
+    let root = served_checkpoint();
+    let files = FaultServer::start(root.path(), Fault::None);
+    let front = FaultServer::start(root.path(), Fault::RedirectTo(files.port));
+    let out = verify_signed(&front);
+    assert!(out.status.success(), "{}", text(&out.stderr));
+    assert_every_request_signed(&front, "front");
+    let files_log = files.log();
+    assert!(
+        files_log.iter().any(|s| s.path.ends_with(".distcp")),
+        "{files_log:?}"
+    );
+    assert!(
+        files_log.iter().all(|s| s.query.is_none()),
+        "a query went to another origin: {files_log:?}"
     );
 }
 
