@@ -4,6 +4,7 @@
 
 pub mod app;
 pub mod checkpoint;
+pub mod compare;
 pub mod docs;
 pub mod format;
 pub mod panels;

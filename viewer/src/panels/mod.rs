@@ -2,6 +2,7 @@
 
 pub mod checkpoint;
 pub mod chunk_map;
+pub mod compare;
 pub mod controls;
 pub mod fqn_map;
 pub mod ranks;
