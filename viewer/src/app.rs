@@ -43,6 +43,8 @@ pub enum Tab {
     Optimizer,
     /// A/B compare of two checkpoints (`shardscope diff`).
     Compare,
+    /// Per-tensor value statistics of the opened checkpoint as a heatmap over layers.
+    Values,
 }
 
 /// The loaded model description.
@@ -88,6 +90,10 @@ pub struct Viewer {
     pub compare_view: crate::panels::compare::CompareState,
     /// Runs comparisons off the UI thread.
     pub comparer: crate::compare::Comparer,
+    /// Value statistics of the opened checkpoint (computed on request: it reads every tensor).
+    pub values: Option<crate::values::ValueMap>,
+    pub values_view: crate::panels::values::ValuesState,
+    pub value_job: crate::values::ValueJob,
     pub selection: Selection,
     pub tab: Tab,
     pub shard_map: shard_map::ShardMapState,
@@ -197,6 +203,42 @@ impl Viewer {
         self.poll_comparer();
     }
 
+    /// Computes the value statistics of the opened checkpoint (every tensor is read, one at a
+    /// time); the result shows in the **Values** tab.
+    pub fn compute_values(&mut self) {
+        let input = self.checkpoint.as_ref().and_then(|c| {
+            c.origin.clone().map(|origin| crate::compare::CompareInput {
+                label: c.name.clone(),
+                origin,
+            })
+        });
+        let Some(input) = input else {
+            self.messages
+                .push("error: open a checkpoint first to read its values".to_owned());
+            return;
+        };
+        self.value_job.synchronous = self.loader.synchronous;
+        self.value_job
+            .start(input, self.loader.read_options.clone());
+        self.tab = Tab::Values;
+        self.poll_value_job();
+    }
+
+    /// Takes finished value statistics; true while they are still computed.
+    pub fn poll_value_job(&mut self) -> bool {
+        match self.value_job.poll() {
+            Some(Ok(map)) => {
+                self.values_view = crate::panels::values::ValuesState::default();
+                self.values = Some(map);
+            }
+            Some(Err(e)) if e != crate::compare::CompareError::Cancelled => {
+                self.messages.push(format!("error: values: {e}"));
+            }
+            Some(Err(_)) | None => {}
+        }
+        self.value_job.running()
+    }
+
     /// Takes a finished comparison; true while one still runs.
     pub fn poll_comparer(&mut self) -> bool {
         match self.comparer.poll() {
@@ -274,6 +316,7 @@ impl Viewer {
                     ckpt.summary()
                 ));
                 self.ckpt = crate::panels::checkpoint::CheckpointState::default();
+                self.values = None;
                 // The layout panel follows what was opened: the checkpoint's own configuration.
                 self.controls.apply_hints(&ckpt.hints);
                 for note in &ckpt.notes {
@@ -436,7 +479,7 @@ impl Viewer {
         if self.poll_loader() > 0 {
             ctx.request_repaint();
         }
-        if self.poll_comparer() {
+        if self.poll_comparer() | self.poll_value_job() {
             // Progress is shown as it goes; the worker never blocks on the UI.
             ctx.request_repaint_after(std::time::Duration::from_millis(100));
         }
@@ -875,6 +918,9 @@ impl Viewer {
             ui.add_enabled_ui(self.report.is_some(), |ui| {
                 ui.selectable_value(&mut self.tab, Tab::Verify, "Verify");
             });
+            if self.checkpoint.is_some() {
+                ui.selectable_value(&mut self.tab, Tab::Values, "Values");
+            }
             ui.add_enabled_ui(self.comparison.is_some() || self.comparer.running(), |ui| {
                 ui.selectable_value(&mut self.tab, Tab::Compare, "Compare");
             });
@@ -921,6 +967,36 @@ impl Viewer {
                         }
                     }
                     _ => crate::panels::checkpoint::optimizer_ui(ui, c, &mut self.selection),
+                }
+            }
+            Tab::Values => {
+                let can_read = self.checkpoint.as_ref().is_some_and(|c| c.origin.is_some());
+                ui.horizontal(|ui| {
+                    if self.value_job.running() {
+                        ui.spinner();
+                        ui.label(self.value_job.progress().text().replace("comparing", "reading"));
+                        if ui.small_button("cancel").clicked() {
+                            self.value_job.cancel();
+                        }
+                    } else if ui
+                        .add_enabled(can_read, egui::Button::new("Read values"))
+                        .on_hover_text("Reads every tensor once (min/max/mean, NaN/inf counts, as inspect --values)")
+                        .clicked()
+                    {
+                        self.compute_values();
+                    }
+                });
+                ui.separator();
+                match &self.values {
+                    Some(map) => crate::panels::values::ui(
+                        ui,
+                        map,
+                        &mut self.values_view,
+                        &mut self.selection,
+                    ),
+                    None => {
+                        ui.label("Read values to see per-tensor statistics laid out by layer.");
+                    }
                 }
             }
             Tab::Compare => {

@@ -11,6 +11,7 @@ pub mod panels;
 pub mod report;
 pub mod theme;
 pub mod trace;
+pub mod values;
 pub mod view;
 
 pub use app::{Tab, Viewer};

@@ -9,6 +9,7 @@ pub mod ranks;
 pub mod shard_map;
 pub mod tensor_tree;
 pub mod timeline;
+pub mod values;
 pub mod verify;
 
 /// One branch of a module tree (shared by the layout and checkpoint trees).

@@ -343,3 +343,109 @@ fn screenshot_of_the_compare_view() {
     }
     let _ = std::fs::remove_file(&out);
 }
+
+/// Values: statistics equal torch's own for every dtype it saves (`gen_dtypes.py` wrote count,
+/// min, max, mean, NaN and infinity counts of each tensor of `all_dtypes.pt`).
+#[test]
+fn values_match_torchs_statistics() {
+    let dir = fixtures().join("dtypes");
+    let expected: Value =
+        serde_json::from_slice(&std::fs::read(dir.join("expected.json")).unwrap()).unwrap();
+    let mut viewer = Viewer::new();
+    viewer.loader.synchronous = true;
+    viewer.open_path(dir.join("all_dtypes.pt"));
+    assert_eq!(viewer.poll_loader(), 0);
+    viewer.compute_values();
+    let map = viewer
+        .values
+        .as_ref()
+        .unwrap_or_else(|| panic!("{:?}", viewer.messages));
+    let torch = expected["all_dtypes.pt"].as_object().unwrap();
+    assert_eq!(
+        map.tensors.keys().collect::<BTreeSet<_>>(),
+        torch.keys().collect::<BTreeSet<_>>()
+    );
+    for (key, t) in torch {
+        let s = map.tensors[key].stats.as_ref().unwrap();
+        assert_eq!(s.count, t["count"].as_u64().unwrap(), "{key}");
+        assert_eq!(s.nan, t["nan"].as_u64().unwrap(), "{key}");
+        assert_eq!(s.inf, t["inf"].as_u64().unwrap(), "{key}");
+        let close = |a: Option<f64>, b: &Value| {
+            let b = b.as_f64().unwrap();
+            (a.unwrap() - b).abs() <= 1e-9 * b.abs().max(1.0)
+        };
+        assert!(close(s.min, &t["min"]), "{key} min");
+        assert!(close(s.max, &t["max"]), "{key} max");
+        assert!(close(s.mean, &t["mean"]), "{key} mean");
+    }
+    let mut h = harness(viewer);
+    h.run();
+    assert_eq!(h.state().tab, Tab::Values);
+    h.get_by_label_contains("with NaN or infinity");
+}
+
+/// A safetensors file of `model.layers.{0..4}` blocks with a NaN in one layer's weight.
+fn layers_with_a_nan(nan_layer: usize) -> Vec<u8> {
+    let mut header = serde_json::Map::new();
+    let mut data = Vec::new();
+    for layer in 0..4 {
+        for (name, numel) in [
+            ("attn.weight", 6usize),
+            ("mlp.weight", 4),
+            ("norm.weight", 2),
+        ] {
+            let start = data.len();
+            for i in 0..numel {
+                #[allow(clippy::cast_precision_loss)]
+                let mut v = (layer * 10 + i) as f32 * 0.01;
+                if layer == nan_layer && name == "mlp.weight" && i == 1 {
+                    v = f32::NAN;
+                }
+                data.extend_from_slice(&v.to_le_bytes());
+            }
+            header.insert(
+                format!("model.layers.{layer}.{name}"),
+                serde_json::json!({"dtype": "F32", "shape": [numel], "data_offsets": [start, data.len()]}),
+            );
+        }
+    }
+    let header = serde_json::to_vec(&Value::Object(header)).unwrap();
+    let mut out = (header.len() as u64).to_le_bytes().to_vec();
+    out.extend(header);
+    out.extend(data);
+    out
+}
+
+#[test]
+fn values_heatmap_lays_layers_out_and_a_nan_stands_out() {
+    let mut viewer = Viewer::new();
+    viewer.loader.synchronous = true;
+    viewer.open_bytes("layers.safetensors", layers_with_a_nan(2));
+    assert_eq!(viewer.poll_loader(), 0);
+    viewer.compute_values();
+    let map = viewer.values.clone().unwrap();
+    let g = &map.grids[0];
+    assert_eq!(g.list, "model.layers");
+    assert_eq!(g.layers, [0, 1, 2, 3]);
+    assert_eq!(g.columns, ["attn.weight", "mlp.weight", "norm.weight"]);
+    let bad: Vec<&str> = g
+        .cells
+        .iter()
+        .flatten()
+        .flatten()
+        .filter(|c| c.non_finite() > 0)
+        .map(|c| c.fqn.as_str())
+        .collect();
+    assert_eq!(bad, ["model.layers.2.mlp.weight"]);
+    let mut h = harness(viewer);
+    h.run();
+    h.get_by_label("NaN/inf in:");
+    h.get_by_label_contains("1 with NaN or infinity");
+    // Every cell is a button named by its tensor; clicking selects it.
+    h.get_by_label("model.layers.3.attn.weight").click();
+    h.run();
+    assert_eq!(
+        h.state().selection.fqn.as_deref(),
+        Some("model.layers.3.attn.weight")
+    );
+}
