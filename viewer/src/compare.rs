@@ -532,3 +532,77 @@ impl Comparer {
         self.finished.take()
     }
 }
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn entry(fqn: &str, status: Status) -> verify::Entry {
+        verify::Entry::new(fqn, status)
+    }
+
+    #[test]
+    fn rows_are_grouped_by_module_and_filtered() {
+        let mut differs = entry("block.0.weight", Status::Mismatch);
+        differs.mismatched_elements = Some(3);
+        let mut resized = entry("block.0.bias", Status::Mismatch);
+        resized.right_shape = Some(vec![4]);
+        let rows = [
+            differs,
+            resized,
+            entry("block.1.weight", Status::Match),
+            entry("scale", Status::Missing),
+            entry("extra", Status::Unexpected),
+        ];
+        let statuses: Vec<RowStatus> = rows.iter().map(RowStatus::of).collect();
+        assert_eq!(
+            statuses,
+            [
+                RowStatus::Differs,
+                RowStatus::Changed,
+                RowStatus::Equal,
+                RowStatus::OnlyA,
+                RowStatus::OnlyB
+            ]
+        );
+        let report = verify::Report {
+            kind: verify::REPORT_KIND,
+            version: verify::REPORT_VERSION,
+            command: "diff",
+            left: Some("a".into()),
+            right: Some("b".into()),
+            summary: verify::Summary::default(),
+            notes: Vec::new(),
+            entries: rows.into_iter().map(|e| (e.fqn.clone(), e)).collect(),
+        };
+        let c = Comparison::from_report(report, Vec::new());
+        assert_eq!(
+            c.summary(),
+            "5 tensors: 1 equal, 1 differs, 1 dtype/shape changed, 1 only in A, 1 only in B"
+        );
+        let modules = |lines: &[Line]| -> Vec<String> {
+            lines
+                .iter()
+                .filter_map(|l| match l {
+                    Line::Module { module, .. } => Some(module.clone()),
+                    Line::Row(_) => None,
+                })
+                .collect()
+        };
+        let all = lines(&c, &Filter::default(), &BTreeSet::new());
+        assert_eq!(modules(&all), ["", "block.0", "block.1"]);
+        assert_eq!(all.len(), 3 + 5);
+        let mut filter = Filter::default();
+        filter.statuses.remove(&RowStatus::Equal);
+        "block".clone_into(&mut filter.name);
+        let some = lines(&c, &filter, &BTreeSet::from(["block.0".to_owned()]));
+        assert_eq!(
+            some,
+            [Line::Module {
+                module: "block.0".into(),
+                counts: [0, 1, 1, 0, 0, 0],
+                collapsed: true
+            }]
+        );
+    }
+}

@@ -279,3 +279,24 @@ impl ValueJob {
         self.finished.take()
     }
 }
+
+#[cfg(test)]
+mod tests {
+    use super::layer_of;
+
+    #[test]
+    fn layers_split_at_the_last_block_number() {
+        assert_eq!(
+            layer_of("model.layers.3.mlp.weight"),
+            Some(("model.layers".to_owned(), 3, "mlp.weight".to_owned()))
+        );
+        assert_eq!(
+            layer_of("blocks.0.experts.7.w1"),
+            Some(("blocks.0.experts".to_owned(), 7, "w1".to_owned()))
+        );
+        // A number first or last names no block within a list.
+        assert_eq!(layer_of("0.weight"), None);
+        assert_eq!(layer_of("state.12"), None);
+        assert_eq!(layer_of("embed.weight"), None);
+    }
+}
