@@ -41,6 +41,10 @@ pub enum Tab {
     Chunks,
     /// Optimizer state per parameter.
     Optimizer,
+    /// A/B compare of two checkpoints (`shardscope diff`).
+    Compare,
+    /// Per-tensor value statistics of the opened checkpoint as a heatmap over layers.
+    Values,
 }
 
 /// The loaded model description.
@@ -81,6 +85,15 @@ pub struct Viewer {
     pub ckpt: crate::panels::checkpoint::CheckpointState,
     pub report: Option<crate::report::Report>,
     pub verify: crate::panels::verify::VerifyState,
+    /// The last finished A/B comparison.
+    pub comparison: Option<crate::compare::Comparison>,
+    pub compare_view: crate::panels::compare::CompareState,
+    /// Runs comparisons off the UI thread.
+    pub comparer: crate::compare::Comparer,
+    /// Value statistics of the opened checkpoint (computed on request: it reads every tensor).
+    pub values: Option<crate::values::ValueMap>,
+    pub values_view: crate::panels::values::ValuesState,
+    pub value_job: crate::values::ValueJob,
     pub selection: Selection,
     pub tab: Tab,
     pub shard_map: shard_map::ShardMapState,
@@ -97,6 +110,9 @@ pub struct Viewer {
     inbox: Inbox,
     #[cfg(not(target_arch = "wasm32"))]
     dialog: Option<std::sync::mpsc::Receiver<Vec<std::path::PathBuf>>>,
+    /// The "Compare with..." dialog: B for the opened checkpoint.
+    #[cfg(not(target_arch = "wasm32"))]
+    compare_dialog: Option<std::sync::mpsc::Receiver<Vec<std::path::PathBuf>>>,
 }
 
 impl Viewer {
@@ -129,6 +145,120 @@ impl Viewer {
     #[cfg(not(target_arch = "wasm32"))]
     pub fn open_path(&mut self, path: std::path::PathBuf) {
         self.loader.open_path(path);
+    }
+
+    /// Compares checkpoint `a` with `b` (files or folders on disk), as `shardscope diff A B`; the
+    /// result shows in the **Compare** tab. Runs on a worker thread unless the loader is
+    /// synchronous (tests).
+    #[cfg(not(target_arch = "wasm32"))]
+    pub fn compare_paths(&mut self, a: &std::path::Path, b: &std::path::Path) {
+        use crate::compare::CompareInput;
+        match (CompareInput::from_path(a), CompareInput::from_path(b)) {
+            (Ok(a), Ok(b)) => self.start_compare(a, b),
+            (Err(e), _) => self.messages.push(format!("error: A: {e}")),
+            (_, Err(e)) => self.messages.push(format!("error: B: {e}")),
+        }
+    }
+
+    /// Compares the opened checkpoint (A) with `b` (a file or folder on disk).
+    #[cfg(not(target_arch = "wasm32"))]
+    pub fn compare_with_path(&mut self, b: &std::path::Path) {
+        let b = match crate::compare::CompareInput::from_path(b) {
+            Ok(b) => b,
+            Err(e) => {
+                self.messages.push(format!("error: B: {e}"));
+                return;
+            }
+        };
+        self.compare_with(b);
+    }
+
+    /// Compares the opened checkpoint (A) with `b`.
+    pub fn compare_with(&mut self, b: crate::compare::CompareInput) {
+        let a = self.checkpoint.as_ref().and_then(|c| {
+            c.origin.clone().map(|origin| crate::compare::CompareInput {
+                label: c.name.clone(),
+                origin,
+            })
+        });
+        match a {
+            Some(a) => self.start_compare(a, b),
+            None => self
+                .messages
+                .push("error: open a checkpoint first: it is A of the comparison".to_owned()),
+        }
+    }
+
+    /// Starts comparing `a` with `b` (any running comparison is cancelled).
+    pub fn start_compare(
+        &mut self,
+        a: crate::compare::CompareInput,
+        b: crate::compare::CompareInput,
+    ) {
+        self.messages
+            .push(format!("comparing {} with {}", a.label, b.label));
+        self.comparer.synchronous = self.loader.synchronous;
+        self.comparer.start(a, b, self.loader.read_options.clone());
+        self.tab = Tab::Compare;
+        self.poll_comparer();
+    }
+
+    /// Computes the value statistics of the opened checkpoint (every tensor is read, one at a
+    /// time); the result shows in the **Values** tab.
+    pub fn compute_values(&mut self) {
+        let input = self.checkpoint.as_ref().and_then(|c| {
+            c.origin.clone().map(|origin| crate::compare::CompareInput {
+                label: c.name.clone(),
+                origin,
+            })
+        });
+        let Some(input) = input else {
+            self.messages
+                .push("error: open a checkpoint first to read its values".to_owned());
+            return;
+        };
+        self.value_job.synchronous = self.loader.synchronous;
+        self.value_job
+            .start(input, self.loader.read_options.clone());
+        self.tab = Tab::Values;
+        self.poll_value_job();
+    }
+
+    /// Takes finished value statistics; true while they are still computed.
+    pub fn poll_value_job(&mut self) -> bool {
+        match self.value_job.poll() {
+            Some(Ok(map)) => {
+                self.values_view = crate::panels::values::ValuesState::default();
+                self.values = Some(map);
+            }
+            Some(Err(e)) if e != crate::compare::CompareError::Cancelled => {
+                self.messages.push(format!("error: values: {e}"));
+            }
+            Some(Err(_)) | None => {}
+        }
+        self.value_job.running()
+    }
+
+    /// Takes a finished comparison; true while one still runs.
+    pub fn poll_comparer(&mut self) -> bool {
+        match self.comparer.poll() {
+            Some(Ok(c)) => {
+                self.messages.push(format!(
+                    "compared {} with {}: {}",
+                    c.left,
+                    c.right,
+                    c.summary()
+                ));
+                self.compare_view = crate::panels::compare::CompareState::default();
+                self.comparison = Some(c);
+            }
+            Some(Err(e)) if e != crate::compare::CompareError::Cancelled => {
+                self.messages.push(format!("error: compare: {e}"));
+            }
+            // Cancelled: a newer comparison replaces it.
+            Some(Err(_)) | None => {}
+        }
+        self.comparer.running()
     }
 
     /// Applies a parsed document.
@@ -186,6 +316,7 @@ impl Viewer {
                     ckpt.summary()
                 ));
                 self.ckpt = crate::panels::checkpoint::CheckpointState::default();
+                self.values = None;
                 // The layout panel follows what was opened: the checkpoint's own configuration.
                 self.controls.apply_hints(&ckpt.hints);
                 for note in &ckpt.notes {
@@ -348,6 +479,10 @@ impl Viewer {
         if self.poll_loader() > 0 {
             ctx.request_repaint();
         }
+        if self.poll_comparer() | self.poll_value_job() {
+            // Progress is shown as it goes; the worker never blocks on the UI.
+            ctx.request_repaint_after(std::time::Duration::from_millis(100));
+        }
         self.take_dropped_files(&ctx);
         // Refilled by the key table if it is drawn this frame.
         self.ckpt.row_rects.clear();
@@ -439,10 +574,28 @@ impl Viewer {
                 self.open_path(p);
             }
         }
+        if let Some(rx) = &self.compare_dialog
+            && let Ok(paths) = rx.try_recv()
+        {
+            self.compare_dialog = None;
+            if let Some(b) = paths.first() {
+                self.compare_with_path(b);
+            }
+        }
     }
 
     #[cfg(not(target_arch = "wasm32"))]
     fn open_dialog(&mut self, folder: bool) {
+        if let Some(rx) = self.file_dialog(folder) {
+            self.dialog = Some(rx);
+        }
+    }
+
+    #[cfg(not(target_arch = "wasm32"))]
+    fn file_dialog(
+        &mut self,
+        folder: bool,
+    ) -> Option<std::sync::mpsc::Receiver<Vec<std::path::PathBuf>>> {
         let (tx, rx) = std::sync::mpsc::channel();
         // The dialog runs on its own thread so the UI keeps drawing while it is open.
         let spawned = std::thread::Builder::new()
@@ -474,10 +627,12 @@ impl Viewer {
                 }
             });
         match spawned {
-            Ok(_) => self.dialog = Some(rx),
-            Err(e) => self
-                .messages
-                .push(format!("error: cannot open a file dialog: {e}")),
+            Ok(_) => Some(rx),
+            Err(e) => {
+                self.messages
+                    .push(format!("error: cannot open a file dialog: {e}"));
+                None
+            }
         }
     }
 
@@ -493,6 +648,19 @@ impl Viewer {
                 if ui.button("Open folder...").clicked() {
                     self.open_dialog(true);
                 }
+                let can_compare = self.checkpoint.as_ref().is_some_and(|c| c.origin.is_some());
+                ui.add_enabled_ui(can_compare, |ui| {
+                    ui.menu_button("Compare with...", |ui| {
+                        for (folder, text) in [(false, "a file..."), (true, "a folder...")] {
+                            if ui.button(text).clicked() {
+                                self.compare_dialog = self.file_dialog(folder);
+                                ui.close();
+                            }
+                        }
+                    })
+                    .response
+                    .on_hover_text("A/B compare: the opened checkpoint (A) with another (B)");
+                });
             }
             if ui
                 .button("Example")
@@ -515,6 +683,13 @@ impl Viewer {
                 .clicked()
             {
                 self.theme = if dark { Theme::Light } else { Theme::Dark };
+            }
+            if self.comparer.running() {
+                ui.spinner();
+                ui.label(self.comparer.progress().text());
+                if ui.small_button("cancel").clicked() {
+                    self.comparer.cancel();
+                }
             }
             if self.loader.pending() > 0 {
                 ui.spinner();
@@ -743,6 +918,12 @@ impl Viewer {
             ui.add_enabled_ui(self.report.is_some(), |ui| {
                 ui.selectable_value(&mut self.tab, Tab::Verify, "Verify");
             });
+            if self.checkpoint.is_some() {
+                ui.selectable_value(&mut self.tab, Tab::Values, "Values");
+            }
+            ui.add_enabled_ui(self.comparison.is_some() || self.comparer.running(), |ui| {
+                ui.selectable_value(&mut self.tab, Tab::Compare, "Compare");
+            });
             if let Some(v) = &self.view {
                 ui.separator();
                 ui.weak(format!(
@@ -786,6 +967,65 @@ impl Viewer {
                         }
                     }
                     _ => crate::panels::checkpoint::optimizer_ui(ui, c, &mut self.selection),
+                }
+            }
+            Tab::Values => {
+                let can_read = self.checkpoint.as_ref().is_some_and(|c| c.origin.is_some());
+                ui.horizontal(|ui| {
+                    if self.value_job.running() {
+                        ui.spinner();
+                        ui.label(self.value_job.progress().text().replace("comparing", "reading"));
+                        if ui.small_button("cancel").clicked() {
+                            self.value_job.cancel();
+                        }
+                    } else if ui
+                        .add_enabled(can_read, egui::Button::new("Read values"))
+                        .on_hover_text("Reads every tensor once (min/max/mean, NaN/inf counts, as inspect --values)")
+                        .clicked()
+                    {
+                        self.compute_values();
+                    }
+                });
+                ui.separator();
+                match &self.values {
+                    Some(map) => crate::panels::values::ui(
+                        ui,
+                        map,
+                        &mut self.values_view,
+                        &mut self.selection,
+                    ),
+                    None => {
+                        ui.label("Read values to see per-tensor statistics laid out by layer.");
+                    }
+                }
+            }
+            Tab::Compare => {
+                if self.comparer.running() {
+                    ui.horizontal(|ui| {
+                        ui.spinner();
+                        ui.label(self.comparer.progress().text());
+                    });
+                    let p = self.comparer.progress();
+                    if p.total > 0 {
+                        #[allow(clippy::cast_precision_loss, reason = "a progress fraction")]
+                        let f = p.done as f32 / p.total as f32;
+                        ui.add(egui::ProgressBar::new(f).show_percentage());
+                    }
+                    ui.separator();
+                }
+                match &self.comparison {
+                    Some(c) => crate::panels::compare::ui(
+                        ui,
+                        c,
+                        &mut self.compare_view,
+                        &mut self.selection,
+                    ),
+                    None if self.comparer.running() => {}
+                    None => {
+                        ui.label(
+                            "Open a checkpoint, then Compare with... another one (or start the viewer with A --compare B).",
+                        );
+                    }
                 }
             }
             Tab::Trace => match &self.trace {

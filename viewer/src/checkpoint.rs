@@ -244,7 +244,9 @@ pub fn open_files(
 ) -> Result<CheckpointView, CheckpointError> {
     let zips = source.zips();
     if zips.is_empty() {
-        return CheckpointView::build(name, source, options);
+        let mut view = CheckpointView::build(name, source, options)?;
+        view.origin = Some(Origin::Files(source.clone()));
+        return Ok(view);
     }
     let mut mem = MemorySource::new();
     for (zname, path) in zips {
@@ -254,7 +256,9 @@ pub fn open_files(
         })?;
         expand_zip(&zname, &bytes, &mut mem)?;
     }
-    CheckpointView::build(name, &mem, options)
+    let mut view = CheckpointView::build(name, &mem, options)?;
+    view.origin = Some(Origin::Files(source.clone()));
+    Ok(view)
 }
 
 /// Opens in-memory files (browser drops, tests) as one checkpoint; `.zip` files are expanded.
@@ -271,7 +275,106 @@ pub fn open_memory(
             mem.insert(fname, bytes);
         }
     }
+    #[cfg(not(target_arch = "wasm32"))]
+    {
+        let mem = std::sync::Arc::new(mem);
+        let mut view = CheckpointView::build(name, &*mem, options)?;
+        view.origin = Some(Origin::Memory(mem));
+        Ok(view)
+    }
+    // The browser keeps no second copy of dropped files.
+    #[cfg(target_arch = "wasm32")]
     CheckpointView::build(name, &mem, options)
+}
+
+/// Where an opened checkpoint's files are, so that it can be read again (the A/B compare reads
+/// its tensors, which opening it never does).
+#[derive(Debug, Clone)]
+pub enum Origin {
+    /// Files on disk, read by byte range.
+    #[cfg(not(target_arch = "wasm32"))]
+    Files(FsSource),
+    /// Files held in memory (opened as bytes; `.zip` members expanded).
+    Memory(std::sync::Arc<MemorySource>),
+}
+
+impl Origin {
+    /// The files on disk at `path` (a folder's checkpoint files, or one file), as the loader
+    /// reads them.
+    #[cfg(not(target_arch = "wasm32"))]
+    pub fn from_path(path: &std::path::Path) -> Result<Self, CheckpointError> {
+        let io = |message: String| CheckpointError::Open {
+            message: format!("{message}: {}", path.display()),
+        };
+        if path.is_dir() {
+            let source = FsSource::from_dir(path).map_err(|e| io(format!("cannot list ({e})")))?;
+            if source.is_empty() {
+                return Err(io("no checkpoint files in the folder".to_owned()));
+            }
+            return Ok(Self::Files(source));
+        }
+        if !path.is_file() {
+            return Err(io("no such file or folder".to_owned()));
+        }
+        let name = path.file_name().map_or_else(
+            || path.display().to_string(),
+            |n| n.to_string_lossy().into_owned(),
+        );
+        let mut source = FsSource::default();
+        source.insert(name, path.to_path_buf());
+        Ok(Self::Files(source))
+    }
+
+    /// A source reading these files (`.zip` files are expanded into memory first, as
+    /// [`open_files`] does).
+    pub fn source(&self) -> Result<Box<dyn Source + Send + Sync>, CheckpointError> {
+        match self {
+            #[cfg(not(target_arch = "wasm32"))]
+            Self::Files(fs) => {
+                let zips = fs.zips();
+                if zips.is_empty() {
+                    return Ok(Box::new(fs.clone()));
+                }
+                let mut mem = MemorySource::new();
+                for (zname, path) in zips {
+                    let bytes = std::fs::read(&path).map_err(|e| CheckpointError::Zip {
+                        name: zname.clone(),
+                        message: e.to_string(),
+                    })?;
+                    expand_zip(&zname, &bytes, &mut mem)?;
+                }
+                Ok(Box::new(mem))
+            }
+            Self::Memory(mem) => Ok(Box::new(SharedMemory(mem.clone()))),
+        }
+    }
+}
+
+/// An in-memory source shared with the opened checkpoint.
+#[derive(Debug)]
+struct SharedMemory(std::sync::Arc<MemorySource>);
+
+impl Source for SharedMemory {
+    fn names(&self) -> Vec<String> {
+        self.0.names()
+    }
+    fn size(&self, name: &str) -> Result<u64, shardscope_core::source::SourceError> {
+        self.0.size(name)
+    }
+    fn read_range(
+        &self,
+        name: &str,
+        offset: u64,
+        len: u64,
+    ) -> Result<std::borrow::Cow<'_, [u8]>, shardscope_core::source::SourceError> {
+        self.0.read_range(name, offset, len)
+    }
+    fn whole_reads_are_cheap(&self) -> bool {
+        self.0.whole_reads_are_cheap()
+    }
+    fn reads_are_local(&self) -> bool {
+        self.0.reads_are_local()
+    }
 }
 
 /// One optimizer state of one parameter (`state[param][name]`).
@@ -314,6 +417,8 @@ pub struct CheckpointView {
     /// model part, its repeated blocks and the root as units), for the layout panels; `None` when
     /// none can be derived (why: in `notes`).
     pub derived: Option<DerivedModel>,
+    /// Where its files are, to read them again (A/B compare); `None` in the browser.
+    pub origin: Option<Origin>,
 }
 
 /// A model description derived from an opened checkpoint, with the unit patterns chosen.
@@ -610,6 +715,7 @@ impl CheckpointView {
             hints,
             notes: Vec::new(),
             derived: None,
+            origin: None,
         }
     }
 

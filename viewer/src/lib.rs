@@ -4,12 +4,14 @@
 
 pub mod app;
 pub mod checkpoint;
+pub mod compare;
 pub mod docs;
 pub mod format;
 pub mod panels;
 pub mod report;
 pub mod theme;
 pub mod trace;
+pub mod values;
 pub mod view;
 
 pub use app::{Tab, Viewer};

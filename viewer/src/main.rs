@@ -2,7 +2,8 @@
 //! the bundled example model and trace.
 //!
 //! Options (all optional): `--api fsdp1|fsdp2`, `--world-size N`, `--shard-group-size K`,
-//! `--strategy NAME`, `--no-orig-params`, `--select FQN`, `--light`.
+//! `--strategy NAME`, `--no-orig-params`, `--select FQN`, `--light`, `--compare B` (A/B compare of the
+//! one checkpoint given, A, with B: the **Compare** tab, as `shardscope diff A B`).
 
 #[cfg(not(target_arch = "wasm32"))]
 fn main() -> std::process::ExitCode {
@@ -11,7 +12,7 @@ fn main() -> std::process::ExitCode {
         Err(e) => {
             eprintln!("error: {e}");
             eprintln!(
-                "hint: shardscope-viewer [--api fsdp1|fsdp2] [--world-size N] [--shard-group-size S] [--strategy NAME] [--no-orig-params] [--select FQN] [--light] [FILE_OR_FOLDER ...]"
+                "hint: shardscope-viewer [--api fsdp1|fsdp2] [--world-size N] [--shard-group-size S] [--strategy NAME] [--no-orig-params] [--select FQN] [--light] [FILE_OR_FOLDER ...] [A --compare B]"
             );
             std::process::ExitCode::from(2)
         }
@@ -28,6 +29,7 @@ fn run() -> Result<(), String> {
 
     let mut viewer = Viewer::new();
     let mut paths: Vec<std::path::PathBuf> = Vec::new();
+    let mut compare: Option<std::path::PathBuf> = None;
     let mut args = std::env::args_os().skip(1);
     while let Some(arg) = args.next() {
         let text = arg.to_string_lossy().into_owned();
@@ -61,16 +63,24 @@ fn run() -> Result<(), String> {
             }
             "--no-orig-params" => viewer.controls.use_orig_params = false,
             "--select" => viewer.selection.select(value("--select")?),
+            "--compare" => compare = Some(value("--compare")?.into()),
             "--light" => viewer.theme = shardscope_viewer::theme::Theme::Light,
             "-h" | "--help" => {
                 println!(
-                    "shardscope-viewer [--api fsdp1|fsdp2] [--world-size N] [--shard-group-size S] [--strategy NAME] [--no-orig-params] [--select FQN] [--light] [FILE_OR_FOLDER ...]"
+                    "shardscope-viewer [--api fsdp1|fsdp2] [--world-size N] [--shard-group-size S] [--strategy NAME] [--no-orig-params] [--select FQN] [--light] [FILE_OR_FOLDER ...] [A --compare B]"
                 );
                 return Ok(());
             }
             flag if flag.starts_with("--") => return Err(format!("unknown option {flag}")),
             _ => paths.push(arg.into()),
         }
+    }
+    if let Some(b) = &compare {
+        let [a] = paths.as_slice() else {
+            return Err("--compare B needs exactly one checkpoint A (a file or folder)".to_owned());
+        };
+        viewer.compare_paths(a, b);
+        viewer.stay_on_tab = true;
     }
     if paths.is_empty() {
         viewer.open_bytes(

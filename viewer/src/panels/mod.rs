@@ -2,12 +2,14 @@
 
 pub mod checkpoint;
 pub mod chunk_map;
+pub mod compare;
 pub mod controls;
 pub mod fqn_map;
 pub mod ranks;
 pub mod shard_map;
 pub mod tensor_tree;
 pub mod timeline;
+pub mod values;
 pub mod verify;
 
 /// One branch of a module tree (shared by the layout and checkpoint trees).

@@ -2,6 +2,7 @@
 //! area, as uv does (`crates/uv/tests/it/main.rs`).
 
 mod checkpoints;
+mod compare;
 mod derived_layout;
 mod doctor;
 mod follows;

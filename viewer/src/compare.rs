@@ -1,0 +1,608 @@
+//! A/B compare: two checkpoints opened through `Checkpoint::open` (as every front end opens
+//! them) and compared by `shardscope_core::verify::diff`, the code behind `shardscope diff
+//! --json`. The diff streams tensor by tensor (one tensor of each side in memory at a time); on
+//! the desktop it runs on a worker thread that reports its progress and can be cancelled.
+
+use std::collections::BTreeSet;
+use std::sync::Arc;
+use std::sync::Mutex;
+use std::sync::atomic::{AtomicBool, Ordering};
+
+use shardscope_core::checkpoint::{Checkpoint, ReadOptions};
+use shardscope_core::source::{Source, SourceError};
+use shardscope_core::verify::{self, DiffOptions, Side, Status};
+
+use crate::checkpoint::{CheckpointError, Origin};
+use crate::format::shape as fmt_shape;
+
+/// One side of a comparison: what the report calls it (a path) and where its files are.
+#[derive(Debug, Clone)]
+pub struct CompareInput {
+    pub label: String,
+    pub origin: Origin,
+}
+
+impl CompareInput {
+    /// A file or folder on disk, labelled with its path as `shardscope diff` labels it.
+    #[cfg(not(target_arch = "wasm32"))]
+    pub fn from_path(path: &std::path::Path) -> Result<Self, CheckpointError> {
+        Ok(Self {
+            label: path.display().to_string(),
+            origin: Origin::from_path(path)?,
+        })
+    }
+}
+
+/// What a tensor's row says, finer than the report's status: a `mismatch` is either different
+/// values or a changed dtype, shape or kind.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, PartialOrd, Ord, Hash)]
+pub enum RowStatus {
+    /// Bitwise equal (or within the tolerance).
+    Equal,
+    /// Same dtype and shape, different values.
+    Differs,
+    /// Different dtype, shape, kind (tensor vs value) or rank-local pieces.
+    Changed,
+    /// Only in A (`missing` in the report).
+    OnlyA,
+    /// Only in B (`unexpected` in the report).
+    OnlyB,
+    /// Could not be read on one side.
+    Error,
+}
+
+impl RowStatus {
+    pub const ALL: [RowStatus; 6] = [
+        RowStatus::Equal,
+        RowStatus::Differs,
+        RowStatus::Changed,
+        RowStatus::OnlyA,
+        RowStatus::OnlyB,
+        RowStatus::Error,
+    ];
+
+    pub const fn label(self) -> &'static str {
+        match self {
+            RowStatus::Equal => "equal",
+            RowStatus::Differs => "differs",
+            RowStatus::Changed => "dtype/shape changed",
+            RowStatus::OnlyA => "only in A",
+            RowStatus::OnlyB => "only in B",
+            RowStatus::Error => "error",
+        }
+    }
+
+    /// The row status of a report entry.
+    pub fn of(e: &verify::Entry) -> Self {
+        match e.status {
+            Status::Match => RowStatus::Equal,
+            Status::Missing => RowStatus::OnlyA,
+            Status::Unexpected => RowStatus::OnlyB,
+            Status::Error => RowStatus::Error,
+            // Values were compared (tensor elements, or two decoded values): they differ.
+            // Otherwise the comparison stopped at the dtype, shape, kind or pieces.
+            Status::Mismatch
+                if e.right_dtype.is_none()
+                    && e.right_shape.is_none()
+                    && (e.mismatched_elements.is_some() || e.first_values.is_some()) =>
+            {
+                RowStatus::Differs
+            }
+            Status::Mismatch => RowStatus::Changed,
+        }
+    }
+}
+
+/// One tensor (or value) of the comparison.
+#[derive(Debug, Clone, PartialEq)]
+pub struct CompareRow {
+    /// The report's entry, exactly as `shardscope diff --json` writes it.
+    pub entry: verify::Entry,
+    pub status: RowStatus,
+    /// The module (dotted prefix, `""` at the top) and the name within it.
+    pub module: String,
+    pub name: String,
+}
+
+impl CompareRow {
+    /// `float32` or `float32 -> bfloat16`.
+    pub fn dtype_text(&self) -> String {
+        let a = self.entry.dtype.map_or("", |d| d.name());
+        match self.entry.right_dtype {
+            Some(b) => format!("{a} -> {}", b.name()),
+            None => a.to_owned(),
+        }
+    }
+
+    /// `[4, 4]` or `[8, 4] -> [10, 4]`.
+    pub fn shape_text(&self) -> String {
+        let s = |s: Option<&Vec<u64>>| s.map_or_else(|| "rank-local".to_owned(), |s| fmt_shape(s));
+        match &self.entry.right_shape {
+            Some(b) => format!("{} -> {}", s(self.entry.shape.as_ref()), s(Some(b))),
+            None if self.entry.shape.is_none() && self.entry.dtype.is_none() => String::new(),
+            None => s(self.entry.shape.as_ref()),
+        }
+    }
+}
+
+/// The result of a comparison.
+#[derive(Debug, Clone)]
+pub struct Comparison {
+    pub left: String,
+    pub right: String,
+    /// `diff`'s report (serializes to exactly `shardscope diff --json`).
+    pub report: verify::Report,
+    /// One row per entry, sorted by FQN.
+    pub rows: Vec<CompareRow>,
+    /// Rows per status, in [`RowStatus::ALL`] order.
+    pub counts: [usize; 6],
+    /// How each checkpoint was read (`Checkpoint::notes`), and the report's notes.
+    pub notes: Vec<String>,
+}
+
+impl Comparison {
+    /// Rows from `diff`'s report.
+    pub fn from_report(report: verify::Report, notes: Vec<String>) -> Self {
+        let rows: Vec<CompareRow> = report
+            .entries
+            .values()
+            .map(|e| {
+                let (module, name) = e
+                    .fqn
+                    .rsplit_once('.')
+                    .map_or((String::new(), e.fqn.clone()), |(m, n)| {
+                        (m.to_owned(), n.to_owned())
+                    });
+                CompareRow {
+                    status: RowStatus::of(e),
+                    entry: e.clone(),
+                    module,
+                    name,
+                }
+            })
+            .collect();
+        let mut counts = [0; 6];
+        for r in &rows {
+            counts[r.status as usize] += 1;
+        }
+        let mut all_notes = notes;
+        all_notes.extend(report.notes.iter().cloned());
+        Self {
+            left: report.left.clone().unwrap_or_default(),
+            right: report.right.clone().unwrap_or_default(),
+            report,
+            rows,
+            counts,
+            notes: all_notes,
+        }
+    }
+
+    /// `12 tensors: 9 equal, 1 differs, 1 only in A, 1 only in B` (statuses with no row left
+    /// out).
+    pub fn summary(&self) -> String {
+        let parts: Vec<String> = RowStatus::ALL
+            .iter()
+            .zip(self.counts)
+            .filter(|(_, n)| *n > 0)
+            .map(|(s, n)| format!("{n} {}", s.label()))
+            .collect();
+        format!("{} tensors: {}", self.rows.len(), parts.join(", "))
+    }
+}
+
+/// Which rows are shown.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct Filter {
+    /// Statuses shown.
+    pub statuses: BTreeSet<RowStatus>,
+    /// Substring of the FQN (empty: all).
+    pub name: String,
+}
+
+impl Default for Filter {
+    fn default() -> Self {
+        Self {
+            statuses: RowStatus::ALL.into_iter().collect(),
+            name: String::new(),
+        }
+    }
+}
+
+impl Filter {
+    pub fn accepts(&self, row: &CompareRow) -> bool {
+        self.statuses.contains(&row.status)
+            && (self.name.is_empty() || row.entry.fqn.contains(self.name.as_str()))
+    }
+}
+
+/// A line of the grouped list: a module header, or a tensor row (index into
+/// [`Comparison::rows`]).
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum Line {
+    Module {
+        module: String,
+        /// Rows of the module that pass the filter, per status ([`RowStatus::ALL`] order).
+        counts: [usize; 6],
+        collapsed: bool,
+    },
+    Row(usize),
+}
+
+/// The rows passing `filter`, grouped by module (in FQN order), each group under its header;
+/// rows of `collapsed` modules are left out.
+pub fn lines(c: &Comparison, filter: &Filter, collapsed: &BTreeSet<String>) -> Vec<Line> {
+    let mut groups: std::collections::BTreeMap<&str, Vec<usize>> =
+        std::collections::BTreeMap::new();
+    for (i, r) in c.rows.iter().enumerate() {
+        if filter.accepts(r) {
+            groups.entry(r.module.as_str()).or_default().push(i);
+        }
+    }
+    let mut out = Vec::new();
+    for (module, rows) in groups {
+        let mut counts = [0; 6];
+        for &i in &rows {
+            counts[c.rows[i].status as usize] += 1;
+        }
+        let is_collapsed = collapsed.contains(module);
+        out.push(Line::Module {
+            module: module.to_owned(),
+            counts,
+            collapsed: is_collapsed,
+        });
+        if !is_collapsed {
+            out.extend(rows.into_iter().map(Line::Row));
+        }
+    }
+    out
+}
+
+/// How far a comparison is.
+#[derive(Debug, Clone, Default, PartialEq, Eq)]
+pub struct Progress {
+    /// Entries compared so far, of `total`.
+    pub done: usize,
+    pub total: usize,
+    /// What is being done (`opening A`, or the key being compared).
+    pub what: String,
+}
+
+impl Progress {
+    pub fn text(&self) -> String {
+        if self.total == 0 {
+            self.what.clone()
+        } else {
+            format!("comparing {}/{}: {}", self.done, self.total, self.what)
+        }
+    }
+}
+
+/// Why a comparison gave no result.
+#[derive(Debug, Clone, PartialEq, thiserror::Error)]
+pub enum CompareError {
+    /// One side could not be opened.
+    #[error("{side}: {source}")]
+    Open {
+        side: &'static str,
+        #[source]
+        source: CheckpointError,
+    },
+    /// A newer comparison was started, or the viewer asked it to stop.
+    #[error("the comparison was cancelled")]
+    Cancelled,
+}
+
+/// A source whose reads fail once `cancel` is set, so that a running `diff` finishes quickly
+/// (every later tensor an error) and its report can be dropped.
+struct Cancellable<'a> {
+    inner: &'a dyn Source,
+    cancel: &'a AtomicBool,
+}
+
+impl Cancellable<'_> {
+    fn check(&self, name: &str) -> Result<(), SourceError> {
+        if self.cancel.load(Ordering::Relaxed) {
+            return Err(SourceError::Io {
+                name: name.to_owned(),
+                message: "cancelled".to_owned(),
+            });
+        }
+        Ok(())
+    }
+}
+
+impl Source for Cancellable<'_> {
+    fn names(&self) -> Vec<String> {
+        self.inner.names()
+    }
+    fn size(&self, name: &str) -> Result<u64, SourceError> {
+        self.inner.size(name)
+    }
+    fn read_range(
+        &self,
+        name: &str,
+        offset: u64,
+        len: u64,
+    ) -> Result<std::borrow::Cow<'_, [u8]>, SourceError> {
+        self.check(name)?;
+        self.inner.read_range(name, offset, len)
+    }
+    fn read_ends(
+        &self,
+        name: &str,
+        offset: u64,
+        len: u64,
+        head_bytes: u64,
+        tail_bytes: u64,
+    ) -> Result<std::borrow::Cow<'_, [u8]>, SourceError> {
+        self.check(name)?;
+        self.inner
+            .read_ends(name, offset, len, head_bytes, tail_bytes)
+    }
+    fn read_ranges(
+        &self,
+        name: &str,
+        ranges: &[(u64, u64)],
+    ) -> Result<Vec<std::borrow::Cow<'_, [u8]>>, SourceError> {
+        self.check(name)?;
+        self.inner.read_ranges(name, ranges)
+    }
+    fn whole_reads_are_cheap(&self) -> bool {
+        self.inner.whole_reads_are_cheap()
+    }
+    fn reads_are_local(&self) -> bool {
+        self.inner.reads_are_local()
+    }
+}
+
+/// Opens both sides with `Checkpoint::open` and compares them with `verify::diff`, as
+/// `shardscope diff A B --json` does (bitwise; no `--select`). `progress` is called as it goes;
+/// setting `cancel` stops it early with [`CompareError::Cancelled`].
+pub fn compare(
+    a: &CompareInput,
+    b: &CompareInput,
+    options: &ReadOptions,
+    progress: &mut dyn FnMut(Progress),
+    cancel: &AtomicBool,
+) -> Result<Comparison, CompareError> {
+    let open = |side: &'static str, input: &CompareInput| {
+        let source = input
+            .origin
+            .source()
+            .map_err(|source| CompareError::Open { side, source })?;
+        let checkpoint =
+            Checkpoint::open(&*source, &input.label, options).map_err(|e| CompareError::Open {
+                side,
+                source: CheckpointError::Open {
+                    message: e.to_string(),
+                },
+            })?;
+        Ok::<_, CompareError>((source, checkpoint))
+    };
+    progress(Progress {
+        what: format!("opening A: {}", a.label),
+        ..Progress::default()
+    });
+    let (a_source, a_ckpt) = open("A", a)?;
+    progress(Progress {
+        what: format!("opening B: {}", b.label),
+        ..Progress::default()
+    });
+    let (b_source, b_ckpt) = open("B", b)?;
+    let a_read = Cancellable {
+        inner: &*a_source,
+        cancel,
+    };
+    let b_read = Cancellable {
+        inner: &*b_source,
+        cancel,
+    };
+    let report = verify::diff(
+        Side {
+            index: &a_ckpt.index,
+            source: &a_read,
+            label: &a_ckpt.label,
+        },
+        Side {
+            index: &b_ckpt.index,
+            source: &b_read,
+            label: &b_ckpt.label,
+        },
+        &DiffOptions::default(),
+        &mut |done, total, key| {
+            progress(Progress {
+                done,
+                total,
+                what: key.to_owned(),
+            });
+        },
+    );
+    if cancel.load(Ordering::Relaxed) {
+        return Err(CompareError::Cancelled);
+    }
+    let notes = a_ckpt
+        .notes
+        .iter()
+        .map(|n| format!("A: {n}"))
+        .chain(b_ckpt.notes.iter().map(|n| format!("B: {n}")))
+        .collect();
+    Ok(Comparison::from_report(report, notes))
+}
+
+/// Runs comparisons without blocking the UI: on a worker thread on the desktop (synchronously
+/// when `synchronous`, for tests), synchronously in the browser.
+#[derive(Debug, Default)]
+pub struct Comparer {
+    /// Run in the calling thread (tests).
+    pub synchronous: bool,
+    /// The comparison last started: its sides.
+    pub inputs: Option<(String, String)>,
+    progress: Arc<Mutex<Progress>>,
+    cancel: Arc<AtomicBool>,
+    #[cfg(not(target_arch = "wasm32"))]
+    worker: Option<std::sync::mpsc::Receiver<Result<Comparison, CompareError>>>,
+    finished: Option<Result<Comparison, CompareError>>,
+}
+
+impl Comparer {
+    /// Starts comparing `a` with `b` (a running comparison is cancelled).
+    pub fn start(&mut self, a: CompareInput, b: CompareInput, options: ReadOptions) {
+        self.cancel.store(true, Ordering::Relaxed);
+        self.cancel = Arc::new(AtomicBool::new(false));
+        self.progress = Arc::new(Mutex::new(Progress::default()));
+        self.inputs = Some((a.label.clone(), b.label.clone()));
+        self.finished = None;
+        let cancel = self.cancel.clone();
+        let progress = self.progress.clone();
+        let run = move || {
+            compare(
+                &a,
+                &b,
+                &options,
+                &mut |p| {
+                    if let Ok(mut slot) = progress.lock() {
+                        *slot = p;
+                    }
+                },
+                &cancel,
+            )
+        };
+        #[cfg(not(target_arch = "wasm32"))]
+        if !self.synchronous {
+            let (tx, rx) = std::sync::mpsc::channel();
+            let spawned = std::thread::Builder::new()
+                .name("shardscope-compare".to_owned())
+                .spawn(move || {
+                    let _ = tx.send(run());
+                });
+            match spawned {
+                Ok(_) => self.worker = Some(rx),
+                Err(e) => {
+                    self.finished = Some(Err(CompareError::Open {
+                        side: "A",
+                        source: CheckpointError::Open {
+                            message: format!("cannot start the compare thread: {e}"),
+                        },
+                    }));
+                }
+            }
+            return;
+        }
+        self.finished = Some(run());
+    }
+
+    /// Asks a running comparison to stop.
+    pub fn cancel(&mut self) {
+        self.cancel.store(true, Ordering::Relaxed);
+    }
+
+    /// True while a comparison runs.
+    pub fn running(&self) -> bool {
+        #[cfg(not(target_arch = "wasm32"))]
+        {
+            self.worker.is_some()
+        }
+        #[cfg(target_arch = "wasm32")]
+        {
+            false
+        }
+    }
+
+    /// The progress of the running comparison.
+    pub fn progress(&self) -> Progress {
+        self.progress.lock().map(|p| p.clone()).unwrap_or_default()
+    }
+
+    /// The finished comparison, once (call every frame).
+    pub fn poll(&mut self) -> Option<Result<Comparison, CompareError>> {
+        #[cfg(not(target_arch = "wasm32"))]
+        if let Some(rx) = &self.worker {
+            match rx.try_recv() {
+                Ok(result) => {
+                    self.worker = None;
+                    return Some(result);
+                }
+                Err(std::sync::mpsc::TryRecvError::Empty) => return None,
+                Err(std::sync::mpsc::TryRecvError::Disconnected) => {
+                    self.worker = None;
+                    return Some(Err(CompareError::Cancelled));
+                }
+            }
+        }
+        self.finished.take()
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn entry(fqn: &str, status: Status) -> verify::Entry {
+        verify::Entry::new(fqn, status)
+    }
+
+    #[test]
+    fn rows_are_grouped_by_module_and_filtered() {
+        let mut differs = entry("block.0.weight", Status::Mismatch);
+        differs.mismatched_elements = Some(3);
+        let mut resized = entry("block.0.bias", Status::Mismatch);
+        resized.right_shape = Some(vec![4]);
+        let rows = [
+            differs,
+            resized,
+            entry("block.1.weight", Status::Match),
+            entry("scale", Status::Missing),
+            entry("extra", Status::Unexpected),
+        ];
+        let statuses: Vec<RowStatus> = rows.iter().map(RowStatus::of).collect();
+        assert_eq!(
+            statuses,
+            [
+                RowStatus::Differs,
+                RowStatus::Changed,
+                RowStatus::Equal,
+                RowStatus::OnlyA,
+                RowStatus::OnlyB
+            ]
+        );
+        let report = verify::Report {
+            kind: verify::REPORT_KIND,
+            version: verify::REPORT_VERSION,
+            command: "diff",
+            left: Some("a".into()),
+            right: Some("b".into()),
+            summary: verify::Summary::default(),
+            notes: Vec::new(),
+            entries: rows.into_iter().map(|e| (e.fqn.clone(), e)).collect(),
+        };
+        let c = Comparison::from_report(report, Vec::new());
+        assert_eq!(
+            c.summary(),
+            "5 tensors: 1 equal, 1 differs, 1 dtype/shape changed, 1 only in A, 1 only in B"
+        );
+        let modules = |lines: &[Line]| -> Vec<String> {
+            lines
+                .iter()
+                .filter_map(|l| match l {
+                    Line::Module { module, .. } => Some(module.clone()),
+                    Line::Row(_) => None,
+                })
+                .collect()
+        };
+        let all = lines(&c, &Filter::default(), &BTreeSet::new());
+        assert_eq!(modules(&all), ["", "block.0", "block.1"]);
+        assert_eq!(all.len(), 3 + 5);
+        let mut filter = Filter::default();
+        filter.statuses.remove(&RowStatus::Equal);
+        "block".clone_into(&mut filter.name);
+        let some = lines(&c, &filter, &BTreeSet::from(["block.0".to_owned()]));
+        assert_eq!(
+            some,
+            [Line::Module {
+                module: "block.0".into(),
+                counts: [0, 1, 1, 0, 0, 0],
+                collapsed: true
+            }]
+        );
+    }
+}
