@@ -34,6 +34,8 @@ pub struct OpenArgs {
     pub model_files: Option<String>,
     pub optim_files: Option<String>,
     pub model_only: bool,
+    /// `--ranks N`: an input holding `{r}` is the files of ranks 0 to N-1.
+    pub ranks: Option<u64>,
 }
 
 /// An opened checkpoint: its source and how `Checkpoint::open` read it.
@@ -58,8 +60,8 @@ pub struct ReadPlan {
 }
 
 impl Opened {
-    /// Opens `paths` (one file, a folder, several per-rank files, or one URL) as every command
-    /// does.
+    /// Opens `paths` (one file, a folder, several per-rank files, one URL or several, a `{r}`
+    /// pattern with `args.ranks`) as every command does.
     pub fn open(paths: &[PathBuf], args: &OpenArgs) -> Result<Self> {
         let description = match &args.model {
             None => None,
@@ -79,7 +81,8 @@ impl Opened {
             optim_files: args.optim_files.clone(),
             model_only: args.model_only,
         };
-        let (input, checkpoint) = crate::cli::read::open(paths, false, &options)?;
+        let paths = crate::cli::read::expand_ranks(paths, args.ranks)?;
+        let (input, checkpoint) = crate::cli::read::open(&paths, false, &options)?;
         let mut problems = BTreeMap::new();
         for p in checkpoint.index.check() {
             problems.entry(p.key.clone()).or_insert(p);

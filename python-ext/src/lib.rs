@@ -293,7 +293,7 @@ impl PyCheckpoint {
 
 /// Opens a checkpoint as the CLI does; see `shardscope.open`.
 #[pyfunction]
-#[pyo3(signature = (paths, *, model_path=None, model_json=None, model_name=None, model_files=None, optim_files=None, model_only=false, world_size=None, use_orig_params=false, strategy=None, shard_group_size=None, param_dtype=None))]
+#[pyo3(signature = (paths, *, model_path=None, model_json=None, model_name=None, model_files=None, optim_files=None, model_only=false, world_size=None, use_orig_params=false, strategy=None, shard_group_size=None, param_dtype=None, ranks=None))]
 #[allow(clippy::too_many_arguments)]
 fn open(
     py: Python<'_>,
@@ -309,6 +309,7 @@ fn open(
     strategy: Option<String>,
     shard_group_size: Option<u64>,
     param_dtype: Option<String>,
+    ranks: Option<u64>,
 ) -> PyResult<PyCheckpoint> {
     py.detach(|| {
         guarded(|| {
@@ -340,6 +341,7 @@ fn open(
                 model_files,
                 optim_files,
                 model_only,
+                ranks,
             };
             let paths: Vec<PathBuf> = paths.into_iter().map(PathBuf::from).collect();
             if paths.is_empty() {

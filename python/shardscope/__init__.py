@@ -395,11 +395,15 @@ def open(
     strategy: Optional[str] = None,
     shard_group_size: Optional[int] = None,
     param_dtype: Any = None,
+    ranks: Optional[int] = None,
 ) -> Checkpoint:
     """Opens a checkpoint as the `shardscope` command does.
 
-    path: a file, a DCP or per-rank folder, an HF `*.index.json`, several per-rank files (a list), or
-        one URL (`https://`, `s3://`, `gs://`, `az://`).
+    path: a file, a DCP or per-rank folder, an HF `*.index.json`, several per-rank files (a list), one
+        URL (`https://`, `s3://`, `gs://`, `az://`; a presigned `https://…?X-Amz-Signature=…` names one
+        file) or several (a list: per-rank files, a DCP's `.metadata` and `.distcp` files).
+    ranks: `path` holds `{r}` (`"https://h/ckpt/model_rank{r}.pt?sig=…"`): the files of ranks 0 to
+        ranks-1.
     model: the model description (a path to the `--model` JSON, or the dict `describe()` returns): FSDP1
         per-rank (LOCAL) files are read as the original parameters through its layout, with
         `world_size`, `use_orig_params`, `strategy`, `shard_group_size` and `param_dtype` as the model
@@ -429,6 +433,7 @@ def open(
             strategy=strategy,
             shard_group_size=shard_group_size,
             param_dtype=_dtype_name(param_dtype),
+            ranks=ranks,
         )
     )
 

@@ -237,3 +237,15 @@ def test_reads_from_several_threads_equal_one_thread():
         got = list(pool.map(lambda k: ck.read(k, framework="torch"), keys))
     for k, v in zip(keys, got):
         assert torch.equal(v, ck.read(k, framework="torch")), k
+
+
+def test_a_rank_pattern_opens_the_files_of_every_rank():
+    folder = FIX / "fsdp2_hsdp/ws4_2x2"
+    by_pattern = shardscope.open(str(folder / "rank{r}_model.pt"), ranks=4)
+    by_list = shardscope.open([folder / f"rank{r}_model.pt" for r in range(4)])
+    assert by_pattern.keys() == by_list.keys() and by_pattern.world_size == 4
+    for k in by_list.keys():
+        if by_list.info(k)["kind"] == "tensor":
+            assert torch.equal(by_pattern.read(k, framework="torch"), by_list.read(k, framework="torch")), k
+    with pytest.raises(shardscope.ShardscopeError, match="--ranks"):
+        shardscope.open(str(folder / "rank{r}_model.pt"))
