@@ -17,7 +17,9 @@ safetensors' own loaders, in the same run (issue: `import shardscope`).
    `--runs N` (default 3) rounds, the order rotated each round; medians shown. Memory above the
    baseline is compared with the output's size (1 GiB): the target is output + 64 MiB.
 3. Check: in a separate (untimed) process, every tensor of both shardscope reads equals torch's.
-4. Start-up of the command: `shardscope --version` through the wheel's entry point (Python starts,
+4. The same readers in one process, each call timed alone (no interpreter start, no imports): what a
+   notebook sees.
+5. Start-up of the command: `shardscope --version` through the wheel's entry point (Python starts,
    then the extension) against the native binary (`--shardscope`, default target/release/shardscope),
    median of 10.
 
@@ -116,6 +118,32 @@ print("ok")
 """
 
 
+INPROCESS = """
+import json, statistics, sys, time, gc, torch, shardscope
+from safetensors.torch import load_file
+from torch.distributed.checkpoint.format_utils import dcp_to_torch_save
+ckpt, st, tmp, runs = sys.argv[1], sys.argv[2], sys.argv[3], int(sys.argv[4])
+readers = {
+    "torch: dcp_to_torch_save + torch.load": lambda: (dcp_to_torch_save(ckpt, tmp), torch.load(tmp, weights_only=True)),
+    "shardscope: open(dcp).state_dict()": lambda: shardscope.open(ckpt).state_dict(),
+    "safetensors: load_file": lambda: load_file(st),
+    "shardscope: open(file.safetensors).state_dict()": lambda: shardscope.open(st).state_dict(),
+    "shardscope: ... .state_dict(mmap=True)": lambda: shardscope.open(st).state_dict(mmap=True),
+}
+out = {}
+for name, f in readers.items():
+    times = []
+    for _ in range(runs):
+        gc.collect()
+        t = time.perf_counter()
+        r = f()
+        times.append(time.perf_counter() - t)
+        del r
+    out[name] = statistics.median(times)
+print(json.dumps(out))
+"""
+
+
 def startup(cmd: list[str], n: int = 10) -> float:
     times = []
     for _ in range(n):
@@ -183,6 +211,17 @@ def main() -> None:
               f"memory above output {over:.0f} MiB (target <= 64)")
         print(f"safetensors: shardscope at {t_st / t_ours_st:.2f}x the speed of load_file reading into memory, "
               f"{t_st / t_ours_mm:.2f}x with mmap=True (load_file maps the file; target >= 1)")
+        # The same readers in one process, each timed alone (no interpreter start, no torch import):
+        # what a notebook sees.
+        os.sync()
+        subprocess.run(["cat", *dcp_files, st], stdout=subprocess.DEVNULL, check=True)
+        inproc = subprocess.run([py, "-c", INPROCESS, ckpt, st, tmp_pt, str(args.runs)], capture_output=True, text=True)
+        if inproc.returncode != 0:
+            sys.exit(f"in-process timing failed:\n{inproc.stderr}")
+        within = json.loads(inproc.stdout.strip().splitlines()[-1])
+        print(f"in one process (median of {args.runs}; no interpreter start or imports):")
+        for n, t in within.items():
+            print(f"  {n:50} {t:8.3f} s")
         native = os.path.abspath(args.shardscope)
         entry = os.path.join(os.path.dirname(sys.executable), "shardscope")
         entry = entry if os.path.exists(entry) else (shutil.which("shardscope") or "")
@@ -199,6 +238,7 @@ def main() -> None:
             "dcp_memory_above_output_mib": round(over, 1),
             "safetensors_speed_vs_load_file": round(t_st / t_ours_st, 2),
             "safetensors_mmap_speed_vs_load_file": round(t_st / t_ours_mm, 2),
+            "in_process_s": {n: round(t, 4) for n, t in within.items()},
             "startup_native_ms": round(start_native * 1000, 1),
             "startup_entry_point_ms": round(start_entry * 1000, 1),
         }))
