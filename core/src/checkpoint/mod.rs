@@ -18,10 +18,12 @@
 mod describe;
 mod files;
 mod model_only;
+mod written_by;
 
 pub use describe::{AutoDescribed, DescribeOptions, Described, is_block, repeated_blocks};
 pub use files::{RANK_PLACEHOLDER, pattern_rank};
 pub use model_only::{app_state_prefix, is_model_tensor, model_fqns};
+pub use written_by::{megatron_backend, megatron_companions, written_by};
 
 use crate::dtype::DType;
 use crate::index::{
@@ -179,6 +181,8 @@ pub struct Checkpoint {
     pub ambiguous: Option<String>,
     /// What a user should know about how it was read.
     pub notes: Vec<String>,
+    /// What wrote it, when its files say (a trainer's folder layout: [`written_by`]).
+    pub written_by: Option<String>,
 }
 
 /// The number of ranks whose files `index` holds (highest rank + 1), or 1.
@@ -334,6 +338,7 @@ impl Checkpoint {
             source: Box::new(source),
         };
         let mut notes = Vec::new();
+        let names = source.names();
         let (index, read): (CheckpointIndex, Vec<ReadSet>) = if options.model_files.is_some()
             || options.optim_files.is_some()
         {
@@ -377,6 +382,7 @@ impl Checkpoint {
         }
         Ok(Self {
             label: label.to_owned(),
+            written_by: written_by(source, &names, &index),
             hints: hints::layout_hints(&index),
             index,
             view: View::Stored,

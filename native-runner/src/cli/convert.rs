@@ -391,6 +391,10 @@ impl Output {
     }
 }
 
+/// The most bytes of a file copied beside a DCP output (Megatron-core's `common.pt`: iteration,
+/// args and the tensors it does not shard).
+const MAX_COMPANION_BYTES: u64 = 1 << 30;
+
 /// Tied names of a safetensors output: `(kept, dropped)`.
 type Untied = Vec<(String, String)>;
 
@@ -450,6 +454,19 @@ fn write_index(
         ),
         Target::Dcp => {
             let world_size = args.world_size.context("DCP output needs --world-size N")?;
+            // A Megatron-core checkpoint, whole: `dist_checkpointing.load` needs its
+            // `metadata.json` and `common.pt` beside the DCP files.
+            let companions = if output.select.is_none() && !args.model_only && args.nest.is_none() {
+                shardscope_core::checkpoint::megatron_companions(source, MAX_COMPANION_BYTES)
+                    .context("cannot read Megatron-core's metadata.json and common.pt")?
+            } else {
+                Vec::new()
+            };
+            if !companions.is_empty() && !args.quiet && !args.json {
+                eprintln!(
+                    "note: a Megatron-core checkpoint: its metadata.json and common.pt are written beside the DCP files, as dist_checkpointing.load needs them"
+                );
+            }
             convert::to_dcp(
                 &mut reader,
                 &sel,
@@ -457,6 +474,7 @@ fn write_index(
                 world_size,
                 args.api,
                 args.nest.as_deref(),
+                &companions,
                 &opts,
                 &bar,
             )

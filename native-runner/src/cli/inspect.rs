@@ -146,6 +146,7 @@ pub fn run(args: &InspectArgs) -> anyhow::Result<ExitCode> {
     };
     super::read::show_notes(&checkpoint, false);
     let unsafe_pickles = show_unsafe_pickles(&source, Some(&checkpoint.index));
+    let written_by = checkpoint.written_by.clone();
     let mut idx = checkpoint.index;
     let problems = idx.check();
     if let Some(re) = &filter {
@@ -166,7 +167,7 @@ pub fn run(args: &InspectArgs) -> anyhow::Result<ExitCode> {
             }
         }
     }
-    let summary = Summary::of(&idx);
+    let summary = Summary::of(&idx, written_by);
     if args.json {
         // One entry's JSON tree at a time (a DCP of a million chunks would need gigabytes).
         let top = serde_json::Map::from_iter([
@@ -284,6 +285,9 @@ struct RankBytes {
 #[derive(Debug, serde::Serialize)]
 struct Summary {
     looks_like: String,
+    /// What wrote it, when its files say (a trainer's layout).
+    #[serde(skip_serializing_if = "Option::is_none")]
+    written_by: Option<String>,
     entries: usize,
     tensors: usize,
     total_bytes: u64,
@@ -295,7 +299,7 @@ struct Summary {
 }
 
 impl Summary {
-    fn of(idx: &CheckpointIndex) -> Summary {
+    fn of(idx: &CheckpointIndex, written_by: Option<String>) -> Summary {
         let mut per_rank: BTreeMap<Option<u32>, u64> = BTreeMap::new();
         let mut total = 0u64;
         let mut tensors = 0;
@@ -334,6 +338,7 @@ impl Summary {
         }
         Summary {
             looks_like,
+            written_by,
             entries: idx.entries.len(),
             tensors,
             total_bytes: total,
@@ -410,6 +415,9 @@ fn render(
     }
     let _ = writeln!(out);
     let _ = writeln!(out, "looks like: {}", summary.looks_like);
+    if let Some(by) = &summary.written_by {
+        let _ = writeln!(out, "written by: {by}");
+    }
     let _ = writeln!(
         out,
         "entries: {} ({} tensors), {} in {} files",

@@ -32,7 +32,8 @@ pub enum ShardApi {
 /// Writes the selection as a DCP directory `dest` for `world_size` ranks: every tensor cut into
 /// dim-0 chunks as FSDP shards it, non-tensor values as bytes items on rank 0. `nest` puts every
 /// key under one more level (`--nest model` gives the `{"model": ...}` that `dcp.load` of an
-/// `{"model": model.state_dict()}` expects).
+/// `{"model": model.state_dict()}` expects). `companions` are files written beside them as given
+/// (Megatron-core's `metadata.json` and `common.pt`), before `.metadata`.
 #[expect(
     clippy::too_many_arguments,
     reason = "the DCP options are the CLI's flags, passed through one by one"
@@ -48,6 +49,7 @@ pub fn to_dcp(
     world_size: usize,
     api: ShardApi,
     nest: Option<&str>,
+    companions: &[(String, Vec<u8>)],
     opts: &WriteOptions,
     progress: &dyn Progress,
 ) -> Result<Written> {
@@ -121,10 +123,16 @@ pub fn to_dcp(
         "dcp\n{plan:?}\n{ranges:?}\n{}",
         source_identity(reader.source())
     ));
+    // `.metadata` last: a DCP directory is complete once it is there.
+    let final_names: Vec<&str> = companions
+        .iter()
+        .map(|(n, _)| n.as_str())
+        .chain([".metadata"])
+        .collect();
     let multi = part::Plan {
         dest,
         files: &names,
-        final_names: &[".metadata"],
+        final_names: &final_names,
         fingerprint: &fingerprint,
     };
     let source = reader.source();
@@ -147,11 +155,13 @@ pub fn to_dcp(
                 .iter()
                 .map(record_from_json)
                 .collect::<Result<Vec<_>>>()?;
-            Ok(vec![metadata_pickle(
+            let mut files: Vec<Vec<u8>> = companions.iter().map(|(_, b)| b.clone()).collect();
+            files.push(metadata_pickle(
                 &plan,
                 &records,
                 &DcpMetadataOptions::default(),
-            )?])
+            )?);
+            Ok(files)
         },
     )?;
     let mut outputs = vec![dest.display().to_string()];

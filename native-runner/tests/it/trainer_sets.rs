@@ -585,3 +585,102 @@ fn select_says_when_it_cuts_the_models_own_names() {
     );
     assert!(!err.contains("plain prefix"), "{err}");
 }
+
+/// Megatron-core's `torch_dist` checkpoint, written by `dist_checkpointing.save` itself
+/// (`gen_megatron.py`: row- and column-parallel weights, bf16, `common.pt`, `metadata.json`):
+/// `inspect` names it and lists `common.pt`'s state; `.pt` and safetensors conversions hold
+/// torch's tensors; a DCP for another world size carries `metadata.json` and `common.pt`, and
+/// Megatron's own `dist_checkpointing.load` reads it back on 2 ranks equal to what it saved.
+#[test]
+fn megatron_torch_dist_is_named_converted_and_loads_back_in_megatron() {
+    let dir = fixtures().join("megatron_torch_dist");
+    let (out, _) = ok(&shardscope(&["inspect", s(&dir)]), "inspect megatron");
+    assert!(
+        out.contains("written by: Megatron-core dist_checkpointing (torch_dist"),
+        "{out}"
+    );
+    let listed = keys(&dir, &[]);
+    for k in [
+        "iteration",
+        "checkpoint_version",
+        "args.lr",
+        "decoder.final_layernorm.weight",
+    ] {
+        assert!(listed.iter().any(|l| l == k), "{k} not in {listed:?}");
+    }
+    let tmp = tempfile::tempdir().unwrap();
+    // Every sharded tensor whole, equal to what the ranks were given (torch wrote the file).
+    let st = tmp.path().join("full.safetensors");
+    ok(
+        &shardscope(&["convert", s(&dir), "-o", s(&st), "--quiet"]),
+        "convert megatron to safetensors",
+    );
+    let pt = tmp.path().join("full.pt");
+    ok(
+        &shardscope(&["convert", s(&dir), "-o", s(&pt), "--quiet"]),
+        "convert megatron to .pt",
+    );
+    let expected = fixtures().join("expected/megatron_full.safetensors");
+    let common = fixtures().join("expected/megatron_common.json");
+    torch_says_ok(
+        r#"
+import json, sys, torch
+from safetensors.torch import load_file
+st, pt, want, common = load_file(sys.argv[1]), torch.load(sys.argv[2], weights_only=True), load_file(sys.argv[3]), json.load(open(sys.argv[4]))
+for k, v in want.items():
+    for got in (st[k], pt[k]):
+        assert got.dtype == v.dtype and torch.equal(got, v), k
+assert pt["iteration"] == common["iteration"] and pt["checkpoint_version"] == common["checkpoint_version"]
+assert pt["args"] == common["args"], pt["args"]
+assert torch.equal(pt["decoder.final_layernorm.weight"], torch.linspace(0.5, 1.5, 8))
+print("OK")
+"#,
+        &[&st, &pt, &expected, &common],
+    );
+    // Resharded for 4 ranks: Megatron loads it on 2.
+    let dcp4 = tmp.path().join("dcp4");
+    let (_, err) = ok(
+        &shardscope(&["convert", s(&dir), "-o", s(&dcp4), "--world-size", "4"]),
+        "convert megatron to DCP for 4 ranks",
+    );
+    assert!(err.contains("metadata.json and common.pt"), "{err}");
+    for name in ["metadata.json", "common.pt"] {
+        assert_eq!(
+            std::fs::read(dcp4.join(name)).unwrap(),
+            std::fs::read(dir.join(name)).unwrap(),
+            "{name} is carried as stored"
+        );
+    }
+    let Some(py) = python() else {
+        return;
+    };
+    let run = Command::new(&py)
+        .arg(fixtures().join("gen_megatron.py"))
+        .args(["--load", s(&dcp4), "2"])
+        .output()
+        .unwrap();
+    // Results first: gloo ranks may abort at teardown after the result line was printed.
+    let text = String::from_utf8_lossy(&run.stdout);
+    let line = text.lines().rev().find(|l| l.starts_with('{'));
+    let Some(line) = line else {
+        panic!(
+            "Megatron's load printed no result ({:?}):\n{}",
+            run.status.code(),
+            String::from_utf8_lossy(&run.stderr)
+        );
+    };
+    let loaded = tmp.path().join("loaded.json");
+    std::fs::write(&loaded, line).unwrap();
+    torch_says_ok(
+        r#"
+import json, sys, torch
+from safetensors.torch import load_file
+got, want, common = json.load(open(sys.argv[1])), load_file(sys.argv[2]), json.load(open(sys.argv[3]))
+for k, v in want.items():
+    assert torch.equal(torch.tensor(got["sharded"][k]), v.float()), k
+assert got["common"]["iteration"] == common["iteration"] and got["common"]["args"] == common["args"]
+print("OK")
+"#,
+        &[&loaded, &expected, &common],
+    );
+}
