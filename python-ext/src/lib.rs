@@ -129,6 +129,13 @@ impl PyCheckpoint {
         }
     }
 
+    /// What wrote it, when its files say (`Megatron-core dist_checkpointing (torch_dist; …)`,
+    /// `accelerate save_state`, …), else `None`.
+    #[getter]
+    fn written_by(&self) -> Option<String> {
+        self.opened.checkpoint().written_by.clone()
+    }
+
     /// What a user should know about how it was read (the CLI prints these as `note: …`).
     #[getter]
     fn notes(&self) -> Vec<String> {

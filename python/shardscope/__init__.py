@@ -203,6 +203,12 @@ class Checkpoint:
         """What to know about how it was read (the command prints these as `note: ...`)."""
         return self._ck.notes
 
+    @property
+    def written_by(self) -> Optional[str]:
+        """What wrote it, when its files say: `Megatron-core dist_checkpointing (torch_dist; ...)`,
+        `accelerate save_state`, `Hugging Face Trainer checkpoint ...`, `Lightning ...`, ...; else None."""
+        return self._ck.written_by
+
     def info(self, key: str) -> Dict[str, Any]:
         """`dict(kind, dtype, shape, chunks, ranks, nbytes)` of `key`, without reading its values.
 

@@ -249,3 +249,20 @@ def test_a_rank_pattern_opens_the_files_of_every_rank():
             assert torch.equal(by_pattern.read(k, framework="torch"), by_list.read(k, framework="torch")), k
     with pytest.raises(shardscope.ShardscopeError, match="--ranks"):
         shardscope.open(str(folder / "rank{r}_model.pt"))
+
+
+def test_a_megatron_checkpoint_reads_as_megatron_saved_it():
+    """tests/fixtures/trainer_folders/gen_megatron.py: Megatron-core's own save, 2 ranks; the
+    expected tensors and common state are what the ranks were given (torch, safetensors)."""
+    from safetensors.torch import load_file
+
+    folder = FIX / "trainer_folders"
+    ck = shardscope.open(folder / "megatron_torch_dist")
+    assert ck.written_by.startswith("Megatron-core dist_checkpointing (torch_dist")
+    want = load_file(str(folder / "expected/megatron_full.safetensors"))
+    common = json.loads((folder / "expected/megatron_common.json").read_text())
+    sd = ck.state_dict()
+    for k, v in want.items():
+        assert sd[k].dtype == v.dtype and torch.equal(sd[k], v), k
+    assert sd["iteration"] == common["iteration"] and sd["args.lr"] == common["args"]["lr"]
+    assert shardscope.open(DCP).written_by is None
