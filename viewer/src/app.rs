@@ -79,6 +79,8 @@ pub struct Viewer {
     pub layout_error: Option<String>,
     /// The configuration `view` was computed for.
     pub applied_config: Option<LayoutConfig>,
+    /// The opened checkpoint's stored chunks laid over the current layout (`view::overlay`).
+    pub overlay: Option<shardscope_core::view::overlay::Overlay>,
     pub trace: Option<Trace>,
     /// The opened checkpoint.
     pub checkpoint: Option<crate::checkpoint::CheckpointView>,
@@ -343,6 +345,8 @@ impl Viewer {
                     self.applied_config = None;
                 }
                 self.checkpoint = Some(*ckpt);
+                // Always recompute: the overlay of the new checkpoint needs the layout.
+                self.applied_config = None;
                 self.recompute();
                 if !self.stay_on_tab {
                     self.tab = Tab::Checkpoint;
@@ -359,12 +363,21 @@ impl Viewer {
             return;
         }
         self.applied_config = Some(config.clone());
+        self.overlay = None;
         let Some(loaded) = &self.model else {
             self.view = None;
             return;
         };
         match layout::compute(&loaded.model, &config) {
             Ok(l) => {
+                self.overlay = self.checkpoint.as_ref().map(|c| {
+                    shardscope_core::view::overlay::compare(
+                        &c.index,
+                        &c.hints,
+                        &l,
+                        shardscope_core::checkpoint::app_state_prefix(&c.index),
+                    )
+                });
                 self.generation += 1;
                 let mut view = LayoutView::new(&loaded.model, &l);
                 view.generation = self.generation;
@@ -459,8 +472,13 @@ impl Viewer {
                     .map_or(String::new(), |&i| {
                         format!(" ({} chunks)", c.index.entries[i].chunks.len())
                     });
+                let overlay = self
+                    .overlay
+                    .as_ref()
+                    .filter(|o| o.applicable)
+                    .map_or(String::new(), |o| format!(" · {}", o.summary()));
                 format!(
-                    "{model} · {layout} · checkpoint {}: {} · selected: {selected}{chunks}{busy}",
+                    "{model} · {layout} · checkpoint {}: {}{overlay} · selected: {selected}{chunks}{busy}",
                     c.name,
                     c.summary()
                 )
@@ -1074,7 +1092,17 @@ impl Viewer {
                         self.theme,
                     ),
                     Tab::FqnMap => fqn_map::ui(ui, view, &mut self.fqn_map, &mut self.selection),
-                    _ => ranks::ui(ui, view, self.theme),
+                    _ => {
+                        if let Some(o) = &self.overlay {
+                            let line = crate::panels::overlay::origins_line(
+                                &self.controls.origins,
+                                view.world_size,
+                                view.api_label,
+                            );
+                            crate::panels::overlay::ui(ui, o, &line);
+                        }
+                        ranks::ui(ui, view, self.theme);
+                    }
                 }
             }
         }

@@ -12,7 +12,7 @@ fn main() -> std::process::ExitCode {
         Err(e) => {
             eprintln!("error: {e}");
             eprintln!(
-                "hint: shardscope-viewer [--api fsdp1|fsdp2] [--world-size N] [--shard-group-size S] [--strategy NAME] [--no-orig-params] [--select FQN] [--light] [FILE_OR_FOLDER ...] [A --compare B]"
+                "hint: shardscope-viewer [--api fsdp1|fsdp2] [--world-size N] [--shard-group-size S] [--strategy NAME] [--no-orig-params] [--select FQN] [--tab shard-map|ranks|checkpoint] [--light] [FILE_OR_FOLDER ...] [A --compare B]"
             );
             std::process::ExitCode::from(2)
         }
@@ -64,10 +64,23 @@ fn run() -> Result<(), String> {
             "--no-orig-params" => viewer.controls.use_orig_params = false,
             "--select" => viewer.selection.select(value("--select")?),
             "--compare" => compare = Some(value("--compare")?.into()),
+            "--tab" => {
+                viewer.tab = match value("--tab")?.as_str() {
+                    "shard-map" => shardscope_viewer::Tab::ShardMap,
+                    "ranks" => shardscope_viewer::Tab::Ranks,
+                    "checkpoint" => shardscope_viewer::Tab::Checkpoint,
+                    other => {
+                        return Err(format!(
+                            "--tab: unknown tab `{other}` (shard-map, ranks, checkpoint)"
+                        ));
+                    }
+                };
+                viewer.stay_on_tab = true;
+            }
             "--light" => viewer.theme = shardscope_viewer::theme::Theme::Light,
             "-h" | "--help" => {
                 println!(
-                    "shardscope-viewer [--api fsdp1|fsdp2] [--world-size N] [--shard-group-size S] [--strategy NAME] [--no-orig-params] [--select FQN] [--light] [FILE_OR_FOLDER ...] [A --compare B]"
+                    "shardscope-viewer [--api fsdp1|fsdp2] [--world-size N] [--shard-group-size S] [--strategy NAME] [--no-orig-params] [--select FQN] [--tab shard-map|ranks|checkpoint] [--light] [FILE_OR_FOLDER ...] [A --compare B]"
                 );
                 return Ok(());
             }

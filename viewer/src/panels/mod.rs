@@ -5,6 +5,7 @@ pub mod chunk_map;
 pub mod compare;
 pub mod controls;
 pub mod fqn_map;
+pub mod overlay;
 pub mod ranks;
 pub mod shard_map;
 pub mod tensor_tree;

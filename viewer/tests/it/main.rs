@@ -7,5 +7,6 @@ mod derived_layout;
 mod doctor;
 mod follows;
 mod front_ends;
+mod overlay;
 mod panels;
 mod torch_layouts;
