@@ -7,9 +7,10 @@
 //! reading the values the panels show), fetches what it missed — adjacent ranges coalesced — and
 //! runs it again, until a run misses nothing. Indexing reads a handful of ranges (DCP `.metadata`,
 //! safetensors headers, bytes items), so a checkpoint opens in a few rounds and holds in memory
-//! only what its indexing touched, whatever the size of its data files. (`torch.save` archives are
-//! still parsed from their whole bytes by the core reader: one read of the file, up to
-//! [`MAX_READ`].)
+//! only what its indexing touched, whatever the size of its data files. `torch.save` archives are
+//! indexed the same way (the zip directory, `data.pkl`, the byte offsets of the storages).
+//! A URL's query (a presigned URL's signature, an Azure SAS) is sent with every request for its
+//! file and shown as `?…` in every message ([`crate::urls::shown`]).
 //! Each round re-runs a metadata-only step, so the cost of a round is that of parsing the
 //! metadata; the first round prefetches what every format reads first (see [`first_ranges`]).
 
@@ -18,6 +19,8 @@ use std::cell::RefCell;
 use std::collections::BTreeMap;
 
 use shardscope_core::source::{Source, SourceError};
+
+use crate::urls::shown;
 use wasm_bindgen::JsCast;
 use wasm_bindgen_futures::JsFuture;
 
@@ -113,9 +116,15 @@ impl LazySource {
     /// Adds a file under the base URL, asking the server for its size.
     pub async fn add_url_file(&mut self, name: &str) -> Result<(), String> {
         let url = self.url_of(name)?;
+        self.add_url(name.to_owned(), url).await
+    }
+
+    /// Adds the file at `url` (its query, if any, is sent with every request for it) as `name`,
+    /// asking the server for its size.
+    pub async fn add_url(&mut self, name: String, url: String) -> Result<(), String> {
         let size = head_size(&url).await?;
         self.requests += 1;
-        self.add(name.to_owned(), Origin::Url(url), size);
+        self.add(name, Origin::Url(url), size);
         Ok(())
     }
 
@@ -230,8 +239,7 @@ impl LazySource {
             if len > MAX_READ {
                 return Err(format!(
                     "{name}: indexing needs {len} bytes at offset {offset} at once, more than the \
-                     browser viewer reads in one piece ({} MiB); this format is indexed from whole \
-                     files (DCP checkpoints are read by byte range); inspect it with the \
+                     browser viewer reads in one piece ({} MiB); inspect it with the \
                      `shardscope` command line",
                     MAX_READ >> 20
                 ));
@@ -378,7 +386,7 @@ async fn read(name: &str, origin: &Origin, offset: u64, len: u64) -> Result<Vec<
                 .map_err(|e| fail(js_text(&e)))?;
             let resp = fetch(url, "GET", Some(&headers))
                 .await
-                .map_err(|e| fail(format!("{url}: {e}")))?;
+                .map_err(|e| fail(format!("{}: {e}", shown(url))))?;
             let status = resp.status();
             // A 200 is the whole file: accepted only when that is what was asked for.
             let whole = status == 200
@@ -390,7 +398,11 @@ async fn read(name: &str, origin: &Origin, offset: u64, len: u64) -> Result<Vec<
                     .flatten()
                     .is_some_and(|l| l.trim() == len.to_string());
             if status != 206 && !whole {
-                return Err(fail(format!("{url}: {}", status_text(status, true))));
+                return Err(fail(format!(
+                    "{}: {}",
+                    shown(url),
+                    status_text(status, true)
+                )));
             }
             JsFuture::from(resp.array_buffer().map_err(|e| fail(js_text(&e)))?)
                 .await
@@ -439,39 +451,75 @@ async fn fetch(
         .map_err(|_| "fetch returned no response".to_owned())
 }
 
-/// The size of the file at `url` (`HEAD`, `Content-Length`).
+/// The size of the file at `url` (`HEAD`, `Content-Length`). A URL with a query that is refused
+/// a `HEAD` (a presigned S3 or GCS URL is signed for `GET` only) is asked for one byte instead
+/// (`Content-Range`).
 async fn head_size(url: &str) -> Result<u64, String> {
+    let shown = shown(url);
     let resp = fetch(url, "HEAD", None)
         .await
-        .map_err(|e| format!("cannot reach {url}: {e}"))?;
+        .map_err(|e| format!("cannot reach {shown}: {e}"))?;
     if !resp.ok() {
-        return Err(format!("{url}: {}", status_text(resp.status(), false)));
+        let status = resp.status();
+        if url.contains('?') && matches!(status, 403 | 405) {
+            return range_size(url).await;
+        }
+        return Err(format!("{shown}: {}", status_text(status, false)));
     }
     let len = resp
         .headers()
         .get("Content-Length")
-        .map_err(|e| format!("{url}: {}", js_text(&e)))?
-        .ok_or_else(|| format!("{url}: the server sent no Content-Length"))?;
+        .map_err(|e| format!("{shown}: {}", js_text(&e)))?
+        .ok_or_else(|| format!("{shown}: the server sent no Content-Length"))?;
     len.trim()
         .parse::<u64>()
-        .map_err(|_| format!("{url}: bad Content-Length `{len}`"))
+        .map_err(|_| format!("{shown}: bad Content-Length `{len}`"))
+}
+
+/// The size of the file at `url` from a one-byte `GET` range (`Content-Range: bytes 0-0/SIZE`).
+async fn range_size(url: &str) -> Result<u64, String> {
+    let shown = shown(url);
+    let headers = web_sys::Headers::new().map_err(|e| js_text(&e))?;
+    headers.set("Range", "bytes=0-0").map_err(|e| js_text(&e))?;
+    let resp = fetch(url, "GET", Some(&headers))
+        .await
+        .map_err(|e| format!("cannot reach {shown}: {e}"))?;
+    let status = resp.status();
+    if status != 206 {
+        return Err(format!("{shown}: {}", status_text(status, true)));
+    }
+    let range = resp
+        .headers()
+        .get("Content-Range")
+        .map_err(|e| format!("{shown}: {}", js_text(&e)))?
+        .ok_or_else(|| {
+            format!(
+                "{shown}: refused a HEAD request and sent no Content-Range with a range (a server \
+                 on another origin must expose it: `Access-Control-Expose-Headers: Content-Range`)"
+            )
+        })?;
+    range
+        .rsplit_once('/')
+        .and_then(|(_, total)| total.trim().parse::<u64>().ok())
+        .ok_or_else(|| format!("{shown}: bad Content-Range `{range}`"))
 }
 
 /// Reads a whole small file at `url` (a JSON index), at most `limit` bytes.
 pub async fn get_small(url: &str, limit: u64) -> Result<Vec<u8>, String> {
+    let shown = shown(url);
     let size = head_size(url).await?;
     if size > limit {
-        return Err(format!("{url}: {size} bytes, more than {limit} expected"));
+        return Err(format!("{shown}: {size} bytes, more than {limit} expected"));
     }
     let resp = fetch(url, "GET", None)
         .await
-        .map_err(|e| format!("cannot reach {url}: {e}"))?;
+        .map_err(|e| format!("cannot reach {shown}: {e}"))?;
     if !resp.ok() {
-        return Err(format!("{url}: {}", status_text(resp.status(), false)));
+        return Err(format!("{shown}: {}", status_text(resp.status(), false)));
     }
     let buf = JsFuture::from(resp.array_buffer().map_err(|e| js_text(&e))?)
         .await
-        .map_err(|e| format!("{url}: {}", js_text(&e)))?;
+        .map_err(|e| format!("{shown}: {}", js_text(&e)))?;
     Ok(js_sys::Uint8Array::new(&buf).to_vec())
 }
 

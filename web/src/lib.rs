@@ -1,9 +1,12 @@
 //! WebAssembly entry of the shardscope viewer: a [`WebHandle`] the page creates, starts on a canvas
 //! and feeds with files (`add_blob`... `finish_batch` for picked files that form one checkpoint,
-//! read lazily by byte range; `open_url` for a checkpoint behind HTTP; `open_bytes` for bytes).
-//! Everything else is the same `shardscope-viewer` code the desktop binary runs.
+//! read lazily by byte range; `open_url`/`open_urls` for a checkpoint behind HTTP(S), presigned
+//! URLs and per-rank URLs included; `open_bytes` for bytes). Everything else is the same
+//! `shardscope-viewer` code the desktop binary runs.
 
 pub use shardscope_viewer as viewer;
+
+pub mod urls;
 
 #[cfg(target_arch = "wasm32")]
 pub mod lazy;
@@ -20,6 +23,8 @@ mod handle {
     use wasm_bindgen::prelude::*;
 
     use crate::lazy::{self, LazySource};
+    use crate::urls::{self, shown};
+    use shardscope_core::source::Source;
 
     /// Files that are read whole (JSON documents, zips) may be at most this large.
     const MAX_WHOLE: u64 = 1 << 30;
@@ -47,6 +52,9 @@ mod handle {
         opened: Vec<Result<Box<CheckpointView>, String>>,
         /// How the viewer reads checkpoints (its loaded model description), for background opens.
         read_options: ReadOptions,
+        /// `[[key, dtype, shape], ...]` (JSON) of the last checkpoint opened in the background,
+        /// for tests (`checkpoint_keys`).
+        last_keys: String,
     }
 
     /// The app the runner drives: the viewer plus the shared state.
@@ -109,7 +117,8 @@ mod handle {
                     status.push_str(" · error: ");
                     status.push_str(e);
                 }
-                s.status = status;
+                // Never a URL's query (a presigned URL's signature) on the page.
+                s.status = urls::hide_queries(&status);
                 s.selected.clone_from(&self.viewer.selection.fqn);
                 s.read_options.clone_from(&self.viewer.loader.read_options);
                 s.probe_result = s
@@ -180,15 +189,31 @@ mod handle {
         job: u64,
         result: Result<Box<CheckpointView>, String>,
     ) {
+        let result = result.map_err(|e| urls::hide_queries(&e));
         if let Ok(mut s) = shared.lock() {
             s.busy.remove(&job);
-            if let Err(e) = &result {
-                log::error!("{e}");
-                s.error = Some(e.clone());
+            match &result {
+                Err(e) => {
+                    log::error!("{e}");
+                    s.error = Some(e.clone());
+                }
+                Ok(view) => s.last_keys = keys_json(view),
             }
             s.opened.push(result);
         }
         repaint_ctx(ctx);
+    }
+
+    /// `[[key, dtype, shape], ...]` of a checkpoint (`null` for what has no dtype or shape), as
+    /// `shardscope inspect --json` writes them.
+    fn keys_json(view: &CheckpointView) -> String {
+        let keys: Vec<serde_json::Value> = view
+            .index
+            .entries
+            .iter()
+            .map(|e| serde_json::json!([e.key, e.dtype.map(|d| d.to_string()), e.shape]))
+            .collect();
+        serde_json::Value::Array(keys).to_string()
     }
 
     /// Indexes a lazily read checkpoint, then reads the few values the panels show.
@@ -269,45 +294,68 @@ mod handle {
         finish(&shared, &ctx, job, result);
     }
 
-    /// Opens a checkpoint behind HTTP(S): a DCP folder (URL ending with `/`), a safetensors
-    /// file or an HF `*.safetensors.index.json`.
-    async fn open_url_lazily(
-        url: &str,
+    /// Resolves `url` against the page into an http(s) URL without query and fragment, and its
+    /// query as written.
+    fn resolve(url: &str) -> Result<(String, Option<String>), String> {
+        let (head, query) = urls::split_query(url);
+        let page = web_sys::window()
+            .and_then(|w| w.location().href().ok())
+            .unwrap_or_default();
+        let abs = web_sys::Url::new_with_base(head, &page)
+            .map_err(|_| format!("`{}` is not a URL", shown(url)))?;
+        if !matches!(abs.protocol().as_str(), "http:" | "https:") {
+            return Err(format!(
+                "{}: only http and https URLs can be opened in the browser",
+                shown(url)
+            ));
+        }
+        abs.set_hash("");
+        abs.set_search("");
+        Ok((abs.href(), query.map(str::to_owned)))
+    }
+
+    /// Opens a checkpoint behind HTTP(S). One URL without a query: a DCP folder (URL ending with
+    /// `/`), a safetensors file, an HF `*.safetensors.index.json` (files looked up next to it) or
+    /// any one file. Otherwise (several URLs, `{r}` patterns expanded, or a URL with a query, which
+    /// names one file: a signature covers one object) every URL is one file of the checkpoint,
+    /// named by its file name, each read with its own query.
+    async fn open_urls_lazily(
+        inputs: &[String],
+        ranks: &str,
         shared: &Mutex<Shared>,
         ctx: &Mutex<Option<egui::Context>>,
         job: u64,
     ) -> Result<Box<CheckpointView>, String> {
-        let page = web_sys::window()
-            .and_then(|w| w.location().href().ok())
-            .unwrap_or_default();
-        let abs = web_sys::Url::new_with_base(url.trim(), &page)
-            .map_err(|_| format!("`{url}` is not a URL"))?;
-        if !matches!(abs.protocol().as_str(), "http:" | "https:") {
-            return Err(format!(
-                "{url}: only http and https URLs can be opened in the browser"
-            ));
+        let inputs = urls::expand_ranks(inputs, ranks)?;
+        let mut resolved = Vec::new();
+        for u in &inputs {
+            resolved.push((u.as_str(), resolve(u)?));
         }
-        abs.set_hash("");
-        let query = abs.search();
-        abs.set_search("");
-        let href = abs.href();
+        match resolved.as_slice() {
+            [] => Err("no URL given".to_owned()),
+            [(_, (href, None))] => open_plain_url(href, shared, ctx, job).await,
+            _ => open_url_files(&resolved, shared, ctx, job).await,
+        }
+    }
+
+    /// Opens one URL without a query (see [`open_urls_lazily`]).
+    async fn open_plain_url(
+        href: &str,
+        shared: &Mutex<Shared>,
+        ctx: &Mutex<Option<egui::Context>>,
+        job: u64,
+    ) -> Result<Box<CheckpointView>, String> {
         let (base, file) = href
             .rsplit_once('/')
             .map(|(b, f)| (format!("{b}/"), f.to_owned()))
-            .ok_or_else(|| format!("`{url}` is not a URL"))?;
-        if !query.is_empty() {
-            return Err(format!(
-                "{url}: URLs with a query string are not supported (files are looked up next to \
-                 the URL)"
-            ));
-        }
+            .ok_or_else(|| format!("`{href}` is not a URL"))?;
         let mut src = LazySource::new();
         src.set_base_url(base);
         if file.is_empty() {
             // A DCP folder: its `.metadata` names every data file (looked up as it is read).
             src.add_url_file(".metadata").await?;
         } else if file.ends_with(".safetensors.index.json") {
-            let bytes = lazy::get_small(&href, MAX_HF_INDEX).await?;
+            let bytes = lazy::get_small(href, MAX_HF_INDEX).await?;
             let index = shardscope_core::formats::safetensors::read_index(&bytes)
                 .map_err(|e| format!("{href}: {e}"))?;
             src.add_url_file(&file).await?;
@@ -323,7 +371,75 @@ mod handle {
         } else {
             src.add_url_file(&file).await?;
         }
-        index_lazily(&href, &mut src, shared, ctx, job).await
+        index_lazily(href, &mut src, shared, ctx, job).await
+    }
+
+    /// Opens URLs that each name one file (see [`open_urls_lazily`]): one server, distinct file
+    /// names, each file read with its own query.
+    async fn open_url_files(
+        resolved: &[(&str, (String, Option<String>))],
+        shared: &Mutex<Shared>,
+        ctx: &Mutex<Option<egui::Context>>,
+        job: u64,
+    ) -> Result<Box<CheckpointView>, String> {
+        let mut src = LazySource::new();
+        let mut origin: Option<String> = None;
+        let mut shown_urls = Vec::new();
+        for (i, (input, (href, query))) in resolved.iter().enumerate() {
+            let shown_input = shown(input);
+            let file = href.rsplit_once('/').map_or("", |(_, f)| f);
+            if file.is_empty() {
+                return Err(if query.is_some() {
+                    format!(
+                        "{shown_input}: a URL with a query (a presigned URL, an Azure SAS) names \
+                         one file, not a folder: a signature covers one object; give the URL of \
+                         each file (`.metadata` and every `.distcp`, each per-rank `.pt`), each \
+                         with its own query"
+                    )
+                } else {
+                    format!(
+                        "{shown_input}: a folder URL opens on its own; with several URLs, each \
+                         names one file"
+                    )
+                });
+            }
+            let this_origin = web_sys::Url::new(href)
+                .map(|u| u.origin())
+                .unwrap_or_default();
+            match &origin {
+                None => origin = Some(this_origin),
+                Some(o) if *o != this_origin => {
+                    return Err(format!(
+                        "{shown_input}: the URLs of one checkpoint must be on one server ({o})"
+                    ));
+                }
+                Some(_) => {}
+            }
+            let name = js_sys::decode_uri_component(file)
+                .ok()
+                .and_then(|n| n.as_string())
+                .unwrap_or_else(|| file.to_owned());
+            if src.names().contains(&name) {
+                return Err(format!(
+                    "{shown_input}: two URLs name the file `{name}` (files are told apart by name)"
+                ));
+            }
+            set_busy(
+                shared,
+                job,
+                format!("opening {shown_input}: {}/{} files", i + 1, resolved.len()),
+            );
+            repaint_ctx(ctx);
+            let url = match query {
+                Some(q) => format!("{href}?{q}"),
+                None => href.clone(),
+            };
+            shown_urls.push(shown(&url));
+            src.add_url(name, url).await?;
+        }
+        let names: Vec<&str> = shown_urls.iter().map(String::as_str).collect();
+        let name = shardscope_viewer::docs::group_name(&names);
+        index_lazily(&name, &mut src, shared, ctx, job).await
     }
 
     /// The handle the page holds.
@@ -418,17 +534,39 @@ mod handle {
         }
 
         /// Opens a checkpoint behind HTTP(S), read with `Range` requests: a DCP folder (URL
-        /// ending with `/`; its `.metadata` names the data files), a `.safetensors` file or an
-        /// HF `model.safetensors.index.json`.
+        /// ending with `/`; its `.metadata` names the data files), a `.safetensors` file, an
+        /// HF `model.safetensors.index.json`, or one file by a URL with a query (a presigned
+        /// URL, an Azure SAS: sent with every request, shown as `?…`).
         pub fn open_url(&self, url: String) {
+            self.open_urls(vec![url], String::new());
+        }
+
+        /// Opens several URLs as one checkpoint, as picked files are (per-rank `.pt` files, a
+        /// DCP's `.metadata` and every `.distcp`), each URL with its own query; `{r}` in a URL
+        /// stands for the rank, 0 to `ranks` - 1 (`ranks` empty: no pattern). One URL without a
+        /// query opens as `open_url` describes.
+        pub fn open_urls(&self, urls: Vec<String>, ranks: String) {
             let shared = self.shared.clone();
             let ctx = self.ctx.clone();
-            let job = begin(&shared, format!("opening {url}"));
+            let what = match urls.as_slice() {
+                [one] => shown(one),
+                _ => format!("{} URLs", urls.len()),
+            };
+            let job = begin(&shared, format!("opening {what}"));
             self.repaint();
             wasm_bindgen_futures::spawn_local(async move {
-                let result = open_url_lazily(&url, &shared, &ctx, job).await;
+                let result = open_urls_lazily(&urls, &ranks, &shared, &ctx, job).await;
                 finish(&shared, &ctx, job, result);
             });
+        }
+
+        /// `[[key, dtype, shape], ...]` (JSON) of the last checkpoint opened by URL or from
+        /// picked files (`null` where an entry has no dtype or shape), for tests.
+        pub fn checkpoint_keys(&self) -> String {
+            self.shared
+                .lock()
+                .map(|s| s.last_keys.clone())
+                .unwrap_or_default()
         }
 
         /// Files added so far and not yet handed over.

@@ -11,11 +11,18 @@
 // by less than 512 MiB; the same checkpoint opens by URL (`?url=`, Range requests to serve.py); a
 // DCP with a broken `.metadata` shows an error on the page. The sparse files live in a temporary
 // folder that is removed at the end.
+// Presigned and per-rank URLs: nginx serves torch-written per-rank files under locations that refuse
+// (403) every request whose query is not that file's exact query (and, like S3, every HEAD of a
+// presigned URL); the page opens a presigned single file, a sparse 10 GiB copy of it (a hole before
+// its zip directory; a few MiB may be transferred), per-rank files by several presigned URLs and a
+// `{r}` pattern with `ranks=4` under one SAS-style query, and must show the keys, dtypes and
+// shapes `shardscope inspect --json` prints for the local files, while no signature appears in the
+// page's text, its title or the console.
 //
 // node web/tests/browser_test.mjs [DIST_DIR] [SCREENSHOT_DIR]   (defaults: dist/web, docs/img)
-import { spawn } from "node:child_process";
+import { execFileSync, spawn } from "node:child_process";
 import {
-  copyFileSync, mkdirSync, mkdtempSync, readFileSync, readdirSync, rmSync, symlinkSync, truncateSync,
+  chmodSync, closeSync, copyFileSync, existsSync, mkdirSync, openSync, writeSync, mkdtempSync, readFileSync, readdirSync, rmSync, symlinkSync, truncateSync,
   writeFileSync,
 } from "node:fs";
 import os from "node:os";
@@ -175,6 +182,199 @@ function renderers(rootPid) {
 }
 
 const MiB = 1048576;
+
+function nginxBinary() {
+  if (process.env.SHARDSCOPE_NGINX) return process.env.SHARDSCOPE_NGINX;
+  const dirs = (process.env.PATH ?? "").split(":").concat(["/usr/sbin", "/usr/local/sbin"]);
+  const found = dirs.map((d) => path.join(d, "nginx")).find((p) => existsSync(p));
+  if (!found) fail("nginx is needed for the presigned-URL test (apt-get install nginx)");
+  return found;
+}
+
+function shardscopeBinary() {
+  const cands = [process.env.SHARDSCOPE_BIN,
+    process.env.CARGO_TARGET_DIR && path.join(process.env.CARGO_TARGET_DIR, "debug/shardscope"),
+    path.join(root, "target/debug/shardscope")].filter(Boolean);
+  const found = cands.find((p) => existsSync(p));
+  if (!found) fail(`the shardscope CLI is needed (cargo build -p shardscope-runner --bin shardscope); looked at ${cands.join(", ")}`);
+  return found;
+}
+
+// [[key, dtype, shape], ...] of `shardscope inspect --json FILES`, sorted.
+function cliKeys(files) {
+  const out = JSON.parse(execFileSync(shardscopeBinary(), ["inspect", "--json", ...files],
+    { env: { ...process.env, RUST_BACKTRACE: "" }, maxBuffer: 64 * MiB }).toString());
+  return out.entries.map((e) => [e.key, e.dtype ?? null, e.shape ?? null]).sort();
+}
+
+// A torch-written `.pt` grown to about `gap` bytes more, sparse: a hole between its last storage and
+// its zip directory, whose zip64 offsets are moved past the hole (torch writes zip64 records).
+function sparseTorchSave(from, to, gap) {
+  const d = readFileSync(from);
+  const sig = (s) => d.lastIndexOf(Buffer.from(s, "latin1"));
+  const [eocd, z64, loc] = [sig("PK\x05\x06"), sig("PK\x06\x06"), sig("PK\x06\x07")];
+  if (eocd < 0 || z64 < 0 || loc < 0) fail(`${from}: no zip64 end records`);
+  const cd = Number(d.readBigUInt64LE(z64 + 48));
+  const tail = Buffer.from(d.subarray(cd));
+  tail.writeBigUInt64LE(BigInt(cd + gap), z64 - cd + 48);
+  tail.writeBigUInt64LE(BigInt(z64 + gap), loc - cd + 8);
+  tail.writeUInt32LE(0xffffffff, eocd - cd + 16);
+  const fd = openSync(to, "w");
+  writeSync(fd, d, 0, cd, 0);
+  writeSync(fd, tail, 0, tail.length, cd + gap);
+  closeSync(fd);
+}
+
+// Presigned-style single file, per-rank files by several presigned URLs, and a `{r}` pattern with
+// one container-wide (SAS-style) query, served by nginx that refuses any other query.
+async function presignedTest(browser) {
+  const f = (p) => path.join(root, "tests/fixtures", p);
+  const query = (file) => "X-Amz-Algorithm=AWS4-HMAC-SHA256&X-Amz-Credential=AKIAEXAMPLE%2F20260101%2F" +
+    `us-east-1%2Fs3%2Faws4_request&X-Amz-Signature=SIG${file.replace(/[^a-z0-9]/gi, "")}SECRET`;
+  const SAS = "sv=2024-11-04&sr=c&sp=r&se=2030-01-01T00%3A00%3A00Z&sig=SASsignatureSECRET%3D";
+  const signed = {
+    "fsdp2/rank0_model.pt": f("formats/fsdp2/rank0_model.pt"),
+    "fsdp2/rank1_model.pt": f("formats/fsdp2/rank1_model.pt"),
+    "plain/state_dict.pt": f("formats/plain/state_dict.pt"),
+    "big/big.pt": null, // made below: state_dict.pt with a 10 GiB hole
+  };
+  const ws4 = [0, 1, 2, 3].map((r) => f(`fsdp2_hsdp/ws4_2x2/rank${r}_model.pt`));
+  const prefix = mkdtempSync(path.join(os.tmpdir(), "shardscope-nginx-"));
+  let nginx;
+  try {
+    // nginx started as root serves as `nobody`: the tree must be world-readable.
+    for (const d of ["", "www", "logs", "tmp", "www/p/fsdp2", "www/p/plain", "www/p/big", "www/sas/ws4"]) {
+      mkdirSync(path.join(prefix, d), { recursive: true });
+      chmodSync(path.join(prefix, d), 0o755);
+    }
+    for (const [to, from] of Object.entries(signed)) if (from) copyFileSync(from, path.join(prefix, "www/p", to));
+    signed["big/big.pt"] = path.join(prefix, "www/p/big/big.pt");
+    sparseTorchSave(signed["plain/state_dict.pt"], signed["big/big.pt"], 10 * 1024 * MiB);
+    ws4.forEach((from, r) => copyFileSync(from, path.join(prefix, `www/sas/ws4/rank${r}_model.pt`)));
+    // The page itself, from the same origin.
+    for (const name of readdirSync(dist)) copyFileSync(path.join(dist, name), path.join(prefix, "www", name));
+    const port = await freePort();
+    const map = Object.keys(signed).map((p) => `    "/p/${p}" "${query(p)}";`).join("\n");
+    writeFileSync(path.join(prefix, "nginx.conf"), `daemon off;
+worker_processes 1;
+pid ${prefix}/nginx.pid;
+error_log ${prefix}/logs/error.log;
+events { worker_connections 256; }
+http {
+  types { application/wasm wasm; text/javascript js; text/html html; }
+  log_format q '$request_method $request_uri $status $body_bytes_sent';
+  access_log ${prefix}/logs/access.log q;
+  client_body_temp_path ${prefix}/tmp; proxy_temp_path ${prefix}/tmp; fastcgi_temp_path ${prefix}/tmp;
+  uwsgi_temp_path ${prefix}/tmp; scgi_temp_path ${prefix}/tmp;
+  map $uri $signed_query {
+    default "no-such-file";
+${map}
+  }
+  server {
+    listen 127.0.0.1:${port};
+    root ${prefix}/www;
+    # Presigned (S3-style): each file answers only its own exact query, and to GET only.
+    location /p/ {
+      if ($request_method = HEAD) { return 403; }
+      if ($args != $signed_query) { return 403; }
+    }
+    # A container SAS (Azure-style): one exact query for every file, HEAD allowed.
+    location /sas/ { if ($args != "${SAS}") { return 403; } }
+  }
+}
+`);
+    nginx = spawn(nginxBinary(), ["-c", path.join(prefix, "nginx.conf"), "-p", prefix], { stdio: "inherit" });
+    await waitFor(async () => {
+      try { return (await fetch(`http://127.0.0.1:${port}/index.html`)).ok; } catch { return false; }
+    }, "nginx");
+    const base = `http://127.0.0.1:${port}`;
+    const sign = (p) => `${base}/p/${p}?${query(p)}`;
+    const log = path.join(prefix, "logs/access.log");
+    const takeLog = () => {
+      const lines = readFileSync(log, "utf8").split("\n").filter((l) => l);
+      writeFileSync(log, "");
+      return lines.map((l) => l.split(" "));
+    };
+
+    const page = await browser.newPage({ viewport: { width: 1400, height: 860 }, deviceScaleFactor: 1 });
+    const consoleText = [];
+    const errors = [];
+    page.on("pageerror", (e) => { errors.push(String(e)); consoleText.push(String(e)); });
+    // The page's own console output (the browser's network log names URLs as they were requested).
+    page.on("console", (m) => consoleText.push(m.text()));
+    const pageText = () => page.evaluate(() => [document.title, document.body.innerText,
+      ...Array.from(document.querySelectorAll("input"), (i) => i.value)].join("\n"));
+    const noSecret = async (what) => {
+      const text = await pageText();
+      for (const [where, t] of [["page", text], ["console", consoleText.join("\n")]]) {
+        for (const secret of ["SECRET", "X-Amz-Signature", "sig="]) {
+          if (t.includes(secret)) fail(`${what}: \`${secret}\` appears in the ${where} text: ${t}`);
+        }
+      }
+    };
+    const open = async (urls, ranks, what) => {
+      takeLog();
+      const q = urls.map((u) => `url=${encodeURIComponent(u)}`).join("&") + (ranks ? `&ranks=${ranks}` : "");
+      const t0 = Date.now();
+      await page.goto(`${base}/index.html?${q}`);
+      const st = await waitStatus(page, (s) => s.includes(" entries") || s.includes("error:"), what, 60000);
+      console.log(`${what}: ${st} (${((Date.now() - t0) / 1000).toFixed(2)} s)`);
+      return st;
+    };
+    const check = async (urls, ranks, local, what, maxBytes = 16 * MiB) => {
+      const st = await open(urls, ranks, what);
+      const want = cliKeys(local);
+      if (!st.includes(`${want.length} entries`)) fail(`${what}: expected ${want.length} entries: ${st}`);
+      const got = JSON.parse(await page.evaluate(() => window.shardscope.checkpoint_keys())).sort();
+      if (JSON.stringify(got) !== JSON.stringify(want)) {
+        fail(`${what}: keys/dtypes/shapes differ from inspect --json:\n page ${JSON.stringify(got)}\n cli  ${JSON.stringify(want)}`);
+      }
+      // Every file request carried its exact query: nothing was refused but the HEADs of
+      // presigned URLs (refused as S3 does; the size then comes from a one-byte range).
+      const reqs = takeLog().filter(([, uri]) => uri.startsWith("/p/") || uri.startsWith("/sas/"));
+      if (!reqs.some(([m]) => m === "GET")) fail(`${what}: no range request reached nginx`);
+      // (304: the browser revalidated a cached range; nginx checks the query before that too.)
+      const refused = reqs.filter(([m, uri, status]) => !(["200", "206", "304"].includes(status) ||
+        (m === "HEAD" && status === "403" && uri.startsWith("/p/"))));
+      if (refused.length) fail(`${what}: refused requests (a query dropped or changed?): ${JSON.stringify(refused)}`);
+      await noSecret(what);
+      const bytes = reqs.reduce((n, r) => n + Number(r[3]), 0);
+      if (bytes > maxBytes) fail(`${what}: ${bytes} bytes transferred (limit ${maxBytes})`);
+      console.log(`${what}: ${got.length} keys as inspect --json, ${reqs.length} requests with their ` +
+        `query, ${bytes} bytes`);
+      return st;
+    };
+
+    const one = await check([sign("plain/state_dict.pt")], "", [signed["plain/state_dict.pt"]],
+      "presigned torch.save file by URL");
+    if (!one.includes("state_dict.pt?…")) fail(`the status should show the URL as …?…: ${one}`);
+    if (!(await page.inputValue("#url")).endsWith("state_dict.pt?…")) fail("the URL field should show ?…");
+    // A sparse 10 GiB torch.save file: only its directory and data.pkl are fetched.
+    await check([sign("big/big.pt")], "", [signed["big/big.pt"]], "sparse 10 GiB torch.save by presigned URL", 4 * MiB);
+    await check(["fsdp2/rank0_model.pt", "fsdp2/rank1_model.pt"].map(sign), "",
+      [signed["fsdp2/rank0_model.pt"], signed["fsdp2/rank1_model.pt"]], "per-rank FSDP2 files by presigned URLs");
+    await check([`${base}/sas/ws4/rank{r}_model.pt?${SAS}`], "4", ws4, "HSDP 2x2 rank{r} pattern, ranks=4, one SAS query");
+    // A wrong signature fails with the file's 403, the signature still hidden.
+    const bad = await open([sign("fsdp2/rank0_model.pt"), `${base}/p/fsdp2/rank1_model.pt?X-Amz-Signature=WRONGSECRET`],
+      "", "a wrong signature");
+    if (!bad.includes("error:") || !bad.includes("403") || !bad.includes("rank1_model.pt?…")) {
+      fail(`a wrong signature should fail with 403 naming rank1_model.pt?…: ${bad}`);
+    }
+    // A folder URL with a query is refused (a signature covers one object); a {r} needs ranks.
+    const folder = await open([`${base}/sas/ws4/?${SAS}`], "", "a folder URL with a query");
+    if (!folder.includes("names one file")) fail(`a folder URL with a query: ${folder}`);
+    const noRanks = await open([`${base}/sas/ws4/rank{r}_model.pt?${SAS}`], "", "a {r} pattern without ranks");
+    if (!noRanks.includes("ranks=N")) fail(`a {r} pattern without ranks: ${noRanks}`);
+    consoleText.length = 0; // the 403 above logs its (browser-written) resource error
+    await noSecret("errors");
+    if (errors.length) fail(`page errors: ${errors.join("\n")}`);
+    await page.close();
+    console.log("PASS: presigned and per-rank URLs");
+  } finally {
+    if (nginx) nginx.kill();
+    rmSync(prefix, { recursive: true, force: true });
+  }
+}
 
 // The sparse 20 GiB DCP: torch's fixture with each .distcp grown to 10 GiB (sparse: no disk used).
 function makeLargeCheckpoints(dir) {
@@ -386,6 +586,7 @@ try {
   if (errors.length) fail(`page errors: ${errors.join("\n")}`);
   console.log(`PASS: browser test, layout (screenshot ${path.join(shots, "web.png")})`);
   await checkpointTest(browser, port);
+  await presignedTest(browser);
   if (errors.length) fail(`page errors: ${errors.join("\n")}`);
   await browser.close();
   browser = undefined;

@@ -1,6 +1,8 @@
 #!/usr/bin/env bash
 # Viewer checks that need more than `cargo test`: builds the web bundle, runs the real-browser
-# test in headless Chromium, takes the desktop screenshot under Xvfb and checks the bundle size.
+# test in headless Chromium (nginx serves presigned-style URLs; the page is compared with the
+# `shardscope` CLI, built if missing), takes the desktop screenshot under Xvfb and checks the
+# bundle size.
 # Installs what it needs (apt, npm, cargo install) idempotently. Called by .ci/run.
 #   web/tests/ci.sh [ARTIFACT_DIR]   (screenshots go there; default: target/viewer-ci)
 set -euo pipefail
@@ -16,6 +18,7 @@ command -v xwininfo >/dev/null || need+=(x11-utils)
 command -v xdotool >/dev/null || need+=(xdotool)
 command -v import >/dev/null || need+=(imagemagick)
 command -v chromium >/dev/null || need+=(chromium)
+command -v nginx >/dev/null || [ -x /usr/sbin/nginx ] || need+=(nginx)
 [ -e /usr/lib/x86_64-linux-gnu/dri/swrast_dri.so ] || need+=(libgl1-mesa-dri)
 ldconfig -p | grep -q libEGL.so.1 || need+=(libegl1)
 ldconfig -p | grep -q libxkbcommon-x11.so.0 || need+=(libxkbcommon-x11-0)
@@ -35,7 +38,13 @@ limit=$((8 * 1024 * 1024))
 echo "bundle size: $size bytes (limit $limit)"
 [ "$size" -lt "$limit" ] || { echo "error: web bundle over 8 MiB" >&2; exit 1; }
 
-step "browser test (headless Chromium)"
+step "the shardscope CLI (the browser test compares the page with inspect --json)"
+TARGET_DIR=$(cargo metadata --format-version 1 --no-deps | python3 -c 'import json,sys; print(json.load(sys.stdin)["target_directory"])')
+export SHARDSCOPE_BIN=${SHARDSCOPE_BIN:-$TARGET_DIR/debug/shardscope}
+[ -x "$SHARDSCOPE_BIN" ] || cargo build -q -p shardscope-runner --bin shardscope
+echo "$SHARDSCOPE_BIN"
+
+step "browser test (headless Chromium; nginx for presigned and per-rank URLs)"
 node web/tests/browser_test.mjs "$ART/web" "$ART"
 
 step "desktop screenshot under Xvfb"
