@@ -144,6 +144,41 @@ def _wrap(buf: Any, dtype: str, shape: Sequence[int], framework: str, key: str, 
     return torch.frombuffer(buf, dtype=tdtype, count=count, offset=offset).reshape(tuple(shape))
 
 
+# `state_dict` shows progress on a terminal from this many bytes on.
+_PROGRESS_BYTES = 1 << 30
+
+
+class _Progress:
+    """`shardscope: <label>: 1.2 of 8.0 GiB (15%)` on stderr, redrawn at most 5 times a second."""
+
+    def __init__(self, total: int, label: str) -> None:
+        import threading
+        import time
+
+        self._total, self._label, self._done = max(total, 1), label, 0
+        self._lock, self._time, self._last = threading.Lock(), time.monotonic, 0.0
+
+    def _draw(self, end: str) -> None:
+        gib = 1 << 30
+        sys.stderr.write(
+            f"\rshardscope: {self._label}: {self._done / gib:.1f} of {self._total / gib:.1f} GiB "
+            f"({100 * self._done // self._total}%){end}"
+        )
+        sys.stderr.flush()
+
+    def advance(self, n: int) -> None:
+        with self._lock:
+            self._done += n
+            now = self._time()
+            if now - self._last >= 0.2:
+                self._last = now
+                self._draw("")
+
+    def finish(self) -> None:
+        with self._lock:
+            self._draw("\n")
+
+
 class Checkpoint:
     """A checkpoint opened by `shardscope.open`: its keys, what each holds, and its tensors.
 
@@ -304,6 +339,7 @@ class Checkpoint:
         keep_tied: bool = True,
         mmap: bool = False,
         threads: Optional[int] = None,
+        progress: Optional[bool] = None,
     ) -> Dict[str, Any]:
         """Every key (or those under `select.`, prefix removed) as {name: tensor or value}, in stored order.
 
@@ -314,6 +350,8 @@ class Checkpoint:
         mmap: tensors stored whole in one local file are mapped, not read (see `read`): what
             `safetensors.torch.load_file` does.
         threads: tensors read at a time (default: the CPU count, at most 16).
+        progress: a progress line on stderr (default: when stderr is a terminal and there is 1 GiB
+            or more to read).
 
         >>> model.load_state_dict(shardscope.open("ckpt/").state_dict(select="model"))
         """
@@ -349,9 +387,16 @@ class Checkpoint:
             if infos[key]["kind"] == "tensor" and key not in dropped and source not in sources:
                 sources.append(source)
 
+        total = sum(int(infos[k].get("nbytes") or 0) for k in sources)
+        show = progress if progress is not None else (total >= _PROGRESS_BYTES and sys.stderr.isatty())
+        meter = _Progress(total, self.label) if show else None
+
         def read_one(source: str) -> Any:
             cast = to if to is not None and infos[source]["dtype"] in _CASTABLE else None
-            return self.read(source, framework=framework, dtype=cast, mmap=mmap)
+            tensor = self.read(source, framework=framework, dtype=cast, mmap=mmap)
+            if meter is not None:
+                meter.advance(int(infos[source].get("nbytes") or 0))
+            return tensor
 
         workers = max(1, min(threads if threads is not None else (os.cpu_count() or 1), 16, len(sources)))
         if workers > 1:
@@ -361,6 +406,8 @@ class Checkpoint:
                 read = dict(zip(sources, pool.map(read_one, sources)))
         else:
             read = {source: read_one(source) for source in sources}
+        if meter is not None:
+            meter.finish()
         out: Dict[str, Any] = {}
         for key, name in pairs:
             if infos[key]["kind"] != "tensor":

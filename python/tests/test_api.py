@@ -266,3 +266,12 @@ def test_a_megatron_checkpoint_reads_as_megatron_saved_it():
         assert sd[k].dtype == v.dtype and torch.equal(sd[k], v), k
     assert sd["iteration"] == common["iteration"] and sd["args.lr"] == common["args"]["lr"]
     assert shardscope.open(DCP).written_by is None
+
+
+def test_state_dict_shows_progress_when_asked(capsys):
+    ck = shardscope.open(DCP)
+    ck.state_dict(progress=True)
+    err = capsys.readouterr().err
+    assert err.rstrip().endswith("(100%)") and ck.label in err, err
+    ck.state_dict(progress=False)
+    assert capsys.readouterr().err == ""
