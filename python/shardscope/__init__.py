@@ -493,11 +493,8 @@ def open(
 
 # -- the model description of a live module ------------------------------------------------------
 
-_WRAPPER_PREFIXES = ("_fsdp_wrapped_module.", "_checkpoint_wrapped_module.", "_orig_mod.", "module.")
-
-
 def _clean(name: str) -> str:
-    """An FQN without the wrappers' segments (FSDP1, activation checkpointing, torch.compile, DDP)."""
+    """An FQN without the wrappers' segments (FSDP1, activation checkpointing, torch.compile)."""
     for seg in ("_fsdp_wrapped_module.", "_checkpoint_wrapped_module.", "_orig_mod."):
         name = name.replace(seg, "")
     return name

@@ -3,7 +3,6 @@ FSDP1 builds for the same modules (flat parameters recorded by torch: fixtures/g
 tests/fixtures/app_state/gen_auto_wrap.py)."""
 
 import json
-import os
 import subprocess
 import sys
 from pathlib import Path
