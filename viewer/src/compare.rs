@@ -4,8 +4,6 @@
 //! the desktop it runs on a worker thread that reports its progress and can be cancelled.
 
 use std::collections::BTreeSet;
-use std::sync::Arc;
-use std::sync::Mutex;
 use std::sync::atomic::{AtomicBool, Ordering};
 
 use shardscope_core::checkpoint::{Checkpoint, ReadOptions};
@@ -14,6 +12,7 @@ use shardscope_core::verify::{self, DiffOptions, Side, Status};
 
 use crate::checkpoint::{CheckpointError, Origin};
 use crate::format::shape as fmt_shape;
+use crate::job::Job;
 
 /// One side of a comparison: what the report calls it (a path) and where its files are.
 #[derive(Debug, Clone)]
@@ -429,107 +428,45 @@ pub fn compare(
     Ok(Comparison::from_report(report, notes))
 }
 
-/// Runs comparisons without blocking the UI: on a worker thread on the desktop (synchronously
-/// when `synchronous`, for tests), synchronously in the browser.
+/// Runs comparisons without blocking the UI ([`Job`]).
 #[derive(Debug, Default)]
 pub struct Comparer {
     /// Run in the calling thread (tests).
     pub synchronous: bool,
     /// The comparison last started: its sides.
     pub inputs: Option<(String, String)>,
-    progress: Arc<Mutex<Progress>>,
-    cancel: Arc<AtomicBool>,
-    #[cfg(not(target_arch = "wasm32"))]
-    worker: Option<std::sync::mpsc::Receiver<Result<Comparison, CompareError>>>,
-    finished: Option<Result<Comparison, CompareError>>,
+    job: Job<Comparison>,
 }
 
 impl Comparer {
     /// Starts comparing `a` with `b` (a running comparison is cancelled).
     pub fn start(&mut self, a: CompareInput, b: CompareInput, options: ReadOptions) {
-        self.cancel.store(true, Ordering::Relaxed);
-        self.cancel = Arc::new(AtomicBool::new(false));
-        self.progress = Arc::new(Mutex::new(Progress::default()));
         self.inputs = Some((a.label.clone(), b.label.clone()));
-        self.finished = None;
-        let cancel = self.cancel.clone();
-        let progress = self.progress.clone();
-        let run = move || {
-            compare(
-                &a,
-                &b,
-                &options,
-                &mut |p| {
-                    if let Ok(mut slot) = progress.lock() {
-                        *slot = p;
-                    }
-                },
-                &cancel,
-            )
-        };
-        #[cfg(not(target_arch = "wasm32"))]
-        if !self.synchronous {
-            let (tx, rx) = std::sync::mpsc::channel();
-            let spawned = std::thread::Builder::new()
-                .name("shardscope-compare".to_owned())
-                .spawn(move || {
-                    let _ = tx.send(run());
-                });
-            match spawned {
-                Ok(_) => self.worker = Some(rx),
-                Err(e) => {
-                    self.finished = Some(Err(CompareError::Open {
-                        side: "A",
-                        source: CheckpointError::Open {
-                            message: format!("cannot start the compare thread: {e}"),
-                        },
-                    }));
-                }
-            }
-            return;
-        }
-        self.finished = Some(run());
+        self.job.synchronous = self.synchronous;
+        self.job.start(
+            "compare",
+            Box::new(move |progress, cancel| compare(&a, &b, &options, progress, cancel)),
+        );
     }
 
     /// Asks a running comparison to stop.
     pub fn cancel(&mut self) {
-        self.cancel.store(true, Ordering::Relaxed);
+        self.job.cancel();
     }
 
     /// True while a comparison runs.
     pub fn running(&self) -> bool {
-        #[cfg(not(target_arch = "wasm32"))]
-        {
-            self.worker.is_some()
-        }
-        #[cfg(target_arch = "wasm32")]
-        {
-            false
-        }
+        self.job.running()
     }
 
     /// The progress of the running comparison.
     pub fn progress(&self) -> Progress {
-        self.progress.lock().map(|p| p.clone()).unwrap_or_default()
+        self.job.progress()
     }
 
     /// The finished comparison, once (call every frame).
     pub fn poll(&mut self) -> Option<Result<Comparison, CompareError>> {
-        #[cfg(not(target_arch = "wasm32"))]
-        if let Some(rx) = &self.worker {
-            match rx.try_recv() {
-                Ok(result) => {
-                    self.worker = None;
-                    return Some(result);
-                }
-                Err(std::sync::mpsc::TryRecvError::Empty) => return None,
-                Err(std::sync::mpsc::TryRecvError::Disconnected) => {
-                    self.worker = None;
-                    return Some(Err(CompareError::Cancelled));
-                }
-            }
-        }
-        self.finished.take()
+        self.job.poll()
     }
 }
 

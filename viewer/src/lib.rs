@@ -7,6 +7,7 @@ pub mod checkpoint;
 pub mod compare;
 pub mod docs;
 pub mod format;
+pub mod job;
 pub mod panels;
 pub mod report;
 pub mod theme;

@@ -6,13 +6,13 @@
 
 use std::collections::BTreeMap;
 use std::sync::atomic::{AtomicBool, Ordering};
-use std::sync::{Arc, Mutex};
 
 use shardscope_core::checkpoint::{Checkpoint, ReadOptions};
 use shardscope_core::index::{CheckpointIndex, EntryKind, IndexEntry, TensorData, ValueStats};
 use shardscope_core::source::Source;
 
 use crate::compare::{CompareError, CompareInput, Progress};
+use crate::job::Job;
 
 /// One cell: a tensor and its statistics (`None` when it has no numeric values or cannot be read).
 #[derive(Debug, Clone, PartialEq)]
@@ -188,95 +188,37 @@ pub fn value_map(
     })
 }
 
-/// Runs [`value_map`] off the UI thread (synchronously when `synchronous` or in the browser).
+/// Runs [`value_map`] off the UI thread ([`Job`]).
 #[derive(Debug, Default)]
 pub struct ValueJob {
     pub synchronous: bool,
-    progress: Arc<Mutex<Progress>>,
-    cancel: Arc<AtomicBool>,
-    #[cfg(not(target_arch = "wasm32"))]
-    worker: Option<std::sync::mpsc::Receiver<Result<ValueMap, CompareError>>>,
-    finished: Option<Result<ValueMap, CompareError>>,
+    job: Job<ValueMap>,
 }
 
 impl ValueJob {
     pub fn start(&mut self, input: CompareInput, options: ReadOptions) {
-        self.cancel.store(true, Ordering::Relaxed);
-        self.cancel = Arc::new(AtomicBool::new(false));
-        self.progress = Arc::new(Mutex::new(Progress::default()));
-        self.finished = None;
-        let (cancel, progress) = (self.cancel.clone(), self.progress.clone());
-        let run = move || {
-            value_map(
-                &input,
-                &options,
-                &mut |p| {
-                    if let Ok(mut slot) = progress.lock() {
-                        *slot = p;
-                    }
-                },
-                &cancel,
-            )
-        };
-        #[cfg(not(target_arch = "wasm32"))]
-        if !self.synchronous {
-            let (tx, rx) = std::sync::mpsc::channel();
-            match std::thread::Builder::new()
-                .name("shardscope-values".to_owned())
-                .spawn(move || {
-                    let _ = tx.send(run());
-                }) {
-                Ok(_) => self.worker = Some(rx),
-                Err(e) => {
-                    self.finished = Some(Err(CompareError::Open {
-                        side: "A",
-                        source: crate::checkpoint::CheckpointError::Open {
-                            message: format!("cannot start the statistics thread: {e}"),
-                        },
-                    }));
-                }
-            }
-            return;
-        }
-        self.finished = Some(run());
+        self.job.synchronous = self.synchronous;
+        self.job.start(
+            "values",
+            Box::new(move |progress, cancel| value_map(&input, &options, progress, cancel)),
+        );
     }
 
     pub fn cancel(&mut self) {
-        self.cancel.store(true, Ordering::Relaxed);
+        self.job.cancel();
     }
 
     pub fn running(&self) -> bool {
-        #[cfg(not(target_arch = "wasm32"))]
-        {
-            self.worker.is_some()
-        }
-        #[cfg(target_arch = "wasm32")]
-        {
-            false
-        }
+        self.job.running()
     }
 
     pub fn progress(&self) -> Progress {
-        self.progress.lock().map(|p| p.clone()).unwrap_or_default()
+        self.job.progress()
     }
 
     /// The finished statistics, once.
     pub fn poll(&mut self) -> Option<Result<ValueMap, CompareError>> {
-        #[cfg(not(target_arch = "wasm32"))]
-        if let Some(rx) = &self.worker {
-            match rx.try_recv() {
-                Ok(result) => {
-                    self.worker = None;
-                    return Some(result);
-                }
-                Err(std::sync::mpsc::TryRecvError::Empty) => return None,
-                Err(std::sync::mpsc::TryRecvError::Disconnected) => {
-                    self.worker = None;
-                    return Some(Err(CompareError::Cancelled));
-                }
-            }
-        }
-        self.finished.take()
+        self.job.poll()
     }
 }
 
