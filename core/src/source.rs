@@ -217,6 +217,34 @@ impl<S: Source + ?Sized> Source for &S {
     }
 }
 
+/// `text` with the query of every URL in it replaced by `?…`: presigned URLs (S3/GCS, Azure SAS)
+/// carry their secret there, and no message, status or log may show it. A query already hidden
+/// stays as it is. Every front end (the runner's remote errors, the browser's page) calls this one.
+pub fn hide_url_queries(text: &str) -> String {
+    let mut out = String::with_capacity(text.len());
+    let mut rest = text;
+    while let Some(at) = rest.find("://") {
+        let (head, url_on) = rest.split_at(at);
+        out.push_str(head);
+        let end = url_on
+            .find(|c: char| c.is_whitespace() || matches!(c, '"' | '\'' | '<' | '>' | ')' | '`'))
+            .unwrap_or(url_on.len());
+        let (url, tail) = url_on.split_at(end);
+        match url.find('?') {
+            // Already hidden (`?…`, maybe followed by punctuation): kept as it is.
+            Some(q) if url[q + 1..].starts_with('…') => out.push_str(url),
+            Some(q) => {
+                out.push_str(&url[..q]);
+                out.push_str("?…");
+            }
+            None => out.push_str(url),
+        }
+        rest = tail;
+    }
+    out.push_str(rest);
+    out
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;

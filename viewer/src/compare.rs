@@ -13,6 +13,7 @@ use shardscope_core::verify::{self, DiffOptions, Side, Status};
 use crate::checkpoint::{CheckpointError, Origin};
 use crate::format::shape as fmt_shape;
 use crate::job::Job;
+pub use crate::job::{CompareError, Progress};
 
 /// One side of a comparison: what the report calls it (a path) and where its files are.
 #[derive(Debug, Clone)]
@@ -254,41 +255,6 @@ pub fn lines(c: &Comparison, filter: &Filter, collapsed: &BTreeSet<String>) -> V
         }
     }
     out
-}
-
-/// How far a comparison is.
-#[derive(Debug, Clone, Default, PartialEq, Eq)]
-pub struct Progress {
-    /// Entries compared so far, of `total`.
-    pub done: usize,
-    pub total: usize,
-    /// What is being done (`opening A`, or the key being compared).
-    pub what: String,
-}
-
-impl Progress {
-    pub fn text(&self) -> String {
-        if self.total == 0 {
-            self.what.clone()
-        } else {
-            format!("comparing {}/{}: {}", self.done, self.total, self.what)
-        }
-    }
-}
-
-/// Why a comparison gave no result.
-#[derive(Debug, Clone, PartialEq, thiserror::Error)]
-pub enum CompareError {
-    /// One side could not be opened.
-    #[error("{side}: {source}")]
-    Open {
-        side: &'static str,
-        #[source]
-        source: CheckpointError,
-    },
-    /// A newer comparison was started, or the viewer asked it to stop.
-    #[error("the comparison was cancelled")]
-    Cancelled,
 }
 
 /// A source whose reads fail once `cancel` is set, so that a running `diff` finishes quickly

@@ -5,7 +5,7 @@
 use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::{Arc, Mutex};
 
-use crate::compare::{CompareError, Progress};
+use crate::checkpoint::CheckpointError;
 
 /// What a job runs: it reports progress and stops early once the flag is set.
 pub type Work<T> =
@@ -77,7 +77,7 @@ impl<T: Send + 'static> Job<T> {
                 Err(e) => {
                     self.finished = Some(Err(CompareError::Open {
                         side: "A",
-                        source: crate::checkpoint::CheckpointError::Open {
+                        source: CheckpointError::Open {
                             message: format!("cannot start the {name} thread: {e}"),
                         },
                     }));
@@ -130,4 +130,39 @@ impl<T> Job<T> {
         }
         self.finished.take()
     }
+}
+
+/// How far a comparison is.
+#[derive(Debug, Clone, Default, PartialEq, Eq)]
+pub struct Progress {
+    /// Entries compared so far, of `total`.
+    pub done: usize,
+    pub total: usize,
+    /// What is being done (`opening A`, or the key being compared).
+    pub what: String,
+}
+
+impl Progress {
+    pub fn text(&self) -> String {
+        if self.total == 0 {
+            self.what.clone()
+        } else {
+            format!("comparing {}/{}: {}", self.done, self.total, self.what)
+        }
+    }
+}
+
+/// Why a comparison gave no result.
+#[derive(Debug, Clone, PartialEq, thiserror::Error)]
+pub enum CompareError {
+    /// One side could not be opened.
+    #[error("{side}: {source}")]
+    Open {
+        side: &'static str,
+        #[source]
+        source: CheckpointError,
+    },
+    /// A newer comparison was started, or the viewer asked it to stop.
+    #[error("the comparison was cancelled")]
+    Cancelled,
 }

@@ -29,28 +29,7 @@ pub fn split_query(url: &str) -> (&str, Option<&str>) {
 /// `text` with the query of every URL in it replaced by `?…` (a last guard for what the page
 /// shows: statuses and errors).
 pub fn hide_queries(text: &str) -> String {
-    let mut out = String::with_capacity(text.len());
-    let mut rest = text;
-    while let Some(at) = rest.find("://") {
-        let (head, url_on) = rest.split_at(at);
-        out.push_str(head);
-        let end = url_on
-            .find(|c: char| c.is_whitespace() || matches!(c, '"' | '\'' | '<' | '>' | ')' | '`'))
-            .unwrap_or(url_on.len());
-        let (url, tail) = url_on.split_at(end);
-        match url.find('?') {
-            // Already hidden (`?…`, maybe followed by punctuation): kept as it is.
-            Some(q) if url[q + 1..].starts_with('…') => out.push_str(url),
-            Some(q) => {
-                out.push_str(&url[..q]);
-                out.push_str("?…");
-            }
-            None => out.push_str(url),
-        }
-        rest = tail;
-    }
-    out.push_str(rest);
-    out
+    shardscope_core::source::hide_url_queries(text)
 }
 
 /// Expands `{r}` patterns (also percent-encoded, `%7Br%7D`) into the URLs of ranks 0 to N-1,

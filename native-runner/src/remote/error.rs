@@ -50,27 +50,7 @@ pub(super) fn describe_error(scheme: Scheme, err: &object_store::Error) -> Strin
 
 /// `text` with the query of every URL in it replaced by `?…` (presigned URLs carry secrets there).
 pub(super) fn hide_queries(text: &str) -> String {
-    let mut out = String::with_capacity(text.len());
-    let mut rest = text;
-    while let Some(at) = rest.find("://") {
-        // The URL runs to the next whitespace (or a quote or bracket).
-        let (head, url_on) = rest.split_at(at);
-        out.push_str(head);
-        let end = url_on
-            .find(|c: char| c.is_whitespace() || matches!(c, '"' | '\'' | '<' | '>' | ')'))
-            .unwrap_or(url_on.len());
-        let (url, tail) = url_on.split_at(end);
-        match url.find('?') {
-            Some(q) => {
-                out.push_str(&url[..q]);
-                out.push_str("?…");
-            }
-            None => out.push_str(url),
-        }
-        rest = tail;
-    }
-    out.push_str(rest);
-    out
+    shardscope_core::source::hide_url_queries(text)
 }
 
 /// Where credentials for `scheme` come from.
