@@ -5,6 +5,9 @@
 - syncing the first file before writing the second (what `convert` did before `atomic::together`),
 - syncing both at the end (what `atomic::together` does),
 - one 3 GiB file synced at the end (what the `cat` + `sync FILE` baseline does),
+- the same 3 GiB file asking the kernel to start writing back every 32 MiB as they are written
+  (`posix_fadvise(POSIX_FADV_DONTNEED)` on the dirty range: what shardscope's outputs do since
+  `native-runner/src/writeback.rs`), synced at the end,
 
 in rounds with the order rotated, `sync` before each case. Prints each case's times and median.
 
@@ -23,11 +26,17 @@ CHUNK = 128 << 10
 GIB = 1 << 30
 
 
-def write(path: str, nbytes: int, buf: bytes) -> int:
+STEP = 32 << 20  # native-runner/src/writeback.rs STEP_BYTES
+
+
+def write(path: str, nbytes: int, buf: bytes, early: bool = False) -> int:
     fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
-    done = 0
+    done = started = 0
     while done < nbytes:
         done += os.write(fd, buf)
+        if early and done - started >= STEP:
+            os.posix_fadvise(fd, started, done - started, os.POSIX_FADV_DONTNEED)
+            started = done
     return fd
 
 
@@ -49,6 +58,7 @@ def main() -> None:
         "1 GiB, 2 GiB, both synced at the end": lambda: [finish(fd) for fd in
                                                          [write(f"{d}/a", GIB, buf), write(f"{d}/b", 2 * GIB, buf)]],
         "one 3 GiB file, synced at the end": lambda: finish(write(f"{d}/a", 3 * GIB, buf)),
+        "one 3 GiB file, writeback started every 32 MiB": lambda: finish(write(f"{d}/a", 3 * GIB, buf, True)),
     }
     names = list(cases)
     times: dict[str, list[float]] = {n: [] for n in names}

@@ -42,6 +42,8 @@ use std::path::{Path, PathBuf};
 
 use anyhow::{Context, Result, bail};
 
+use crate::writeback::Paced;
+
 /// A finished temporary file waiting for [`together`] to put it in place.
 struct Staged {
     file: File,
@@ -108,7 +110,7 @@ pub fn together<T>(write: impl FnOnce() -> Result<T>) -> Result<T> {
 /// process writing the same path), or is a symbolic link.
 pub fn write_file<T>(
     dest: &Path,
-    write: impl FnOnce(&mut BufWriter<File>) -> Result<T>,
+    write: impl FnOnce(&mut BufWriter<Paced>) -> Result<T>,
 ) -> Result<T> {
     write_file_inner(dest, true, false, write)
 }
@@ -117,7 +119,7 @@ pub fn write_file<T>(
 /// symbolic link is still refused.
 pub fn write_file_replacing<T>(
     dest: &Path,
-    write: impl FnOnce(&mut BufWriter<File>) -> Result<T>,
+    write: impl FnOnce(&mut BufWriter<Paced>) -> Result<T>,
 ) -> Result<T> {
     write_file_inner(dest, true, true, write)
 }
@@ -127,7 +129,7 @@ pub fn write_file_replacing<T>(
 /// swept, since a process id says nothing about a process of another machine.
 pub fn write_file_shared<T>(
     dest: &Path,
-    write: impl FnOnce(&mut BufWriter<File>) -> Result<T>,
+    write: impl FnOnce(&mut BufWriter<Paced>) -> Result<T>,
 ) -> Result<T> {
     write_file_inner(dest, false, true, write)
 }
@@ -136,17 +138,19 @@ fn write_file_inner<T>(
     dest: &Path,
     sweep: bool,
     replace: bool,
-    write: impl FnOnce(&mut BufWriter<File>) -> Result<T>,
+    write: impl FnOnce(&mut BufWriter<Paced>) -> Result<T>,
 ) -> Result<T> {
     refuse_link(dest)?;
     let (tmp, file) = create_temp(dest, sweep, |p| {
         OpenOptions::new().write(true).create_new(true).open(p)
     })?;
     let guard = Cleanup::file(tmp.clone());
-    let mut out = BufWriter::new(file);
+    // Its bytes go to disk while the rest is written (`writeback`), not all at the `fsync`.
+    let mut out = BufWriter::new(Paced::new(file));
     let value = write(&mut out).map_err(|e| name_full_disk(e, dest))?;
     let file = out
         .into_inner()
+        .map(Paced::into_file)
         .map_err(std::io::IntoInnerError::into_error)
         .with_context(|| {
             format!(

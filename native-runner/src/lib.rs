@@ -12,6 +12,7 @@ mod atomic;
 mod cli;
 mod convert;
 mod input;
+mod writeback;
 
 pub use app::main_with;
 

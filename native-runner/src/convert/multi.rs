@@ -8,6 +8,7 @@ use anyhow::{Context, Result};
 
 use crate::atomic;
 use crate::input::Input;
+use crate::writeback::Paced;
 
 use super::WriteOptions;
 use super::part;
@@ -62,7 +63,7 @@ pub(super) fn write_multi(
             let path = tmp.join(name);
             let f =
                 File::create(&path).with_context(|| format!("cannot create {}", path.display()))?;
-            let mut out = BufWriter::new(f);
+            let mut out = BufWriter::new(Paced::new(f));
             records.push(write_one(i, &mut out)?);
             out.flush()
                 .with_context(|| format!("cannot write {}", path.display()))?;

@@ -30,6 +30,7 @@ use shardscope_core::transform::optim_state::{StateRun, local_optim_from_full, l
 use shardscope_runner::fsdp1_local::{Fsdp1LocalError, lazy};
 
 use super::Reader;
+use crate::writeback::Paced;
 
 /// The destination: its layout, and the file names (`{r}` for the rank).
 pub struct Fsdp1Target<'a> {
@@ -614,13 +615,15 @@ pub(super) fn fill_at<'f>(
 pub(super) fn write_file(
     dir: &Path,
     name: String,
-    write: impl FnOnce(BufWriter<File>) -> std::result::Result<BufWriter<File>, Fsdp1LocalError>,
+    write: impl FnOnce(BufWriter<Paced>) -> std::result::Result<BufWriter<Paced>, Fsdp1LocalError>,
 ) -> Result<OutputFile> {
     let path = dir.join(&name);
     let file = File::create(&path).with_context(|| format!("cannot create {}", path.display()))?;
-    let out = write(BufWriter::new(file)).with_context(|| format!("writing {}", path.display()))?;
+    let out = write(BufWriter::new(Paced::new(file)))
+        .with_context(|| format!("writing {}", path.display()))?;
     let file = out
         .into_inner()
+        .map(Paced::into_file)
         .map_err(std::io::IntoInnerError::into_error)
         .with_context(|| format!("writing {}", path.display()))?;
     let bytes = file
