@@ -586,6 +586,78 @@ fn select_says_when_it_cuts_the_models_own_names() {
     assert!(!err.contains("plain prefix"), "{err}");
 }
 
+/// `diff --select` and `inspect --select` warn as `convert --select` does (the same function):
+/// `inspect` lists the keys with the prefix removed and names what it left out; `diff` names the
+/// side whose model tensors were not compared, and says nothing when the other side's names let
+/// it compare them (HF's own names against the DCP app state of the same Llama).
+#[test]
+fn select_warns_in_diff_and_inspect_too() {
+    let app = fixtures().join("../app_state");
+    let merged = app.join("merged.safetensors");
+    let dcp = app.join("dcp");
+    let plain = |err: &str| err.matches("is a plain prefix").count();
+    // inspect: HF's own `model.`.
+    let (out, err) = ok(
+        &shardscope(&["inspect", s(&merged), "--select", "model", "--json"]),
+        "inspect merged --select model",
+    );
+    assert_eq!(plain(&err), 1, "{err}");
+    assert!(
+        err.contains("lm_head.weight") && err.contains("--model-only"),
+        "{err}"
+    );
+    let v: serde_json::Value = serde_json::from_str(&out).unwrap();
+    let listed: Vec<&str> = v["entries"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .map(|e| e["key"].as_str().unwrap())
+        .collect();
+    assert!(listed.contains(&"embed_tokens.weight"), "{listed:?}");
+    assert!(!listed.iter().any(|k| k.contains("lm_head")), "{listed:?}");
+    // inspect: a DCP app state's `model` is no such case; its keys lose the wrapper only.
+    let (out, err) = ok(
+        &shardscope(&["inspect", s(&dcp), "--select", "model", "--json"]),
+        "inspect dcp --select model",
+    );
+    assert_eq!(plain(&err), 0, "{err}");
+    let v: serde_json::Value = serde_json::from_str(&out).unwrap();
+    let listed: Vec<&str> = v["entries"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .map(|e| e["key"].as_str().unwrap())
+        .collect();
+    assert!(
+        listed.contains(&"lm_head.weight") && listed.contains(&"model.embed_tokens.weight"),
+        "{listed:?}"
+    );
+    // inspect: a prefix nothing starts with is an error naming the top-level keys.
+    let res = shardscope(&["inspect", s(&dcp), "--select", "nothing"]);
+    assert_eq!(res.status.code(), Some(2), "{res:?}");
+    let err = String::from_utf8_lossy(&res.stderr);
+    assert!(err.contains("no key starts with `nothing.`"), "{err}");
+    // diff: HF against itself, `model.` stripped on both sides: lm_head.weight compared nowhere.
+    let (out, err) = ok(
+        &shardscope(&["diff", s(&merged), s(&merged), "--select", "model"]),
+        "diff merged merged --select model",
+    );
+    assert_eq!(plain(&err), 1, "{err}");
+    assert!(
+        err.contains(&format!("own names in {}", merged.display()))
+            && err.contains("lm_head.weight"),
+        "{err}"
+    );
+    assert!(!out.contains("lm_head"), "{out}");
+    // diff: HF against the DCP app state: HF's names kept whole, lm_head.weight compared.
+    let (out, err) = ok(
+        &shardscope(&["diff", s(&merged), s(&dcp), "--select", "model"]),
+        "diff merged dcp --select model",
+    );
+    assert_eq!(plain(&err), 0, "{err}");
+    assert!(out.contains("0 missing"), "{out}");
+}
+
 /// Megatron-core's `torch_dist` checkpoint, written by `dist_checkpointing.save` itself
 /// (`gen_megatron.py`: row- and column-parallel weights, bf16, `common.pt`, `metadata.json`):
 /// `inspect` names it and lists `common.pt`'s state; `.pt` and safetensors conversions hold
