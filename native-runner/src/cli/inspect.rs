@@ -154,12 +154,7 @@ pub fn run(args: &InspectArgs) -> anyhow::Result<ExitCode> {
     let written_by = checkpoint.written_by.clone();
     let mut idx = checkpoint.index;
     let problems = idx.check();
-    if let Some(prefix) = args.select.as_deref() {
-        select_prefix(&mut idx, prefix)?;
-    }
-    if let Some(re) = &filter {
-        idx.entries.retain(|e| re.is_match(&e.key));
-    }
+    narrow(&mut idx, args.select.as_deref(), filter.as_ref())?;
     let mut stats: BTreeMap<String, ValueStats> = BTreeMap::new();
     if args.values {
         idx.decode_bytes_values(&source)
@@ -234,6 +229,21 @@ pub fn run(args: &InspectArgs) -> anyhow::Result<ExitCode> {
     Ok(ExitCode::from(2))
 }
 
+/// `--select` then `--filter`.
+fn narrow(
+    idx: &mut CheckpointIndex,
+    select: Option<&str>,
+    filter: Option<&Regex>,
+) -> anyhow::Result<()> {
+    if let Some(prefix) = select {
+        select_prefix(idx, prefix)?;
+    }
+    if let Some(re) = filter {
+        idx.entries.retain(|e| re.is_match(&e.key));
+    }
+    Ok(())
+}
+
 /// `--select PREFIX`: keeps the entries `convert --select PREFIX` takes (keys starting with
 /// `PREFIX.`), with `PREFIX.` removed from their keys (and from their paths where it is whole path
 /// segments), and warns as `convert` does when model tensors are left out.
@@ -263,15 +273,11 @@ fn select_prefix(idx: &mut CheckpointIndex, prefix: &str) -> anyhow::Result<()> 
     }
     let entries = std::mem::take(&mut idx.entries);
     for mut e in entries {
-        let Some(rest) = e
-            .key
-            .strip_prefix(prefix)
-            .and_then(|r| r.strip_prefix('.'))
-            .filter(|r| !r.is_empty())
-        else {
+        if !under(&e.key) {
             continue;
-        };
-        e.key = rest.to_owned();
+        }
+        // `PREFIX.` (ASCII `.`: a character boundary).
+        e.key.replace_range(..=prefix.len(), "");
         // The path loses the segments that spell `PREFIX`, or `PREFIX.` from a first segment that
         // holds dots itself (a safetensors name is one segment).
         let mut spelled = String::new();

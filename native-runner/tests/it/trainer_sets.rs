@@ -792,8 +792,7 @@ fn copy_tree(src: &Path, dst: &Path) {
 /// torch_checkpointing's JSON and raw items (`tc_raw`, written by the library: `train_state` as
 /// `train_state_{rank}.json`, `dataloader` as `dataloader/rank_{rank}.bin`, bytes that differ by
 /// rank): listed as values; a `.pt` holds them as the library's own load returns them on each rank
-/// (bytes, a list by rank); safetensors leaves the bytes out and says so; `diff` sees a byte
-/// changed past the part it shows; damaged or oversized items are errors naming the file.
+/// (bytes, a list by rank); safetensors leaves the bytes out and says so.
 #[test]
 fn torch_checkpointing_json_and_raw_items_are_values() {
     let dir = fixtures().join("tc_raw");
@@ -886,8 +885,14 @@ print("OK")
     let meta = header["__metadata__"].as_object().unwrap();
     assert!(!meta.keys().any(|k| k.contains("dataloader")), "{meta:?}");
     assert_eq!(meta["train_state.step"], "1");
+}
 
-    // A byte changed past the shown part of rank 1's loader state: diff sees it.
+/// tc_raw's items changed or damaged: `diff` sees a byte changed past the part of a raw item it
+/// shows; a JSON item that is not JSON and a raw item over the cap are errors naming the file.
+#[test]
+fn torch_checkpointing_value_items_changed_or_damaged() {
+    let dir = fixtures().join("tc_raw");
+    let tmp = tempfile::tempdir().unwrap();
     let changed = tmp.path().join("changed");
     copy_tree(&dir, &changed);
     let file = changed.join("dataloader/rank_1.bin");

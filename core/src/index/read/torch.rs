@@ -1,6 +1,7 @@
 //! `torch.save` files (one or per-rank sets) into a [`CheckpointIndex`].
 
 use std::collections::{BTreeMap, BTreeSet, HashMap};
+use std::fmt::Write as _;
 
 use crate::formats::pickle::{Placement, PyValue, TensorRef};
 use crate::formats::torch_zip;
@@ -107,7 +108,10 @@ pub fn latin1_bytes(o: &crate::formats::pickle::PyObject) -> Option<Vec<u8>> {
 /// and start still differ when their bytes do.
 pub fn bytes_text(b: &[u8]) -> String {
     const SHOWN: usize = 32;
-    let hex: String = b.iter().take(SHOWN).map(|x| format!("{x:02x}")).collect();
+    let hex = b.iter().take(SHOWN).fold(String::new(), |mut h, x| {
+        let _ = write!(h, "{x:02x}");
+        h
+    });
     if b.len() <= SHOWN {
         return format!("<{} bytes: {hex}>", b.len());
     }

@@ -635,8 +635,30 @@ pub fn index_torch_checkpointing(
         ));
         parts.push((class, item.clone(), index));
     }
-    // Items without metadata: per-rank torch.save sets by the default naming (or in a folder of
-    // their own), and the JSON and raw items.
+    index_other_items(source, &names, &claimed, &mut parts, &mut sets)?;
+    let order = parts
+        .iter()
+        .filter(|(class, _, _)| *class == "optim")
+        .map(|(_, _, index)| flattened_param_order(index))
+        .find(|o| !o.is_empty())
+        .unwrap_or_default();
+    if !order.is_empty() {
+        for at in unordered {
+            order_like(&mut parts[at].2, &order);
+        }
+    }
+    Ok(Some((merge_sets(parts), sets)))
+}
+
+/// The items `metadata.pkl` does not describe: per-rank `torch.save` sets by the default naming
+/// (or in a folder of their own), and the JSON and raw items; every file not `claimed`.
+fn index_other_items(
+    source: &dyn Source,
+    names: &BTreeSet<String>,
+    claimed: &BTreeSet<String>,
+    parts: &mut Vec<(&'static str, String, CheckpointIndex)>,
+    sets: &mut Vec<ReadSet>,
+) -> Result<(), IndexError> {
     let hidden = |n: &str| n.split('/').any(|c| c.starts_with('.'));
     let rest: Vec<&String> = names
         .iter()
@@ -659,18 +681,7 @@ pub fn index_torch_checkpointing(
         parts.push((class, item_name(&group), index));
         sets.push((group, class));
     }
-    let order = parts
-        .iter()
-        .filter(|(class, _, _)| *class == "optim")
-        .map(|(_, _, index)| flattened_param_order(index))
-        .find(|o| !o.is_empty())
-        .unwrap_or_default();
-    if !order.is_empty() {
-        for at in unordered {
-            order_like(&mut parts[at].2, &order);
-        }
-    }
-    Ok(Some((merge_sets(parts), sets)))
+    Ok(())
 }
 
 #[cfg(test)]
