@@ -323,12 +323,13 @@ fn index_safetensors_item(
     })
 }
 
-/// A JSON item: one file's value, shown as values.
+/// A JSON item: one file's value, shown as values (read whole, at most
+/// [`MAX_VALUE_ITEM_BYTES`]).
 pub(crate) fn index_json_item(
     source: &dyn Source,
     file: &str,
 ) -> Result<CheckpointIndex, IndexError> {
-    let bytes = source.read_all(file)?;
+    let bytes = read_value_file(source, file)?;
     let value: Value = serde_json::from_slice(&bytes).map_err(|e| IndexError::Inconsistent {
         file: file.to_owned(),
         what: format!("not JSON: {e}"),
@@ -451,10 +452,8 @@ fn value_entry(value: Value, object: Option<pickle::PyValue>) -> IndexEntry {
 fn index_value_item(
     source: &dyn Source,
     files: &[(String, Option<u32>)],
+    json: bool,
 ) -> Result<CheckpointIndex, IndexError> {
-    let json = files
-        .iter()
-        .all(|(f, _)| crate::index::names::file_ext(f) == "json");
     let mut infos = BTreeMap::new();
     let mut contents: Vec<(Option<u32>, Vec<u8>)> = Vec::with_capacity(files.len());
     for (file, rank) in files {
@@ -614,10 +613,17 @@ pub fn index_torch_checkpointing(
                     .map(|(f, r)| (f.clone(), Some(*r)))
                     .collect::<Vec<_>>(),
             )?,
-            ["JsonSerialization"] => index_json_item(source, &ranked[0].0)?,
+            [format @ ("JsonSerialization" | "RawSerialization")] => index_value_item(
+                source,
+                &ranked
+                    .iter()
+                    .map(|(f, r)| (f.clone(), Some(*r)))
+                    .collect::<Vec<_>>(),
+                *format == "JsonSerialization",
+            )?,
             other => {
                 return Err(bad(format!(
-                    "item `{item}`: serialization {other:?} is not read (torch.save, safetensors and JSON items are)"
+                    "item `{item}`: serialization {other:?} is not read (torch.save, safetensors, JSON and raw items are, one serialization per item)"
                 )));
             }
         };
@@ -676,7 +682,11 @@ fn index_other_items(
         sets.push((group, class));
     }
     for group in group_rank_files(&values) {
-        let index = index_value_item(source, &group.files)?;
+        let json = group
+            .files
+            .iter()
+            .all(|(f, _)| crate::index::names::file_ext(f) == "json");
+        let index = index_value_item(source, &group.files, json)?;
         let class = set_class(&index, &group.pattern);
         parts.push((class, item_name(&group), index));
         sets.push((group, class));
@@ -699,6 +709,90 @@ mod tests {
         assert_eq!(coordinate(&g, 2), Some(vec![1, 0]));
         assert_eq!(coordinate(&g, 3), Some(vec![1, 1]));
         assert_eq!(coordinate(&g, 4), None);
+    }
+
+    fn scalar(key: &str, position: u64) -> IndexEntry {
+        let mut e = value_entry(Value::Null, None);
+        e.key = key.to_owned();
+        e.position = Some(position);
+        e
+    }
+
+    fn index_of(entries: Vec<IndexEntry>) -> CheckpointIndex {
+        CheckpointIndex {
+            format: crate::index::Format::TorchSave,
+            kind: CheckpointKind::Plain,
+            has_optimizer_state: false,
+            entries,
+            files: BTreeMap::new(),
+            dcp: None,
+        }
+    }
+
+    #[test]
+    fn flattened_optimizer_gives_the_parameter_order() {
+        // Stored order: by position, not by key.
+        let optim = index_of(vec![
+            scalar("state.b.w.exp_avg", 2),
+            scalar("param_groups.b.w.lr", 4),
+            scalar("state.a.exp_avg", 0),
+            scalar("param_groups.a.lr", 3),
+            scalar("param_groups.a.eps", 5),
+        ]);
+        // `param_groups` names every parameter (state only those that have some): it decides.
+        assert_eq!(flattened_param_order(&optim), vec!["a", "b.w"]);
+        let state_only = index_of(vec![scalar("state.z.step", 0), scalar("state.y.step", 1)]);
+        assert_eq!(flattened_param_order(&state_only), vec!["z", "y"]);
+        assert!(flattened_param_order(&index_of(vec![scalar("w", 0)])).is_empty());
+        // Keys the order lacks follow, by name.
+        let mut model = index_of(vec![
+            scalar("a", 0),
+            scalar("b.w", 1),
+            scalar("buf2", 2),
+            scalar("buf1", 3),
+        ]);
+        order_like(&mut model, &["b.w".to_owned(), "a".to_owned()]);
+        let at: Vec<(&str, Option<u64>)> = model
+            .entries
+            .iter()
+            .map(|e| (e.key.as_str(), e.position))
+            .collect();
+        assert_eq!(
+            at,
+            vec![
+                ("a", Some(1)),
+                ("b.w", Some(0)),
+                ("buf2", Some(3)),
+                ("buf1", Some(2))
+            ]
+        );
+    }
+
+    #[test]
+    fn value_items_are_named_by_file_or_folder() {
+        let group = |pattern: &str, file: &str| RankGroup {
+            pattern: pattern.to_owned(),
+            files: vec![(file.to_owned(), Some(0))],
+        };
+        assert_eq!(
+            item_name(&group("train_state_{R}.json", "train_state_0.json")),
+            "train_state"
+        );
+        assert_eq!(
+            item_name(&group("rank_{R}.bin", "dataloader/rank_0.bin")),
+            "dataloader"
+        );
+    }
+
+    #[test]
+    fn bytes_are_shown_with_a_digest_past_their_start() {
+        use crate::index::read::torch::bytes_text;
+        assert_eq!(bytes_text(b"\x00\xff"), "<2 bytes: 00ff>");
+        let a = bytes_text(&[7u8; 40]);
+        let mut other = [7u8; 40];
+        other[39] = 8;
+        assert!(a.starts_with("<40 bytes: 0707"), "{a}");
+        assert_ne!(a, bytes_text(&other));
     }
 
     #[test]
