@@ -256,9 +256,10 @@ fn ambiguity(sets: &[FileSet]) -> Option<String> {
 /// For a folder of `torch.save` files only, with some at its top level and some in subfolders: the
 /// top-level names and the nested ones.
 fn top_level_torch(names: &[String]) -> Option<(Vec<String>, Vec<String>)> {
+    // A torch_checkpointing folder (`metadata.pkl`) reads itself: its subfolders hold its items.
     let other = names
         .iter()
-        .any(|n| n.ends_with(".metadata") || n.ends_with(".safetensors"));
+        .any(|n| n.ends_with(".metadata") || n.ends_with(".safetensors") || n == "metadata.pkl");
     let (nested, top): (Vec<String>, Vec<String>) = names
         .iter()
         .filter(|n| index::is_torch_file(n))

@@ -25,7 +25,7 @@ pub use names::{RankGroup, RankedFiles, group_rank_files, is_torch_file, rank_fr
 pub use read::dcp::index_dcp;
 use read::safetensors::index_safetensors;
 pub use read::sets::{EXTRA_KEYS, index_torch_groups, index_torch_sets, set_class, set_item};
-pub use read::torch::{index_torch_files, index_torch_files_ranked, json_of};
+pub use read::torch::{index_torch_files, index_torch_files_ranked, json_of, latin1_bytes};
 pub use stats::ValueStats;
 pub use types::{
     CheckpointIndex, CheckpointKind, Chunk, ChunkEncoding, DcpFacts, EntryKind, FileInfo, Format,

@@ -398,6 +398,18 @@ const MAX_COMPANION_BYTES: u64 = 1 << 30;
 /// Tied names of a safetensors output: `(kept, dropped)`.
 type Untied = Vec<(String, String)>;
 
+/// Whether a value read from a checkpoint is or holds Python `bytes`.
+fn holds_bytes(v: &shardscope_core::formats::pickle::PyValue) -> bool {
+    use shardscope_core::formats::pickle::PyValue as V;
+    match v {
+        V::Bytes(_) => true,
+        V::Object(o) => shardscope_core::index::latin1_bytes(o).is_some(),
+        V::Tuple(items) | V::List(items) | V::Set(items) => items.iter().any(holds_bytes),
+        V::Dict(items) => items.iter().any(|(k, v)| holds_bytes(k) || holds_bytes(v)),
+        _ => false,
+    }
+}
+
 /// Writes `args.output` from the prepared checkpoint, with a progress bar on a terminal.
 fn write_index(
     args: &ConvertArgs,
@@ -410,6 +422,20 @@ fn write_index(
     let opts = write_options(args, dir_output)?;
     let mut sel = convert::select(index, output.select.as_deref())?;
     sel.cast = args.dtype;
+    // safetensors metadata is text: a `bytes` value (a raw item) would be its description only.
+    if target == Target::Safetensors {
+        let (bytes, kept): (Vec<_>, Vec<_>) = std::mem::take(&mut sel.values)
+            .into_iter()
+            .partition(|(_, e)| e.object.as_deref().is_some_and(holds_bytes));
+        sel.values = kept;
+        if !bytes.is_empty() && !args.quiet && !args.json {
+            let names: Vec<&str> = bytes.iter().map(|(_, e)| e.key.as_str()).collect();
+            eprintln!(
+                "note: {} holds bytes (a raw item): not written, as safetensors metadata holds text; a .pt output keeps it",
+                names.join(", ")
+            );
+        }
+    }
     // safetensors cannot share storage: one copy of a tied weight, as `save_pretrained` writes.
     let untied = if target == Target::Safetensors && !args.keep_tied {
         convert::drop_tied(source, index, &mut sel)?

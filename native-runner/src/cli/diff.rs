@@ -109,6 +109,29 @@ pub fn run(args: &DiffArgs) -> anyhow::Result<ExitCode> {
         &options,
         &mut |done, total, key| progress.update(done, total, key),
     );
+    // `--select` is a plain prefix: a side it was stripped from leaves out the model tensors
+    // outside it, unless the other side has them under the same names (then they are compared).
+    if let Some(prefix) = args.select.as_deref() {
+        let mut warnings: Vec<String> = Vec::new();
+        for (index, label) in [(&left_index, &left_label), (&right_index, &right_label)] {
+            let left_out: Vec<&str> = crate::convert::own_prefix_left_out(index, prefix)
+                .into_iter()
+                .filter(|k| !report.entries.contains_key(*k))
+                .collect();
+            if !left_out.is_empty() {
+                warnings.push(crate::convert::own_prefix_warning(
+                    prefix,
+                    &left_out,
+                    Some(label),
+                ));
+            }
+        }
+        // A checkpoint compared with itself: one warning.
+        warnings.dedup();
+        for w in &warnings {
+            eprintln!("{w}");
+        }
+    }
     if args.json {
         print_stdout(&report.to_json())?;
     } else {

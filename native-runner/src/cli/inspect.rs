@@ -29,6 +29,11 @@ pub struct InspectArgs {
     /// Only keys matching this regular expression.
     #[arg(long, value_name = "REGEX")]
     pub filter: Option<String>,
+    /// Only keys under PREFIX (`PREFIX.` starts them), shown with `PREFIX.` removed, as
+    /// `convert --select PREFIX` writes them: a plain prefix, which says when it leaves out model
+    /// tensors (PREFIX starting the model's own names, HF's `model.` beside `lm_head.weight`).
+    #[arg(long, value_name = "PREFIX")]
+    pub select: Option<String>,
     /// Read the values: per-tensor min, max, mean, NaN and inf counts; decoded non-tensor values.
     #[arg(long)]
     pub values: bool,
@@ -149,9 +154,7 @@ pub fn run(args: &InspectArgs) -> anyhow::Result<ExitCode> {
     let written_by = checkpoint.written_by.clone();
     let mut idx = checkpoint.index;
     let problems = idx.check();
-    if let Some(re) = &filter {
-        idx.entries.retain(|e| re.is_match(&e.key));
-    }
+    narrow(&mut idx, args.select.as_deref(), filter.as_ref())?;
     let mut stats: BTreeMap<String, ValueStats> = BTreeMap::new();
     if args.values {
         idx.decode_bytes_values(&source)
@@ -224,6 +227,83 @@ pub fn run(args: &InspectArgs) -> anyhow::Result<ExitCode> {
     }
     eprint!("{err}");
     Ok(ExitCode::from(2))
+}
+
+/// `--select` then `--filter`.
+fn narrow(
+    idx: &mut CheckpointIndex,
+    select: Option<&str>,
+    filter: Option<&Regex>,
+) -> anyhow::Result<()> {
+    if let Some(prefix) = select {
+        select_prefix(idx, prefix)?;
+    }
+    if let Some(re) = filter {
+        idx.entries.retain(|e| re.is_match(&e.key));
+    }
+    Ok(())
+}
+
+/// `--select PREFIX`: keeps the entries `convert --select PREFIX` takes (keys starting with
+/// `PREFIX.`), with `PREFIX.` removed from their keys (and from their paths where it is whole path
+/// segments), and warns as `convert` does when model tensors are left out.
+fn select_prefix(idx: &mut CheckpointIndex, prefix: &str) -> anyhow::Result<()> {
+    let left_out = crate::convert::own_prefix_left_out(idx, prefix);
+    if !left_out.is_empty() {
+        eprintln!(
+            "{}",
+            crate::convert::own_prefix_warning(prefix, &left_out, None)
+        );
+    }
+    let under = |k: &str| {
+        k.strip_prefix(prefix)
+            .and_then(|r| r.strip_prefix('.'))
+            .is_some_and(|r| !r.is_empty())
+    };
+    if !idx.entries.iter().any(|e| under(&e.key)) {
+        let tops: std::collections::BTreeSet<String> = idx
+            .entries
+            .iter()
+            .filter_map(|e| e.path.first().map(ToString::to_string))
+            .collect();
+        anyhow::bail!(
+            "--select {prefix}: no key starts with `{prefix}.`\nhint: top-level keys are: {}",
+            tops.into_iter().collect::<Vec<_>>().join(", ")
+        );
+    }
+    let entries = std::mem::take(&mut idx.entries);
+    for mut e in entries {
+        if !under(&e.key) {
+            continue;
+        }
+        // `PREFIX.` (ASCII `.`: a character boundary).
+        e.key.replace_range(..=prefix.len(), "");
+        // The path loses the segments that spell `PREFIX`, or `PREFIX.` from a first segment that
+        // holds dots itself (a safetensors name is one segment).
+        let mut spelled = String::new();
+        let mut whole = None;
+        for (n, seg) in e.path.iter().enumerate() {
+            if !spelled.is_empty() {
+                spelled.push('.');
+            }
+            spelled.push_str(&seg.to_string());
+            if spelled == prefix {
+                whole = Some(n);
+            }
+            if spelled.len() >= prefix.len() {
+                break;
+            }
+        }
+        if let Some(n) = whole {
+            e.path.drain(..=n);
+        } else if let Some(index::PathSeg::Key(first)) = e.path.first_mut()
+            && let Some(r) = first.strip_prefix(prefix).and_then(|r| r.strip_prefix('.'))
+        {
+            *first = r.to_owned();
+        }
+        idx.entries.push(e);
+    }
+    Ok(())
 }
 
 /// The file and rank when the checkpoint is one file holding one rank's shards (a per-rank file

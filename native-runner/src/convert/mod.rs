@@ -48,7 +48,7 @@ use anyhow::{Result, bail};
 use shardscope_core::index::CheckpointIndex;
 
 pub use reader::{Reader, read_cost_bytes, tensor_meta};
-pub use select::{drop_tied, select};
+pub use select::{drop_tied, own_prefix_left_out, own_prefix_warning, select};
 pub use to_dcp::{ShardApi, to_dcp};
 pub use to_safetensors::to_safetensors;
 pub use to_torch_save::to_torch_save;

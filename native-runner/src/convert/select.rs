@@ -88,10 +88,11 @@ pub fn select<'a>(index: &'a CheckpointIndex, prefix: Option<&str>) -> Result<Se
 
 /// `--select PREFIX` is a plain prefix: when `PREFIX` is not an app-state key but the start of the
 /// model's own names (HF's `model.embed_tokens.weight` beside `lm_head.weight`), the model tensors
-/// outside it are left out; say so, with `--model-only` as the way to take the model part.
-fn warn_own_prefix(index: &CheckpointIndex, prefix: &str) {
-    if shardscope_core::checkpoint::app_state_prefix(index) == Some(prefix) {
-        return;
+/// outside it are left out. The keys of those tensors (none when `PREFIX` is an app-state key, or
+/// selects no model tensor): what [`own_prefix_warning`] names.
+pub fn own_prefix_left_out<'a>(index: &'a CheckpointIndex, prefix: &str) -> Vec<&'a str> {
+    if shardscope_core::checkpoint::app_state_prefix(index).is_some() {
+        return Vec::new();
     }
     let under = |k: &str| k.strip_prefix(prefix).is_some_and(|r| r.starts_with('.'));
     let model_tensor = |e: &&IndexEntry| shardscope_core::checkpoint::is_model_tensor(e);
@@ -100,26 +101,42 @@ fn warn_own_prefix(index: &CheckpointIndex, prefix: &str) {
         .iter()
         .filter(model_tensor)
         .any(|e| under(&e.key));
-    let left_out: Vec<&str> = index
+    if !selects_model {
+        return Vec::new();
+    }
+    index
         .entries
         .iter()
         .filter(model_tensor)
         .filter(|e| !under(&e.key))
         .map(|e| e.key.as_str())
-        .collect();
-    let model_of_own = shardscope_core::checkpoint::app_state_prefix(index).is_none();
-    if model_of_own && selects_model && !left_out.is_empty() {
-        let shown: Vec<&str> = left_out.iter().take(4).copied().collect();
-        eprintln!(
-            "warning: --select {prefix} is a plain prefix: `{prefix}.` starts this model's own names, and {} model tensor(s) outside it are left out ({}{})\nhint: --model-only takes the model part with its own names",
-            left_out.len(),
-            shown.join(", "),
-            if left_out.len() > shown.len() {
-                ", …"
-            } else {
-                ""
-            }
-        );
+        .collect()
+}
+
+/// The warning `convert`, `diff` and `inspect` print when `--select PREFIX` leaves out model
+/// tensors `left_out` ([`own_prefix_left_out`]) of `label` (a `diff` side; `None`: the one input).
+pub fn own_prefix_warning(prefix: &str, left_out: &[&str], label: Option<&str>) -> String {
+    let shown: Vec<&str> = left_out.iter().take(4).copied().collect();
+    format!(
+        "warning: --select {prefix} is a plain prefix: `{prefix}.` starts {}, and {} model tensor(s) outside it are left out ({}{})\nhint: --model-only takes the model part with its own names",
+        label.map_or_else(
+            || "this model's own names".to_owned(),
+            |l| format!("the model's own names in {l}")
+        ),
+        left_out.len(),
+        shown.join(", "),
+        if left_out.len() > shown.len() {
+            ", …"
+        } else {
+            ""
+        }
+    )
+}
+
+fn warn_own_prefix(index: &CheckpointIndex, prefix: &str) {
+    let left_out = own_prefix_left_out(index, prefix);
+    if !left_out.is_empty() {
+        eprintln!("{}", own_prefix_warning(prefix, &left_out, None));
     }
 }
 

@@ -140,7 +140,8 @@ print("OK")
 
 /// torch_checkpointing with the model item as safetensors (`model/shard_{rank}.safetensors`:
 /// each rank's local slice, the global geometry only in `metadata.pkl`): placed as DTensor places
-/// them, equal to torch's full state dicts (safetensors keeps no key order: compared by key).
+/// them, equal to torch's full state dicts and to what the library's own load returns, key order
+/// included (safetensors headers are sorted: the order comes from the flattened optimizer item).
 #[test]
 fn torch_checkpointing_safetensors_items_read_through_metadata_pkl() {
     let tmp = tempfile::tempdir().unwrap();
@@ -156,16 +157,33 @@ fn torch_checkpointing_safetensors_items_read_through_metadata_pkl() {
     }
     let out = tmp.path().join("tc.pt");
     ok(&shardscope(&["convert", s(&dir), "-o", s(&out)]), "convert");
+    // Key order included: the files do not record it, the optimizer item's parameters do.
     torch_says_ok(
-        &SAME_AS_TORCH.replace(
-            "assert isinstance(b, dict) and list(a) == list(b)",
-            "assert isinstance(b, dict) and sorted(a) == sorted(b)",
-        ),
+        SAME_AS_TORCH,
         &[
             &out,
             &expected.join("tc_full_model.pt"),
             &expected.join("tc_full_optim.pt"),
         ],
+    );
+    // The library's own load of the item into the model's state dict (generator): the same keys
+    // in the same order, the same tensors; from the whole folder and with --model-only.
+    let only = tmp.path().join("model.pt");
+    ok(
+        &shardscope(&["convert", s(&dir), "--model-only", "-o", s(&only), "-q"]),
+        "convert --model-only",
+    );
+    torch_says_ok(
+        r#"
+import sys, torch
+loaded = torch.load(sys.argv[1], weights_only=True)
+for got in (torch.load(sys.argv[2], weights_only=True)["model"], torch.load(sys.argv[3], weights_only=True)):
+    assert list(got) == list(loaded), (list(got)[:4], list(loaded)[:4])
+    for k, v in loaded.items():
+        assert got[k].dtype == v.dtype and torch.equal(got[k], v), k
+print("OK")
+"#,
+        &[&expected.join("tc_safetensors_loaded.pt"), &out, &only],
     );
     // A slice that does not fit its global shape, or a missing item file: errors naming the file.
     let broken = tmp.path().join("broken");
@@ -586,6 +604,78 @@ fn select_says_when_it_cuts_the_models_own_names() {
     assert!(!err.contains("plain prefix"), "{err}");
 }
 
+/// `diff --select` and `inspect --select` warn as `convert --select` does (the same function):
+/// `inspect` lists the keys with the prefix removed and names what it left out; `diff` names the
+/// side whose model tensors were not compared, and says nothing when the other side's names let
+/// it compare them (HF's own names against the DCP app state of the same Llama).
+#[test]
+fn select_warns_in_diff_and_inspect_too() {
+    let app = fixtures().join("../app_state");
+    let merged = app.join("merged.safetensors");
+    let dcp = app.join("dcp");
+    let plain = |err: &str| err.matches("is a plain prefix").count();
+    // inspect: HF's own `model.`.
+    let (out, err) = ok(
+        &shardscope(&["inspect", s(&merged), "--select", "model", "--json"]),
+        "inspect merged --select model",
+    );
+    assert_eq!(plain(&err), 1, "{err}");
+    assert!(
+        err.contains("lm_head.weight") && err.contains("--model-only"),
+        "{err}"
+    );
+    let v: serde_json::Value = serde_json::from_str(&out).unwrap();
+    let listed: Vec<&str> = v["entries"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .map(|e| e["key"].as_str().unwrap())
+        .collect();
+    assert!(listed.contains(&"embed_tokens.weight"), "{listed:?}");
+    assert!(!listed.iter().any(|k| k.contains("lm_head")), "{listed:?}");
+    // inspect: a DCP app state's `model` is no such case; its keys lose the wrapper only.
+    let (out, err) = ok(
+        &shardscope(&["inspect", s(&dcp), "--select", "model", "--json"]),
+        "inspect dcp --select model",
+    );
+    assert_eq!(plain(&err), 0, "{err}");
+    let v: serde_json::Value = serde_json::from_str(&out).unwrap();
+    let listed: Vec<&str> = v["entries"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .map(|e| e["key"].as_str().unwrap())
+        .collect();
+    assert!(
+        listed.contains(&"lm_head.weight") && listed.contains(&"model.embed_tokens.weight"),
+        "{listed:?}"
+    );
+    // inspect: a prefix nothing starts with is an error naming the top-level keys.
+    let res = shardscope(&["inspect", s(&dcp), "--select", "nothing"]);
+    assert_eq!(res.status.code(), Some(2), "{res:?}");
+    let err = String::from_utf8_lossy(&res.stderr);
+    assert!(err.contains("no key starts with `nothing.`"), "{err}");
+    // diff: HF against itself, `model.` stripped on both sides: lm_head.weight compared nowhere.
+    let (out, err) = ok(
+        &shardscope(&["diff", s(&merged), s(&merged), "--select", "model"]),
+        "diff merged merged --select model",
+    );
+    assert_eq!(plain(&err), 1, "{err}");
+    assert!(
+        err.contains(&format!("own names in {}", merged.display()))
+            && err.contains("lm_head.weight"),
+        "{err}"
+    );
+    assert!(!out.contains("lm_head"), "{out}");
+    // diff: HF against the DCP app state: HF's names kept whole, lm_head.weight compared.
+    let (out, err) = ok(
+        &shardscope(&["diff", s(&merged), s(&dcp), "--select", "model"]),
+        "diff merged dcp --select model",
+    );
+    assert_eq!(plain(&err), 0, "{err}");
+    assert!(out.contains("0 missing"), "{out}");
+}
+
 /// Megatron-core's `torch_dist` checkpoint, written by `dist_checkpointing.save` itself
 /// (`gen_megatron.py`: row- and column-parallel weights, bf16, `common.pt`, `metadata.json`):
 /// `inspect` names it and lists `common.pt`'s state; `.pt` and safetensors conversions hold
@@ -682,5 +772,166 @@ assert got["common"]["iteration"] == common["iteration"] and got["common"]["args
 print("OK")
 "#,
         &[&loaded, &expected, &common],
+    );
+}
+
+/// Copies `src` (files and folders) to `dst`.
+fn copy_tree(src: &Path, dst: &Path) {
+    std::fs::create_dir_all(dst).unwrap();
+    for entry in std::fs::read_dir(src).unwrap() {
+        let entry = entry.unwrap();
+        let to = dst.join(entry.file_name());
+        if entry.file_type().unwrap().is_dir() {
+            copy_tree(&entry.path(), &to);
+        } else {
+            std::fs::copy(entry.path(), to).unwrap();
+        }
+    }
+}
+
+/// torch_checkpointing's JSON and raw items (`tc_raw`, written by the library: `train_state` as
+/// `train_state_{rank}.json`, `dataloader` as `dataloader/rank_{rank}.bin`, bytes that differ by
+/// rank): listed as values; a `.pt` holds them as the library's own load returns them on each rank
+/// (bytes, a list by rank); safetensors leaves the bytes out and says so.
+#[test]
+fn torch_checkpointing_json_and_raw_items_are_values() {
+    let dir = fixtures().join("tc_raw");
+    let expected = fixtures().join("expected");
+    let tmp = tempfile::tempdir().unwrap();
+    let (out, _) = ok(&shardscope(&["inspect", s(&dir), "--json"]), "inspect");
+    let v: serde_json::Value = serde_json::from_str(&out).unwrap();
+    let entry = |key: &str| {
+        v["entries"]
+            .as_array()
+            .unwrap()
+            .iter()
+            .find(|e| e["key"] == key)
+            .cloned()
+            .unwrap_or_else(|| panic!("no {key}"))
+    };
+    let sizes: Vec<u64> = (0..2)
+        .map(|r| {
+            std::fs::metadata(dir.join(format!("dataloader/rank_{r}.bin")))
+                .unwrap()
+                .len()
+        })
+        .collect();
+    let loader = entry("extra.dataloader");
+    assert_eq!(loader["kind"], "scalar", "{loader:#}");
+    for (r, size) in sizes.iter().enumerate() {
+        let text = loader["value"][r].as_str().unwrap();
+        assert!(text.starts_with(&format!("<{size} bytes: 8004")), "{text}");
+    }
+    assert_eq!(entry("extra.train_state.ntokens_seen")["value"], 20);
+    // Every item file is accounted for (JSON and raw items included; all but metadata.pkl).
+    assert_eq!(v["summary"]["files"], 12, "{:#}", v["summary"]);
+    assert!(
+        v["files"]["dataloader/rank_1.bin"].is_object(),
+        "{:#}",
+        v["files"]
+    );
+
+    // .pt: the library's own per-rank loads (generator), bytes kept as bytes.
+    let pt = tmp.path().join("extra.pt");
+    ok(
+        &shardscope(&["convert", s(&dir), "--select", "extra", "-o", s(&pt), "-q"]),
+        "convert --select extra -o .pt",
+    );
+    torch_says_ok(
+        r#"
+import sys, torch
+got = torch.load(sys.argv[1], weights_only=True)
+want = torch.load(sys.argv[2], weights_only=True)
+assert all(type(b) is bytes for b in got["dataloader"]), got["dataloader"]
+assert got["dataloader"] == want["dataloader"], (got["dataloader"], want["dataloader"])
+assert all(got["train_state"] == t for t in want["train_state"]), (got["train_state"], want)
+print("OK")
+"#,
+        &[&pt, &expected.join("tc_raw_items.pt")],
+    );
+    let (out, _) = ok(
+        &shardscope(&["diff", s(&dir), s(&pt), "--select", "extra"]),
+        "diff against the .pt",
+    );
+    assert!(out.contains("0 mismatch"), "{out}");
+    // The model and optimizer still equal torch's full state dicts.
+    let full = tmp.path().join("full.pt");
+    ok(
+        &shardscope(&["convert", s(&dir), "-o", s(&full), "-q"]),
+        "convert -o full.pt",
+    );
+    torch_says_ok(
+        SAME_AS_TORCH,
+        &[
+            &full,
+            &expected.join("tc_full_model.pt"),
+            &expected.join("tc_full_optim.pt"),
+        ],
+    );
+
+    // safetensors: the bytes are left out, named; the JSON values stay in the metadata.
+    let st = tmp.path().join("extra.safetensors");
+    let (_, err) = ok(
+        &shardscope(&["convert", s(&dir), "--select", "extra", "-o", s(&st)]),
+        "convert --select extra -o .safetensors",
+    );
+    assert!(
+        err.contains("extra.dataloader holds bytes") && err.contains("not written"),
+        "{err}"
+    );
+    let bytes = std::fs::read(&st).unwrap();
+    let n = usize::try_from(u64::from_le_bytes(bytes[..8].try_into().unwrap())).unwrap();
+    let header: serde_json::Value = serde_json::from_slice(&bytes[8..8 + n]).unwrap();
+    let meta = header["__metadata__"].as_object().unwrap();
+    assert!(!meta.keys().any(|k| k.contains("dataloader")), "{meta:?}");
+    assert_eq!(meta["train_state.step"], "1");
+}
+
+/// tc_raw's items changed or damaged: `diff` sees a byte changed past the part of a raw item it
+/// shows; a JSON item that is not JSON and a raw item over the cap are errors naming the file.
+#[test]
+fn torch_checkpointing_value_items_changed_or_damaged() {
+    let dir = fixtures().join("tc_raw");
+    let tmp = tempfile::tempdir().unwrap();
+    let changed = tmp.path().join("changed");
+    copy_tree(&dir, &changed);
+    let file = changed.join("dataloader/rank_1.bin");
+    let mut b = std::fs::read(&file).unwrap();
+    let last = b.len() - 3;
+    b[last] ^= 1;
+    std::fs::write(&file, b).unwrap();
+    let res = shardscope(&["diff", s(&dir), s(&changed)]);
+    assert_eq!(res.status.code(), Some(1), "{res:?}");
+    assert!(
+        String::from_utf8_lossy(&res.stdout).contains("extra.dataloader"),
+        "{res:?}"
+    );
+
+    // A JSON item that is not JSON, and a raw item over the cap: errors naming the file.
+    let bad = tmp.path().join("bad");
+    copy_tree(&dir, &bad);
+    std::fs::write(bad.join("train_state_1.json"), b"{\"step\": ").unwrap();
+    let res = shardscope(&["inspect", s(&bad)]);
+    assert_eq!(res.status.code(), Some(2), "{res:?}");
+    let err = String::from_utf8_lossy(&res.stderr);
+    assert!(
+        err.contains("train_state_1.json") && err.contains("not JSON"),
+        "{err}"
+    );
+    let big = tmp.path().join("big");
+    copy_tree(&dir, &big);
+    // Sparse: no bytes written.
+    std::fs::File::options()
+        .write(true)
+        .open(big.join("dataloader/rank_0.bin"))
+        .unwrap()
+        .set_len((64 << 20) + 1)
+        .unwrap();
+    let res = shardscope(&["inspect", s(&big)]);
+    assert_eq!(res.status.code(), Some(2), "{res:?}");
+    let err = String::from_utf8_lossy(&res.stderr);
+    assert!(
+        err.contains("dataloader/rank_0.bin") && err.contains("at most 67108864 bytes"),
+        "{err}"
     );
 }

@@ -37,7 +37,7 @@ pub enum TorchSaveError {
     },
     /// The object tree uses a global that `torch.load(weights_only=True)` would refuse.
     #[error(
-        "`{module}.{name}` is not allowed by torch.load(weights_only=True); only OrderedDict, torch.Size and torch dtypes are written"
+        "`{module}.{name}` is not allowed by torch.load(weights_only=True); only OrderedDict, torch.Size, torch dtypes and bytes are written"
     )]
     GlobalNotAllowed {
         /// Module part.
@@ -315,7 +315,9 @@ fn check_globals(value: &PyValue) -> Result<(), TorchSaveError> {
             .iter()
             .try_for_each(|(k, v)| check_globals(k).and_then(|()| check_globals(v))),
         PyValue::Global { module, name } => {
-            let allowed = module == "torch" && (name == "Size" || name.parse::<DType>().is_ok());
+            // `_codecs.encode`: how protocol 2 stores `bytes`, which weights_only allows.
+            let allowed = (module == "torch" && (name == "Size" || name.parse::<DType>().is_ok()))
+                || (module == "_codecs" && name == "encode");
             if allowed {
                 Ok(())
             } else {

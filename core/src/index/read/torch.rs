@@ -1,6 +1,7 @@
 //! `torch.save` files (one or per-rank sets) into a [`CheckpointIndex`].
 
 use std::collections::{BTreeMap, BTreeSet, HashMap};
+use std::fmt::Write as _;
 
 use crate::formats::pickle::{Placement, PyValue, TensorRef};
 use crate::formats::torch_zip;
@@ -84,6 +85,42 @@ pub(crate) fn clean_path(path: &[PathSeg]) -> Vec<PathSeg> {
         .collect()
 }
 
+/// The bytes a protocol-2 pickle spells `_codecs.encode(text, "latin1")` (how Python 3 pickles
+/// `bytes` below protocol 3, and so how `torch.save` stores them); `None` for any other object.
+pub fn latin1_bytes(o: &crate::formats::pickle::PyObject) -> Option<Vec<u8>> {
+    let g = o.class()?;
+    if g.module != "_codecs" || g.name != "encode" {
+        return None;
+    }
+    let [PyValue::Str(text), PyValue::Str(codec)] = o.args.as_slice() else {
+        return None;
+    };
+    if codec != "latin1" && codec != "latin-1" {
+        return None;
+    }
+    text.chars()
+        .map(|c| u8::try_from(u32::from(c)).ok())
+        .collect()
+}
+
+/// How a `bytes` value is shown (and compared, by `diff`): its length, its first bytes in hex and,
+/// beyond those, a 64-bit FNV-1a digest of all of them, so that two values of the same length
+/// and start still differ when their bytes do.
+pub fn bytes_text(b: &[u8]) -> String {
+    const SHOWN: usize = 32;
+    let hex = b.iter().take(SHOWN).fold(String::new(), |mut h, x| {
+        let _ = write!(h, "{x:02x}");
+        h
+    });
+    if b.len() <= SHOWN {
+        return format!("<{} bytes: {hex}>", b.len());
+    }
+    let digest = b.iter().fold(0xcbf2_9ce4_8422_2325_u64, |h, &x| {
+        (h ^ u64::from(x)).wrapping_mul(0x0100_0000_01b3)
+    });
+    format!("<{} bytes: {hex}…, fnv1a64 {digest:016x}>", b.len())
+}
+
 /// A Python value as JSON (for scalars and decoded bytes items).
 pub fn json_of(v: &PyValue) -> serde_json::Value {
     use serde_json::Value as J;
@@ -96,7 +133,10 @@ pub fn json_of(v: &PyValue) -> serde_json::Value {
             serde_json::Number::from_f64(*f).map_or_else(|| J::String(f.to_string()), J::Number)
         }
         PyValue::Str(s) => J::String(s.clone()),
-        PyValue::Bytes(b) => J::String(format!("<{} bytes>", b.len())),
+        PyValue::Bytes(b) => J::String(bytes_text(b)),
+        PyValue::Object(o) if latin1_bytes(o).is_some() => {
+            J::String(latin1_bytes(o).map(|b| bytes_text(&b)).unwrap_or_default())
+        }
         PyValue::Tuple(items) | PyValue::List(items) | PyValue::Set(items) => {
             J::Array(items.iter().map(json_of).collect())
         }

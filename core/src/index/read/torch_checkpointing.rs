@@ -24,6 +24,19 @@
 //! shape). `torch.save` items carry their own geometry. Items without metadata (`lr_scheduler`,
 //! `train_state`, `step`) are found by the default naming. Every item is a subtree, as a folder
 //! of per-rank sets is ([`super::sets`]).
+//!
+//! The library loads an item into the state dict it is given, so its keys come back in the
+//! trainer's model order; the files do not record that order (safetensors headers are sorted,
+//! `metadata.pkl`'s key paths come from a set). A safetensors item's keys take the order of the
+//! flattened optimizer item (`param_groups.<fqn>.<key>`, one per parameter in the model's order)
+//! when there is one; keys it does not name follow, by name.
+//!
+//! JSON and raw items (the library writes `json.dumps` text or the item's `bytes` as they are, a
+//! file per rank where the path holds `{rank}`) are never in `metadata.pkl` (only tensors are):
+//! every other file of the folder that is not a `torch.save` archive is one, JSON when its name
+//! ends in `.json`. Each is a value (raw: a Python `bytes`); one value when every rank's file holds
+//! the same, else a list by rank (files without a rank last). They are read whole, at most
+//! [`MAX_VALUE_ITEM_BYTES`] each.
 
 use std::collections::{BTreeMap, BTreeSet};
 
@@ -41,6 +54,9 @@ use crate::source::Source;
 
 /// The file torch_checkpointing writes its metadata to.
 pub const METADATA_PKL: &str = "metadata.pkl";
+
+/// The most bytes of one JSON or raw item file that are read (its value is held whole).
+pub const MAX_VALUE_ITEM_BYTES: u64 = 64 << 20;
 
 /// Where one tensor of an item lies in the global tensor (from `metadata.pkl`).
 #[derive(Debug, Clone)]
@@ -307,12 +323,13 @@ fn index_safetensors_item(
     })
 }
 
-/// A JSON item: one file's value, shown as values.
+/// A JSON item: one file's value, shown as values (read whole, at most
+/// [`MAX_VALUE_ITEM_BYTES`]).
 pub(crate) fn index_json_item(
     source: &dyn Source,
     file: &str,
 ) -> Result<CheckpointIndex, IndexError> {
-    let bytes = source.read_all(file)?;
+    let bytes = read_value_file(source, file)?;
     let value: Value = serde_json::from_slice(&bytes).map_err(|e| IndexError::Inconsistent {
         file: file.to_owned(),
         what: format!("not JSON: {e}"),
@@ -362,6 +379,179 @@ fn flatten_json(v: &Value, path: &mut Vec<PathSeg>, out: &mut Vec<IndexEntry>) {
     });
 }
 
+/// Whether `name` is a `torch.save` archive by its first bytes (a zip), or by its name when it
+/// cannot be anything else (`.pt`, `.pth`, `.ckpt`, `.tar`: read as one, so that a damaged file is
+/// an error naming it, not a raw item).
+fn is_torch_item_file(source: &dyn Source, name: &str) -> bool {
+    matches!(
+        crate::index::names::file_ext(name),
+        "pt" | "pth" | "ckpt" | "tar"
+    ) || source
+        .read_range(name, 0, 4)
+        .is_ok_and(|b| b.as_ref() == b"PK\x03\x04")
+}
+
+/// The item a set of files names: its file name without the rank and extension, else its folder
+/// (`dataloader/rank_{R}.bin` → `dataloader`).
+fn item_name(group: &RankGroup) -> String {
+    let item = set_item(&group.pattern);
+    if !item.is_empty() {
+        return item;
+    }
+    group
+        .files
+        .first()
+        .and_then(|(f, _)| f.rsplit_once('/'))
+        .map_or_else(String::new, |(dir, _)| dir.replace(['/', '.'], "_"))
+}
+
+/// One JSON or raw item file, read whole (at most [`MAX_VALUE_ITEM_BYTES`]).
+fn read_value_file(source: &dyn Source, file: &str) -> Result<Vec<u8>, IndexError> {
+    let size = source.size(file)?;
+    if size > MAX_VALUE_ITEM_BYTES {
+        return Err(IndexError::Inconsistent {
+            file: file.to_owned(),
+            what: format!(
+                "a JSON or raw item of {size} bytes: items' values are read whole, at most {MAX_VALUE_ITEM_BYTES} bytes"
+            ),
+        });
+    }
+    let bytes = source.read_all(file)?;
+    if bytes.len() as u64 != size {
+        return Err(IndexError::Inconsistent {
+            file: file.to_owned(),
+            what: format!("read {} bytes of {size}", bytes.len()),
+        });
+    }
+    Ok(bytes.into_owned())
+}
+
+/// A value entry at the item's root (`path` empty): `object` is the Python value, when it is not
+/// `value` itself (JSON).
+fn value_entry(value: Value, object: Option<pickle::PyValue>) -> IndexEntry {
+    IndexEntry {
+        position: Some(0),
+        key: String::new(),
+        raw_key: None,
+        path: Vec::new(),
+        kind: EntryKind::Scalar,
+        dtype: None,
+        shape: None,
+        chunks: Vec::new(),
+        fsdp: None,
+        role: None,
+        flat_param: false,
+        value: Some(value),
+        object: object.map(Box::new),
+    }
+}
+
+/// A JSON or raw item (see the module doc): one value when every rank's file holds the same
+/// bytes (a JSON object's keys as entries), else one list by rank, as a `torch.save` list of
+/// values is one entry.
+fn index_value_item(
+    source: &dyn Source,
+    files: &[(String, Option<u32>)],
+    json: bool,
+) -> Result<CheckpointIndex, IndexError> {
+    let mut infos = BTreeMap::new();
+    let mut contents: Vec<(Option<u32>, Vec<u8>)> = Vec::with_capacity(files.len());
+    for (file, rank) in files {
+        let bytes = read_value_file(source, file)?;
+        infos.insert(
+            file.clone(),
+            crate::index::FileInfo {
+                size: bytes.len() as u64,
+                rank: *rank,
+                unreferenced_bytes: 0,
+            },
+        );
+        if json {
+            serde_json::from_slice::<Value>(&bytes).map_err(|e| IndexError::Inconsistent {
+                file: file.clone(),
+                what: format!("a JSON item that is not JSON: {e}"),
+            })?;
+        }
+        contents.push((*rank, bytes));
+    }
+    // By rank (files without one in name order, after).
+    contents.sort_by_key(|(rank, _)| (rank.is_none(), *rank));
+    let same = contents.windows(2).all(|w| w[0].1 == w[1].1);
+    let parse = |b: &[u8]| serde_json::from_slice::<Value>(b).unwrap_or(Value::Null);
+    let mut entries = Vec::new();
+    match (json, same) {
+        (true, true) => {
+            let value = contents.first().map_or(Value::Null, |(_, b)| parse(b));
+            flatten_json(&value, &mut Vec::new(), &mut entries);
+        }
+        (true, false) => entries.push(value_entry(
+            Value::Array(contents.iter().map(|(_, b)| parse(b)).collect()),
+            None,
+        )),
+        (false, true) => {
+            let value = pickle::PyValue::Bytes(contents.swap_remove(0).1);
+            entries.push(value_entry(json_of(&value), Some(value)));
+        }
+        (false, false) => {
+            let value = pickle::PyValue::List(
+                contents
+                    .into_iter()
+                    .map(|(_, b)| pickle::PyValue::Bytes(b))
+                    .collect(),
+            );
+            entries.push(value_entry(json_of(&value), Some(value)));
+        }
+    }
+    Ok(CheckpointIndex {
+        format: crate::index::Format::TorchSave,
+        kind: CheckpointKind::Plain,
+        has_optimizer_state: false,
+        entries,
+        files: infos,
+        dcp: None,
+    })
+}
+
+/// The parameters of a flattened optimizer item (`param_groups.<fqn>.<key>`, else
+/// `state.<fqn>.<name>`) in its stored order: the model's parameter order.
+fn flattened_param_order(index: &CheckpointIndex) -> Vec<String> {
+    let mut stored: Vec<&IndexEntry> = index.entries.iter().collect();
+    stored.sort_by_key(|e| (e.position.is_none(), e.position));
+    for group in ["param_groups.", "state."] {
+        let mut seen = BTreeSet::new();
+        let order: Vec<String> = stored
+            .iter()
+            .filter_map(|e| e.key.strip_prefix(group)?.rsplit_once('.'))
+            .map(|(fqn, _)| fqn.to_owned())
+            .filter(|fqn| seen.insert(fqn.clone()))
+            .collect();
+        if !order.is_empty() {
+            return order;
+        }
+    }
+    Vec::new()
+}
+
+/// Gives the entries of a safetensors item the positions of `order` (keys it lacks follow, by
+/// name).
+fn order_like(index: &mut CheckpointIndex, order: &[String]) {
+    let at: BTreeMap<&str, usize> = order
+        .iter()
+        .enumerate()
+        .map(|(i, k)| (k.as_str(), i))
+        .collect();
+    let mut ranked: Vec<(Option<usize>, String, usize)> = index
+        .entries
+        .iter()
+        .enumerate()
+        .map(|(i, e)| (at.get(e.key.as_str()).copied(), e.key.clone(), i))
+        .collect();
+    ranked.sort_by(|a, b| (a.0.is_none(), a.0, &a.1).cmp(&(b.0.is_none(), b.0, &b.1)));
+    for (position, (_, _, i)) in ranked.into_iter().enumerate() {
+        index.entries[i].position = Some(position as u64);
+    }
+}
+
 /// Reads a torch_checkpointing folder through its `metadata.pkl` (see the module doc); `None`
 /// when `metadata.pkl` is not torch_checkpointing's.
 pub fn index_torch_checkpointing(
@@ -374,6 +564,8 @@ pub fn index_torch_checkpointing(
     let mut claimed: BTreeSet<String> = BTreeSet::new();
     let mut parts = Vec::new();
     let mut sets = Vec::new();
+    // The parts stored as safetensors (key order not recorded).
+    let mut unordered = Vec::new();
     for (item, m) in &meta {
         // Files: the layout info, else the default naming, for every rank that has either.
         let mut files: Vec<(String, u32, String)> = m
@@ -412,7 +604,7 @@ pub fn index_torch_checkpointing(
         }
         let ranked: Vec<(String, u32)> = files.iter().map(|(f, r, _)| (f.clone(), *r)).collect();
         let formats: BTreeSet<&str> = files.iter().map(|(_, _, f)| f.as_str()).collect();
-        let index = match formats.into_iter().collect::<Vec<_>>().as_slice() {
+        let index = match formats.iter().copied().collect::<Vec<_>>().as_slice() {
             ["SafetensorsSerialization"] => index_safetensors_item(source, item, &ranked, m)?,
             ["TorchSerialization"] => index_torch_files_ranked(
                 source,
@@ -421,13 +613,23 @@ pub fn index_torch_checkpointing(
                     .map(|(f, r)| (f.clone(), Some(*r)))
                     .collect::<Vec<_>>(),
             )?,
-            ["JsonSerialization"] => index_json_item(source, &ranked[0].0)?,
+            [format @ ("JsonSerialization" | "RawSerialization")] => index_value_item(
+                source,
+                &ranked
+                    .iter()
+                    .map(|(f, r)| (f.clone(), Some(*r)))
+                    .collect::<Vec<_>>(),
+                *format == "JsonSerialization",
+            )?,
             other => {
                 return Err(bad(format!(
-                    "item `{item}`: serialization {other:?} is not read (torch.save, safetensors and JSON items are)"
+                    "item `{item}`: serialization {other:?} is not read (torch.save, safetensors, JSON and raw items are, one serialization per item)"
                 )));
             }
         };
+        if formats.len() == 1 && formats.contains("SafetensorsSerialization") {
+            unordered.push(parts.len());
+        }
         let pattern = format!("{item}_{{R}}");
         let class = set_class(&index, &pattern);
         sets.push((
@@ -439,19 +641,57 @@ pub fn index_torch_checkpointing(
         ));
         parts.push((class, item.clone(), index));
     }
-    // Items without metadata: per-rank torch.save sets by the default naming.
-    let rest: Vec<String> = names
+    index_other_items(source, &names, &claimed, &mut parts, &mut sets)?;
+    let order = parts
         .iter()
-        .filter(|n| !n.contains('/') && is_torch_file(n) && !claimed.contains(*n))
-        .cloned()
-        .collect();
-    for group in group_rank_files(&rest) {
-        let index = index_torch_files_ranked(source, &group.files)?;
-        let class = set_class(&index, &group.pattern);
-        parts.push((class, set_item(&group.pattern), index));
-        sets.push((group, class));
+        .filter(|(class, _, _)| *class == "optim")
+        .map(|(_, _, index)| flattened_param_order(index))
+        .find(|o| !o.is_empty())
+        .unwrap_or_default();
+    if !order.is_empty() {
+        for at in unordered {
+            order_like(&mut parts[at].2, &order);
+        }
     }
     Ok(Some((merge_sets(parts), sets)))
+}
+
+/// The items `metadata.pkl` does not describe: per-rank `torch.save` sets by the default naming
+/// (or in a folder of their own), and the JSON and raw items; every file not `claimed`.
+fn index_other_items(
+    source: &dyn Source,
+    names: &BTreeSet<String>,
+    claimed: &BTreeSet<String>,
+    parts: &mut Vec<(&'static str, String, CheckpointIndex)>,
+    sets: &mut Vec<ReadSet>,
+) -> Result<(), IndexError> {
+    let hidden = |n: &str| n.split('/').any(|c| c.starts_with('.'));
+    let rest: Vec<&String> = names
+        .iter()
+        .filter(|n| *n != METADATA_PKL && !claimed.contains(*n) && !hidden(n))
+        .collect();
+    let (torch, values): (Vec<String>, Vec<String>) = rest
+        .into_iter()
+        .filter(|n| crate::index::names::file_ext(n) != "safetensors")
+        .cloned()
+        .partition(|n| is_torch_item_file(source, n));
+    for group in group_rank_files(&torch) {
+        let index = index_torch_files_ranked(source, &group.files)?;
+        let class = set_class(&index, &group.pattern);
+        parts.push((class, item_name(&group), index));
+        sets.push((group, class));
+    }
+    for group in group_rank_files(&values) {
+        let json = group
+            .files
+            .iter()
+            .all(|(f, _)| crate::index::names::file_ext(f) == "json");
+        let index = index_value_item(source, &group.files, json)?;
+        let class = set_class(&index, &group.pattern);
+        parts.push((class, item_name(&group), index));
+        sets.push((group, class));
+    }
+    Ok(())
 }
 
 #[cfg(test)]
@@ -469,6 +709,90 @@ mod tests {
         assert_eq!(coordinate(&g, 2), Some(vec![1, 0]));
         assert_eq!(coordinate(&g, 3), Some(vec![1, 1]));
         assert_eq!(coordinate(&g, 4), None);
+    }
+
+    fn scalar(key: &str, position: u64) -> IndexEntry {
+        let mut e = value_entry(Value::Null, None);
+        e.key = key.to_owned();
+        e.position = Some(position);
+        e
+    }
+
+    fn index_of(entries: Vec<IndexEntry>) -> CheckpointIndex {
+        CheckpointIndex {
+            format: crate::index::Format::TorchSave,
+            kind: CheckpointKind::Plain,
+            has_optimizer_state: false,
+            entries,
+            files: BTreeMap::new(),
+            dcp: None,
+        }
+    }
+
+    #[test]
+    fn flattened_optimizer_gives_the_parameter_order() {
+        // Stored order: by position, not by key.
+        let optim = index_of(vec![
+            scalar("state.b.w.exp_avg", 2),
+            scalar("param_groups.b.w.lr", 4),
+            scalar("state.a.exp_avg", 0),
+            scalar("param_groups.a.lr", 3),
+            scalar("param_groups.a.eps", 5),
+        ]);
+        // `param_groups` names every parameter (state only those that have some): it decides.
+        assert_eq!(flattened_param_order(&optim), vec!["a", "b.w"]);
+        let state_only = index_of(vec![scalar("state.z.step", 0), scalar("state.y.step", 1)]);
+        assert_eq!(flattened_param_order(&state_only), vec!["z", "y"]);
+        assert!(flattened_param_order(&index_of(vec![scalar("w", 0)])).is_empty());
+        // Keys the order lacks follow, by name.
+        let mut model = index_of(vec![
+            scalar("a", 0),
+            scalar("b.w", 1),
+            scalar("buf2", 2),
+            scalar("buf1", 3),
+        ]);
+        order_like(&mut model, &["b.w".to_owned(), "a".to_owned()]);
+        let at: Vec<(&str, Option<u64>)> = model
+            .entries
+            .iter()
+            .map(|e| (e.key.as_str(), e.position))
+            .collect();
+        assert_eq!(
+            at,
+            vec![
+                ("a", Some(1)),
+                ("b.w", Some(0)),
+                ("buf2", Some(3)),
+                ("buf1", Some(2))
+            ]
+        );
+    }
+
+    #[test]
+    fn value_items_are_named_by_file_or_folder() {
+        let group = |pattern: &str, file: &str| RankGroup {
+            pattern: pattern.to_owned(),
+            files: vec![(file.to_owned(), Some(0))],
+        };
+        assert_eq!(
+            item_name(&group("train_state_{R}.json", "train_state_0.json")),
+            "train_state"
+        );
+        assert_eq!(
+            item_name(&group("rank_{R}.bin", "dataloader/rank_0.bin")),
+            "dataloader"
+        );
+    }
+
+    #[test]
+    fn bytes_are_shown_with_a_digest_past_their_start() {
+        use crate::index::read::torch::bytes_text;
+        assert_eq!(bytes_text(b"\x00\xff"), "<2 bytes: 00ff>");
+        let a = bytes_text(&[7u8; 40]);
+        let mut other = [7u8; 40];
+        other[39] = 8;
+        assert!(a.starts_with("<40 bytes: 0707"), "{a}");
+        assert_ne!(a, bytes_text(&other));
     }
 
     #[test]
