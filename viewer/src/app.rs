@@ -243,24 +243,41 @@ impl Viewer {
 
     /// Takes a finished comparison; true while one still runs.
     pub fn poll_comparer(&mut self) -> bool {
-        match self.comparer.poll() {
-            Some(Ok(c)) => {
+        if let Some(result) = self.comparer.poll() {
+            self.take_comparison(result);
+        }
+        self.comparer.running()
+    }
+
+    /// Shows a finished comparison (the worker's, or the browser front end's). A comparison of
+    /// the same two checkpoints (another tolerance) keeps the view's filter.
+    pub fn take_comparison(
+        &mut self,
+        result: Result<crate::compare::Comparison, crate::compare::CompareError>,
+    ) {
+        match result {
+            Ok(c) => {
                 self.messages.push(format!(
                     "compared {} with {}: {}",
                     c.left,
                     c.right,
                     c.summary()
                 ));
-                self.compare_view = crate::panels::compare::CompareState::default();
+                let same = self
+                    .comparison
+                    .as_ref()
+                    .is_some_and(|old| old.left == c.left && old.right == c.right);
+                if !same {
+                    self.compare_view = crate::panels::compare::CompareState::default();
+                }
                 self.comparison = Some(c);
             }
-            Some(Err(e)) if e != crate::compare::CompareError::Cancelled => {
+            Err(e) if e != crate::compare::CompareError::Cancelled => {
                 self.messages.push(format!("error: compare: {e}"));
             }
             // Cancelled: a newer comparison replaces it.
-            Some(Err(_)) | None => {}
+            Err(_) => {}
         }
-        self.comparer.running()
     }
 
     /// Applies a parsed document.
@@ -1017,35 +1034,13 @@ impl Viewer {
                     }
                 }
             }
-            Tab::Compare => {
-                if self.comparer.running() {
-                    ui.horizontal(|ui| {
-                        ui.spinner();
-                        ui.label(self.comparer.progress().text());
-                    });
-                    let p = self.comparer.progress();
-                    if p.total > 0 {
-                        #[allow(clippy::cast_precision_loss, reason = "a progress fraction")]
-                        let f = p.done as f32 / p.total as f32;
-                        ui.add(egui::ProgressBar::new(f).show_percentage());
-                    }
-                    ui.separator();
-                }
-                match &self.comparison {
-                    Some(c) => crate::panels::compare::ui(
-                        ui,
-                        c,
-                        &mut self.compare_view,
-                        &mut self.selection,
-                    ),
-                    None if self.comparer.running() => {}
-                    None => {
-                        ui.label(
-                            "Open a checkpoint, then Compare with... another one (or start the viewer with A --compare B).",
-                        );
-                    }
-                }
-            }
+            Tab::Compare => crate::panels::compare::tab_ui(
+                ui,
+                self.comparison.as_ref(),
+                &mut self.comparer,
+                &mut self.compare_view,
+                &mut self.selection,
+            ),
             Tab::Trace => match &self.trace {
                 Some(t) => timeline::ui(ui, t, &mut self.timeline, &mut self.selection, self.theme),
                 None => {

@@ -12,7 +12,7 @@ fn main() -> std::process::ExitCode {
         Err(e) => {
             eprintln!("error: {e}");
             eprintln!(
-                "hint: shardscope-viewer [--api fsdp1|fsdp2] [--world-size N] [--shard-group-size S] [--strategy NAME] [--no-orig-params] [--select FQN] [--tab shard-map|ranks|checkpoint] [--light] [FILE_OR_FOLDER ...] [A --compare B]"
+                "hint: shardscope-viewer [--api fsdp1|fsdp2] [--world-size N] [--shard-group-size S] [--strategy NAME] [--no-orig-params] [--select FQN] [--tab shard-map|ranks|checkpoint|values|compare] [--light] [FILE_OR_FOLDER ...] [A --compare B]"
             );
             std::process::ExitCode::from(2)
         }
@@ -30,6 +30,8 @@ fn run() -> Result<(), String> {
     let mut viewer = Viewer::new();
     let mut paths: Vec<std::path::PathBuf> = Vec::new();
     let mut compare: Option<std::path::PathBuf> = None;
+    // `--tab values`: read the values of the checkpoint opened (before the window opens).
+    let mut read_values = false;
     let mut args = std::env::args_os().skip(1);
     while let Some(arg) = args.next() {
         let text = arg.to_string_lossy().into_owned();
@@ -69,9 +71,14 @@ fn run() -> Result<(), String> {
                     "shard-map" => shardscope_viewer::Tab::ShardMap,
                     "ranks" => shardscope_viewer::Tab::Ranks,
                     "checkpoint" => shardscope_viewer::Tab::Checkpoint,
+                    "values" => {
+                        read_values = true;
+                        shardscope_viewer::Tab::Values
+                    }
+                    "compare" => shardscope_viewer::Tab::Compare,
                     other => {
                         return Err(format!(
-                            "--tab: unknown tab `{other}` (shard-map, ranks, checkpoint)"
+                            "--tab: unknown tab `{other}` (shard-map, ranks, checkpoint, values, compare)"
                         ));
                     }
                 };
@@ -80,7 +87,7 @@ fn run() -> Result<(), String> {
             "--light" => viewer.theme = shardscope_viewer::theme::Theme::Light,
             "-h" | "--help" => {
                 println!(
-                    "shardscope-viewer [--api fsdp1|fsdp2] [--world-size N] [--shard-group-size S] [--strategy NAME] [--no-orig-params] [--select FQN] [--tab shard-map|ranks|checkpoint] [--light] [FILE_OR_FOLDER ...] [A --compare B]"
+                    "shardscope-viewer [--api fsdp1|fsdp2] [--world-size N] [--shard-group-size S] [--strategy NAME] [--no-orig-params] [--select FQN] [--tab shard-map|ranks|checkpoint|values|compare] [--light] [FILE_OR_FOLDER ...] [A --compare B]"
                 );
                 return Ok(());
             }
@@ -107,8 +114,16 @@ fn run() -> Result<(), String> {
         viewer.tab = shardscope_viewer::Tab::ShardMap;
         viewer.stay_on_tab = true;
     }
+    if read_values {
+        viewer.loader.synchronous = true;
+    }
     for p in paths {
         viewer.open_path(p);
+    }
+    if read_values {
+        viewer.poll_loader();
+        viewer.compute_values();
+        viewer.loader.synchronous = false;
     }
     let options = eframe::NativeOptions {
         viewport: egui::ViewportBuilder::default()

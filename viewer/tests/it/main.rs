@@ -3,6 +3,7 @@
 
 mod checkpoints;
 mod compare;
+mod compare_tolerance;
 mod derived_layout;
 mod doctor;
 mod follows;
