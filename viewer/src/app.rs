@@ -81,6 +81,8 @@ pub struct Viewer {
     pub applied_config: Option<LayoutConfig>,
     /// The opened checkpoint's stored chunks laid over the current layout (`view::overlay`).
     pub overlay: Option<shardscope_core::view::overlay::Overlay>,
+    /// The overlay's differences placed on the shard map's bars.
+    pub map_marks: Option<crate::map_marks::MapMarks>,
     pub trace: Option<Trace>,
     /// The opened checkpoint.
     pub checkpoint: Option<crate::checkpoint::CheckpointView>,
@@ -381,6 +383,7 @@ impl Viewer {
         }
         self.applied_config = Some(config.clone());
         self.overlay = None;
+        self.map_marks = None;
         let Some(loaded) = &self.model else {
             self.view = None;
             return;
@@ -398,6 +401,11 @@ impl Viewer {
                 self.generation += 1;
                 let mut view = LayoutView::new(&loaded.model, &l);
                 view.generation = self.generation;
+                self.map_marks = self
+                    .overlay
+                    .as_ref()
+                    .filter(|o| o.applicable)
+                    .map(|o| crate::map_marks::place(&view, o));
                 self.view = Some(view);
                 self.layout_error = None;
             }
@@ -1082,6 +1090,7 @@ impl Viewer {
                     Tab::ShardMap => shard_map::ui(
                         ui,
                         view,
+                        self.map_marks.as_ref(),
                         &mut self.shard_map,
                         &mut self.selection,
                         self.theme,

@@ -7,6 +7,7 @@ mod compare_tolerance;
 mod derived_layout;
 mod doctor;
 mod follows;
+mod map_marks;
 mod front_ends;
 mod overlay;
 mod panels;

@@ -1,0 +1,207 @@
+//! Computed vs stored in the shard map: every difference of [`Overlay`] (elements a rank stores
+//! that the layout does not give it, elements the layout gives a rank that it does not store)
+//! placed where those elements are drawn, on the rank bars of the layout. A difference is drawn
+//! on the bar of the rank it concerns when that bar holds the elements (a missing piece), else
+//! on the bar that does hold them in the layout (a piece stored by the wrong rank), naming the
+//! rank; elements the layout draws nowhere are counted, not drawn.
+
+use std::collections::BTreeMap;
+use std::fmt::Write as _;
+
+use shardscope_core::view::overlay::{ElementRange, Overlay};
+
+use crate::view::{LayoutView, SegKind};
+
+/// The most marks kept (a chunk cut on an inner dimension is one range per row).
+pub const MAX_MARKS: usize = 100_000;
+
+/// What a mark says.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, PartialOrd, Ord)]
+pub enum MarkKind {
+    /// Rank `rank` stores these elements; the layout does not give them to it.
+    Extra { rank: u64 },
+    /// The layout gives these elements to rank `rank`; no chunk of it stores them.
+    Missing { rank: u64 },
+}
+
+/// One difference at its place in the map.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct Mark {
+    /// Index into [`LayoutView::units`], and of the rank bar in the unit.
+    pub unit: usize,
+    pub rank_index: usize,
+    /// Where on the bar, in bytes (as [`crate::view::Seg`]).
+    pub x_bytes: u64,
+    pub len_bytes: u64,
+    pub kind: MarkKind,
+    /// The parameter and its flattened elements `[start, end)`.
+    pub fqn: String,
+    pub elements: ElementRange,
+}
+
+impl Mark {
+    /// For people: `rank 3 stores model.w elements 8..16, not in the layout for it`.
+    pub fn describe(&self) -> String {
+        let (a, b) = self.elements;
+        match self.kind {
+            MarkKind::Extra { rank } => format!(
+                "rank {rank} stores {} elements {a}..{b}: the layout gives them to another rank",
+                self.fqn
+            ),
+            MarkKind::Missing { rank } => format!(
+                "rank {rank} stores no chunk with {} elements {a}..{b}: the layout gives them to it",
+                self.fqn
+            ),
+        }
+    }
+}
+
+/// Every difference placed on the map.
+#[derive(Debug, Clone, Default, PartialEq, Eq)]
+pub struct MapMarks {
+    /// Sorted by unit, rank bar and position.
+    pub marks: Vec<Mark>,
+    /// Per `(unit, rank bar)`: the range of [`MapMarks::marks`] on that bar.
+    pub by_row: BTreeMap<(usize, usize), (usize, usize)>,
+    /// Differences not drawn: elements the map draws nowhere, or past [`MAX_MARKS`].
+    pub unplaced: usize,
+    /// Extra and missing ranges over all ranks (drawn or not).
+    pub extra: usize,
+    pub missing: usize,
+}
+
+impl MapMarks {
+    /// The marks on one rank bar.
+    pub fn row(&self, unit: usize, rank_index: usize) -> &[Mark] {
+        self.by_row
+            .get(&(unit, rank_index))
+            .map_or(&[], |&(a, b)| &self.marks[a..b])
+    }
+
+    /// `2 extra, 3 missing pieces marked` (and how many were not drawn).
+    pub fn summary(&self) -> String {
+        let mut s = format!(
+            "computed vs stored: {} extra, {} missing pieces marked",
+            self.extra, self.missing
+        );
+        if self.unplaced > 0 {
+            let _ = write!(s, " ({} not drawn)", self.unplaced);
+        }
+        s
+    }
+}
+
+/// One parameter slice drawn on a bar.
+struct Slice {
+    unit: usize,
+    rank_index: usize,
+    bar_rank: u64,
+    elements: ElementRange,
+    x_bytes: u64,
+    bytes_per_element: u64,
+}
+
+/// Places the differences of `overlay` on the bars of `view`.
+pub fn place(view: &LayoutView, overlay: &Overlay) -> MapMarks {
+    // Where each parameter's elements are drawn.
+    let mut slices: BTreeMap<usize, Vec<Slice>> = BTreeMap::new();
+    for (u, unit) in view.units.iter().enumerate() {
+        for (ri, bar) in unit.ranks.iter().enumerate() {
+            for seg in &bar.segs {
+                if let SegKind::Param { param, intra_start } = seg.kind
+                    && seg.numel > 0
+                {
+                    slices.entry(param).or_default().push(Slice {
+                        unit: u,
+                        rank_index: ri,
+                        bar_rank: bar.rank,
+                        elements: (intra_start, intra_start.saturating_add(seg.numel)),
+                        x_bytes: seg.x_bytes,
+                        bytes_per_element: seg.len_bytes / seg.numel,
+                    });
+                }
+            }
+        }
+    }
+    let group = view.shard_group_size.max(1);
+    let mut out = MapMarks::default();
+    for p in &overlay.params {
+        let drawn = view
+            .by_fqn
+            .get(&p.fqn)
+            .and_then(|i| slices.get(i))
+            .map_or(&[][..], Vec::as_slice);
+        for r in &p.ranks {
+            out.extra += r.extra.len();
+            out.missing += r.missing.len();
+            let kinds = r
+                .extra
+                .iter()
+                .map(|e| (MarkKind::Extra { rank: r.rank }, *e))
+                .chain(
+                    r.missing
+                        .iter()
+                        .map(|e| (MarkKind::Missing { rank: r.rank }, *e)),
+                );
+            // The bar of this rank (its shard-group rank), when the layout has the rank.
+            let own = (r.rank < view.world_size).then_some(r.rank % group);
+            for (kind, range) in kinds {
+                // Parts on the rank's own bar first, the rest where the layout draws them.
+                let mut left = vec![range];
+                for pass_own in [true, false] {
+                    for s in drawn {
+                        if pass_own != (Some(s.bar_rank) == own) {
+                            continue;
+                        }
+                        let mut rest = Vec::new();
+                        for &(a, b) in &left {
+                            let (x, y) = (s.elements.0.max(a), s.elements.1.min(b));
+                            if x >= y {
+                                rest.push((a, b));
+                                continue;
+                            }
+                            if out.marks.len() < MAX_MARKS {
+                                out.marks.push(Mark {
+                                    unit: s.unit,
+                                    rank_index: s.rank_index,
+                                    x_bytes: s.x_bytes + (x - s.elements.0) * s.bytes_per_element,
+                                    len_bytes: (y - x) * s.bytes_per_element,
+                                    kind,
+                                    fqn: p.fqn.clone(),
+                                    elements: (x, y),
+                                });
+                            } else {
+                                out.unplaced += 1;
+                            }
+                            if a < x {
+                                rest.push((a, x));
+                            }
+                            if y < b {
+                                rest.push((y, b));
+                            }
+                        }
+                        left = rest;
+                    }
+                }
+                out.unplaced += left.len();
+            }
+        }
+    }
+    out.marks
+        .sort_by_key(|m| (m.unit, m.rank_index, m.x_bytes, m.kind));
+    let mut i = 0;
+    while i < out.marks.len() {
+        let key = (out.marks[i].unit, out.marks[i].rank_index);
+        let j = out.marks[i..]
+            .iter()
+            .position(|m| (m.unit, m.rank_index) != key)
+            .map_or(out.marks.len(), |k| i + k);
+        out.by_row.insert(key, (i, j));
+        i = j;
+    }
+    out
+}
+
+fn overlaps(a: ElementRange, b: ElementRange) -> bool {
+    a.0 < b.1 && b.0 < a.1
+}
