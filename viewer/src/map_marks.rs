@@ -201,7 +201,3 @@ pub fn place(view: &LayoutView, overlay: &Overlay) -> MapMarks {
     }
     out
 }
-
-fn overlaps(a: ElementRange, b: ElementRange) -> bool {
-    a.0 < b.1 && b.0 < a.1
-}
