@@ -69,7 +69,9 @@ impl ToleranceInput {
                 .parse::<f64>()
                 .ok()
                 .filter(|v| v.is_finite() && *v >= 0.0)
-                .ok_or_else(|| format!("{what} must be a finite number, not negative (got `{text}`)"))
+                .ok_or_else(|| {
+                    format!("{what} must be a finite number, not negative (got `{text}`)")
+                })
         };
         Ok(Some(Tolerance {
             rtol: parse("rtol", &self.rtol)?,

@@ -67,21 +67,8 @@ fn run() -> Result<(), String> {
             "--select" => viewer.selection.select(value("--select")?),
             "--compare" => compare = Some(value("--compare")?.into()),
             "--tab" => {
-                viewer.tab = match value("--tab")?.as_str() {
-                    "shard-map" => shardscope_viewer::Tab::ShardMap,
-                    "ranks" => shardscope_viewer::Tab::Ranks,
-                    "checkpoint" => shardscope_viewer::Tab::Checkpoint,
-                    "values" => {
-                        read_values = true;
-                        shardscope_viewer::Tab::Values
-                    }
-                    "compare" => shardscope_viewer::Tab::Compare,
-                    other => {
-                        return Err(format!(
-                            "--tab: unknown tab `{other}` (shard-map, ranks, checkpoint, values, compare)"
-                        ));
-                    }
-                };
+                viewer.tab = tab(&value("--tab")?)?;
+                read_values |= viewer.tab == shardscope_viewer::Tab::Values;
                 viewer.stay_on_tab = true;
             }
             "--light" => viewer.theme = shardscope_viewer::theme::Theme::Light,
@@ -138,6 +125,24 @@ fn run() -> Result<(), String> {
         Box::new(move |_cc| Ok(Box::new(viewer))),
     )
     .map_err(|e| e.to_string())
+}
+
+/// The tab `--tab NAME` names.
+#[cfg(not(target_arch = "wasm32"))]
+fn tab(name: &str) -> Result<shardscope_viewer::Tab, String> {
+    use shardscope_viewer::Tab;
+    Ok(match name {
+        "shard-map" => Tab::ShardMap,
+        "ranks" => Tab::Ranks,
+        "checkpoint" => Tab::Checkpoint,
+        "values" => Tab::Values,
+        "compare" => Tab::Compare,
+        other => {
+            return Err(format!(
+                "--tab: unknown tab `{other}` (shard-map, ranks, checkpoint, values, compare)"
+            ));
+        }
+    })
 }
 
 #[cfg(target_arch = "wasm32")]

@@ -123,11 +123,10 @@ pub async fn compare(
             slice_start = js_sys::Date::now();
         }
         let (a_mark, b_mark) = (a.source.mark(), b.source.mark());
-        let entry = LazySource::run_pair(&mut a.source, &mut b.source, |sa, sb| {
-            plan.entry(i, sa, sb)
-        })
-        .await
-        .map_err(|(side, e)| failed(side, format!("reading `{key}`: {e}")))?;
+        let entry =
+            LazySource::run_pair(&mut a.source, &mut b.source, |sa, sb| plan.entry(i, sa, sb))
+                .await
+                .map_err(|(side, e)| failed(side, format!("reading `{key}`: {e}")))?;
         a.source.release(&a_mark);
         b.source.release(&b_mark);
         entries.extend(entry);

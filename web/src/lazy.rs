@@ -269,7 +269,9 @@ impl LazySource {
         }
         Err((
             "A",
-            format!("reading one entry of the comparison took more than {MAX_ROUNDS} rounds of reads"),
+            format!(
+                "reading one entry of the comparison took more than {MAX_ROUNDS} rounds of reads"
+            ),
         ))
     }
 

@@ -22,10 +22,10 @@ mod handle {
 
     use shardscope_core::checkpoint::{Checkpoint, CheckpointError, ReadOptions};
     use shardscope_core::verify::Tolerance;
-    use shardscope_viewer::compare::{CompareError, Comparison, Progress};
-    use shardscope_viewer::{Tab, Viewer};
     use shardscope_viewer::checkpoint::CheckpointView;
+    use shardscope_viewer::compare::{CompareError, Comparison, Progress};
     use shardscope_viewer::docs::Document;
+    use shardscope_viewer::{Tab, Viewer};
     use wasm_bindgen::prelude::*;
 
     use crate::compare::Side;
@@ -113,6 +113,35 @@ mod handle {
         seen_messages: usize,
     }
 
+    /// Hands the viewer what the page's comparisons did (results, progress, requests).
+    fn take_compare_updates(viewer: &mut Viewer, s: &mut Shared) {
+        for result in std::mem::take(&mut s.compared) {
+            if let Ok(c) = &result {
+                s.comparison_json = urls::hide_queries(&c.report.to_json());
+            }
+            viewer.take_comparison(result);
+        }
+        viewer.comparer.external.enabled = true;
+        if let Some(input) = s.tolerance_request.take() {
+            // As if typed into the Compare tab's controls.
+            let t = input.tolerance();
+            viewer.comparer.tolerance_input = input;
+            match t {
+                Ok(t) => viewer.comparer.set_tolerance(t),
+                Err(e) => s.error = Some(e),
+            }
+        }
+        if std::mem::take(&mut s.show_compare) {
+            viewer.tab = Tab::Compare;
+        }
+        viewer.comparer.external.cancel = s.compare_cancel.clone();
+        viewer
+            .comparer
+            .external
+            .progress
+            .clone_from(&s.compare_progress);
+    }
+
     impl eframe::App for WebApp {
         fn ui(&mut self, ui: &mut egui::Ui, _frame: &mut eframe::Frame) {
             if let Ok(mut s) = self.shared.lock() {
@@ -130,27 +159,7 @@ mod handle {
                         self.viewer.selection.select(fqn);
                     }
                 }
-                for result in std::mem::take(&mut s.compared) {
-                    if let Ok(c) = &result {
-                        s.comparison_json = urls::hide_queries(&c.report.to_json());
-                    }
-                    self.viewer.take_comparison(result);
-                }
-                self.viewer.comparer.external.enabled = true;
-                if let Some(input) = s.tolerance_request.take() {
-                    // As if typed into the Compare tab's controls.
-                    let t = input.tolerance();
-                    self.viewer.comparer.tolerance_input = input;
-                    match t {
-                        Ok(t) => self.viewer.comparer.set_tolerance(t),
-                        Err(e) => s.error = Some(e),
-                    }
-                }
-                if std::mem::take(&mut s.show_compare) {
-                    self.viewer.tab = Tab::Compare;
-                }
-                self.viewer.comparer.external.cancel = s.compare_cancel.clone();
-                self.viewer.comparer.external.progress.clone_from(&s.compare_progress);
+                take_compare_updates(&mut self.viewer, &mut s);
                 if std::mem::take(&mut s.example) {
                     self.viewer.stay_on_tab = true;
                     self.viewer.open_bytes(
@@ -619,15 +628,14 @@ mod handle {
                 s.error = Some(urls::hide_queries(&format!("compare: {e}")));
             }
             s.compared.push(result);
-            match s.queued.take() {
-                Some(next) => request = next,
-                None => {
-                    s.comparing = false;
-                    s.compare_progress = None;
-                    drop(s);
-                    repaint_ctx(&ctx);
-                    return;
-                }
+            if let Some(next) = s.queued.take() {
+                request = next;
+            } else {
+                s.comparing = false;
+                s.compare_progress = None;
+                drop(s);
+                repaint_ctx(&ctx);
+                return;
             }
         }
     }
@@ -659,7 +667,14 @@ mod handle {
             Some(BSource::Files(side)) => Some(side),
             Some(BSource::Urls(inputs, ranks)) => {
                 progress(Progress {
-                    what: format!("opening B: {}", inputs.iter().map(|u| shown(u)).collect::<Vec<_>>().join(" ")),
+                    what: format!(
+                        "opening B: {}",
+                        inputs
+                            .iter()
+                            .map(|u| shown(u))
+                            .collect::<Vec<_>>()
+                            .join(" ")
+                    ),
                     ..Progress::default()
                 });
                 let opened = url_sources(&inputs, &ranks, shared, ctx, 0).await;
@@ -686,7 +701,8 @@ mod handle {
                     }
                     return Err(fail(
                         "A",
-                        "open a checkpoint first (files or URL): it is A of the comparison".to_owned(),
+                        "open a checkpoint first (files or URL): it is A of the comparison"
+                            .to_owned(),
                     ));
                 }
             }

@@ -322,16 +322,15 @@ fn compare_with_picks_b_for_the_opened_checkpoint_and_runs_off_the_ui_thread() {
 /// script picks a free display number, which two at once could both pick.
 pub(crate) fn screenshot(args: &[&str], env: &str) {
     static XVFB: std::sync::Mutex<()> = std::sync::Mutex::new(());
-    let _one = XVFB.lock().unwrap_or_else(std::sync::PoisonError::into_inner);
+    let _one = XVFB
+        .lock()
+        .unwrap_or_else(std::sync::PoisonError::into_inner);
     let root = Path::new(env!("CARGO_MANIFEST_DIR")).join("..");
     if Command::new("Xvfb").arg("-help").output().is_err() {
         eprintln!("Xvfb missing: no screenshot");
         return;
     }
-    let out = std::env::temp_dir().join(format!(
-        "shardscope-{env}-{}.png",
-        std::process::id()
-    ));
+    let out = std::env::temp_dir().join(format!("shardscope-{env}-{}.png", std::process::id()));
     let status = Command::new("bash")
         .arg(root.join("web/tests/desktop_screenshot.sh"))
         .arg(&out)

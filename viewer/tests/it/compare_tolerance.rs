@@ -4,6 +4,10 @@
 //! `b.pt` that state dict edited by torch (a weight within `torch.allclose`'s default tolerance,
 //! one 0.01 off, an int64 +1, a NaN kept, a bias resized, a key dropped and one added).
 #![allow(clippy::unwrap_used)]
+#![allow(
+    clippy::float_cmp,
+    reason = "the values parsed from the fields are compared exactly"
+)]
 
 use std::path::{Path, PathBuf};
 use std::process::Command;
@@ -105,14 +109,17 @@ fn assert_same_as_cli(v: &Viewer, a: &Path, b: &Path) {
 
 #[test]
 fn rows_at_each_tolerance_equal_diff_with_the_same_flags() {
-    let (a, b) = (fixtures().join("a_dcp"), fixtures().join("b.pt"));
+    let (a_dcp, b_pt) = (fixtures().join("a_dcp"), fixtures().join("b.pt"));
     let mut v = Viewer::new();
     v.loader.synchronous = true;
-    v.compare_paths(&a, &b);
+    v.compare_paths(&a_dcp, &b_pt);
     assert!(v.comparison.is_some(), "{:?}", v.messages);
-    assert_same_as_cli(&v, &a, &b);
+    assert_same_as_cli(&v, &a_dcp, &b_pt);
     // Bitwise: the weight torch moved by one ulp differs; the NaN it kept is equal.
-    assert_eq!(status_of(&v, "model.layers.0.attn.weight"), RowStatus::Differs);
+    assert_eq!(
+        status_of(&v, "model.layers.0.attn.weight"),
+        RowStatus::Differs
+    );
     assert_eq!(status_of(&v, "model.layers.3.mlp.weight"), RowStatus::Equal);
 
     // The tolerance checkbox (torch.allclose's defaults) compares again at once.
@@ -121,16 +128,19 @@ fn rows_at_each_tolerance_equal_diff_with_the_same_flags() {
     h.get_by_label("as shardscope diff (bitwise)");
     h.get_by_label("tolerance").click();
     h.run();
-    let t = h.state().comparer.tolerance.unwrap();
-    assert_eq!((t.rtol, t.atol, t.equal_nan), (1e-5, 1e-8, false));
+    let tol = h.state().comparer.tolerance.unwrap();
+    assert_eq!((tol.rtol, tol.atol, tol.equal_nan), (1e-5, 1e-8, false));
     h.get_by_label("as shardscope diff --rtol 0.00001 --atol 0.00000001");
-    assert_same_as_cli(h.state(), &a, &b);
+    assert_same_as_cli(h.state(), &a_dcp, &b_pt);
     assert_eq!(
         status_of(h.state(), "model.layers.0.attn.weight"),
         RowStatus::Equal
     );
     // NaN is not close to NaN (torch.allclose), unless equal_nan.
-    assert_eq!(status_of(h.state(), "model.layers.3.mlp.weight"), RowStatus::Differs);
+    assert_eq!(
+        status_of(h.state(), "model.layers.3.mlp.weight"),
+        RowStatus::Differs
+    );
     assert_eq!(
         status_of(h.state(), "model.layers.1.mlp.weight"),
         RowStatus::Differs
@@ -142,7 +152,7 @@ fn rows_at_each_tolerance_equal_diff_with_the_same_flags() {
     h.run();
     assert_eq!(h.state().comparer.tolerance_input.atol, "0.1");
     assert_eq!(h.state().comparer.tolerance.unwrap().atol, 0.1);
-    assert_same_as_cli(h.state(), &a, &b);
+    assert_same_as_cli(h.state(), &a_dcp, &b_pt);
     assert_eq!(
         status_of(h.state(), "model.layers.1.mlp.weight"),
         RowStatus::Equal
@@ -152,8 +162,11 @@ fn rows_at_each_tolerance_equal_diff_with_the_same_flags() {
     h.get_by_label("equal NaN").click();
     h.run();
     assert!(h.state().comparer.tolerance.unwrap().equal_nan);
-    assert_same_as_cli(h.state(), &a, &b);
-    assert_eq!(status_of(h.state(), "model.layers.3.mlp.weight"), RowStatus::Equal);
+    assert_same_as_cli(h.state(), &a_dcp, &b_pt);
+    assert_eq!(
+        status_of(h.state(), "model.layers.3.mlp.weight"),
+        RowStatus::Equal
+    );
 
     // A value diff does not accept is refused, saying why, and compares nothing.
     let rtol = h.get_by_label("rtol");
@@ -166,5 +179,5 @@ fn rows_at_each_tolerance_equal_diff_with_the_same_flags() {
     h.get_by_label("tolerance").click();
     h.run();
     assert_eq!(h.state().comparer.tolerance, None);
-    assert_same_as_cli(h.state(), &a, &b);
+    assert_same_as_cli(h.state(), &a_dcp, &b_pt);
 }

@@ -71,8 +71,16 @@ fn mark_diffs(v: &Viewer) -> Diffs {
 fn check(dir: &Path, own: u64, other: u64) {
     let mut v = open(dir);
     assert_eq!(v.controls.world_size, own);
-    let m = v.map_marks.as_ref().expect("marks for a per-rank checkpoint");
-    assert_eq!((m.extra, m.missing, m.marks.len()), (0, 0, 0), "{}", m.summary());
+    let m = v
+        .map_marks
+        .as_ref()
+        .expect("marks for a per-rank checkpoint");
+    assert_eq!(
+        (m.extra, m.missing, m.marks.len()),
+        (0, 0, 0),
+        "{}",
+        m.summary()
+    );
 
     v.controls.world_size = other;
     v.recompute();
