@@ -154,7 +154,7 @@ async function checkpointTest(browser, port) {
 }
 
 // A/B compare in the page: a torch-written DCP (A, picked as a folder) against torch's edit of the
-// same state dict saved with torch.save (B, picked with "Compare with files"), then the same pair
+// same state dict saved with torch.save (B, picked with "Compare files"), then the same pair
 // by URL (`?url=A&compare=B`). The page's report must equal `shardscope diff --json A B` run here
 // on the same files (and URLs), bitwise and with each tolerance set in the Compare tab.
 async function compareTest(browser) {
