@@ -123,6 +123,11 @@ pub fn place(view: &LayoutView, overlay: &Overlay) -> MapMarks {
             }
         }
     }
+    // A parameter's slices are disjoint runs of its elements (each drawn once per shard group):
+    // sorted by their first element, the ones a range meets are found by binary search.
+    for v in slices.values_mut() {
+        v.sort_by_key(|s| s.elements);
+    }
     let group = view.shard_group_size.max(1);
     let mut out = MapMarks::default();
     for p in &overlay.params {
@@ -147,9 +152,12 @@ pub fn place(view: &LayoutView, overlay: &Overlay) -> MapMarks {
             let own = (r.rank < view.world_size).then_some(r.rank % group);
             for (kind, range) in kinds {
                 // Parts on the rank's own bar first, the rest where the layout draws them.
+                let first = drawn.partition_point(|s| s.elements.1 <= range.0);
+                let last = drawn.partition_point(|s| s.elements.0 < range.1);
+                let meets = drawn.get(first..last).unwrap_or(&[]);
                 let mut left = vec![range];
                 for pass_own in [true, false] {
-                    for s in drawn {
+                    for s in meets {
                         if pass_own != (Some(s.bar_rank) == own) {
                             continue;
                         }
