@@ -701,7 +701,8 @@ mod handle {
                     }
                     return Err(fail(
                         "A",
-                        "open a checkpoint first (files or URL): it is A of the comparison"
+                        "open a checkpoint first, from files or URLs (a .zip opened whole is not \
+                         compared in the browser): it is A of the comparison"
                             .to_owned(),
                     ));
                 }
