@@ -59,10 +59,10 @@ impl Mark {
 /// Every difference placed on the map.
 #[derive(Debug, Clone, Default, PartialEq, Eq)]
 pub struct MapMarks {
-    /// Sorted by unit, rank bar and position.
-    pub marks: Vec<Mark>,
-    /// Per `(unit, rank bar)`: the range of [`MapMarks::marks`] on that bar.
-    pub by_row: BTreeMap<(usize, usize), (usize, usize)>,
+    /// The marks of each `(unit, rank bar)`.
+    pub rows: BTreeMap<(usize, usize), Vec<Mark>>,
+    /// Marks in all.
+    pub count: usize,
     /// Differences not drawn: elements the map draws nowhere, or past [`MAX_MARKS`].
     pub unplaced: usize,
     /// Extra and missing ranges over all ranks (drawn or not).
@@ -73,9 +73,14 @@ pub struct MapMarks {
 impl MapMarks {
     /// The marks on one rank bar.
     pub fn row(&self, unit: usize, rank_index: usize) -> &[Mark] {
-        self.by_row
+        self.rows
             .get(&(unit, rank_index))
-            .map_or(&[], |&(a, b)| &self.marks[a..b])
+            .map_or(&[], Vec::as_slice)
+    }
+
+    /// Every mark, bar by bar.
+    pub fn marks(&self) -> impl Iterator<Item = &Mark> {
+        self.rows.values().flatten()
     }
 
     /// `2 extra, 3 missing pieces marked` (and how many were not drawn).
@@ -123,11 +128,9 @@ pub fn place(view: &LayoutView, overlay: &Overlay) -> MapMarks {
             }
         }
     }
-    // A parameter's slices are disjoint runs of its elements (each drawn once per shard group):
-    // sorted by their first element, the ones a range meets are found by binary search.
-    for v in slices.values_mut() {
-        v.sort_by_key(|s| s.elements);
-    }
+    // A parameter's slices are disjoint runs of its elements (each drawn once per shard group),
+    // collected in rank order, which is element order for FSDP1 and FSDP2 shards alike: the ones a
+    // range meets are then found by binary search (else by a scan).
     let group = view.shard_group_size.max(1);
     let mut out = MapMarks::default();
     for p in &overlay.params {
@@ -136,6 +139,7 @@ pub fn place(view: &LayoutView, overlay: &Overlay) -> MapMarks {
             .get(&p.fqn)
             .and_then(|i| slices.get(i))
             .map_or(&[][..], Vec::as_slice);
+        let in_order = drawn.windows(2).all(|w| w[0].elements.1 <= w[1].elements.0);
         for r in &p.ranks {
             out.extra += r.extra.len();
             out.missing += r.missing.len();
@@ -152,9 +156,13 @@ pub fn place(view: &LayoutView, overlay: &Overlay) -> MapMarks {
             let own = (r.rank < view.world_size).then_some(r.rank % group);
             for (kind, range) in kinds {
                 // Parts on the rank's own bar first, the rest where the layout draws them.
-                let first = drawn.partition_point(|s| s.elements.1 <= range.0);
-                let last = drawn.partition_point(|s| s.elements.0 < range.1);
-                let meets = drawn.get(first..last).unwrap_or(&[]);
+                let meets = if in_order {
+                    let first = drawn.partition_point(|s| s.elements.1 <= range.0);
+                    let last = drawn.partition_point(|s| s.elements.0 < range.1);
+                    drawn.get(first..last).unwrap_or(&[])
+                } else {
+                    drawn
+                };
                 let mut left = vec![range];
                 for pass_own in [true, false] {
                     for s in meets {
@@ -168,16 +176,21 @@ pub fn place(view: &LayoutView, overlay: &Overlay) -> MapMarks {
                                 rest.push((a, b));
                                 continue;
                             }
-                            if out.marks.len() < MAX_MARKS {
-                                out.marks.push(Mark {
-                                    unit: s.unit,
-                                    rank_index: s.rank_index,
-                                    x_bytes: s.x_bytes + (x - s.elements.0) * s.bytes_per_element,
-                                    len_bytes: (y - x) * s.bytes_per_element,
-                                    kind,
-                                    fqn: p.fqn.clone(),
-                                    elements: (x, y),
-                                });
+                            if out.count < MAX_MARKS {
+                                out.count += 1;
+                                out.rows
+                                    .entry((s.unit, s.rank_index))
+                                    .or_default()
+                                    .push(Mark {
+                                        unit: s.unit,
+                                        rank_index: s.rank_index,
+                                        x_bytes: s.x_bytes
+                                            + (x - s.elements.0) * s.bytes_per_element,
+                                        len_bytes: (y - x) * s.bytes_per_element,
+                                        kind,
+                                        fqn: p.fqn.clone(),
+                                        elements: (x, y),
+                                    });
                             } else {
                                 out.unplaced += 1;
                             }
@@ -194,18 +207,6 @@ pub fn place(view: &LayoutView, overlay: &Overlay) -> MapMarks {
                 out.unplaced += left.len();
             }
         }
-    }
-    out.marks
-        .sort_by_key(|m| (m.unit, m.rank_index, m.x_bytes, m.kind));
-    let mut i = 0;
-    while i < out.marks.len() {
-        let key = (out.marks[i].unit, out.marks[i].rank_index);
-        let j = out.marks[i..]
-            .iter()
-            .position(|m| (m.unit, m.rank_index) != key)
-            .map_or(out.marks.len(), |k| i + k);
-        out.by_row.insert(key, (i, j));
-        i = j;
     }
     out
 }

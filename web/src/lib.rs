@@ -117,7 +117,8 @@ mod handle {
     fn take_compare_updates(viewer: &mut Viewer, s: &mut Shared) {
         for result in std::mem::take(&mut s.compared) {
             if let Ok(c) = &result {
-                s.comparison_json = urls::hide_queries(&c.report.to_json());
+                s.comparison_json =
+                    urls::hide_queries(&serde_json::to_string(&c.report).unwrap_or_default());
             }
             viewer.take_comparison(result);
         }

@@ -203,6 +203,10 @@ async function compareTest(browser) {
 
     await page.goto(`${base}/index.html?empty`);
     await waitFor(() => page.evaluate(() => document.body.dataset.ready === "1"), "the viewer to start");
+    // B before any A: the page says what is missing.
+    await page.setInputFiles("#cfiles", path.join(dir, "b.pt"));
+    const noA = await waitStatus(page, (s) => s.includes("error:"), "compare without A", 30000);
+    if (!noA.includes("open a checkpoint first")) fail(`compare without A: ${noA}`);
     await page.setInputFiles("#folder", path.join(dir, "a_dcp"));
     await waitStatus(page, (s) => s.includes(" entries") || s.includes("error:"), "A to open", 30000);
     await page.setInputFiles("#cfiles", path.join(dir, "b.pt"));
