@@ -204,7 +204,11 @@ impl Viewer {
         self.comparer.synchronous = self.loader.synchronous;
         self.comparer.start(a, b, self.loader.read_options.clone());
         self.tab = Tab::Compare;
-        self.poll_comparer();
+        // A worker's result shows from the next frame on (never before the call returns, however
+        // fast the worker); a synchronous one at once.
+        if self.comparer.synchronous {
+            self.poll_comparer();
+        }
     }
 
     /// Computes the value statistics of the opened checkpoint (every tensor is read, one at a
