@@ -527,8 +527,9 @@ impl Viewer {
             ctx.request_repaint();
         }
         if self.poll_comparer() | self.poll_value_job() {
-            // Progress is shown as it goes; the worker never blocks on the UI.
-            ctx.request_repaint_after(std::time::Duration::from_millis(100));
+            // Progress is shown as it goes (4 times a second: in the browser, frames share the
+            // one thread with the work); the worker never blocks on the UI.
+            ctx.request_repaint_after(std::time::Duration::from_millis(250));
         }
         self.take_dropped_files(&ctx);
         // Refilled by the key table if it is drawn this frame.

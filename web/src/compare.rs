@@ -1,9 +1,11 @@
 //! A/B compare in the browser: the opened checkpoint (A) against another (B), picked files or
 //! URLs, read lazily as A is ([`LazySource`]). The comparison is `shardscope diff`'s own
-//! ([`DiffPlan`], the plan `verify::diff` runs), taken one key at a time: the key's byte ranges
-//! of both sides are fetched, the key is compared, and its bytes are dropped before the next, so
-//! memory stays at the largest tensor pair. Between keys the work yields to the browser (a
-//! `setTimeout` slice every few milliseconds), so the page keeps drawing its progress.
+//! ([`DiffPlan`], the plan `verify::diff` runs), taken a batch of keys at a time (consecutive keys
+//! up to [`BATCH_BYTES`] per side, or one larger key): the batch's byte ranges of both sides are
+//! fetched (adjacent ones in one read), its keys are compared, and its bytes are dropped before
+//! the next, so memory stays at a batch (or the largest tensor pair). Between batches the work
+//! yields to the browser (a `setTimeout` slice every few milliseconds), so the page keeps drawing
+//! its progress.
 
 use std::sync::atomic::{AtomicBool, Ordering};
 
@@ -18,6 +20,10 @@ use crate::lazy::LazySource;
 const PREFETCH_WHOLE: u64 = 64 << 20;
 /// Work this long (milliseconds) before yielding to the browser.
 const SLICE_MS: f64 = 30.0;
+/// The most tensor bytes of one side compared in one batch.
+pub const BATCH_BYTES: u64 = 32 << 20;
+/// The most keys in one batch.
+const BATCH_KEYS: usize = 512;
 
 /// One side of a comparison: its name (a file name, a folder, a URL shown without its query)
 /// and its files.
@@ -69,6 +75,23 @@ async fn yield_to_browser() {
     let _ = wasm_bindgen_futures::JsFuture::from(promise).await;
 }
 
+/// The entry of `key` in a checkpoint.
+fn entry<'c>(ckpt: &'c Checkpoint, key: &str) -> Option<&'c shardscope_core::index::IndexEntry> {
+    let i = ckpt
+        .index
+        .entries
+        .binary_search_by(|e| e.key.as_str().cmp(key))
+        .ok()?;
+    ckpt.index.entries.get(i)
+}
+
+/// The bytes `key` reads in a checkpoint (0 for a value or a key it lacks).
+fn nbytes(ckpt: &Checkpoint, key: &str) -> u64 {
+    entry(ckpt, key)
+        .and_then(shardscope_core::index::IndexEntry::nbytes)
+        .unwrap_or(0)
+}
+
 /// Compares `a` with `b` as `shardscope diff A B --json` does (no `--select`; `tolerance` as
 /// `--rtol --atol [--equal-nan]`), reporting progress; `cancel` stops it at the next key with
 /// [`CompareError::Cancelled`].
@@ -106,30 +129,46 @@ pub async fn compare(
             select: None,
         },
     );
-    let total = plan.keys().len();
+    let keys = plan.keys();
+    let total = keys.len();
     let mut entries = Vec::with_capacity(total);
     let mut slice_start = js_sys::Date::now();
-    for (i, key) in plan.keys().iter().enumerate() {
+    let mut start = 0;
+    while start < total {
         if cancel.load(Ordering::Relaxed) {
             return Err(CompareError::Cancelled);
         }
         if js_sys::Date::now() - slice_start > SLICE_MS {
             progress(Progress {
-                done: i,
+                done: start,
                 total,
-                what: key.clone(),
+                what: keys[start].clone(),
             });
             yield_to_browser().await;
             slice_start = js_sys::Date::now();
         }
+        let (mut end, mut a_bytes, mut b_bytes) = (start, 0u64, 0u64);
+        while end < total && end - start < BATCH_KEYS {
+            let key = &keys[end];
+            let (da, db) = (nbytes(&a_ckpt, key), nbytes(&b_ckpt, key));
+            let (na, nb) = (a_bytes.saturating_add(da), b_bytes.saturating_add(db));
+            if end > start && (na > BATCH_BYTES || nb > BATCH_BYTES) {
+                break;
+            }
+            (a_bytes, b_bytes, end) = (na, nb, end + 1);
+        }
         let (a_mark, b_mark) = (a.source.mark(), b.source.mark());
-        let entry =
-            LazySource::run_pair(&mut a.source, &mut b.source, |sa, sb| plan.entry(i, sa, sb))
-                .await
-                .map_err(|(side, e)| failed(side, format!("reading `{key}`: {e}")))?;
+        let batch = LazySource::run_pair(&mut a.source, &mut b.source, |sa, sb| {
+            (start..end)
+                .filter_map(|i| plan.entry(i, sa, sb))
+                .collect::<Vec<_>>()
+        })
+        .await
+        .map_err(|(side, e)| failed(side, format!("reading `{}`: {e}", keys[start])))?;
         a.source.release(&a_mark);
         b.source.release(&b_mark);
-        entries.extend(entry);
+        entries.extend(batch);
+        start = end;
     }
     if cancel.load(Ordering::Relaxed) {
         return Err(CompareError::Cancelled);

@@ -186,9 +186,10 @@ mod handle {
                     CompareRequest { b: None, tolerance },
                 );
             }
+            // Progress four times a second: frames take the page's one thread from the work.
             if s_compare_running(&self.shared) {
                 ui.ctx()
-                    .request_repaint_after(std::time::Duration::from_millis(100));
+                    .request_repaint_after(std::time::Duration::from_millis(250));
             }
             if let Ok(mut s) = self.shared.lock() {
                 // Errors of the viewer's own loader (documents, zips) reach the page too.
@@ -657,11 +658,11 @@ mod handle {
             s.compare_cancel.store(false, Ordering::Relaxed);
             (s.compare_cancel.clone(), s.read_options.clone())
         };
+        // Shown by the next periodic frame (see `WebApp::ui`).
         let mut progress = |p: Progress| {
             if let Ok(mut s) = shared.lock() {
                 s.compare_progress = Some(p);
             }
-            repaint_ctx(ctx);
         };
         // B first (A may still be opening).
         let b = match request.b.take() {

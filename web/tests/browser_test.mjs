@@ -235,6 +235,53 @@ async function compareTest(browser) {
     await page.goto(`${base}/index.html?url=${encodeURIComponent(ua)}&compare=${encodeURIComponent(ub)}`);
     const [, byUrl] = await compared("by URL");
     same("?url=DCP folder&compare=.pt", byUrl, diffJsonAnyExit(ua, ub));
+
+    // Responsiveness: two 80 MiB safetensors files of 2000 tensors (too large to be fetched whole:
+    // each tensor is read when compared) compare while the page keeps drawing frames and shows the
+    // progress; the rows are still diff's.
+    // (Every tensor has its own shape, so that looking for tied weights reads no tensor.)
+    const big = (file, changed) => {
+      const n = 2000;
+      const numel = (i) => 10240 + i;
+      const header = {};
+      let at = 0;
+      for (let i = 0; i < n; i++) {
+        header[`t${i}`] = { dtype: "F32", shape: [numel(i)], data_offsets: [at * 4, (at + numel(i)) * 4] };
+        at += numel(i);
+      }
+      let json = JSON.stringify(header);
+      json += " ".repeat((8 - (json.length % 8)) % 8);
+      const data = new Float32Array(at);
+      for (let i = 0; i < data.length; i++) data[i] = (i % 977) * 0.25;
+      if (changed) data[header.t1234.data_offsets[0] / 4 + 5] = -1;
+      const len = Buffer.alloc(8);
+      len.writeBigUInt64LE(BigInt(json.length));
+      writeFileSync(path.join(dir, file), Buffer.concat([len, Buffer.from(json), Buffer.from(data.buffer)]));
+    };
+    big("big_a.safetensors", false);
+    big("big_b.safetensors", true);
+    await page.goto(`${base}/index.html?empty`);
+    await waitFor(() => page.evaluate(() => document.body.dataset.ready === "1"), "the viewer to start");
+    await page.setInputFiles("#files", path.join(dir, "big_a.safetensors"));
+    await waitStatus(page, (s) => s.includes(" entries") || s.includes("error:"), "the large A to open", 30000);
+    await page.evaluate(() => {
+      window.frameGaps = [];
+      let last = performance.now();
+      const tick = (t) => { window.frameGaps.push(t - last); last = t; if (window.frameGaps.length < 100000) requestAnimationFrame(tick); };
+      requestAnimationFrame(tick);
+    });
+    const t0 = Date.now();
+    await page.setInputFiles("#cfiles", path.join(dir, "big_b.safetensors"));
+    const progress = await waitStatus(page, (s) => /comparing \d+\/2000/.test(s) || s.includes("compared: "), "the comparison's progress", 60000);
+    const [, bigReport] = await compared("2000 tensors");
+    const seconds = (Date.now() - t0) / 1000;
+    const gaps = await page.evaluate(() => window.frameGaps.slice(1));
+    const worst = Math.max(...gaps);
+    console.log(`2000-tensor compare: ${seconds.toFixed(1)} s, ${gaps.length} frames, longest gap ${worst.toFixed(0)} ms; progress seen: ${progress.match(/comparing \d+\/2000[^·]*/)?.[0] ?? "(finished first)"}`);
+    same("2000 tensors of 40 KiB, one element changed", bigReport,
+      diffJsonAnyExit("big_a.safetensors", "big_b.safetensors"));
+    if (!/comparing \d+\/2000/.test(progress)) fail(`no progress shown while comparing: ${progress}`);
+    if (worst > 1000) fail(`the page stopped drawing for ${worst.toFixed(0)} ms while comparing`);
     if (errors.length) fail(`page errors: ${errors.join("\n")}`);
     await page.close();
     console.log("PASS: A/B compare in the browser");
