@@ -23,6 +23,9 @@ use crate::index::{CheckpointIndex, CheckpointKind, EntryKind, IndexEntry, PathS
 use crate::layout::fsdp1::{FlatParamLayout, Fsdp1Layout};
 use crate::source::Source;
 
+mod plan;
+pub use plan::DiffPlan;
+
 /// The `kind` of every report.
 pub const REPORT_KIND: &str = "shardscope.verify";
 /// The schema version written.
@@ -344,63 +347,26 @@ fn select<'a>(
     (lc.swap_remove(i).0, rc.swap_remove(j).0, notes)
 }
 
-/// Compares two checkpoints key by key.
+/// Compares two checkpoints key by key ([`DiffPlan`] run over every key).
 pub fn diff(
     left: Side<'_>,
     right: Side<'_>,
     options: &DiffOptions,
     progress: Progress<'_>,
 ) -> Report {
-    let mut report = Report::new(
-        "diff",
-        Some(left.label.to_owned()),
-        Some(right.label.to_owned()),
-    );
-    let (lkeys, rkeys, notes) = select(
+    let plan = DiffPlan::new(
         (left.index, left.label),
         (right.index, right.label),
-        options.select.as_deref(),
+        options,
     );
-    report.notes.extend(notes);
-    if let Some(t) = options.tolerance {
-        report.notes.push(format!(
-            "floating-point values compared with rtol={} atol={} equal_nan={}",
-            t.rtol, t.atol, t.equal_nan
-        ));
-    }
-    let fqns: BTreeSet<&String> = lkeys.keys().chain(rkeys.keys()).collect();
-    let total = fqns.len();
-    for (done, fqn) in fqns.into_iter().enumerate() {
+    let total = plan.keys().len();
+    let mut entries = Vec::with_capacity(total);
+    for (done, fqn) in plan.keys().iter().enumerate() {
         progress(done, total, fqn);
-        let mut entry = match (lkeys.get(fqn), rkeys.get(fqn)) {
-            (Some(a), Some(b)) => compare_entries(fqn, left, a, right, b, options.tolerance),
-            (Some(a), None) => {
-                let mut e = Entry::new(fqn, Status::Missing)
-                    .with_message(format!("only in {}", left.label));
-                e.dtype = a.dtype;
-                e.shape.clone_from(&a.shape);
-                e
-            }
-            (None, Some(b)) => {
-                let mut e = Entry::new(fqn, Status::Unexpected)
-                    .with_message(format!("only in {}", right.label));
-                e.dtype = b.dtype;
-                e.shape.clone_from(&b.shape);
-                e
-            }
-            (None, None) => continue,
-        };
-        if let Some(a) = lkeys.get(fqn) {
-            entry.left_key = raw_name(a, fqn);
-        }
-        if let Some(b) = rkeys.get(fqn) {
-            entry.right_key = raw_name(b, fqn);
-        }
-        report.insert(entry);
+        entries.extend(plan.entry(done, left.source, right.source));
     }
     progress(total, total, "");
-    report.finish();
-    report
+    plan.report(entries)
 }
 
 /// The stored key when it is not the FQN.

@@ -81,6 +81,8 @@ pub struct Viewer {
     pub applied_config: Option<LayoutConfig>,
     /// The opened checkpoint's stored chunks laid over the current layout (`view::overlay`).
     pub overlay: Option<shardscope_core::view::overlay::Overlay>,
+    /// The overlay's differences placed on the shard map's bars.
+    pub map_marks: Option<crate::map_marks::MapMarks>,
     pub trace: Option<Trace>,
     /// The opened checkpoint.
     pub checkpoint: Option<crate::checkpoint::CheckpointView>,
@@ -202,7 +204,11 @@ impl Viewer {
         self.comparer.synchronous = self.loader.synchronous;
         self.comparer.start(a, b, self.loader.read_options.clone());
         self.tab = Tab::Compare;
-        self.poll_comparer();
+        // A worker's result shows from the next frame on (never before the call returns, however
+        // fast the worker); a synchronous one at once.
+        if self.comparer.synchronous {
+            self.poll_comparer();
+        }
     }
 
     /// Computes the value statistics of the opened checkpoint (every tensor is read, one at a
@@ -243,24 +249,41 @@ impl Viewer {
 
     /// Takes a finished comparison; true while one still runs.
     pub fn poll_comparer(&mut self) -> bool {
-        match self.comparer.poll() {
-            Some(Ok(c)) => {
+        if let Some(result) = self.comparer.poll() {
+            self.take_comparison(result);
+        }
+        self.comparer.running()
+    }
+
+    /// Shows a finished comparison (the worker's, or the browser front end's). A comparison of
+    /// the same two checkpoints (another tolerance) keeps the view's filter.
+    pub fn take_comparison(
+        &mut self,
+        result: Result<crate::compare::Comparison, crate::compare::CompareError>,
+    ) {
+        match result {
+            Ok(c) => {
                 self.messages.push(format!(
                     "compared {} with {}: {}",
                     c.left,
                     c.right,
                     c.summary()
                 ));
-                self.compare_view = crate::panels::compare::CompareState::default();
+                let same = self
+                    .comparison
+                    .as_ref()
+                    .is_some_and(|old| old.left == c.left && old.right == c.right);
+                if !same {
+                    self.compare_view = crate::panels::compare::CompareState::default();
+                }
                 self.comparison = Some(c);
             }
-            Some(Err(e)) if e != crate::compare::CompareError::Cancelled => {
+            Err(e) if e != crate::compare::CompareError::Cancelled => {
                 self.messages.push(format!("error: compare: {e}"));
             }
             // Cancelled: a newer comparison replaces it.
-            Some(Err(_)) | None => {}
+            Err(_) => {}
         }
-        self.comparer.running()
     }
 
     /// Applies a parsed document.
@@ -364,6 +387,7 @@ impl Viewer {
         }
         self.applied_config = Some(config.clone());
         self.overlay = None;
+        self.map_marks = None;
         let Some(loaded) = &self.model else {
             self.view = None;
             return;
@@ -381,6 +405,11 @@ impl Viewer {
                 self.generation += 1;
                 let mut view = LayoutView::new(&loaded.model, &l);
                 view.generation = self.generation;
+                self.map_marks = self
+                    .overlay
+                    .as_ref()
+                    .filter(|o| o.applicable)
+                    .map(|o| crate::map_marks::place(&view, o));
                 self.view = Some(view);
                 self.layout_error = None;
             }
@@ -498,8 +527,9 @@ impl Viewer {
             ctx.request_repaint();
         }
         if self.poll_comparer() | self.poll_value_job() {
-            // Progress is shown as it goes; the worker never blocks on the UI.
-            ctx.request_repaint_after(std::time::Duration::from_millis(100));
+            // Progress is shown as it goes (4 times a second: in the browser, frames share the
+            // one thread with the work); the worker never blocks on the UI.
+            ctx.request_repaint_after(std::time::Duration::from_millis(250));
         }
         self.take_dropped_files(&ctx);
         // Refilled by the key table if it is drawn this frame.
@@ -1017,35 +1047,13 @@ impl Viewer {
                     }
                 }
             }
-            Tab::Compare => {
-                if self.comparer.running() {
-                    ui.horizontal(|ui| {
-                        ui.spinner();
-                        ui.label(self.comparer.progress().text());
-                    });
-                    let p = self.comparer.progress();
-                    if p.total > 0 {
-                        #[allow(clippy::cast_precision_loss, reason = "a progress fraction")]
-                        let f = p.done as f32 / p.total as f32;
-                        ui.add(egui::ProgressBar::new(f).show_percentage());
-                    }
-                    ui.separator();
-                }
-                match &self.comparison {
-                    Some(c) => crate::panels::compare::ui(
-                        ui,
-                        c,
-                        &mut self.compare_view,
-                        &mut self.selection,
-                    ),
-                    None if self.comparer.running() => {}
-                    None => {
-                        ui.label(
-                            "Open a checkpoint, then Compare with... another one (or start the viewer with A --compare B).",
-                        );
-                    }
-                }
-            }
+            Tab::Compare => crate::panels::compare::tab_ui(
+                ui,
+                self.comparison.as_ref(),
+                &mut self.comparer,
+                &mut self.compare_view,
+                &mut self.selection,
+            ),
             Tab::Trace => match &self.trace {
                 Some(t) => timeline::ui(ui, t, &mut self.timeline, &mut self.selection, self.theme),
                 None => {
@@ -1087,6 +1095,7 @@ impl Viewer {
                     Tab::ShardMap => shard_map::ui(
                         ui,
                         view,
+                        self.map_marks.as_ref(),
                         &mut self.shard_map,
                         &mut self.selection,
                         self.theme,

@@ -4,11 +4,12 @@
 //! the desktop it runs on a worker thread that reports its progress and can be cancelled.
 
 use std::collections::BTreeSet;
+use std::sync::Arc;
 use std::sync::atomic::{AtomicBool, Ordering};
 
 use shardscope_core::checkpoint::{Checkpoint, ReadOptions};
 use shardscope_core::source::{Source, SourceError};
-use shardscope_core::verify::{self, DiffOptions, Side, Status};
+use shardscope_core::verify::{self, DiffOptions, Side, Status, Tolerance};
 
 use crate::checkpoint::{CheckpointError, Origin};
 use crate::format::shape as fmt_shape;
@@ -31,6 +32,65 @@ impl CompareInput {
             origin: Origin::from_path(path)?,
         })
     }
+}
+
+/// The compare view's tolerance controls, as the user types them: off is `diff` without flags
+/// (bitwise), on is `diff --rtol R --atol A [--equal-nan]` (`|a-b| <= atol + rtol*|b|`, as
+/// `torch.allclose`).
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct ToleranceInput {
+    pub on: bool,
+    pub rtol: String,
+    pub atol: String,
+    pub equal_nan: bool,
+}
+
+impl Default for ToleranceInput {
+    /// torch.allclose's defaults (`shardscope diff`'s for a missing `--rtol`/`--atol`), off.
+    fn default() -> Self {
+        Self {
+            on: false,
+            rtol: "1e-5".to_owned(),
+            atol: "1e-8".to_owned(),
+            equal_nan: false,
+        }
+    }
+}
+
+impl ToleranceInput {
+    /// The tolerance the controls stand for (`None`: bitwise), or why they stand for none, with
+    /// `diff`'s rule: finite and not negative.
+    pub fn tolerance(&self) -> Result<Option<Tolerance>, String> {
+        if !self.on {
+            return Ok(None);
+        }
+        let parse = |what: &str, text: &str| {
+            text.trim()
+                .parse::<f64>()
+                .ok()
+                .filter(|v| v.is_finite() && *v >= 0.0)
+                .ok_or_else(|| {
+                    format!("{what} must be a finite number, not negative (got `{text}`)")
+                })
+        };
+        Ok(Some(Tolerance {
+            rtol: parse("rtol", &self.rtol)?,
+            atol: parse("atol", &self.atol)?,
+            equal_nan: self.equal_nan,
+        }))
+    }
+}
+
+/// The `shardscope diff` flags of a tolerance (empty for bitwise).
+pub fn tolerance_flags(t: Option<Tolerance>) -> String {
+    t.map_or_else(String::new, |t| {
+        format!(
+            "--rtol {} --atol {}{}",
+            t.rtol,
+            t.atol,
+            if t.equal_nan { " --equal-nan" } else { "" }
+        )
+    })
 }
 
 /// What a tensor's row says, finer than the report's status: a `mismatch` is either different
@@ -321,12 +381,14 @@ impl Source for Cancellable<'_> {
 }
 
 /// Opens both sides with `Checkpoint::open` and compares them with `verify::diff`, as
-/// `shardscope diff A B --json` does (bitwise; no `--select`). `progress` is called as it goes;
-/// setting `cancel` stops it early with [`CompareError::Cancelled`].
+/// `shardscope diff A B --json` does (no `--select`; bitwise, or with `tolerance` as `diff --rtol
+/// --atol [--equal-nan]`). `progress` is called as it goes; setting `cancel` stops it early with
+/// [`CompareError::Cancelled`].
 pub fn compare(
     a: &CompareInput,
     b: &CompareInput,
     options: &ReadOptions,
+    tolerance: Option<Tolerance>,
     progress: &mut dyn FnMut(Progress),
     cancel: &AtomicBool,
 ) -> Result<Comparison, CompareError> {
@@ -373,7 +435,10 @@ pub fn compare(
             source: &b_read,
             label: &b_ckpt.label,
         },
-        &DiffOptions::default(),
+        &DiffOptions {
+            tolerance,
+            select: None,
+        },
         &mut |done, total, key| {
             progress(Progress {
                 done,
@@ -394,40 +459,82 @@ pub fn compare(
     Ok(Comparison::from_report(report, notes))
 }
 
-/// Runs comparisons without blocking the UI ([`Job`]).
+/// A comparison the front end runs itself (the browser, where reads are asynchronous): the
+/// viewer asks for it, shows its progress and takes its result ([`crate::Viewer::take_comparison`]).
+#[derive(Debug, Default)]
+pub struct External {
+    /// The front end runs comparisons: a new tolerance is a request, not a job.
+    pub enabled: bool,
+    /// A comparison asked for, with this tolerance (the front end takes it).
+    pub request: Option<Option<Tolerance>>,
+    /// The running comparison's progress (`None`: none runs).
+    pub progress: Option<Progress>,
+    /// Set when the user cancels: the front end stops at the next key.
+    pub cancel: Arc<AtomicBool>,
+}
+
+/// Runs comparisons without blocking the UI ([`Job`]), and reruns the last one when the
+/// tolerance changes.
 #[derive(Debug, Default)]
 pub struct Comparer {
     /// Run in the calling thread (tests).
     pub synchronous: bool,
     /// The comparison last started: its sides.
     pub inputs: Option<(String, String)>,
+    /// The tolerance controls, kept across comparisons.
+    pub tolerance_input: ToleranceInput,
+    /// The tolerance of the comparison last started (`None`: bitwise).
+    pub tolerance: Option<Tolerance>,
+    /// Comparisons run by the front end (the browser).
+    pub external: External,
+    last: Option<(CompareInput, CompareInput, ReadOptions)>,
     job: Job<Comparison>,
 }
 
 impl Comparer {
-    /// Starts comparing `a` with `b` (a running comparison is cancelled).
+    /// Starts comparing `a` with `b` with the current tolerance (a running comparison is
+    /// cancelled).
     pub fn start(&mut self, a: CompareInput, b: CompareInput, options: ReadOptions) {
         self.inputs = Some((a.label.clone(), b.label.clone()));
+        self.last = Some((a.clone(), b.clone(), options.clone()));
         self.job.synchronous = self.synchronous;
+        let tolerance = self.tolerance;
         self.job.start(
             "compare",
-            Box::new(move |progress, cancel| compare(&a, &b, &options, progress, cancel)),
+            Box::new(move |progress, cancel| {
+                compare(&a, &b, &options, tolerance, progress, cancel)
+            }),
         );
+    }
+
+    /// Compares the last two checkpoints again with `tolerance` (`None`: bitwise), as
+    /// `diff --rtol --atol` would; in the browser, asks the front end to.
+    pub fn set_tolerance(&mut self, tolerance: Option<Tolerance>) {
+        self.tolerance = tolerance;
+        if self.external.enabled {
+            self.external.request = Some(tolerance);
+        } else if let Some((a, b, options)) = self.last.clone() {
+            self.start(a, b, options);
+        }
     }
 
     /// Asks a running comparison to stop.
     pub fn cancel(&mut self) {
         self.job.cancel();
+        self.external.cancel.store(true, Ordering::Relaxed);
     }
 
     /// True while a comparison runs.
     pub fn running(&self) -> bool {
-        self.job.running()
+        self.job.running() || self.external.progress.is_some()
     }
 
     /// The progress of the running comparison.
     pub fn progress(&self) -> Progress {
-        self.job.progress()
+        self.external
+            .progress
+            .clone()
+            .unwrap_or_else(|| self.job.progress())
     }
 
     /// The finished comparison, once (call every frame).

@@ -8,6 +8,7 @@ pub mod compare;
 pub mod docs;
 pub mod format;
 pub mod job;
+pub mod map_marks;
 pub mod panels;
 pub mod report;
 pub mod theme;

@@ -12,7 +12,7 @@ fn main() -> std::process::ExitCode {
         Err(e) => {
             eprintln!("error: {e}");
             eprintln!(
-                "hint: shardscope-viewer [--api fsdp1|fsdp2] [--world-size N] [--shard-group-size S] [--strategy NAME] [--no-orig-params] [--select FQN] [--tab shard-map|ranks|checkpoint] [--light] [FILE_OR_FOLDER ...] [A --compare B]"
+                "hint: shardscope-viewer [--api fsdp1|fsdp2] [--world-size N] [--shard-group-size S] [--strategy NAME] [--no-orig-params] [--select FQN] [--tab shard-map|ranks|checkpoint|values|compare] [--light] [FILE_OR_FOLDER ...] [A --compare B]"
             );
             std::process::ExitCode::from(2)
         }
@@ -30,6 +30,8 @@ fn run() -> Result<(), String> {
     let mut viewer = Viewer::new();
     let mut paths: Vec<std::path::PathBuf> = Vec::new();
     let mut compare: Option<std::path::PathBuf> = None;
+    // `--tab values`: read the values of the checkpoint opened (before the window opens).
+    let mut read_values = false;
     let mut args = std::env::args_os().skip(1);
     while let Some(arg) = args.next() {
         let text = arg.to_string_lossy().into_owned();
@@ -65,22 +67,14 @@ fn run() -> Result<(), String> {
             "--select" => viewer.selection.select(value("--select")?),
             "--compare" => compare = Some(value("--compare")?.into()),
             "--tab" => {
-                viewer.tab = match value("--tab")?.as_str() {
-                    "shard-map" => shardscope_viewer::Tab::ShardMap,
-                    "ranks" => shardscope_viewer::Tab::Ranks,
-                    "checkpoint" => shardscope_viewer::Tab::Checkpoint,
-                    other => {
-                        return Err(format!(
-                            "--tab: unknown tab `{other}` (shard-map, ranks, checkpoint)"
-                        ));
-                    }
-                };
+                viewer.tab = tab(&value("--tab")?)?;
+                read_values |= viewer.tab == shardscope_viewer::Tab::Values;
                 viewer.stay_on_tab = true;
             }
             "--light" => viewer.theme = shardscope_viewer::theme::Theme::Light,
             "-h" | "--help" => {
                 println!(
-                    "shardscope-viewer [--api fsdp1|fsdp2] [--world-size N] [--shard-group-size S] [--strategy NAME] [--no-orig-params] [--select FQN] [--tab shard-map|ranks|checkpoint] [--light] [FILE_OR_FOLDER ...] [A --compare B]"
+                    "shardscope-viewer [--api fsdp1|fsdp2] [--world-size N] [--shard-group-size S] [--strategy NAME] [--no-orig-params] [--select FQN] [--tab shard-map|ranks|checkpoint|values|compare] [--light] [FILE_OR_FOLDER ...] [A --compare B]"
                 );
                 return Ok(());
             }
@@ -107,8 +101,16 @@ fn run() -> Result<(), String> {
         viewer.tab = shardscope_viewer::Tab::ShardMap;
         viewer.stay_on_tab = true;
     }
+    if read_values {
+        viewer.loader.synchronous = true;
+    }
     for p in paths {
         viewer.open_path(p);
+    }
+    if read_values {
+        viewer.poll_loader();
+        viewer.compute_values();
+        viewer.loader.synchronous = false;
     }
     let options = eframe::NativeOptions {
         viewport: egui::ViewportBuilder::default()
@@ -123,6 +125,24 @@ fn run() -> Result<(), String> {
         Box::new(move |_cc| Ok(Box::new(viewer))),
     )
     .map_err(|e| e.to_string())
+}
+
+/// The tab `--tab NAME` names.
+#[cfg(not(target_arch = "wasm32"))]
+fn tab(name: &str) -> Result<shardscope_viewer::Tab, String> {
+    use shardscope_viewer::Tab;
+    Ok(match name {
+        "shard-map" => Tab::ShardMap,
+        "ranks" => Tab::Ranks,
+        "checkpoint" => Tab::Checkpoint,
+        "values" => Tab::Values,
+        "compare" => Tab::Compare,
+        other => {
+            return Err(format!(
+                "--tab: unknown tab `{other}` (shard-map, ranks, checkpoint, values, compare)"
+            ));
+        }
+    })
 }
 
 #[cfg(target_arch = "wasm32")]

@@ -54,6 +54,10 @@ struct LazyFile {
     segments: Vec<(u64, Vec<u8>)>,
 }
 
+/// The segments each file held at one time ([`LazySource::mark`]).
+#[derive(Debug, Clone, Default)]
+pub struct Mark(BTreeMap<String, usize>);
+
 /// What a step asked for and did not get.
 #[derive(Debug, Clone, PartialEq, Eq, PartialOrd, Ord)]
 enum Miss {
@@ -177,6 +181,20 @@ impl LazySource {
         self.fetch(misses).await
     }
 
+    /// Fetches whole every file of at most `limit` bytes while all of them together stay under
+    /// `limit` (a small checkpoint compared in a few reads instead of one per tensor).
+    pub async fn prefetch_small(&mut self, limit: u64) -> Result<(), String> {
+        let mut budget = limit;
+        let mut ranges = Vec::new();
+        for (name, f) in &self.files {
+            if f.size <= budget {
+                budget -= f.size;
+                ranges.push((name.clone(), 0, f.size));
+            }
+        }
+        self.prefetch(ranges).await
+    }
+
     /// Prefetches what the readers read first: metadata files whole, both ends of other files.
     pub async fn prefetch_first(&mut self) -> Result<(), String> {
         let ranges = self
@@ -206,6 +224,54 @@ impl LazySource {
         }
         Err(format!(
             "reading the checkpoint's metadata took more than {MAX_ROUNDS} rounds of reads"
+        ))
+    }
+
+    /// How many segments each file holds now, to [`LazySource::release`] what is fetched after.
+    pub fn mark(&self) -> Mark {
+        Mark(
+            self.files
+                .iter()
+                .map(|(n, f)| (n.clone(), f.segments.len()))
+                .collect(),
+        )
+    }
+
+    /// Drops what was fetched since `mark` (a compared tensor's bytes), so that reading every
+    /// tensor holds one at a time.
+    pub fn release(&mut self, mark: &Mark) {
+        for (name, f) in &mut self.files {
+            let keep = mark.0.get(name).copied().unwrap_or(0);
+            for (_, bytes) in f.segments.drain(keep.min(f.segments.len())..) {
+                self.cached = self.cached.saturating_sub(bytes.len() as u64);
+            }
+        }
+    }
+
+    /// [`LazySource::run`] over two sources at once (A and B of a comparison): `step` is run
+    /// until it reads only fetched ranges of both.
+    pub async fn run_pair<T>(
+        a: &mut Self,
+        b: &mut Self,
+        mut step: impl FnMut(&Self, &Self) -> T,
+    ) -> Result<T, (&'static str, String)> {
+        for _ in 0..MAX_ROUNDS {
+            a.misses.borrow_mut().clear();
+            b.misses.borrow_mut().clear();
+            let result = step(a, b);
+            let a_misses = std::mem::take(&mut *a.misses.borrow_mut());
+            let b_misses = std::mem::take(&mut *b.misses.borrow_mut());
+            if a_misses.is_empty() && b_misses.is_empty() {
+                return Ok(result);
+            }
+            a.fetch(a_misses).await.map_err(|e| ("A", e))?;
+            b.fetch(b_misses).await.map_err(|e| ("B", e))?;
+        }
+        Err((
+            "A",
+            format!(
+                "reading one entry of the comparison took more than {MAX_ROUNDS} rounds of reads"
+            ),
         ))
     }
 

@@ -12,16 +12,23 @@ pub mod urls;
 pub mod lazy;
 
 #[cfg(target_arch = "wasm32")]
+pub mod compare;
+
+#[cfg(target_arch = "wasm32")]
 mod handle {
     use std::collections::BTreeMap;
+    use std::sync::atomic::{AtomicBool, Ordering};
     use std::sync::{Arc, Mutex};
 
     use shardscope_core::checkpoint::{Checkpoint, CheckpointError, ReadOptions};
-    use shardscope_viewer::Viewer;
+    use shardscope_core::verify::Tolerance;
     use shardscope_viewer::checkpoint::CheckpointView;
+    use shardscope_viewer::compare::{CompareError, Comparison, Progress};
     use shardscope_viewer::docs::Document;
+    use shardscope_viewer::{Tab, Viewer};
     use wasm_bindgen::prelude::*;
 
+    use crate::compare::Side;
     use crate::lazy::{self, LazySource};
     use crate::urls::{self, shown};
     use shardscope_core::source::Source;
@@ -55,14 +62,85 @@ mod handle {
         /// `[[key, dtype, shape], ...]` (JSON) of the last checkpoint opened in the background,
         /// for tests (`checkpoint_keys`).
         last_keys: String,
+        /// Lazily opened checkpoints that have not reached the viewer yet.
+        opens_in_flight: usize,
+        /// The last checkpoint opened lazily: A of a comparison (out while one runs).
+        a_side: Option<Side>,
+        /// B of the last comparison, kept to compare again with another tolerance.
+        b_side: Option<Side>,
+        /// A comparison runs (the sides are out).
+        comparing: bool,
+        /// The comparison asked for while one ran (it runs next).
+        queued: Option<CompareRequest>,
+        /// The running comparison's progress.
+        compare_progress: Option<Progress>,
+        /// Finished comparisons, for the viewer's next frame.
+        compared: Vec<Result<Comparison, CompareError>>,
+        /// A comparison was asked for: show the Compare tab.
+        show_compare: bool,
+        /// The viewer's current tolerance (comparisons started from the page use it).
+        tolerance: Option<Tolerance>,
+        /// The viewer's cancel flag of comparisons (set by its cancel button).
+        compare_cancel: Arc<AtomicBool>,
+        /// `diff --json` of the comparison shown (JSON), for tests (`comparison_json`).
+        comparison_json: String,
+        /// Tolerance controls set by a script, for the viewer's next frame.
+        tolerance_request: Option<shardscope_viewer::compare::ToleranceInput>,
+    }
+
+    /// A comparison to run: with a new B (else the last one's B) and a tolerance.
+    #[derive(Debug)]
+    struct CompareRequest {
+        b: Option<BSource>,
+        tolerance: Option<Tolerance>,
+    }
+
+    /// Where B comes from.
+    #[derive(Debug)]
+    enum BSource {
+        /// Picked files (one checkpoint).
+        Files(Side),
+        /// URLs (as `open_urls` takes them) and the rank count of `{r}` patterns.
+        Urls(Vec<String>, String),
     }
 
     /// The app the runner drives: the viewer plus the shared state.
     struct WebApp {
         viewer: Viewer,
         shared: Arc<Mutex<Shared>>,
+        ctx: Arc<Mutex<Option<egui::Context>>>,
         /// Viewer messages already looked at for errors.
         seen_messages: usize,
+    }
+
+    /// Hands the viewer what the page's comparisons did (results, progress, requests).
+    fn take_compare_updates(viewer: &mut Viewer, s: &mut Shared) {
+        for result in std::mem::take(&mut s.compared) {
+            if let Ok(c) = &result {
+                s.comparison_json =
+                    urls::hide_queries(&serde_json::to_string(&c.report).unwrap_or_default());
+            }
+            viewer.take_comparison(result);
+        }
+        viewer.comparer.external.enabled = true;
+        if let Some(input) = s.tolerance_request.take() {
+            // As if typed into the Compare tab's controls.
+            let t = input.tolerance();
+            viewer.comparer.tolerance_input = input;
+            match t {
+                Ok(t) => viewer.comparer.set_tolerance(t),
+                Err(e) => s.error = Some(e),
+            }
+        }
+        if std::mem::take(&mut s.show_compare) {
+            viewer.tab = Tab::Compare;
+        }
+        viewer.comparer.external.cancel = s.compare_cancel.clone();
+        viewer
+            .comparer
+            .external
+            .progress
+            .clone_from(&s.compare_progress);
     }
 
     impl eframe::App for WebApp {
@@ -82,6 +160,7 @@ mod handle {
                         self.viewer.selection.select(fqn);
                     }
                 }
+                take_compare_updates(&mut self.viewer, &mut s);
                 if std::mem::take(&mut s.example) {
                     self.viewer.stay_on_tab = true;
                     self.viewer.open_bytes(
@@ -99,6 +178,19 @@ mod handle {
                 }
             }
             self.viewer.ui(ui);
+            // A new tolerance in the Compare tab: compare the same two checkpoints again.
+            if let Some(tolerance) = self.viewer.comparer.external.request.take() {
+                request_compare(
+                    &self.shared,
+                    &self.ctx,
+                    CompareRequest { b: None, tolerance },
+                );
+            }
+            // Progress four times a second: frames take the page's one thread from the work.
+            if s_compare_running(&self.shared) {
+                ui.ctx()
+                    .request_repaint_after(std::time::Duration::from_millis(250));
+            }
             if let Ok(mut s) = self.shared.lock() {
                 // Errors of the viewer's own loader (documents, zips) reach the page too.
                 for m in self.viewer.messages.iter().skip(self.seen_messages) {
@@ -113,6 +205,14 @@ mod handle {
                     status.push_str(b);
                     status.push_str("...");
                 }
+                if let Some(p) = &s.compare_progress {
+                    status.push_str(" · ");
+                    status.push_str(&p.text());
+                    status.push_str("...");
+                } else if let Some(c) = &self.viewer.comparison {
+                    status.push_str(" · compared: ");
+                    status.push_str(&c.summary());
+                }
                 if let Some(e) = &s.error {
                     status.push_str(" · error: ");
                     status.push_str(e);
@@ -121,6 +221,7 @@ mod handle {
                 s.status = urls::hide_queries(&status);
                 s.selected.clone_from(&self.viewer.selection.fqn);
                 s.read_options.clone_from(&self.viewer.loader.read_options);
+                s.tolerance = self.viewer.comparer.tolerance;
                 s.probe_result = s
                     .probe
                     .as_deref()
@@ -192,6 +293,7 @@ mod handle {
         let result = result.map_err(|e| urls::hide_queries(&e));
         if let Ok(mut s) = shared.lock() {
             s.busy.remove(&job);
+            s.opens_in_flight = s.opens_in_flight.saturating_sub(1);
             match &result {
                 Err(e) => {
                     log::error!("{e}");
@@ -279,6 +381,9 @@ mod handle {
             &shared,
             format!("indexing checkpoint {name}: {} files", files.len()),
         );
+        if let Ok(mut s) = shared.lock() {
+            s.opens_in_flight += 1;
+        }
         repaint_ctx(&ctx);
         let mut src = LazySource::new();
         let mut result = Ok(());
@@ -288,10 +393,29 @@ mod handle {
             }
         }
         let result = match result {
-            Ok(()) => index_lazily(&name, &mut src, &shared, &ctx, job).await,
+            Ok(()) => open_as_a(name, src, &shared, &ctx, job).await,
             Err(e) => Err(e),
         };
         finish(&shared, &ctx, job, result);
+    }
+
+    /// Indexes a lazily read checkpoint for the viewer and keeps its files as A of the next
+    /// comparison.
+    async fn open_as_a(
+        name: String,
+        mut src: LazySource,
+        shared: &Mutex<Shared>,
+        ctx: &Mutex<Option<egui::Context>>,
+        job: u64,
+    ) -> Result<Box<CheckpointView>, String> {
+        let view = index_lazily(&name, &mut src, shared, ctx, job).await?;
+        if let Ok(mut s) = shared.lock() {
+            s.a_side = Some(Side {
+                label: name,
+                source: src,
+            });
+        }
+        Ok(view)
     }
 
     /// Resolves `url` against the page into an http(s) URL without query and fragment, and its
@@ -326,6 +450,18 @@ mod handle {
         ctx: &Mutex<Option<egui::Context>>,
         job: u64,
     ) -> Result<Box<CheckpointView>, String> {
+        let (name, src) = url_sources(inputs, ranks, shared, ctx, job).await?;
+        open_as_a(name, src, shared, ctx, job).await
+    }
+
+    /// The files of a checkpoint behind HTTP(S) (see [`open_urls_lazily`]) and its name.
+    async fn url_sources(
+        inputs: &[String],
+        ranks: &str,
+        shared: &Mutex<Shared>,
+        ctx: &Mutex<Option<egui::Context>>,
+        job: u64,
+    ) -> Result<(String, LazySource), String> {
         let inputs = urls::expand_ranks(inputs, ranks)?;
         let mut resolved = Vec::new();
         for u in &inputs {
@@ -333,7 +469,7 @@ mod handle {
         }
         match resolved.as_slice() {
             [] => Err("no URL given".to_owned()),
-            [(_, (href, None))] => open_plain_url(href, shared, ctx, job).await,
+            [(_, (href, None))] => open_plain_url(href, shared, job).await,
             _ => open_url_files(&resolved, shared, ctx, job).await,
         }
     }
@@ -342,9 +478,8 @@ mod handle {
     async fn open_plain_url(
         href: &str,
         shared: &Mutex<Shared>,
-        ctx: &Mutex<Option<egui::Context>>,
         job: u64,
-    ) -> Result<Box<CheckpointView>, String> {
+    ) -> Result<(String, LazySource), String> {
         let (base, file) = href
             .rsplit_once('/')
             .map(|(b, f)| (format!("{b}/"), f.to_owned()))
@@ -371,7 +506,7 @@ mod handle {
         } else {
             src.add_url_file(&file).await?;
         }
-        index_lazily(href, &mut src, shared, ctx, job).await
+        Ok((href.to_owned(), src))
     }
 
     /// Opens URLs that each name one file (see [`open_urls_lazily`]): one server, distinct file
@@ -381,7 +516,7 @@ mod handle {
         shared: &Mutex<Shared>,
         ctx: &Mutex<Option<egui::Context>>,
         job: u64,
-    ) -> Result<Box<CheckpointView>, String> {
+    ) -> Result<(String, LazySource), String> {
         let mut src = LazySource::new();
         let mut origin: Option<String> = None;
         let mut shown_urls = Vec::new();
@@ -438,8 +573,155 @@ mod handle {
             src.add_url(name, url).await?;
         }
         let names: Vec<&str> = shown_urls.iter().map(String::as_str).collect();
-        let name = shardscope_viewer::docs::group_name(&names);
-        index_lazily(&name, &mut src, shared, ctx, job).await
+        Ok((shardscope_viewer::docs::group_name(&names), src))
+    }
+
+    fn s_compare_running(shared: &Mutex<Shared>) -> bool {
+        shared.lock().is_ok_and(|s| s.comparing)
+    }
+
+    /// Runs a comparison, after the running one (which is cancelled) if any.
+    fn request_compare(
+        shared: &Arc<Mutex<Shared>>,
+        ctx: &Arc<Mutex<Option<egui::Context>>>,
+        request: CompareRequest,
+    ) {
+        let Ok(mut s) = shared.lock() else { return };
+        s.show_compare = true;
+        s.error = None;
+        if s.comparing {
+            s.queued = Some(request);
+            s.compare_cancel.store(true, Ordering::Relaxed);
+            return;
+        }
+        s.comparing = true;
+        s.compare_progress = Some(Progress {
+            what: "comparing".to_owned(),
+            ..Progress::default()
+        });
+        drop(s);
+        wasm_bindgen_futures::spawn_local(compare_loop(shared.clone(), ctx.clone(), request));
+        repaint_ctx(ctx);
+    }
+
+    /// Waits `ms` milliseconds.
+    async fn sleep(ms: i32) {
+        let promise = js_sys::Promise::new(&mut |resolve, _| {
+            if let Some(w) = web_sys::window() {
+                let _ = w.set_timeout_with_callback_and_timeout_and_arguments_0(&resolve, ms);
+            }
+        });
+        let _ = wasm_bindgen_futures::JsFuture::from(promise).await;
+    }
+
+    /// Runs comparisons until none is queued: A is the checkpoint opened last (waited for while
+    /// it opens), B the request's or the last comparison's.
+    async fn compare_loop(
+        shared: Arc<Mutex<Shared>>,
+        ctx: Arc<Mutex<Option<egui::Context>>>,
+        mut request: CompareRequest,
+    ) {
+        loop {
+            let result = compare_once(&shared, &ctx, &mut request).await;
+            let Ok(mut s) = shared.lock() else { return };
+            if let Err(e) = &result
+                && *e != CompareError::Cancelled
+            {
+                s.error = Some(urls::hide_queries(&format!("compare: {e}")));
+            }
+            s.compared.push(result);
+            if let Some(next) = s.queued.take() {
+                request = next;
+            } else {
+                s.comparing = false;
+                s.compare_progress = None;
+                drop(s);
+                repaint_ctx(&ctx);
+                return;
+            }
+        }
+    }
+
+    async fn compare_once(
+        shared: &Mutex<Shared>,
+        ctx: &Mutex<Option<egui::Context>>,
+        request: &mut CompareRequest,
+    ) -> Result<Comparison, CompareError> {
+        let fail = |side, message: String| CompareError::Open {
+            side,
+            source: shardscope_viewer::checkpoint::CheckpointError::Open { message },
+        };
+        let (cancel, options) = {
+            let Ok(s) = shared.lock() else {
+                return Err(CompareError::Cancelled);
+            };
+            s.compare_cancel.store(false, Ordering::Relaxed);
+            (s.compare_cancel.clone(), s.read_options.clone())
+        };
+        // Shown by the next periodic frame (see `WebApp::ui`).
+        let mut progress = |p: Progress| {
+            if let Ok(mut s) = shared.lock() {
+                s.compare_progress = Some(p);
+            }
+        };
+        // B first (A may still be opening).
+        let b = match request.b.take() {
+            Some(BSource::Files(side)) => Some(side),
+            Some(BSource::Urls(inputs, ranks)) => {
+                progress(Progress {
+                    what: format!(
+                        "opening B: {}",
+                        inputs
+                            .iter()
+                            .map(|u| shown(u))
+                            .collect::<Vec<_>>()
+                            .join(" ")
+                    ),
+                    ..Progress::default()
+                });
+                let opened = url_sources(&inputs, &ranks, shared, ctx, 0).await;
+                if let Ok(mut s) = shared.lock() {
+                    s.busy.remove(&0);
+                }
+                let (label, source) = opened.map_err(|e| fail("B", e))?;
+                Some(Side { label, source })
+            }
+            None => shared.lock().ok().and_then(|mut s| s.b_side.take()),
+        };
+        let mut b = b.ok_or_else(|| fail("B", "no checkpoint to compare with".to_owned()))?;
+        let mut a = loop {
+            let (a, opening) = match shared.lock() {
+                Ok(mut s) => (s.a_side.take(), s.opens_in_flight > 0),
+                Err(_) => (None, false),
+            };
+            match a {
+                Some(a) => break a,
+                None if opening && !cancel.load(Ordering::Relaxed) => sleep(100).await,
+                None => {
+                    if let Ok(mut s) = shared.lock() {
+                        s.b_side = Some(b);
+                    }
+                    return Err(fail(
+                        "A",
+                        "open a checkpoint first, from files or URLs (a .zip opened whole is not \
+                         compared in the browser): it is A of the comparison"
+                            .to_owned(),
+                    ));
+                }
+            }
+        };
+        let tolerance = request.tolerance;
+        let result =
+            crate::compare::compare(&mut a, &mut b, &options, tolerance, &mut progress, &cancel)
+                .await;
+        if let Ok(mut s) = shared.lock() {
+            // A checkpoint opened meanwhile is the next A.
+            if s.a_side.is_none() {
+                s.a_side = Some(a);
+            }
+            s.b_side = Some(b);
+        }
+        result
     }
 
     /// The handle the page holds.
@@ -501,6 +783,7 @@ mod handle {
                         Ok(Box::new(WebApp {
                             viewer,
                             shared,
+                            ctx: ctx_slot,
                             seen_messages: 0,
                         }))
                     }),
@@ -553,6 +836,9 @@ mod handle {
                 _ => format!("{} URLs", urls.len()),
             };
             let job = begin(&shared, format!("opening {what}"));
+            if let Ok(mut s) = shared.lock() {
+                s.opens_in_flight += 1;
+            }
             self.repaint();
             wasm_bindgen_futures::spawn_local(async move {
                 let result = open_urls_lazily(&urls, &ranks, &shared, &ctx, job).await;
@@ -566,6 +852,92 @@ mod handle {
             self.shared
                 .lock()
                 .map(|s| s.last_keys.clone())
+                .unwrap_or_default()
+        }
+
+        /// Compares the checkpoint opened last (A) with the picked files added since the last
+        /// batch (`add_blob`; B, one checkpoint, read lazily as A is), as `shardscope diff A B`
+        /// with the Compare tab's tolerance; the result shows in the Compare tab.
+        pub fn finish_compare_batch(&self) {
+            let files = self
+                .batch
+                .lock()
+                .map(|mut b| std::mem::take(&mut *b))
+                .unwrap_or_default();
+            let mut source = LazySource::new();
+            let mut names = Vec::new();
+            for f in files {
+                let added = match f {
+                    BatchFile::Blob(name, blob) => {
+                        names.push(name.clone());
+                        source.add_blob(name, blob)
+                    }
+                    BatchFile::Bytes(name, bytes) => bytes.map(|bytes| {
+                        let size = bytes.len() as u64;
+                        let blob = js_sys::Uint8Array::from(bytes.as_slice());
+                        let parts = js_sys::Array::of1(&blob);
+                        names.push(name.clone());
+                        match web_sys::Blob::new_with_u8_array_sequence(&parts) {
+                            Ok(b) => source.add(name, lazy::Origin::Blob(b), size),
+                            Err(_) => log::error!("{name}: cannot make a Blob"),
+                        }
+                    }),
+                };
+                if let Err(e) = added
+                    && let Ok(mut s) = self.shared.lock()
+                {
+                    s.error = Some(e);
+                    return;
+                }
+            }
+            let refs: Vec<&str> = names.iter().map(String::as_str).collect();
+            let label = shardscope_viewer::docs::group_name(&refs);
+            let tolerance = self.shared.lock().ok().and_then(|s| s.tolerance);
+            request_compare(
+                &self.shared,
+                &self.ctx,
+                CompareRequest {
+                    b: Some(BSource::Files(Side { label, source })),
+                    tolerance,
+                },
+            );
+        }
+
+        /// Compares the checkpoint opened last (A) with the checkpoint behind `urls` (B, as
+        /// `open_urls` takes them), as `shardscope diff A B`; waits for A while it opens.
+        pub fn compare_urls(&self, urls: Vec<String>, ranks: String) {
+            let tolerance = self.shared.lock().ok().and_then(|s| s.tolerance);
+            request_compare(
+                &self.shared,
+                &self.ctx,
+                CompareRequest {
+                    b: Some(BSource::Urls(urls, ranks)),
+                    tolerance,
+                },
+            );
+        }
+
+        /// Sets the Compare tab's tolerance controls (`on` false: bitwise; else `rtol`, `atol`
+        /// and `equal_nan` as `diff --rtol --atol --equal-nan`) and compares again, as typing
+        /// them into the tab does.
+        pub fn set_compare_tolerance(&self, on: bool, rtol: String, atol: String, equal_nan: bool) {
+            if let Ok(mut s) = self.shared.lock() {
+                s.tolerance_request = Some(shardscope_viewer::compare::ToleranceInput {
+                    on,
+                    rtol,
+                    atol,
+                    equal_nan,
+                });
+            }
+            self.repaint();
+        }
+
+        /// `shardscope diff --json` of the comparison shown (empty before the first), queries
+        /// hidden, for tests.
+        pub fn comparison_json(&self) -> String {
+            self.shared
+                .lock()
+                .map(|s| s.comparison_json.clone())
                 .unwrap_or_default()
         }
 

@@ -153,6 +153,144 @@ async function checkpointTest(browser, port) {
   await page.close();
 }
 
+// A/B compare in the page: a torch-written DCP (A, picked as a folder) against torch's edit of the
+// same state dict saved with torch.save (B, picked with "Compare files"), then the same pair
+// by URL (`?url=A&compare=B`). The page's report must equal `shardscope diff --json A B` run here
+// on the same files (and URLs), bitwise and with each tolerance set in the Compare tab.
+async function compareTest(browser) {
+  const fixtures = path.join(root, "viewer/tests/fixtures/compare");
+  const tmp = mkdtempSync(path.join(os.tmpdir(), "shardscope-compare-"));
+  let server2;
+  try {
+    const dir = path.join(tmp, "c");
+    mkdirSync(path.join(dir, "a_dcp"), { recursive: true });
+    for (const f of ["a.pt", "b.pt", "a_dcp/.metadata", "a_dcp/__0_0.distcp"]) copyFileSync(path.join(fixtures, f), path.join(dir, f));
+    for (const name of readdirSync(dist)) copyFileSync(path.join(dist, name), path.join(tmp, name));
+    const port2 = await freePort();
+    server2 = spawn("python3", [path.join(here, "serve.py"), String(port2), tmp], { stdio: "inherit" });
+    const base = `http://127.0.0.1:${port2}`;
+    await waitFor(async () => {
+      try { return (await fetch(`${base}/index.html`)).ok; } catch { return false; }
+    }, "the static server for the compare fixtures");
+    const diffJson = (a, b, flags) => JSON.parse(execFileSync(shardscopeBinary(),
+      ["diff", "--json", "--quiet", ...flags, a, b], { cwd: dir, env: { ...process.env, RUST_BACKTRACE: "" } }).toString());
+    const diffJsonAnyExit = (a, b, flags = []) => {
+      try { return diffJson(a, b, flags); } catch (e) {
+        if (e.status === 1) return JSON.parse(e.stdout.toString()); // 1: differences found
+        throw e;
+      }
+    };
+    const page = await browser.newPage({ viewport: { width: 1400, height: 860 }, deviceScaleFactor: 1 });
+    const errors = [];
+    page.on("pageerror", (e) => errors.push(String(e)));
+    const compared = async (what, pred = () => true) => {
+      const st = await waitStatus(page, (s) => s.includes("compared: ") || s.includes("error:"), what, 60000);
+      const report = await waitFor(async () => {
+        const j = await page.evaluate(() => window.shardscope.comparison_json());
+        const r = j ? JSON.parse(j) : null;
+        return r && pred(r) ? r : null;
+      }, `${what}: the report`, 60000);
+      return [st, report];
+    };
+    const same = (what, got, want) => {
+      const [g, w] = [JSON.stringify(got.entries), JSON.stringify(want.entries)];
+      if (g !== w) fail(`${what}: the rows differ from shardscope diff --json:\n page ${g}\n cli  ${w}`);
+      if (JSON.stringify(got) !== JSON.stringify(want)) {
+        fail(`${what}: the report differs from shardscope diff --json:\n page ${JSON.stringify(got)}\n cli  ${JSON.stringify(want)}`);
+      }
+      console.log(`${what}: ${got.entries.length} rows as diff --json (${JSON.stringify(got.summary)})`);
+    };
+
+    await page.goto(`${base}/index.html?empty`);
+    await waitFor(() => page.evaluate(() => document.body.dataset.ready === "1"), "the viewer to start");
+    // B before any A: the page says what is missing.
+    await page.setInputFiles("#cfiles", path.join(dir, "b.pt"));
+    const noA = await waitStatus(page, (s) => s.includes("error:"), "compare without A", 30000);
+    if (!noA.includes("open a checkpoint first")) fail(`compare without A: ${noA}`);
+    await page.setInputFiles("#folder", path.join(dir, "a_dcp"));
+    await waitStatus(page, (s) => s.includes(" entries") || s.includes("error:"), "A to open", 30000);
+    await page.setInputFiles("#cfiles", path.join(dir, "b.pt"));
+    const [st, bitwise] = await compared("picked files, bitwise");
+    console.log(`status after compare: ${st}`);
+    const cli = diffJsonAnyExit("a_dcp", "b.pt");
+    same("picked DCP folder vs picked .pt, bitwise", bitwise, cli);
+    const counts = (r) => `${r.entries.length} tensors`;
+    if (!st.includes(`compared: ${counts(cli)}`)) fail(`the status should show the comparison: ${st}`);
+    // Tolerances, as typed into the Compare tab's controls.
+    for (const [on, rtol, atol, nan] of [[true, "1e-5", "1e-8", false], [true, "1e-5", "0.1", false], [true, "1e-5", "0.1", true]]) {
+      const flags = ["--rtol", rtol, "--atol", atol, ...(nan ? ["--equal-nan"] : [])];
+      await page.evaluate(([o, r, a, n]) => window.shardscope.set_compare_tolerance(o, r, a, n), [on, rtol, atol, nan]);
+      const want = diffJsonAnyExit("a_dcp", "b.pt", flags);
+      // The report of this tolerance (its note names it) replaces the previous one.
+      const [, got] = await compared(`tolerance ${flags.join(" ")}`,
+        (r) => JSON.stringify(r.notes) === JSON.stringify(want.notes));
+      same(`picked, ${flags.join(" ")}`, got, want);
+    }
+    await page.mouse.move(5, 855);
+    await page.waitForTimeout(400);
+    await page.screenshot({ path: path.join(shots, "web_compare.png") });
+
+    // By URL: ?url=A&compare=B, B waiting for A to open.
+    const [ua, ub] = [`${base}/c/a_dcp/`, `${base}/c/b.pt`];
+    await page.goto(`${base}/index.html?url=${encodeURIComponent(ua)}&compare=${encodeURIComponent(ub)}`);
+    const [, byUrl] = await compared("by URL");
+    same("?url=DCP folder&compare=.pt", byUrl, diffJsonAnyExit(ua, ub));
+
+    // Responsiveness: two 80 MiB safetensors files of 2000 tensors (too large to be fetched whole:
+    // each tensor is read when compared) compare while the page keeps drawing frames and shows the
+    // progress; the rows are still diff's.
+    // (Every tensor has its own shape, so that looking for tied weights reads no tensor.)
+    const big = (file, changed) => {
+      const n = 2000;
+      const numel = (i) => 10240 + i;
+      const header = {};
+      let at = 0;
+      for (let i = 0; i < n; i++) {
+        header[`t${i}`] = { dtype: "F32", shape: [numel(i)], data_offsets: [at * 4, (at + numel(i)) * 4] };
+        at += numel(i);
+      }
+      let json = JSON.stringify(header);
+      json += " ".repeat((8 - (json.length % 8)) % 8);
+      const data = new Float32Array(at);
+      for (let i = 0; i < data.length; i++) data[i] = (i % 977) * 0.25;
+      if (changed) data[header.t1234.data_offsets[0] / 4 + 5] = -1;
+      const len = Buffer.alloc(8);
+      len.writeBigUInt64LE(BigInt(json.length));
+      writeFileSync(path.join(dir, file), Buffer.concat([len, Buffer.from(json), Buffer.from(data.buffer)]));
+    };
+    big("big_a.safetensors", false);
+    big("big_b.safetensors", true);
+    await page.goto(`${base}/index.html?empty`);
+    await waitFor(() => page.evaluate(() => document.body.dataset.ready === "1"), "the viewer to start");
+    await page.setInputFiles("#files", path.join(dir, "big_a.safetensors"));
+    await waitStatus(page, (s) => s.includes(" entries") || s.includes("error:"), "the large A to open", 30000);
+    await page.evaluate(() => {
+      window.frameGaps = [];
+      let last = performance.now();
+      const tick = (t) => { window.frameGaps.push(t - last); last = t; if (window.frameGaps.length < 100000) requestAnimationFrame(tick); };
+      requestAnimationFrame(tick);
+    });
+    const t0 = Date.now();
+    await page.setInputFiles("#cfiles", path.join(dir, "big_b.safetensors"));
+    const progress = await waitStatus(page, (s) => /comparing \d+\/2000/.test(s) || s.includes("compared: "), "the comparison's progress", 60000);
+    const [, bigReport] = await compared("2000 tensors");
+    const seconds = (Date.now() - t0) / 1000;
+    const gaps = await page.evaluate(() => window.frameGaps.slice(1));
+    const worst = Math.max(...gaps);
+    console.log(`2000-tensor compare: ${seconds.toFixed(1)} s, ${gaps.length} frames, longest gap ${worst.toFixed(0)} ms; progress seen: ${progress.match(/comparing \d+\/2000[^·]*/)?.[0] ?? "(finished first)"}`);
+    same("2000 tensors of 40 KiB, one element changed", bigReport,
+      diffJsonAnyExit("big_a.safetensors", "big_b.safetensors"));
+    if (!/comparing \d+\/2000/.test(progress)) fail(`no progress shown while comparing: ${progress}`);
+    if (worst > 1000) fail(`the page stopped drawing for ${worst.toFixed(0)} ms while comparing`);
+    if (errors.length) fail(`page errors: ${errors.join("\n")}`);
+    await page.close();
+    console.log("PASS: A/B compare in the browser");
+  } finally {
+    if (server2) server2.kill();
+    rmSync(tmp, { recursive: true, force: true });
+  }
+}
+
 // Renderer processes under a process (this script: its only browser is the one measured):
 // pid -> { rss, hwm } in bytes (from /proc).
 function renderers(rootPid) {
@@ -354,6 +492,29 @@ ${map}
     await check(["fsdp2/rank0_model.pt", "fsdp2/rank1_model.pt"].map(sign), "",
       [signed["fsdp2/rank0_model.pt"], signed["fsdp2/rank1_model.pt"]], "per-rank FSDP2 files by presigned URLs");
     await check([`${base}/sas/ws4/rank{r}_model.pt?${SAS}`], "4", ws4, "HSDP 2x2 rank{r} pattern, ranks=4, one SAS query");
+    // A/B compare by presigned URLs (`?url=A&compare=B`): every read of either side carries its
+    // own query (B's tensors come from before the 10 GiB hole), nothing of it shows on the page,
+    // and the rows are `shardscope diff --json` of the local files (the same bytes).
+    {
+      takeLog();
+      const [a, b] = ["plain/state_dict.pt", "big/big.pt"];
+      await page.goto(`${base}/index.html?url=${encodeURIComponent(sign(a))}&compare=${encodeURIComponent(sign(b))}`);
+      const st = await waitStatus(page, (s) => s.includes("compared: ") || s.includes("error:"), "compare by presigned URLs", 60000);
+      console.log(`compare by presigned URLs: ${st}`);
+      const json = await page.evaluate(() => window.shardscope.comparison_json());
+      for (const secret of ["SECRET", "X-Amz-Signature"]) if (json.includes(secret)) fail(`the comparison shows \`${secret}\`: ${json}`);
+      const want = JSON.parse(execFileSync(shardscopeBinary(), ["diff", "--json", "--quiet", signed[a], signed[b]]).toString());
+      const got = JSON.parse(json);
+      if (JSON.stringify(got.entries) !== JSON.stringify(want.entries)) {
+        fail(`compare by presigned URLs: rows differ from diff --json:\n page ${JSON.stringify(got.entries)}\n cli  ${JSON.stringify(want.entries)}`);
+      }
+      if (!got.right.endsWith("big.pt?…")) fail(`B should be named …big.pt?…: ${got.right}`);
+      const reqs = takeLog().filter(([, uri]) => uri.startsWith("/p/"));
+      const refused = reqs.filter(([m, uri, status]) => !(["200", "206", "304"].includes(status) || (m === "HEAD" && status === "403")));
+      if (refused.length) fail(`compare by presigned URLs: refused requests: ${JSON.stringify(refused)}`);
+      await noSecret("compare by presigned URLs");
+      console.log(`compare by presigned URLs: ${got.entries.length} rows as diff --json, ${reqs.length} requests with their query`);
+    }
     // A wrong signature fails with the file's 403, the signature still hidden.
     const bad = await open([sign("fsdp2/rank0_model.pt"), `${base}/p/fsdp2/rank1_model.pt?X-Amz-Signature=WRONGSECRET`],
       "", "a wrong signature");
@@ -586,6 +747,7 @@ try {
   if (errors.length) fail(`page errors: ${errors.join("\n")}`);
   console.log(`PASS: browser test, layout (screenshot ${path.join(shots, "web.png")})`);
   await checkpointTest(browser, port);
+  await compareTest(browser);
   await presignedTest(browser);
   if (errors.length) fail(`page errors: ${errors.join("\n")}`);
   await browser.close();

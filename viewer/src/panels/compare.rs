@@ -7,7 +7,7 @@ use egui::{RichText, Sense, Ui};
 use egui_extras::{Column, TableBuilder};
 
 use crate::Selection;
-use crate::compare::{Comparison, Filter, Line, RowStatus, lines};
+use crate::compare::{Comparer, Comparison, Filter, Line, RowStatus, lines, tolerance_flags};
 use crate::format::count;
 
 /// Filter and collapsed modules of the compare view.
@@ -38,6 +38,89 @@ fn counts_text(counts: &[usize; 6]) -> String {
 
 fn number(v: Option<f64>) -> String {
     v.map(|d| format!("{d:.3e}")).unwrap_or_default()
+}
+
+/// The **Compare** tab: progress of a running comparison, the tolerance controls and the
+/// comparison shown.
+pub fn tab_ui(
+    ui: &mut Ui,
+    comparison: Option<&Comparison>,
+    comparer: &mut Comparer,
+    st: &mut CompareState,
+    selection: &mut Selection,
+) {
+    if comparer.running() {
+        ui.horizontal(|ui| {
+            ui.spinner();
+            ui.label(comparer.progress().text());
+        });
+        let p = comparer.progress();
+        if p.total > 0 {
+            #[allow(clippy::cast_precision_loss, reason = "a progress fraction")]
+            let f = p.done as f32 / p.total as f32;
+            ui.add(egui::ProgressBar::new(f).show_percentage());
+        }
+        ui.separator();
+    }
+    if comparison.is_some() || comparer.running() {
+        tolerance_ui(ui, comparer);
+        ui.separator();
+    }
+    match comparison {
+        Some(c) => self::ui(ui, c, st, selection),
+        None if comparer.running() => {}
+        None => {
+            ui.label(
+                "Open a checkpoint, then Compare with... another one (or start the viewer with A --compare B).",
+            );
+        }
+    }
+}
+
+/// The tolerance controls: every valid change compares again, as `diff --rtol --atol` would.
+fn tolerance_ui(ui: &mut Ui, comparer: &mut Comparer) {
+    let applied = comparer.tolerance;
+    let input = &mut comparer.tolerance_input;
+    let before = input.clone();
+    let change = ui.horizontal_wrapped(|ui| {
+        ui.checkbox(&mut input.on, "tolerance")
+            .on_hover_text("Floating-point values equal when |a-b| <= atol + rtol*|b| (torch.allclose); off: bitwise");
+        ui.add_enabled_ui(input.on, |ui| {
+            let label = ui.label("rtol");
+            ui.add(
+                egui::TextEdit::singleline(&mut input.rtol)
+                    .id_salt("compare-rtol")
+                    .desired_width(80.0),
+            )
+            .labelled_by(label.id);
+            let label = ui.label("atol");
+            ui.add(
+                egui::TextEdit::singleline(&mut input.atol)
+                    .id_salt("compare-atol")
+                    .desired_width(80.0),
+            )
+            .labelled_by(label.id);
+            ui.checkbox(&mut input.equal_nan, "equal NaN");
+        });
+        match input.tolerance() {
+            Ok(t) => {
+                let flags = tolerance_flags(applied);
+                ui.weak(if flags.is_empty() {
+                    "as shardscope diff (bitwise)".to_owned()
+                } else {
+                    format!("as shardscope diff {flags}")
+                });
+                (*input != before && t != applied).then_some(t)
+            }
+            Err(e) => {
+                ui.colored_label(ui.visuals().error_fg_color, e);
+                None
+            }
+        }
+    });
+    if let Some(t) = change.inner {
+        comparer.set_tolerance(t);
+    }
 }
 
 /// Draws the comparison.

@@ -11,12 +11,56 @@ use std::fmt::Write as _;
 
 use crate::Selection;
 use crate::format::{bytes as fmt_bytes, count};
+use crate::map_marks::{MapMarks, Mark, MarkKind};
+use crate::panels::overlay::{EXTRA, MISSING};
 use crate::theme::{Hatch, Theme, hatch};
 use crate::view::{LayoutView, Seg, SegKind, UnitView};
 
 const RANK_GUTTER: f32 = 64.0;
 const TOTALS_GUTTER: f32 = 170.0;
 const HEADER_H: f32 = 34.0;
+/// Draws the computed-vs-stored marks of one bar: a band over the elements (orange, lower half:
+/// extra; red, upper half: missing) in an outline of its colour, at least 2 points wide so that
+/// one element still shows.
+fn draw_marks(
+    painter: &egui::Painter,
+    marks: &[Mark],
+    bar_bytes: u64,
+    y: f32,
+    h: f32,
+    area: Rect,
+    st: &ShardMapState,
+) {
+    let bb = bar_bytes as f64;
+    for m in marks {
+        let x0 = x_of(m.x_bytes as f64, bb, area, st).max(area.left());
+        let x1 = x_of((m.x_bytes + m.len_bytes) as f64, bb, area, st)
+            .min(area.right())
+            .max(x0 + 2.0);
+        if x0 > area.right() || x1 < area.left() {
+            continue;
+        }
+        // Extra in the lower half, missing in the upper: both show where both are.
+        let (color, r) = match m.kind {
+            MarkKind::Extra { .. } => (
+                EXTRA,
+                Rect::from_min_max(Pos2::new(x0, y + h * 0.55), Pos2::new(x1, y + h)),
+            ),
+            MarkKind::Missing { .. } => (
+                MISSING,
+                Rect::from_min_max(Pos2::new(x0, y), Pos2::new(x1, y + h * 0.45)),
+            ),
+        };
+        painter.rect_filled(r, 0.0, color);
+        painter.rect_stroke(
+            Rect::from_min_max(Pos2::new(x0, y), Pos2::new(x1, y + h)),
+            0.0,
+            Stroke::new(1.5, color),
+            egui::StrokeKind::Inside,
+        );
+    }
+}
+
 /// Slices narrower than this merge into a dense run.
 const MIN_SLICE_PX: f32 = 1.5;
 
@@ -34,6 +78,8 @@ pub struct ShardMapState {
     pub reveal_selection: bool,
     /// Where the map was last drawn (tests and benchmarks aim pointer events with it).
     pub last_canvas: Option<Rect>,
+    /// Draw the computed-vs-stored differences of an opened checkpoint on the bars.
+    pub show_differences: bool,
 }
 
 impl Default for ShardMapState {
@@ -45,6 +91,7 @@ impl Default for ShardMapState {
             row_height: 16.0,
             reveal_selection: false,
             last_canvas: None,
+            show_differences: true,
         }
     }
 }
@@ -175,14 +222,35 @@ fn seg_param(seg: &Seg) -> Option<usize> {
 pub fn ui(
     ui: &mut Ui,
     view: &LayoutView,
+    marks: Option<&MapMarks>,
     st: &mut ShardMapState,
     selection: &mut Selection,
     theme: Theme,
 ) {
     toolbar(ui, view, st);
     legend(ui, theme);
+    if let Some(m) = marks {
+        differences_legend(ui, m, st);
+    }
     ui.separator();
-    canvas(ui, view, st, selection, theme);
+    let marks = marks.filter(|_| st.show_differences);
+    canvas(ui, view, marks, st, selection, theme);
+}
+
+/// The computed-vs-stored line: a toggle, its summary and the colours of its marks.
+fn differences_legend(ui: &mut Ui, m: &MapMarks, st: &mut ShardMapState) {
+    ui.horizontal_wrapped(|ui| {
+        ui.checkbox(&mut st.show_differences, m.summary())
+            .on_hover_text("What each rank's stored chunks hold, laid over what this layout gives it (as the Ranks tab lists it)");
+        for (color, text) in [
+            (EXTRA, "stored by another rank than the layout's (extra)"),
+            (MISSING, "in the layout, stored by no chunk of that rank (missing)"),
+        ] {
+            let (rect, _) = ui.allocate_exact_size(Vec2::new(28.0, 14.0), Sense::hover());
+            ui.painter().rect_filled(rect, 0.0, color);
+            ui.label(text);
+        }
+    });
 }
 
 fn toolbar(ui: &mut Ui, view: &LayoutView, st: &mut ShardMapState) {
@@ -302,6 +370,7 @@ pub fn legend(ui: &mut Ui, theme: Theme) {
 fn canvas(
     ui: &mut Ui,
     view: &LayoutView,
+    marks: Option<&MapMarks>,
     st: &mut ShardMapState,
     selection: &mut Selection,
     theme: Theme,
@@ -438,6 +507,9 @@ fn canvas(
                 theme,
                 selected,
             );
+            if let Some(m) = marks {
+                draw_marks(&painter, m.row(ui_idx, ri), unit.bar_bytes, y, h, area, st);
+            }
             let bar = &unit.ranks[ri];
             if geo.row_h >= 10.0 {
                 painter.text(
@@ -482,7 +554,18 @@ fn canvas(
         let bar = &unit.ranks[hit.rank_index];
         if let Some(si) = hit.seg {
             let seg = bar.segs[si];
-            let text = describe(view, unit, bar.rank, &seg);
+            let mut text = describe(view, unit, bar.rank, &seg);
+            if let Some(m) = marks {
+                let bb = unit.bar_bytes as f64;
+                for mark in m.row(hit.unit, hit.rank_index) {
+                    let x0 = x_of(mark.x_bytes as f64, bb, area, st);
+                    let x1 = x_of((mark.x_bytes + mark.len_bytes) as f64, bb, area, st);
+                    if pos.x >= x0 - 1.0 && pos.x <= x1.max(x0 + 2.0) + 1.0 {
+                        text.push('\n');
+                        text.push_str(&mark.describe());
+                    }
+                }
+            }
             response.clone().on_hover_ui_at_pointer(|ui| {
                 ui.label(text);
             });

@@ -21,7 +21,7 @@ fn fixtures() -> PathBuf {
     Path::new(env!("CARGO_MANIFEST_DIR")).join("../tests/fixtures")
 }
 
-fn harness(viewer: Viewer) -> Harness<'static, Viewer> {
+pub(crate) fn harness(viewer: Viewer) -> Harness<'static, Viewer> {
     Harness::builder()
         .with_size(egui::Vec2::new(1500.0, 1000.0))
         .build_ui_state(|ui, v: &mut Viewer| v.ui(ui), viewer)
@@ -48,7 +48,7 @@ fn rows_with(c: &Comparison, s: RowStatus) -> BTreeSet<String> {
 
 /// The `shardscope` binary of the same build, when it was built (`cargo build --workspace`, as
 /// CI does before the tests); the viewer package alone does not build it.
-fn cli() -> Option<PathBuf> {
+pub(crate) fn cli() -> Option<PathBuf> {
     let exe = std::env::current_exe().ok()?;
     let bin = exe.parent()?.parent()?.join("shardscope");
     bin.is_file().then_some(bin)
@@ -316,32 +316,55 @@ fn compare_with_picks_b_for_the_opened_checkpoint_and_runs_off_the_ui_thread() {
     h.get_by_label(&c.summary());
 }
 
-/// The compare view under Xvfb (the desktop binary, `A --compare B`), for the docs
-/// (`docs/img/compare.png` is this screenshot); skipped where Xvfb is missing.
-#[test]
-fn screenshot_of_the_compare_view() {
-    let script = Path::new(env!("CARGO_MANIFEST_DIR")).join("../web/tests/desktop_screenshot.sh");
+/// The desktop binary under Xvfb (`web/tests/desktop_screenshot.sh`, run from the repository root,
+/// so the paths it shows are relative) with `args`; the screenshot is copied to the file `env`
+/// names when it is set (`docs/img/...`). Skipped where Xvfb is missing. One at a time: the
+/// script picks a free display number, which two at once could both pick.
+pub(crate) fn screenshot(args: &[&str], env: &str) {
+    static XVFB: std::sync::Mutex<()> = std::sync::Mutex::new(());
+    let _one = XVFB
+        .lock()
+        .unwrap_or_else(std::sync::PoisonError::into_inner);
+    let root = Path::new(env!("CARGO_MANIFEST_DIR")).join("..");
     if Command::new("Xvfb").arg("-help").output().is_err() {
         eprintln!("Xvfb missing: no screenshot");
         return;
     }
-    let dir = fixtures().join("doctor");
-    let out = std::env::temp_dir().join(format!("shardscope-compare-{}.png", std::process::id()));
+    let out = std::env::temp_dir().join(format!("shardscope-{env}-{}.png", std::process::id()));
     let status = Command::new("bash")
-        .arg(script)
+        .arg(root.join("web/tests/desktop_screenshot.sh"))
         .arg(&out)
         .arg(env!("CARGO_BIN_EXE_shardscope-viewer"))
-        .arg(dir.join("clean.pt"))
-        .arg("--compare")
-        .arg(dir.join("other_config.pt"))
+        .args(args)
         .status()
         .unwrap();
     assert!(status.success());
     assert!(std::fs::metadata(&out).unwrap().len() > 10_000);
-    if let Ok(dest) = std::env::var("SHARDSCOPE_DOCS_SCREENSHOT") {
+    if let Ok(dest) = std::env::var(env) {
         std::fs::copy(&out, dest).unwrap();
     }
     let _ = std::fs::remove_file(&out);
+}
+
+/// The compare view (`A --compare B`) of torch's pair (`viewer/tests/fixtures/compare`: a DCP
+/// and an edited `torch.save` copy): `docs/img/compare.png` with `SHARDSCOPE_DOCS_SCREENSHOT`.
+#[test]
+fn screenshot_of_the_compare_view() {
+    let dir = "viewer/tests/fixtures/compare";
+    screenshot(
+        &[&format!("{dir}/a_dcp"), "--compare", &format!("{dir}/b.pt")],
+        "SHARDSCOPE_DOCS_SCREENSHOT",
+    );
+}
+
+/// The Values heatmap (`--tab values`) of `viewer/tests/fixtures/compare/a.pt` (a NaN in layer 3,
+/// layer 4 fifty times larger): `docs/img/values.png` with `SHARDSCOPE_DOCS_VALUES_SCREENSHOT`.
+#[test]
+fn screenshot_of_the_values_heatmap() {
+    screenshot(
+        &["--tab", "values", "viewer/tests/fixtures/compare/a.pt"],
+        "SHARDSCOPE_DOCS_VALUES_SCREENSHOT",
+    );
 }
 
 /// Values: statistics equal torch's own for every dtype it saves (`gen_dtypes.py` wrote count,

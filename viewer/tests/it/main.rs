@@ -3,10 +3,12 @@
 
 mod checkpoints;
 mod compare;
+mod compare_tolerance;
 mod derived_layout;
 mod doctor;
 mod follows;
 mod front_ends;
+mod map_marks;
 mod overlay;
 mod panels;
 mod torch_layouts;

@@ -6,7 +6,6 @@
 #![allow(clippy::unwrap_used, clippy::missing_panics_doc)]
 
 use std::path::{Path, PathBuf};
-use std::process::Command;
 
 use egui_kittest::Harness;
 use egui_kittest::kittest::Queryable;
@@ -103,28 +102,13 @@ fn fsdp2_dcp_example() {
 }
 
 /// The Ranks tab of `examples/fsdp2_dcp` viewed at world size 4, under Xvfb (the desktop binary),
-/// for the docs (`docs/img/overlay.png` is this screenshot with `SHARDSCOPE_DOCS_SCREENSHOT` set);
+/// for the docs (`docs/img/overlay.png` is this screenshot with `SHARDSCOPE_DOCS_OVERLAY_SCREENSHOT` set);
 /// skipped where Xvfb is missing.
 #[test]
 fn screenshot_of_the_overlay() {
-    let script = root().join("web/tests/desktop_screenshot.sh");
-    if Command::new("Xvfb").arg("-help").output().is_err() {
-        eprintln!("Xvfb missing: no screenshot");
-        return;
-    }
-    let out = std::env::temp_dir().join(format!("shardscope-overlay-{}.png", std::process::id()));
-    let status = Command::new("bash")
-        .arg(script)
-        .arg(&out)
-        .arg(env!("CARGO_BIN_EXE_shardscope-viewer"))
-        .args(["--world-size", "4", "--tab", "ranks"])
-        .arg(root().join("examples/fsdp2_dcp"))
-        .status()
-        .unwrap();
-    assert!(status.success());
-    assert!(std::fs::metadata(&out).unwrap().len() > 10_000);
-    if let Ok(dest) = std::env::var("SHARDSCOPE_DOCS_SCREENSHOT") {
-        std::fs::copy(&out, dest).unwrap();
-    }
-    let _ = std::fs::remove_file(&out);
+    // Relative (the script runs from the repository root): the window shows this path.
+    super::compare::screenshot(
+        &["--world-size", "4", "--tab", "ranks", "examples/fsdp2_dcp"],
+        "SHARDSCOPE_DOCS_OVERLAY_SCREENSHOT",
+    );
 }
