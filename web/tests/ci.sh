@@ -34,9 +34,12 @@ step "playwright-core (drives the system Chromium; never downloads a browser)"
 step "web bundle (wasm32 release + wasm-bindgen CLI pinned to Cargo.lock)"
 web/build.sh "$ART/web"
 size=$(du -cb "$ART"/web/* | tail -1 | cut -f1)
-limit=$((8 * 1024 * 1024))
+# 9 MiB: 8 MiB until the browser compare and torch_checkpointing's value items (November 2026) took
+# the bundle to 8.41 MB without wasm-opt (docs/viewer.md, "Web bundle"); a guard against accidental
+# growth (a new dependency, a debug build), not a page-load target (2.7 MB gzipped).
+limit=$((9 * 1024 * 1024))
 echo "bundle size: $size bytes (limit $limit)"
-[ "$size" -lt "$limit" ] || { echo "error: web bundle over 8 MiB" >&2; exit 1; }
+[ "$size" -lt "$limit" ] || { echo "error: web bundle over 9 MiB" >&2; exit 1; }
 
 step "the shardscope CLI (the browser test compares the page with inspect --json)"
 TARGET_DIR=$(cargo metadata --format-version 1 --no-deps | python3 -c 'import json,sys; print(json.load(sys.stdin)["target_directory"])')
