@@ -450,13 +450,18 @@ pub fn compare(
     if cancel.load(Ordering::Relaxed) {
         return Err(CompareError::Cancelled);
     }
-    let notes = a_ckpt
-        .notes
-        .iter()
+    Ok(Comparison::from_report(
+        report,
+        side_notes(&a_ckpt.notes, &b_ckpt.notes),
+    ))
+}
+
+/// How each side was read, for [`Comparison::notes`]: A's notes then B's, each marked.
+pub fn side_notes(a: &[String], b: &[String]) -> Vec<String> {
+    a.iter()
         .map(|n| format!("A: {n}"))
-        .chain(b_ckpt.notes.iter().map(|n| format!("B: {n}")))
-        .collect();
-    Ok(Comparison::from_report(report, notes))
+        .chain(b.iter().map(|n| format!("B: {n}")))
+        .collect()
 }
 
 /// A comparison the front end runs itself (the browser, where reads are asynchronous): the

@@ -178,11 +178,8 @@ pub async fn compare(
         total,
         what: String::new(),
     });
-    let notes = a_ckpt
-        .notes
-        .iter()
-        .map(|n| format!("A: {n}"))
-        .chain(b_ckpt.notes.iter().map(|n| format!("B: {n}")))
-        .collect();
-    Ok(Comparison::from_report(plan.report(entries), notes))
+    Ok(Comparison::from_report(
+        plan.report(entries),
+        shardscope_viewer::compare::side_notes(&a_ckpt.notes, &b_ckpt.notes),
+    ))
 }

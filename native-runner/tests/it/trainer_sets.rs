@@ -204,6 +204,29 @@ print("OK")
     assert_eq!(res.status.code(), Some(2), "{res:?}");
     let err = String::from_utf8_lossy(&res.stderr);
     assert!(err.contains("model/shard_1.safetensors"), "{err}");
+    // A safetensors file metadata.pkl does not describe (another save's leftover): refused, named,
+    // never left out silently.
+    std::fs::copy(
+        dir.join("model/shard_1.safetensors"),
+        broken.join("model/shard_1.safetensors"),
+    )
+    .unwrap();
+    ok(&shardscope(&["inspect", s(&broken)]), "repaired");
+    std::fs::copy(
+        dir.join("model/shard_1.safetensors"),
+        broken.join("leftover_0.safetensors"),
+    )
+    .unwrap();
+    for cmd in ["inspect", "verify"] {
+        let res = shardscope(&[cmd, s(&broken)]);
+        assert_eq!(res.status.code(), Some(2), "{cmd}: {res:?}");
+        let err = String::from_utf8_lossy(&res.stderr);
+        assert!(
+            err.contains("leftover_0.safetensors")
+                && err.contains("metadata.pkl does not describe"),
+            "{cmd}: {err}"
+        );
+    }
 }
 
 #[test]

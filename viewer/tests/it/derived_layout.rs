@@ -163,6 +163,8 @@ fn trainer_folders_open_with_every_part_and_a_layout() {
             "tc_safetensors",
             ["model.output.weight", "extra.train_state.step"],
         ),
+        // JSON (`train_state_{rank}.json`) and raw (`dataloader/rank_{rank}.bin`) items.
+        ("tc_raw", ["extra.train_state.step", "extra.dataloader"]),
         ("lightning_sharded", ["model.head.weight", "step"]),
         ("step-2", ["output.weight", "train_state.step"]),
     ] {

@@ -362,21 +362,11 @@ fn flatten_json(v: &Value, path: &mut Vec<PathSeg>, out: &mut Vec<IndexEntry>) {
         .map(ToString::to_string)
         .collect::<Vec<_>>()
         .join(".");
-    out.push(IndexEntry {
-        position: Some(out.len() as u64),
-        key,
-        raw_key: None,
-        path: path.clone(),
-        kind: EntryKind::Scalar,
-        dtype: None,
-        shape: None,
-        chunks: Vec::new(),
-        fsdp: None,
-        role: None,
-        flat_param: false,
-        value: Some(v.clone()),
-        object: None,
-    });
+    let mut entry = value_entry(v.clone(), None);
+    entry.position = Some(out.len() as u64);
+    entry.key = key;
+    entry.path.clone_from(path);
+    out.push(entry);
 }
 
 /// Whether `name` is a `torch.save` archive by its first bytes (a zip), or by its name when it
@@ -670,9 +660,21 @@ fn index_other_items(
         .iter()
         .filter(|n| *n != METADATA_PKL && !claimed.contains(*n) && !hidden(n))
         .collect();
+    // A safetensors item holds only each rank's local slices: without `metadata.pkl`'s geometry
+    // they cannot be placed, and leaving them out would read the checkpoint in part, silently.
+    let (safetensors, rest): (Vec<&String>, Vec<&String>) = rest
+        .into_iter()
+        .partition(|n| crate::index::names::file_ext(n) == "safetensors");
+    if !safetensors.is_empty() {
+        let listed: Vec<&str> = safetensors.iter().map(|n| n.as_str()).collect();
+        return Err(bad(format!(
+            "{} safetensors file(s) that metadata.pkl does not describe: {}; a torch_checkpointing safetensors item holds only each rank's local slices, placed by metadata.pkl's geometry, so these cannot be read (written by another save? move them out of the folder)",
+            listed.len(),
+            listed.join(", ")
+        )));
+    }
     let (torch, values): (Vec<String>, Vec<String>) = rest
         .into_iter()
-        .filter(|n| crate::index::names::file_ext(n) != "safetensors")
         .cloned()
         .partition(|n| is_torch_item_file(source, n));
     for group in group_rank_files(&torch) {
