@@ -198,7 +198,7 @@ impl Serialize for SortedChunk<'_> {
         map.serialize_entry("byte_length", byte_length)?;
         map.serialize_entry("byte_offset", byte_offset)?;
         map.serialize_entry("encoding", tag)?;
-        map.serialize_entry("file", file)?;
+        map.serialize_entry("file", &**file)?;
         map.serialize_entry("offsets", offsets)?;
         map.serialize_entry("rank", rank)?;
         map.serialize_entry("sizes", sizes)?;
@@ -224,8 +224,8 @@ mod tests {
             dtype: Some(crate::dtype::DType::Float32),
             shape: Some(vec![4, 2]),
             chunks: vec![Chunk {
-                offsets: vec![0, 0],
-                sizes: vec![4, 2],
+                offsets: vec![0, 0].into(),
+                sizes: vec![4, 2].into(),
                 file: "a \"b\"\n.pt".into(),
                 byte_offset: 8,
                 byte_length: 32,

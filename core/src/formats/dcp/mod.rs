@@ -8,6 +8,16 @@ use std::sync::Arc;
 use crate::dtype::DType;
 use crate::formats::pickle::{self, AttrCache, ObjRef, PickleError, PyRef};
 
+mod stream;
+#[cfg(test)]
+mod stream_tests;
+mod table;
+#[cfg(test)]
+pub(crate) mod test_pickle;
+
+pub use stream::{Unrecognised, read_table};
+pub use table::{ChunkPlace, MetadataTable, TableChunk, TableItem, TableItemKind};
+
 /// What went wrong while reading DCP metadata.
 #[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
 pub enum DcpError {
@@ -125,21 +135,29 @@ fn string_of(v: PyRef<'_>) -> Option<String> {
         return None;
     }
     let parts: Vec<&str> = o.arg_items()?.filter_map(|p| p.as_str()).collect();
-    Some(
-        parts
-            .iter()
-            .enumerate()
-            .map(|(i, p)| {
-                if i == 0 {
-                    (*p).to_owned()
-                } else {
-                    p.trim_start_matches('/').to_owned()
-                }
-            })
-            .collect::<Vec<_>>()
-            .join("/")
-            .replace("//", "/"),
-    )
+    Some(join_path_parts(&parts))
+}
+
+/// The path a `pathlib` path's parts make.
+fn join_path_parts(parts: &[&str]) -> String {
+    parts
+        .iter()
+        .enumerate()
+        .map(|(i, p)| {
+            if i == 0 {
+                (*p).to_owned()
+            } else {
+                p.trim_start_matches('/').to_owned()
+            }
+        })
+        .collect::<Vec<_>>()
+        .join("/")
+        .replace("//", "/")
+}
+
+/// A `_StorageInfo.relative_path` that stays inside the checkpoint folder.
+fn storage_path_is_safe(path: &str) -> bool {
+    !(path.contains("..") || path.starts_with('/') || path.is_empty())
 }
 
 /// Parses the bytes of a `.metadata` file. The pickle is read as a node arena and DCP's classes
@@ -411,7 +429,7 @@ fn storage_info<'a>(
             .and_then(|p| p.as_str())
             .ok_or_else(|| malformed("_StorageInfo without relative_path"))?,
     );
-    if relative_path.contains("..") || relative_path.starts_with('/') || relative_path.is_empty() {
+    if !storage_path_is_safe(&relative_path) {
         return Err(malformed(format!(
             "_StorageInfo.relative_path {relative_path:?} leaves the checkpoint folder"
         )));

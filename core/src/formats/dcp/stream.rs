@@ -1,0 +1,1292 @@
+//! The streaming `.metadata` reader: the fast path to a [`MetadataTable`] for the pickles torch
+//! writes, read window by window from the source and never held whole.
+//!
+//! One cheap first pass over the opcodes notes which memo entries are ever fetched (`BINGET`):
+//! per chunk torch memoizes about 16 values and fetches only field names, class globals and
+//! shared strings, so only those are kept. The second pass runs the opcodes once, turning each
+//! `ChunkStorageMetadata`, `TensorStorageMetadata`, `MetadataIndex` and `_StorageInfo` into a
+//! compact record as its `BUILD` completes and `storage_data`'s pairs into [`Record`]s as they are
+//! added. Nothing is imported or called.
+//!
+//! Anything this reader does not recognise (another class where a DCP one belongs, a shared
+//! mutable value, a field of an unexpected type, an error of any kind) makes it give up
+//! ([`Unrecognised`]): the caller then reads the file with the general pickle machine, which
+//! accepts exactly what it accepted before and reports the same errors. This path therefore only
+//! ever returns what the general path returns.
+
+use std::borrow::Cow;
+use std::collections::BTreeMap;
+use std::rc::Rc;
+
+use super::table::{ChunkPlace, MetadataTable, Names, RawItem, Record, TransformLists, join};
+use super::{PlannerStep, storage_path_is_safe};
+use crate::dtype::DType;
+use crate::formats::pickle::{Global, PickleLimits};
+use crate::shape::Dims;
+use crate::source::Source;
+
+type FastMap<K, V> = std::collections::HashMap<K, V, foldhash::fast::RandomState>;
+
+/// The streaming reader gave up: the general path reads the file instead.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct Unrecognised;
+
+type R<T> = Result<T, Unrecognised>;
+
+#[cfg(test)]
+thread_local! {
+    /// The line of this file where the reader last gave up (tests say why).
+    pub(super) static GAVE_UP_AT: std::cell::Cell<u32> = const { std::cell::Cell::new(0) };
+}
+
+impl Unrecognised {
+    fn at(line: u32) -> Self {
+        #[cfg(test)]
+        GAVE_UP_AT.with(|l| l.set(line));
+        let _ = line;
+        Unrecognised
+    }
+}
+
+/// Gives up, noting where (for tests).
+macro_rules! un {
+    () => {
+        Unrecognised::at(line!())
+    };
+}
+
+/// Bytes read from the source at a time (a memory source lends the whole file instead).
+const WINDOW: u64 = 4 << 20;
+
+/// Containers nested deeper than this are not followed (torch's `.metadata` nests about 6 deep).
+const MAX_DEPTH: u8 = 32;
+
+/// The file, window by window.
+struct Reader<'s> {
+    source: &'s dyn Source,
+    name: &'s str,
+    size: u64,
+    whole: bool,
+    window: u64,
+    win: Cow<'s, [u8]>,
+    /// The file offset of `win[0]`.
+    win_start: u64,
+    /// The position in `win`.
+    pos: usize,
+}
+
+impl<'s> Reader<'s> {
+    fn new(source: &'s dyn Source, name: &'s str, size: u64, window: u64) -> R<Self> {
+        let whole = source.whole_reads_are_cheap();
+        let mut r = Reader {
+            source,
+            name,
+            size,
+            whole,
+            window: window.max(1),
+            win: Cow::Borrowed(&[]),
+            win_start: 0,
+            pos: 0,
+        };
+        r.refill(0)?;
+        Ok(r)
+    }
+
+    fn offset(&self) -> u64 {
+        self.win_start + self.pos as u64
+    }
+
+    /// A window starting at the current position holding at least `need` bytes (fewer at the
+    /// end of the file: then `take` fails).
+    #[cold]
+    fn refill(&mut self, need: u64) -> R<()> {
+        let start = self.offset();
+        let len = if self.whole {
+            self.size - start
+        } else {
+            self.window.max(need).min(self.size - start)
+        };
+        self.win = self
+            .source
+            .read_range(self.name, start, len)
+            .map_err(|_| un!())?;
+        if self.win.len() as u64 != len {
+            return Err(un!());
+        }
+        self.win_start = start;
+        self.pos = 0;
+        Ok(())
+    }
+
+    #[inline]
+    fn u8(&mut self) -> R<u8> {
+        if let Some(&b) = self.win.get(self.pos) {
+            self.pos += 1;
+            return Ok(b);
+        }
+        self.refill(1)?;
+        let b = *self.win.get(self.pos).ok_or_else(|| un!())?;
+        self.pos += 1;
+        Ok(b)
+    }
+
+    #[inline]
+    fn take(&mut self, n: u64) -> R<&[u8]> {
+        if n > self.size - self.offset() {
+            return Err(un!());
+        }
+        // `n` fits in what is left of the file, which fits in memory's address space when read.
+        let n = usize::try_from(n).map_err(|_| un!())?;
+        if self.win.len() - self.pos < n {
+            self.refill(n as u64)?;
+        }
+        let s = &self.win[self.pos..self.pos + n];
+        self.pos += n;
+        Ok(s)
+    }
+
+    fn uint<const N: usize>(&mut self) -> R<u64> {
+        let b = self.take(N as u64)?;
+        Ok(b.iter()
+            .rev()
+            .fold(0u64, |acc, &x| (acc << 8) | u64::from(x)))
+    }
+
+    fn line(&mut self) -> R<String> {
+        let mut out = Vec::new();
+        loop {
+            let b = self.u8()?;
+            if b == b'\n' {
+                break;
+            }
+            if out.len() >= 1 << 16 {
+                return Err(un!());
+            }
+            out.push(b);
+        }
+        String::from_utf8(out).map_err(|_| un!())
+    }
+}
+
+/// A set of memo indexes, as bits.
+#[derive(Default)]
+struct Bits(Vec<u64>);
+
+impl Bits {
+    fn set(&mut self, i: usize) -> bool {
+        let (w, b) = (i / 64, i % 64);
+        if w >= self.0.len() {
+            self.0.resize(w + 1, 0);
+        }
+        let was = self.0[w] & (1 << b) != 0;
+        self.0[w] |= 1 << b;
+        was
+    }
+
+    fn get(&self, i: usize) -> bool {
+        self.0.get(i / 64).is_some_and(|w| w & (1 << (i % 64)) != 0)
+    }
+}
+
+/// The memo indexes a pickle writes to, numbered as the machine numbers them (`MEMOIZE` takes the
+/// count of distinct indexes written so far).
+struct MemoNumbers {
+    filled: Bits,
+    count: usize,
+    max: usize,
+}
+
+impl MemoNumbers {
+    fn new(limits: &PickleLimits) -> Self {
+        MemoNumbers {
+            filled: Bits::default(),
+            count: 0,
+            max: limits.max_memo,
+        }
+    }
+
+    /// The index a put writes (`None` for `MEMOIZE`), or an error where the machine would fail.
+    fn put(&mut self, index: Option<u64>) -> R<usize> {
+        let i = match index {
+            None => self.count as u64,
+            Some(i) => i,
+        };
+        let i = usize::try_from(i)
+            .ok()
+            .filter(|&i| i < self.max)
+            .ok_or_else(|| un!())?;
+        if !self.filled.set(i) {
+            self.count += 1;
+        }
+        Ok(i)
+    }
+}
+
+/// What an opcode does to the memo, for the first pass.
+enum MemoOp {
+    Put(Option<u64>),
+    Get(u64),
+    None,
+}
+
+/// Skips one opcode's argument and says what it does to the memo; `None` at `STOP`.
+fn skip_op(r: &mut Reader<'_>, op: u8) -> R<Option<MemoOp>> {
+    let n: u64 = match op {
+        b'.' => return Ok(None),
+        0x80 | b'K' => 1,
+        b'q' => return Ok(Some(MemoOp::Put(Some(u64::from(r.u8()?))))),
+        b'h' => return Ok(Some(MemoOp::Get(u64::from(r.u8()?)))),
+        b'M' => 2,
+        b'J' => 4,
+        0x95 | b'G' => 8,
+        0x94 => return Ok(Some(MemoOp::Put(None))),
+        b'r' => return Ok(Some(MemoOp::Put(Some(r.uint::<4>()?)))),
+        b'j' => return Ok(Some(MemoOp::Get(r.uint::<4>()?))),
+        b'p' | b'g' => {
+            let line = r.line()?;
+            let i = line.parse::<u64>().map_err(|_| un!())?;
+            return Ok(Some(if op == b'p' {
+                MemoOp::Put(Some(i))
+            } else {
+                MemoOp::Get(i)
+            }));
+        }
+        0x8a | 0x8c | b'U' | b'C' => u64::from(r.u8()?),
+        0x8b | b'X' | b'T' | b'B' => r.uint::<4>()?,
+        0x8d | 0x8e | 0x96 => r.uint::<8>()?,
+        b'I' | b'L' | b'F' | b'P' => {
+            r.line()?;
+            0
+        }
+        b'c' => {
+            r.line()?;
+            r.line()?;
+            0
+        }
+        b'(' | b'0' | b'1' | b'2' | b'N' | 0x88 | 0x89 | b')' | 0x85..=0x87 | b't' | b']'
+        | b'l' | b'a' | b'e' | 0x90 | b'}' | b'd' | b's' | b'u' | 0x8f | 0x91 | 0x93 | b'R'
+        | 0x81 | 0x92 | b'b' | b'Q' => 0,
+        _ => return Err(un!()),
+    };
+    r.take(n)?;
+    Ok(Some(MemoOp::None))
+}
+
+/// The first pass: the memo indexes that are ever fetched, as numbered when put.
+fn fetched_indexes(r: &mut Reader<'_>, limits: &PickleLimits) -> R<Bits> {
+    let mut numbers = MemoNumbers::new(limits);
+    let mut fetched = Bits::default();
+    loop {
+        let op = r.u8()?;
+        match skip_op(r, op)? {
+            None => return Ok(fetched),
+            Some(MemoOp::Put(i)) => {
+                numbers.put(i)?;
+            }
+            Some(MemoOp::Get(i)) => {
+                let i = usize::try_from(i)
+                    .ok()
+                    .filter(|&i| i < limits.max_memo)
+                    .ok_or_else(|| un!())?;
+                fetched.set(i);
+            }
+            Some(MemoOp::None) => {}
+        }
+    }
+}
+
+/// Which DCP class a global is (by module and name, exactly as torch writes them).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+enum Class {
+    Metadata,
+    TensorMeta,
+    BytesMeta,
+    ChunkMeta,
+    MetadataIndex,
+    StorageInfo,
+    Size,
+    Other,
+}
+
+fn class_of(g: &Global) -> Class {
+    const META: &str = "torch.distributed.checkpoint.metadata";
+    match (g.module.as_str(), g.name.as_str()) {
+        (META, "Metadata") => Class::Metadata,
+        (META, "TensorStorageMetadata") => Class::TensorMeta,
+        (META, "BytesStorageMetadata") => Class::BytesMeta,
+        (META, "ChunkStorageMetadata") => Class::ChunkMeta,
+        (META, "MetadataIndex") => Class::MetadataIndex,
+        ("torch.distributed.checkpoint.filesystem", "_StorageInfo") => Class::StorageInfo,
+        ("torch", "Size") => Class::Size,
+        _ => Class::Other,
+    }
+}
+
+/// A generic object (`REDUCE`/`NEWOBJ` of a class this reader does not turn into a record).
+#[derive(Debug, Clone)]
+struct Obj {
+    callable: V,
+    args: V,
+    state: Option<V>,
+    /// The memo slots holding a copy of this object (slots fetched later only): a `BUILD` of the
+    /// object updates those copies too, as long as none was fetched yet.
+    slots: Vec<usize>,
+    /// This copy (in the memo) was fetched: the object must not change any more.
+    fetched: bool,
+    /// Tells copies of one object apart from other objects.
+    id: u32,
+    depth: u8,
+}
+
+/// A `MetadataIndex` (the chunk offsets are `None` for bytes items).
+#[derive(Debug, Clone)]
+struct IndexRec {
+    fqn: Rc<str>,
+    offsets: Option<Dims>,
+}
+
+/// A `_StorageInfo`.
+#[derive(Debug, Clone)]
+struct InfoRec {
+    path: Rc<str>,
+    offset: u64,
+    length: u64,
+    transforms: Vec<String>,
+}
+
+/// A value on the stack or in the memo.
+#[derive(Debug, Clone)]
+enum V {
+    Mark,
+    None,
+    Bool(bool),
+    Int(i64),
+    Str(Rc<str>),
+    /// Into the machine's globals.
+    Global(u32),
+    /// A value nothing here reads (float, bytes, big int, persistent id).
+    Opaque,
+    /// A set: nothing here reads one either.
+    Set,
+    Tuple(u8, Rc<[V]>),
+    List(u8, Vec<V>),
+    Dict(u8, Vec<(V, V)>),
+    Obj(Box<Obj>),
+    /// `torch.Size(dims)`.
+    Size(Dims),
+    Chunk(Box<(Dims, Dims)>),
+    Tensor(Box<(DType, Vec<u64>, Vec<(Dims, Dims)>)>),
+    Index(Box<IndexRec>),
+    Info(Box<InfoRec>),
+    /// A dict of `MetadataIndex` -> `_StorageInfo` pairs (`storage_data`).
+    Storage(Vec<Record>),
+}
+
+impl V {
+    fn depth(&self) -> u8 {
+        match self {
+            V::Tuple(d, _) | V::List(d, _) | V::Dict(d, _) => *d,
+            V::Obj(o) => o.depth,
+            _ => 0,
+        }
+    }
+
+    fn as_str(&self) -> Option<&Rc<str>> {
+        match self {
+            V::Str(s) => Some(s),
+            _ => None,
+        }
+    }
+
+    /// An int as the general path reads one (bools count).
+    fn as_i64(&self) -> Option<i64> {
+        match self {
+            V::Int(i) => Some(*i),
+            V::Bool(b) => Some(i64::from(*b)),
+            _ => None,
+        }
+    }
+
+    /// The items of a tuple or list.
+    fn items(&self) -> Option<&[V]> {
+        match self {
+            V::Tuple(_, t) => Some(t),
+            V::List(_, l) => Some(l),
+            _ => None,
+        }
+    }
+
+    /// A shape: `torch.Size` or a tuple/list of non-negative ints.
+    fn dims(&self) -> Option<Dims> {
+        match self {
+            V::Size(d) => Some(d.clone()),
+            _ => self
+                .items()?
+                .iter()
+                .map(|v| v.as_i64().and_then(|i| u64::try_from(i).ok()))
+                .collect::<Option<Dims>>(),
+        }
+    }
+}
+
+fn depth_of<'a>(items: impl Iterator<Item = &'a V>) -> R<u8> {
+    let d = items.map(V::depth).max().unwrap_or(0) + 1;
+    if d > MAX_DEPTH {
+        return Err(un!());
+    }
+    Ok(d)
+}
+
+/// Looks up `names` in a dict state: the value of each, `None` when absent; gives up on a name
+/// that occurs twice (the general path takes the first).
+fn fields<'a, const N: usize>(pairs: &'a [(V, V)], names: [&str; N]) -> R<[Option<&'a V>; N]> {
+    Ok(positions(pairs, names)?.map(|p| p.map(|p| &pairs[p].1)))
+}
+
+/// [`fields`] as positions in `pairs`.
+fn positions<const N: usize>(pairs: &[(V, V)], names: [&str; N]) -> R<[Option<usize>; N]> {
+    let mut found = [None; N];
+    for (p, (k, _)) in pairs.iter().enumerate() {
+        let Some(k) = k.as_str() else { continue };
+        if let Some(i) = names.iter().position(|n| **n == **k) {
+            if found[i].is_some() {
+                return Err(un!());
+            }
+            found[i] = Some(p);
+        }
+    }
+    Ok(found)
+}
+
+/// `None`, absent, or a non-negative int.
+fn opt_u64(v: Option<&V>) -> R<Option<u64>> {
+    match v {
+        None | Some(V::None) => Ok(None),
+        Some(v) => v
+            .as_i64()
+            .and_then(|i| u64::try_from(i).ok())
+            .map(Some)
+            .ok_or_else(|| un!()),
+    }
+}
+
+struct Machine<'s> {
+    r: Reader<'s>,
+    limits: PickleLimits,
+    stack: Vec<V>,
+    fetched: Bits,
+    numbers: MemoNumbers,
+    memo: FastMap<usize, V>,
+    globals: Vec<Global>,
+    global_ids: FastMap<Global, u32>,
+    classes: Vec<Class>,
+    fqns: Names,
+    files: Names,
+    transforms: TransformLists,
+    /// Objects made so far (their ids).
+    objects: u32,
+}
+
+impl Machine<'_> {
+    fn next_id(&mut self) -> u32 {
+        self.objects = self.objects.wrapping_add(1);
+        self.objects
+    }
+
+    fn push(&mut self, v: V) -> R<()> {
+        if self.stack.len() >= self.limits.max_stack {
+            return Err(un!());
+        }
+        self.stack.push(v);
+        Ok(())
+    }
+
+    fn pop(&mut self) -> R<V> {
+        match self.stack.pop() {
+            Some(V::Mark) | None => Err(un!()),
+            Some(v) => Ok(v),
+        }
+    }
+
+    fn top(&mut self) -> R<&mut V> {
+        match self.stack.last_mut() {
+            Some(V::Mark) | None => Err(un!()),
+            Some(v) => Ok(v),
+        }
+    }
+
+    fn mark(&self) -> R<usize> {
+        self.stack
+            .iter()
+            .rposition(|v| matches!(v, V::Mark))
+            .ok_or_else(|| un!())
+    }
+
+    fn global(&mut self, g: Global) -> R<V> {
+        if let Some(&id) = self.global_ids.get(&g) {
+            return Ok(V::Global(id));
+        }
+        let id = u32::try_from(self.globals.len()).map_err(|_| un!())?;
+        self.classes.push(class_of(&g));
+        self.global_ids.insert(g.clone(), id);
+        self.globals.push(g);
+        Ok(V::Global(id))
+    }
+
+    fn class(&self, v: &V) -> Class {
+        match v {
+            V::Global(id) => self.classes[*id as usize],
+            _ => Class::Other,
+        }
+    }
+
+    fn text(&mut self, n: u64) -> R<V> {
+        let b = self.r.take(n)?;
+        let s = std::str::from_utf8(b).map_err(|_| un!())?;
+        Ok(V::Str(Rc::from(s)))
+    }
+
+    fn tuple(&mut self, first: usize, drop_from: usize) -> R<V> {
+        if self.stack[first..].iter().any(|v| matches!(v, V::Mark)) {
+            return Err(un!());
+        }
+        let items: Rc<[V]> = self.stack.drain(first..).collect();
+        self.stack.truncate(drop_from);
+        Ok(V::Tuple(depth_of(items.iter())?, items))
+    }
+
+    /// `REDUCE`/`NEWOBJ`/`NEWOBJ_EX`: `torch.Size(dims)` becomes a shape; anything else an object.
+    fn object(&mut self, callable: V, args: V) -> R<V> {
+        if self.class(&callable) == Class::Size
+            && let Some(d) = args.items().and_then(|a| a.first()).and_then(V::dims)
+        {
+            return Ok(V::Size(d));
+        }
+        let depth = depth_of([&callable, &args].into_iter())?;
+        Ok(V::Obj(Box::new(Obj {
+            callable,
+            args,
+            state: None,
+            slots: Vec::new(),
+            fetched: false,
+            id: self.next_id(),
+            depth,
+        })))
+    }
+
+    /// `BUILD`: a DCP record is made from its state here; other objects keep the state.
+    fn build(&mut self) -> R<()> {
+        let state = self.pop()?;
+        let (class, slots, id) = match self.top()? {
+            V::Obj(obj) => (obj.callable.clone(), std::mem::take(&mut obj.slots), obj.id),
+            _ => return Err(un!()),
+        };
+        let class = self.class(&class);
+        let record = match (class, &state) {
+            (Class::ChunkMeta, V::Dict(_, pairs)) => {
+                let [offsets, sizes] = fields(pairs, ["offsets", "sizes"])?;
+                let (Some(offsets), Some(sizes)) =
+                    (offsets.and_then(V::dims), sizes.and_then(V::dims))
+                else {
+                    return Err(un!());
+                };
+                Some(V::Chunk(Box::new((offsets, sizes))))
+            }
+            (Class::TensorMeta, V::Dict(_, pairs)) => Some(self.tensor_meta(pairs)?),
+            (Class::MetadataIndex, V::Dict(_, pairs)) => {
+                let [fqn, offset, index] = fields(pairs, ["fqn", "offset", "index"])?;
+                let fqn = fqn.and_then(V::as_str).ok_or_else(|| un!())?.clone();
+                let offsets = match offset {
+                    None | Some(V::None) => None,
+                    Some(v) => Some(v.dims().ok_or_else(|| un!())?),
+                };
+                opt_u64(index)?;
+                Some(V::Index(Box::new(IndexRec { fqn, offsets })))
+            }
+            (Class::StorageInfo, V::Dict(_, pairs)) => {
+                let [path, offset, length, transforms] = fields(
+                    pairs,
+                    ["relative_path", "offset", "length", "transform_descriptors"],
+                )?;
+                let path = path.and_then(V::as_str).ok_or_else(|| un!())?.clone();
+                if !storage_path_is_safe(&path) {
+                    return Err(un!());
+                }
+                let transforms = match transforms {
+                    None | Some(V::None) => Vec::new(),
+                    Some(t) => t
+                        .items()
+                        .ok_or_else(|| un!())?
+                        .iter()
+                        .map(|d| d.as_str().map(|s| s.to_string()))
+                        .collect::<Option<Vec<_>>>()
+                        .ok_or_else(|| un!())?,
+                };
+                let (Some(offset), Some(length)) = (opt_u64(offset)?, opt_u64(length)?) else {
+                    return Err(un!());
+                };
+                Some(V::Info(Box::new(InfoRec {
+                    path,
+                    offset,
+                    length,
+                    transforms,
+                })))
+            }
+            (
+                Class::ChunkMeta | Class::TensorMeta | Class::MetadataIndex | Class::StorageInfo,
+                _,
+            ) => return Err(un!()),
+            _ => None,
+        };
+        let V::Obj(obj) = self.top()? else {
+            return Err(un!());
+        };
+        let depth = obj.depth.max(state.depth() + 1);
+        if depth > MAX_DEPTH {
+            return Err(un!());
+        }
+        // A memoized object built after: its copies in the memo are built too, as long as none
+        // was fetched yet.
+        for slot in &slots {
+            match self.memo.get_mut(slot) {
+                Some(V::Obj(copy)) if copy.id == id && !copy.fetched => match &record {
+                    Some(r) => *self.memo.get_mut(slot).ok_or_else(|| un!())? = r.clone(),
+                    None => {
+                        copy.state = Some(state.clone());
+                        copy.depth = depth;
+                    }
+                },
+                _ => return Err(un!()),
+            }
+        }
+        let V::Obj(obj) = self.top()? else {
+            return Err(un!());
+        };
+        match record {
+            Some(r) => *self.top()? = r,
+            None => {
+                obj.depth = depth;
+                obj.state = Some(state);
+                obj.slots = slots;
+            }
+        }
+        Ok(())
+    }
+
+    /// A `TensorStorageMetadata` from its state.
+    fn tensor_meta(&self, pairs: &[(V, V)]) -> R<V> {
+        let [props, size, chunks] = fields(pairs, ["properties", "size", "chunks"])?;
+        let Some(V::Obj(props)) = props else {
+            return Err(un!());
+        };
+        // TensorProperties pickles its state as a tuple whose first element is the dtype; older
+        // releases used a dict state.
+        let dtype_ref = match &props.state {
+            Some(V::Tuple(_, t)) => t.first(),
+            Some(V::List(_, l)) => l.first(),
+            Some(V::Dict(_, d)) => fields(d, ["dtype"])?[0],
+            _ => None,
+        };
+        let dtype = match dtype_ref {
+            Some(V::Global(id)) => dtype_of(&self.globals[*id as usize]).ok_or_else(|| un!())?,
+            _ => return Err(un!()),
+        };
+        let size = size.and_then(V::dims).ok_or_else(|| un!())?.into_vec();
+        let list = chunks.and_then(V::items).ok_or_else(|| un!())?;
+        let mut out = Vec::with_capacity(list.len());
+        for c in list {
+            let V::Chunk(c) = c else {
+                return Err(un!());
+            };
+            if c.0.len() != size.len() || c.1.len() != size.len() {
+                return Err(un!());
+            }
+            out.push((c.0.clone(), c.1.clone()));
+        }
+        Ok(V::Tensor(Box::new((dtype, size, out))))
+    }
+
+    /// `SETITEM(S)`: the values from `first` on, as pairs, into the dict below them (below the
+    /// mark at `first - 1` when `marked`).
+    fn set_items(&mut self, first: usize, marked: bool) -> R<()> {
+        let pairs: Vec<V> = self.stack.drain(first..).collect();
+        if marked {
+            self.stack.pop();
+        }
+        if !pairs.len().is_multiple_of(2) || pairs.iter().any(|v| matches!(v, V::Mark)) {
+            return Err(un!());
+        }
+        let target = self.top()?;
+        let mut pairs = pairs.into_iter();
+        let mut records = Vec::new();
+        match target {
+            V::Dict(d, items) if items.is_empty() && matches!(pairs.as_slice().first(), Some(V::Index(_))) => {
+                let _ = d;
+                *target = V::Storage(Vec::new());
+            }
+            _ => {}
+        }
+        let target = self.stack.last_mut().ok_or_else(|| un!())?;
+        match target {
+            V::Dict(d, items) => {
+                while let (Some(k), Some(v)) = (pairs.next(), pairs.next()) {
+                    if matches!(k, V::Index(_) | V::Storage(_)) {
+                        return Err(un!());
+                    }
+                    *d = (*d).max(k.depth().max(v.depth()) + 1);
+                    items.push((k, v));
+                }
+                if *d > MAX_DEPTH {
+                    return Err(un!());
+                }
+            }
+            V::Storage(_) => {
+                while let (Some(k), Some(v)) = (pairs.next(), pairs.next()) {
+                    let (V::Index(k), V::Info(v)) = (k, v) else {
+                        return Err(un!());
+                    };
+                    records.push((k, v));
+                }
+            }
+            _ => return Err(un!()),
+        }
+        if !records.is_empty() {
+            let mut out = Vec::with_capacity(records.len());
+            for (k, v) in records {
+                out.push(Record {
+                    fqn: self.fqns.id(&k.fqn),
+                    offsets: k.offsets,
+                    place: ChunkPlace {
+                        file: self.files.id(&v.path),
+                        transforms: self.transforms.id(&v.transforms),
+                        offset: v.offset,
+                        length: v.length,
+                    },
+                });
+            }
+            let Some(V::Storage(s)) = self.stack.last_mut() else {
+                return Err(un!());
+            };
+            s.extend(out);
+        }
+        Ok(())
+    }
+
+    /// `APPEND(S)`/`ADDITEMS`: the values from `first` on into the list (or set) below them (below
+    /// the mark at `first - 1` when `marked`).
+    fn append_items(&mut self, first: usize, marked: bool) -> R<()> {
+        let items: Vec<V> = self.stack.drain(first..).collect();
+        if marked {
+            self.stack.pop();
+        }
+        if items.iter().any(|v| matches!(v, V::Mark | V::Storage(_))) {
+            return Err(un!());
+        }
+        match self.top()? {
+            V::List(d, l) => {
+                *d = (*d).max(depth_of(items.iter())?);
+                l.extend(items);
+            }
+            V::Set => {}
+            _ => return Err(un!()),
+        }
+        Ok(())
+    }
+
+    fn memo_put(&mut self, index: Option<u64>) -> R<()> {
+        self.top()?;
+        let i = self.numbers.put(index)?;
+        if !self.fetched.get(i) {
+            return Ok(());
+        }
+        let v = self.top()?;
+        let kept = match v {
+            V::None
+            | V::Bool(_)
+            | V::Int(_)
+            | V::Str(_)
+            | V::Global(_)
+            | V::Opaque
+            | V::Tuple(..)
+            | V::Size(_)
+            | V::Chunk(_)
+            | V::Index(_)
+            | V::Info(_) => v.clone(),
+            V::Obj(o) => {
+                o.slots.push(i);
+                v.clone()
+            }
+            _ => return Err(un!()),
+        };
+        self.memo.insert(i, kept);
+        Ok(())
+    }
+
+    fn memo_get(&mut self, index: u64) -> R<()> {
+        let i = usize::try_from(index).map_err(|_| un!())?;
+        let v = self.memo.get_mut(&i).ok_or_else(|| un!())?;
+        if let V::Obj(o) = v {
+            o.fetched = true;
+        }
+        let mut v = v.clone();
+        if let V::Obj(o) = &mut v {
+            // The fetched value is the object as it is now; it is not built again.
+            o.slots.clear();
+        }
+        self.push(v)
+    }
+
+    #[allow(
+        clippy::too_many_lines,
+        reason = "the opcode dispatch: one match arm per opcode, sharing the stack and memo"
+    )]
+    fn run(&mut self) -> R<V> {
+        loop {
+            let op = self.r.u8()?;
+            match op {
+                0x80 => {
+                    let p = self.r.u8()?;
+                    if !(2..=5).contains(&p) {
+                        return Err(un!());
+                    }
+                }
+                0x95 => {
+                    self.r.take(8)?;
+                }
+                b'.' => {
+                    let v = self.pop()?;
+                    if !self.stack.is_empty() {
+                        return Err(un!());
+                    }
+                    return Ok(v);
+                }
+                b'(' => self.push(V::Mark)?,
+                b'0' => {
+                    self.pop()?;
+                }
+                b'1' => {
+                    let m = self.mark()?;
+                    self.stack.truncate(m);
+                }
+                b'2' => {
+                    let v = self.top()?.clone();
+                    if !matches!(
+                        v,
+                        V::None | V::Bool(_) | V::Int(_) | V::Str(_) | V::Global(_) | V::Tuple(..)
+                    ) {
+                        return Err(un!());
+                    }
+                    self.push(v)?;
+                }
+                b'N' => self.push(V::None)?,
+                0x88 => self.push(V::Bool(true))?,
+                0x89 => self.push(V::Bool(false))?,
+                b'J' => {
+                    let b = self.r.take(4)?;
+                    let v = i32::from_le_bytes([b[0], b[1], b[2], b[3]]);
+                    self.push(V::Int(i64::from(v)))?;
+                }
+                b'K' => {
+                    let v = self.r.u8()?;
+                    self.push(V::Int(i64::from(v)))?;
+                }
+                b'M' => {
+                    let v = self.r.uint::<2>()?;
+                    self.push(V::Int(v as i64))?;
+                }
+                0x8a | 0x8b => {
+                    let n = if op == 0x8a {
+                        u64::from(self.r.u8()?)
+                    } else {
+                        self.r.uint::<4>()?
+                    };
+                    let b = self.r.take(n)?;
+                    let v = if b.is_empty() {
+                        V::Int(0)
+                    } else if b.len() <= 8 {
+                        let negative = b[b.len() - 1] & 0x80 != 0;
+                        let mut buf = if negative { [0xffu8; 8] } else { [0u8; 8] };
+                        buf[..b.len()].copy_from_slice(b);
+                        V::Int(i64::from_le_bytes(buf))
+                    } else {
+                        V::Opaque
+                    };
+                    self.push(v)?;
+                }
+                b'I' | b'L' => {
+                    let line = self.r.line()?;
+                    let text = line.trim_end_matches('L');
+                    let v = match text {
+                        "00" => V::Bool(false),
+                        "01" => V::Bool(true),
+                        _ => V::Int(text.parse::<i64>().map_err(|_| un!())?),
+                    };
+                    self.push(v)?;
+                }
+                b'G' => {
+                    self.r.take(8)?;
+                    self.push(V::Opaque)?;
+                }
+                b'F' => {
+                    let line = self.r.line()?;
+                    line.parse::<f64>().map_err(|_| un!())?;
+                    self.push(V::Opaque)?;
+                }
+                0x8c => {
+                    let n = u64::from(self.r.u8()?);
+                    let v = self.text(n)?;
+                    self.push(v)?;
+                }
+                b'X' => {
+                    let n = self.r.uint::<4>()?;
+                    let v = self.text(n)?;
+                    self.push(v)?;
+                }
+                0x8d => {
+                    let n = self.r.uint::<8>()?;
+                    let v = self.text(n)?;
+                    self.push(v)?;
+                }
+                b'U' | b'T' => {
+                    let n = if op == b'U' {
+                        u64::from(self.r.u8()?)
+                    } else {
+                        self.r.uint::<4>()?
+                    };
+                    let b = self.r.take(n)?;
+                    let v = match std::str::from_utf8(b) {
+                        Ok(s) => V::Str(Rc::from(s)),
+                        Err(_) => V::Opaque,
+                    };
+                    self.push(v)?;
+                }
+                b'C' | b'B' | 0x8e | 0x96 => {
+                    let n = match op {
+                        b'C' => u64::from(self.r.u8()?),
+                        b'B' => self.r.uint::<4>()?,
+                        _ => self.r.uint::<8>()?,
+                    };
+                    self.r.take(n)?;
+                    self.push(V::Opaque)?;
+                }
+                b')' => self.push(V::Tuple(1, Rc::from([])))?,
+                0x85..=0x87 => {
+                    let n = usize::from(op - 0x84);
+                    let first = self.stack.len().checked_sub(n).ok_or_else(|| un!())?;
+                    let v = self.tuple(first, first)?;
+                    self.push(v)?;
+                }
+                b't' => {
+                    let m = self.mark()?;
+                    let v = self.tuple(m + 1, m)?;
+                    self.push(v)?;
+                }
+                b']' => self.push(V::List(1, Vec::new()))?,
+                b'l' => {
+                    let m = self.mark()?;
+                    let items: Vec<V> = self.stack.drain(m + 1..).collect();
+                    self.stack.truncate(m);
+                    if items.iter().any(|v| matches!(v, V::Storage(_))) {
+                        return Err(un!());
+                    }
+                    let d = depth_of(items.iter())?;
+                    self.push(V::List(d, items))?;
+                }
+                b'a' => {
+                    let first = self.stack.len().checked_sub(1).ok_or_else(|| un!())?;
+                    self.append_items(first, false)?;
+                }
+                b'e' | 0x90 => {
+                    let m = self.mark()?;
+                    if m == 0 {
+                        return Err(un!());
+                    }
+                    self.append_items(m + 1, true)?;
+                }
+                b'}' => self.push(V::Dict(1, Vec::new()))?,
+                b'd' => {
+                    let m = self.mark()?;
+                    self.stack.insert(m + 1, V::Dict(1, Vec::new()));
+                    self.set_items(m + 2, false)?;
+                    let v = self.pop()?;
+                    self.stack.truncate(m);
+                    self.push(v)?;
+                }
+                b's' => {
+                    let first = self.stack.len().checked_sub(2).ok_or_else(|| un!())?;
+                    self.set_items(first, false)?;
+                }
+                b'u' => {
+                    let m = self.mark()?;
+                    if m == 0 {
+                        return Err(un!());
+                    }
+                    self.set_items(m + 1, true)?;
+                }
+                0x8f => self.push(V::Set)?,
+                0x91 => {
+                    let m = self.mark()?;
+                    self.stack.truncate(m);
+                    self.push(V::Set)?;
+                }
+                b'c' => {
+                    let module = self.r.line()?;
+                    let name = self.r.line()?;
+                    let v = self.global(Global { module, name })?;
+                    self.push(v)?;
+                }
+                0x93 => {
+                    let name = self.pop()?;
+                    let module = self.pop()?;
+                    let (Some(module), Some(name)) = (module.as_str(), name.as_str()) else {
+                        return Err(un!());
+                    };
+                    let g = Global {
+                        module: module.to_string(),
+                        name: name.to_string(),
+                    };
+                    let v = self.global(g)?;
+                    self.push(v)?;
+                }
+                b'R' | 0x81 => {
+                    let args = self.pop()?;
+                    let callable = self.pop()?;
+                    let v = self.object(callable, args)?;
+                    self.push(v)?;
+                }
+                0x92 => {
+                    self.pop()?;
+                    let args = self.pop()?;
+                    let callable = self.pop()?;
+                    let v = self.object(callable, args)?;
+                    self.push(v)?;
+                }
+                b'b' => self.build()?,
+                b'Q' => {
+                    self.pop()?;
+                    self.push(V::Opaque)?;
+                }
+                b'P' => {
+                    self.r.line()?;
+                    self.push(V::Opaque)?;
+                }
+                0x94 => self.memo_put(None)?,
+                b'q' => {
+                    let i = u64::from(self.r.u8()?);
+                    self.memo_put(Some(i))?;
+                }
+                b'r' => {
+                    let i = self.r.uint::<4>()?;
+                    self.memo_put(Some(i))?;
+                }
+                b'p' => {
+                    let line = self.r.line()?;
+                    let i = line.parse::<u64>().map_err(|_| un!())?;
+                    self.memo_put(Some(i))?;
+                }
+                b'h' => {
+                    let i = u64::from(self.r.u8()?);
+                    self.memo_get(i)?;
+                }
+                b'j' => {
+                    let i = self.r.uint::<4>()?;
+                    self.memo_get(i)?;
+                }
+                b'g' => {
+                    let line = self.r.line()?;
+                    let i = line.parse::<u64>().map_err(|_| un!())?;
+                    self.memo_get(i)?;
+                }
+                _ => return Err(un!()),
+            }
+        }
+    }
+
+    /// The table from the root `Metadata` object.
+    fn table(self, root: V) -> R<MetadataTable> {
+        let V::Obj(meta) = root else {
+            return Err(un!());
+        };
+        if self.class(&meta.callable) != Class::Metadata {
+            return Err(un!());
+        }
+        let Some(V::Dict(_, mut state)) = meta.state else {
+            return Err(un!());
+        };
+        // The items are moved out (a million chunks are not copied).
+        let [sdm_at, storage_at] = positions(&state, ["state_dict_metadata", "storage_data"])?;
+        let sdm = match sdm_at {
+            Some(p) => std::mem::replace(&mut state[p].1, V::None),
+            None => return Err(un!()),
+        };
+        let mut records: Vec<Record> = match storage_at.map(|p| &mut state[p].1) {
+            None | Some(V::None) => Vec::new(),
+            Some(V::Dict(_, pairs)) if pairs.is_empty() => Vec::new(),
+            Some(V::Storage(r)) => std::mem::take(r),
+            Some(_) => return Err(un!()),
+        };
+        let [planner, version, storage_meta] =
+            fields(&state, ["planner_data", "version", "storage_meta"])?;
+        let V::Dict(_, sdm) = sdm else {
+            return Err(un!());
+        };
+        let mut items = Vec::with_capacity(sdm.len());
+        for (k, v) in sdm {
+            let key = k.as_str().ok_or_else(|| un!())?.to_string();
+            let o_class = match &v {
+                V::Obj(o) => self.class(&o.callable),
+                _ => Class::Other,
+            };
+            let item = match v {
+                V::Obj(_) if o_class == Class::BytesMeta => RawItem::Bytes,
+                V::Tensor(t) => {
+                    let (dtype, size, chunks) = *t;
+                    RawItem::Tensor {
+                        dtype,
+                        size,
+                        chunks,
+                    }
+                }
+                _ => return Err(un!()),
+            };
+            items.push((key, item));
+        }
+        let mut planner_data = BTreeMap::new();
+        match planner {
+            Some(V::Dict(_, pairs)) => {
+                for (k, v) in pairs {
+                    let (Some(key), Some(path)) = (k.as_str(), v.items()) else {
+                        return Err(un!());
+                    };
+                    let steps = path
+                        .iter()
+                        .map(|s| match s {
+                            V::Str(k) => Ok(PlannerStep::Key(k.to_string())),
+                            V::Int(_) | V::Bool(_) => {
+                                Ok(PlannerStep::Index(s.as_i64().ok_or_else(|| un!())?))
+                            }
+                            _ => Err(un!()),
+                        })
+                        .collect::<R<Vec<_>>>()?;
+                    planner_data.insert(key.to_string(), steps);
+                }
+            }
+            Some(V::Storage(_) | V::Chunk(_) | V::Tensor(_) | V::Index(_) | V::Info(_)) => {
+                return Err(un!());
+            }
+            _ => {}
+        }
+        let version = version.and_then(V::as_str).map(|s| s.to_string());
+        let (checkpoint_id, save_id) = match storage_meta {
+            Some(V::Obj(sm)) => match &sm.state {
+                Some(V::Dict(_, pairs)) => {
+                    let [id, save] = fields(pairs, ["checkpoint_id", "save_id"])?;
+                    (
+                        id.map(|v| self.string_of(v)).transpose()?.flatten(),
+                        save.and_then(V::as_str).map(|s| s.to_string()),
+                    )
+                }
+                None => (None, None),
+                Some(_) => return Err(un!()),
+            },
+            Some(V::Storage(_) | V::Chunk(_) | V::Tensor(_) | V::Index(_) | V::Info(_)) => {
+                return Err(un!());
+            }
+            _ => (None, None),
+        };
+        // Files and transform lists numbered in the order `storage_data`'s records name them
+        // (another dict of records elsewhere in the pickle may have named others first).
+        let mut files = Names::default();
+        let mut transforms = TransformLists::default();
+        for r in &mut records {
+            r.place.file = files.id(&self.files.names[r.place.file as usize]);
+            r.place.transforms =
+                transforms.id(&self.transforms.lists[r.place.transforms as usize]);
+        }
+        let fqns = &self.fqns;
+        let items = join(items, &records, |k| fqns.ids.get(k).copied());
+        Ok(MetadataTable {
+            items,
+            planner_data,
+            files: files.names,
+            transforms: transforms.lists,
+            version,
+            checkpoint_id,
+            save_id,
+            globals: self.globals,
+        })
+    }
+
+    /// A str, or `pathlib.PosixPath('/a/b')` (`REDUCE(PosixPath, ('/a/b',))` or with its parts).
+    fn string_of(&self, v: &V) -> R<Option<String>> {
+        match v {
+            V::Str(s) => Ok(Some(s.to_string())),
+            V::Obj(o) => {
+                let V::Global(id) = &o.callable else {
+                    return Ok(None);
+                };
+                if !self.globals[*id as usize].name.ends_with("Path") {
+                    return Ok(None);
+                }
+                let Some(args) = o.args.items() else {
+                    return Ok(None);
+                };
+                let parts: Vec<&str> = args.iter().filter_map(|p| p.as_str().map(|s| &**s)).collect();
+                Ok(Some(super::join_path_parts(&parts)))
+            }
+            V::Storage(_) | V::Chunk(_) | V::Tensor(_) | V::Index(_) | V::Info(_) | V::Size(_) => {
+                Err(un!())
+            }
+            _ => Ok(None),
+        }
+    }
+}
+
+/// A torch dtype global, as the general path reads one.
+fn dtype_of(g: &Global) -> Option<DType> {
+    if g.module == "torch" && !g.name.contains("Storage") {
+        g.name.parse::<DType>().ok()
+    } else {
+        None
+    }
+}
+
+/// Reads `name` (a `.metadata` of `size` bytes) from `source` into a table, or gives up.
+pub fn read_table(source: &dyn Source, name: &str, size: u64) -> Result<MetadataTable, Unrecognised> {
+    read_table_by(source, name, size, WINDOW)
+}
+
+/// [`read_table`], reading `window` bytes at a time.
+pub(super) fn read_table_by(
+    source: &dyn Source,
+    name: &str,
+    size: u64,
+    window: u64,
+) -> Result<MetadataTable, Unrecognised> {
+    // Spans of the general machine are 32-bit; the caller checked the size cap.
+    if u32::try_from(size).is_err() {
+        return Err(un!());
+    }
+    let limits = PickleLimits::for_len(size as usize);
+    let mut first = Reader::new(source, name, size, window)?;
+    let fetched = fetched_indexes(&mut first, &limits)?;
+    drop(first);
+    let mut m = Machine {
+        r: Reader::new(source, name, size, window)?,
+        limits,
+        stack: Vec::new(),
+        fetched,
+        numbers: MemoNumbers::new(&limits),
+        memo: FastMap::default(),
+        globals: Vec::new(),
+        global_ids: FastMap::default(),
+        classes: Vec::new(),
+        fqns: Names::default(),
+        files: Names::default(),
+        transforms: TransformLists::default(),
+        objects: 0,
+    };
+    // Bytes after `STOP` are ignored, as by the general path.
+    let root = m.run()?;
+    m.table(root)
+}
