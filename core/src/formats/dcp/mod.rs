@@ -14,8 +14,10 @@ mod stream_tests;
 mod table;
 #[cfg(test)]
 pub(crate) mod test_pickle;
+mod window;
 
-pub use stream::{Unrecognised, read_table};
+pub use stream::read_table;
+pub use window::Unrecognised;
 pub use table::{ChunkPlace, MetadataTable, TableChunk, TableItem, TableItemKind};
 
 /// What went wrong while reading DCP metadata.

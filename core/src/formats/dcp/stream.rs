@@ -19,6 +19,7 @@ use std::collections::BTreeMap;
 use std::rc::Rc;
 
 use super::table::{ChunkPlace, MetadataTable, Names, RawItem, Record, TransformLists, join};
+use super::window::{MemoNumbers, R, Ranked, Reader, Unrecognised, WINDOW, fetched_indexes, un};
 use super::{PlannerStep, storage_path_is_safe};
 use crate::dtype::DType;
 use crate::formats::pickle::{Global, PickleLimits};
@@ -27,273 +28,8 @@ use crate::source::Source;
 
 type FastMap<K, V> = std::collections::HashMap<K, V, foldhash::fast::RandomState>;
 
-/// The streaming reader gave up: the general path reads the file instead.
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
-pub struct Unrecognised;
-
-type R<T> = Result<T, Unrecognised>;
-
-#[cfg(test)]
-thread_local! {
-    /// The line of this file where the reader last gave up (tests say why).
-    pub(super) static GAVE_UP_AT: std::cell::Cell<u32> = const { std::cell::Cell::new(0) };
-}
-
-impl Unrecognised {
-    fn at(line: u32) -> Self {
-        #[cfg(test)]
-        GAVE_UP_AT.with(|l| l.set(line));
-        let _ = line;
-        Unrecognised
-    }
-}
-
-/// Gives up, noting where (for tests).
-macro_rules! un {
-    () => {
-        Unrecognised::at(line!())
-    };
-}
-
-/// Bytes read from the source at a time (a memory source lends the whole file instead).
-const WINDOW: u64 = 4 << 20;
-
 /// Containers nested deeper than this are not followed (torch's `.metadata` nests about 6 deep).
 const MAX_DEPTH: u8 = 32;
-
-/// The file, window by window.
-struct Reader<'s> {
-    source: &'s dyn Source,
-    name: &'s str,
-    size: u64,
-    whole: bool,
-    window: u64,
-    win: Cow<'s, [u8]>,
-    /// The file offset of `win[0]`.
-    win_start: u64,
-    /// The position in `win`.
-    pos: usize,
-}
-
-impl<'s> Reader<'s> {
-    fn new(source: &'s dyn Source, name: &'s str, size: u64, window: u64) -> R<Self> {
-        let whole = source.whole_reads_are_cheap();
-        let mut r = Reader {
-            source,
-            name,
-            size,
-            whole,
-            window: window.max(1),
-            win: Cow::Borrowed(&[]),
-            win_start: 0,
-            pos: 0,
-        };
-        r.refill(0)?;
-        Ok(r)
-    }
-
-    fn offset(&self) -> u64 {
-        self.win_start + self.pos as u64
-    }
-
-    /// A window starting at the current position holding at least `need` bytes (fewer at the
-    /// end of the file: then `take` fails).
-    #[cold]
-    fn refill(&mut self, need: u64) -> R<()> {
-        let start = self.offset();
-        let len = if self.whole {
-            self.size - start
-        } else {
-            self.window.max(need).min(self.size - start)
-        };
-        self.win = self
-            .source
-            .read_range(self.name, start, len)
-            .map_err(|_| un!())?;
-        if self.win.len() as u64 != len {
-            return Err(un!());
-        }
-        self.win_start = start;
-        self.pos = 0;
-        Ok(())
-    }
-
-    #[inline]
-    fn u8(&mut self) -> R<u8> {
-        if let Some(&b) = self.win.get(self.pos) {
-            self.pos += 1;
-            return Ok(b);
-        }
-        self.refill(1)?;
-        let b = *self.win.get(self.pos).ok_or_else(|| un!())?;
-        self.pos += 1;
-        Ok(b)
-    }
-
-    #[inline]
-    fn take(&mut self, n: u64) -> R<&[u8]> {
-        if n > self.size - self.offset() {
-            return Err(un!());
-        }
-        // `n` fits in what is left of the file, which fits in memory's address space when read.
-        let n = usize::try_from(n).map_err(|_| un!())?;
-        if self.win.len() - self.pos < n {
-            self.refill(n as u64)?;
-        }
-        let s = &self.win[self.pos..self.pos + n];
-        self.pos += n;
-        Ok(s)
-    }
-
-    fn uint<const N: usize>(&mut self) -> R<u64> {
-        let b = self.take(N as u64)?;
-        Ok(b.iter()
-            .rev()
-            .fold(0u64, |acc, &x| (acc << 8) | u64::from(x)))
-    }
-
-    fn line(&mut self) -> R<String> {
-        let mut out = Vec::new();
-        loop {
-            let b = self.u8()?;
-            if b == b'\n' {
-                break;
-            }
-            if out.len() >= 1 << 16 {
-                return Err(un!());
-            }
-            out.push(b);
-        }
-        String::from_utf8(out).map_err(|_| un!())
-    }
-}
-
-/// A set of memo indexes, as bits.
-#[derive(Default)]
-struct Bits(Vec<u64>);
-
-impl Bits {
-    fn set(&mut self, i: usize) -> bool {
-        let (w, b) = (i / 64, i % 64);
-        if w >= self.0.len() {
-            self.0.resize(w + 1, 0);
-        }
-        let was = self.0[w] & (1 << b) != 0;
-        self.0[w] |= 1 << b;
-        was
-    }
-
-    fn get(&self, i: usize) -> bool {
-        self.0.get(i / 64).is_some_and(|w| w & (1 << (i % 64)) != 0)
-    }
-}
-
-/// The memo indexes a pickle writes to, numbered as the machine numbers them (`MEMOIZE` takes the
-/// count of distinct indexes written so far).
-struct MemoNumbers {
-    filled: Bits,
-    count: usize,
-    max: usize,
-}
-
-impl MemoNumbers {
-    fn new(limits: &PickleLimits) -> Self {
-        MemoNumbers {
-            filled: Bits::default(),
-            count: 0,
-            max: limits.max_memo,
-        }
-    }
-
-    /// The index a put writes (`None` for `MEMOIZE`), or an error where the machine would fail.
-    fn put(&mut self, index: Option<u64>) -> R<usize> {
-        let i = match index {
-            None => self.count as u64,
-            Some(i) => i,
-        };
-        let i = usize::try_from(i)
-            .ok()
-            .filter(|&i| i < self.max)
-            .ok_or_else(|| un!())?;
-        if !self.filled.set(i) {
-            self.count += 1;
-        }
-        Ok(i)
-    }
-}
-
-/// What an opcode does to the memo, for the first pass.
-enum MemoOp {
-    Put(Option<u64>),
-    Get(u64),
-    None,
-}
-
-/// Skips one opcode's argument and says what it does to the memo; `None` at `STOP`.
-fn skip_op(r: &mut Reader<'_>, op: u8) -> R<Option<MemoOp>> {
-    let n: u64 = match op {
-        b'.' => return Ok(None),
-        0x80 | b'K' => 1,
-        b'q' => return Ok(Some(MemoOp::Put(Some(u64::from(r.u8()?))))),
-        b'h' => return Ok(Some(MemoOp::Get(u64::from(r.u8()?)))),
-        b'M' => 2,
-        b'J' => 4,
-        0x95 | b'G' => 8,
-        0x94 => return Ok(Some(MemoOp::Put(None))),
-        b'r' => return Ok(Some(MemoOp::Put(Some(r.uint::<4>()?)))),
-        b'j' => return Ok(Some(MemoOp::Get(r.uint::<4>()?))),
-        b'p' | b'g' => {
-            let line = r.line()?;
-            let i = line.parse::<u64>().map_err(|_| un!())?;
-            return Ok(Some(if op == b'p' {
-                MemoOp::Put(Some(i))
-            } else {
-                MemoOp::Get(i)
-            }));
-        }
-        0x8a | 0x8c | b'U' | b'C' => u64::from(r.u8()?),
-        0x8b | b'X' | b'T' | b'B' => r.uint::<4>()?,
-        0x8d | 0x8e | 0x96 => r.uint::<8>()?,
-        b'I' | b'L' | b'F' | b'P' => {
-            r.line()?;
-            0
-        }
-        b'c' => {
-            r.line()?;
-            r.line()?;
-            0
-        }
-        b'(' | b'0' | b'1' | b'2' | b'N' | 0x88 | 0x89 | b')' | 0x85..=0x87 | b't' | b']'
-        | b'l' | b'a' | b'e' | 0x90 | b'}' | b'd' | b's' | b'u' | 0x8f | 0x91 | 0x93 | b'R'
-        | 0x81 | 0x92 | b'b' | b'Q' => 0,
-        _ => return Err(un!()),
-    };
-    r.take(n)?;
-    Ok(Some(MemoOp::None))
-}
-
-/// The first pass: the memo indexes that are ever fetched, as numbered when put.
-fn fetched_indexes(r: &mut Reader<'_>, limits: &PickleLimits) -> R<Bits> {
-    let mut numbers = MemoNumbers::new(limits);
-    let mut fetched = Bits::default();
-    loop {
-        let op = r.u8()?;
-        match skip_op(r, op)? {
-            None => return Ok(fetched),
-            Some(MemoOp::Put(i)) => {
-                numbers.put(i)?;
-            }
-            Some(MemoOp::Get(i)) => {
-                let i = usize::try_from(i)
-                    .ok()
-                    .filter(|&i| i < limits.max_memo)
-                    .ok_or_else(|| un!())?;
-                fetched.set(i);
-            }
-            Some(MemoOp::None) => {}
-        }
-    }
-}
 
 /// Which DCP class a global is (by module and name, exactly as torch writes them).
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -369,8 +105,11 @@ enum V {
     /// A set: nothing here reads one either.
     Set,
     Tuple(u8, Rc<[V]>),
+    /// A tuple of non-negative ints (`torch.Size`'s argument): no allocation up to two.
+    Ints(Dims),
     List(u8, Vec<V>),
-    Dict(u8, Vec<(V, V)>),
+    /// Keys and values in turn.
+    Dict(u8, Vec<V>),
     Obj(Box<Obj>),
     /// `torch.Size(dims)`.
     Size(Dims),
@@ -386,6 +125,7 @@ impl V {
     fn depth(&self) -> u8 {
         match self {
             V::Tuple(d, _) | V::List(d, _) | V::Dict(d, _) => *d,
+            V::Ints(_) => 1,
             V::Obj(o) => o.depth,
             _ => 0,
         }
@@ -408,10 +148,11 @@ impl V {
     }
 
     /// The items of a tuple or list.
-    fn items(&self) -> Option<&[V]> {
+    fn items(&self) -> Option<Cow<'_, [V]>> {
         match self {
-            V::Tuple(_, t) => Some(t),
-            V::List(_, l) => Some(l),
+            V::Tuple(_, t) => Some(Cow::Borrowed(t)),
+            V::List(_, l) => Some(Cow::Borrowed(l)),
+            V::Ints(d) => Some(Cow::Owned(d.iter().map(|&i| V::Int(i as i64)).collect())),
             _ => None,
         }
     }
@@ -419,7 +160,7 @@ impl V {
     /// A shape: `torch.Size` or a tuple/list of non-negative ints.
     fn dims(&self) -> Option<Dims> {
         match self {
-            V::Size(d) => Some(d.clone()),
+            V::Size(d) | V::Ints(d) => Some(d.clone()),
             _ => self
                 .items()?
                 .iter()
@@ -437,22 +178,22 @@ fn depth_of<'a>(items: impl Iterator<Item = &'a V>) -> R<u8> {
     Ok(d)
 }
 
-/// Looks up `names` in a dict state: the value of each, `None` when absent; gives up on a name
-/// that occurs twice (the general path takes the first).
-fn fields<'a, const N: usize>(pairs: &'a [(V, V)], names: [&str; N]) -> R<[Option<&'a V>; N]> {
-    Ok(positions(pairs, names)?.map(|p| p.map(|p| &pairs[p].1)))
+/// Looks up `names` in a dict state (keys and values in turn): the value of each, `None` when
+/// absent; gives up on a name that occurs twice (the general path takes the first).
+fn fields<'a, const N: usize>(pairs: &'a [V], names: [&str; N]) -> R<[Option<&'a V>; N]> {
+    Ok(positions(pairs, names)?.map(|p| p.map(|p| &pairs[p])))
 }
 
-/// [`fields`] as positions in `pairs`.
-fn positions<const N: usize>(pairs: &[(V, V)], names: [&str; N]) -> R<[Option<usize>; N]> {
+/// [`fields`] as the positions of the values in `pairs`.
+fn positions<const N: usize>(pairs: &[V], names: [&str; N]) -> R<[Option<usize>; N]> {
     let mut found = [None; N];
-    for (p, (k, _)) in pairs.iter().enumerate() {
-        let Some(k) = k.as_str() else { continue };
+    for (p, kv) in pairs.chunks_exact(2).enumerate() {
+        let Some(k) = kv[0].as_str() else { continue };
         if let Some(i) = names.iter().position(|n| **n == **k) {
             if found[i].is_some() {
                 return Err(un!());
             }
-            found[i] = Some(p);
+            found[i] = Some(2 * p + 1);
         }
     }
     Ok(found)
@@ -470,18 +211,42 @@ fn opt_u64(v: Option<&V>) -> R<Option<u64>> {
     }
 }
 
+/// [`Names`] of shared strings: a string the pickle stores once and fetches for every record
+/// (an fqn, a file name) is looked up by its address, not hashed each time.
+#[derive(Default)]
+struct SharedNames {
+    names: Names,
+    by_address: FastMap<usize, u32>,
+    /// Keeps every string looked up by address alive, so that no address is reused.
+    keep: Vec<Rc<str>>,
+}
+
+impl SharedNames {
+    fn id(&mut self, s: &Rc<str>) -> u32 {
+        let address = Rc::as_ptr(s).cast::<u8>() as usize;
+        if let Some(&id) = self.by_address.get(&address) {
+            return id;
+        }
+        let id = self.names.id(s);
+        self.by_address.insert(address, id);
+        self.keep.push(Rc::clone(s));
+        id
+    }
+}
+
 struct Machine<'s> {
     r: Reader<'s>,
     limits: PickleLimits,
     stack: Vec<V>,
-    fetched: Bits,
+    /// The memo indexes fetched later, each with its slot in `memo`.
+    fetched: Ranked,
     numbers: MemoNumbers,
-    memo: FastMap<usize, V>,
+    memo: Vec<Option<V>>,
     globals: Vec<Global>,
     global_ids: FastMap<Global, u32>,
     classes: Vec<Class>,
-    fqns: Names,
-    files: Names,
+    fqns: SharedNames,
+    files: SharedNames,
     transforms: TransformLists,
     /// Objects made so far (their ids).
     objects: u32,
@@ -550,6 +315,21 @@ impl Machine<'_> {
         if self.stack[first..].iter().any(|v| matches!(v, V::Mark)) {
             return Err(un!());
         }
+        let all_ints = first < self.stack.len()
+            && self.stack[first..]
+                .iter()
+                .all(|v| matches!(v, V::Int(i) if *i >= 0));
+        if all_ints {
+            let dims: Dims = self.stack[first..]
+                .iter()
+                .map(|v| match v {
+                    V::Int(i) => *i as u64,
+                    _ => 0,
+                })
+                .collect();
+            self.stack.truncate(drop_from);
+            return Ok(V::Ints(dims));
+        }
         let items: Rc<[V]> = self.stack.drain(first..).collect();
         self.stack.truncate(drop_from);
         Ok(V::Tuple(depth_of(items.iter())?, items))
@@ -558,7 +338,7 @@ impl Machine<'_> {
     /// `REDUCE`/`NEWOBJ`/`NEWOBJ_EX`: `torch.Size(dims)` becomes a shape; anything else an object.
     fn object(&mut self, callable: V, args: V) -> R<V> {
         if self.class(&callable) == Class::Size
-            && let Some(d) = args.items().and_then(|a| a.first()).and_then(V::dims)
+            && let Some(d) = args.items().and_then(|a| a.first().and_then(V::dims))
         {
             return Ok(V::Size(d));
         }
@@ -648,9 +428,9 @@ impl Machine<'_> {
         // A memoized object built after: its copies in the memo are built too, as long as none
         // was fetched yet.
         for slot in &slots {
-            match self.memo.get_mut(slot) {
+            match self.memo[*slot].as_mut() {
                 Some(V::Obj(copy)) if copy.id == id && !copy.fetched => match &record {
-                    Some(r) => *self.memo.get_mut(slot).ok_or_else(|| un!())? = r.clone(),
+                    Some(r) => self.memo[*slot] = Some(r.clone()),
                     None => {
                         copy.state = Some(state.clone());
                         copy.depth = depth;
@@ -674,7 +454,7 @@ impl Machine<'_> {
     }
 
     /// A `TensorStorageMetadata` from its state.
-    fn tensor_meta(&self, pairs: &[(V, V)]) -> R<V> {
+    fn tensor_meta(&self, pairs: &[V]) -> R<V> {
         let [props, size, chunks] = fields(pairs, ["properties", "size", "chunks"])?;
         let Some(V::Obj(props)) = props else {
             return Err(un!());
@@ -694,7 +474,7 @@ impl Machine<'_> {
         let size = size.and_then(V::dims).ok_or_else(|| un!())?.into_vec();
         let list = chunks.and_then(V::items).ok_or_else(|| un!())?;
         let mut out = Vec::with_capacity(list.len());
-        for c in list {
+        for c in list.iter() {
             let V::Chunk(c) = c else {
                 return Err(un!());
             };
@@ -709,67 +489,69 @@ impl Machine<'_> {
     /// `SETITEM(S)`: the values from `first` on, as pairs, into the dict below them (below the
     /// mark at `first - 1` when `marked`).
     fn set_items(&mut self, first: usize, marked: bool) -> R<()> {
-        let pairs: Vec<V> = self.stack.drain(first..).collect();
+        let pairs: Vec<V> = self.stack.split_off(first);
         if marked {
             self.stack.pop();
         }
         if !pairs.len().is_multiple_of(2) || pairs.iter().any(|v| matches!(v, V::Mark)) {
             return Err(un!());
         }
+        let reserve = usize::try_from(self.r.size / 96).unwrap_or(0);
         let target = self.top()?;
-        let mut pairs = pairs.into_iter();
-        let mut records = Vec::new();
-        match target {
-            V::Dict(d, items) if items.is_empty() && matches!(pairs.as_slice().first(), Some(V::Index(_))) => {
-                let _ = d;
-                *target = V::Storage(Vec::new());
-            }
-            _ => {}
+        if let V::Dict(_, items) = target
+            && items.is_empty()
+            && matches!(pairs.first(), Some(V::Index(_)))
+        {
+            // `storage_data`: about one record per 96 bytes of a large `.metadata` (capacity not
+            // used is never touched).
+            *target = V::Storage(Vec::with_capacity(reserve));
         }
         let target = self.stack.last_mut().ok_or_else(|| un!())?;
         match target {
             V::Dict(d, items) => {
-                while let (Some(k), Some(v)) = (pairs.next(), pairs.next()) {
-                    if matches!(k, V::Index(_) | V::Storage(_)) {
+                let mut depth = *d;
+                for kv in pairs.chunks_exact(2) {
+                    if matches!(kv[0], V::Index(_) | V::Storage(_)) {
                         return Err(un!());
                     }
-                    *d = (*d).max(k.depth().max(v.depth()) + 1);
-                    items.push((k, v));
+                    depth = depth.max(kv[0].depth().max(kv[1].depth()) + 1);
                 }
-                if *d > MAX_DEPTH {
+                if depth > MAX_DEPTH {
                     return Err(un!());
                 }
+                *d = depth;
+                if items.is_empty() {
+                    *items = pairs;
+                } else {
+                    items.extend(pairs);
+                }
+                Ok(())
             }
-            V::Storage(_) => {
+            V::Storage(records) => {
+                let mut pairs = pairs.into_iter();
                 while let (Some(k), Some(v)) = (pairs.next(), pairs.next()) {
                     let (V::Index(k), V::Info(v)) = (k, v) else {
                         return Err(un!());
                     };
-                    records.push((k, v));
+                    records.push(Record {
+                        fqn: self.fqns.id(&k.fqn),
+                        offsets: k.offsets,
+                        place: ChunkPlace {
+                            file: self.files.id(&v.path),
+                            transforms: if v.transforms.is_empty() {
+                                0
+                            } else {
+                                self.transforms.id(&v.transforms)
+                            },
+                            offset: v.offset,
+                            length: v.length,
+                        },
+                    });
                 }
+                Ok(())
             }
-            _ => return Err(un!()),
+            _ => Err(un!()),
         }
-        if !records.is_empty() {
-            let mut out = Vec::with_capacity(records.len());
-            for (k, v) in records {
-                out.push(Record {
-                    fqn: self.fqns.id(&k.fqn),
-                    offsets: k.offsets,
-                    place: ChunkPlace {
-                        file: self.files.id(&v.path),
-                        transforms: self.transforms.id(&v.transforms),
-                        offset: v.offset,
-                        length: v.length,
-                    },
-                });
-            }
-            let Some(V::Storage(s)) = self.stack.last_mut() else {
-                return Err(un!());
-            };
-            s.extend(out);
-        }
-        Ok(())
     }
 
     /// `APPEND(S)`/`ADDITEMS`: the values from `first` on into the list (or set) below them (below
@@ -796,9 +578,9 @@ impl Machine<'_> {
     fn memo_put(&mut self, index: Option<u64>) -> R<()> {
         self.top()?;
         let i = self.numbers.put(index)?;
-        if !self.fetched.get(i) {
+        let Some(i) = self.fetched.slot(i) else {
             return Ok(());
-        }
+        };
         let v = self.top()?;
         let kept = match v {
             V::None
@@ -808,6 +590,7 @@ impl Machine<'_> {
             | V::Global(_)
             | V::Opaque
             | V::Tuple(..)
+            | V::Ints(_)
             | V::Size(_)
             | V::Chunk(_)
             | V::Index(_)
@@ -818,13 +601,16 @@ impl Machine<'_> {
             }
             _ => return Err(un!()),
         };
-        self.memo.insert(i, kept);
+        self.memo[i] = Some(kept);
         Ok(())
     }
 
     fn memo_get(&mut self, index: u64) -> R<()> {
-        let i = usize::try_from(index).map_err(|_| un!())?;
-        let v = self.memo.get_mut(&i).ok_or_else(|| un!())?;
+        let i = usize::try_from(index)
+            .ok()
+            .and_then(|i| self.fetched.slot(i))
+            .ok_or_else(|| un!())?;
+        let v = self.memo[i].as_mut().ok_or_else(|| un!())?;
         if let V::Obj(o) = v {
             o.fetched = true;
         }
@@ -872,7 +658,13 @@ impl Machine<'_> {
                     let v = self.top()?.clone();
                     if !matches!(
                         v,
-                        V::None | V::Bool(_) | V::Int(_) | V::Str(_) | V::Global(_) | V::Tuple(..)
+                        V::None
+                            | V::Bool(_)
+                            | V::Int(_)
+                            | V::Str(_)
+                            | V::Global(_)
+                            | V::Tuple(..)
+                            | V::Ints(_)
                     ) {
                         return Err(un!());
                     }
@@ -1116,10 +908,10 @@ impl Machine<'_> {
         // The items are moved out (a million chunks are not copied).
         let [sdm_at, storage_at] = positions(&state, ["state_dict_metadata", "storage_data"])?;
         let sdm = match sdm_at {
-            Some(p) => std::mem::replace(&mut state[p].1, V::None),
+            Some(p) => std::mem::replace(&mut state[p], V::None),
             None => return Err(un!()),
         };
-        let mut records: Vec<Record> = match storage_at.map(|p| &mut state[p].1) {
+        let mut records: Vec<Record> = match storage_at.map(|p| &mut state[p]) {
             None | Some(V::None) => Vec::new(),
             Some(V::Dict(_, pairs)) if pairs.is_empty() => Vec::new(),
             Some(V::Storage(r)) => std::mem::take(r),
@@ -1130,8 +922,9 @@ impl Machine<'_> {
         let V::Dict(_, sdm) = sdm else {
             return Err(un!());
         };
-        let mut items = Vec::with_capacity(sdm.len());
-        for (k, v) in sdm {
+        let mut items = Vec::with_capacity(sdm.len() / 2);
+        let mut sdm = sdm.into_iter();
+        while let (Some(k), Some(v)) = (sdm.next(), sdm.next()) {
             let key = k.as_str().ok_or_else(|| un!())?.to_string();
             let o_class = match &v {
                 V::Obj(o) => self.class(&o.callable),
@@ -1154,8 +947,8 @@ impl Machine<'_> {
         let mut planner_data = BTreeMap::new();
         match planner {
             Some(V::Dict(_, pairs)) => {
-                for (k, v) in pairs {
-                    let (Some(key), Some(path)) = (k.as_str(), v.items()) else {
+                for kv in pairs.chunks_exact(2) {
+                    let (Some(key), Some(path)) = (kv[0].as_str(), kv[1].items()) else {
                         return Err(un!());
                     };
                     let steps = path
@@ -1199,12 +992,12 @@ impl Machine<'_> {
         let mut files = Names::default();
         let mut transforms = TransformLists::default();
         for r in &mut records {
-            r.place.file = files.id(&self.files.names[r.place.file as usize]);
+            r.place.file = files.id(&self.files.names.names[r.place.file as usize]);
             r.place.transforms =
                 transforms.id(&self.transforms.lists[r.place.transforms as usize]);
         }
         let fqns = &self.fqns;
-        let items = join(items, &records, |k| fqns.ids.get(k).copied());
+        let items = join(items, &records, |k| fqns.names.ids.get(k).copied());
         Ok(MetadataTable {
             items,
             planner_data,
@@ -1269,20 +1062,20 @@ pub(super) fn read_table_by(
     }
     let limits = PickleLimits::for_len(size as usize);
     let mut first = Reader::new(source, name, size, window)?;
-    let fetched = fetched_indexes(&mut first, &limits)?;
+    let fetched = fetched_indexes(&mut first, &limits)?.ranked();
     drop(first);
     let mut m = Machine {
         r: Reader::new(source, name, size, window)?,
         limits,
         stack: Vec::new(),
+        memo: vec![None; fetched.len()],
         fetched,
         numbers: MemoNumbers::new(&limits),
-        memo: FastMap::default(),
         globals: Vec::new(),
         global_ids: FastMap::default(),
         classes: Vec::new(),
-        fqns: Names::default(),
-        files: Names::default(),
+        fqns: SharedNames::default(),
+        files: SharedNames::default(),
         transforms: TransformLists::default(),
         objects: 0,
     };

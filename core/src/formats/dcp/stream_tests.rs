@@ -4,7 +4,8 @@
 
 use std::path::PathBuf;
 
-use super::stream::{Unrecognised, read_table_by};
+use super::stream::read_table_by;
+use super::window::Unrecognised;
 use super::test_pickle::{GenTensor, metadata};
 use super::{MetadataTable, TableItemKind, read_metadata};
 use crate::source::MemorySource;
@@ -76,7 +77,7 @@ fn every_fixture_takes_the_fast_path_and_reads_alike() {
             let table = streamed(&bytes, window).unwrap_or_else(|_| {
                 panic!(
                     "{what}: the streaming reader gave up at stream.rs:{} (window {window})",
-                    super::stream::GAVE_UP_AT.with(std::cell::Cell::get)
+                    super::window::GAVE_UP_AT.with(std::cell::Cell::get)
                 )
             });
             assert!(table == expected, "{what}: the tables differ (window {window})");
@@ -184,7 +185,7 @@ fn generated(n_tensors: usize, chunks: u64) -> Vec<GenTensor> {
     (0..n_tensors)
         .map(|i| GenTensor {
             fqn: format!("model.layers{i}.weight"),
-            rows: chunks * 3 + (i as u64 % 5),
+            rows: chunks * (3 + i as u64 % 5),
             cols: 4 + i as u64 % 3,
             chunks,
             reversed_records: i % 7 == 3,

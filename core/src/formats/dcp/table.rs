@@ -256,3 +256,69 @@ impl MetadataTable {
         }
     }
 }
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn record(fqn: u32, offsets: Option<&[u64]>, file: u32) -> Record {
+        Record {
+            fqn,
+            offsets: offsets.map(Dims::from),
+            place: ChunkPlace {
+                file,
+                transforms: 0,
+                offset: 0,
+                length: 0,
+            },
+        }
+    }
+
+    fn tensor(chunks: &[&[u64]]) -> RawItem {
+        RawItem::Tensor {
+            dtype: DType::Float32,
+            size: vec![8],
+            chunks: chunks
+                .iter()
+                .map(|o| (Dims::from(*o), Dims::from(&[1u64][..])))
+                .collect(),
+        }
+    }
+
+    fn files(item: &TableItem) -> Vec<Option<u32>> {
+        match &item.kind {
+            TableItemKind::Tensor { chunks, .. } => {
+                chunks.iter().map(|c| c.place.map(|p| p.file)).collect()
+            }
+            TableItemKind::Bytes { place } => vec![place.map(|p| p.file)],
+        }
+    }
+
+    #[test]
+    fn join_in_order_out_of_order_and_missing() {
+        let records = vec![
+            record(0, Some(&[0, 0]), 10),
+            record(0, Some(&[2, 0]), 11),
+            record(1, None, 20),
+            // `c`'s records in the reverse order of its chunk list, and one repeated.
+            record(2, Some(&[4]), 32),
+            record(2, Some(&[2]), 31),
+            record(2, Some(&[0]), 30),
+            record(2, Some(&[4]), 33),
+        ];
+        let items = vec![
+            ("a".to_owned(), tensor(&[&[0, 0], &[2, 0], &[1, 0]])),
+            ("b".to_owned(), RawItem::Bytes),
+            ("c".to_owned(), tensor(&[&[0], &[2], &[4]])),
+            ("zzz".to_owned(), RawItem::Bytes),
+        ];
+        let ids = |k: &str| ["a", "b", "c"].iter().position(|n| *n == k).map(|p| p as u32);
+        let table = join(items, &records, ids);
+        assert_eq!(files(&table[0]), [Some(10), Some(11), None]);
+        assert_eq!(files(&table[1]), [Some(20)]);
+        // In position where it matches; otherwise the last record of those offsets, as a dict
+        // keeps it.
+        assert_eq!(files(&table[2]), [Some(30), Some(31), Some(33)]);
+        assert_eq!(files(&table[3]), [None]);
+    }
+}

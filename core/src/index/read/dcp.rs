@@ -369,3 +369,77 @@ fn read_blob(
         .map(|t| (t.name, (offset + t.offset, t.len)))
         .collect())
 }
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::formats::dcp::test_pickle::{GenTensor, metadata};
+    use crate::source::MemorySource;
+
+    const RANKS: u64 = 64;
+
+    fn tensors(n: usize, chunks: u64, drop_record_of: Option<usize>) -> Vec<GenTensor> {
+        (0..n)
+            .map(|i| GenTensor {
+                fqn: format!("model.layers{i}.weight"),
+                rows: chunks * (2 + i as u64 % 3),
+                cols: 3 + i as u64 % 4,
+                chunks,
+                reversed_records: i % 5 == 2,
+                drop_last_record: drop_record_of == Some(i),
+            })
+            .collect()
+    }
+
+    /// The `.metadata` and its data files (each starting like a `torch.save` archive).
+    fn checkpoint(meta: Vec<u8>) -> MemorySource {
+        let mut s = MemorySource::new();
+        s.insert(".metadata", meta);
+        for r in 0..RANKS {
+            let mut b = vec![0u8; 1 << 20];
+            b[..4].copy_from_slice(b"PK\x03\x04");
+            s.insert(format!("__{r}_0.distcp"), b);
+        }
+        s
+    }
+
+    /// The index from the streaming reader's table and from the general path's.
+    fn both_ways(src: &MemorySource) -> (Result<CheckpointIndex, String>, Result<CheckpointIndex, String>) {
+        let size = src.size(".metadata").unwrap();
+        let bytes = src.read_all(".metadata").unwrap().into_owned();
+        let fast = dcp::read_table(src, ".metadata", size).expect("the streaming reader reads it");
+        let general = dcp::MetadataTable::from_metadata(dcp::read_metadata(&bytes).unwrap());
+        (
+            index_table(src, ".metadata", fast, size).map_err(|e| e.to_string()),
+            index_table(src, ".metadata", general, size).map_err(|e| e.to_string()),
+        )
+    }
+
+    #[test]
+    fn a_metadata_of_many_chunks_gives_the_same_index_either_way() {
+        let src = checkpoint(metadata(&tensors(12, 900, None), RANKS, Some("extra_state")));
+        let (fast, general) = both_ways(&src);
+        let fast = fast.unwrap();
+        assert_eq!(Ok(&fast), general.as_ref());
+        assert_eq!(Ok(&fast), index_dcp(&src, ".metadata").as_ref());
+        assert_eq!(fast.entries.len(), 13);
+        let chunks: usize = fast.entries.iter().map(|e| e.chunks.len()).sum();
+        assert_eq!(chunks, 12 * 900 + 1);
+        assert!(fast.check().is_empty(), "{:?}", fast.check());
+        // One shared name per data file.
+        let e = fast.entry("model.layers3.weight").unwrap();
+        assert!(Arc::ptr_eq(&e.chunks[0].file, &fast.entry("model.layers4.weight").unwrap().chunks[0].file));
+    }
+
+    #[test]
+    fn a_chunk_without_a_record_is_the_same_error_either_way() {
+        let src = checkpoint(metadata(&tensors(4, 50, Some(2)), RANKS, None));
+        let (fast, general) = both_ways(&src);
+        let err = fast.unwrap_err();
+        assert_eq!(Err(&err), general.as_ref());
+        assert!(
+            err.contains("model.layers2.weight: no storage_data record for the chunk at offsets Some([196, 0])"),
+            "{err}"
+        );
+    }
+}
