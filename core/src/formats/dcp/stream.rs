@@ -107,6 +107,11 @@ enum V {
     Tuple(u8, Rc<[V]>),
     /// A tuple of non-negative ints (`torch.Size`'s argument): no allocation up to two.
     Ints(Dims),
+    /// A 1-tuple of [`V::Ints`] (`torch.Size`'s arguments).
+    Args(Dims),
+    /// An object of a global class made without arguments and not built yet (most objects are
+    /// built right after: no allocation for them).
+    New(u32),
     List(u8, Vec<V>),
     /// Keys and values in turn.
     Dict(u8, Vec<V>),
@@ -126,6 +131,7 @@ impl V {
         match self {
             V::Tuple(d, _) | V::List(d, _) | V::Dict(d, _) => *d,
             V::Ints(_) => 1,
+            V::Args(_) => 2,
             V::Obj(o) => o.depth,
             _ => 0,
         }
@@ -153,6 +159,7 @@ impl V {
             V::Tuple(_, t) => Some(Cow::Borrowed(t)),
             V::List(_, l) => Some(Cow::Borrowed(l)),
             V::Ints(d) => Some(Cow::Owned(d.iter().map(|&i| V::Int(i as i64)).collect())),
+            V::Args(d) => Some(Cow::Owned(vec![V::Ints(d.clone())])),
             _ => None,
         }
     }
@@ -199,6 +206,47 @@ fn positions<const N: usize>(pairs: &[V], names: [&str; N]) -> R<[Option<usize>;
     Ok(found)
 }
 
+/// The key strings [`cached_fields`] matched, by name: a pickle stores each field name once
+/// and fetches it for every record, so most keys are the very string matched before.
+struct Keys<const N: usize>([Option<Rc<str>>; N]);
+
+impl<const N: usize> Default for Keys<N> {
+    fn default() -> Self {
+        Keys(std::array::from_fn(|_| None))
+    }
+}
+
+/// [`fields`], matching keys first by identity with those matched before.
+fn cached_fields<'a, const N: usize>(
+    pairs: &'a [V],
+    keys: &mut Keys<N>,
+    names: [&str; N],
+) -> R<[Option<&'a V>; N]> {
+    let mut found: [Option<&V>; N] = [None; N];
+    for kv in pairs.chunks_exact(2) {
+        let V::Str(k) = &kv[0] else { continue };
+        let i = match keys
+            .0
+            .iter()
+            .position(|c| c.as_ref().is_some_and(|c| Rc::ptr_eq(c, k)))
+        {
+            Some(i) => i,
+            None => match names.iter().position(|n| **n == **k) {
+                Some(i) => {
+                    keys.0[i] = Some(Rc::clone(k));
+                    i
+                }
+                None => continue,
+            },
+        };
+        if found[i].is_some() {
+            return Err(un!());
+        }
+        found[i] = Some(&kv[1]);
+    }
+    Ok(found)
+}
+
 /// `None`, absent, or a non-negative int.
 fn opt_u64(v: Option<&V>) -> R<Option<u64>> {
     match v {
@@ -222,6 +270,12 @@ struct SharedNames {
 }
 
 impl SharedNames {
+    /// True when this very string (not only its text) was looked up before.
+    fn knows(&self, s: &Rc<str>) -> bool {
+        self.by_address
+            .contains_key(&(Rc::as_ptr(s).cast::<u8>() as usize))
+    }
+
     fn id(&mut self, s: &Rc<str>) -> u32 {
         let address = Rc::as_ptr(s).cast::<u8>() as usize;
         if let Some(&id) = self.by_address.get(&address) {
@@ -250,6 +304,11 @@ struct Machine<'s> {
     transforms: TransformLists,
     /// Objects made so far (their ids).
     objects: u32,
+    /// The one empty tuple.
+    empty: Rc<[V]>,
+    chunk_keys: Keys<2>,
+    index_keys: Keys<3>,
+    info_keys: Keys<4>,
 }
 
 impl Machine<'_> {
@@ -337,10 +396,18 @@ impl Machine<'_> {
 
     /// `REDUCE`/`NEWOBJ`/`NEWOBJ_EX`: `torch.Size(dims)` becomes a shape; anything else an object.
     fn object(&mut self, callable: V, args: V) -> R<V> {
-        if self.class(&callable) == Class::Size
-            && let Some(d) = args.items().and_then(|a| a.first().and_then(V::dims))
+        if self.class(&callable) == Class::Size {
+            if let V::Args(d) = args {
+                return Ok(V::Size(d));
+            }
+            if let Some(d) = args.items().and_then(|a| a.first().and_then(V::dims)) {
+                return Ok(V::Size(d));
+            }
+        }
+        if let (V::Global(g), V::Tuple(_, t)) = (&callable, &args)
+            && t.is_empty()
         {
-            return Ok(V::Size(d));
+            return Ok(V::New(*g));
         }
         let depth = depth_of([&callable, &args].into_iter())?;
         Ok(V::Obj(Box::new(Obj {
@@ -354,70 +421,40 @@ impl Machine<'_> {
         })))
     }
 
+    /// The object on top of the stack as an [`Obj`] (a [`V::New`] one is allocated now).
+    fn materialize(&mut self) -> R<()> {
+        if let V::New(g) = *self.top()? {
+            let obj = Obj {
+                callable: V::Global(g),
+                args: V::Tuple(1, Rc::clone(&self.empty)),
+                state: None,
+                slots: Vec::new(),
+                fetched: false,
+                id: self.next_id(),
+                depth: 2,
+            };
+            *self.top()? = V::Obj(Box::new(obj));
+        }
+        Ok(())
+    }
+
     /// `BUILD`: a DCP record is made from its state here; other objects keep the state.
     fn build(&mut self) -> R<()> {
         let state = self.pop()?;
+        if let V::New(g) = *self.top()? {
+            let class = self.classes[g as usize];
+            if let Some(record) = self.record(class, &state)? {
+                *self.top()? = record;
+                return Ok(());
+            }
+            self.materialize()?;
+        }
         let (class, slots, id) = match self.top()? {
             V::Obj(obj) => (obj.callable.clone(), std::mem::take(&mut obj.slots), obj.id),
             _ => return Err(un!()),
         };
         let class = self.class(&class);
-        let record = match (class, &state) {
-            (Class::ChunkMeta, V::Dict(_, pairs)) => {
-                let [offsets, sizes] = fields(pairs, ["offsets", "sizes"])?;
-                let (Some(offsets), Some(sizes)) =
-                    (offsets.and_then(V::dims), sizes.and_then(V::dims))
-                else {
-                    return Err(un!());
-                };
-                Some(V::Chunk(Box::new((offsets, sizes))))
-            }
-            (Class::TensorMeta, V::Dict(_, pairs)) => Some(self.tensor_meta(pairs)?),
-            (Class::MetadataIndex, V::Dict(_, pairs)) => {
-                let [fqn, offset, index] = fields(pairs, ["fqn", "offset", "index"])?;
-                let fqn = fqn.and_then(V::as_str).ok_or_else(|| un!())?.clone();
-                let offsets = match offset {
-                    None | Some(V::None) => None,
-                    Some(v) => Some(v.dims().ok_or_else(|| un!())?),
-                };
-                opt_u64(index)?;
-                Some(V::Index(Box::new(IndexRec { fqn, offsets })))
-            }
-            (Class::StorageInfo, V::Dict(_, pairs)) => {
-                let [path, offset, length, transforms] = fields(
-                    pairs,
-                    ["relative_path", "offset", "length", "transform_descriptors"],
-                )?;
-                let path = path.and_then(V::as_str).ok_or_else(|| un!())?.clone();
-                if !storage_path_is_safe(&path) {
-                    return Err(un!());
-                }
-                let transforms = match transforms {
-                    None | Some(V::None) => Vec::new(),
-                    Some(t) => t
-                        .items()
-                        .ok_or_else(|| un!())?
-                        .iter()
-                        .map(|d| d.as_str().map(|s| s.to_string()))
-                        .collect::<Option<Vec<_>>>()
-                        .ok_or_else(|| un!())?,
-                };
-                let (Some(offset), Some(length)) = (opt_u64(offset)?, opt_u64(length)?) else {
-                    return Err(un!());
-                };
-                Some(V::Info(Box::new(InfoRec {
-                    path,
-                    offset,
-                    length,
-                    transforms,
-                })))
-            }
-            (
-                Class::ChunkMeta | Class::TensorMeta | Class::MetadataIndex | Class::StorageInfo,
-                _,
-            ) => return Err(un!()),
-            _ => None,
-        };
+        let record = self.record(class, &state)?;
         let V::Obj(obj) = self.top()? else {
             return Err(un!());
         };
@@ -451,6 +488,70 @@ impl Machine<'_> {
             }
         }
         Ok(())
+    }
+
+    /// The DCP record an object of `class` with this `BUILD` state makes (`None` for other
+    /// classes).
+    fn record(&mut self, class: Class, state: &V) -> R<Option<V>> {
+        Ok(match (class, state) {
+            (Class::ChunkMeta, V::Dict(_, pairs)) => {
+                let [offsets, sizes] = cached_fields(pairs, &mut self.chunk_keys, ["offsets", "sizes"])?;
+                let (Some(offsets), Some(sizes)) =
+                    (offsets.and_then(V::dims), sizes.and_then(V::dims))
+                else {
+                    return Err(un!());
+                };
+                Some(V::Chunk(Box::new((offsets, sizes))))
+            }
+            (Class::TensorMeta, V::Dict(_, pairs)) => Some(self.tensor_meta(pairs)?),
+            (Class::MetadataIndex, V::Dict(_, pairs)) => {
+                let [fqn, offset, index] =
+                    cached_fields(pairs, &mut self.index_keys, ["fqn", "offset", "index"])?;
+                let fqn = fqn.and_then(V::as_str).ok_or_else(|| un!())?.clone();
+                let offsets = match offset {
+                    None | Some(V::None) => None,
+                    Some(v) => Some(v.dims().ok_or_else(|| un!())?),
+                };
+                opt_u64(index)?;
+                Some(V::Index(Box::new(IndexRec { fqn, offsets })))
+            }
+            (Class::StorageInfo, V::Dict(_, pairs)) => {
+                let [path, offset, length, transforms] = cached_fields(
+                    pairs,
+                    &mut self.info_keys,
+                    ["relative_path", "offset", "length", "transform_descriptors"],
+                )?;
+                let path = path.and_then(V::as_str).ok_or_else(|| un!())?.clone();
+                // A name already in the table was checked when first seen.
+                if !self.files.knows(&path) && !storage_path_is_safe(&path) {
+                    return Err(un!());
+                }
+                let transforms = match transforms {
+                    None | Some(V::None) => Vec::new(),
+                    Some(t) => t
+                        .items()
+                        .ok_or_else(|| un!())?
+                        .iter()
+                        .map(|d| d.as_str().map(|s| s.to_string()))
+                        .collect::<Option<Vec<_>>>()
+                        .ok_or_else(|| un!())?,
+                };
+                let (Some(offset), Some(length)) = (opt_u64(offset)?, opt_u64(length)?) else {
+                    return Err(un!());
+                };
+                Some(V::Info(Box::new(InfoRec {
+                    path,
+                    offset,
+                    length,
+                    transforms,
+                })))
+            }
+            (
+                Class::ChunkMeta | Class::TensorMeta | Class::MetadataIndex | Class::StorageInfo,
+                _,
+            ) => return Err(un!()),
+            _ => None,
+        })
     }
 
     /// A `TensorStorageMetadata` from its state.
@@ -581,6 +682,7 @@ impl Machine<'_> {
         let Some(i) = self.fetched.slot(i) else {
             return Ok(());
         };
+        self.materialize()?;
         let v = self.top()?;
         let kept = match v {
             V::None
@@ -591,6 +693,7 @@ impl Machine<'_> {
             | V::Opaque
             | V::Tuple(..)
             | V::Ints(_)
+            | V::Args(_)
             | V::Size(_)
             | V::Chunk(_)
             | V::Index(_)
@@ -665,6 +768,7 @@ impl Machine<'_> {
                             | V::Global(_)
                             | V::Tuple(..)
                             | V::Ints(_)
+                            | V::Args(_)
                     ) {
                         return Err(un!());
                     }
@@ -761,7 +865,15 @@ impl Machine<'_> {
                     self.r.take(n)?;
                     self.push(V::Opaque)?;
                 }
-                b')' => self.push(V::Tuple(1, Rc::from([])))?,
+                b')' => {
+                    let v = V::Tuple(1, Rc::clone(&self.empty));
+                    self.push(v)?;
+                }
+                0x85 if matches!(self.stack.last(), Some(V::Ints(_))) => {
+                    if let Some(V::Ints(d)) = self.stack.pop() {
+                        self.push(V::Args(d))?;
+                    }
+                }
                 0x85..=0x87 => {
                     let n = usize::from(op - 0x84);
                     let first = self.stack.len().checked_sub(n).ok_or_else(|| un!())?;
@@ -928,10 +1040,11 @@ impl Machine<'_> {
             let key = k.as_str().ok_or_else(|| un!())?.to_string();
             let o_class = match &v {
                 V::Obj(o) => self.class(&o.callable),
+                V::New(g) => self.classes[*g as usize],
                 _ => Class::Other,
             };
             let item = match v {
-                V::Obj(_) if o_class == Class::BytesMeta => RawItem::Bytes,
+                V::Obj(_) | V::New(_) if o_class == Class::BytesMeta => RawItem::Bytes,
                 V::Tensor(t) => {
                     let (dtype, size, chunks) = *t;
                     RawItem::Tensor {
@@ -982,6 +1095,7 @@ impl Machine<'_> {
                 None => (None, None),
                 Some(_) => return Err(un!()),
             },
+            Some(V::New(_)) => (None, None),
             Some(V::Storage(_) | V::Chunk(_) | V::Tensor(_) | V::Index(_) | V::Info(_)) => {
                 return Err(un!());
             }
@@ -1027,6 +1141,10 @@ impl Machine<'_> {
                 let parts: Vec<&str> = args.iter().filter_map(|p| p.as_str().map(|s| &**s)).collect();
                 Ok(Some(super::join_path_parts(&parts)))
             }
+            V::New(g) => Ok(self.globals[*g as usize]
+                .name
+                .ends_with("Path")
+                .then(|| super::join_path_parts(&[]))),
             V::Storage(_) | V::Chunk(_) | V::Tensor(_) | V::Index(_) | V::Info(_) | V::Size(_) => {
                 Err(un!())
             }
@@ -1078,6 +1196,10 @@ pub(super) fn read_table_by(
         files: SharedNames::default(),
         transforms: TransformLists::default(),
         objects: 0,
+        empty: Rc::from([]),
+        chunk_keys: Keys::default(),
+        index_keys: Keys::default(),
+        info_keys: Keys::default(),
     };
     // Bytes after `STOP` are ignored, as by the general path.
     let root = m.run()?;
