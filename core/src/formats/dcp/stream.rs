@@ -5,8 +5,9 @@
 //! per chunk torch memoizes about 16 values and fetches only field names, class globals and
 //! shared strings, so only those are kept. The second pass runs the opcodes once, turning each
 //! `ChunkStorageMetadata`, `TensorStorageMetadata`, `MetadataIndex` and `_StorageInfo` into a
-//! compact record as its `BUILD` completes and `storage_data`'s pairs into [`Record`]s as they are
-//! added. Nothing is imported or called.
+//! compact record as its `BUILD` completes; each `storage_data` pair, as it is added, gives its
+//! place (file, byte range) to the chunk it names (torch writes a tensor's records in the order
+//! of its chunks). Nothing is imported or called.
 //!
 //! Anything this reader does not recognise (another class where a DCP one belongs, a shared
 //! mutable value, a field of an unexpected type, an error of any kind) makes it give up
@@ -18,7 +19,7 @@ use std::borrow::Cow;
 use std::collections::BTreeMap;
 use std::rc::Rc;
 
-use super::table::{ChunkPlace, MetadataTable, Names, RawItem, Record, TransformLists, join};
+use super::table::{ChunkPlace, MetadataTable, Names, TableChunk, TableItem, TableItemKind, TransformLists};
 use super::window::{MemoNumbers, R, Ranked, Reader, Unrecognised, WINDOW, fetched_indexes, un};
 use super::{PlannerStep, storage_path_is_safe};
 use crate::dtype::DType;
@@ -90,6 +91,16 @@ struct InfoRec {
     transforms: Vec<String>,
 }
 
+/// A `TensorStorageMetadata`: its chunks, placed by `storage_data`'s records as they come.
+#[derive(Debug, Clone)]
+struct TensorVal {
+    dtype: DType,
+    size: Vec<u64>,
+    chunks: Vec<TableChunk>,
+    /// The records of this item seen so far.
+    records: usize,
+}
+
 /// A value on the stack or in the memo.
 #[derive(Debug, Clone)]
 enum V {
@@ -119,11 +130,14 @@ enum V {
     /// `torch.Size(dims)`.
     Size(Dims),
     Chunk(Box<(Dims, Dims)>),
-    Tensor(Box<(DType, Vec<u64>, Vec<(Dims, Dims)>)>),
+    Tensor(Box<TensorVal>),
+    /// A `BytesStorageMetadata` item of `state_dict_metadata` given its record's place.
+    Placed(ChunkPlace),
     Index(Box<IndexRec>),
     Info(Box<InfoRec>),
-    /// A dict of `MetadataIndex` -> `_StorageInfo` pairs (`storage_data`).
-    Storage(Vec<Record>),
+    /// The dict of `MetadataIndex` -> `_StorageInfo` pairs (`storage_data`): each pair placed a
+    /// chunk of `state_dict_metadata` as it was added.
+    Storage,
 }
 
 impl V {
@@ -299,7 +313,12 @@ struct Machine<'s> {
     globals: Vec<Global>,
     global_ids: FastMap<Global, u32>,
     classes: Vec<Class>,
-    fqns: SharedNames,
+    /// The stack position of `state_dict_metadata` while `storage_data` is read.
+    sdm_pos: Option<usize>,
+    /// Its items: key -> position of the value.
+    items_by_name: FastMap<String, usize>,
+    /// The fqn of the last record and its item.
+    last_fqn: Option<(Rc<str>, Option<usize>)>,
     files: SharedNames,
     transforms: TransformLists,
     /// Objects made so far (their ids).
@@ -582,9 +601,18 @@ impl Machine<'_> {
             if c.0.len() != size.len() || c.1.len() != size.len() {
                 return Err(un!());
             }
-            out.push((c.0.clone(), c.1.clone()));
+            out.push(TableChunk {
+                offsets: c.0.clone(),
+                sizes: c.1.clone(),
+                place: None,
+            });
         }
-        Ok(V::Tensor(Box::new((dtype, size, out))))
+        Ok(V::Tensor(Box::new(TensorVal {
+            dtype,
+            size,
+            chunks: out,
+            records: 0,
+        })))
     }
 
     /// `SETITEM(S)`: the values from `first` on, as pairs, into the dict below them (below the
@@ -597,22 +625,20 @@ impl Machine<'_> {
         if !pairs.len().is_multiple_of(2) || pairs.iter().any(|v| matches!(v, V::Mark)) {
             return Err(un!());
         }
-        let reserve = usize::try_from(self.r.size / 96).unwrap_or(0);
         let target = self.top()?;
         if let V::Dict(_, items) = target
             && items.is_empty()
             && matches!(pairs.first(), Some(V::Index(_)))
         {
-            // `storage_data`: about one record per 96 bytes of a large `.metadata` (capacity not
-            // used is never touched).
-            *target = V::Storage(Vec::with_capacity(reserve));
+            *target = V::Storage;
+            self.find_items()?;
         }
         let target = self.stack.last_mut().ok_or_else(|| un!())?;
         match target {
             V::Dict(d, items) => {
                 let mut depth = *d;
                 for kv in pairs.chunks_exact(2) {
-                    if matches!(kv[0], V::Index(_) | V::Storage(_)) {
+                    if matches!(kv[0], V::Index(_) | V::Storage) {
                         return Err(un!());
                     }
                     depth = depth.max(kv[0].depth().max(kv[1].depth()) + 1);
@@ -628,31 +654,111 @@ impl Machine<'_> {
                 }
                 Ok(())
             }
-            V::Storage(records) => {
+            V::Storage => {
                 let mut pairs = pairs.into_iter();
                 while let (Some(k), Some(v)) = (pairs.next(), pairs.next()) {
                     let (V::Index(k), V::Info(v)) = (k, v) else {
                         return Err(un!());
                     };
-                    records.push(Record {
-                        fqn: self.fqns.id(&k.fqn),
-                        offsets: k.offsets,
-                        place: ChunkPlace {
-                            file: self.files.id(&v.path),
-                            transforms: if v.transforms.is_empty() {
-                                0
-                            } else {
-                                self.transforms.id(&v.transforms)
-                            },
-                            offset: v.offset,
-                            length: v.length,
+                    let place = ChunkPlace {
+                        file: self.files.id(&v.path),
+                        transforms: if v.transforms.is_empty() {
+                            0
+                        } else {
+                            self.transforms.id(&v.transforms)
                         },
-                    });
+                        offset: v.offset,
+                        length: v.length,
+                    };
+                    self.place(&k, place)?;
                 }
                 Ok(())
             }
             _ => Err(un!()),
         }
+    }
+
+    /// When `storage_data` starts: finds `state_dict_metadata` (its pair waits on the stack for
+    /// the `SETITEMS` of `Metadata`'s state, as torch pickles it) and its items by name.
+    fn find_items(&mut self) -> R<()> {
+        if self.sdm_pos.is_some() {
+            // A second dict of records: not torch's shape.
+            return Err(un!());
+        }
+        let n = self.stack.len().saturating_sub(1);
+        let pos = (1..n)
+            .rev()
+            .find(|&j| {
+                matches!(&self.stack[j - 1], V::Str(k) if &**k == "state_dict_metadata")
+                    && matches!(self.stack[j], V::Dict(..))
+            })
+            .ok_or_else(|| un!())?;
+        let V::Dict(_, items) = &self.stack[pos] else {
+            return Err(un!());
+        };
+        for (p, kv) in items.chunks_exact(2).enumerate() {
+            let key = kv[0].as_str().ok_or_else(|| un!())?;
+            if self.items_by_name.insert(key.to_string(), 2 * p + 1).is_some() {
+                // A key twice: the general path decides what it means.
+                return Err(un!());
+            }
+        }
+        self.sdm_pos = Some(pos);
+        Ok(())
+    }
+
+    /// A `storage_data` record: its place goes to the chunk of its item at its position among
+    /// the item's records, which must be the chunk at its offsets (the general path handles
+    /// records in another order). Records of no item, and records past an item's chunks, place
+    /// nothing (torch's lookup never reaches them).
+    fn place(&mut self, k: &IndexRec, place: ChunkPlace) -> R<()> {
+        let item = match &self.last_fqn {
+            Some((fqn, item)) if Rc::ptr_eq(fqn, &k.fqn) => *item,
+            _ => {
+                let item = self.items_by_name.get(&*k.fqn).copied();
+                self.last_fqn = Some((Rc::clone(&k.fqn), item));
+                item
+            }
+        };
+        let Some(item) = item else {
+            return Ok(());
+        };
+        let sdm = self.sdm_pos.ok_or_else(|| un!())?;
+        let Some(V::Dict(_, items)) = self.stack.get_mut(sdm) else {
+            return Err(un!());
+        };
+        let value = items.get_mut(item).ok_or_else(|| un!())?;
+        let classes = &self.classes;
+        let class_of_value = |v: &V| match v {
+            V::New(g) => classes[*g as usize],
+            V::Obj(o) => match o.callable {
+                V::Global(g) => classes[g as usize],
+                _ => Class::Other,
+            },
+            _ => Class::Other,
+        };
+        let is_bytes = class_of_value(value) == Class::BytesMeta;
+        match value {
+            V::Tensor(t) => {
+                let i = t.records;
+                t.records += 1;
+                if let Some(c) = t.chunks.get_mut(i) {
+                    if k.offsets.as_deref() != Some(&*c.offsets) {
+                        return Err(un!());
+                    }
+                    c.place = Some(place);
+                }
+            }
+            V::Placed(_) => {}
+            V::New(_) | V::Obj(_) if is_bytes => {
+                if k.offsets.is_some() {
+                    return Err(un!());
+                }
+                *value = V::Placed(place);
+            }
+            _ => return Err(un!()),
+        }
+        Ok(())
     }
 
     /// `APPEND(S)`/`ADDITEMS`: the values from `first` on into the list (or set) below them (below
@@ -662,7 +768,7 @@ impl Machine<'_> {
         if marked {
             self.stack.pop();
         }
-        if items.iter().any(|v| matches!(v, V::Mark | V::Storage(_))) {
+        if items.iter().any(|v| matches!(v, V::Mark | V::Storage)) {
             return Err(un!());
         }
         match self.top()? {
@@ -890,7 +996,7 @@ impl Machine<'_> {
                     let m = self.mark()?;
                     let items: Vec<V> = self.stack.drain(m + 1..).collect();
                     self.stack.truncate(m);
-                    if items.iter().any(|v| matches!(v, V::Storage(_))) {
+                    if items.iter().any(|v| matches!(v, V::Storage)) {
                         return Err(un!());
                     }
                     let d = depth_of(items.iter())?;
@@ -1023,12 +1129,16 @@ impl Machine<'_> {
             Some(p) => std::mem::replace(&mut state[p], V::None),
             None => return Err(un!()),
         };
-        let mut records: Vec<Record> = match storage_at.map(|p| &mut state[p]) {
-            None | Some(V::None) => Vec::new(),
-            Some(V::Dict(_, pairs)) if pairs.is_empty() => Vec::new(),
-            Some(V::Storage(r)) => std::mem::take(r),
+        // The records placed chunks: they must be `storage_data`'s.
+        let placed = match storage_at.map(|p| &state[p]) {
+            None | Some(V::None) => false,
+            Some(V::Dict(_, pairs)) if pairs.is_empty() => false,
+            Some(V::Storage) => true,
             Some(_) => return Err(un!()),
         };
+        if placed != self.sdm_pos.is_some() {
+            return Err(un!());
+        }
         let [planner, version, storage_meta] =
             fields(&state, ["planner_data", "version", "storage_meta"])?;
         let V::Dict(_, sdm) = sdm else {
@@ -1038,16 +1148,17 @@ impl Machine<'_> {
         let mut sdm = sdm.into_iter();
         while let (Some(k), Some(v)) = (sdm.next(), sdm.next()) {
             let key = k.as_str().ok_or_else(|| un!())?.to_string();
-            let o_class = match &v {
-                V::Obj(o) => self.class(&o.callable),
-                V::New(g) => self.classes[*g as usize],
-                _ => Class::Other,
-            };
-            let item = match v {
-                V::Obj(_) | V::New(_) if o_class == Class::BytesMeta => RawItem::Bytes,
-                V::Tensor(t) => {
-                    let (dtype, size, chunks) = *t;
-                    RawItem::Tensor {
+            // Every chunk must have its record (the general path reports one that has none).
+            let kind = match v {
+                V::Placed(place) => TableItemKind::Bytes { place: Some(place) },
+                V::Tensor(t) if t.chunks.iter().all(|c| c.place.is_some()) => {
+                    let TensorVal {
+                        dtype,
+                        size,
+                        chunks,
+                        ..
+                    } = *t;
+                    TableItemKind::Tensor {
                         dtype,
                         size,
                         chunks,
@@ -1055,7 +1166,7 @@ impl Machine<'_> {
                 }
                 _ => return Err(un!()),
             };
-            items.push((key, item));
+            items.push(TableItem { key, kind });
         }
         let mut planner_data = BTreeMap::new();
         match planner {
@@ -1077,7 +1188,9 @@ impl Machine<'_> {
                     planner_data.insert(key.to_string(), steps);
                 }
             }
-            Some(V::Storage(_) | V::Chunk(_) | V::Tensor(_) | V::Index(_) | V::Info(_)) => {
+            Some(
+                V::Storage | V::Chunk(_) | V::Tensor(_) | V::Index(_) | V::Info(_) | V::Placed(_),
+            ) => {
                 return Err(un!());
             }
             _ => {}
@@ -1096,27 +1209,18 @@ impl Machine<'_> {
                 Some(_) => return Err(un!()),
             },
             Some(V::New(_)) => (None, None),
-            Some(V::Storage(_) | V::Chunk(_) | V::Tensor(_) | V::Index(_) | V::Info(_)) => {
+            Some(
+                V::Storage | V::Chunk(_) | V::Tensor(_) | V::Index(_) | V::Info(_) | V::Placed(_),
+            ) => {
                 return Err(un!());
             }
             _ => (None, None),
         };
-        // Files and transform lists numbered in the order `storage_data`'s records name them
-        // (another dict of records elsewhere in the pickle may have named others first).
-        let mut files = Names::default();
-        let mut transforms = TransformLists::default();
-        for r in &mut records {
-            r.place.file = files.id(&self.files.names.names[r.place.file as usize]);
-            r.place.transforms =
-                transforms.id(&self.transforms.lists[r.place.transforms as usize]);
-        }
-        let fqns = &self.fqns;
-        let items = join(items, &records, |k| fqns.names.ids.get(k).copied());
         Ok(MetadataTable {
             items,
             planner_data,
-            files: files.names,
-            transforms: transforms.lists,
+            files: self.files.names.names,
+            transforms: self.transforms.lists,
             version,
             checkpoint_id,
             save_id,
@@ -1145,9 +1249,13 @@ impl Machine<'_> {
                 .name
                 .ends_with("Path")
                 .then(|| super::join_path_parts(&[]))),
-            V::Storage(_) | V::Chunk(_) | V::Tensor(_) | V::Index(_) | V::Info(_) | V::Size(_) => {
-                Err(un!())
-            }
+            V::Storage
+            | V::Chunk(_)
+            | V::Tensor(_)
+            | V::Index(_)
+            | V::Info(_)
+            | V::Size(_)
+            | V::Placed(_) => Err(un!()),
             _ => Ok(None),
         }
     }
@@ -1192,7 +1300,9 @@ pub(super) fn read_table_by(
         globals: Vec::new(),
         global_ids: FastMap::default(),
         classes: Vec::new(),
-        fqns: SharedNames::default(),
+        sdm_pos: None,
+        items_by_name: FastMap::default(),
+        last_fqn: None,
         files: SharedNames::default(),
         transforms: TransformLists::default(),
         objects: 0,
