@@ -179,7 +179,11 @@ impl serde_json::ser::Formatter for DeepFormatter {
         out.write_all(b"]")
     }
 
-    fn begin_array_value<W: ?Sized + Write>(&mut self, out: &mut W, first: bool) -> std::io::Result<()> {
+    fn begin_array_value<W: ?Sized + Write>(
+        &mut self,
+        out: &mut W,
+        first: bool,
+    ) -> std::io::Result<()> {
         out.write_all(if first { b"\n" } else { b",\n" })?;
         self.indent(out)
     }
@@ -204,7 +208,11 @@ impl serde_json::ser::Formatter for DeepFormatter {
         out.write_all(b"}")
     }
 
-    fn begin_object_key<W: ?Sized + Write>(&mut self, out: &mut W, first: bool) -> std::io::Result<()> {
+    fn begin_object_key<W: ?Sized + Write>(
+        &mut self,
+        out: &mut W,
+        first: bool,
+    ) -> std::io::Result<()> {
         out.write_all(if first { b"\n" } else { b",\n" })?;
         self.indent(out)
     }

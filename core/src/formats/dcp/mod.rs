@@ -17,8 +17,8 @@ pub(crate) mod test_pickle;
 mod window;
 
 pub use stream::read_table;
-pub use window::Unrecognised;
 pub use table::{ChunkPlace, MetadataTable, TableChunk, TableItem, TableItemKind};
+pub use window::Unrecognised;
 
 /// What went wrong while reading DCP metadata.
 #[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]

@@ -19,7 +19,9 @@ use std::borrow::Cow;
 use std::collections::BTreeMap;
 use std::rc::Rc;
 
-use super::table::{ChunkPlace, MetadataTable, Names, TableChunk, TableItem, TableItemKind, TransformLists};
+use super::table::{
+    ChunkPlace, MetadataTable, Names, TableChunk, TableItem, TableItemKind, TransformLists,
+};
 use super::window::{MemoNumbers, R, Ranked, Reader, Unrecognised, WINDOW, fetched_indexes, un};
 use super::{PlannerStep, storage_path_is_safe};
 use crate::dtype::DType;
@@ -514,7 +516,8 @@ impl Machine<'_> {
     fn record(&mut self, class: Class, state: &V) -> R<Option<V>> {
         Ok(match (class, state) {
             (Class::ChunkMeta, V::Dict(_, pairs)) => {
-                let [offsets, sizes] = cached_fields(pairs, &mut self.chunk_keys, ["offsets", "sizes"])?;
+                let [offsets, sizes] =
+                    cached_fields(pairs, &mut self.chunk_keys, ["offsets", "sizes"])?;
                 let (Some(offsets), Some(sizes)) =
                     (offsets.and_then(V::dims), sizes.and_then(V::dims))
                 else {
@@ -698,7 +701,11 @@ impl Machine<'_> {
         };
         for (p, kv) in items.chunks_exact(2).enumerate() {
             let key = kv[0].as_str().ok_or_else(|| un!())?;
-            if self.items_by_name.insert(key.to_string(), 2 * p + 1).is_some() {
+            if self
+                .items_by_name
+                .insert(key.to_string(), 2 * p + 1)
+                .is_some()
+            {
                 // A key twice: the general path decides what it means.
                 return Err(un!());
             }
@@ -1242,7 +1249,10 @@ impl Machine<'_> {
                 let Some(args) = o.args.items() else {
                     return Ok(None);
                 };
-                let parts: Vec<&str> = args.iter().filter_map(|p| p.as_str().map(|s| &**s)).collect();
+                let parts: Vec<&str> = args
+                    .iter()
+                    .filter_map(|p| p.as_str().map(|s| &**s))
+                    .collect();
                 Ok(Some(super::join_path_parts(&parts)))
             }
             V::New(g) => Ok(self.globals[*g as usize]
@@ -1271,7 +1281,11 @@ fn dtype_of(g: &Global) -> Option<DType> {
 }
 
 /// Reads `name` (a `.metadata` of `size` bytes) from `source` into a table, or gives up.
-pub fn read_table(source: &dyn Source, name: &str, size: u64) -> Result<MetadataTable, Unrecognised> {
+pub fn read_table(
+    source: &dyn Source,
+    name: &str,
+    size: u64,
+) -> Result<MetadataTable, Unrecognised> {
     read_table_by(source, name, size, WINDOW)
 }
 

@@ -5,8 +5,8 @@
 use std::path::PathBuf;
 
 use super::stream::read_table_by;
-use super::window::Unrecognised;
 use super::test_pickle::{GenTensor, metadata};
+use super::window::Unrecognised;
 use super::{MetadataTable, TableItemKind, read_metadata};
 use crate::source::MemorySource;
 
@@ -80,7 +80,10 @@ fn every_fixture_takes_the_fast_path_and_reads_alike() {
                     super::window::GAVE_UP_AT.with(std::cell::Cell::get)
                 )
             });
-            assert!(table == expected, "{what}: the tables differ (window {window})");
+            assert!(
+                table == expected,
+                "{what}: the tables differ (window {window})"
+            );
         }
         assert!(chunks(&expected) > 0, "{what}");
     }
@@ -107,7 +110,12 @@ fn damaged_fixtures_never_read_differently() {
         }
         let step = (bytes.len() / 400).max(1);
         for i in (0..bytes.len()).step_by(step) {
-            for v in [0x00, bytes[i] ^ 0x80, bytes[i].wrapping_add(1), bytes[i].wrapping_sub(1)] {
+            for v in [
+                0x00,
+                bytes[i] ^ 0x80,
+                bytes[i].wrapping_add(1),
+                bytes[i].wrapping_sub(1),
+            ] {
                 let mut b = bytes.clone();
                 b[i] = v;
                 if agrees(&b, 64, &format!("{what} with byte {i} = {v:#04x}")) {
@@ -155,7 +163,11 @@ fn hostile_and_unusual_pickles_take_the_general_path() {
         .unwrap();
     // A class of another module where a DCP class belongs (the general path matches by name):
     // not recognised, so the general path reads it.
-    let other_module = replace(&bytes, "torch.distributed.checkpoint.metadata", "torch.distributed.checkpoint.metadatb");
+    let other_module = replace(
+        &bytes,
+        "torch.distributed.checkpoint.metadata",
+        "torch.distributed.checkpoint.metadatb",
+    );
     assert!(streamed(&other_module, 64).is_err());
     // An unsafe global called at the root: no table, and the general path reports it.
     let mut call = vec![0x80, 4];

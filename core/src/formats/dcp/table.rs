@@ -312,7 +312,12 @@ mod tests {
             ("c".to_owned(), tensor(&[&[0], &[2], &[4]])),
             ("zzz".to_owned(), RawItem::Bytes),
         ];
-        let ids = |k: &str| ["a", "b", "c"].iter().position(|n| *n == k).map(|p| p as u32);
+        let ids = |k: &str| {
+            ["a", "b", "c"]
+                .iter()
+                .position(|n| *n == k)
+                .map(|p| p as u32)
+        };
         let table = join(items, &records, ids);
         assert_eq!(files(&table[0]), [Some(10), Some(11), None]);
         assert_eq!(files(&table[1]), [Some(20)]);

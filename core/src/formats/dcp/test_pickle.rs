@@ -216,33 +216,34 @@ pub(crate) fn metadata(tensors: &[GenTensor], ranks: u64, extra: Option<&str>) -
     p.out.push(b'(');
     let mut n = 0usize;
     let mut offsets = vec![0u64; usize::try_from(ranks).unwrap()];
-    let mut record = |p: &mut Pickler, fqn: &str, offset: Option<(u64, u64)>, rank: u64, len: u64| {
-        p.object(META, "MetadataIndex");
-        p.str("fqn");
-        p.str(fqn);
-        p.str("offset");
-        match offset {
-            Some((r, c)) => p.size(&[r, c]),
-            None => p.out.push(b'N'),
-        }
-        p.str("index");
-        p.out.push(b'N');
-        p.end_object();
-        p.object("torch.distributed.checkpoint.filesystem", "_StorageInfo");
-        p.str("relative_path");
-        p.str(&format!("__{rank}_0.distcp"));
-        p.str("offset");
-        let at = &mut offsets[usize::try_from(rank).unwrap()];
-        p.int(*at);
-        *at += len;
-        p.str("length");
-        p.int(len);
-        p.str("transform_descriptors");
-        p.out.push(b'N');
-        p.end_object();
-        p.batch(n, b'u');
-        n += 1;
-    };
+    let mut record =
+        |p: &mut Pickler, fqn: &str, offset: Option<(u64, u64)>, rank: u64, len: u64| {
+            p.object(META, "MetadataIndex");
+            p.str("fqn");
+            p.str(fqn);
+            p.str("offset");
+            match offset {
+                Some((r, c)) => p.size(&[r, c]),
+                None => p.out.push(b'N'),
+            }
+            p.str("index");
+            p.out.push(b'N');
+            p.end_object();
+            p.object("torch.distributed.checkpoint.filesystem", "_StorageInfo");
+            p.str("relative_path");
+            p.str(&format!("__{rank}_0.distcp"));
+            p.str("offset");
+            let at = &mut offsets[usize::try_from(rank).unwrap()];
+            p.int(*at);
+            *at += len;
+            p.str("length");
+            p.int(len);
+            p.str("transform_descriptors");
+            p.out.push(b'N');
+            p.end_object();
+            p.batch(n, b'u');
+            n += 1;
+        };
     for t in tensors {
         let mut order: Vec<u64> = (0..t.chunks).collect();
         if t.drop_last_record {
@@ -253,7 +254,13 @@ pub(crate) fn metadata(tensors: &[GenTensor], ranks: u64, extra: Option<&str>) -
         }
         for c in order {
             let (start, rows) = rows_of(t, c);
-            record(&mut p, &t.fqn, Some((start, 0)), c % ranks, 600 + rows * t.cols * 4);
+            record(
+                &mut p,
+                &t.fqn,
+                Some((start, 0)),
+                c % ranks,
+                600 + rows * t.cols * 4,
+            );
         }
     }
     if let Some(key) = extra {

@@ -278,9 +278,33 @@ fn skip_op(r: &mut Reader<'_>, op: u8) -> R<Option<MemoOp>> {
             r.line()?;
             0
         }
-        b'(' | b'0' | b'1' | b'2' | b'N' | 0x88 | 0x89 | b')' | 0x85..=0x87 | b't' | b']'
-        | b'l' | b'a' | b'e' | 0x90 | b'}' | b'd' | b's' | b'u' | 0x8f | 0x91 | 0x93 | b'R'
-        | 0x81 | 0x92 | b'b' | b'Q' => 0,
+        b'('
+        | b'0'
+        | b'1'
+        | b'2'
+        | b'N'
+        | 0x88
+        | 0x89
+        | b')'
+        | 0x85..=0x87
+        | b't'
+        | b']'
+        | b'l'
+        | b'a'
+        | b'e'
+        | 0x90
+        | b'}'
+        | b'd'
+        | b's'
+        | b'u'
+        | 0x8f
+        | 0x91
+        | 0x93
+        | b'R'
+        | 0x81
+        | 0x92
+        | b'b'
+        | b'Q' => 0,
         _ => return Err(un!()),
     };
     r.take(n)?;
@@ -291,7 +315,70 @@ fn skip_op(r: &mut Reader<'_>, op: u8) -> R<Option<MemoOp>> {
 pub(super) fn fetched_indexes(r: &mut Reader<'_>, limits: &PickleLimits) -> R<Bits> {
     let mut numbers = MemoNumbers::new(limits);
     let mut fetched = Bits::default();
+    let fetch = |fetched: &mut Bits, i: usize| -> R<()> {
+        if i >= limits.max_memo {
+            return Err(un!());
+        }
+        fetched.set(i);
+        Ok(())
+    };
     loop {
+        // The opcodes of a large `.metadata` (about 50 a chunk) with their whole argument inside
+        // the window, without a bounds check each: the hot loop of this pass.
+        let win: &[u8] = &r.win;
+        let mut pos = r.pos;
+        while pos + 9 <= win.len() {
+            match win[pos] {
+                0x94 => {
+                    numbers.put(None)?;
+                    pos += 1;
+                }
+                b'h' => {
+                    fetch(&mut fetched, usize::from(win[pos + 1]))?;
+                    pos += 2;
+                }
+                b'j' => {
+                    let b = [win[pos + 1], win[pos + 2], win[pos + 3], win[pos + 4]];
+                    fetch(&mut fetched, u32::from_le_bytes(b) as usize)?;
+                    pos += 5;
+                }
+                0x8c => {
+                    let end = pos + 2 + usize::from(win[pos + 1]);
+                    if end > win.len() {
+                        break;
+                    }
+                    pos = end;
+                }
+                b'K' => pos += 2,
+                b'M' => pos += 3,
+                b'J' => pos += 5,
+                b'('
+                | b')'
+                | b'}'
+                | b']'
+                | b'u'
+                | b'b'
+                | b'e'
+                | b'a'
+                | b'R'
+                | b'N'
+                | b't'
+                | b's'
+                | b'0'
+                | b'1'
+                | b'2'
+                | b'd'
+                | b'l'
+                | b'Q'
+                | 0x81
+                | 0x85..=0x89
+                | 0x8f..=0x93 => {
+                    pos += 1;
+                }
+                _ => break,
+            }
+        }
+        r.pos = pos;
         let op = r.u8()?;
         match skip_op(r, op)? {
             None => return Ok(fetched),
@@ -299,14 +386,9 @@ pub(super) fn fetched_indexes(r: &mut Reader<'_>, limits: &PickleLimits) -> R<Bi
                 numbers.put(i)?;
             }
             Some(MemoOp::Get(i)) => {
-                let i = usize::try_from(i)
-                    .ok()
-                    .filter(|&i| i < limits.max_memo)
-                    .ok_or_else(|| un!())?;
-                fetched.set(i);
+                fetch(&mut fetched, usize::try_from(i).map_err(|_| un!())?)?;
             }
             Some(MemoOp::None) => {}
         }
     }
 }
-

@@ -104,17 +104,18 @@ fn index_table(
             TableItemKind::Bytes { place } => {
                 let place = place.ok_or_else(|| missing(key, None))?;
                 let (file, rank) = &names[place.file as usize];
-                let encoding = match dcp::item_transform(&table.transforms[place.transforms as usize]) {
-                    Ok(None) => ChunkEncoding::TorchSaveItem,
-                    Ok(Some(dcp::ItemTransform::Zstd)) => ChunkEncoding::ZstdTorchSaveItem,
-                    Err(what) => {
-                        return Err(IndexError::Unsupported {
-                            key: key.clone(),
-                            file: file.to_string(),
-                            what,
-                        });
-                    }
-                };
+                let encoding =
+                    match dcp::item_transform(&table.transforms[place.transforms as usize]) {
+                        Ok(None) => ChunkEncoding::TorchSaveItem,
+                        Ok(Some(dcp::ItemTransform::Zstd)) => ChunkEncoding::ZstdTorchSaveItem,
+                        Err(what) => {
+                            return Err(IndexError::Unsupported {
+                                key: key.clone(),
+                                file: file.to_string(),
+                                what,
+                            });
+                        }
+                    };
                 chunks.push(Chunk {
                     offsets: Dims::new(),
                     sizes: Dims::new(),
@@ -409,7 +410,12 @@ mod tests {
     }
 
     /// The index from the streaming reader's table and from the general path's.
-    fn both_ways(src: &MemorySource) -> (Result<CheckpointIndex, String>, Result<CheckpointIndex, String>) {
+    fn both_ways(
+        src: &MemorySource,
+    ) -> (
+        Result<CheckpointIndex, String>,
+        Result<CheckpointIndex, String>,
+    ) {
         let size = src.size(".metadata").unwrap();
         let bytes = src.read_all(".metadata").unwrap().into_owned();
         let fast = dcp::read_table(src, ".metadata", size).expect("the streaming reader reads it");
@@ -437,7 +443,10 @@ mod tests {
         assert!(fast.check().is_empty(), "{:?}", fast.check());
         // One shared name per data file.
         let e = fast.entry("model.layers3.weight").unwrap();
-        assert!(Arc::ptr_eq(&e.chunks[0].file, &fast.entry("model.layers4.weight").unwrap().chunks[0].file));
+        assert!(Arc::ptr_eq(
+            &e.chunks[0].file,
+            &fast.entry("model.layers4.weight").unwrap().chunks[0].file
+        ));
     }
 
     #[test]
@@ -449,7 +458,10 @@ mod tests {
         assert!(dcp::read_table(&src, ".metadata", size).is_err());
         let index = index_dcp(&src, ".metadata").unwrap();
         assert!(index.check().is_empty());
-        assert_eq!(index.entries.iter().map(|e| e.chunks.len()).sum::<usize>(), 12 * 40);
+        assert_eq!(
+            index.entries.iter().map(|e| e.chunks.len()).sum::<usize>(),
+            12 * 40
+        );
         // A chunk without a record: the general path's error.
         let src = checkpoint(metadata(&tensors(4, 50, Some(2), false), RANKS, None));
         let size = src.size(".metadata").unwrap();
