@@ -1,6 +1,14 @@
 //! `torch.distributed.checkpoint` directories: the `.metadata` pickle and the items of the
 //! `__{rank}_{k}.distcp` files (each a standalone `torch.save` archive, or, in the SAFETENSORS
 //! serialization, one safetensors blob per file).
+//!
+//! A `.metadata` is read two ways. [`read_metadata`] runs the general pickle machine over the whole
+//! file into a [`DcpMetadata`] (every field, every record; errors name what is wrong).
+//! [`read_table`] streams it from a [`crate::source::Source`] straight into the compact
+//! [`MetadataTable`] the index is built from (a million chunks in about 80 bytes each, the file
+//! never held whole) and gives up ([`Unrecognised`]) on anything but the shapes torch writes; the
+//! index then falls back to [`read_metadata`] and [`MetadataTable::from_metadata`], so both paths
+//! give the same table for every file the streaming one reads.
 
 use std::collections::{BTreeMap, HashMap};
 use std::sync::Arc;
