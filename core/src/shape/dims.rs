@@ -262,7 +262,8 @@ mod tests {
             );
             assert_eq!(a.clone().into_vec(), v);
         }
-        assert!(Dims::from([1, 2]) < Dims::from([1, 3]));
+        let (a, b) = (Dims::from([1, 2]), Dims::from([1, 3]));
+        assert!(a < b);
         assert_eq!(Dims::new().len(), 0);
     }
 }

@@ -335,7 +335,7 @@ pub fn fqn_keyed_optimizer(
                         // `step`: a plain 0-d tensor on every rank (replicas).
                         e.shape = Some(Vec::new());
                         for c in &mut e.chunks {
-                            c.offsets = Default::default();
+                            c.offsets = crate::shape::Dims::default();
                         }
                     } else if let (Some(have), Some(want)) = (&e.shape, param_shape(fqn))
                         && *have != want

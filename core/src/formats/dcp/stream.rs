@@ -487,26 +487,26 @@ impl Machine<'_> {
         // was fetched yet.
         for slot in &slots {
             match self.memo[*slot].as_mut() {
-                Some(V::Obj(copy)) if copy.id == id && !copy.fetched => match &record {
-                    Some(r) => self.memo[*slot] = Some(r.clone()),
-                    None => {
+                Some(V::Obj(copy)) if copy.id == id && !copy.fetched => {
+                    if let Some(r) = &record {
+                        self.memo[*slot] = Some(r.clone());
+                    } else {
                         copy.state = Some(state.clone());
                         copy.depth = depth;
                     }
-                },
+                }
                 _ => return Err(un!()),
             }
         }
         let V::Obj(obj) = self.top()? else {
             return Err(un!());
         };
-        match record {
-            Some(r) => *self.top()? = r,
-            None => {
-                obj.depth = depth;
-                obj.state = Some(state);
-                obj.slots = slots;
-            }
+        if let Some(r) = record {
+            *self.top()? = r;
+        } else {
+            obj.depth = depth;
+            obj.state = Some(state);
+            obj.slots = slots;
         }
         Ok(())
     }
@@ -554,7 +554,7 @@ impl Machine<'_> {
                         .items()
                         .ok_or_else(|| un!())?
                         .iter()
-                        .map(|d| d.as_str().map(|s| s.to_string()))
+                        .map(|d| d.as_str().map(ToString::to_string))
                         .collect::<Option<Vec<_>>>()
                         .ok_or_else(|| un!())?,
                 };
@@ -1120,6 +1120,10 @@ impl Machine<'_> {
     }
 
     /// The table from the root `Metadata` object.
+    #[allow(
+        clippy::too_many_lines,
+        reason = "reads every field of `Metadata` as the general path does, in one place"
+    )]
     fn table(self, root: V) -> R<MetadataTable> {
         let V::Obj(meta) = root else {
             return Err(un!());
@@ -1202,20 +1206,19 @@ impl Machine<'_> {
             }
             _ => {}
         }
-        let version = version.and_then(V::as_str).map(|s| s.to_string());
+        let version = version.and_then(V::as_str).map(ToString::to_string);
         let (checkpoint_id, save_id) = match storage_meta {
             Some(V::Obj(sm)) => match &sm.state {
                 Some(V::Dict(_, pairs)) => {
                     let [id, save] = fields(pairs, ["checkpoint_id", "save_id"])?;
                     (
                         id.map(|v| self.string_of(v)).transpose()?.flatten(),
-                        save.and_then(V::as_str).map(|s| s.to_string()),
+                        save.and_then(V::as_str).map(ToString::to_string),
                     )
                 }
                 None => (None, None),
                 Some(_) => return Err(un!()),
             },
-            Some(V::New(_)) => (None, None),
             Some(
                 V::Storage | V::Chunk(_) | V::Tensor(_) | V::Index(_) | V::Info(_) | V::Placed(_),
             ) => {

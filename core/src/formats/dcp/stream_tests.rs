@@ -231,12 +231,3 @@ fn a_generated_metadata_of_many_chunks_reads_alike() {
         }
     }
 }
-
-#[test]
-#[ignore = "diagnostic: SHARDSCOPE_METADATA names a .metadata file"]
-fn diagnose_a_metadata_file() {
-    let path = std::env::var("SHARDSCOPE_METADATA").unwrap();
-    let bytes = std::fs::read(path).unwrap();
-    let r = streamed(&bytes, 4 << 20);
-    eprintln!("streamed: {:?}", r.as_ref().map(chunks));
-}

@@ -35,12 +35,11 @@ impl Pickler {
     }
 
     fn get(&mut self, i: u32) {
-        match u8::try_from(i) {
-            Ok(b) => self.out.extend([b'h', b]),
-            Err(_) => {
-                self.out.push(b'j');
-                self.out.extend(i.to_le_bytes());
-            }
+        if let Ok(b) = u8::try_from(i) {
+            self.out.extend([b'h', b]);
+        } else {
+            self.out.push(b'j');
+            self.out.extend(i.to_le_bytes());
         }
     }
 
@@ -152,6 +151,10 @@ impl Pickler {
 }
 
 /// The `.metadata` bytes of `tensors` over `ranks` files, with a bytes item `extra` when given.
+#[allow(
+    clippy::too_many_lines,
+    reason = "the opcodes of a whole `.metadata`, in the order Python's pickler writes them"
+)]
 pub(crate) fn metadata(tensors: &[GenTensor], ranks: u64, extra: Option<&str>) -> Vec<u8> {
     let mut p = Pickler::default();
     p.out.extend([0x80, 4]);

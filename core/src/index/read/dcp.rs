@@ -195,11 +195,10 @@ fn index_table(
                     if !zip_file {
                         safetensors_serialization = true;
                         let blob_key = (place.file, place.offset);
-                        if !blobs.contains_key(&blob_key) {
-                            blobs.insert(
-                                blob_key,
-                                read_blob(source, file, place.offset, file_size)?,
-                            );
+                        if let std::collections::hash_map::Entry::Vacant(slot) =
+                            blobs.entry(blob_key)
+                        {
+                            slot.insert(read_blob(source, file, place.offset, file_size)?);
                         }
                         let Some((off, len)) = blobs[&blob_key].get(key.as_str()) else {
                             return Err(IndexError::Inconsistent {
