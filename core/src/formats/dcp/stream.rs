@@ -1305,7 +1305,8 @@ pub(super) fn read_table_by(
     }
     let limits = PickleLimits::for_len(size as usize);
     let mut first = Reader::new(source, name, size, window)?;
-    let fetched = fetched_indexes(&mut first, &limits)?.ranked();
+    let (fetched, only_memoize) = fetched_indexes(&mut first, &limits)?;
+    let fetched = fetched.ranked();
     drop(first);
     let mut m = Machine {
         r: Reader::new(source, name, size, window)?,
@@ -1313,7 +1314,7 @@ pub(super) fn read_table_by(
         stack: Vec::new(),
         memo: vec![None; fetched.len()],
         fetched,
-        numbers: MemoNumbers::new(&limits),
+        numbers: MemoNumbers::new(&limits, only_memoize),
         globals: Vec::new(),
         global_ids: FastMap::default(),
         classes: Vec::new(),

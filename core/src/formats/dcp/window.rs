@@ -209,19 +209,36 @@ pub(super) struct MemoNumbers {
     filled: Bits,
     count: usize,
     max: usize,
+    /// The pickle writes only with `MEMOIZE` (protocol 4 and 5, as torch writes `.metadata`): each
+    /// put takes the next index, and no set of written indexes is needed.
+    only_memoize: bool,
 }
 
 impl MemoNumbers {
-    pub(super) fn new(limits: &PickleLimits) -> Self {
+    pub(super) fn new(limits: &PickleLimits, only_memoize: bool) -> Self {
         MemoNumbers {
             filled: Bits::default(),
             count: 0,
             max: limits.max_memo,
+            only_memoize,
         }
     }
 
     /// The index a put writes (`None` for `MEMOIZE`), or an error where the machine would fail.
+    #[inline]
     pub(super) fn put(&mut self, index: Option<u64>) -> R<usize> {
+        if self.only_memoize {
+            if index.is_some() {
+                // The first pass saw no `PUT`: the passes disagree, which they never should.
+                return Err(un!());
+            }
+            let i = self.count;
+            if i >= self.max {
+                return Err(un!());
+            }
+            self.count += 1;
+            return Ok(i);
+        }
         let i = match index {
             None => self.count as u64,
             Some(i) => i,
@@ -311,9 +328,10 @@ fn skip_op(r: &mut Reader<'_>, op: u8) -> R<Option<MemoOp>> {
     Ok(Some(MemoOp::None))
 }
 
-/// The first pass: the memo indexes that are ever fetched, as numbered when put.
-pub(super) fn fetched_indexes(r: &mut Reader<'_>, limits: &PickleLimits) -> R<Bits> {
-    let mut numbers = MemoNumbers::new(limits);
+/// The first pass: the memo indexes that are ever fetched, and whether the pickle writes to the
+/// memo only with `MEMOIZE` (no `PUT` names an index). Puts are checked by the second pass.
+pub(super) fn fetched_indexes(r: &mut Reader<'_>, limits: &PickleLimits) -> R<(Bits, bool)> {
+    let mut only_memoize = true;
     let mut fetched = Bits::default();
     let fetch = |fetched: &mut Bits, i: usize| -> R<()> {
         if i >= limits.max_memo {
@@ -329,10 +347,7 @@ pub(super) fn fetched_indexes(r: &mut Reader<'_>, limits: &PickleLimits) -> R<Bi
         let mut pos = r.pos;
         while pos + 9 <= win.len() {
             match win[pos] {
-                0x94 => {
-                    numbers.put(None)?;
-                    pos += 1;
-                }
+                0x94 => pos += 1,
                 b'h' => {
                     fetch(&mut fetched, usize::from(win[pos + 1]))?;
                     pos += 2;
@@ -381,9 +396,9 @@ pub(super) fn fetched_indexes(r: &mut Reader<'_>, limits: &PickleLimits) -> R<Bi
         r.pos = pos;
         let op = r.u8()?;
         match skip_op(r, op)? {
-            None => return Ok(fetched),
+            None => return Ok((fetched, only_memoize)),
             Some(MemoOp::Put(i)) => {
-                numbers.put(i)?;
+                only_memoize &= i.is_none();
             }
             Some(MemoOp::Get(i)) => {
                 fetch(&mut fetched, usize::try_from(i).map_err(|_| un!())?)?;
