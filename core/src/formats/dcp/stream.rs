@@ -286,15 +286,21 @@ struct SharedNames {
 }
 
 impl SharedNames {
-    /// True when this very string (not only its text) was looked up before.
+    /// True when this string, or its text, was looked up before.
     fn knows(&self, s: &Rc<str>) -> bool {
         self.by_address
             .contains_key(&(Rc::as_ptr(s).cast::<u8>() as usize))
+            || self.names.ids.contains_key(&**s)
     }
 
     fn id(&mut self, s: &Rc<str>) -> u32 {
         let address = Rc::as_ptr(s).cast::<u8>() as usize;
         if let Some(&id) = self.by_address.get(&address) {
+            return id;
+        }
+        if let Some(&id) = self.names.ids.get(&**s) {
+            // Another string of a known text (a pickle that does not share it): looked up by text
+            // each time, and not kept.
             return id;
         }
         let id = self.names.id(s);

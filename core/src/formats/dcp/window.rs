@@ -122,7 +122,19 @@ impl<'s> Reader<'s> {
         Ok(s)
     }
 
+    #[inline]
     pub(super) fn uint<const N: usize>(&mut self) -> R<u64> {
+        if let Some(b) = self
+            .win
+            .get(self.pos..)
+            .and_then(|rest| rest.first_chunk::<N>())
+        {
+            self.pos += N;
+            return Ok(b
+                .iter()
+                .rev()
+                .fold(0u64, |acc, &x| (acc << 8) | u64::from(x)));
+        }
         let b = self.take(N as u64)?;
         Ok(b.iter()
             .rev()
