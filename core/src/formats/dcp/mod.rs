@@ -22,6 +22,7 @@ mod stream_tests;
 mod table;
 #[cfg(test)]
 pub(crate) mod test_pickle;
+mod values;
 mod window;
 
 pub use stream::read_table;
