@@ -7,6 +7,9 @@
 
 use crate::dtype::DType;
 
+mod dims;
+pub use dims::Dims;
+
 /// Size of every non-last chunk: `ceil(len / n)`. `n` must be at least 1.
 pub const fn chunk_size(len: u64, n: u64) -> u64 {
     len.div_ceil(n)

@@ -473,7 +473,7 @@ fn compare_rank_local(
         x.chunks
             .iter()
             .enumerate()
-            .map(|(i, c)| ((c.rank, c.offsets.clone(), c.sizes.clone()), i))
+            .map(|(i, c)| ((c.rank, c.offsets.to_vec(), c.sizes.to_vec()), i))
             .collect()
     };
     let pa = pieces(a);
@@ -497,7 +497,7 @@ fn compare_rank_local(
     }
     let mut total = 0u64;
     for ((rank, _, sizes), &ia) in &pa {
-        let ib = pb[&(*rank, a.chunks[ia].offsets.clone(), sizes.clone())];
+        let ib = pb[&(*rank, a.chunks[ia].offsets.to_vec(), sizes.clone())];
         let da = left.index.read_chunk(left.source, a, &a.chunks[ia]);
         let db = right.index.read_chunk(right.source, b, &b.chunks[ib]);
         match (da, db) {
@@ -878,9 +878,9 @@ fn check_chunks(
     for (i, c) in e.chunks.iter().enumerate() {
         let replica = e.shape.is_some() || c.sizes.is_empty();
         let key = if replica {
-            (c.offsets.clone(), c.sizes.clone())
+            (c.offsets.to_vec(), c.sizes.to_vec())
         } else {
-            (vec![u64::MAX, i as u64], c.sizes.clone())
+            (vec![u64::MAX, i as u64], c.sizes.to_vec())
         };
         groups.entry(key).or_default().push(i);
     }

@@ -54,9 +54,9 @@ fn synthetic_checkpoint(tensors: usize, grid: (u64, u64), ranks: u32) -> Checkpo
             let byte_length = 8 * 16 * 4;
             let end = &mut file_end[rank as usize];
             chunks.push(Chunk {
-                offsets: vec![i * 8, j * 16],
-                sizes: vec![8, 16],
-                file: format!("__{rank}_0.distcp"),
+                offsets: vec![i * 8, j * 16].into(),
+                sizes: vec![8, 16].into(),
+                file: format!("__{rank}_0.distcp").into(),
                 byte_offset: *end,
                 byte_length,
                 rank: Some(rank),

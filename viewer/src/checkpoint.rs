@@ -640,13 +640,13 @@ impl CheckpointView {
                 out.extend(
                     e.chunks
                         .first()
-                        .map(|c| (c.file.clone(), c.byte_offset, c.byte_length)),
+                        .map(|c| (c.file.to_string(), c.byte_offset, c.byte_length)),
                 );
             } else if is_step_scalar(e) {
                 out.extend(
                     e.chunks
                         .iter()
-                        .map(|c| (c.file.clone(), c.byte_offset, c.byte_length)),
+                        .map(|c| (c.file.to_string(), c.byte_offset, c.byte_length)),
                 );
             }
         }

@@ -142,7 +142,7 @@ pub fn keep_model_only(index: &mut CheckpointIndex, label: &str) -> Result<Strin
     let used: BTreeSet<&str> = index
         .entries
         .iter()
-        .flat_map(|e| e.chunks.iter().map(|c| c.file.as_str()))
+        .flat_map(|e| e.chunks.iter().map(|c| c.file.as_ref()))
         .collect();
     let used: BTreeSet<String> = used.into_iter().map(str::to_owned).collect();
     index.files.retain(|f, _| used.contains(f));

@@ -294,7 +294,7 @@ fn compare(
 ) {
     let Some(shape) = e.shape.clone().or_else(|| {
         // Rank-local pieces: judge by the first piece.
-        e.chunks.first().map(|c| c.sizes.clone())
+        e.chunks.first().map(|c| c.sizes.to_vec())
     }) else {
         return;
     };

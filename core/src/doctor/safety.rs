@@ -116,7 +116,7 @@ fn scan_indexed_dcp(
     for e in index.entries.iter().filter(|e| e.kind == EntryKind::Bytes) {
         for c in &e.chunks {
             if c.byte_length > formats::MAX_PICKLE_FILE_BYTES
-                || !seen.insert((c.file.as_str(), c.byte_offset))
+                || !seen.insert((c.file.as_ref(), c.byte_offset))
             {
                 continue;
             }

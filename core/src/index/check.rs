@@ -19,12 +19,12 @@ impl CheckpointIndex {
         for e in &self.entries {
             for c in &e.chunks {
                 let end = c.byte_offset.checked_add(c.byte_length);
-                let size = sizes.get(c.file.as_str()).copied();
+                let size = sizes.get(c.file.as_ref()).copied();
                 match (end, size) {
                     (Some(end), Some(size)) if end <= size => {}
                     _ => problems.push(Problem {
                         key: e.key.clone(),
-                        file: Some(c.file.clone()),
+                        file: Some(c.file.to_string()),
                         byte_range: Some((
                             c.byte_offset,
                             c.byte_offset.saturating_add(c.byte_length),
@@ -50,7 +50,7 @@ impl CheckpointIndex {
                                     numel: 0,
                                 },
                                 storage_offset: *storage_offset,
-                                shape: c.sizes.clone(),
+                                shape: c.sizes.to_vec(),
                                 stride: strides.clone(),
                                 requires_grad: false,
                                 wrapper: None,
@@ -68,7 +68,7 @@ impl CheckpointIndex {
                     if needed.is_none_or(|n| n > c.max_decoded_bytes()) {
                         problems.push(Problem {
                             key: e.key.clone(),
-                            file: Some(c.file.clone()),
+                            file: Some(c.file.to_string()),
                             byte_range: Some((
                                 c.byte_offset,
                                 c.byte_offset.saturating_add(c.byte_length),
@@ -99,7 +99,7 @@ type ChunkBox<'a> = (&'a [u64], &'a [u64]);
 pub(crate) fn check_tiling(e: &IndexEntry, shape: &[u64], problems: &mut Vec<Problem>) {
     let problem = |c: Option<&Chunk>, what: String| Problem {
         key: e.key.clone(),
-        file: c.map(|c| c.file.clone()),
+        file: c.map(|c| c.file.to_string()),
         byte_range: c.map(|c| (c.byte_offset, c.byte_offset.saturating_add(c.byte_length))),
         what,
     };

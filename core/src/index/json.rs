@@ -43,7 +43,6 @@ pub fn write_pretty<W: Write>(
     }
     let text = serde_json::to_string_pretty(&doc)?;
     drop(doc);
-    let mut buf = Vec::new();
     splice(&mut out, &text, 0, &index.entries, |out, entry, depth| {
         let mut value = serde_json::to_value(entry_without_chunks(entry))?;
         if let Some(fields) = value.as_object_mut() {
@@ -57,10 +56,16 @@ pub fn write_pretty<W: Write>(
             depth,
             &entry.chunks,
             |out, chunk, depth| {
-                buf.clear();
-                serde_json::to_writer_pretty(&mut buf, &SortedChunk(chunk))?;
-                let chunk_text = std::str::from_utf8(&buf).unwrap_or_default();
-                write_indented(out, chunk_text, depth, false)
+                // Straight to the output, indented as `write_indented` would (a million chunks).
+                let mut ser = serde_json::Serializer::with_formatter(
+                    &mut *out,
+                    DeepFormatter {
+                        base: depth,
+                        level: 0,
+                        has_value: false,
+                    },
+                );
+                SortedChunk(chunk).serialize(&mut ser)
             },
         )
     })
@@ -137,6 +142,91 @@ fn write_indented<W: Write>(
     Ok(())
 }
 
+/// `serde_json`'s pretty printer (two spaces a level) for a value printed at column `base`:
+/// every line after the first starts with `base` more spaces, as [`write_indented`] lays it out.
+struct DeepFormatter {
+    base: usize,
+    level: usize,
+    has_value: bool,
+}
+
+impl DeepFormatter {
+    fn indent<W: ?Sized + Write>(&self, out: &mut W) -> std::io::Result<()> {
+        const SPACES: [u8; 64] = [b' '; 64];
+        let mut left = self.base + 2 * self.level;
+        while left > 0 {
+            let k = left.min(SPACES.len());
+            out.write_all(&SPACES[..k])?;
+            left -= k;
+        }
+        Ok(())
+    }
+}
+
+impl serde_json::ser::Formatter for DeepFormatter {
+    fn begin_array<W: ?Sized + Write>(&mut self, out: &mut W) -> std::io::Result<()> {
+        self.level += 1;
+        self.has_value = false;
+        out.write_all(b"[")
+    }
+
+    fn end_array<W: ?Sized + Write>(&mut self, out: &mut W) -> std::io::Result<()> {
+        self.level -= 1;
+        if self.has_value {
+            out.write_all(b"\n")?;
+            self.indent(out)?;
+        }
+        out.write_all(b"]")
+    }
+
+    fn begin_array_value<W: ?Sized + Write>(
+        &mut self,
+        out: &mut W,
+        first: bool,
+    ) -> std::io::Result<()> {
+        out.write_all(if first { b"\n" } else { b",\n" })?;
+        self.indent(out)
+    }
+
+    fn end_array_value<W: ?Sized + Write>(&mut self, _out: &mut W) -> std::io::Result<()> {
+        self.has_value = true;
+        Ok(())
+    }
+
+    fn begin_object<W: ?Sized + Write>(&mut self, out: &mut W) -> std::io::Result<()> {
+        self.level += 1;
+        self.has_value = false;
+        out.write_all(b"{")
+    }
+
+    fn end_object<W: ?Sized + Write>(&mut self, out: &mut W) -> std::io::Result<()> {
+        self.level -= 1;
+        if self.has_value {
+            out.write_all(b"\n")?;
+            self.indent(out)?;
+        }
+        out.write_all(b"}")
+    }
+
+    fn begin_object_key<W: ?Sized + Write>(
+        &mut self,
+        out: &mut W,
+        first: bool,
+    ) -> std::io::Result<()> {
+        out.write_all(if first { b"\n" } else { b",\n" })?;
+        self.indent(out)
+    }
+
+    fn begin_object_value<W: ?Sized + Write>(&mut self, out: &mut W) -> std::io::Result<()> {
+        out.write_all(b": ")
+    }
+
+    fn end_object_value<W: ?Sized + Write>(&mut self, _out: &mut W) -> std::io::Result<()> {
+        self.has_value = true;
+        Ok(())
+    }
+}
+
 /// The entry's serialized fields but its chunks (which [`write_pretty`] writes one at a time).
 fn entry_without_chunks(e: &IndexEntry) -> IndexEntry {
     let IndexEntry {
@@ -198,7 +288,7 @@ impl Serialize for SortedChunk<'_> {
         map.serialize_entry("byte_length", byte_length)?;
         map.serialize_entry("byte_offset", byte_offset)?;
         map.serialize_entry("encoding", tag)?;
-        map.serialize_entry("file", file)?;
+        map.serialize_entry("file", &**file)?;
         map.serialize_entry("offsets", offsets)?;
         map.serialize_entry("rank", rank)?;
         map.serialize_entry("sizes", sizes)?;
@@ -224,8 +314,8 @@ mod tests {
             dtype: Some(crate::dtype::DType::Float32),
             shape: Some(vec![4, 2]),
             chunks: vec![Chunk {
-                offsets: vec![0, 0],
-                sizes: vec![4, 2],
+                offsets: vec![0, 0].into(),
+                sizes: vec![4, 2].into(),
                 file: "a \"b\"\n.pt".into(),
                 byte_offset: 8,
                 byte_length: 32,

@@ -1,6 +1,7 @@
 //! The canonical index types: entries, chunks, files, problems, errors.
 
 use std::collections::{BTreeMap, BTreeSet};
+use std::sync::Arc;
 
 use serde::Serialize;
 
@@ -8,6 +9,7 @@ use crate::dtype::DType;
 use crate::formats::dcp::{self, DcpError};
 use crate::formats::safetensors::SafetensorsError;
 use crate::formats::torch_zip::TorchZipError;
+use crate::shape::Dims;
 use crate::source::SourceError;
 
 /// What went wrong while indexing or reading a checkpoint. Each names the file and key involved.
@@ -216,16 +218,22 @@ impl Chunk {
 #[derive(Debug, Clone, PartialEq, Eq, Serialize)]
 pub struct Chunk {
     /// Where the piece starts in the global tensor.
-    pub offsets: Vec<u64>,
+    pub offsets: Dims,
     /// Its shape.
-    pub sizes: Vec<u64>,
-    pub file: String,
+    pub sizes: Dims,
+    /// The file holding it; the chunks of one file share the name.
+    #[serde(serialize_with = "serialize_str")]
+    pub file: Arc<str>,
     pub byte_offset: u64,
     pub byte_length: u64,
     /// The rank that wrote it, when the file name or format says.
     pub rank: Option<u32>,
     #[serde(flatten)]
     pub encoding: ChunkEncoding,
+}
+
+fn serialize_str<S: serde::Serializer>(s: &Arc<str>, serializer: S) -> Result<S::Ok, S::Error> {
+    serializer.serialize_str(s)
 }
 
 impl Chunk {

@@ -46,7 +46,7 @@ impl CheckpointIndex {
         })?;
         let bad = |what: String| IndexError::BadChunk {
             key: entry.key.clone(),
-            file: chunk.file.clone(),
+            file: chunk.file.to_string(),
             offset: chunk.byte_offset,
             end: chunk.byte_offset.saturating_add(chunk.byte_length),
             what,
@@ -78,7 +78,7 @@ impl CheckpointIndex {
                         numel: chunk.byte_length / item,
                     },
                     storage_offset: *storage_offset,
-                    shape: chunk.sizes.clone(),
+                    shape: chunk.sizes.to_vec(),
                     stride: strides.clone(),
                     requires_grad: false,
                     wrapper: None,
@@ -109,7 +109,7 @@ impl CheckpointIndex {
         };
         Ok(TensorData {
             dtype,
-            shape: chunk.sizes.clone(),
+            shape: chunk.sizes.to_vec(),
             bytes: data,
         })
     }
@@ -121,7 +121,7 @@ impl CheckpointIndex {
             .chunks
             .iter()
             .filter(|c| c.encoding != ChunkEncoding::ZstdTorchSaveItem)
-            .map(|c| c.file.as_str())
+            .map(|c| c.file.as_ref())
             .collect();
         let plain = files
             .iter()
@@ -171,7 +171,7 @@ impl CheckpointIndex {
         let strides = contiguous_strides(&shape);
         let mut done: BTreeSet<(Vec<u64>, Vec<u64>)> = BTreeSet::new();
         for c in &entry.chunks {
-            if !done.insert((c.offsets.clone(), c.sizes.clone())) {
+            if !done.insert((c.offsets.to_vec(), c.sizes.to_vec())) {
                 continue;
             }
             let data = self.read_chunk(source, entry, c)?;
@@ -208,7 +208,7 @@ impl CheckpointIndex {
         })?;
         let bad = |what: String| IndexError::BadChunk {
             key: entry.key.clone(),
-            file: chunk.file.clone(),
+            file: chunk.file.to_string(),
             offset: chunk.byte_offset,
             end: chunk.byte_offset.saturating_add(chunk.byte_length),
             what,
@@ -219,7 +219,7 @@ impl CheckpointIndex {
                 storage_offset,
                 strides,
             } => ChunkLocation {
-                file: chunk.file.clone(),
+                file: chunk.file.to_string(),
                 storage_byte_offset: chunk.byte_offset,
                 storage_bytes: chunk.byte_length,
                 storage_offset: *storage_offset,
@@ -267,7 +267,7 @@ impl CheckpointIndex {
                 }
                 let range = archive.storage_range(t).map_err(|e| bad(e.to_string()))?;
                 ChunkLocation {
-                    file: chunk.file.clone(),
+                    file: chunk.file.to_string(),
                     storage_byte_offset: chunk.byte_offset.saturating_add(range.offset),
                     storage_bytes: range.len,
                     storage_offset: t.storage_offset,
@@ -316,7 +316,7 @@ impl CheckpointIndex {
             .map(Cow::Owned)
             .map_err(|e| IndexError::BadChunk {
                 key: entry.key.clone(),
-                file: c.file.clone(),
+                file: c.file.to_string(),
                 offset: c.byte_offset,
                 end: c.byte_offset.saturating_add(c.byte_length),
                 what: format!("stream.zstd/1 item: {e}"),
@@ -341,7 +341,7 @@ impl CheckpointIndex {
         let bytes = Self::bytes_item(source, entry, c)?;
         let archive = torch_zip::read_archive(&bytes).map_err(|e| IndexError::BadChunk {
             key: entry.key.clone(),
-            file: c.file.clone(),
+            file: c.file.to_string(),
             offset: c.byte_offset,
             end: c.byte_offset.saturating_add(c.byte_length),
             what: e.to_string(),

@@ -90,8 +90,8 @@ fn range_chunks(
                 .and_then(|s| s.checked_add(flat - intra_start))
                 .ok_or_else(|| mismatch(key, "storage offset overflows"))?;
             Ok(Chunk {
-                offsets,
-                sizes,
+                offsets: offsets.into(),
+                sizes: sizes.into(),
                 file: src.file.clone(),
                 byte_offset: src.byte_offset,
                 byte_length: src.byte_length,

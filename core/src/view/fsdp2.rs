@@ -62,7 +62,7 @@ fn check_state_names(index: &CheckpointIndex, optim_prefix: &str) -> Result<(), 
         ranks.dedup();
         for c in &e.chunks {
             if let Some(r) = c.rank {
-                file_of.entry(r).or_insert(c.file.as_str());
+                file_of.entry(r).or_insert(c.file.as_ref());
             }
         }
         for r in ranks {
@@ -323,7 +323,7 @@ pub fn fqn_keyed_optimizer(
                         "{}: state.{id}: optimizer id {id} has no parameter name: {} names are known ({})",
                         e.chunks
                             .first()
-                            .map_or("the optimizer files", |c| c.file.as_str()),
+                            .map_or("the optimizer files", |c| c.file.as_ref()),
                         naming.names.len(),
                         naming.how
                     ))
@@ -335,7 +335,7 @@ pub fn fqn_keyed_optimizer(
                         // `step`: a plain 0-d tensor on every rank (replicas).
                         e.shape = Some(Vec::new());
                         for c in &mut e.chunks {
-                            c.offsets.clear();
+                            c.offsets = crate::shape::Dims::default();
                         }
                     } else if let (Some(have), Some(want)) = (&e.shape, param_shape(fqn))
                         && *have != want

@@ -639,9 +639,9 @@ mod tests {
 
     fn chunk(rank: u32, offsets: Vec<u64>, sizes: Vec<u64>) -> Chunk {
         Chunk {
-            offsets,
-            sizes,
-            file: format!("rank{rank}.pt"),
+            offsets: offsets.into(),
+            sizes: sizes.into(),
+            file: format!("rank{rank}.pt").into(),
             byte_offset: 0,
             byte_length: 0,
             rank: Some(rank),

@@ -143,7 +143,7 @@ impl<S: Source> Indexed<S> {
             return None;
         }
         let start = first.byte_offset.checked_add(rel)?;
-        Some((first.file.as_str(), start))
+        Some((first.file.as_ref(), start))
     }
 }
 

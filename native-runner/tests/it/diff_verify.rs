@@ -409,7 +409,7 @@ fn verify_catches_replicas_that_disagree() {
     let idx = index::index_source(&mem).unwrap();
     let e = idx.entry("block.lin.weight").unwrap();
     let c = e.chunks.iter().find(|c| c.rank == Some(1)).unwrap();
-    let path = dir.path().join(&c.file);
+    let path = dir.path().join(&*c.file);
     let mut bytes = std::fs::read(&path).unwrap();
     let at = c.byte_offset as usize + 4 * 7;
     let old = f32::from_le_bytes(bytes[at..at + 4].try_into().unwrap());

@@ -240,7 +240,7 @@ fn corrupt_zstd_item_exits_2_naming_key_and_file() {
     let idx = index::index_source(&source).unwrap();
     let chunk = &idx.entry("model.w_f32").unwrap().chunks[0];
     // Keep the frame header (magic + descriptor), garble the blocks.
-    let data_file = tmp.path().join(&chunk.file);
+    let data_file = tmp.path().join(&*chunk.file);
     let mut bytes = std::fs::read(&data_file).unwrap();
     let start = (chunk.byte_offset + 6) as usize;
     let end = (chunk.byte_offset + chunk.byte_length) as usize;
@@ -292,7 +292,7 @@ fn zstd_bomb_in_an_item_exits_2_within_its_limit() {
         "{} bytes",
         bomb.len()
     );
-    let data_file = tmp.path().join(&chunk.file);
+    let data_file = tmp.path().join(&*chunk.file);
     let mut bytes = std::fs::read(&data_file).unwrap();
     let start = chunk.byte_offset as usize;
     bytes[start..start + bomb.len()].copy_from_slice(&bomb);

@@ -351,7 +351,7 @@ fn check_dcp(dir: &str, kind: CheckpointKind) {
                 assert_eq!(Value::Array(chunks), item["chunks"], "{}", e.key);
                 for c in &e.chunks {
                     let s = storage[&(e.key.clone(), serde_json::to_string(&c.offsets).unwrap())];
-                    assert_eq!(c.file, s["relative_path"].as_str().unwrap());
+                    assert_eq!(&*c.file, s["relative_path"].as_str().unwrap());
                     if kind == CheckpointKind::DcpTorchSave {
                         assert_eq!(c.byte_offset, s["byte_offset"].as_u64().unwrap());
                         assert_eq!(c.byte_length, s["byte_length"].as_u64().unwrap());

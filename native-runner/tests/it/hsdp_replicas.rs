@@ -50,7 +50,7 @@ fn verify_compares_every_replica_with_the_first() {
     };
     let itemsize = idx.entry(&key).unwrap().dtype.unwrap().size_bytes() as u64;
     let at = chunk.byte_offset + storage_offset * itemsize;
-    let path = dir.join(&chunk.file);
+    let path = dir.join(&*chunk.file);
     let mut bytes = std::fs::read(&path).unwrap();
     bytes[usize::try_from(at).unwrap()] ^= 0x40;
     std::fs::write(&path, &bytes).unwrap();

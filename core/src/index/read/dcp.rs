@@ -1,8 +1,9 @@
 //! A DCP directory (its `.metadata`) into a [`CheckpointIndex`].
 
 use std::collections::{BTreeMap, HashMap};
+use std::sync::Arc;
 
-use crate::formats::dcp::{self, ItemMeta, PlannerStep};
+use crate::formats::dcp::{self, PlannerStep, TableItemKind};
 use crate::formats::safetensors::{self as st, SafetensorsError};
 use crate::formats::torch_zip;
 use crate::index::read::torch::{assign_roles, clean_path, join_path};
@@ -11,6 +12,7 @@ use crate::index::{
     CheckpointIndex, CheckpointKind, Chunk, ChunkEncoding, DcpFacts, EntryKind, FastMap, FileInfo,
     Format, IndexEntry, IndexError, PathSeg,
 };
+use crate::shape::Dims;
 use crate::source::Source;
 
 fn dcp_rank(file: &str) -> Option<u32> {
@@ -18,61 +20,19 @@ fn dcp_rank(file: &str) -> Option<u32> {
     base.strip_prefix("__")?.split('_').next()?.parse().ok()
 }
 
-/// `storage_data` looked up by (fqn, chunk offsets), as torch's `MetadataIndex` equality does.
-/// torch writes the records of a tensor's chunks in the order of its chunk list, so the `i`-th
-/// record of an fqn is tried first (no hashing of offsets); a per-fqn map is built only for a
-/// tensor whose records are in another order.
-struct StorageJoin<'m> {
-    storage: &'m [(dcp::StorageIndex, dcp::StorageInfo)],
-    by_fqn: FastMap<&'m str, Vec<usize>>,
-    by_offsets: FastMap<&'m str, FastMap<Option<&'m [u64]>, usize>>,
-}
-
-impl<'m> StorageJoin<'m> {
-    fn new(storage: &'m [(dcp::StorageIndex, dcp::StorageInfo)]) -> Self {
-        let mut by_fqn: FastMap<&str, Vec<usize>> = FastMap::default();
-        for (p, (idx, _)) in storage.iter().enumerate() {
-            by_fqn.entry(&*idx.fqn).or_default().push(p);
-        }
-        StorageJoin {
-            storage,
-            by_fqn,
-            by_offsets: FastMap::default(),
-        }
+/// The `.metadata` as a table, and its size: read by the streaming reader where it recognises the
+/// pickle (every `.metadata` torch writes), else whole by the general pickle machine, which
+/// reports what is wrong with a damaged or hostile file.
+fn metadata_table(
+    source: &dyn Source,
+    metadata_name: &str,
+) -> Result<(dcp::MetadataTable, u64), IndexError> {
+    let size = source.size(metadata_name)?;
+    if size <= crate::formats::MAX_DCP_METADATA_BYTES
+        && let Ok(table) = dcp::read_table(source, metadata_name, size)
+    {
+        return Ok((table, size));
     }
-
-    /// The record of chunk `i` (at `offsets`; `None` for a bytes item) of `fqn`. torch's dict
-    /// cannot hold two records of one (fqn, offsets); when a hand-made pickle does, the record at
-    /// the chunk's own position is taken if it matches, otherwise the last one (as a dict would).
-    fn find(
-        &mut self,
-        fqn: &str,
-        i: usize,
-        offsets: Option<&[u64]>,
-    ) -> Option<&'m dcp::StorageInfo> {
-        let storage = self.storage;
-        let (&fqn_key, cands) = self.by_fqn.get_key_value(fqn)?;
-        if let Some(&p) = cands.get(i)
-            && storage[p].0.offset.as_deref() == offsets
-        {
-            return Some(&storage[p].1);
-        }
-        let map = self.by_offsets.entry(fqn_key).or_insert_with(|| {
-            cands
-                .iter()
-                .map(|&q| (storage[q].0.offset.as_deref(), q))
-                .collect()
-        });
-        map.get(&offsets).map(|&q| &storage[q].1)
-    }
-}
-
-/// Indexes a DCP directory given the name of its `.metadata` file in the source.
-#[allow(
-    clippy::too_many_lines,
-    reason = "turns every `.metadata` item (tensors, bytes, zstd transforms, SAFETENSORS blobs) into entries in one pass"
-)]
-pub fn index_dcp(source: &dyn Source, metadata_name: &str) -> Result<CheckpointIndex, IndexError> {
     let bytes = crate::formats::read_all_capped(
         source,
         metadata_name,
@@ -83,23 +43,52 @@ pub fn index_dcp(source: &dyn Source, metadata_name: &str) -> Result<CheckpointI
         file: metadata_name.to_owned(),
         source,
     })?;
+    Ok((dcp::MetadataTable::from_metadata(meta), bytes.len() as u64))
+}
+
+/// Indexes a DCP directory given the name of its `.metadata` file in the source.
+pub fn index_dcp(source: &dyn Source, metadata_name: &str) -> Result<CheckpointIndex, IndexError> {
+    let (table, metadata_size) = metadata_table(source, metadata_name)?;
+    index_table(source, metadata_name, table, metadata_size)
+}
+
+/// The index of the DCP whose `.metadata` (`metadata_name`, of `metadata_size` bytes) reads as
+/// `table`.
+#[allow(
+    clippy::too_many_lines,
+    reason = "turns every `.metadata` item (tensors, bytes, zstd transforms, SAFETENSORS blobs) into entries in one pass"
+)]
+fn index_table(
+    source: &dyn Source,
+    metadata_name: &str,
+    table: dcp::MetadataTable,
+    metadata_size: u64,
+) -> Result<CheckpointIndex, IndexError> {
     let dir = metadata_name
         .rsplit_once('/')
         .map_or(String::new(), |(d, _)| format!("{d}/"));
-    let mut join = StorageJoin::new(&meta.storage);
+    // Per record file: its name in the source (shared by its chunks) and rank.
+    let names: Vec<(Arc<str>, Option<u32>)> = table
+        .files
+        .iter()
+        .map(|p| (Arc::from(format!("{dir}{p}")), dcp_rank(p)))
+        .collect();
     // Per data file: its size, and (SAFETENSORS serialization) its blob header.
     let mut file_sizes: BTreeMap<String, u64> = BTreeMap::new();
-    // Per `relative_path`: the file's name in the source, its size and rank (100 000 chunks name
-    // a few hundred files).
-    let mut data_files: FastMap<&str, (String, u64, Option<u32>)> = FastMap::default();
-    let mut blobs: HashMap<(String, u64), HashMap<String, (u64, u64)>> = HashMap::new();
+    // Per record file: its size, once a tensor chunk in it was seen.
+    let mut data_files: Vec<Option<u64>> = vec![None; names.len()];
+    let mut blobs: HashMap<(u32, u64), HashMap<String, (u64, u64)>> = HashMap::new();
     let mut safetensors_serialization = false;
-    let mut zip_files: FastMap<String, bool> = FastMap::default();
-    let mut entries = Vec::with_capacity(meta.items.len());
-    // The items are moved into the index (100 000 chunks' offsets and sizes are not copied).
-    for (key_owned, item) in meta.items {
-        let key = &key_owned;
-        let path: Vec<PathSeg> = match meta.planner_data.get(key) {
+    let mut zip_files: FastMap<u32, bool> = FastMap::default();
+    let mut entries = Vec::with_capacity(table.items.len());
+    let missing = |key: &str, offsets: Option<&[u64]>| IndexError::Inconsistent {
+        file: metadata_name.to_owned(),
+        what: format!("{key}: no storage_data record for the chunk at offsets {offsets:?}"),
+    };
+    // The items are moved into the index (a million chunks' offsets and sizes are not copied).
+    for item in table.items {
+        let key = &item.key;
+        let path: Vec<PathSeg> = match table.planner_data.get(key) {
             Some(steps) => steps
                 .iter()
                 .map(|s| match s {
@@ -111,74 +100,63 @@ pub fn index_dcp(source: &dyn Source, metadata_name: &str) -> Result<CheckpointI
         };
         let clean_path_v = clean_path(&path);
         let mut chunks = Vec::new();
-        let mut lookup =
-            |i: usize, offsets: Option<&[u64]>| -> Result<&dcp::StorageInfo, IndexError> {
-                join.find(key, i, offsets)
-                    .ok_or_else(|| IndexError::Inconsistent {
-                        file: metadata_name.to_owned(),
-                        what: format!(
-                            "{key}: no storage_data record for the chunk at offsets {offsets:?}"
-                        ),
-                    })
-            };
-        let (kind, dtype, shape) = match item {
-            ItemMeta::Bytes => {
-                let info = lookup(0, None)?;
-                let encoding = match dcp::item_transform(&info.transforms) {
-                    Ok(None) => ChunkEncoding::TorchSaveItem,
-                    Ok(Some(dcp::ItemTransform::Zstd)) => ChunkEncoding::ZstdTorchSaveItem,
-                    Err(what) => {
-                        return Err(IndexError::Unsupported {
-                            key: key.clone(),
-                            file: format!("{dir}{}", info.relative_path),
-                            what,
-                        });
-                    }
-                };
+        let (kind, dtype, shape) = match item.kind {
+            TableItemKind::Bytes { place } => {
+                let place = place.ok_or_else(|| missing(key, None))?;
+                let (file, rank) = &names[place.file as usize];
+                let encoding =
+                    match dcp::item_transform(&table.transforms[place.transforms as usize]) {
+                        Ok(None) => ChunkEncoding::TorchSaveItem,
+                        Ok(Some(dcp::ItemTransform::Zstd)) => ChunkEncoding::ZstdTorchSaveItem,
+                        Err(what) => {
+                            return Err(IndexError::Unsupported {
+                                key: key.clone(),
+                                file: file.to_string(),
+                                what,
+                            });
+                        }
+                    };
                 chunks.push(Chunk {
-                    offsets: Vec::new(),
-                    sizes: Vec::new(),
-                    file: format!("{dir}{}", info.relative_path),
-                    byte_offset: info.offset,
-                    byte_length: info.length,
-                    rank: dcp_rank(&info.relative_path),
+                    offsets: Dims::new(),
+                    sizes: Dims::new(),
+                    file: Arc::clone(file),
+                    byte_offset: place.offset,
+                    byte_length: place.length,
+                    rank: *rank,
                     encoding,
                 });
                 (EntryKind::Bytes, None, None)
             }
-            ItemMeta::Tensor {
+            TableItemKind::Tensor {
                 dtype,
                 size,
                 chunks: metas,
             } => {
                 chunks.reserve_exact(metas.len());
-                for (i, c) in metas.into_iter().enumerate() {
-                    let info = lookup(i, Some(&c.offsets))?;
-                    let (file, file_size, rank) = if let Some(facts) =
-                        data_files.get(&*info.relative_path)
-                    {
-                        facts.clone()
+                for c in metas {
+                    let place = c.place.ok_or_else(|| missing(key, Some(&c.offsets)))?;
+                    let (file, rank) = &names[place.file as usize];
+                    let file_size = if let Some(size) = data_files[place.file as usize] {
+                        size
                     } else {
-                        let file = format!("{dir}{}", info.relative_path);
-                        let size = source.size(&file).map_err(|_| IndexError::Inconsistent {
+                        let size = source.size(file).map_err(|_| IndexError::Inconsistent {
                             file: metadata_name.to_owned(),
                             what: format!("{key}: data file `{file}` is missing"),
                         })?;
-                        file_sizes.insert(file.clone(), size);
-                        let facts = (file, size, dcp_rank(&info.relative_path));
-                        data_files.insert(&*info.relative_path, facts.clone());
-                        facts
+                        file_sizes.insert(file.to_string(), size);
+                        data_files[place.file as usize] = Some(size);
+                        size
                     };
                     let mut chunk = Chunk {
                         offsets: c.offsets,
                         sizes: c.sizes,
-                        file,
-                        byte_offset: info.offset,
-                        byte_length: info.length,
-                        rank,
+                        file: Arc::clone(file),
+                        byte_offset: place.offset,
+                        byte_length: place.length,
+                        rank: *rank,
                         encoding: ChunkEncoding::TorchSaveItem,
                     };
-                    match dcp::item_transform(&info.transforms) {
+                    match dcp::item_transform(&table.transforms[place.transforms as usize]) {
                         Ok(None) => {}
                         Ok(Some(dcp::ItemTransform::Zstd)) => {
                             // A compressed torch.save archive (torch applies extensions to the
@@ -190,7 +168,7 @@ pub fn index_dcp(source: &dyn Source, metadata_name: &str) -> Result<CheckpointI
                         Err(what) => {
                             return Err(IndexError::Unsupported {
                                 key: key.clone(),
-                                file: chunk.file,
+                                file: chunk.file.to_string(),
                                 what,
                             });
                         }
@@ -198,38 +176,36 @@ pub fn index_dcp(source: &dyn Source, metadata_name: &str) -> Result<CheckpointI
                     // The serialization is decided once per file, from its first tensor item:
                     // a torch.save archive (default) or a safetensors blob (SAFETENSORS). Only
                     // that item's first bytes are read, never tensor data.
-                    let file = &chunk.file;
-                    let zip_file = if let Some(z) = zip_files.get(file) {
+                    let zip_file = if let Some(z) = zip_files.get(&place.file) {
                         *z
                     } else {
-                        let is_zip = if info.offset >= file_size {
+                        let is_zip = if place.offset >= file_size {
                             true // past the end: `check` reports it with the key
                         } else {
                             let head = source.read_range(
                                 file,
-                                info.offset,
-                                4.min(file_size - info.offset),
+                                place.offset,
+                                4.min(file_size - place.offset),
                             )?;
                             torch_zip::looks_like_zip(&head)
                         };
-                        zip_files.insert(file.clone(), is_zip);
+                        zip_files.insert(place.file, is_zip);
                         is_zip
                     };
                     if !zip_file {
                         safetensors_serialization = true;
-                        let blob_key = (file.clone(), info.offset);
-                        if !blobs.contains_key(&blob_key) {
-                            blobs.insert(
-                                blob_key.clone(),
-                                read_blob(source, file, info.offset, file_size)?,
-                            );
+                        let blob_key = (place.file, place.offset);
+                        if let std::collections::hash_map::Entry::Vacant(slot) =
+                            blobs.entry(blob_key)
+                        {
+                            slot.insert(read_blob(source, file, place.offset, file_size)?);
                         }
                         let Some((off, len)) = blobs[&blob_key].get(key.as_str()) else {
                             return Err(IndexError::Inconsistent {
-                                file: file.clone(),
+                                file: file.to_string(),
                                 what: format!(
                                     "{key}: the safetensors blob at byte {} has no tensor of this name",
-                                    info.offset
+                                    place.offset
                                 ),
                             });
                         };
@@ -248,20 +224,20 @@ pub fn index_dcp(source: &dyn Source, metadata_name: &str) -> Result<CheckpointI
         // A tensor's data files were sized when first seen (`data_files`); a bytes item's were not.
         if matches!(kind, EntryKind::Bytes) {
             for c in &chunks {
-                if !file_sizes.contains_key(&c.file) {
+                if !file_sizes.contains_key(&*c.file) {
                     let size = source.size(&c.file).map_err(|_| IndexError::Inconsistent {
                         file: metadata_name.to_owned(),
                         what: format!("{key}: data file `{}` is missing", c.file),
                     })?;
-                    file_sizes.insert(c.file.clone(), size);
+                    file_sizes.insert(c.file.to_string(), size);
                 }
             }
         }
         let clean_key = join_path(&clean_path_v);
         let (key_out, raw_key) = if clean_path_v == path {
-            (key.clone(), None)
+            (item.key, None)
         } else {
-            (clean_key, Some(key.clone()))
+            (clean_key, Some(item.key))
         };
         entries.push(IndexEntry {
             position: Some(entries.len() as u64),
@@ -298,7 +274,7 @@ pub fn index_dcp(source: &dyn Source, metadata_name: &str) -> Result<CheckpointI
     files.insert(
         metadata_name.to_owned(),
         FileInfo {
-            size: bytes.len() as u64,
+            size: metadata_size,
             rank: None,
             unreferenced_bytes: 0,
         },
@@ -317,10 +293,7 @@ pub fn index_dcp(source: &dyn Source, metadata_name: &str) -> Result<CheckpointI
             );
         }
     }
-    // `storage_data` holds a record (three strings, a vector) per chunk: freed off this thread.
-    drop(join);
-    drop(data_files);
-    drop_in_background((meta.storage, meta.planner_data));
+    drop_in_background(table.planner_data);
     Ok(CheckpointIndex {
         format: Format::Dcp,
         kind: if safetensors_serialization {
@@ -332,10 +305,10 @@ pub fn index_dcp(source: &dyn Source, metadata_name: &str) -> Result<CheckpointI
         entries,
         files,
         dcp: Some(DcpFacts {
-            version: meta.version,
-            checkpoint_id: meta.checkpoint_id,
-            save_id: meta.save_id,
-            metadata_globals: meta.globals,
+            version: table.version,
+            checkpoint_id: table.checkpoint_id,
+            save_id: table.save_id,
+            metadata_globals: table.globals,
         }),
     })
 }
@@ -400,62 +373,102 @@ fn read_blob(
 #[cfg(test)]
 mod tests {
     use super::*;
+    use crate::formats::dcp::test_pickle::{GenTensor, metadata};
+    use crate::source::MemorySource;
 
-    fn record(
-        fqn: &str,
-        offsets: Option<Vec<u64>>,
-        file: &str,
-    ) -> (dcp::StorageIndex, dcp::StorageInfo) {
+    const RANKS: u64 = 64;
+
+    fn tensors(
+        n: usize,
+        chunks: u64,
+        drop_record_of: Option<usize>,
+        reversed: bool,
+    ) -> Vec<GenTensor> {
+        (0..n)
+            .map(|i| GenTensor {
+                fqn: format!("model.layers{i}.weight"),
+                rows: chunks * (2 + i as u64 % 3),
+                cols: 3 + i as u64 % 4,
+                chunks,
+                reversed_records: reversed && i % 5 == 2,
+                drop_last_record: drop_record_of == Some(i),
+            })
+            .collect()
+    }
+
+    /// The `.metadata` and its data files (each starting like a `torch.save` archive).
+    fn checkpoint(meta: Vec<u8>) -> MemorySource {
+        let mut s = MemorySource::new();
+        s.insert(".metadata", meta);
+        for r in 0..RANKS {
+            let mut b = vec![0u8; 1 << 20];
+            b[..4].copy_from_slice(b"PK\x03\x04");
+            s.insert(format!("__{r}_0.distcp"), b);
+        }
+        s
+    }
+
+    /// The index from the streaming reader's table and from the general path's.
+    fn both_ways(
+        src: &MemorySource,
+    ) -> (
+        Result<CheckpointIndex, String>,
+        Result<CheckpointIndex, String>,
+    ) {
+        let size = src.size(".metadata").unwrap();
+        let bytes = src.read_all(".metadata").unwrap().into_owned();
+        let fast = dcp::read_table(src, ".metadata", size).expect("the streaming reader reads it");
+        let general = dcp::MetadataTable::from_metadata(dcp::read_metadata(&bytes).unwrap());
         (
-            dcp::StorageIndex {
-                fqn: fqn.into(),
-                offset: offsets.map(Vec::into_boxed_slice),
-                index: None,
-            },
-            dcp::StorageInfo {
-                relative_path: file.into(),
-                offset: 0,
-                length: 0,
-                transforms: Vec::new(),
-            },
+            index_table(src, ".metadata", fast, size).map_err(|e| e.to_string()),
+            index_table(src, ".metadata", general, size).map_err(|e| e.to_string()),
         )
     }
 
     #[test]
-    fn storage_join_in_order_out_of_order_and_missing() {
-        let storage = vec![
-            record("a", Some(vec![0, 0]), "a0"),
-            record("a", Some(vec![2, 0]), "a1"),
-            record("b", None, "b"),
-            // `c`'s records in the reverse order of its chunk list, and one repeated.
-            record("c", Some(vec![4]), "c2-first"),
-            record("c", Some(vec![2]), "c1"),
-            record("c", Some(vec![0]), "c0"),
-            record("c", Some(vec![4]), "c2-last"),
-        ];
-        let mut join = StorageJoin::new(&storage);
-        let path = |j: &mut StorageJoin<'_>, f: &str, i: usize, o: Option<&[u64]>| {
-            j.find(f, i, o).map(|info| info.relative_path.to_string())
-        };
+    fn a_metadata_of_many_chunks_gives_the_same_index_either_way() {
+        let src = checkpoint(metadata(
+            &tensors(12, 900, None, false),
+            RANKS,
+            Some("extra_state"),
+        ));
+        let (fast, general) = both_ways(&src);
+        let fast = fast.unwrap();
+        assert_eq!(Ok(&fast), general.as_ref());
+        assert_eq!(Ok(&fast), index_dcp(&src, ".metadata").as_ref());
+        assert_eq!(fast.entries.len(), 13);
+        let chunks: usize = fast.entries.iter().map(|e| e.chunks.len()).sum();
+        assert_eq!(chunks, 12 * 900 + 1);
+        assert!(fast.check().is_empty(), "{:?}", fast.check());
+        // One shared name per data file.
+        let e = fast.entry("model.layers3.weight").unwrap();
+        assert!(Arc::ptr_eq(
+            &e.chunks[0].file,
+            &fast.entry("model.layers4.weight").unwrap().chunks[0].file
+        ));
+    }
+
+    #[test]
+    fn records_out_of_order_and_missing_records_take_the_general_path() {
+        // Records in another order than the chunks: the streaming reader gives up, the index is
+        // the general path's (each chunk found by its offsets).
+        let src = checkpoint(metadata(&tensors(12, 40, None, true), RANKS, None));
+        let size = src.size(".metadata").unwrap();
+        assert!(dcp::read_table(&src, ".metadata", size).is_err());
+        let index = index_dcp(&src, ".metadata").unwrap();
+        assert!(index.check().is_empty());
         assert_eq!(
-            path(&mut join, "a", 0, Some(&[0, 0])).as_deref(),
-            Some("a0")
+            index.entries.iter().map(|e| e.chunks.len()).sum::<usize>(),
+            12 * 40
         );
-        assert_eq!(
-            path(&mut join, "a", 1, Some(&[2, 0])).as_deref(),
-            Some("a1")
+        // A chunk without a record: the general path's error.
+        let src = checkpoint(metadata(&tensors(4, 50, Some(2), false), RANKS, None));
+        let size = src.size(".metadata").unwrap();
+        assert!(dcp::read_table(&src, ".metadata", size).is_err());
+        let err = index_dcp(&src, ".metadata").unwrap_err().to_string();
+        assert!(
+            err.contains("model.layers2.weight: no storage_data record for the chunk at offsets Some([196, 0])"),
+            "{err}"
         );
-        assert_eq!(path(&mut join, "b", 0, None).as_deref(), Some("b"));
-        assert_eq!(path(&mut join, "c", 0, Some(&[0])).as_deref(), Some("c0"));
-        assert_eq!(path(&mut join, "c", 1, Some(&[2])).as_deref(), Some("c1"));
-        // Not at its position: the last record of those offsets, as a dict keeps it.
-        assert_eq!(
-            path(&mut join, "c", 2, Some(&[4])).as_deref(),
-            Some("c2-last")
-        );
-        assert_eq!(path(&mut join, "a", 0, Some(&[1, 0])), None);
-        assert_eq!(path(&mut join, "a", 5, Some(&[9, 9])), None);
-        assert_eq!(path(&mut join, "zzz", 0, None), None);
-        assert_eq!(path(&mut join, "b", 0, Some(&[0])), None);
     }
 }

@@ -71,9 +71,9 @@ pub(crate) fn index_safetensors(
                 .clone()
                 .unwrap_or_else(|| vec![0; t.shape.len()]);
             let chunk = Chunk {
-                offsets,
-                sizes: t.shape.clone(),
-                file: file.clone(),
+                offsets: offsets.into(),
+                sizes: t.shape.clone().into(),
+                file: file.clone().into(),
                 byte_offset: t.offset,
                 byte_length: t.len,
                 rank,

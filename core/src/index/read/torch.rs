@@ -180,9 +180,9 @@ fn raw_chunk(
             source,
         })?;
     Ok(Chunk {
-        offsets,
-        sizes: t.shape.clone(),
-        file: file.to_owned(),
+        offsets: offsets.into(),
+        sizes: t.shape.clone().into(),
+        file: file.to_owned().into(),
         byte_offset: range.offset,
         byte_length: range.len,
         rank,

@@ -307,7 +307,7 @@ fn index_safetensors_item(
                         ),
                     });
                 }
-                c.offsets.clone_from(&offsets);
+                c.offsets = offsets.clone().into();
                 c.rank = Some(*rank);
                 entry.chunks.push(c);
             }

@@ -1,12 +1,33 @@
 //! `torch.distributed.checkpoint` directories: the `.metadata` pickle and the items of the
 //! `__{rank}_{k}.distcp` files (each a standalone `torch.save` archive, or, in the SAFETENSORS
 //! serialization, one safetensors blob per file).
+//!
+//! A `.metadata` is read two ways. [`read_metadata`] runs the general pickle machine over the whole
+//! file into a [`DcpMetadata`] (every field, every record; errors name what is wrong).
+//! [`read_table`] streams it from a [`crate::source::Source`] straight into the compact
+//! [`MetadataTable`] the index is built from (a million chunks in about 80 bytes each, the file
+//! never held whole) and gives up ([`Unrecognised`]) on anything but the shapes torch writes; the
+//! index then falls back to [`read_metadata`] and [`MetadataTable::from_metadata`], so both paths
+//! give the same table for every file the streaming one reads.
 
 use std::collections::{BTreeMap, HashMap};
 use std::sync::Arc;
 
 use crate::dtype::DType;
 use crate::formats::pickle::{self, AttrCache, ObjRef, PickleError, PyRef};
+
+mod stream;
+#[cfg(test)]
+mod stream_tests;
+mod table;
+#[cfg(test)]
+pub(crate) mod test_pickle;
+mod values;
+mod window;
+
+pub use stream::read_table;
+pub use table::{ChunkPlace, MetadataTable, TableChunk, TableItem, TableItemKind};
+pub use window::Unrecognised;
 
 /// What went wrong while reading DCP metadata.
 #[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
@@ -125,21 +146,29 @@ fn string_of(v: PyRef<'_>) -> Option<String> {
         return None;
     }
     let parts: Vec<&str> = o.arg_items()?.filter_map(|p| p.as_str()).collect();
-    Some(
-        parts
-            .iter()
-            .enumerate()
-            .map(|(i, p)| {
-                if i == 0 {
-                    (*p).to_owned()
-                } else {
-                    p.trim_start_matches('/').to_owned()
-                }
-            })
-            .collect::<Vec<_>>()
-            .join("/")
-            .replace("//", "/"),
-    )
+    Some(join_path_parts(&parts))
+}
+
+/// The path a `pathlib` path's parts make.
+fn join_path_parts(parts: &[&str]) -> String {
+    parts
+        .iter()
+        .enumerate()
+        .map(|(i, p)| {
+            if i == 0 {
+                (*p).to_owned()
+            } else {
+                p.trim_start_matches('/').to_owned()
+            }
+        })
+        .collect::<Vec<_>>()
+        .join("/")
+        .replace("//", "/")
+}
+
+/// A `_StorageInfo.relative_path` that stays inside the checkpoint folder.
+fn storage_path_is_safe(path: &str) -> bool {
+    !(path.contains("..") || path.starts_with('/') || path.is_empty())
 }
 
 /// Parses the bytes of a `.metadata` file. The pickle is read as a node arena and DCP's classes
@@ -411,7 +440,7 @@ fn storage_info<'a>(
             .and_then(|p| p.as_str())
             .ok_or_else(|| malformed("_StorageInfo without relative_path"))?,
     );
-    if relative_path.contains("..") || relative_path.starts_with('/') || relative_path.is_empty() {
+    if !storage_path_is_safe(&relative_path) {
         return Err(malformed(format!(
             "_StorageInfo.relative_path {relative_path:?} leaves the checkpoint folder"
         )));
