@@ -153,6 +153,38 @@ async function checkpointTest(browser, port) {
   await page.close();
 }
 
+// The layout of an opened checkpoint with no model description (issue 24 item 1): a DCP app state
+// written by torch (tests/fixtures/app_state/dcp, `{"model": ...}` of a small Llama-like model) is
+// opened by the picker alone; the page derives the model and its units (the repeated blocks
+// `model.layers.N` and the root) and shows the layout. Expected: the FSDP units torch's
+// transformer_auto_wrap_policy built for the same model (tests/fixtures/app_state/auto_wrap_ws2.json,
+// one flat parameter per unit), and its unit prefixes named in the page's messages.
+async function derivedLayoutTest(browser, port) {
+  const dir = path.join(root, "tests/fixtures/app_state/dcp");
+  const torchUnits = JSON.parse(readFileSync(
+    path.join(root, "tests/fixtures/app_state/auto_wrap_ws2.json"), "utf8")).ranks[0].flat_params.length;
+  const page = await browser.newPage({ viewport: { width: 1400, height: 860 }, deviceScaleFactor: 1 });
+  const errors = [];
+  page.on("pageerror", (e) => errors.push(String(e)));
+  page.on("console", (m) => { if (m.type() === "error") errors.push(m.text()); });
+  await page.goto(`http://127.0.0.1:${port}/index.html?empty`);
+  await waitFor(() => page.evaluate(() => document.body.dataset.ready === "1"), "the viewer to start");
+  await page.setInputFiles("#files", [".metadata", "__0_0.distcp"].map((f) => path.join(dir, f)));
+  const shown = await waitFor(async () => {
+    const s = await page.textContent("#status");
+    return / \d+ units · \d+ chunks/.test(s) ? s : null;
+  }, "the derived layout");
+  console.log(`status with the derived layout: ${shown}`);
+  const m = shown.match(/ (\d+) units · /);
+  if (!m || Number(m[1]) !== torchUnits) {
+    fail(`torch's auto-wrap built ${torchUnits} units; the page shows: ${shown}`);
+  }
+  if (shown.includes("no model")) fail(`no model derived: ${shown}`);
+  if (errors.length) fail(`page errors: ${errors.join("\n")}`);
+  console.log(`PASS: derived layout of a torch-written app state (${torchUnits} units, as torch wrapped it)`);
+  await page.close();
+}
+
 // A/B compare in the page: a torch-written DCP (A, picked as a folder) against torch's edit of the
 // same state dict saved with torch.save (B, picked with "Compare files"), then the same pair
 // by URL (`?url=A&compare=B`). The page's report must equal `shardscope diff --json A B` run here
@@ -747,6 +779,7 @@ try {
   if (errors.length) fail(`page errors: ${errors.join("\n")}`);
   console.log(`PASS: browser test, layout (screenshot ${path.join(shots, "web.png")})`);
   await checkpointTest(browser, port);
+  await derivedLayoutTest(browser, port);
   await compareTest(browser);
   await presignedTest(browser);
   if (errors.length) fail(`page errors: ${errors.join("\n")}`);
