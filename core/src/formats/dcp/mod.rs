@@ -660,11 +660,12 @@ mod tests {
 
     /// Robustness of the `.metadata` reader on untrusted bytes: every torch-written `.metadata` in
     /// the repository parses; every truncation of one is an error; no byte flip panics.
-    mod robustness {
+    pub(super) mod robustness {
         use super::super::*;
         use std::path::PathBuf;
 
-        fn fixtures() -> Vec<(PathBuf, Vec<u8>)> {
+        /// Every `.metadata` under `tests/fixtures` and `examples`, sorted by path.
+        pub(in crate::formats::dcp) fn fixtures() -> Vec<(PathBuf, Vec<u8>)> {
             let root = PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("..");
             let mut out = Vec::new();
             let mut stack = vec![root.join("tests/fixtures"), root.join("examples")];

@@ -10,25 +10,10 @@ use super::window::Unrecognised;
 use super::{MetadataTable, TableItemKind, read_metadata};
 use crate::source::MemorySource;
 
+/// Every torch-written `.metadata` of the repository (the same list the reader's robustness
+/// tests walk), at least 10 of them.
 fn fixtures() -> Vec<(PathBuf, Vec<u8>)> {
-    let root = PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("..");
-    let mut out = Vec::new();
-    let mut stack = vec![root.join("tests/fixtures"), root.join("examples")];
-    while let Some(dir) = stack.pop() {
-        let Ok(entries) = std::fs::read_dir(&dir) else {
-            continue;
-        };
-        for e in entries.flatten() {
-            let p = e.path();
-            if p.is_dir() {
-                stack.push(p);
-            } else if p.file_name().is_some_and(|n| n == ".metadata") {
-                let bytes = std::fs::read(&p).unwrap();
-                out.push((p, bytes));
-            }
-        }
-    }
-    out.sort();
+    let out = super::tests::robustness::fixtures();
     assert!(out.len() >= 10, "found {} DCP fixtures", out.len());
     out
 }
