@@ -151,6 +151,29 @@ struct DeepFormatter {
 }
 
 impl DeepFormatter {
+    /// `[` or `{`: one level deeper, nothing in it yet.
+    fn open<W: ?Sized + Write>(&mut self, out: &mut W, bracket: &[u8]) -> std::io::Result<()> {
+        self.level += 1;
+        self.has_value = false;
+        out.write_all(bracket)
+    }
+
+    /// `]` or `}`: on a line of its own when the container held anything.
+    fn close<W: ?Sized + Write>(&mut self, out: &mut W, bracket: &[u8]) -> std::io::Result<()> {
+        self.level -= 1;
+        if self.has_value {
+            out.write_all(b"\n")?;
+            self.indent(out)?;
+        }
+        out.write_all(bracket)
+    }
+
+    /// The line break (and comma) before an array value or an object key.
+    fn next_line<W: ?Sized + Write>(&self, out: &mut W, first: bool) -> std::io::Result<()> {
+        out.write_all(if first { b"\n" } else { b",\n" })?;
+        self.indent(out)
+    }
+
     fn indent<W: ?Sized + Write>(&self, out: &mut W) -> std::io::Result<()> {
         const SPACES: [u8; 64] = [b' '; 64];
         let mut left = self.base + 2 * self.level;
@@ -165,18 +188,11 @@ impl DeepFormatter {
 
 impl serde_json::ser::Formatter for DeepFormatter {
     fn begin_array<W: ?Sized + Write>(&mut self, out: &mut W) -> std::io::Result<()> {
-        self.level += 1;
-        self.has_value = false;
-        out.write_all(b"[")
+        self.open(out, b"[")
     }
 
     fn end_array<W: ?Sized + Write>(&mut self, out: &mut W) -> std::io::Result<()> {
-        self.level -= 1;
-        if self.has_value {
-            out.write_all(b"\n")?;
-            self.indent(out)?;
-        }
-        out.write_all(b"]")
+        self.close(out, b"]")
     }
 
     fn begin_array_value<W: ?Sized + Write>(
@@ -184,8 +200,7 @@ impl serde_json::ser::Formatter for DeepFormatter {
         out: &mut W,
         first: bool,
     ) -> std::io::Result<()> {
-        out.write_all(if first { b"\n" } else { b",\n" })?;
-        self.indent(out)
+        self.next_line(out, first)
     }
 
     fn end_array_value<W: ?Sized + Write>(&mut self, _out: &mut W) -> std::io::Result<()> {
@@ -194,18 +209,11 @@ impl serde_json::ser::Formatter for DeepFormatter {
     }
 
     fn begin_object<W: ?Sized + Write>(&mut self, out: &mut W) -> std::io::Result<()> {
-        self.level += 1;
-        self.has_value = false;
-        out.write_all(b"{")
+        self.open(out, b"{")
     }
 
     fn end_object<W: ?Sized + Write>(&mut self, out: &mut W) -> std::io::Result<()> {
-        self.level -= 1;
-        if self.has_value {
-            out.write_all(b"\n")?;
-            self.indent(out)?;
-        }
-        out.write_all(b"}")
+        self.close(out, b"}")
     }
 
     fn begin_object_key<W: ?Sized + Write>(
@@ -213,8 +221,7 @@ impl serde_json::ser::Formatter for DeepFormatter {
         out: &mut W,
         first: bool,
     ) -> std::io::Result<()> {
-        out.write_all(if first { b"\n" } else { b",\n" })?;
-        self.indent(out)
+        self.next_line(out, first)
     }
 
     fn begin_object_value<W: ?Sized + Write>(&mut self, out: &mut W) -> std::io::Result<()> {

@@ -593,24 +593,15 @@ pub fn index_torch_checkpointing(
             claimed.insert(f.clone());
         }
         let ranked: Vec<(String, u32)> = files.iter().map(|(f, r, _)| (f.clone(), *r)).collect();
+        let with_ranks: Vec<(String, Option<u32>)> =
+            ranked.iter().map(|(f, r)| (f.clone(), Some(*r))).collect();
         let formats: BTreeSet<&str> = files.iter().map(|(_, _, f)| f.as_str()).collect();
         let index = match formats.iter().copied().collect::<Vec<_>>().as_slice() {
             ["SafetensorsSerialization"] => index_safetensors_item(source, item, &ranked, m)?,
-            ["TorchSerialization"] => index_torch_files_ranked(
-                source,
-                &ranked
-                    .iter()
-                    .map(|(f, r)| (f.clone(), Some(*r)))
-                    .collect::<Vec<_>>(),
-            )?,
-            [format @ ("JsonSerialization" | "RawSerialization")] => index_value_item(
-                source,
-                &ranked
-                    .iter()
-                    .map(|(f, r)| (f.clone(), Some(*r)))
-                    .collect::<Vec<_>>(),
-                *format == "JsonSerialization",
-            )?,
+            ["TorchSerialization"] => index_torch_files_ranked(source, &with_ranks)?,
+            [format @ ("JsonSerialization" | "RawSerialization")] => {
+                index_value_item(source, &with_ranks, *format == "JsonSerialization")?
+            }
             other => {
                 return Err(bad(format!(
                     "item `{item}`: serialization {other:?} is not read (torch.save, safetensors, JSON and raw items are, one serialization per item)"
@@ -625,7 +616,7 @@ pub fn index_torch_checkpointing(
         sets.push((
             RankGroup {
                 pattern,
-                files: ranked.iter().map(|(f, r)| (f.clone(), Some(*r))).collect(),
+                files: with_ranks,
             },
             class,
         ));
