@@ -39,6 +39,26 @@ pub trait Source {
     /// The bytes `offset..offset + len` of a file. Borrowed where the source can (memory).
     fn read_range(&self, name: &str, offset: u64, len: u64) -> Result<Cow<'_, [u8]>, SourceError>;
 
+    /// Reads the bytes `offset..offset + out.len()` of a file into `out`, for readers that move
+    /// one buffer through a large file (no buffer allocated, zeroed and freed per read). By
+    /// default a copy of [`Source::read_range`]; a source that reads into memory it owns anyway
+    /// (local files) reads straight into `out`.
+    fn read_range_into(&self, name: &str, offset: u64, out: &mut [u8]) -> Result<(), SourceError> {
+        let bytes = self.read_range(name, offset, out.len() as u64)?;
+        if bytes.len() != out.len() {
+            return Err(SourceError::Io {
+                name: name.to_owned(),
+                message: format!(
+                    "asked for {} bytes at offset {offset}, got {}",
+                    out.len(),
+                    bytes.len()
+                ),
+            });
+        }
+        out.copy_from_slice(&bytes);
+        Ok(())
+    }
+
     /// The bytes `offset..offset + len` of a file, of which only the first `head_bytes` and the
     /// last `tail_bytes` must be read: a source for which reading is costly (the network) may
     /// leave the middle zero. For readers that need only both ends of a large range (a
@@ -191,6 +211,9 @@ impl<S: Source + ?Sized> Source for &S {
     }
     fn read_range(&self, name: &str, offset: u64, len: u64) -> Result<Cow<'_, [u8]>, SourceError> {
         (**self).read_range(name, offset, len)
+    }
+    fn read_range_into(&self, name: &str, offset: u64, out: &mut [u8]) -> Result<(), SourceError> {
+        (**self).read_range_into(name, offset, out)
     }
     fn read_ends(
         &self,

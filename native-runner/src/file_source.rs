@@ -504,6 +504,10 @@ impl Source for FileSource {
         Ok(Cow::Owned(buf))
     }
 
+    fn read_range_into(&self, name: &str, offset: u64, out: &mut [u8]) -> Result<(), SourceError> {
+        self.read_into(name, offset, out)
+    }
+
     /// Reads only both ends, into the file's `Ends` mapping (lent out, no copy); the middle is
     /// zero and never touched, so a large item's tensor bytes cost neither a read nor memory.
     fn read_ends(

@@ -111,6 +111,13 @@ impl Source for Input {
         }
     }
 
+    fn read_range_into(&self, name: &str, offset: u64, out: &mut [u8]) -> Result<(), SourceError> {
+        match self {
+            Input::Local(s) => s.read_range_into(name, offset, out),
+            Input::Remote(s) => s.read_range_into(name, offset, out),
+        }
+    }
+
     fn read_ends(
         &self,
         name: &str,

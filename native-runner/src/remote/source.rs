@@ -134,6 +134,10 @@ impl Source for RemoteSource {
         Ok(Cow::Owned(out))
     }
 
+    fn read_range_into(&self, name: &str, offset: u64, out: &mut [u8]) -> Result<(), SourceError> {
+        self.read_into(name, offset, out)
+    }
+
     /// Several ranges of one file at once: each fetched exactly (no read-ahead block), up to
     /// [`PARALLEL_REQUESTS`] in flight, so a reader that needs many small pieces spread over a
     /// file (a `torch.save` file's local headers) waits for about one round trip per

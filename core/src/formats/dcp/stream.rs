@@ -31,6 +31,8 @@ use crate::formats::pickle::{Global, PickleLimits};
 use crate::shape::Dims;
 use crate::source::Source;
 
+pub(super) mod fast;
+
 type FastMap<K, V> = std::collections::HashMap<K, V, foldhash::fast::RandomState>;
 
 struct Machine<'s> {
@@ -59,6 +61,8 @@ struct Machine<'s> {
     chunk_keys: Keys<2>,
     index_keys: Keys<3>,
     info_keys: Keys<4>,
+    /// The keys and values of the record [`Machine::fast_record`] reads (kept for its capacity).
+    fast_pairs: Vec<V>,
 }
 
 impl Machine<'_> {
@@ -243,8 +247,23 @@ impl Machine<'_> {
     /// The DCP record an object of `class` with this `BUILD` state makes (`None` for other
     /// classes).
     fn record(&mut self, class: Class, state: &V) -> R<Option<V>> {
-        Ok(match (class, state) {
-            (Class::ChunkMeta, V::Dict(_, pairs)) => {
+        match state {
+            V::Dict(_, pairs) => self.record_of(class, pairs),
+            _ if matches!(
+                class,
+                Class::ChunkMeta | Class::TensorMeta | Class::MetadataIndex | Class::StorageInfo
+            ) =>
+            {
+                Err(un!())
+            }
+            _ => Ok(None),
+        }
+    }
+
+    /// [`Machine::record`] of a dict state given as its keys and values in turn.
+    fn record_of(&mut self, class: Class, pairs: &[V]) -> R<Option<V>> {
+        Ok(match class {
+            Class::ChunkMeta => {
                 let [offsets, sizes] =
                     cached_fields(pairs, &mut self.chunk_keys, ["offsets", "sizes"])?;
                 let (Some(offsets), Some(sizes)) =
@@ -254,8 +273,8 @@ impl Machine<'_> {
                 };
                 Some(V::Chunk(Box::new((offsets, sizes))))
             }
-            (Class::TensorMeta, V::Dict(_, pairs)) => Some(self.tensor_meta(pairs)?),
-            (Class::MetadataIndex, V::Dict(_, pairs)) => {
+            Class::TensorMeta => Some(self.tensor_meta(pairs)?),
+            Class::MetadataIndex => {
                 let [fqn, offset, index] =
                     cached_fields(pairs, &mut self.index_keys, ["fqn", "offset", "index"])?;
                 let fqn = fqn.and_then(V::as_str).ok_or_else(|| un!())?.clone();
@@ -266,7 +285,7 @@ impl Machine<'_> {
                 opt_u64(index)?;
                 Some(V::Index(Box::new(IndexRec { fqn, offsets })))
             }
-            (Class::StorageInfo, V::Dict(_, pairs)) => {
+            Class::StorageInfo => {
                 let [path, offset, length, transforms] = cached_fields(
                     pairs,
                     &mut self.info_keys,
@@ -297,10 +316,6 @@ impl Machine<'_> {
                     transforms,
                 })))
             }
-            (
-                Class::ChunkMeta | Class::TensorMeta | Class::MetadataIndex | Class::StorageInfo,
-                _,
-            ) => return Err(un!()),
             _ => None,
         })
     }
@@ -832,11 +847,15 @@ impl Machine<'_> {
                 }
                 b'h' => {
                     let i = u64::from(self.r.u8()?);
-                    self.memo_get(i)?;
+                    if !self.fast_record(i) {
+                        self.memo_get(i)?;
+                    }
                 }
                 b'j' => {
                     let i = self.r.uint::<4>()?;
-                    self.memo_get(i)?;
+                    if !self.fast_record(i) {
+                        self.memo_get(i)?;
+                    }
                 }
                 b'g' => {
                     let line = self.r.line()?;
@@ -1048,6 +1067,7 @@ pub(super) fn read_table_by(
         chunk_keys: Keys::default(),
         index_keys: Keys::default(),
         info_keys: Keys::default(),
+        fast_pairs: Vec::new(),
     };
     // Bytes after `STOP` are ignored, as by the general path.
     let root = m.run()?;

@@ -83,16 +83,44 @@ impl<'s> Reader<'s> {
         } else {
             self.window.max(need).min(self.size - start)
         };
-        self.win = self
-            .source
-            .read_range(self.name, start, len)
-            .map_err(|_| un!())?;
-        if self.win.len() as u64 != len {
-            return Err(un!());
+        if self.whole {
+            self.win = self
+                .source
+                .read_range(self.name, start, len)
+                .map_err(|_| un!())?;
+            if self.win.len() as u64 != len {
+                return Err(un!());
+            }
+        } else {
+            // One buffer moves through the file: a window is not allocated (and its pages
+            // faulted in and zeroed) per refill.
+            let len = usize::try_from(len).map_err(|_| un!())?;
+            let mut buf = match std::mem::take(&mut self.win) {
+                Cow::Owned(buf) => buf,
+                Cow::Borrowed(_) => Vec::new(),
+            };
+            buf.resize(len, 0);
+            self.source
+                .read_range_into(self.name, start, &mut buf)
+                .map_err(|_| un!())?;
+            self.win = Cow::Owned(buf);
         }
         self.win_start = start;
         self.pos = 0;
         Ok(())
+    }
+
+    /// The bytes of the window from the current position on.
+    #[inline]
+    pub(super) fn rest(&self) -> &[u8] {
+        &self.win[self.pos..]
+    }
+
+    /// Moves past `n` bytes of [`Reader::rest`].
+    #[inline]
+    pub(super) fn advance(&mut self, n: usize) {
+        debug_assert!(n <= self.win.len() - self.pos);
+        self.pos += n;
     }
 
     #[inline]
@@ -234,6 +262,21 @@ impl MemoNumbers {
             max: limits.max_memo,
             only_memoize,
         }
+    }
+
+    /// The index the next `MEMOIZE` writes, and how many it may write after it, when the pickle
+    /// writes only with `MEMOIZE`.
+    #[inline]
+    pub(super) fn next_memoize(&self) -> Option<(usize, usize)> {
+        self.only_memoize
+            .then(|| (self.count, self.max.saturating_sub(self.count)))
+    }
+
+    /// Takes the next `n` `MEMOIZE` indexes (within the room [`MemoNumbers::next_memoize`] gave).
+    #[inline]
+    pub(super) fn memoized(&mut self, n: usize) {
+        debug_assert!(self.only_memoize && self.count + n <= self.max);
+        self.count += n;
     }
 
     /// The index a put writes (`None` for `MEMOIZE`), or an error where the machine would fail.
