@@ -9,7 +9,6 @@
 
 use std::io::Write;
 
-use serde::ser::{Serialize, SerializeMap, Serializer};
 use serde_json::{Map, Value};
 
 use crate::index::{CheckpointIndex, Chunk, ChunkEncoding, IndexEntry};
@@ -43,6 +42,7 @@ pub fn write_pretty<W: Write>(
     }
     let text = serde_json::to_string_pretty(&doc)?;
     drop(doc);
+    let mut chunk_text = Vec::new();
     splice(&mut out, &text, 0, &index.entries, |out, entry, depth| {
         let mut value = serde_json::to_value(entry_without_chunks(entry))?;
         if let Some(fields) = value.as_object_mut() {
@@ -57,15 +57,7 @@ pub fn write_pretty<W: Write>(
             &entry.chunks,
             |out, chunk, depth| {
                 // Straight to the output, indented as `write_indented` would (a million chunks).
-                let mut ser = serde_json::Serializer::with_formatter(
-                    &mut *out,
-                    DeepFormatter {
-                        base: depth,
-                        level: 0,
-                        has_value: false,
-                    },
-                );
-                SortedChunk(chunk).serialize(&mut ser)
+                write_chunk(out, chunk, depth, &mut chunk_text).map_err(serde_json::Error::io)
             },
         )
     })
@@ -142,98 +134,6 @@ fn write_indented<W: Write>(
     Ok(())
 }
 
-/// `serde_json`'s pretty printer (two spaces a level) for a value printed at column `base`:
-/// every line after the first starts with `base` more spaces, as [`write_indented`] lays it out.
-struct DeepFormatter {
-    base: usize,
-    level: usize,
-    has_value: bool,
-}
-
-impl DeepFormatter {
-    /// `[` or `{`: one level deeper, nothing in it yet.
-    fn open<W: ?Sized + Write>(&mut self, out: &mut W, bracket: &[u8]) -> std::io::Result<()> {
-        self.level += 1;
-        self.has_value = false;
-        out.write_all(bracket)
-    }
-
-    /// `]` or `}`: on a line of its own when the container held anything.
-    fn close<W: ?Sized + Write>(&mut self, out: &mut W, bracket: &[u8]) -> std::io::Result<()> {
-        self.level -= 1;
-        if self.has_value {
-            out.write_all(b"\n")?;
-            self.indent(out)?;
-        }
-        out.write_all(bracket)
-    }
-
-    /// The line break (and comma) before an array value or an object key.
-    fn next_line<W: ?Sized + Write>(&self, out: &mut W, first: bool) -> std::io::Result<()> {
-        out.write_all(if first { b"\n" } else { b",\n" })?;
-        self.indent(out)
-    }
-
-    fn indent<W: ?Sized + Write>(&self, out: &mut W) -> std::io::Result<()> {
-        const SPACES: [u8; 64] = [b' '; 64];
-        let mut left = self.base + 2 * self.level;
-        while left > 0 {
-            let k = left.min(SPACES.len());
-            out.write_all(&SPACES[..k])?;
-            left -= k;
-        }
-        Ok(())
-    }
-}
-
-impl serde_json::ser::Formatter for DeepFormatter {
-    fn begin_array<W: ?Sized + Write>(&mut self, out: &mut W) -> std::io::Result<()> {
-        self.open(out, b"[")
-    }
-
-    fn end_array<W: ?Sized + Write>(&mut self, out: &mut W) -> std::io::Result<()> {
-        self.close(out, b"]")
-    }
-
-    fn begin_array_value<W: ?Sized + Write>(
-        &mut self,
-        out: &mut W,
-        first: bool,
-    ) -> std::io::Result<()> {
-        self.next_line(out, first)
-    }
-
-    fn end_array_value<W: ?Sized + Write>(&mut self, _out: &mut W) -> std::io::Result<()> {
-        self.has_value = true;
-        Ok(())
-    }
-
-    fn begin_object<W: ?Sized + Write>(&mut self, out: &mut W) -> std::io::Result<()> {
-        self.open(out, b"{")
-    }
-
-    fn end_object<W: ?Sized + Write>(&mut self, out: &mut W) -> std::io::Result<()> {
-        self.close(out, b"}")
-    }
-
-    fn begin_object_key<W: ?Sized + Write>(
-        &mut self,
-        out: &mut W,
-        first: bool,
-    ) -> std::io::Result<()> {
-        self.next_line(out, first)
-    }
-
-    fn begin_object_value<W: ?Sized + Write>(&mut self, out: &mut W) -> std::io::Result<()> {
-        out.write_all(b": ")
-    }
-
-    fn end_object_value<W: ?Sized + Write>(&mut self, _out: &mut W) -> std::io::Result<()> {
-        self.has_value = true;
-        Ok(())
-    }
-}
-
 /// The entry's serialized fields but its chunks (which [`write_pretty`] writes one at a time).
 fn entry_without_chunks(e: &IndexEntry) -> IndexEntry {
     let IndexEntry {
@@ -268,43 +168,91 @@ fn entry_without_chunks(e: &IndexEntry) -> IndexEntry {
     }
 }
 
-/// A [`Chunk`] serialized as `serde_json::to_value(chunk)` prints it: keys in sorted order (a
-/// JSON tree per chunk is what made `inspect --json` of a large DCP slow).
-struct SortedChunk<'a>(&'a Chunk);
-
-impl Serialize for SortedChunk<'_> {
-    fn serialize<S: Serializer>(&self, serializer: S) -> Result<S::Ok, S::Error> {
-        let Chunk {
-            offsets,
-            sizes,
-            file,
-            byte_offset,
-            byte_length,
-            rank,
-            encoding,
-        } = self.0;
-        let (tag, raw) = match encoding {
-            ChunkEncoding::Raw {
-                storage_offset,
-                strides,
-            } => ("raw", Some((storage_offset, strides))),
-            ChunkEncoding::TorchSaveItem => ("torch_save_item", None),
-            ChunkEncoding::ZstdTorchSaveItem => ("zstd_torch_save_item", None),
-        };
-        let mut map = serializer.serialize_map(None)?;
-        map.serialize_entry("byte_length", byte_length)?;
-        map.serialize_entry("byte_offset", byte_offset)?;
-        map.serialize_entry("encoding", tag)?;
-        map.serialize_entry("file", &**file)?;
-        map.serialize_entry("offsets", offsets)?;
-        map.serialize_entry("rank", rank)?;
-        map.serialize_entry("sizes", sizes)?;
-        if let Some((storage_offset, strides)) = raw {
-            map.serialize_entry("storage_offset", storage_offset)?;
-            map.serialize_entry("strides", strides)?;
-        }
-        map.end()
+/// Writes `chunk` as `serde_json::to_string_pretty(&serde_json::to_value(chunk))` prints it at
+/// column `base` (keys in sorted order, two spaces a level), with `text` as its buffer: a
+/// million chunks are written without a JSON tree, or a serializer call, per value.
+fn write_chunk<W: Write>(
+    out: &mut W,
+    chunk: &Chunk,
+    base: usize,
+    text: &mut Vec<u8>,
+) -> std::io::Result<()> {
+    fn pad(text: &mut Vec<u8>, n: usize) {
+        text.resize(text.len() + n, b' ');
     }
+    fn key(text: &mut Vec<u8>, base: usize, name: &str, first: bool) {
+        text.extend_from_slice(if first { b"\n" } else { b",\n" });
+        pad(text, base + 2);
+        text.push(b'"');
+        text.extend_from_slice(name.as_bytes());
+        text.extend_from_slice(b"\": ");
+    }
+    fn int(text: &mut Vec<u8>, v: u64) {
+        text.extend_from_slice(itoa::Buffer::new().format(v).as_bytes());
+    }
+    fn ints(text: &mut Vec<u8>, base: usize, values: &[u64]) {
+        if values.is_empty() {
+            text.extend_from_slice(b"[]");
+            return;
+        }
+        text.push(b'[');
+        for (i, &v) in values.iter().enumerate() {
+            text.extend_from_slice(if i == 0 { b"\n" } else { b",\n" });
+            pad(text, base + 4);
+            int(text, v);
+        }
+        text.push(b'\n');
+        pad(text, base + 2);
+        text.push(b']');
+    }
+    let Chunk {
+        offsets,
+        sizes,
+        file,
+        byte_offset,
+        byte_length,
+        rank,
+        encoding,
+    } = chunk;
+    let (tag, raw) = match encoding {
+        ChunkEncoding::Raw {
+            storage_offset,
+            strides,
+        } => ("raw", Some((storage_offset, strides))),
+        ChunkEncoding::TorchSaveItem => ("torch_save_item", None),
+        ChunkEncoding::ZstdTorchSaveItem => ("zstd_torch_save_item", None),
+    };
+    text.clear();
+    text.push(b'{');
+    key(text, base, "byte_length", true);
+    int(text, *byte_length);
+    key(text, base, "byte_offset", false);
+    int(text, *byte_offset);
+    key(text, base, "encoding", false);
+    text.push(b'"');
+    text.extend_from_slice(tag.as_bytes());
+    text.push(b'"');
+    key(text, base, "file", false);
+    serde_json::to_writer(&mut *text, &**file).map_err(std::io::Error::from)?;
+    key(text, base, "offsets", false);
+    ints(text, base, offsets);
+    key(text, base, "rank", false);
+    match rank {
+        Some(r) => int(text, u64::from(*r)),
+        None => text.extend_from_slice(b"null"),
+    }
+    key(text, base, "sizes", false);
+    ints(text, base, sizes);
+    if let Some((storage_offset, strides)) = raw {
+        key(text, base, "storage_offset", false);
+        int(text, *storage_offset);
+        key(text, base, "strides", false);
+        ints(text, base, strides);
+    }
+    text.push(b'\n');
+    pad(text, base);
+    text.push(b'}');
+    out.write_all(text)
 }
 
 #[cfg(test)]
@@ -347,6 +295,16 @@ mod tests {
                 c.encoding = ChunkEncoding::ZstdTorchSaveItem;
                 c.rank = None;
                 e.chunks.push(c);
+                // A bytes item's chunk (no offsets, no sizes) and large numbers.
+                e.chunks.push(Chunk {
+                    offsets: Vec::new().into(),
+                    sizes: Vec::new().into(),
+                    file: "__1023_0.distcp".into(),
+                    byte_offset: u64::MAX,
+                    byte_length: 1 << 40,
+                    rank: Some(u32::MAX),
+                    encoding: ChunkEncoding::TorchSaveItem,
+                });
             }
             if i == 2 {
                 e.chunks.clear();
