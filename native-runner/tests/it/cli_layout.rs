@@ -17,7 +17,10 @@ fn shardscope(args: &[&str]) -> Output {
 }
 
 fn write_model(name: &str, json: &Value) -> PathBuf {
-    let dir = std::env::temp_dir().join(format!("shardscope-cli-layout-{}", std::process::id()));
+    // Under cargo's scratch folder for integration tests (target/tmp), not the system's /tmp:
+    // the files outlive the test process, which cannot remove them at exit.
+    let dir = PathBuf::from(env!("CARGO_TARGET_TMPDIR"))
+        .join(format!("shardscope-cli-layout-{}", std::process::id()));
     std::fs::create_dir_all(&dir).unwrap();
     // Tests run in parallel: every call gets its own file.
     let n = NEXT.fetch_add(1, std::sync::atomic::Ordering::Relaxed);

@@ -31,7 +31,7 @@ thread_local! {
 const MAX_PAIRS: usize = 8;
 
 /// At most this many dims in a `torch.Size` read by the shortcut.
-const MAX_DIMS: usize = 64;
+const MAX_DIMS: usize = 8;
 
 /// Stack room the opcodes of one record would use at most (the shortcut leaves records to them
 /// near the limit, where they give up).
