@@ -101,6 +101,13 @@ pub trait Source {
         false
     }
 
+    /// True when [`Source::read_range`] lends bytes the source already holds (memory) instead
+    /// of reading them into a new buffer: a reader moving through a large file then borrows
+    /// each window rather than copying it with [`Source::read_range_into`].
+    fn lends_ranges(&self) -> bool {
+        false
+    }
+
     /// True when a read is a local operation (memory, a local file), not a request over the
     /// network: checks that read many small pieces (every bytes item of a DCP) are affordable.
     fn reads_are_local(&self) -> bool {
@@ -180,6 +187,10 @@ impl Source for MemorySource {
         true
     }
 
+    fn lends_ranges(&self) -> bool {
+        true
+    }
+
     fn names(&self) -> Vec<String> {
         self.files.keys().cloned().collect()
     }
@@ -234,6 +245,9 @@ impl<S: Source + ?Sized> Source for &S {
     }
     fn whole_reads_are_cheap(&self) -> bool {
         (**self).whole_reads_are_cheap()
+    }
+    fn lends_ranges(&self) -> bool {
+        (**self).lends_ranges()
     }
     fn reads_are_local(&self) -> bool {
         (**self).reads_are_local()

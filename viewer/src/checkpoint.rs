@@ -202,27 +202,40 @@ impl Source for FsSource {
             })
     }
 
+    /// A positioned read into a new buffer ([`Source::read_range_into`]).
+    fn read_range(&self, name: &str, offset: u64, len: u64) -> Result<Cow<'_, [u8]>, SourceError> {
+        let path = self.path(name)?;
+        // The range is checked before anything is allocated for it.
+        shardscope_core::source::checked_range(name, offset, len, self.size(name)?)?;
+        let len = usize::try_from(len).map_err(|_| SourceError::Io {
+            name: path.display().to_string(),
+            message: format!("cannot hold {len} bytes of it in memory"),
+        })?;
+        let mut buf = Vec::new();
+        buf.try_reserve_exact(len).map_err(|_| SourceError::Io {
+            name: path.display().to_string(),
+            message: format!("cannot hold {len} bytes of it in memory"),
+        })?;
+        buf.resize(len, 0);
+        self.read_range_into(name, offset, &mut buf)?;
+        Ok(Cow::Owned(buf))
+    }
+
     /// A positioned read (never a memory map: a file truncated while it is read is an error
     /// naming it, not a `SIGBUS`).
-    fn read_range(&self, name: &str, offset: u64, len: u64) -> Result<Cow<'_, [u8]>, SourceError> {
+    fn read_range_into(&self, name: &str, offset: u64, out: &mut [u8]) -> Result<(), SourceError> {
         use std::os::unix::fs::FileExt;
         let path = self.path(name)?;
         let io = |what: &str, e: std::io::Error| SourceError::Io {
             name: path.display().to_string(),
             message: format!("{what}: {e}"),
         };
+        let len = out.len() as u64;
         let file = std::fs::File::open(path).map_err(|e| io("cannot open", e))?;
         let size = file.metadata().map_err(|e| io("cannot stat", e))?.len();
-        let (start, end) = shardscope_core::source::checked_range(name, offset, len, size)?;
-        let mut buf = Vec::new();
-        buf.try_reserve_exact(end - start)
-            .map_err(|_| SourceError::Io {
-                name: path.display().to_string(),
-                message: format!("cannot hold {len} bytes of it in memory"),
-            })?;
-        buf.resize(end - start, 0);
-        match file.read_exact_at(&mut buf, offset) {
-            Ok(()) => Ok(Cow::Owned(buf)),
+        shardscope_core::source::checked_range(name, offset, len, size)?;
+        match file.read_exact_at(out, offset) {
+            Ok(()) => Ok(()),
             Err(e) if e.kind() == std::io::ErrorKind::UnexpectedEof => {
                 let now = file.metadata().map_or(0, |m| m.len());
                 Err(SourceError::Io {
@@ -377,6 +390,9 @@ impl Source for SharedMemory {
     }
     fn whole_reads_are_cheap(&self) -> bool {
         self.0.whole_reads_are_cheap()
+    }
+    fn lends_ranges(&self) -> bool {
+        self.0.lends_ranges()
     }
     fn reads_are_local(&self) -> bool {
         self.0.reads_are_local()

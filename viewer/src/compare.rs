@@ -372,8 +372,15 @@ impl Source for Cancellable<'_> {
         self.check(name)?;
         self.inner.read_ranges(name, ranges)
     }
+    fn read_range_into(&self, name: &str, offset: u64, out: &mut [u8]) -> Result<(), SourceError> {
+        self.check(name)?;
+        self.inner.read_range_into(name, offset, out)
+    }
     fn whole_reads_are_cheap(&self) -> bool {
         self.inner.whole_reads_are_cheap()
+    }
+    fn lends_ranges(&self) -> bool {
+        self.inner.lends_ranges()
     }
     fn reads_are_local(&self) -> bool {
         self.inner.reads_are_local()

@@ -376,6 +376,11 @@ pub fn first_ranges(name: &str, size: u64) -> Vec<(String, u64, u64)> {
 }
 
 impl Source for LazySource {
+    /// Yes: ranges are served from the segments fetched before.
+    fn lends_ranges(&self) -> bool {
+        true
+    }
+
     fn names(&self) -> Vec<String> {
         self.files.keys().cloned().collect()
     }

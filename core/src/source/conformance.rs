@@ -33,6 +33,9 @@ pub fn violations(source: &dyn Source, files: &BTreeMap<String, Vec<u8>>) -> Vec
     if source.read_range(unknown, 0, 1).is_ok() {
         out.push(format!("read_range(`{unknown}`) succeeded"));
     }
+    if source.read_range_into(unknown, 0, &mut [0]).is_ok() {
+        out.push(format!("read_range_into(`{unknown}`) succeeded"));
+    }
     out
 }
 
@@ -71,6 +74,15 @@ fn check_file(source: &dyn Source, name: &str, bytes: &[u8], out: &mut Vec<Strin
                 got.len()
             )),
             Err(e) => out.push(format!("read_range(`{name}`, {offset}, {n}): {e}")),
+        }
+        // The same range into a buffer that held other bytes.
+        let mut buf = vec![0xa5; n as usize];
+        match source.read_range_into(name, offset, &mut buf) {
+            Ok(()) if buf == want => {}
+            Ok(()) => out.push(format!(
+                "read_range_into(`{name}`, {offset}, {n}): not the file's bytes"
+            )),
+            Err(e) => out.push(format!("read_range_into(`{name}`, {offset}, {n}): {e}")),
         }
     }
     match source.read_ranges(name, &ranges) {
@@ -119,6 +131,15 @@ fn check_file(source: &dyn Source, name: &str, bytes: &[u8], out: &mut Vec<Strin
         if source.read_range(name, offset, n).is_ok() {
             out.push(format!(
                 "read_range(`{name}`, {offset}, {n}) past the end succeeded"
+            ));
+        }
+        if n <= len + 1
+            && source
+                .read_range_into(name, offset, &mut vec![0; n as usize])
+                .is_ok()
+        {
+            out.push(format!(
+                "read_range_into(`{name}`, {offset}, {n}) past the end succeeded"
             ));
         }
     }

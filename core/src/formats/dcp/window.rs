@@ -44,6 +44,8 @@ pub(super) struct Reader<'s> {
     name: &'s str,
     pub(super) size: u64,
     whole: bool,
+    /// The source lends its bytes: windows are borrowed, not copied into `win`.
+    lends: bool,
     window: u64,
     win: Cow<'s, [u8]>,
     /// The file offset of `win[0]`.
@@ -60,6 +62,7 @@ impl<'s> Reader<'s> {
             name,
             size,
             whole,
+            lends: source.lends_ranges(),
             window: window.max(1),
             win: Cow::Borrowed(&[]),
             win_start: 0,
@@ -83,7 +86,7 @@ impl<'s> Reader<'s> {
         } else {
             self.window.max(need).min(self.size - start)
         };
-        if self.whole {
+        if self.whole || self.lends {
             self.win = self
                 .source
                 .read_range(self.name, start, len)
