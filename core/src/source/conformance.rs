@@ -122,6 +122,11 @@ fn check_file(source: &dyn Source, name: &str, bytes: &[u8], out: &mut Vec<Strin
         )),
         Err(e) => out.push(format!("read_ends(`{name}`): {e}")),
     }
+    check_past_end(source, name, len, out);
+}
+
+/// Reads past the end of a file of `len` bytes: errors, never bytes.
+fn check_past_end(source: &dyn Source, name: &str, len: u64, out: &mut Vec<String>) {
     for (offset, n) in [
         (len, 1),
         (len.saturating_add(1), 0),
