@@ -254,7 +254,8 @@ fn ambiguity(sets: &[FileSet]) -> Option<String> {
 }
 
 /// For a folder of `torch.save` files only, with some at its top level and some in subfolders: the
-/// top-level names and the nested ones.
+/// top-level names (all of them: the JSON and raw items beside the sets too) and the nested
+/// `torch.save` files.
 fn top_level_torch(names: &[String]) -> Option<(Vec<String>, Vec<String>)> {
     // A torch_checkpointing folder (`metadata.pkl`) reads itself: its subfolders hold its items.
     let other = names
@@ -265,7 +266,8 @@ fn top_level_torch(names: &[String]) -> Option<(Vec<String>, Vec<String>)> {
         .filter(|n| index::is_torch_file(n))
         .cloned()
         .partition(|n| n.contains('/'));
-    (!other && !top.is_empty() && !nested.is_empty()).then_some((top, nested))
+    let top_names = names.iter().filter(|n| !n.contains('/')).cloned().collect();
+    (!other && !top.is_empty() && !nested.is_empty()).then_some((top_names, nested))
 }
 
 /// Checks that the per-rank sets read (of more than one file) are ranks `0..N` and that the model's and the optimizer's
@@ -340,32 +342,31 @@ impl Checkpoint {
         };
         let mut notes = Vec::new();
         let names = source.names();
-        let (index, read): (CheckpointIndex, Vec<ReadSet>) = if options.model_files.is_some()
-            || options.optim_files.is_some()
-        {
-            let names = source.names();
-            let groups = files::named_sets(
-                source,
-                label,
-                &names,
-                options.model_files.as_deref(),
-                options.optim_files.as_deref(),
-            )?;
-            let (index, classes) = index::index_torch_sets(source, &groups).map_err(index_err)?;
-            (index, groups.into_iter().zip(classes).collect())
-        } else if let Some((top, nested)) = top_level_torch(&source.names()) {
-            // Per-rank files at the top, other torch.save files in subfolders (a trainer's
-            // reference copies, other checkpoints): the top level is the checkpoint.
-            notes.push(format!(
+        let (index, read, read_notes): (CheckpointIndex, Vec<ReadSet>, Vec<String>) =
+            if options.model_files.is_some() || options.optim_files.is_some() {
+                let names = source.names();
+                let groups = files::named_sets(
+                    source,
+                    label,
+                    &names,
+                    options.model_files.as_deref(),
+                    options.optim_files.as_deref(),
+                )?;
+                let (index, classes) =
+                    index::index_torch_sets(source, &groups).map_err(index_err)?;
+                (index, groups.into_iter().zip(classes).collect(), Vec::new())
+            } else if let Some((top, nested)) = top_level_torch(&source.names()) {
+                // Per-rank files at the top, other torch.save files in subfolders (a trainer's
+                // reference copies, other checkpoints): the top level is the checkpoint.
+                notes.push(format!(
                 "{label}: torch.save files in subfolders are not read ({}); name one to read it",
                 nested.join(", ")
             ));
-            let groups = index::group_rank_files(&top);
-            let (index, classes) = index::index_torch_sets(source, &groups).map_err(index_err)?;
-            (index, groups.into_iter().zip(classes).collect())
-        } else {
-            index::index_source_sets(source).map_err(index_err)?
-        };
+                index::index_rank_folder(source, &top).map_err(index_err)?
+            } else {
+                index::index_source_read(source).map_err(index_err)?
+            };
+        notes.extend(read_notes.into_iter().map(|n| format!("{label}: {n}")));
         complete(label, &read, &mut notes)?;
         let sets: Vec<FileSet> = read
             .into_iter()

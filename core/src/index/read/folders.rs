@@ -157,8 +157,7 @@ pub fn index_dcp_folders(
     }
     // The HF Trainer's own state (global step, epoch, log history), as values.
     if source.contains(TRAINER_STATE) {
-        let index =
-            crate::index::read::torch_checkpointing::index_json_item(source, TRAINER_STATE)?;
+        let index = crate::index::read::items::index_json_item(source, TRAINER_STATE)?;
         for e in index.entries {
             merged.entries.push(prefixed(e, "extra.trainer_state"));
         }
