@@ -10,10 +10,10 @@
 //! torch_checkpointing writes `metadata.pkl` only when an item declares a resharder; without it a
 //! folder is `<item>_<rank>.<ext>` files alone (`model_0.pt`, `train_state_0.json`, `x_0.bin`).
 //! [`index_rank_folder`] reads such a folder, and any folder of per-rank `torch.save` sets, whole:
-//! each per-rank set of files that are not `torch.save` archives (by name: `.pt`, `.pth`, `.ckpt`,
-//! `.tar`; else by their first bytes, a zip) is an item under `extra` (JSON when its files end in
-//! `.json`), and every other file that is not a `torch.save` archive is named in a note as not
-//! read, never left out silently.
+//! each per-rank set of files that are not `torch.save` files (by name: `.pt`, `.pth`, `.ckpt`,
+//! `.tar`; else by their first bytes: a zip or a legacy `torch.save` pickle) is an item under
+//! `extra` (JSON when its files end in `.json`), and every other file that is not a `torch.save`
+//! file is named in a note as not read, never left out silently.
 
 use std::collections::BTreeMap;
 
@@ -78,16 +78,12 @@ fn flatten_json(v: &Value, path: &mut Vec<PathSeg>, out: &mut Vec<IndexEntry>) {
     out.push(entry);
 }
 
-/// Whether `name` is a `torch.save` archive by its first bytes (a zip), or by its name when it
-/// cannot be anything else (`.pt`, `.pth`, `.ckpt`, `.tar`: read as one, so that a damaged file is
-/// an error naming it, not a raw item).
+/// Whether `name` is a `torch.save` file by its first bytes (a zip, or a legacy `torch.save`
+/// pickle), or by its name when it cannot be anything else (`.pt`, `.pth`, `.ckpt`, `.tar`: read
+/// as one, so that a damaged file is an error naming it, not a raw item).
 pub(crate) fn is_torch_item_file(source: &dyn Source, name: &str) -> bool {
-    matches!(
-        crate::index::names::file_ext(name),
-        "pt" | "pth" | "ckpt" | "tar"
-    ) || source
-        .read_range(name, 0, 4)
-        .is_ok_and(|b| b.as_ref() == b"PK\x03\x04")
+    matches!(file_ext(name), "pt" | "pth" | "ckpt" | "tar")
+        || starts_as_torch_save(source, name).unwrap_or(false)
 }
 
 /// The item a set of files names: its file name without the rank and extension, else its folder
@@ -222,12 +218,18 @@ struct RankFolder {
     unread: Vec<String>,
 }
 
-/// Whether `name` starts as a zip (a `torch.save` archive) does.
-fn starts_as_zip(source: &dyn Source, name: &str) -> Result<bool, IndexError> {
-    if source.size(name)? < 4 {
-        return Ok(false);
-    }
-    Ok(source.read_range(name, 0, 4)?.as_ref() == b"PK\x03\x04")
+/// The pickled magic number a legacy (non-zip) `torch.save` file starts with (after the pickle's
+/// protocol and, from protocol 4, frame opcodes): `LONG1` of `0x1950a86a20f9469cfc6c`.
+const LEGACY_TORCH_MAGIC: &[u8] = b"\x8a\x0a\x6c\xfc\x9c\x46\xf9\x20\x6a\xa8\x50\x19";
+
+/// Whether `name` starts as a `torch.save` file does: a zip, or a legacy `torch.save` pickle
+/// (read as one, so that the reader's error names it rather than it being taken for bytes).
+fn starts_as_torch_save(source: &dyn Source, name: &str) -> Result<bool, IndexError> {
+    let head = source.read_range(name, 0, source.size(name)?.min(32))?;
+    Ok(head.starts_with(b"PK\x03\x04")
+        || head
+            .windows(LEGACY_TORCH_MAGIC.len())
+            .any(|w| w == LEGACY_TORCH_MAGIC))
 }
 
 /// Sorts `names` (hidden files left out) into `torch.save` sets, per-rank value items and files
@@ -246,7 +248,7 @@ fn sort_rank_folder(source: &dyn Source, names: &[String]) -> Result<RankFolder,
         let mut torch = by_name;
         if !torch && per_rank && file_ext(&group.pattern) != "safetensors" {
             for (f, _) in &group.files {
-                if starts_as_zip(source, f)? {
+                if starts_as_torch_save(source, f)? {
                     torch = true;
                     break;
                 }
@@ -336,4 +338,89 @@ pub fn index_rank_folder(source: &dyn Source, names: &[String]) -> Result<Folder
         listed(&read_as)
     ));
     Ok((merge_sets(parts), sets, notes))
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::source::MemorySource;
+
+    #[test]
+    fn value_items_are_named_by_file_or_folder() {
+        let group = |pattern: &str, file: &str| RankGroup {
+            pattern: pattern.to_owned(),
+            files: vec![(file.to_owned(), Some(0))],
+        };
+        assert_eq!(
+            item_name(&group("train_state_{R}.json", "train_state_0.json")),
+            "train_state"
+        );
+        assert_eq!(
+            item_name(&group("rank_{R}.bin", "dataloader/rank_0.bin")),
+            "dataloader"
+        );
+    }
+
+    #[test]
+    fn folders_sort_into_torch_sets_items_and_files_not_read() {
+        let zip = b"PK\x03\x04rest".to_vec();
+        // The head torch 2.15 writes with `_use_new_zipfile_serialization=False`.
+        let legacy =
+            b"\x80\x02\x8a\x0a\x6c\xfc\x9c\x46\xf9\x20\x6a\xa8\x50\x19\x2e\x80\x02".to_vec();
+        let raw = b"\x80\x02}q\x00.".to_vec();
+        let source = MemorySource::new()
+            .with("model_0.pt", b"damaged".to_vec())
+            .with("model_1.pt", zip.clone())
+            .with("train_state_0.json", b"{}".to_vec())
+            .with("train_state_1.json", b"{}".to_vec())
+            .with("x_0.bin", raw.clone())
+            .with("x_1.bin", b"ab".to_vec())
+            .with("y_0.bin", b"damaged".to_vec())
+            .with("y_1.bin", zip.clone())
+            .with("old_0.bin", legacy.clone())
+            .with("old_1.bin", legacy)
+            .with("acc_0.pkl", zip)
+            .with("acc_1.pkl", b"damaged".to_vec())
+            .with("scheduler.bin", raw)
+            .with("README.txt", b"hi".to_vec())
+            .with("config.json", b"{}".to_vec())
+            .with(".hidden", b"x".to_vec())
+            .with("sub/.metadata_like", b"x".to_vec());
+        let folder = sort_rank_folder(&source, &source.names()).unwrap();
+        let patterns = |groups: Vec<&RankGroup>| -> Vec<String> {
+            groups.into_iter().map(|g| g.pattern.clone()).collect()
+        };
+        // Damaged archives stay torch.save sets (their reader names them); `scheduler.bin`
+        // without a rank is read as torch.save, as before.
+        assert_eq!(
+            patterns(folder.torch.iter().collect()),
+            vec![
+                "acc_{R}.pkl",
+                "model_{R}.pt",
+                "old_{R}.bin",
+                "scheduler.bin",
+                "y_{R}.bin"
+            ]
+        );
+        assert_eq!(
+            folder
+                .values
+                .iter()
+                .map(|(g, json)| (g.pattern.as_str(), *json))
+                .collect::<Vec<_>>(),
+            vec![("train_state_{R}.json", true), ("x_{R}.bin", false)]
+        );
+        assert_eq!(folder.unread, vec!["README.txt", "config.json"]);
+    }
+
+    #[test]
+    fn notes_name_at_most_ten_files() {
+        let names: Vec<String> = (0..12).map(|i| format!("f{i}")).collect();
+        assert_eq!(listed(&names[..2]), "f0, f1");
+        assert!(
+            listed(&names).ends_with("f9 and 2 more"),
+            "{}",
+            listed(&names)
+        );
+    }
 }
