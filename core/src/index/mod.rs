@@ -61,18 +61,20 @@ pub fn index_source_read(source: &dyn Source) -> Result<FolderRead, IndexError> 
     let names = source.names();
     if names.iter().any(|n| n == ".metadata") {
         // torch.save files beside it (Lightning's meta.pt, Megatron's common.pt) are read too.
-        if names.iter().any(|n| !n.contains('/') && is_torch_file(n)) {
-            let (index, sets) =
-                read::folders::index_dcp_folders(source, &[".metadata".to_owned()])?;
-            return Ok((index, sets, Vec::new()));
+        // So are the per-rank JSON and raw items beside it, and other files are named as not
+        // read.
+        if names
+            .iter()
+            .any(|n| !n.contains('/') && !n.starts_with('.') && file_ext(n) != "distcp")
+        {
+            return read::folders::index_dcp_folders(source, &[".metadata".to_owned()]);
         }
         return Ok((index_dcp(source, ".metadata")?, Vec::new(), Vec::new()));
     }
     // DCP folders one level down (a trainer's folder: accelerate's `save_state`, `checkpoint-N`).
     let nested = read::folders::nested_dcp_metadata(&names);
     if !nested.is_empty() {
-        let (index, sets) = read::folders::index_dcp_folders(source, &nested)?;
-        return Ok((index, sets, Vec::new()));
+        return read::folders::index_dcp_folders(source, &nested);
     }
     if let Some(meta) = names.iter().find(|n| n.ends_with("/.metadata")) {
         return Ok((index_dcp(source, meta)?, Vec::new(), Vec::new()));

@@ -209,13 +209,13 @@ pub(crate) fn index_value_item(
 
 /// A per-rank folder's files sorted by what they are ([`sort_rank_folder`]).
 #[derive(Debug, Default)]
-struct RankFolder {
+pub(crate) struct RankFolder {
     /// Sets of `torch.save` archives (a file without a rank is a set of one).
-    torch: Vec<RankGroup>,
+    pub(crate) torch: Vec<RankGroup>,
     /// Per-rank sets of files that are not `torch.save` archives, each with whether it is JSON.
-    values: Vec<(RankGroup, bool)>,
+    pub(crate) values: Vec<(RankGroup, bool)>,
     /// Files that are neither: not `torch.save` archives and not per rank (`README.txt`).
-    unread: Vec<String>,
+    pub(crate) unread: Vec<String>,
 }
 
 /// The pickled magic number a legacy (non-zip) `torch.save` file starts with (after the pickle's
@@ -234,9 +234,14 @@ fn starts_as_torch_save(source: &dyn Source, name: &str) -> Result<bool, IndexEr
 
 /// Sorts `names` (hidden files left out) into `torch.save` sets, per-rank value items and files
 /// not read. A set is `torch.save` when a file's name says so (`.pt`, `.pth`, `.ckpt`, `.tar`; a
-/// file without a rank named `.bin` too, as before) or one of its files is a zip, so that a
-/// damaged archive is read, and named in the error, rather than taken for an item.
-fn sort_rank_folder(source: &dyn Source, names: &[String]) -> Result<RankFolder, IndexError> {
+/// file without a rank named `.bin` too, as before) or one of its files starts as one (a zip, a
+/// legacy `torch.save` pickle; for a file without a rank, only a `.pkl`: accelerate's
+/// `random_states.pkl`), so that a damaged archive is read, and named in the error, rather than
+/// taken for an item.
+pub(crate) fn sort_rank_folder(
+    source: &dyn Source,
+    names: &[String],
+) -> Result<RankFolder, IndexError> {
     let hidden = |n: &str| n.split('/').any(|c| c.starts_with('.'));
     let visible: Vec<String> = names.iter().filter(|n| !hidden(n)).cloned().collect();
     let mut folder = RankFolder::default();
@@ -246,7 +251,8 @@ fn sort_rank_folder(source: &dyn Source, names: &[String]) -> Result<RankFolder,
             matches!(file_ext(f), "pt" | "pth" | "ckpt" | "tar") || (!per_rank && is_torch_file(f))
         });
         let mut torch = by_name;
-        if !torch && per_rank && file_ext(&group.pattern) != "safetensors" {
+        let ext = file_ext(&group.pattern);
+        if !torch && (per_rank || ext == "pkl") && ext != "safetensors" {
             for (f, _) in &group.files {
                 if starts_as_torch_save(source, f)? {
                     torch = true;
@@ -284,6 +290,51 @@ fn listed(names: &[String]) -> String {
     text
 }
 
+/// The note naming files not read ([`RankFolder::unread`]), if any.
+pub(crate) fn unread_note(unread: &[String]) -> Option<String> {
+    (!unread.is_empty()).then(|| {
+        format!(
+            "not read (neither torch.save archives nor per-rank item files): {}",
+            listed(unread)
+        )
+    })
+}
+
+/// A folder's per-rank value items ([`RankFolder::values`]), each `("extra", item, index)` as
+/// [`merge_sets`] takes it, with its set, and the note naming them (none without items).
+pub(crate) type ValueSets = (
+    Vec<(&'static str, String, CheckpointIndex)>,
+    Vec<ReadSet>,
+    Option<String>,
+);
+
+/// Reads a folder's per-rank value items (see [`ValueSets`]).
+pub(crate) fn index_value_sets(
+    source: &dyn Source,
+    values: Vec<(RankGroup, bool)>,
+) -> Result<ValueSets, IndexError> {
+    let mut parts = Vec::with_capacity(values.len());
+    let mut sets = Vec::with_capacity(values.len());
+    let mut read_as = Vec::with_capacity(values.len());
+    for (group, json) in values {
+        let index = index_value_item(source, &group.files, json)?;
+        read_as.push(format!(
+            "{} ({})",
+            group.pattern.replace("{R}", "{r}"),
+            if json { "JSON" } else { "raw bytes" }
+        ));
+        parts.push(("extra", item_name(&group), index));
+        sets.push((group, "extra"));
+    }
+    let note = (!read_as.is_empty()).then(|| {
+        format!(
+            "per-rank files that are not torch.save archives read as values under `extra`, as torch_checkpointing's JSON and raw items: {}",
+            listed(&read_as)
+        )
+    });
+    Ok((parts, sets, note))
+}
+
 /// What [`index_rank_folder`] read: the index, the sets read with their classes, and notes for a
 /// user (the sets read as values, the files not read).
 pub type FolderRead = (CheckpointIndex, Vec<ReadSet>, Vec<String>);
@@ -301,13 +352,7 @@ pub fn index_rank_folder(source: &dyn Source, names: &[String]) -> Result<Folder
         let (index, classes) = index_torch_sets(source, &groups)?;
         return Ok((index, groups.into_iter().zip(classes).collect(), Vec::new()));
     }
-    let mut notes = Vec::new();
-    if !folder.unread.is_empty() {
-        notes.push(format!(
-            "not read (neither torch.save archives nor per-rank item files): {}",
-            listed(&folder.unread)
-        ));
-    }
+    let mut notes: Vec<String> = unread_note(&folder.unread).into_iter().collect();
     if folder.values.is_empty() {
         let (index, classes) = index_torch_sets(source, &folder.torch)?;
         return Ok((
@@ -322,21 +367,10 @@ pub fn index_rank_folder(source: &dyn Source, names: &[String]) -> Result<Folder
         .into_iter()
         .zip(parts.iter().map(|(class, _, _)| *class))
         .collect();
-    let mut read_as = Vec::new();
-    for (group, json) in folder.values {
-        let index = index_value_item(source, &group.files, json)?;
-        read_as.push(format!(
-            "{} ({})",
-            group.pattern.replace("{R}", "{r}"),
-            if json { "JSON" } else { "raw bytes" }
-        ));
-        parts.push(("extra", item_name(&group), index));
-        sets.push((group, "extra"));
-    }
-    notes.push(format!(
-        "per-rank files that are not torch.save archives read as values under `extra`, as torch_checkpointing's JSON and raw items: {}",
-        listed(&read_as)
-    ));
+    let (value_parts, value_sets, note) = index_value_sets(source, folder.values)?;
+    parts.extend(value_parts);
+    sets.extend(value_sets);
+    notes.extend(note);
     Ok((merge_sets(parts), sets, notes))
 }
 
