@@ -4,7 +4,8 @@
 //! of its own.
 //!
 //! It finds the files (DCP `.metadata`, safetensors, per-rank `torch.save` sets: all of them, or
-//! the ones `--model-files`/`--optim-files` name), classifies each set (model, optimizer, extra
+//! the ones `--model-files`/`--optim-files` name; without names, the per-rank JSON and raw items
+//! beside them too, and a note naming the files not read), classifies each set (model, optimizer, extra
 //! state), reads the hints the checkpoint states (world size, API, HSDP shard group), and applies
 //! the view that makes its tensors global:
 //! - FSDP2 per-rank files: the raw optimizer's integer ids are named by FQN

@@ -1150,3 +1150,50 @@ fn per_rank_folder_files_are_read_named_or_refused() {
         "{err}"
     );
 }
+
+/// Beside a DCP (Lightning's sharded folder) the same sort: per-rank raw and JSON items are read as
+/// values under `extra`, other files are named as not read; the DCP and `meta.pt` read as before.
+#[test]
+fn dcp_folder_items_beside_are_read_or_named() {
+    let dir = fixtures().join("lightning_sharded");
+    let tmp = tempfile::tempdir().unwrap();
+    let before = keys(&dir, &[]);
+    let with = tmp.path().join("with");
+    copy_tree(&dir, &with);
+    let tc = fixtures().join("tc_items");
+    for r in 0..2 {
+        for f in [format!("x_{r}.bin"), format!("train_state_{r}.json")] {
+            std::fs::copy(tc.join(&f), with.join(&f)).unwrap();
+        }
+    }
+    std::fs::write(with.join("README.md"), b"notes\n").unwrap();
+    let (out, err) = ok(&shardscope(&["inspect", s(&with), "--json"]), "inspect");
+    assert!(
+        err.contains("not read (") && err.contains("README.md"),
+        "{err}"
+    );
+    assert!(
+        err.contains("x_{r}.bin (raw bytes)") && err.contains("train_state_{r}.json (JSON)"),
+        "{err}"
+    );
+    let v: serde_json::Value = serde_json::from_str(&out).unwrap();
+    let got: Vec<String> = v["entries"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .map(|e| e["key"].as_str().unwrap().to_owned())
+        .collect();
+    for k in &before {
+        assert!(got.contains(k), "{k} lost");
+    }
+    let added: Vec<&String> = got.iter().filter(|k| !before.contains(k)).collect();
+    assert_eq!(
+        added,
+        vec![
+            "extra.train_state.ntokens_seen",
+            "extra.train_state.step",
+            "extra.x"
+        ],
+        "{got:?}"
+    );
+}
