@@ -1060,7 +1060,7 @@ print("OK")
     assert!(
         !meta
             .keys()
-            .any(|k| k.starts_with("x") || k.starts_with("vocab")),
+            .any(|k| k.starts_with('x') || k.starts_with("vocab")),
         "{meta:?}"
     );
     assert_eq!(meta["train_state.step"], "1");

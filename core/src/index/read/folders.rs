@@ -68,53 +68,13 @@ fn top_keys(index: &CheckpointIndex) -> BTreeSet<String> {
         .collect()
 }
 
-/// Reads the DCP folders `metas` (`X/.metadata`) and the top-level `torch.save` files of `source`
-/// as one checkpoint (see the module doc), with the per-rank sets read and their classes, and
-/// notes for a user: the per-rank files beside the DCP that are not `torch.save` archives are
-/// read as values ([`super::items`]), the other files beside it are named as not read.
-pub fn index_dcp_folders(source: &dyn Source, metas: &[String]) -> Result<FolderRead, IndexError> {
-    let mut parts = Vec::with_capacity(metas.len());
-    for meta in metas {
-        let folder = meta
-            .strip_suffix(".metadata")
-            .unwrap_or(meta)
-            .trim_end_matches('/')
-            .to_owned();
-        parts.push(Part {
-            folder,
-            index: index_dcp(source, meta)?,
-        });
-    }
-    let mut seen: BTreeSet<String> = BTreeSet::new();
-    let disjoint = parts.iter().all(|p| {
-        let keys = top_keys(&p.index);
-        let clash = keys.iter().any(|k| seen.contains(k));
-        seen.extend(keys);
-        !clash
-    });
-    let mut merged = CheckpointIndex {
-        format: Format::Dcp,
-        kind: parts
-            .first()
-            .map_or(crate::index::CheckpointKind::Plain, |p| p.index.kind),
-        has_optimizer_state: parts.iter().any(|p| p.index.has_optimizer_state),
-        entries: Vec::new(),
-        files: BTreeMap::new(),
-        dcp: parts.first().and_then(|p| p.index.dcp.clone()),
-    };
-    for part in parts {
-        let base = merged.entries.len() as u64;
-        let name = part.folder.replace('.', "_");
-        for mut e in part.index.entries {
-            e.position = e.position.map(|p| p + base);
-            merged
-                .entries
-                .push(if disjoint { e } else { prefixed(e, &name) });
-        }
-        merged.files.extend(part.index.files);
-    }
-    // The files beside the folders: torch.save files (scheduler, RNG state, a full model file),
-    // per-rank JSON and raw items, and files not read (named in a note).
+/// Reads the files beside the DCP folders into `merged`: `torch.save` files (scheduler, RNG state,
+/// a full model file), per-rank JSON and raw items; gives the sets read and the notes (the items
+/// read as values, the files not read).
+fn merge_beside(
+    source: &dyn Source,
+    merged: &mut CheckpointIndex,
+) -> Result<(Vec<crate::index::ReadSet>, Vec<String>), IndexError> {
     let beside: Vec<String> = source
         .names()
         .into_iter()
@@ -169,6 +129,55 @@ pub fn index_dcp_folders(source: &dyn Source, metas: &[String]) -> Result<Folder
     }
     sets.extend(value_sets);
     notes.extend(note);
+    Ok((sets, notes))
+}
+
+/// Reads the DCP folders `metas` (`X/.metadata`) and the top-level `torch.save` files of `source`
+/// as one checkpoint (see the module doc), with the per-rank sets read and their classes, and
+/// notes for a user: the per-rank files beside the DCP that are not `torch.save` archives are
+/// read as values ([`super::items`]), the other files beside it are named as not read.
+pub fn index_dcp_folders(source: &dyn Source, metas: &[String]) -> Result<FolderRead, IndexError> {
+    let mut parts = Vec::with_capacity(metas.len());
+    for meta in metas {
+        let folder = meta
+            .strip_suffix(".metadata")
+            .unwrap_or(meta)
+            .trim_end_matches('/')
+            .to_owned();
+        parts.push(Part {
+            folder,
+            index: index_dcp(source, meta)?,
+        });
+    }
+    let mut seen: BTreeSet<String> = BTreeSet::new();
+    let disjoint = parts.iter().all(|p| {
+        let keys = top_keys(&p.index);
+        let clash = keys.iter().any(|k| seen.contains(k));
+        seen.extend(keys);
+        !clash
+    });
+    let mut merged = CheckpointIndex {
+        format: Format::Dcp,
+        kind: parts
+            .first()
+            .map_or(crate::index::CheckpointKind::Plain, |p| p.index.kind),
+        has_optimizer_state: parts.iter().any(|p| p.index.has_optimizer_state),
+        entries: Vec::new(),
+        files: BTreeMap::new(),
+        dcp: parts.first().and_then(|p| p.index.dcp.clone()),
+    };
+    for part in parts {
+        let base = merged.entries.len() as u64;
+        let name = part.folder.replace('.', "_");
+        for mut e in part.index.entries {
+            e.position = e.position.map(|p| p + base);
+            merged
+                .entries
+                .push(if disjoint { e } else { prefixed(e, &name) });
+        }
+        merged.files.extend(part.index.files);
+    }
+    let (sets, notes) = merge_beside(source, &mut merged)?;
     // The HF Trainer's own state (global step, epoch, log history), as values.
     if source.contains(TRAINER_STATE) {
         let index = crate::index::read::items::index_json_item(source, TRAINER_STATE)?;

@@ -285,7 +285,7 @@ fn listed(names: &[String]) -> String {
         .collect::<Vec<_>>()
         .join(", ");
     if names.len() > NAMES_SHOWN {
-        text.push_str(&format!(" and {} more", names.len() - NAMES_SHOWN));
+        text = format!("{text} and {} more", names.len() - NAMES_SHOWN);
     }
     text
 }
