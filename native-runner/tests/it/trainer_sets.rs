@@ -1078,10 +1078,18 @@ fn per_rank_folder_files_are_read_named_or_refused() {
     std::fs::write(other.join("README.txt"), b"notes\n").unwrap();
     std::fs::write(other.join("config.json"), b"{}").unwrap();
     std::fs::write(other.join(".hidden"), b"x").unwrap();
+    // A torch.save file in a subfolder: the top level is the checkpoint, read the same way.
+    std::fs::create_dir_all(other.join("ref")).unwrap();
+    std::fs::copy(dir.join("step_0.pt"), other.join("ref/step.pt")).unwrap();
     let (out, err) = ok(&shardscope(&["inspect", s(&other), "--json"]), "inspect");
+    assert!(
+        err.contains("torch.save files in subfolders are not read (ref/step.pt)"),
+        "{err}"
+    );
+    assert!(err.contains("x_{r}.bin (raw bytes)"), "{err}");
     let note = err
         .lines()
-        .find(|l| l.contains("not read ("))
+        .find(|l| l.contains("not read (neither"))
         .unwrap_or_else(|| panic!("no note on the files not read: {err}"));
     assert!(
         note.contains("README.txt") && note.contains("config.json") && !note.contains(".hidden"),
