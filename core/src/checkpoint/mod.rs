@@ -5,8 +5,8 @@
 //!
 //! It finds the files (DCP `.metadata`, safetensors, per-rank `torch.save` sets: all of them, or
 //! the ones `--model-files`/`--optim-files` name; without names, the per-rank JSON and raw items
-//! beside them too, and a note naming the files not read), classifies each set (model, optimizer, extra
-//! state), reads the hints the checkpoint states (world size, API, HSDP shard group), and applies
+//! beside them too, and a note naming the files not read), classifies each set (model,
+//! optimizer, extra state), reads the hints the checkpoint states (world size, API, HSDP shard group), and applies
 //! the view that makes its tensors global:
 //! - FSDP2 per-rank files: the raw optimizer's integer ids are named by FQN
 //!   ([`crate::view::fsdp2`]), the description helping when given; extra state is kept.
@@ -343,30 +343,31 @@ impl Checkpoint {
         };
         let mut notes = Vec::new();
         let names = source.names();
-        let (index, read, read_notes): (CheckpointIndex, Vec<ReadSet>, Vec<String>) =
-            if options.model_files.is_some() || options.optim_files.is_some() {
-                let names = source.names();
-                let groups = files::named_sets(
-                    source,
-                    label,
-                    &names,
-                    options.model_files.as_deref(),
-                    options.optim_files.as_deref(),
-                )?;
-                let (index, classes) =
-                    index::index_torch_sets(source, &groups).map_err(index_err)?;
-                (index, groups.into_iter().zip(classes).collect(), Vec::new())
-            } else if let Some((top, nested)) = top_level_torch(&source.names()) {
-                // Per-rank files at the top, other torch.save files in subfolders (a trainer's
-                // reference copies, other checkpoints): the top level is the checkpoint.
-                notes.push(format!(
+        let (index, read, read_notes) = if options.model_files.is_some()
+            || options.optim_files.is_some()
+        {
+            let names = source.names();
+            let groups = files::named_sets(
+                source,
+                label,
+                &names,
+                options.model_files.as_deref(),
+                options.optim_files.as_deref(),
+            )?;
+            let (index, classes) = index::index_torch_sets(source, &groups).map_err(index_err)?;
+            let read: Vec<ReadSet> = groups.into_iter().zip(classes).collect();
+            (index, read, Vec::new())
+        } else if let Some((top, nested)) = top_level_torch(&source.names()) {
+            // Per-rank files at the top, other torch.save files in subfolders (a trainer's
+            // reference copies, other checkpoints): the top level is the checkpoint.
+            notes.push(format!(
                 "{label}: torch.save files in subfolders are not read ({}); name one to read it",
                 nested.join(", ")
             ));
-                index::index_rank_folder(source, &top).map_err(index_err)?
-            } else {
-                index::index_source_read(source).map_err(index_err)?
-            };
+            index::index_rank_folder(source, &top).map_err(index_err)?
+        } else {
+            index::index_source_read(source).map_err(index_err)?
+        };
         notes.extend(read_notes.into_iter().map(|n| format!("{label}: {n}")));
         complete(label, &read, &mut notes)?;
         let sets: Vec<FileSet> = read
