@@ -4,8 +4,9 @@
 //! of its own.
 //!
 //! It finds the files (DCP `.metadata`, safetensors, per-rank `torch.save` sets: all of them, or
-//! the ones `--model-files`/`--optim-files` name), classifies each set (model, optimizer, extra
-//! state), reads the hints the checkpoint states (world size, API, HSDP shard group), and applies
+//! the ones `--model-files`/`--optim-files` name; without names, the per-rank JSON and raw items
+//! beside them too, and a note naming the files not read), classifies each set (model,
+//! optimizer, extra state), reads the hints the checkpoint states (world size, API, HSDP shard group), and applies
 //! the view that makes its tensors global:
 //! - FSDP2 per-rank files: the raw optimizer's integer ids are named by FQN
 //!   ([`crate::view::fsdp2`]), the description helping when given; extra state is kept.
@@ -254,7 +255,8 @@ fn ambiguity(sets: &[FileSet]) -> Option<String> {
 }
 
 /// For a folder of `torch.save` files only, with some at its top level and some in subfolders: the
-/// top-level names and the nested ones.
+/// top-level names (all of them: the JSON and raw items beside the sets too) and the nested
+/// `torch.save` files.
 fn top_level_torch(names: &[String]) -> Option<(Vec<String>, Vec<String>)> {
     // A torch_checkpointing folder (`metadata.pkl`) reads itself: its subfolders hold its items.
     let other = names
@@ -265,7 +267,8 @@ fn top_level_torch(names: &[String]) -> Option<(Vec<String>, Vec<String>)> {
         .filter(|n| index::is_torch_file(n))
         .cloned()
         .partition(|n| n.contains('/'));
-    (!other && !top.is_empty() && !nested.is_empty()).then_some((top, nested))
+    let top_names = names.iter().filter(|n| !n.contains('/')).cloned().collect();
+    (!other && !top.is_empty() && !nested.is_empty()).then_some((top_names, nested))
 }
 
 /// Checks that the per-rank sets read (of more than one file) are ranks `0..N` and that the model's and the optimizer's
@@ -340,7 +343,7 @@ impl Checkpoint {
         };
         let mut notes = Vec::new();
         let names = source.names();
-        let (index, read): (CheckpointIndex, Vec<ReadSet>) = if options.model_files.is_some()
+        let (index, read, read_notes) = if options.model_files.is_some()
             || options.optim_files.is_some()
         {
             let names = source.names();
@@ -352,7 +355,8 @@ impl Checkpoint {
                 options.optim_files.as_deref(),
             )?;
             let (index, classes) = index::index_torch_sets(source, &groups).map_err(index_err)?;
-            (index, groups.into_iter().zip(classes).collect())
+            let read: Vec<ReadSet> = groups.into_iter().zip(classes).collect();
+            (index, read, Vec::new())
         } else if let Some((top, nested)) = top_level_torch(&source.names()) {
             // Per-rank files at the top, other torch.save files in subfolders (a trainer's
             // reference copies, other checkpoints): the top level is the checkpoint.
@@ -360,12 +364,11 @@ impl Checkpoint {
                 "{label}: torch.save files in subfolders are not read ({}); name one to read it",
                 nested.join(", ")
             ));
-            let groups = index::group_rank_files(&top);
-            let (index, classes) = index::index_torch_sets(source, &groups).map_err(index_err)?;
-            (index, groups.into_iter().zip(classes).collect())
+            index::index_rank_folder(source, &top).map_err(index_err)?
         } else {
-            index::index_source_sets(source).map_err(index_err)?
+            index::index_source_read(source).map_err(index_err)?
         };
+        notes.extend(read_notes.into_iter().map(|n| format!("{label}: {n}")));
         complete(label, &read, &mut notes)?;
         let sets: Vec<FileSet> = read
             .into_iter()

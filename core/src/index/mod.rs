@@ -23,6 +23,7 @@ use crate::source::Source;
 use names::file_ext;
 pub use names::{RankGroup, RankedFiles, group_rank_files, is_torch_file, rank_from_name};
 pub use read::dcp::index_dcp;
+pub use read::items::{FolderRead, index_rank_folder};
 use read::safetensors::index_safetensors;
 pub use read::sets::{EXTRA_KEYS, index_torch_groups, index_torch_sets, set_class, set_item};
 pub use read::torch::{index_torch_files, index_torch_files_ranked, json_of, latin1_bytes};
@@ -51,13 +52,24 @@ pub type ReadSet = (RankGroup, &'static str);
 pub fn index_source_sets(
     source: &dyn Source,
 ) -> Result<(CheckpointIndex, Vec<ReadSet>), IndexError> {
+    index_source_read(source).map(|(index, sets, _)| (index, sets))
+}
+
+/// [`index_source_sets`], also giving notes for a user on how a folder of per-rank sets was read
+/// (per-rank files read as values, files not read: [`index_rank_folder`]).
+pub fn index_source_read(source: &dyn Source) -> Result<FolderRead, IndexError> {
     let names = source.names();
     if names.iter().any(|n| n == ".metadata") {
         // torch.save files beside it (Lightning's meta.pt, Megatron's common.pt) are read too.
-        if names.iter().any(|n| !n.contains('/') && is_torch_file(n)) {
+        // So are the per-rank JSON and raw items beside it, and other files are named as not
+        // read.
+        if names
+            .iter()
+            .any(|n| !n.contains('/') && !n.starts_with('.') && file_ext(n) != "distcp")
+        {
             return read::folders::index_dcp_folders(source, &[".metadata".to_owned()]);
         }
-        return Ok((index_dcp(source, ".metadata")?, Vec::new()));
+        return Ok((index_dcp(source, ".metadata")?, Vec::new(), Vec::new()));
     }
     // DCP folders one level down (a trainer's folder: accelerate's `save_state`, `checkpoint-N`).
     let nested = read::folders::nested_dcp_metadata(&names);
@@ -65,15 +77,15 @@ pub fn index_source_sets(
         return read::folders::index_dcp_folders(source, &nested);
     }
     if let Some(meta) = names.iter().find(|n| n.ends_with("/.metadata")) {
-        return Ok((index_dcp(source, meta)?, Vec::new()));
+        return Ok((index_dcp(source, meta)?, Vec::new(), Vec::new()));
     }
     // torch_checkpointing: its metadata.pkl says what every item is and where it lies.
     if names
         .iter()
         .any(|n| n == read::torch_checkpointing::METADATA_PKL)
-        && let Some(read) = read::torch_checkpointing::index_torch_checkpointing(source)?
+        && let Some((index, sets)) = read::torch_checkpointing::index_torch_checkpointing(source)?
     {
-        return Ok(read);
+        return Ok((index, sets, Vec::new()));
     }
     let safetensors: Vec<&String> = names
         .iter()
@@ -81,13 +93,11 @@ pub fn index_source_sets(
         .collect();
     let torch: Vec<&String> = names.iter().filter(|n| is_torch_file(n)).collect();
     if !safetensors.is_empty() && torch.is_empty() {
-        return Ok((index_safetensors(source, &names)?, Vec::new()));
+        return Ok((index_safetensors(source, &names)?, Vec::new(), Vec::new()));
     }
     if !torch.is_empty() && safetensors.is_empty() {
-        let torch: Vec<String> = torch.into_iter().cloned().collect();
-        let groups = group_rank_files(&torch);
-        let (index, classes) = index_torch_sets(source, &groups)?;
-        return Ok((index, groups.into_iter().zip(classes).collect()));
+        // Per-rank sets, with the JSON and raw items beside them.
+        return index_rank_folder(source, &names);
     }
     if names.is_empty() {
         return Err(IndexError::NotACheckpoint {

@@ -958,3 +958,250 @@ fn torch_checkpointing_value_items_changed_or_damaged() {
         "{err}"
     );
 }
+
+/// torch_checkpointing with no resharder writes no `metadata.pkl`: `tc_items` (written by the
+/// library) is `<item>_<rank>.<ext>` files alone, with `train_state` as a JSON item, `x` as a raw
+/// item that differs by rank (`x_{rank}.bin`, not a torch.save archive) and `vocab` as a raw item
+/// the same on every rank (`vocab_{rank}.txt`). They are read as the metadata.pkl path reads them
+/// (values under `extra`, noted); a `.pt` holds them as the library's own load returns them on each
+/// rank; safetensors leaves the bytes out, named.
+#[test]
+fn torch_checkpointing_items_without_metadata_pkl_are_values() {
+    let dir = fixtures().join("tc_items");
+    let expected = fixtures().join("expected");
+    let tmp = tempfile::tempdir().unwrap();
+    let (out, err) = ok(&shardscope(&["inspect", s(&dir), "--json"]), "inspect");
+    assert!(
+        err.contains("read as values under `extra`")
+            && err.contains("train_state_{r}.json (JSON)")
+            && err.contains("x_{r}.bin (raw bytes)")
+            && err.contains("vocab_{r}.txt (raw bytes)"),
+        "{err}"
+    );
+    assert!(!err.contains("not read ("), "{err}");
+    let v: serde_json::Value = serde_json::from_str(&out).unwrap();
+    let entry = |key: &str| {
+        v["entries"]
+            .as_array()
+            .unwrap()
+            .iter()
+            .find(|e| e["key"] == key)
+            .cloned()
+            .unwrap_or_else(|| panic!("no {key}"))
+    };
+    for r in 0..2 {
+        let size = std::fs::metadata(dir.join(format!("x_{r}.bin")))
+            .unwrap()
+            .len();
+        let text = entry("extra.x")["value"][r].as_str().unwrap().to_owned();
+        assert!(text.starts_with(&format!("<{size} bytes: 8002")), "{text}");
+    }
+    let vocab = entry("extra.vocab")["value"].as_str().unwrap().to_owned();
+    assert!(vocab.starts_with("<110 bytes: 746f6b30"), "{vocab}");
+    assert_eq!(entry("extra.train_state.ntokens_seen")["value"], 20);
+    assert_eq!(entry("extra.step")["value"], 1);
+    // Every file is accounted for.
+    assert_eq!(v["summary"]["files"], 14, "{:#}", v["summary"]);
+    assert!(v["files"]["x_1.bin"].is_object(), "{:#}", v["files"]);
+
+    // .pt: the library's own per-rank loads (generator), bytes kept as bytes.
+    let pt = tmp.path().join("extra.pt");
+    ok(
+        &shardscope(&["convert", s(&dir), "--select", "extra", "-o", s(&pt), "-q"]),
+        "convert --select extra -o .pt",
+    );
+    torch_says_ok(
+        r#"
+import sys, torch
+got = torch.load(sys.argv[1], weights_only=True)
+want = torch.load(sys.argv[2], weights_only=True)
+assert all(type(b) is bytes for b in got["x"]), got["x"]
+assert got["x"] == want["x"], (got["x"], want["x"])
+assert type(got["vocab"]) is bytes and all(got["vocab"] == b for b in want["vocab"]), got["vocab"]
+assert all(got["train_state"] == t for t in want["train_state"]), (got["train_state"], want)
+print("OK")
+"#,
+        &[&pt, &expected.join("tc_items_items.pt")],
+    );
+    let (out, _) = ok(
+        &shardscope(&["diff", s(&dir), s(&pt), "--select", "extra"]),
+        "diff against the .pt",
+    );
+    assert!(out.contains("0 mismatch"), "{out}");
+    // The model and optimizer still equal torch's full state dicts (the same run as tc_default).
+    let full = tmp.path().join("full.pt");
+    ok(
+        &shardscope(&["convert", s(&dir), "-o", s(&full), "-q"]),
+        "convert -o full.pt",
+    );
+    torch_says_ok(
+        SAME_AS_TORCH,
+        &[
+            &full,
+            &expected.join("tc_full_model.pt"),
+            &expected.join("tc_full_optim.pt"),
+        ],
+    );
+
+    // safetensors: the bytes are left out, named; the JSON values stay in the metadata.
+    let st = tmp.path().join("extra.safetensors");
+    let (_, err) = ok(
+        &shardscope(&["convert", s(&dir), "--select", "extra", "-o", s(&st)]),
+        "convert --select extra -o .safetensors",
+    );
+    assert!(
+        err.contains("extra.x holds bytes") && err.contains("not written"),
+        "{err}"
+    );
+    let bytes = std::fs::read(&st).unwrap();
+    let n = usize::try_from(u64::from_le_bytes(bytes[..8].try_into().unwrap())).unwrap();
+    let header: serde_json::Value = serde_json::from_slice(&bytes[8..8 + n]).unwrap();
+    let meta = header["__metadata__"].as_object().unwrap();
+    assert!(
+        !meta
+            .keys()
+            .any(|k| k.starts_with('x') || k.starts_with("vocab")),
+        "{meta:?}"
+    );
+    assert_eq!(meta["train_state.step"], "1");
+}
+
+/// Files beside per-rank sets that are neither `torch.save` archives nor per-rank items are named
+/// in a note, never read in part silently; damaged items and archives are errors naming the file;
+/// a folder of raw files alone (no `torch.save` set) is not taken for a checkpoint.
+#[test]
+fn per_rank_folder_files_are_read_named_or_refused() {
+    let dir = fixtures().join("tc_items");
+    let tmp = tempfile::tempdir().unwrap();
+    let other = tmp.path().join("other");
+    copy_tree(&dir, &other);
+    std::fs::write(other.join("README.txt"), b"notes\n").unwrap();
+    std::fs::write(other.join("config.json"), b"{}").unwrap();
+    std::fs::write(other.join(".hidden"), b"x").unwrap();
+    // A torch.save file in a subfolder: the top level is the checkpoint, read the same way.
+    std::fs::create_dir_all(other.join("ref")).unwrap();
+    std::fs::copy(dir.join("step_0.pt"), other.join("ref/step.pt")).unwrap();
+    let (out, err) = ok(&shardscope(&["inspect", s(&other), "--json"]), "inspect");
+    assert!(
+        err.contains("torch.save files in subfolders are not read (ref/step.pt)"),
+        "{err}"
+    );
+    assert!(err.contains("x_{r}.bin (raw bytes)"), "{err}");
+    let note = err
+        .lines()
+        .find(|l| l.contains("not read (neither"))
+        .unwrap_or_else(|| panic!("no note on the files not read: {err}"));
+    assert!(
+        note.contains("README.txt") && note.contains("config.json") && !note.contains(".hidden"),
+        "{note}"
+    );
+    let v: serde_json::Value = serde_json::from_str(&out).unwrap();
+    assert_eq!(v["summary"]["files"], 14, "{:#}", v["summary"]);
+
+    // A JSON item that is not JSON, and a raw item over the cap: errors naming the file.
+    let bad = tmp.path().join("bad");
+    copy_tree(&dir, &bad);
+    std::fs::write(bad.join("train_state_1.json"), b"{\"step\": ").unwrap();
+    let res = shardscope(&["inspect", s(&bad)]);
+    assert_eq!(res.status.code(), Some(2), "{res:?}");
+    let err = String::from_utf8_lossy(&res.stderr);
+    assert!(
+        err.contains("train_state_1.json") && err.contains("not JSON"),
+        "{err}"
+    );
+    let big = tmp.path().join("big");
+    copy_tree(&dir, &big);
+    std::fs::File::options()
+        .write(true)
+        .open(big.join("x_0.bin"))
+        .unwrap()
+        .set_len((64 << 20) + 1)
+        .unwrap();
+    let res = shardscope(&["inspect", s(&big)]);
+    assert_eq!(res.status.code(), Some(2), "{res:?}");
+    let err = String::from_utf8_lossy(&res.stderr);
+    assert!(
+        err.contains("x_0.bin") && err.contains("at most 67108864 bytes"),
+        "{err}"
+    );
+
+    // A per-rank `.bin` set one of whose files is a torch.save archive is a torch.save set: the
+    // damaged file is an error naming it, not an item.
+    let damaged = tmp.path().join("damaged");
+    copy_tree(&dir, &damaged);
+    std::fs::copy(dir.join("step_0.pt"), damaged.join("counter_0.bin")).unwrap();
+    std::fs::write(damaged.join("counter_1.bin"), b"not an archive").unwrap();
+    let res = shardscope(&["inspect", s(&damaged)]);
+    assert_eq!(res.status.code(), Some(2), "{res:?}");
+    let err = String::from_utf8_lossy(&res.stderr);
+    assert!(
+        err.contains("counter_1.bin") && err.contains("not a torch.save zip archive"),
+        "{err}"
+    );
+
+    // Raw files alone: no torch.save set, so not read as a checkpoint of items (`x_0.bin` is a
+    // bare pickle: the torch.save reader takes it for a legacy torch.save file and says so).
+    let raw = tmp.path().join("raw");
+    std::fs::create_dir_all(&raw).unwrap();
+    for r in 0..2 {
+        std::fs::copy(
+            dir.join(format!("x_{r}.bin")),
+            raw.join(format!("x_{r}.bin")),
+        )
+        .unwrap();
+    }
+    let res = shardscope(&["inspect", s(&raw)]);
+    assert_eq!(res.status.code(), Some(2), "{res:?}");
+    let err = String::from_utf8_lossy(&res.stderr);
+    assert!(
+        err.contains("x_0.bin") && err.contains("torch.save"),
+        "{err}"
+    );
+}
+
+/// Beside a DCP (Lightning's sharded folder) the same sort: per-rank raw and JSON items are read as
+/// values under `extra`, other files are named as not read; the DCP and `meta.pt` read as before.
+#[test]
+fn dcp_folder_items_beside_are_read_or_named() {
+    let dir = fixtures().join("lightning_sharded");
+    let tmp = tempfile::tempdir().unwrap();
+    let before = keys(&dir, &[]);
+    let with = tmp.path().join("with");
+    copy_tree(&dir, &with);
+    let tc = fixtures().join("tc_items");
+    for r in 0..2 {
+        for f in [format!("x_{r}.bin"), format!("train_state_{r}.json")] {
+            std::fs::copy(tc.join(&f), with.join(&f)).unwrap();
+        }
+    }
+    std::fs::write(with.join("README.md"), b"notes\n").unwrap();
+    let (out, err) = ok(&shardscope(&["inspect", s(&with), "--json"]), "inspect");
+    assert!(
+        err.contains("not read (") && err.contains("README.md"),
+        "{err}"
+    );
+    assert!(
+        err.contains("x_{r}.bin (raw bytes)") && err.contains("train_state_{r}.json (JSON)"),
+        "{err}"
+    );
+    let v: serde_json::Value = serde_json::from_str(&out).unwrap();
+    let got: Vec<String> = v["entries"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .map(|e| e["key"].as_str().unwrap().to_owned())
+        .collect();
+    for k in &before {
+        assert!(got.contains(k), "{k} lost");
+    }
+    let added: Vec<&String> = got.iter().filter(|k| !before.contains(k)).collect();
+    assert_eq!(
+        added,
+        vec![
+            "extra.train_state.ntokens_seen",
+            "extra.train_state.step",
+            "extra.x"
+        ],
+        "{got:?}"
+    );
+}

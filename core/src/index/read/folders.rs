@@ -16,9 +16,11 @@
 
 use std::collections::{BTreeMap, BTreeSet};
 
+use crate::index::names::file_ext;
 use crate::index::read::dcp::index_dcp;
+use crate::index::read::items::{FolderRead, index_value_sets, sort_rank_folder, unread_note};
 use crate::index::read::sets::{index_torch_sets, prefixed, set_item};
-use crate::index::{CheckpointIndex, Format, IndexError, PathSeg, group_rank_files, is_torch_file};
+use crate::index::{CheckpointIndex, Format, IndexError, PathSeg};
 use crate::source::Source;
 
 /// `torch.save` files beside a DCP that the trainer's loader merges into the checkpoint's top
@@ -30,14 +32,9 @@ const MERGED_AT_TOP: &[&str] = &["meta.pt", "common.pt"];
 /// The HF Trainer's state file beside accelerate's folders in `checkpoint-N/`.
 const TRAINER_STATE: &str = "trainer_state.json";
 
-/// A `.pkl` file that is a `torch.save` archive (a zip; accelerate's `random_states_{rank}.pkl`),
-/// told by its first bytes; a plain pickle (`metadata.pkl`) is not.
-fn is_zipped_pickle(source: &dyn Source, name: &str) -> bool {
-    crate::index::names::file_ext(name) == "pkl"
-        && source
-            .read_range(name, 0, 4)
-            .is_ok_and(|b| b.as_ref() == b"PK\x03\x04")
-}
+/// Megatron-core's description of its checkpoint beside the DCP (read by
+/// [`crate::checkpoint::megatron_backend`], kept by a DCP conversion): not an item.
+const MEGATRON_METADATA: &str = "metadata.json";
 
 /// The `.metadata` files of DCP folders one level below the top (`X/.metadata`, `X` not hidden),
 /// in name order.
@@ -71,12 +68,75 @@ fn top_keys(index: &CheckpointIndex) -> BTreeSet<String> {
         .collect()
 }
 
-/// Reads the DCP folders `metas` (`X/.metadata`) and the top-level `torch.save` files of `source`
-/// as one checkpoint (see the module doc), with the per-rank sets read and their classes.
-pub fn index_dcp_folders(
+/// Reads the files beside the DCP folders into `merged`: `torch.save` files (scheduler, RNG state,
+/// a full model file), per-rank JSON and raw items; gives the sets read and the notes (the items
+/// read as values, the files not read).
+fn merge_beside(
     source: &dyn Source,
-    metas: &[String],
-) -> Result<(CheckpointIndex, Vec<crate::index::ReadSet>), IndexError> {
+    merged: &mut CheckpointIndex,
+) -> Result<(Vec<crate::index::ReadSet>, Vec<String>), IndexError> {
+    let beside: Vec<String> = source
+        .names()
+        .into_iter()
+        .filter(|n| {
+            !n.contains('/')
+                && !merged.files.contains_key(n)
+                && file_ext(n) != "distcp"
+                && n != TRAINER_STATE
+                && n != MEGATRON_METADATA
+        })
+        .collect();
+    let folder = sort_rank_folder(source, &beside)?;
+    let mut notes: Vec<String> = unread_note(&folder.unread).into_iter().collect();
+    let mut sets = Vec::new();
+    for group in folder.torch {
+        let (index, classes) = index_torch_sets(source, std::slice::from_ref(&group))?;
+        let class = classes.first().copied().unwrap_or("extra");
+        let item = set_item(&group.pattern);
+        let name = if item.is_empty() {
+            class.to_owned()
+        } else {
+            format!("{class}.{item}")
+        };
+        // The trainer's own state file beside its DCP is merged into the top level, as the
+        // trainer's loader merges it, unless a key would clash.
+        let at_top = MERGED_AT_TOP.contains(&group.pattern.as_str()) && {
+            let have: BTreeSet<&str> = merged.entries.iter().map(|e| e.key.as_str()).collect();
+            index
+                .entries
+                .iter()
+                .all(|e| !e.key.is_empty() && !have.contains(e.key.as_str()))
+        };
+        let base = merged.entries.len() as u64;
+        for mut e in index.entries {
+            e.position = e.position.map(|p| p + base);
+            merged
+                .entries
+                .push(if at_top { e } else { prefixed(e, &name) });
+        }
+        merged.files.extend(index.files);
+        sets.push((group, class));
+    }
+    let (values, value_sets, note) = index_value_sets(source, folder.values)?;
+    for (class, item, index) in values {
+        let name = format!("{class}.{item}");
+        let base = merged.entries.len() as u64;
+        for mut e in index.entries {
+            e.position = e.position.map(|p| p + base);
+            merged.entries.push(prefixed(e, &name));
+        }
+        merged.files.extend(index.files);
+    }
+    sets.extend(value_sets);
+    notes.extend(note);
+    Ok((sets, notes))
+}
+
+/// Reads the DCP folders `metas` (`X/.metadata`) and the top-level `torch.save` files of `source`
+/// as one checkpoint (see the module doc), with the per-rank sets read and their classes, and
+/// notes for a user: the per-rank files beside the DCP that are not `torch.save` archives are
+/// read as values ([`super::items`]), the other files beside it are named as not read.
+pub fn index_dcp_folders(source: &dyn Source, metas: &[String]) -> Result<FolderRead, IndexError> {
     let mut parts = Vec::with_capacity(metas.len());
     for meta in metas {
         let folder = meta
@@ -117,48 +177,10 @@ pub fn index_dcp_folders(
         }
         merged.files.extend(part.index.files);
     }
-    // The torch.save files beside the folders (scheduler, RNG state, a full model file).
-    let torch: Vec<String> = source
-        .names()
-        .into_iter()
-        .filter(|n| !n.contains('/') && (is_torch_file(n) || is_zipped_pickle(source, n)))
-        .collect();
-    let mut sets = Vec::new();
-    if !torch.is_empty() {
-        let groups = group_rank_files(&torch);
-        for group in groups {
-            let (index, classes) = index_torch_sets(source, std::slice::from_ref(&group))?;
-            let class = classes.first().copied().unwrap_or("extra");
-            let item = set_item(&group.pattern);
-            let name = if item.is_empty() {
-                class.to_owned()
-            } else {
-                format!("{class}.{item}")
-            };
-            // The trainer's own state file beside its DCP is merged into the top level, as the
-            // trainer's loader merges it, unless a key would clash.
-            let at_top = MERGED_AT_TOP.contains(&group.pattern.as_str()) && {
-                let have: BTreeSet<&str> = merged.entries.iter().map(|e| e.key.as_str()).collect();
-                index
-                    .entries
-                    .iter()
-                    .all(|e| !e.key.is_empty() && !have.contains(e.key.as_str()))
-            };
-            let base = merged.entries.len() as u64;
-            for mut e in index.entries {
-                e.position = e.position.map(|p| p + base);
-                merged
-                    .entries
-                    .push(if at_top { e } else { prefixed(e, &name) });
-            }
-            merged.files.extend(index.files);
-            sets.push((group, class));
-        }
-    }
+    let (sets, notes) = merge_beside(source, &mut merged)?;
     // The HF Trainer's own state (global step, epoch, log history), as values.
     if source.contains(TRAINER_STATE) {
-        let index =
-            crate::index::read::torch_checkpointing::index_json_item(source, TRAINER_STATE)?;
+        let index = crate::index::read::items::index_json_item(source, TRAINER_STATE)?;
         for e in index.entries {
             merged.entries.push(prefixed(e, "extra.trainer_state"));
         }
@@ -173,7 +195,7 @@ pub fn index_dcp_folders(
             ),
         });
     }
-    Ok((merged, sets))
+    Ok((merged, sets, notes))
 }
 
 #[cfg(test)]

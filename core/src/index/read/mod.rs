@@ -2,6 +2,7 @@
 
 pub mod dcp;
 pub mod folders;
+pub mod items;
 pub mod safetensors;
 pub mod sets;
 pub mod torch;

@@ -238,15 +238,25 @@ fn subtree_names(parts: &[(&'static str, String)]) -> Vec<String> {
     names
 }
 
-fn index_file_sets(
+/// Each set of `torch.save` files read: its class ([`set_class`]), its item ([`set_item`]) and its
+/// index, in `groups` order (what [`merge_sets`] takes).
+pub(crate) fn index_set_parts(
     source: &dyn Source,
     groups: &[RankGroup],
-) -> Result<(CheckpointIndex, Vec<&'static str>), IndexError> {
+) -> Result<Vec<(&'static str, String, CheckpointIndex)>, IndexError> {
     let mut parts = Vec::with_capacity(groups.len());
     for RankGroup { pattern, files } in groups {
         let index = index_torch_files_ranked(source, files)?;
         parts.push((set_class(&index, pattern), set_item(pattern), index));
     }
+    Ok(parts)
+}
+
+fn index_file_sets(
+    source: &dyn Source,
+    groups: &[RankGroup],
+) -> Result<(CheckpointIndex, Vec<&'static str>), IndexError> {
+    let parts = index_set_parts(source, groups)?;
     let classes: Vec<&'static str> = parts.iter().map(|(c, _, _)| *c).collect();
     Ok((merge_sets(parts), classes))
 }

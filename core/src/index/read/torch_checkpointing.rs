@@ -34,29 +34,27 @@
 //! JSON and raw items (the library writes `json.dumps` text or the item's `bytes` as they are, a
 //! file per rank where the path holds `{rank}`) are never in `metadata.pkl` (only tensors are):
 //! every other file of the folder that is not a `torch.save` archive is one, JSON when its name
-//! ends in `.json`. Each is a value (raw: a Python `bytes`); one value when every rank's file holds
-//! the same, else a list by rank (files without a rank last). They are read whole, at most
-//! [`MAX_VALUE_ITEM_BYTES`] each.
+//! ends in `.json`, read as [`super::items`] reads them (values, at most
+//! [`super::items::MAX_VALUE_ITEM_BYTES`] each). Without `metadata.pkl` the folder is read by
+//! [`super::items::index_rank_folder`].
 
 use std::collections::{BTreeMap, BTreeSet};
 
 use serde_json::Value;
 
 use crate::formats::pickle::{self, Placement};
+use crate::index::read::items::{index_value_item, is_torch_item_file, item_name};
 use crate::index::read::safetensors::index_safetensors;
 use crate::index::read::sets::{merge_sets, set_class, set_item};
 use crate::index::read::torch::{dtensor_offsets, index_torch_files_ranked, json_of};
 use crate::index::{
-    CheckpointIndex, CheckpointKind, EntryKind, FsdpInfo, IndexEntry, IndexError, PathSeg,
-    RankGroup, ReadSet, group_rank_files, is_torch_file,
+    CheckpointIndex, CheckpointKind, FsdpInfo, IndexEntry, IndexError, RankGroup, ReadSet,
+    group_rank_files, is_torch_file,
 };
 use crate::source::Source;
 
 /// The file torch_checkpointing writes its metadata to.
 pub const METADATA_PKL: &str = "metadata.pkl";
-
-/// The most bytes of one JSON or raw item file that are read (its value is held whole).
-pub const MAX_VALUE_ITEM_BYTES: u64 = 64 << 20;
 
 /// Where one tensor of an item lies in the global tensor (from `metadata.pkl`).
 #[derive(Debug, Clone)]
@@ -323,185 +321,6 @@ fn index_safetensors_item(
     })
 }
 
-/// A JSON item: one file's value, shown as values (read whole, at most
-/// [`MAX_VALUE_ITEM_BYTES`]).
-pub(crate) fn index_json_item(
-    source: &dyn Source,
-    file: &str,
-) -> Result<CheckpointIndex, IndexError> {
-    let bytes = read_value_file(source, file)?;
-    let value: Value = serde_json::from_slice(&bytes).map_err(|e| IndexError::Inconsistent {
-        file: file.to_owned(),
-        what: format!("not JSON: {e}"),
-    })?;
-    let mut entries = Vec::new();
-    flatten_json(&value, &mut Vec::new(), &mut entries);
-    Ok(CheckpointIndex {
-        format: crate::index::Format::TorchSave,
-        kind: CheckpointKind::Plain,
-        has_optimizer_state: false,
-        entries,
-        files: BTreeMap::new(),
-        dcp: None,
-    })
-}
-
-fn flatten_json(v: &Value, path: &mut Vec<PathSeg>, out: &mut Vec<IndexEntry>) {
-    if let Value::Object(map) = v
-        && !map.is_empty()
-    {
-        for (k, item) in map {
-            path.push(PathSeg::Key(k.clone()));
-            flatten_json(item, path, out);
-            path.pop();
-        }
-        return;
-    }
-    let key = path
-        .iter()
-        .map(ToString::to_string)
-        .collect::<Vec<_>>()
-        .join(".");
-    let mut entry = value_entry(v.clone(), None);
-    entry.position = Some(out.len() as u64);
-    entry.key = key;
-    entry.path.clone_from(path);
-    out.push(entry);
-}
-
-/// Whether `name` is a `torch.save` archive by its first bytes (a zip), or by its name when it
-/// cannot be anything else (`.pt`, `.pth`, `.ckpt`, `.tar`: read as one, so that a damaged file is
-/// an error naming it, not a raw item).
-fn is_torch_item_file(source: &dyn Source, name: &str) -> bool {
-    matches!(
-        crate::index::names::file_ext(name),
-        "pt" | "pth" | "ckpt" | "tar"
-    ) || source
-        .read_range(name, 0, 4)
-        .is_ok_and(|b| b.as_ref() == b"PK\x03\x04")
-}
-
-/// The item a set of files names: its file name without the rank and extension, else its folder
-/// (`dataloader/rank_{R}.bin` → `dataloader`).
-fn item_name(group: &RankGroup) -> String {
-    let item = set_item(&group.pattern);
-    if !item.is_empty() {
-        return item;
-    }
-    group
-        .files
-        .first()
-        .and_then(|(f, _)| f.rsplit_once('/'))
-        .map_or_else(String::new, |(dir, _)| dir.replace(['/', '.'], "_"))
-}
-
-/// One JSON or raw item file, read whole (at most [`MAX_VALUE_ITEM_BYTES`]).
-fn read_value_file(source: &dyn Source, file: &str) -> Result<Vec<u8>, IndexError> {
-    let size = source.size(file)?;
-    if size > MAX_VALUE_ITEM_BYTES {
-        return Err(IndexError::Inconsistent {
-            file: file.to_owned(),
-            what: format!(
-                "a JSON or raw item of {size} bytes: items' values are read whole, at most {MAX_VALUE_ITEM_BYTES} bytes"
-            ),
-        });
-    }
-    let bytes = source.read_all(file)?;
-    if bytes.len() as u64 != size {
-        return Err(IndexError::Inconsistent {
-            file: file.to_owned(),
-            what: format!("read {} bytes of {size}", bytes.len()),
-        });
-    }
-    Ok(bytes.into_owned())
-}
-
-/// A value entry at the item's root (`path` empty): `object` is the Python value, when it is not
-/// `value` itself (JSON).
-fn value_entry(value: Value, object: Option<pickle::PyValue>) -> IndexEntry {
-    IndexEntry {
-        position: Some(0),
-        key: String::new(),
-        raw_key: None,
-        path: Vec::new(),
-        kind: EntryKind::Scalar,
-        dtype: None,
-        shape: None,
-        chunks: Vec::new(),
-        fsdp: None,
-        role: None,
-        flat_param: false,
-        value: Some(value),
-        object: object.map(Box::new),
-    }
-}
-
-/// A JSON or raw item (see the module doc): one value when every rank's file holds the same
-/// bytes (a JSON object's keys as entries), else one list by rank, as a `torch.save` list of
-/// values is one entry.
-fn index_value_item(
-    source: &dyn Source,
-    files: &[(String, Option<u32>)],
-    json: bool,
-) -> Result<CheckpointIndex, IndexError> {
-    let mut infos = BTreeMap::new();
-    let mut contents: Vec<(Option<u32>, Vec<u8>)> = Vec::with_capacity(files.len());
-    for (file, rank) in files {
-        let bytes = read_value_file(source, file)?;
-        infos.insert(
-            file.clone(),
-            crate::index::FileInfo {
-                size: bytes.len() as u64,
-                rank: *rank,
-                unreferenced_bytes: 0,
-            },
-        );
-        if json {
-            serde_json::from_slice::<Value>(&bytes).map_err(|e| IndexError::Inconsistent {
-                file: file.clone(),
-                what: format!("a JSON item that is not JSON: {e}"),
-            })?;
-        }
-        contents.push((*rank, bytes));
-    }
-    // By rank (files without one in name order, after).
-    contents.sort_by_key(|(rank, _)| (rank.is_none(), *rank));
-    let same = contents.windows(2).all(|w| w[0].1 == w[1].1);
-    let parse = |b: &[u8]| serde_json::from_slice::<Value>(b).unwrap_or(Value::Null);
-    let mut entries = Vec::new();
-    match (json, same) {
-        (true, true) => {
-            let value = contents.first().map_or(Value::Null, |(_, b)| parse(b));
-            flatten_json(&value, &mut Vec::new(), &mut entries);
-        }
-        (true, false) => entries.push(value_entry(
-            Value::Array(contents.iter().map(|(_, b)| parse(b)).collect()),
-            None,
-        )),
-        (false, true) => {
-            let value = pickle::PyValue::Bytes(contents.swap_remove(0).1);
-            entries.push(value_entry(json_of(&value), Some(value)));
-        }
-        (false, false) => {
-            let value = pickle::PyValue::List(
-                contents
-                    .into_iter()
-                    .map(|(_, b)| pickle::PyValue::Bytes(b))
-                    .collect(),
-            );
-            entries.push(value_entry(json_of(&value), Some(value)));
-        }
-    }
-    Ok(CheckpointIndex {
-        format: crate::index::Format::TorchSave,
-        kind: CheckpointKind::Plain,
-        has_optimizer_state: false,
-        entries,
-        files: infos,
-        dcp: None,
-    })
-}
-
 /// The parameters of a flattened optimizer item (`param_groups.<fqn>.<key>`, else
 /// `state.<fqn>.<name>`) in its stored order: the model's parameter order.
 fn flattened_param_order(index: &CheckpointIndex) -> Vec<String> {
@@ -705,7 +524,7 @@ mod tests {
     }
 
     fn scalar(key: &str, position: u64) -> IndexEntry {
-        let mut e = value_entry(Value::Null, None);
+        let mut e = crate::index::read::items::value_entry(Value::Null, None);
         e.key = key.to_owned();
         e.position = Some(position);
         e
@@ -758,22 +577,6 @@ mod tests {
                 ("buf2", Some(3)),
                 ("buf1", Some(2))
             ]
-        );
-    }
-
-    #[test]
-    fn value_items_are_named_by_file_or_folder() {
-        let group = |pattern: &str, file: &str| RankGroup {
-            pattern: pattern.to_owned(),
-            files: vec![(file.to_owned(), Some(0))],
-        };
-        assert_eq!(
-            item_name(&group("train_state_{R}.json", "train_state_0.json")),
-            "train_state"
-        );
-        assert_eq!(
-            item_name(&group("rank_{R}.bin", "dataloader/rank_0.bin")),
-            "dataloader"
         );
     }
 
