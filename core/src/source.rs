@@ -101,6 +101,14 @@ pub trait Source {
         false
     }
 
+    /// A hint that the ranges `(name, offset, len)` are read next. A source that fetches what a
+    /// reader missed in rounds (the browser's) fetches all of them in one round instead of one a
+    /// round; others ignore it. A range past a file's end, or of a file the source does not
+    /// have, is only a hint: nothing fails.
+    fn will_read(&self, reads: &[(&str, u64, u64)]) {
+        let _ = reads;
+    }
+
     /// True when [`Source::read_range`] lends bytes the source already holds (memory) instead
     /// of reading them into a new buffer: a reader moving through a large file then borrows
     /// each window rather than copying it with [`Source::read_range_into`].
@@ -248,6 +256,9 @@ impl<S: Source + ?Sized> Source for &S {
     }
     fn lends_ranges(&self) -> bool {
         (**self).lends_ranges()
+    }
+    fn will_read(&self, reads: &[(&str, u64, u64)]) {
+        (**self).will_read(reads);
     }
     fn reads_are_local(&self) -> bool {
         (**self).reads_are_local()

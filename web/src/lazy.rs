@@ -381,6 +381,31 @@ impl Source for LazySource {
         true
     }
 
+    /// Records every hinted range not fetched yet (and every file not known yet) as a miss, so
+    /// that the next round fetches them all.
+    fn will_read(&self, reads: &[(&str, u64, u64)]) {
+        let mut misses = self.misses.borrow_mut();
+        for &(name, offset, len) in reads {
+            match self.files.get(name) {
+                None => {
+                    if self.url_of(name).is_ok() {
+                        misses.push(Miss::File(name.to_owned()));
+                    }
+                }
+                Some(file) => {
+                    let len = len.min(file.size.saturating_sub(offset));
+                    if len > 0 && find(&file.segments, offset, len).is_none() {
+                        misses.push(Miss::Range {
+                            name: name.to_owned(),
+                            offset,
+                            len,
+                        });
+                    }
+                }
+            }
+        }
+    }
+
     fn names(&self) -> Vec<String> {
         self.files.keys().cloned().collect()
     }

@@ -85,6 +85,26 @@ fn index_table(
         file: metadata_name.to_owned(),
         what: format!("{key}: no storage_data record for the chunk at offsets {offsets:?}"),
     };
+    // Each data file's first bytes are read below (its first item's serialization): asked for
+    // at once, for a source that fetches in rounds (the browser's), so that it does not take a
+    // round a file.
+    let mut first_item: Vec<Option<u64>> = vec![None; names.len()];
+    for item in &table.items {
+        if let TableItemKind::Tensor { chunks, .. } = &item.kind {
+            for place in chunks.iter().filter_map(|c| c.place.as_ref()) {
+                if let Some(first @ None) = first_item.get_mut(place.file as usize) {
+                    *first = Some(place.offset);
+                }
+            }
+        }
+    }
+    let heads: Vec<(&str, u64, u64)> = first_item
+        .iter()
+        .zip(&names)
+        .filter_map(|(offset, (file, _))| offset.map(|o| (&**file, o, 4)))
+        .collect();
+    source.will_read(&heads);
+    drop(heads);
     // The items are moved into the index (a million chunks' offsets and sizes are not copied).
     for item in table.items {
         let key = &item.key;

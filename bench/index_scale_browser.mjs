@@ -1,0 +1,141 @@
+// Benchmark: opening the DCPs of bench/index_scale.py in the browser viewer (issue 22 item 6, the
+// browser side): headless Chromium (Debian's, through playwright-core) picks every file of the
+// checkpoint (`.metadata` and the 512 sparse `.distcp` files) through the page's file input, as a
+// user would; the time runs from `setInputFiles` until the status line shows the entry count, and
+// memory is the renderer's resident set from /proc (peak `VmHWM`, reset with `clear_refs` before
+// opening, minus the resident set before). The first open of each checkpoint is a warm-up (the
+// picked files are read into the page cache); the figures are the median of the runs after it.
+//
+// usage: node bench/index_scale_browser.mjs DIST CKPT_DIR [CKPT_DIR ...] [--runs N]
+//   DIST: a built viewer (web/build.sh DIST); CKPT_DIR: e.g. /tmp/index-scale/dcp-1000000
+//   (bench/index_scale.py --build-only writes them). Needs web/tests/node_modules
+//   (npm install --prefix web/tests) and /usr/bin/chromium (or $CHROMIUM).
+// Prints one JSON line per checkpoint. See BENCHMARKS.md.
+
+import { spawn } from "node:child_process";
+import { readdirSync, readFileSync, writeFileSync } from "node:fs";
+import { createRequire } from "node:module";
+import net from "node:net";
+import path from "node:path";
+import { fileURLToPath } from "node:url";
+
+const here = path.dirname(fileURLToPath(import.meta.url));
+const root = path.resolve(here, "..");
+const require = createRequire(path.join(root, "web/tests/browser_test.mjs"));
+const { chromium } = require("playwright-core");
+
+const args = process.argv.slice(2);
+let runs = 3;
+const at = args.indexOf("--runs");
+if (at >= 0) {
+  runs = Number(args[at + 1]);
+  args.splice(at, 2);
+}
+const [dist, ...checkpoints] = args;
+if (!dist || checkpoints.length === 0) {
+  console.error("usage: node bench/index_scale_browser.mjs DIST CKPT_DIR [CKPT_DIR ...] [--runs N]");
+  process.exit(2);
+}
+const MiB = 1048576;
+
+function freePort() {
+  return new Promise((resolve) => {
+    const s = net.createServer();
+    s.listen(0, "127.0.0.1", () => {
+      const { port } = s.address();
+      s.close(() => resolve(port));
+    });
+  });
+}
+
+async function waitFor(fn, what, timeoutMs) {
+  const t0 = Date.now();
+  for (;;) {
+    const v = await fn();
+    if (v) return v;
+    if (Date.now() - t0 > timeoutMs) throw new Error(`timed out waiting for ${what}`);
+    await new Promise((r) => setTimeout(r, 20));
+  }
+}
+
+// Resident and peak bytes of each renderer process under this process.
+function renderers() {
+  const parent = new Map();
+  for (const d of readdirSync("/proc")) {
+    if (!/^\d+$/.test(d)) continue;
+    try {
+      const stat = readFileSync(`/proc/${d}/stat`, "utf8");
+      parent.set(Number(d), Number(stat.slice(stat.lastIndexOf(")") + 2).split(" ")[1]));
+    } catch { /* gone */ }
+  }
+  const descends = (pid) => {
+    for (let p = pid, n = 0; p > 1 && n < 64; p = parent.get(p) ?? 0, n++) if (p === process.pid) return true;
+    return false;
+  };
+  const out = new Map();
+  for (const pid of parent.keys()) {
+    if (!descends(pid)) continue;
+    try {
+      if (!readFileSync(`/proc/${pid}/cmdline`, "utf8").includes("--type=renderer")) continue;
+      const st = readFileSync(`/proc/${pid}/status`, "utf8");
+      const kb = (k) => Number((st.match(new RegExp(`^${k}:\\s+(\\d+) kB`, "m")) ?? [0, 0])[1]) * 1024;
+      out.set(pid, { rss: kb("VmRSS"), hwm: kb("VmHWM") });
+    } catch { /* gone */ }
+  }
+  return out;
+}
+
+const median = (xs) => [...xs].sort((a, b) => a - b)[Math.floor(xs.length / 2)];
+
+const port = await freePort();
+const server = spawn("python3", [path.join(root, "web/tests/serve.py"), String(port), path.resolve(dist)],
+  { stdio: "ignore" });
+let browser;
+try {
+  await waitFor(async () => {
+    try { return (await fetch(`http://127.0.0.1:${port}/index.html`)).ok; } catch { return false; }
+  }, "the static server", 30000);
+  browser = await chromium.launch({
+    executablePath: process.env.CHROMIUM ?? "/usr/bin/chromium",
+    args: ["--no-sandbox", "--disable-gpu", "--disable-background-networking", "--disable-component-update",
+      "--disable-sync", "--no-first-run", "--use-gl=angle", "--use-angle=swiftshader", "--enable-unsafe-swiftshader"],
+  });
+  for (const dir of checkpoints) {
+    const files = readdirSync(dir).filter((f) => f === ".metadata" || f.endsWith(".distcp")).map((f) => path.join(dir, f));
+    const times = [];
+    const growths = [];
+    let status = "";
+    for (let run = 0; run <= runs; run++) {
+      // A fresh page (one renderer) per open.
+      const page = await browser.newPage({ viewport: { width: 1400, height: 860 }, deviceScaleFactor: 1 });
+      await page.goto(`http://127.0.0.1:${port}/index.html?empty`);
+      await waitFor(() => page.evaluate(() => document.body.dataset.ready === "1"), "the viewer to start", 60000);
+      await page.waitForTimeout(300);
+      const before = renderers();
+      const [rpid, base] = [...before.entries()].sort((a, b) => b[1].rss - a[1].rss)[0];
+      try { writeFileSync(`/proc/${rpid}/clear_refs`, "5"); } catch { /* the peak stays from the load */ }
+      const t0 = Date.now();
+      await page.setInputFiles("#files", files);
+      status = await waitFor(async () => {
+        const s = await page.textContent("#status");
+        return s.includes(" entries") || s.includes("error") ? s : null;
+      }, `${dir} to open`, 600000);
+      const seconds = (Date.now() - t0) / 1000;
+      await page.waitForTimeout(300);
+      const after = renderers().get(rpid) ?? base;
+      if (!status.includes(" entries")) throw new Error(`${dir}: ${status}`);
+      if (run > 0) {
+        times.push(seconds);
+        growths.push((Math.max(after.hwm, after.rss) - base.rss) / MiB);
+      }
+      await page.close();
+    }
+    console.log(JSON.stringify({
+      checkpoint: dir, files: files.length, runs, open_s: median(times), open_s_all: times,
+      renderer_growth_mib: Math.round(median(growths)), status,
+    }));
+  }
+} finally {
+  await browser?.close();
+  server.kill();
+}
