@@ -77,6 +77,18 @@ pub enum TorchZipError {
     TooLarge { key: String, bytes: u64 },
 }
 
+/// The pickled magic number a legacy (non-zip) `torch.save` file starts with (after the pickle's
+/// protocol and, from protocol 4, frame opcodes): `LONG1` of `0x1950a86a20f9469cfc6c`.
+const LEGACY_TORCH_MAGIC: &[u8] = b"\x8a\x0a\x6c\xfc\x9c\x46\xf9\x20\x6a\xa8\x50\x19";
+
+/// True when `head` (a file's first 32 bytes or more) starts as a legacy `torch.save` file does.
+pub fn looks_like_legacy_torch_save(head: &[u8]) -> bool {
+    head.first() == Some(&0x80)
+        && head
+            .windows(LEGACY_TORCH_MAGIC.len())
+            .any(|w| w == LEGACY_TORCH_MAGIC)
+}
+
 fn not_zip_text(head: &[u8]) -> String {
     if head.is_empty() {
         return "empty (0 bytes), not a torch.save archive (a copy or save that did not finish?)"
@@ -86,8 +98,14 @@ fn not_zip_text(head: &[u8]) -> String {
         return "a Git LFS pointer file, not the checkpoint itself (`git lfs pull` fetches the file)"
             .to_owned();
     }
-    if head.first() == Some(&0x80) {
+    if looks_like_legacy_torch_save(head) {
         return "a legacy torch.save file (a bare pickle, from torch < 1.6 or `_use_new_zipfile_serialization=False`), which is not supported: re-save it with a current torch".to_owned();
+    }
+    if let [0x80, protocol, ..] = head {
+        return format!(
+            "a pickle (protocol {protocol}), not a torch.save archive; shardscope never runs \
+             pickles (`pickle.load` it in Python if you trust it)"
+        );
     }
     let shown = &head[..head.len().min(8)];
     let hex: Vec<String> = shown.iter().map(|b| format!("{b:02x}")).collect();
@@ -466,7 +484,15 @@ mod not_zip_tests {
                 && not_zip_text(lfs).contains("git lfs pull")
         );
         // torch.save(..., _use_new_zipfile_serialization=False) starts with a pickle protocol byte.
-        assert!(not_zip_text(&[0x80, 0x02, 0x8a, 0x0a]).contains("legacy torch.save file"));
+        // torch.save(..., _use_new_zipfile_serialization=False): the pickled magic number first.
+        let legacy = b"\x80\x02\x8a\x0a\x6c\xfc\x9c\x46\xf9\x20\x6a\xa8\x50\x19.";
+        assert!(not_zip_text(legacy).contains("legacy torch.save file"));
+        // Any other pickle (a raw item holding `pickle.dumps` bytes) is named as one.
+        let plain = not_zip_text(b"\x80\x04\x95\x10\x00\x00\x00\x00\x00\x00\x00}");
+        assert!(
+            plain.starts_with("a pickle (protocol 4), not a torch.save archive"),
+            "{plain}"
+        );
         assert_eq!(
             not_zip_text(b"<html>\n\x00"),
             "not a torch.save zip archive (first bytes: 3c 68 74 6d 6c 3e 0a 00 \"<html>..\")"

@@ -526,9 +526,12 @@ mod hint_tests {
             self.inner.read_range(name, offset, len)
         }
         fn will_read(&self, reads: &[(&str, u64, u64)]) {
-            self.hinted
-                .borrow_mut()
-                .push(reads.iter().map(|&(n, o, l)| (n.to_owned(), o, l)).collect());
+            self.hinted.borrow_mut().push(
+                reads
+                    .iter()
+                    .map(|&(n, o, l)| (n.to_owned(), o, l))
+                    .collect(),
+            );
         }
     }
 

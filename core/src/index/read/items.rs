@@ -218,18 +218,12 @@ pub(crate) struct RankFolder {
     pub(crate) unread: Vec<String>,
 }
 
-/// The pickled magic number a legacy (non-zip) `torch.save` file starts with (after the pickle's
-/// protocol and, from protocol 4, frame opcodes): `LONG1` of `0x1950a86a20f9469cfc6c`.
-const LEGACY_TORCH_MAGIC: &[u8] = b"\x8a\x0a\x6c\xfc\x9c\x46\xf9\x20\x6a\xa8\x50\x19";
-
 /// Whether `name` starts as a `torch.save` file does: a zip, or a legacy `torch.save` pickle
 /// (read as one, so that the reader's error names it rather than it being taken for bytes).
 fn starts_as_torch_save(source: &dyn Source, name: &str) -> Result<bool, IndexError> {
     let head = source.read_range(name, 0, source.size(name)?.min(32))?;
     Ok(head.starts_with(b"PK\x03\x04")
-        || head
-            .windows(LEGACY_TORCH_MAGIC.len())
-            .any(|w| w == LEGACY_TORCH_MAGIC))
+        || crate::formats::torch_zip::looks_like_legacy_torch_save(&head))
 }
 
 /// Sorts `names` (hidden files left out) into `torch.save` sets, per-rank value items and files
