@@ -123,22 +123,21 @@ impl FsSource {
         self.files.insert(name, path);
     }
 
-    /// Every checkpoint file under `dir` (subfolders up to 4 levels), named relative to it. A
-    /// torch_checkpointing folder (a `metadata.pkl` at its top) is taken whole, hidden files
-    /// aside: its JSON and raw items may have any name.
+    /// Every file under `dir` (subfolders up to 4 levels), named relative to it, but temporaries
+    /// (`*.tmp`): what is read, named as not read or refused is `Checkpoint::open`'s to decide, as
+    /// for the command line (a trainer's JSON and raw per-rank items may have any name).
     pub fn from_dir(dir: &std::path::Path) -> std::io::Result<Self> {
         fn walk(
             root: &std::path::Path,
             dir: &std::path::Path,
             depth: usize,
-            whole: bool,
             out: &mut FsSource,
         ) -> std::io::Result<()> {
             for entry in std::fs::read_dir(dir)? {
                 let path = entry?.path();
                 if path.is_dir() {
                     if depth < 4 {
-                        walk(root, &path, depth + 1, whole, out)?;
+                        walk(root, &path, depth + 1, out)?;
                     }
                     continue;
                 }
@@ -147,17 +146,17 @@ impl FsSource {
                     .unwrap_or(&path)
                     .to_string_lossy()
                     .replace('\\', "/");
-                let hidden =
-                    rel.split('/').any(|c| c.starts_with('.')) && !rel.ends_with(".metadata");
-                if is_checkpoint_name(&rel) || (whole && !hidden) {
+                let temporary = rel
+                    .rsplit_once('.')
+                    .is_some_and(|(_, e)| e.eq_ignore_ascii_case("tmp"));
+                if !temporary {
                     out.insert(rel, path);
                 }
             }
             Ok(())
         }
-        let whole = dir.join("metadata.pkl").is_file();
         let mut out = Self::default();
-        walk(dir, dir, 0, whole, &mut out)?;
+        walk(dir, dir, 0, &mut out)?;
         Ok(out)
     }
 
