@@ -138,6 +138,65 @@ eq(optim, got["optim"], "optim")
 print("OK")
 "#;
 
+/// A torch_checkpointing folder's items kept and converted as the library keeps them:
+/// `convert --select extra -o .pt` loads in torch equal to the library's own per-rank loads
+/// (`check`, run on the output and `expected`), bytes kept as bytes, and `diff` finds no mismatch;
+/// the whole conversion equals torch's full state dicts (`tc_full_*.pt`); safetensors leaves the
+/// bytes item `bytes_key` out, naming it, and writes no metadata key `is_bytes_key` matches,
+/// while the JSON values stay in the metadata.
+fn items_convert_like_the_library(
+    dir: &Path,
+    tmp: &Path,
+    check: &str,
+    expected_items: &Path,
+    bytes_key: &str,
+    is_bytes_key: impl Fn(&str) -> bool,
+) {
+    let expected = expected_items.parent().unwrap();
+    let pt = tmp.join("extra.pt");
+    ok(
+        &shardscope(&["convert", s(dir), "--select", "extra", "-o", s(&pt), "-q"]),
+        "convert --select extra -o .pt",
+    );
+    torch_says_ok(check, &[&pt, expected_items]);
+    let (out, _) = ok(
+        &shardscope(&["diff", s(dir), s(&pt), "--select", "extra"]),
+        "diff against the .pt",
+    );
+    assert!(out.contains("0 mismatch"), "{out}");
+    // The model and optimizer still equal torch's full state dicts.
+    let full = tmp.join("full.pt");
+    ok(
+        &shardscope(&["convert", s(dir), "-o", s(&full), "-q"]),
+        "convert -o full.pt",
+    );
+    torch_says_ok(
+        SAME_AS_TORCH,
+        &[
+            &full,
+            &expected.join("tc_full_model.pt"),
+            &expected.join("tc_full_optim.pt"),
+        ],
+    );
+
+    // safetensors: the bytes are left out, named; the JSON values stay in the metadata.
+    let st = tmp.join("extra.safetensors");
+    let (_, err) = ok(
+        &shardscope(&["convert", s(dir), "--select", "extra", "-o", s(&st)]),
+        "convert --select extra -o .safetensors",
+    );
+    assert!(
+        err.contains(&format!("{bytes_key} holds bytes")) && err.contains("not written"),
+        "{err}"
+    );
+    let bytes = std::fs::read(&st).unwrap();
+    let n = usize::try_from(u64::from_le_bytes(bytes[..8].try_into().unwrap())).unwrap();
+    let header: serde_json::Value = serde_json::from_slice(&bytes[8..8 + n]).unwrap();
+    let meta = header["__metadata__"].as_object().unwrap();
+    assert!(!meta.keys().any(|k| is_bytes_key(k)), "{meta:?}");
+    assert_eq!(meta["train_state.step"], "1");
+}
+
 /// torch_checkpointing with the model item as safetensors (`model/shard_{rank}.safetensors`:
 /// each rank's local slice, the global geometry only in `metadata.pkl`): placed as DTensor places
 /// them, equal to torch's full state dicts and to what the library's own load returns, key order
@@ -854,13 +913,9 @@ fn torch_checkpointing_json_and_raw_items_are_values() {
         v["files"]
     );
 
-    // .pt: the library's own per-rank loads (generator), bytes kept as bytes.
-    let pt = tmp.path().join("extra.pt");
-    ok(
-        &shardscope(&["convert", s(&dir), "--select", "extra", "-o", s(&pt), "-q"]),
-        "convert --select extra -o .pt",
-    );
-    torch_says_ok(
+    items_convert_like_the_library(
+        &dir,
+        tmp.path(),
         r#"
 import sys, torch
 got = torch.load(sys.argv[1], weights_only=True)
@@ -870,44 +925,10 @@ assert got["dataloader"] == want["dataloader"], (got["dataloader"], want["datalo
 assert all(got["train_state"] == t for t in want["train_state"]), (got["train_state"], want)
 print("OK")
 "#,
-        &[&pt, &expected.join("tc_raw_items.pt")],
+        &expected.join("tc_raw_items.pt"),
+        "extra.dataloader",
+        |k| k.contains("dataloader"),
     );
-    let (out, _) = ok(
-        &shardscope(&["diff", s(&dir), s(&pt), "--select", "extra"]),
-        "diff against the .pt",
-    );
-    assert!(out.contains("0 mismatch"), "{out}");
-    // The model and optimizer still equal torch's full state dicts.
-    let full = tmp.path().join("full.pt");
-    ok(
-        &shardscope(&["convert", s(&dir), "-o", s(&full), "-q"]),
-        "convert -o full.pt",
-    );
-    torch_says_ok(
-        SAME_AS_TORCH,
-        &[
-            &full,
-            &expected.join("tc_full_model.pt"),
-            &expected.join("tc_full_optim.pt"),
-        ],
-    );
-
-    // safetensors: the bytes are left out, named; the JSON values stay in the metadata.
-    let st = tmp.path().join("extra.safetensors");
-    let (_, err) = ok(
-        &shardscope(&["convert", s(&dir), "--select", "extra", "-o", s(&st)]),
-        "convert --select extra -o .safetensors",
-    );
-    assert!(
-        err.contains("extra.dataloader holds bytes") && err.contains("not written"),
-        "{err}"
-    );
-    let bytes = std::fs::read(&st).unwrap();
-    let n = usize::try_from(u64::from_le_bytes(bytes[..8].try_into().unwrap())).unwrap();
-    let header: serde_json::Value = serde_json::from_slice(&bytes[8..8 + n]).unwrap();
-    let meta = header["__metadata__"].as_object().unwrap();
-    assert!(!meta.keys().any(|k| k.contains("dataloader")), "{meta:?}");
-    assert_eq!(meta["train_state.step"], "1");
 }
 
 /// tc_raw's items changed or damaged: `diff` sees a byte changed past the part of a raw item it
@@ -1004,13 +1025,10 @@ fn torch_checkpointing_items_without_metadata_pkl_are_values() {
     assert_eq!(v["summary"]["files"], 14, "{:#}", v["summary"]);
     assert!(v["files"]["x_1.bin"].is_object(), "{:#}", v["files"]);
 
-    // .pt: the library's own per-rank loads (generator), bytes kept as bytes.
-    let pt = tmp.path().join("extra.pt");
-    ok(
-        &shardscope(&["convert", s(&dir), "--select", "extra", "-o", s(&pt), "-q"]),
-        "convert --select extra -o .pt",
-    );
-    torch_says_ok(
+    // The model and optimizer are the same run as tc_default.
+    items_convert_like_the_library(
+        &dir,
+        tmp.path(),
         r#"
 import sys, torch
 got = torch.load(sys.argv[1], weights_only=True)
@@ -1021,49 +1039,10 @@ assert type(got["vocab"]) is bytes and all(got["vocab"] == b for b in want["voca
 assert all(got["train_state"] == t for t in want["train_state"]), (got["train_state"], want)
 print("OK")
 "#,
-        &[&pt, &expected.join("tc_items_items.pt")],
+        &expected.join("tc_items_items.pt"),
+        "extra.x",
+        |k| k.starts_with('x') || k.starts_with("vocab"),
     );
-    let (out, _) = ok(
-        &shardscope(&["diff", s(&dir), s(&pt), "--select", "extra"]),
-        "diff against the .pt",
-    );
-    assert!(out.contains("0 mismatch"), "{out}");
-    // The model and optimizer still equal torch's full state dicts (the same run as tc_default).
-    let full = tmp.path().join("full.pt");
-    ok(
-        &shardscope(&["convert", s(&dir), "-o", s(&full), "-q"]),
-        "convert -o full.pt",
-    );
-    torch_says_ok(
-        SAME_AS_TORCH,
-        &[
-            &full,
-            &expected.join("tc_full_model.pt"),
-            &expected.join("tc_full_optim.pt"),
-        ],
-    );
-
-    // safetensors: the bytes are left out, named; the JSON values stay in the metadata.
-    let st = tmp.path().join("extra.safetensors");
-    let (_, err) = ok(
-        &shardscope(&["convert", s(&dir), "--select", "extra", "-o", s(&st)]),
-        "convert --select extra -o .safetensors",
-    );
-    assert!(
-        err.contains("extra.x holds bytes") && err.contains("not written"),
-        "{err}"
-    );
-    let bytes = std::fs::read(&st).unwrap();
-    let n = usize::try_from(u64::from_le_bytes(bytes[..8].try_into().unwrap())).unwrap();
-    let header: serde_json::Value = serde_json::from_slice(&bytes[8..8 + n]).unwrap();
-    let meta = header["__metadata__"].as_object().unwrap();
-    assert!(
-        !meta
-            .keys()
-            .any(|k| k.starts_with('x') || k.starts_with("vocab")),
-        "{meta:?}"
-    );
-    assert_eq!(meta["train_state.step"], "1");
 }
 
 /// Files beside per-rank sets that are neither `torch.save` archives nor per-rank items are named
