@@ -34,6 +34,12 @@ const MAX_ROUNDS: usize = 4096;
 const COALESCE_GAP: u64 = 64 << 10;
 /// What is prefetched at each end of a zip-like file (the zip directory, `data.pkl`).
 const PREFETCH_ENDS: u64 = 64 << 10;
+/// What is prefetched of each DCP data file (its first item's first bytes).
+const DCP_HEAD: u64 = 4 << 10;
+/// The most bytes one request reads: larger ranges are read in pieces of this size.
+const PIECE: u64 = 16 << 20;
+/// The most small ranges read at once.
+const READS_AT_ONCE: usize = 512;
 /// Whole-file prefetch for metadata files up to this size.
 const PREFETCH_WHOLE: u64 = 64 << 20;
 
@@ -248,6 +254,21 @@ impl LazySource {
         }
     }
 
+    /// Drops every fetched range of at least `min_len` bytes (metadata files read whole, once
+    /// the checkpoint is indexed), so that what is built next reuses their memory; a later read
+    /// of them fetches them again.
+    pub fn release_large(&mut self, min_len: u64) {
+        for f in self.files.values_mut() {
+            f.segments.retain(|(_, bytes)| {
+                let keep = (bytes.len() as u64) < min_len;
+                if !keep {
+                    self.cached = self.cached.saturating_sub(bytes.len() as u64);
+                }
+                keep
+            });
+        }
+    }
+
     /// [`LazySource::run`] over two sources at once (A and B of a comparison): `step` is run
     /// until it reads only fetched ranges of both.
     pub async fn run_pair<T>(
@@ -301,6 +322,9 @@ impl LazySource {
                 }
             }
         }
+        // Every range is checked before any is read.
+        let mut cached = self.cached;
+        let mut reads: Vec<(String, Origin, u64, u64)> = Vec::with_capacity(ranges.len());
         for (name, offset, len) in ranges {
             if len > MAX_READ {
                 return Err(format!(
@@ -310,26 +334,59 @@ impl LazySource {
                     MAX_READ >> 20
                 ));
             }
-            let cached = self.cached.checked_add(len).filter(|&c| c <= MAX_CACHED);
-            let Some(cached) = cached else {
+            let Some(next) = cached.checked_add(len).filter(|&c| c <= MAX_CACHED) else {
                 return Err(format!(
                     "{name}: opening this checkpoint would hold more than {} MiB of metadata in \
                      the browser",
                     MAX_CACHED >> 20
                 ));
             };
+            cached = next;
             let file = self
                 .files
                 .get(&name)
                 .ok_or_else(|| format!("no file `{name}` was opened"))?;
-            let bytes = read(&name, &file.origin, offset, len).await?;
-            self.requests += 1;
-            self.cached = cached;
-            if let Some(file) = self.files.get_mut(&name) {
-                file.segments.push((offset, bytes));
+            reads.push((name, file.origin.clone(), offset, len));
+        }
+        // Large ranges are read one at a time, in pieces; small ones (a DCP's data file heads:
+        // one per rank) many at once, so that a round costs about one read's latency, not one
+        // per file.
+        let (large, small): (Vec<_>, Vec<_>) = reads.into_iter().partition(|r| r.3 > PIECE);
+        for batch in small.chunks(READS_AT_ONCE) {
+            let promises = js_sys::Array::new();
+            for (name, origin, offset, len) in batch {
+                let (name, origin, offset, len) = (name.clone(), origin.clone(), *offset, *len);
+                promises.push(&wasm_bindgen_futures::future_to_promise(async move {
+                    read_array(&name, &origin, offset, len)
+                        .await
+                        .map(wasm_bindgen::JsValue::from)
+                        .map_err(|e| wasm_bindgen::JsValue::from_str(&e))
+                }));
+            }
+            let arrays = JsFuture::from(js_sys::Promise::all(&promises))
+                .await
+                .map_err(|e| e.as_string().unwrap_or_else(|| js_text(&e)))?;
+            let arrays = js_sys::Array::from(&arrays);
+            for ((name, _, offset, _), array) in batch.iter().zip(arrays.iter()) {
+                let bytes = js_sys::Uint8Array::new(&array).to_vec();
+                self.hold(name, *offset, bytes);
             }
         }
+        for (name, origin, offset, len) in large {
+            let bytes = read(&name, &origin, offset, len).await?;
+            self.requests += len.div_ceil(PIECE) - 1;
+            self.hold(&name, offset, bytes);
+        }
         Ok(())
+    }
+
+    /// Keeps fetched bytes as a segment of `name`.
+    fn hold(&mut self, name: &str, offset: u64, bytes: Vec<u8>) {
+        self.requests += 1;
+        self.cached = self.cached.saturating_add(bytes.len() as u64);
+        if let Some(file) = self.files.get_mut(name) {
+            file.segments.push((offset, bytes));
+        }
     }
 }
 
@@ -348,8 +405,9 @@ fn find(segments: &[(u64, Vec<u8>)], offset: u64, len: u64) -> Option<&[u8]> {
     })
 }
 
-/// What is read first of a file: metadata (`.metadata`, JSON indexes) whole, and both ends of
-/// other files but DCP data files (safetensors headers, zip directories and `data.pkl`).
+/// What is read first of a file: metadata (`.metadata`, JSON indexes) whole, the first bytes of
+/// DCP data files, and both ends of other files (safetensors headers, zip directories and
+/// `data.pkl`).
 pub fn first_ranges(name: &str, size: u64) -> Vec<(String, u64, u64)> {
     let base = name.rsplit('/').next().unwrap_or(name);
     let ext = base
@@ -364,7 +422,9 @@ pub fn first_ranges(name: &str, size: u64) -> Vec<(String, u64, u64)> {
         };
     }
     if ext == "distcp" {
-        return Vec::new();
+        // Torch places each data file's first item at byte 0; indexing reads its first bytes
+        // (the item's serialization), so they come in the first round, not a second.
+        return vec![(name.to_owned(), 0, size.min(DCP_HEAD))];
     }
     if size <= 2 * PREFETCH_ENDS {
         return vec![(name.to_owned(), 0, size)];
@@ -461,8 +521,35 @@ fn js_text(e: &wasm_bindgen::JsValue) -> String {
     e.as_string().unwrap_or_else(|| format!("{e:?}"))
 }
 
-/// Reads `offset..offset + len` of a file.
+/// Reads `offset..offset + len` of a file into one buffer, [`PIECE`] bytes per request (the
+/// browser never holds a second copy of a large range while it is copied into wasm memory).
 async fn read(name: &str, origin: &Origin, offset: u64, len: u64) -> Result<Vec<u8>, String> {
+    let end = offset + len;
+    let size = usize::try_from(len).map_err(|_| format!("`{name}`: {len} bytes do not fit"))?;
+    let mut out = Vec::new();
+    out.try_reserve_exact(size).map_err(|_| {
+        format!("cannot hold `{name}` (bytes {offset}..{end}): out of memory for {len} bytes")
+    })?;
+    out.resize(size, 0);
+    let mut at = 0u64;
+    while at < len {
+        let n = PIECE.min(len - at);
+        let array = read_array(name, origin, offset + at, n).await?;
+        // Both ends are below `len`, which fits in usize.
+        array.copy_to(&mut out[at as usize..(at + n) as usize]);
+        at += n;
+    }
+    Ok(out)
+}
+
+/// Reads `offset..offset + len` (at most 4 GiB) of a file with one request, as a JS array of
+/// exactly `len` bytes.
+async fn read_array(
+    name: &str,
+    origin: &Origin,
+    offset: u64,
+    len: u64,
+) -> Result<js_sys::Uint8Array, String> {
     let end = offset + len;
     let fail = |what: String| format!("cannot read `{name}` (bytes {offset}..{end}): {what}");
     let buffer = match origin {
@@ -513,7 +600,7 @@ async fn read(name: &str, origin: &Origin, offset: u64, len: u64) -> Result<Vec<
         )));
     }
     let take = u32::try_from(len).map_err(|_| fail("range too large".to_owned()))?;
-    Ok(array.subarray(0, take).to_vec())
+    Ok(array.subarray(0, take))
 }
 
 fn status_text(status: u16, range: bool) -> String {

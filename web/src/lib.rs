@@ -35,6 +35,8 @@ mod handle {
 
     /// Files that are read whole (JSON documents, zips) may be at most this large.
     const MAX_WHOLE: u64 = 1 << 30;
+    /// Fetched ranges at least this long are dropped once a checkpoint is indexed.
+    const RELEASED_AFTER_INDEXING: u64 = 16 << 20;
     /// Files of unknown kind larger than this are taken for checkpoint files (read lazily).
     const LAZY_UNKNOWN: f64 = 64.0 * 1_048_576.0;
     /// An HF index is at most this large.
@@ -358,6 +360,8 @@ mod handle {
                 &mut progress,
             )
             .await?;
+        // What indexing read whole (a million-chunk `.metadata` is 140 MB) is not read again.
+        src.release_large(RELEASED_AFTER_INDEXING);
         src.prefetch(CheckpointView::value_ranges(&checkpoint.index))
             .await?;
         let view = src

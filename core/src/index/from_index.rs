@@ -103,7 +103,8 @@ fn clean_key(raw: &str) -> String {
 /// `torch.save` files: the dict order the index recorded (`IndexEntry::position`: per-rank files of
 /// one checkpoint share it; a folder of several sets of per-rank files gives each set's order, the
 /// sets one after the other), else the first file's dict order.
-/// DCP: the order of `.metadata`'s state-dict metadata. Safetensors: the index order (sorted).
+/// DCP: the order of `.metadata`'s state-dict metadata (kept by the index, else read from the
+/// file). Safetensors: the index order (sorted).
 pub fn stored_key_order(
     source: &dyn Source,
     index: &CheckpointIndex,
@@ -111,6 +112,14 @@ pub fn stored_key_order(
     let names = source.names();
     match index.format {
         Format::Dcp => {
+            // The index keeps `.metadata`'s key order: a million-chunk `.metadata` is not parsed
+            // a second time (by the general pickle machine, whole) for it.
+            if let Some(facts) = &index.dcp {
+                return Ok(KeyOrder {
+                    keys: facts.stored_keys.iter().map(|k| clean_key(k)).collect(),
+                    registration_order: true,
+                });
+            }
             let meta = names
                 .iter()
                 .find(|n| n.as_str() == ".metadata")
@@ -434,5 +443,57 @@ mod unit_choice_tests {
             err.contains("module `a`") && err.contains("float32"),
             "{err}"
         );
+    }
+}
+
+#[cfg(test)]
+mod key_order_tests {
+    use super::*;
+    use crate::source::MemorySource;
+    use std::path::{Path, PathBuf};
+
+    fn metadata_dirs(dir: &Path, out: &mut Vec<PathBuf>) {
+        let Ok(rd) = std::fs::read_dir(dir) else {
+            return;
+        };
+        for e in rd.flatten() {
+            let p = e.path();
+            if p.is_dir() {
+                metadata_dirs(&p, out);
+            } else if p.file_name().is_some_and(|n| n == ".metadata") {
+                out.push(dir.to_path_buf());
+            }
+        }
+    }
+
+    /// Every DCP fixture torch wrote: the key order the index keeps is the order read from
+    /// `.metadata` itself by the general pickle machine.
+    #[test]
+    fn the_kept_dcp_key_order_is_the_order_of_the_file() {
+        let root = Path::new(env!("CARGO_MANIFEST_DIR")).join("../tests/fixtures");
+        let mut dirs = Vec::new();
+        metadata_dirs(&root, &mut dirs);
+        assert!(dirs.len() >= 10, "{dirs:?}");
+        let mut checked = 0;
+        for dir in dirs {
+            let mut src = MemorySource::new();
+            for e in std::fs::read_dir(&dir).unwrap().flatten() {
+                if e.path().is_file() {
+                    let name = e.file_name().to_string_lossy().into_owned();
+                    src.insert(name, std::fs::read(e.path()).unwrap());
+                }
+            }
+            let Ok(index) = crate::index::read::dcp::index_dcp(&src, ".metadata") else {
+                continue; // damaged on purpose (doctor fixtures)
+            };
+            let kept = stored_key_order(&src, &index).unwrap();
+            let mut without = index.clone();
+            without.dcp = None;
+            let read = stored_key_order(&src, &without).unwrap();
+            assert_eq!(kept.keys, read.keys, "{}", dir.display());
+            assert!(!kept.keys.is_empty(), "{}", dir.display());
+            checked += 1;
+        }
+        assert!(checked >= 10, "{checked}");
     }
 }

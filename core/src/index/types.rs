@@ -356,6 +356,11 @@ pub struct DcpFacts {
     /// The globals `.metadata` names (for doctor's `unsafe-pickle`; not in `inspect --json`).
     #[serde(skip)]
     pub metadata_globals: Vec<crate::formats::pickle::Global>,
+    /// The keys of `.metadata`'s state-dict metadata as stored, in its order (the stored key
+    /// order of [`crate::index::from_index::stored_key_order`], without reading the file again;
+    /// not in `inspect --json`).
+    #[serde(skip)]
+    pub stored_keys: Arc<[String]>,
 }
 
 /// The canonical index of a checkpoint.

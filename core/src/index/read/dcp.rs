@@ -105,6 +105,7 @@ fn index_table(
         .collect();
     source.will_read(&heads);
     drop(heads);
+    let stored_keys: Arc<[String]> = table.items.iter().map(|i| i.key.clone()).collect();
     // The items are moved into the index (a million chunks' offsets and sizes are not copied).
     for item in table.items {
         let key = &item.key;
@@ -329,6 +330,7 @@ fn index_table(
             checkpoint_id: table.checkpoint_id,
             save_id: table.save_id,
             metadata_globals: table.globals,
+            stored_keys,
         }),
     })
 }
