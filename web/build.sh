@@ -16,9 +16,9 @@ if ! wasm-bindgen --version 2>/dev/null | grep -qx "wasm-bindgen $WB_VERSION"; t
 fi
 rustup target list --installed 2>/dev/null | grep -q wasm32-unknown-unknown || rustup target add wasm32-unknown-unknown
 
-cargo build -q -p shardscope-web --target wasm32-unknown-unknown --release
+cargo build -q -p shardscope-web --target wasm32-unknown-unknown --profile wasm-release
 TARGET_DIR=$(cargo metadata --format-version 1 --no-deps | python3 -c 'import json,sys; print(json.load(sys.stdin)["target_directory"])')
-WASM="$TARGET_DIR/wasm32-unknown-unknown/release/shardscope_web.wasm"
+WASM="$TARGET_DIR/wasm32-unknown-unknown/wasm-release/shardscope_web.wasm"
 
 TMP="$OUT.tmp.$$"
 rm -rf "$TMP"
