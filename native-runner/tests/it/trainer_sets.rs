@@ -141,7 +141,8 @@ print("OK")
 /// A torch_checkpointing folder's items kept and converted as the library keeps them:
 /// `convert --select extra -o .pt` loads in torch equal to the library's own per-rank loads
 /// (`check`, run on the output and `expected`), bytes kept as bytes, and `diff` finds no mismatch;
-/// the whole conversion equals torch's full state dicts (`tc_full_*.pt`); safetensors leaves the
+/// the whole conversion equals torch's full state dicts (`{full_prefix}_full_model.pt`
+/// and `{full_prefix}_full_optim.pt` beside `expected_items`); safetensors leaves the
 /// bytes item `bytes_key` out, naming it, and writes no metadata key `is_bytes_key` matches,
 /// while the JSON values stay in the metadata.
 fn items_convert_like_the_library(
@@ -149,6 +150,7 @@ fn items_convert_like_the_library(
     tmp: &Path,
     check: &str,
     expected_items: &Path,
+    full_prefix: &str,
     bytes_key: &str,
     is_bytes_key: impl Fn(&str) -> bool,
 ) {
@@ -174,8 +176,8 @@ fn items_convert_like_the_library(
         SAME_AS_TORCH,
         &[
             &full,
-            &expected.join("tc_full_model.pt"),
-            &expected.join("tc_full_optim.pt"),
+            &expected.join(format!("{full_prefix}_full_model.pt")),
+            &expected.join(format!("{full_prefix}_full_optim.pt")),
         ],
     );
 
@@ -926,6 +928,7 @@ assert all(got["train_state"] == t for t in want["train_state"]), (got["train_st
 print("OK")
 "#,
         &expected.join("tc_raw_items.pt"),
+        "tc",
         "extra.dataloader",
         |k| k.contains("dataloader"),
     );
@@ -1040,6 +1043,60 @@ assert all(got["train_state"] == t for t in want["train_state"]), (got["train_st
 print("OK")
 "#,
         &expected.join("tc_items_items.pt"),
+        "tc",
+        "extra.x",
+        |k| k.starts_with('x') || k.starts_with("vocab"),
+    );
+}
+
+/// torch_checkpointing in a one-process run (`tc_items_ws1`, written by the library at world size
+/// 1, no resharder): `model_0.pt`, `train_state_0.json`, `x_0.bin`, ... with no number that varies
+/// between names. The shared `_0` is the rank: the JSON and raw items are values under `extra` (not
+/// files left unread, and `x_0.bin`, a pickle, is not taken for a `torch.save` file); the model and
+/// optimizer equal torch's state dicts, and the items what the library's own load returns.
+#[test]
+fn torch_checkpointing_items_of_a_one_process_run() {
+    let dir = fixtures().join("tc_items_ws1");
+    let expected = fixtures().join("expected");
+    let tmp = tempfile::tempdir().unwrap();
+    let (out, err) = ok(&shardscope(&["inspect", s(&dir), "--json"]), "inspect");
+    assert!(
+        err.contains("read as values under `extra`")
+            && err.contains("train_state_{r}.json (JSON)")
+            && err.contains("x_{r}.bin (raw bytes)"),
+        "{err}"
+    );
+    assert!(!err.contains("not read ("), "{err}");
+    let v: serde_json::Value = serde_json::from_str(&out).unwrap();
+    assert_eq!(v["summary"]["files"], 7, "{:#}", v["summary"]);
+    let keys: Vec<&str> = v["entries"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .map(|e| e["key"].as_str().unwrap())
+        .collect();
+    for want in [
+        "extra.x",
+        "extra.vocab",
+        "extra.train_state.ntokens_seen",
+        "model.output.weight",
+    ] {
+        assert!(keys.contains(&want), "no {want}: {keys:?}");
+    }
+    items_convert_like_the_library(
+        &dir,
+        tmp.path(),
+        r#"
+import sys, torch
+got = torch.load(sys.argv[1], weights_only=True)
+want = torch.load(sys.argv[2], weights_only=True)
+assert type(got["x"]) is bytes and [got["x"]] == want["x"], (got["x"], want["x"])
+assert type(got["vocab"]) is bytes and [got["vocab"]] == want["vocab"], got["vocab"]
+assert [got["train_state"]] == want["train_state"], (got["train_state"], want)
+print("OK")
+"#,
+        &expected.join("tc_ws1_items.pt"),
+        "tc_ws1",
         "extra.x",
         |k| k.starts_with('x') || k.starts_with("vocab"),
     );

@@ -9,6 +9,8 @@
 //!
 //! torch_checkpointing writes `metadata.pkl` only when an item declares a resharder; without it a
 //! folder is `<item>_<rank>.<ext>` files alone (`model_0.pt`, `train_state_0.json`, `x_0.bin`).
+//! At world size 1 every name ends in `_0` and no number varies between them: the shared `0` is
+//! then the rank of each file (`one_process_groups`).
 //! [`index_rank_folder`] reads such a folder, and any folder of per-rank `torch.save` sets, whole:
 //! each per-rank set of files that are not `torch.save` files (by name: `.pt`, `.pth`, `.ckpt`,
 //! `.tar`; else by their first bytes: a zip or a legacy `torch.save` pickle) is an item under
@@ -226,6 +228,74 @@ fn starts_as_torch_save(source: &dyn Source, name: &str) -> Result<bool, IndexEr
         || crate::formats::torch_zip::looks_like_legacy_torch_save(&head))
 }
 
+/// `<item>_0.<ext>`: the name of an item's file at rank 0 in torch_checkpointing's default layout
+/// (`model_0.pt`, `train_state_0.json`); the pattern with `{R}` for the `0`.
+fn rank0_pattern(name: &str) -> Option<String> {
+    let base = name.rsplit('/').next().unwrap_or(name);
+    let (stem, ext) = base
+        .rsplit_once('.')
+        .map_or((base, None), |(s, e)| (s, Some(e)));
+    let item = stem.strip_suffix("_0")?;
+    if item.is_empty() || item.ends_with(|c: char| c.is_ascii_digit()) {
+        return None;
+    }
+    Some(match ext {
+        Some(ext) => format!("{item}_{{R}}.{ext}"),
+        None => format!("{item}_{{R}}"),
+    })
+}
+
+/// The groups of a one-process run's folder (torch_checkpointing at world size 1: `model_0.pt`,
+/// `train_state_0.json`, `x_0.bin`), where no number varies between names and so no group is a
+/// per-rank set: when every group is one file at rank 0 (`<item>_0.<ext>`, or a per-rank
+/// pattern's rank 0) and one of them is not a `torch.save` file (a JSON or raw item, which only
+/// the per-rank reading takes for an item), the shared `0` is each file's rank. Other folders keep
+/// their groups.
+fn one_process_groups(
+    source: &dyn Source,
+    groups: Vec<RankGroup>,
+) -> Result<Vec<RankGroup>, IndexError> {
+    let lone_rank0 = |g: &RankGroup| match g.files.as_slice() {
+        [(f, rank)] => {
+            if g.pattern.contains("{R}") {
+                *rank == Some(0)
+            } else {
+                rank.is_none() && rank0_pattern(f).is_some()
+            }
+        }
+        _ => false,
+    };
+    if groups.len() < 2 || !groups.iter().all(lone_rank0) {
+        return Ok(groups);
+    }
+    let mut has_item = false;
+    for g in groups.iter().filter(|g| !g.pattern.contains("{R}")) {
+        let (f, _) = &g.files[0];
+        if !matches!(file_ext(f), "pt" | "pth" | "ckpt" | "tar")
+            && !starts_as_torch_save(source, f)?
+        {
+            has_item = true;
+            break;
+        }
+    }
+    if !has_item {
+        return Ok(groups);
+    }
+    Ok(groups
+        .into_iter()
+        .map(|g| {
+            if g.pattern.contains("{R}") {
+                return g;
+            }
+            let (f, _) = g.files.into_iter().next().unwrap_or_default();
+            RankGroup {
+                pattern: rank0_pattern(&f).unwrap_or_default(),
+                files: vec![(f, Some(0))],
+            }
+        })
+        .collect())
+}
+
 /// Sorts `names` (hidden files left out) into `torch.save` sets, per-rank value items and files
 /// not read. A set is `torch.save` when a file's name says so (`.pt`, `.pth`, `.ckpt`, `.tar`; a
 /// file without a rank named `.bin` too, as before) or one of its files starts as one (a zip, a
@@ -239,7 +309,7 @@ pub(crate) fn sort_rank_folder(
     let hidden = |n: &str| n.split('/').any(|c| c.starts_with('.'));
     let visible: Vec<String> = names.iter().filter(|n| !hidden(n)).cloned().collect();
     let mut folder = RankFolder::default();
-    for group in group_rank_files(&visible) {
+    for group in one_process_groups(source, group_rank_files(&visible))? {
         let per_rank = group.pattern.contains("{R}");
         let by_name = group.files.iter().any(|(f, _)| {
             matches!(file_ext(f), "pt" | "pth" | "ckpt" | "tar") || (!per_rank && is_torch_file(f))
@@ -387,6 +457,72 @@ mod tests {
             item_name(&group("rank_{R}.bin", "dataloader/rank_0.bin")),
             "dataloader"
         );
+    }
+
+    #[test]
+    fn a_one_process_folder_reads_its_shared_0_as_the_rank() {
+        let zip = b"PK\x03\x04rest".to_vec();
+        let raw = b"\x80\x02}q\x00.".to_vec();
+        let sorted = |files: &[(&str, &[u8])]| {
+            let mut source = MemorySource::new();
+            for (name, bytes) in files {
+                source.insert(*name, bytes.to_vec());
+            }
+            let f = sort_rank_folder(&source, &source.names()).unwrap();
+            let names = |g: &[&RankGroup]| -> Vec<(String, Vec<Option<u32>>)> {
+                g.iter()
+                    .map(|g| (g.pattern.clone(), g.files.iter().map(|f| f.1).collect()))
+                    .collect()
+            };
+            let values: Vec<&RankGroup> = f.values.iter().map(|(g, _)| g).collect();
+            (
+                names(&f.torch.iter().collect::<Vec<_>>()),
+                names(&values),
+                f.unread,
+            )
+        };
+        // torch_checkpointing at world size 1: `_0` is the rank of every file.
+        let (torch, values, unread) = sorted(&[
+            ("model_0.pt", &zip),
+            ("optimizer_0.pt", &zip),
+            ("train_state_0.json", b"{}"),
+            ("x_0.bin", &raw),
+            ("vocab_0.txt", b"tok"),
+        ]);
+        let r0 = || vec![Some(0)];
+        assert_eq!(
+            torch,
+            vec![
+                ("model_{R}.pt".to_owned(), r0()),
+                ("optimizer_{R}.pt".to_owned(), r0())
+            ]
+        );
+        assert_eq!(
+            values,
+            vec![
+                ("train_state_{R}.json".to_owned(), r0()),
+                ("vocab_{R}.txt".to_owned(), r0()),
+                ("x_{R}.bin".to_owned(), r0())
+            ]
+        );
+        assert!(unread.is_empty(), "{unread:?}");
+        // Only torch.save files: the groups stay as they were (files without a rank).
+        let (torch, values, _) = sorted(&[("model_0.pt", &zip), ("optimizer_0.bin", &zip)]);
+        assert_eq!(
+            torch,
+            vec![
+                ("model_0.pt".to_owned(), vec![None]),
+                ("optimizer_0.bin".to_owned(), vec![None])
+            ]
+        );
+        assert!(values.is_empty());
+        // A file that is not `<item>_0.<ext>` (accelerate's `scheduler.bin`, a `_10`): as before.
+        for other in ["scheduler.bin", "x_10.bin"] {
+            let (_, values, unread) =
+                sorted(&[("model_0.pt", &zip), ("notes_0.txt", b"n"), (other, &zip)]);
+            assert!(values.is_empty(), "{other}: {values:?}");
+            assert_eq!(unread, vec!["notes_0.txt".to_owned()], "{other}");
+        }
     }
 
     #[test]
