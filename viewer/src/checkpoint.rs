@@ -575,6 +575,27 @@ impl CheckpointView {
         source: &dyn Source,
     ) -> Result<Self, CheckpointError> {
         let derived = derive_model(&checkpoint, source);
+        Self::from_checkpoint_derived(checkpoint, derived, source)
+    }
+
+    /// The model description [`CheckpointView::from_checkpoint`] derives from the checkpoint
+    /// alone (it reads a few bytes of `source`: tied-weight probes), or why there is none. The
+    /// browser derives it first, fetching what it reads, so that building the view takes one
+    /// round and never a copy of the index.
+    pub fn derive_model(
+        checkpoint: &Checkpoint,
+        source: &dyn Source,
+    ) -> Result<DerivedModel, String> {
+        derive_model(checkpoint, source)
+    }
+
+    /// [`CheckpointView::from_checkpoint`] with the model description derived before
+    /// ([`CheckpointView::derive_model`]).
+    pub fn from_checkpoint_derived(
+        checkpoint: Checkpoint,
+        derived: Result<DerivedModel, String>,
+        source: &dyn Source,
+    ) -> Result<Self, CheckpointError> {
         let mut view = Self::from_source_index(&checkpoint.label, checkpoint.index, source)?;
         view.notes = checkpoint.notes;
         view.hints = checkpoint.hints;

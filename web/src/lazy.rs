@@ -36,8 +36,8 @@ const COALESCE_GAP: u64 = 64 << 10;
 const PREFETCH_ENDS: u64 = 64 << 10;
 /// What is prefetched of each DCP data file (its first item's first bytes).
 const DCP_HEAD: u64 = 4 << 10;
-/// The most bytes one request reads: larger ranges are read in pieces of this size.
-const PIECE: u64 = 16 << 20;
+/// Ranges longer than this stay in JS once fetched ([`Held`]).
+const HELD_IN_JS: u64 = 16 << 20;
 /// The most small ranges read at once.
 const READS_AT_ONCE: usize = 512;
 /// Whole-file prefetch for metadata files up to this size.
@@ -57,7 +57,35 @@ struct LazyFile {
     origin: Origin,
     size: u64,
     /// Fetched ranges: (offset, bytes).
-    segments: Vec<(u64, Vec<u8>)>,
+    segments: Vec<(u64, Held)>,
+}
+
+/// Fetched bytes: small ranges in wasm memory; large ones (a million-chunk `.metadata` read whole)
+/// left in the JS array the browser read them into and copied into wasm a window at a time as
+/// they are parsed, so that wasm memory (which never shrinks) does not hold them, and the browser
+/// frees them once they are released.
+#[derive(Debug)]
+enum Held {
+    Wasm(Vec<u8>),
+    Js(js_sys::Uint8Array),
+}
+
+impl Held {
+    fn len(&self) -> u64 {
+        match self {
+            Held::Wasm(v) => v.len() as u64,
+            Held::Js(a) => u64::from(a.length()),
+        }
+    }
+
+    /// Copies `a..b` (within the held bytes) into `out` (as long).
+    fn copy_into(&self, a: usize, b: usize, out: &mut [u8]) {
+        match self {
+            Held::Wasm(v) => out.copy_from_slice(&v[a..b]),
+            // Both ends are within the array, whose length is a u32.
+            Held::Js(arr) => arr.subarray(a as u32, b as u32).copy_to(out),
+        }
+    }
 }
 
 /// The segments each file held at one time ([`LazySource::mark`]).
@@ -233,6 +261,22 @@ impl LazySource {
         ))
     }
 
+    /// Runs `step` once: its result when it read only fetched ranges, else `None` once what it
+    /// missed is fetched (for a step that consumes what it is given, which cannot run again).
+    pub async fn run_once<T>(
+        &mut self,
+        step: impl FnOnce(&Self) -> T,
+    ) -> Result<Option<T>, String> {
+        self.misses.borrow_mut().clear();
+        let result = step(self);
+        let misses = std::mem::take(&mut *self.misses.borrow_mut());
+        if misses.is_empty() {
+            return Ok(Some(result));
+        }
+        self.fetch(misses).await?;
+        Ok(None)
+    }
+
     /// How many segments each file holds now, to [`LazySource::release`] what is fetched after.
     pub fn mark(&self) -> Mark {
         Mark(
@@ -249,7 +293,7 @@ impl LazySource {
         for (name, f) in &mut self.files {
             let keep = mark.0.get(name).copied().unwrap_or(0);
             for (_, bytes) in f.segments.drain(keep.min(f.segments.len())..) {
-                self.cached = self.cached.saturating_sub(bytes.len() as u64);
+                self.cached = self.cached.saturating_sub(bytes.len());
             }
         }
     }
@@ -260,9 +304,9 @@ impl LazySource {
     pub fn release_large(&mut self, min_len: u64) {
         for f in self.files.values_mut() {
             f.segments.retain(|(_, bytes)| {
-                let keep = (bytes.len() as u64) < min_len;
+                let keep = bytes.len() < min_len;
                 if !keep {
-                    self.cached = self.cached.saturating_sub(bytes.len() as u64);
+                    self.cached = self.cached.saturating_sub(bytes.len());
                 }
                 keep
             });
@@ -348,10 +392,10 @@ impl LazySource {
                 .ok_or_else(|| format!("no file `{name}` was opened"))?;
             reads.push((name, file.origin.clone(), offset, len));
         }
-        // Large ranges are read one at a time, in pieces; small ones (a DCP's data file heads:
-        // one per rank) many at once, so that a round costs about one read's latency, not one
-        // per file.
-        let (large, small): (Vec<_>, Vec<_>) = reads.into_iter().partition(|r| r.3 > PIECE);
+        // Large ranges are read one at a time and stay in JS ([`Held`]); small ones (a DCP's
+        // data file heads: one per rank) many at once, so that a round costs about one read's
+        // latency, not one per file.
+        let (large, small): (Vec<_>, Vec<_>) = reads.into_iter().partition(|r| r.3 > HELD_IN_JS);
         for batch in small.chunks(READS_AT_ONCE) {
             let promises = js_sys::Array::new();
             for (name, origin, offset, len) in batch {
@@ -369,36 +413,35 @@ impl LazySource {
             let arrays = js_sys::Array::from(&arrays);
             for ((name, _, offset, _), array) in batch.iter().zip(arrays.iter()) {
                 let bytes = js_sys::Uint8Array::new(&array).to_vec();
-                self.hold(name, *offset, bytes);
+                self.hold(name, *offset, Held::Wasm(bytes));
             }
         }
         for (name, origin, offset, len) in large {
-            let bytes = read(&name, &origin, offset, len).await?;
-            self.requests += len.div_ceil(PIECE) - 1;
-            self.hold(&name, offset, bytes);
+            let array = read_array(&name, &origin, offset, len).await?;
+            self.hold(&name, offset, Held::Js(array));
         }
         Ok(())
     }
 
     /// Keeps fetched bytes as a segment of `name`.
-    fn hold(&mut self, name: &str, offset: u64, bytes: Vec<u8>) {
+    fn hold(&mut self, name: &str, offset: u64, bytes: Held) {
         self.requests += 1;
-        self.cached = self.cached.saturating_add(bytes.len() as u64);
+        self.cached = self.cached.saturating_add(bytes.len());
         if let Some(file) = self.files.get_mut(name) {
             file.segments.push((offset, bytes));
         }
     }
 }
 
-/// The fetched segment holding `offset..offset + len`, as a slice.
-fn find(segments: &[(u64, Vec<u8>)], offset: u64, len: u64) -> Option<&[u8]> {
+/// The fetched segment holding `offset..offset + len`, with where the range lies in it.
+fn find(segments: &[(u64, Held)], offset: u64, len: u64) -> Option<(&Held, usize, usize)> {
     let end = offset.checked_add(len)?;
     segments.iter().find_map(|(start, bytes)| {
-        let seg_end = start.checked_add(bytes.len() as u64)?;
+        let seg_end = start.checked_add(bytes.len())?;
         if *start <= offset && end <= seg_end {
             let a = usize::try_from(offset - start).ok()?;
             let b = usize::try_from(end - start).ok()?;
-            bytes.get(a..b)
+            Some((bytes, a, b))
         } else {
             None
         }
@@ -436,11 +479,6 @@ pub fn first_ranges(name: &str, size: u64) -> Vec<(String, u64, u64)> {
 }
 
 impl Source for LazySource {
-    /// Yes: ranges are served from the segments fetched before.
-    fn lends_ranges(&self) -> bool {
-        true
-    }
-
     /// Records every hinted range not fetched yet (and every file not known yet) as a miss, so
     /// that the next round fetches them all.
     fn will_read(&self, reads: &[(&str, u64, u64)]) {
@@ -483,11 +521,48 @@ impl Source for LazySource {
     }
 
     fn read_range(&self, name: &str, offset: u64, len: u64) -> Result<Cow<'_, [u8]>, SourceError> {
+        if len == 0 {
+            return self
+                .fetched(name, offset, 0)
+                .map(|_| Cow::Borrowed(&[][..]));
+        }
+        Ok(match self.fetched(name, offset, len)? {
+            (Held::Wasm(v), a, b) => Cow::Borrowed(&v[a..b]),
+            (held, a, b) => {
+                let mut out = vec![0; b - a];
+                held.copy_into(a, b, &mut out);
+                Cow::Owned(out)
+            }
+        })
+    }
+
+    /// Copies the range out of the fetched bytes (a `.metadata` window from the JS array that
+    /// holds the file).
+    fn read_range_into(&self, name: &str, offset: u64, out: &mut [u8]) -> Result<(), SourceError> {
+        if out.is_empty() {
+            return self.fetched(name, offset, 0).map(|_| ());
+        }
+        let (held, a, b) = self.fetched(name, offset, out.len() as u64)?;
+        held.copy_into(a, b, out);
+        Ok(())
+    }
+}
+
+impl LazySource {
+    /// The fetched segment holding `offset..offset + len` of `name` (len > 0) and where the range
+    /// lies in it; a range not fetched yet is recorded as a miss. For `len == 0`, only checks the
+    /// file and the offset (and answers an empty segment of nothing).
+    fn fetched(
+        &self,
+        name: &str,
+        offset: u64,
+        len: u64,
+    ) -> Result<(&Held, usize, usize), SourceError> {
+        static EMPTY: Held = Held::Wasm(Vec::new());
         let Some(file) = self.files.get(name) else {
-            return self.size(name).map(|_| Cow::Borrowed(&[][..]));
+            return self.size(name).map(|_| (&EMPTY, 0, 0));
         };
-        let end = offset.checked_add(len).filter(|&e| e <= file.size);
-        if end.is_none() {
+        if offset.checked_add(len).is_none_or(|e| e > file.size) {
             return Err(SourceError::OutOfRange {
                 name: name.to_owned(),
                 offset,
@@ -496,10 +571,10 @@ impl Source for LazySource {
             });
         }
         if len == 0 {
-            return Ok(Cow::Borrowed(&[]));
+            return Ok((&EMPTY, 0, 0));
         }
-        if let Some(bytes) = find(&file.segments, offset, len) {
-            return Ok(Cow::Borrowed(bytes));
+        if let Some(found) = find(&file.segments, offset, len) {
+            return Ok(found);
         }
         self.misses.borrow_mut().push(Miss::Range {
             name: name.to_owned(),
@@ -519,27 +594,6 @@ fn js_text(e: &wasm_bindgen::JsValue) -> String {
         return format!("{}: {}", err.name(), err.message());
     }
     e.as_string().unwrap_or_else(|| format!("{e:?}"))
-}
-
-/// Reads `offset..offset + len` of a file into one buffer, [`PIECE`] bytes per request (the
-/// browser never holds a second copy of a large range while it is copied into wasm memory).
-async fn read(name: &str, origin: &Origin, offset: u64, len: u64) -> Result<Vec<u8>, String> {
-    let end = offset + len;
-    let size = usize::try_from(len).map_err(|_| format!("`{name}`: {len} bytes do not fit"))?;
-    let mut out = Vec::new();
-    out.try_reserve_exact(size).map_err(|_| {
-        format!("cannot hold `{name}` (bytes {offset}..{end}): out of memory for {len} bytes")
-    })?;
-    out.resize(size, 0);
-    let mut at = 0u64;
-    while at < len {
-        let n = PIECE.min(len - at);
-        let array = read_array(name, origin, offset + at, n).await?;
-        // Both ends are below `len`, which fits in usize.
-        array.copy_to(&mut out[at as usize..(at + n) as usize]);
-        at += n;
-    }
-    Ok(out)
 }
 
 /// Reads `offset..offset + len` (at most 4 GiB) of a file with one request, as a JS array of

@@ -349,28 +349,41 @@ mod handle {
             .lock()
             .map(|s| s.read_options.clone())
             .unwrap_or_default();
-        let checkpoint = src
-            .run(
-                |s| {
-                    Checkpoint::open(s, name, &options).map_err(|e| match e {
-                        CheckpointError::Index { source, .. } => format!("{name}: {source}"),
-                        other => other.to_string(),
-                    })
-                },
-                &mut progress,
-            )
-            .await?;
-        // What indexing read whole (a million-chunk `.metadata` is 140 MB) is not read again.
-        src.release_large(RELEASED_AFTER_INDEXING);
-        src.prefetch(CheckpointView::value_ranges(&checkpoint.index))
-            .await?;
-        let view = src
-            .run(
-                |s| CheckpointView::from_checkpoint(checkpoint.clone(), s),
-                &mut progress,
-            )
-            .await?;
-        Ok(Box::new(view))
+        // The view takes the index (a million chunks are not copied): what it reads is fetched
+        // before (the values the panels show, the model description's probes), so that it runs
+        // once; should it still miss a range, the checkpoint is opened again with it fetched.
+        for _ in 0..3 {
+            let checkpoint = src
+                .run(
+                    |s| {
+                        Checkpoint::open(s, name, &options).map_err(|e| match e {
+                            CheckpointError::Index { source, .. } => format!("{name}: {source}"),
+                            other => other.to_string(),
+                        })
+                    },
+                    &mut progress,
+                )
+                .await?;
+            // What indexing read whole (a million-chunk `.metadata` is 140 MB) is not read again.
+            src.release_large(RELEASED_AFTER_INDEXING);
+            src.prefetch(CheckpointView::value_ranges(&checkpoint.index))
+                .await?;
+            let derived = src
+                .run(
+                    |s| Ok::<_, String>(CheckpointView::derive_model(&checkpoint, s)),
+                    &mut progress,
+                )
+                .await?;
+            let view = src
+                .run_once(|s| CheckpointView::from_checkpoint_derived(checkpoint, derived, s))
+                .await?;
+            if let Some(view) = view {
+                return Ok(Box::new(view.map_err(|e| e.to_string())?));
+            }
+        }
+        Err(format!(
+            "{name}: reading the values to show took more than 3 rounds of reads"
+        ))
     }
 
     /// Opens picked files as one checkpoint, read by byte range.
