@@ -35,16 +35,20 @@ for _ in $(seq 1 60); do
 done
 # The first frames can take a while on a loaded machine (debug build, software GL): retry.
 colours=0
+# A capture that fails (the window being mapped) is taken again, never the end of the script.
+shot() { DISPLAY="$DISPLAY_NUM" import -window root "$OUT" 2>>/tmp/shardscope-viewer-xvfb.log &&
+  convert "$OUT" -format '%k' info:; }
 for _ in $(seq 1 30); do
   sleep 2
-  DISPLAY="$DISPLAY_NUM" import -window root "$OUT"
-  colours=$(convert "$OUT" -format '%k' info:)
+  colours=$(shot) || colours=0
   [ "$colours" -ge 50 ] && break
 done
 # Park the pointer in a corner so no tooltip covers the panels, then take the final one.
 if command -v xdotool >/dev/null; then DISPLAY="$DISPLAY_NUM" xdotool mousemove 1395 855 || true; fi
-sleep 2
-DISPLAY="$DISPLAY_NUM" import -window root "$OUT"
-colours=$(convert "$OUT" -format '%k' info:)
+for _ in 1 2 3; do
+  sleep 2
+  colours=$(shot) || colours=0
+  [ "$colours" -ge 50 ] && break
+done
 echo "desktop screenshot: $OUT ($colours colours)"
 if [ "$colours" -lt 50 ]; then echo "error: the screenshot looks blank" >&2; cat /tmp/shardscope-viewer-xvfb.log >&2; exit 1; fi

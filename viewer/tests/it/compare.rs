@@ -331,14 +331,21 @@ pub(crate) fn screenshot(args: &[&str], env: &str) {
         return;
     }
     let out = std::env::temp_dir().join(format!("shardscope-{env}-{}.png", std::process::id()));
-    let status = Command::new("bash")
+    let run = Command::new("bash")
         .arg(root.join("web/tests/desktop_screenshot.sh"))
         .arg(&out)
         .arg(env!("CARGO_BIN_EXE_shardscope-viewer"))
         .args(args)
-        .status()
+        .output()
         .unwrap();
-    assert!(status.success());
+    assert!(
+        run.status.success(),
+        "desktop_screenshot.sh {args:?}: {}\n{}{}",
+        run.status,
+        String::from_utf8_lossy(&run.stdout),
+        String::from_utf8_lossy(&run.stderr)
+    );
+    eprint!("{}", String::from_utf8_lossy(&run.stdout));
     assert!(std::fs::metadata(&out).unwrap().len() > 10_000);
     if let Ok(dest) = std::env::var(env) {
         std::fs::copy(&out, dest).unwrap();
