@@ -109,7 +109,6 @@ pub fn stored_key_order(
     source: &dyn Source,
     index: &CheckpointIndex,
 ) -> Result<KeyOrder, FromIndexError> {
-    let names = source.names();
     match index.format {
         Format::Dcp => {
             // The index keeps `.metadata`'s key order: a million-chunk `.metadata` is not parsed
@@ -120,6 +119,7 @@ pub fn stored_key_order(
                     registration_order: true,
                 });
             }
+            let names = source.names();
             let meta = names
                 .iter()
                 .find(|n| n.as_str() == ".metadata")

@@ -983,6 +983,18 @@ fn torch_checkpointing_value_items_changed_or_damaged() {
     );
 }
 
+/// `inspect --json` of a folder of torch_checkpointing items without `metadata.pkl`: its note says
+/// the per-rank files `sets` name were read as values under `extra` and no file is left unread.
+fn inspect_items_folder(dir: &Path, sets: &[&str]) -> serde_json::Value {
+    let (out, err) = ok(&shardscope(&["inspect", s(dir), "--json"]), "inspect");
+    assert!(err.contains("read as values under `extra`"), "{err}");
+    for set in sets {
+        assert!(err.contains(set), "{set}: {err}");
+    }
+    assert!(!err.contains("not read ("), "{err}");
+    serde_json::from_str(&out).unwrap()
+}
+
 /// torch_checkpointing with no resharder writes no `metadata.pkl`: `tc_items` (written by the
 /// library) is `<item>_<rank>.<ext>` files alone, with `train_state` as a JSON item, `x` as a raw
 /// item that differs by rank (`x_{rank}.bin`, not a torch.save archive) and `vocab` as a raw item
@@ -994,16 +1006,14 @@ fn torch_checkpointing_items_without_metadata_pkl_are_values() {
     let dir = fixtures().join("tc_items");
     let expected = fixtures().join("expected");
     let tmp = tempfile::tempdir().unwrap();
-    let (out, err) = ok(&shardscope(&["inspect", s(&dir), "--json"]), "inspect");
-    assert!(
-        err.contains("read as values under `extra`")
-            && err.contains("train_state_{r}.json (JSON)")
-            && err.contains("x_{r}.bin (raw bytes)")
-            && err.contains("vocab_{r}.txt (raw bytes)"),
-        "{err}"
+    let v = inspect_items_folder(
+        &dir,
+        &[
+            "train_state_{r}.json (JSON)",
+            "x_{r}.bin (raw bytes)",
+            "vocab_{r}.txt (raw bytes)",
+        ],
     );
-    assert!(!err.contains("not read ("), "{err}");
-    let v: serde_json::Value = serde_json::from_str(&out).unwrap();
     let entry = |key: &str| {
         v["entries"]
             .as_array()
@@ -1059,15 +1069,10 @@ fn torch_checkpointing_items_of_a_one_process_run() {
     let dir = fixtures().join("tc_items_ws1");
     let expected = fixtures().join("expected");
     let tmp = tempfile::tempdir().unwrap();
-    let (out, err) = ok(&shardscope(&["inspect", s(&dir), "--json"]), "inspect");
-    assert!(
-        err.contains("read as values under `extra`")
-            && err.contains("train_state_{r}.json (JSON)")
-            && err.contains("x_{r}.bin (raw bytes)"),
-        "{err}"
+    let v = inspect_items_folder(
+        &dir,
+        &["train_state_{r}.json (JSON)", "x_{r}.bin (raw bytes)"],
     );
-    assert!(!err.contains("not read ("), "{err}");
-    let v: serde_json::Value = serde_json::from_str(&out).unwrap();
     assert_eq!(v["summary"]["files"], 7, "{:#}", v["summary"]);
     let keys: Vec<&str> = v["entries"]
         .as_array()
