@@ -36,8 +36,17 @@ const COALESCE_GAP: u64 = 64 << 10;
 const PREFETCH_ENDS: u64 = 64 << 10;
 /// What is prefetched of each DCP data file (its first item's first bytes).
 const DCP_HEAD: u64 = 4 << 10;
-/// Ranges longer than this stay in JS once fetched ([`Held`]).
-const HELD_IN_JS: u64 = 16 << 20;
+thread_local! {
+    /// Ranges longer than this stay in JS once fetched ([`Held`]); 16 MiB unless
+    /// [`set_held_in_js_over`] says otherwise.
+    static HELD_IN_JS: std::cell::Cell<u64> = const { std::cell::Cell::new(16 << 20) };
+}
+
+/// Keeps fetched ranges longer than `bytes` in the JS arrays they were read into (the browser
+/// test sets 0, so that its checkpoints are read that way too).
+pub fn set_held_in_js_over(bytes: u64) {
+    HELD_IN_JS.with(|h| h.set(bytes));
+}
 /// The most small ranges read at once.
 const READS_AT_ONCE: usize = 512;
 /// Whole-file prefetch for metadata files up to this size.
@@ -395,7 +404,8 @@ impl LazySource {
         // Large ranges are read one at a time and stay in JS ([`Held`]); small ones (a DCP's
         // data file heads: one per rank) many at once, so that a round costs about one read's
         // latency, not one per file.
-        let (large, small): (Vec<_>, Vec<_>) = reads.into_iter().partition(|r| r.3 > HELD_IN_JS);
+        let over = HELD_IN_JS.with(std::cell::Cell::get);
+        let (large, small): (Vec<_>, Vec<_>) = reads.into_iter().partition(|r| r.3 > over);
         for batch in small.chunks(READS_AT_ONCE) {
             let promises = js_sys::Array::new();
             for (name, origin, offset, len) in batch {

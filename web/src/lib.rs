@@ -824,6 +824,13 @@ mod handle {
             }
         }
 
+        /// Fetched ranges longer than `bytes` stay in the JS arrays the browser read them into,
+        /// copied into wasm as they are read (default 16 MiB: a large `.metadata`); the browser
+        /// test sets 0 to read every range of a checkpoint that way.
+        pub fn set_held_in_js_over(&self, bytes: u32) {
+            lazy::set_held_in_js_over(u64::from(bytes));
+        }
+
         /// Adds a picked `File` (any `Blob`) to the current batch. Checkpoint files are read by
         /// byte range when opened (only their metadata), so files of any size open; JSON
         /// documents and zips are read whole.

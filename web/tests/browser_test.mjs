@@ -92,6 +92,38 @@ async function compare(page, a, b, region) {
   }, { a: a.toString("base64"), b: b.toString("base64"), region });
 }
 
+// The same torch-written DCP with every fetched range kept in the JS array it was read into
+// (`set_held_in_js_over(0)`: the path a large `.metadata` takes, copied into wasm a window at a
+// time, then dropped once indexed): the same entries and chunks as torch's metadata, and the
+// bytes items' values read (the view built after the ranges were dropped).
+async function heldInJsTest(browser, port) {
+  const dir = path.join(root, "tests/fixtures/formats/dcp_torch_save");
+  const expected = JSON.parse(readFileSync(
+    path.join(root, "tests/fixtures/formats/expected/dcp_torch_save_metadata.json"), "utf8"));
+  const page = await browser.newPage({ viewport: { width: 1400, height: 860 }, deviceScaleFactor: 1 });
+  const errors = [];
+  page.on("pageerror", (e) => errors.push(String(e)));
+  page.on("console", (m) => { if (m.type() === "error") errors.push(m.text()); });
+  await page.goto(`http://127.0.0.1:${port}/index.html?empty`);
+  await waitFor(() => page.evaluate(() => document.body.dataset.ready === "1"), "the viewer to start");
+  await page.evaluate(() => window.shardscope.set_held_in_js_over(0));
+  await page.setInputFiles("#files", [".metadata", "__0_0.distcp", "__1_0.distcp"].map((f) => path.join(dir, f)));
+  const opened = await waitFor(async () => {
+    const s = await page.textContent("#status");
+    return (s.includes("checkpoint ") && s.includes(" entries")) || s.includes("error") ? s : null;
+  }, "the checkpoint to open (ranges held in JS)");
+  const entries = Object.keys(expected.items).length;
+  const chunks = Object.values(expected.items).reduce((n, it) => n + (it.chunks ? it.chunks.length : 1), 0);
+  if (!opened.includes(`${entries} entries`) || !opened.includes(` ${chunks} chunks`) || opened.includes("error")) {
+    fail(`ranges held in JS: expected ${entries} entries and ${chunks} chunks: ${opened}`);
+  }
+  const keys = JSON.parse(await page.evaluate(() => window.shardscope.checkpoint_keys()));
+  if (keys.length !== entries) fail(`ranges held in JS: ${keys.length} keys, torch wrote ${entries}`);
+  if (errors.length) fail(`page errors: ${errors.join("\n")}`);
+  await page.close();
+  console.log(`PASS: ranges held in JS (${opened})`);
+}
+
 // Opens the torch-written DCP fixture (all three files in one pick, so they form one checkpoint),
 // clicks a key's row in the checkpoint table and checks the status line against torch's metadata.
 async function checkpointTest(browser, port) {
@@ -779,6 +811,7 @@ try {
   if (errors.length) fail(`page errors: ${errors.join("\n")}`);
   console.log(`PASS: browser test, layout (screenshot ${path.join(shots, "web.png")})`);
   await checkpointTest(browser, port);
+  await heldInJsTest(browser, port);
   await derivedLayoutTest(browser, port);
   await compareTest(browser);
   await presignedTest(browser);
