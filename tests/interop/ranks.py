@@ -89,10 +89,14 @@ def spawn(fn, args, nprocs, timeout_s=900):
                     p.join(10)
                 if timed_out and not failed:
                     raise RuntimeError(f"{nprocs} ranks of {fn.__name__}: still running after {timeout_s} s")
-                r = failed[0]
-                err = os.path.join(done_dir, f"error{r}")
-                detail = open(err).read() if os.path.exists(err) else _describe(codes[r])
-                raise RuntimeError(f"rank {r} of {fn.__name__} failed before finishing its work:\n{detail}")
+                # Every failed rank is named: a rank that dies takes its peers' collectives down
+                # with it, and which of them is seen first is a matter of timing.
+                parts = []
+                for r in failed:
+                    err = os.path.join(done_dir, f"error{r}")
+                    detail = open(err).read() if os.path.exists(err) else _describe(codes[r])
+                    parts.append(f"rank {r} of {fn.__name__} failed before finishing its work:\n{detail}")
+                raise RuntimeError("\n".join(parts))
             if all(c is not None for c in codes):
                 break
             time.sleep(0.02)
