@@ -5,12 +5,16 @@
 // memory is the renderer's resident set from /proc (peak `VmHWM`, reset with `clear_refs` before
 // opening, minus the resident set before). The first open of each checkpoint is a warm-up (the
 // picked files are read into the page cache); the figures are the median of the runs after it.
+// `page_open_s` is the page's own time, from the file input's change event to the entries shown
+// (without Chromium's handling of the 513 picked files). Each checkpoint is opened each way the
+// page can read it (`--ways`): "suspending" (JSPI: the `.metadata` read window by window during
+// indexing, never whole) and "rounds" (read whole between indexing rounds, held in JS).
 //
-// usage: node bench/index_scale_browser.mjs DIST CKPT_DIR [CKPT_DIR ...] [--runs N]
+// usage: node bench/index_scale_browser.mjs DIST CKPT_DIR [CKPT_DIR ...] [--runs N] [--ways W,W]
 //   DIST: a built viewer (web/build.sh DIST); CKPT_DIR: e.g. /tmp/index-scale/dcp-1000000
 //   (bench/index_scale.py --build-only writes them). Needs web/tests/node_modules
 //   (npm install --prefix web/tests) and /usr/bin/chromium (or $CHROMIUM).
-// Prints one JSON line per checkpoint. See BENCHMARKS.md.
+// Prints one JSON line per checkpoint and way. See BENCHMARKS.md.
 
 import { spawn } from "node:child_process";
 import { readdirSync, readFileSync, writeFileSync } from "node:fs";
@@ -31,9 +35,17 @@ if (at >= 0) {
   runs = Number(args[at + 1]);
   args.splice(at, 2);
 }
+// How the page reads: "suspending" (the default where the browser has JSPI: a large `.metadata`
+// read window by window during the indexing step) and/or "rounds" (read whole between rounds).
+let ways = ["suspending", "rounds"];
+const wat = args.indexOf("--ways");
+if (wat >= 0) {
+  ways = args[wat + 1].split(",");
+  args.splice(wat, 2);
+}
 const [dist, ...checkpoints] = args;
 if (!dist || checkpoints.length === 0) {
-  console.error("usage: node bench/index_scale_browser.mjs DIST CKPT_DIR [CKPT_DIR ...] [--runs N]");
+  console.error("usage: node bench/index_scale_browser.mjs DIST CKPT_DIR [CKPT_DIR ...] [--runs N] [--ways suspending,rounds]");
   process.exit(2);
 }
 const MiB = 1048576;
@@ -100,16 +112,32 @@ try {
     args: ["--no-sandbox", "--disable-gpu", "--disable-background-networking", "--disable-component-update",
       "--disable-sync", "--no-first-run", "--use-gl=angle", "--use-angle=swiftshader", "--enable-unsafe-swiftshader"],
   });
-  for (const dir of checkpoints) {
+  for (const dir of checkpoints) for (const way of ways) {
     const files = readdirSync(dir).filter((f) => f === ".metadata" || f.endsWith(".distcp")).map((f) => path.join(dir, f));
     const times = [];
+    const pageTimes = [];
     const growths = [];
     let status = "";
+    let suspends = 0;
     for (let run = 0; run <= runs; run++) {
       // A fresh page (one renderer) per open.
       const page = await browser.newPage({ viewport: { width: 1400, height: 860 }, deviceScaleFactor: 1 });
       await page.goto(`http://127.0.0.1:${port}/index.html?empty`);
       await waitFor(() => page.evaluate(() => document.body.dataset.ready === "1"), "the viewer to start", 60000);
+      await page.evaluate((w) => {
+        window.shardscope.set_suspending_reads(w === "suspending");
+        // The page's own time: from the file input's change event to the status line showing
+        // the entries (without Chromium's file picking, which the wall time includes).
+        const input = document.getElementById("files");
+        input.addEventListener("change", () => { window.benchT0 = performance.now(); }, { capture: true });
+        const status = document.getElementById("status");
+        new MutationObserver(() => {
+          if (window.benchT1 === undefined && status.textContent.includes(" entries")) window.benchT1 = performance.now();
+        }).observe(status, { childList: true, characterData: true, subtree: true });
+      }, way);
+      if (way === "suspending" && !(await page.evaluate(() => window.shardscope.suspending_reads()))) {
+        throw new Error("this browser cannot suspend wasm (JSPI): run with --ways rounds");
+      }
       await page.waitForTimeout(300);
       const before = renderers();
       const [rpid, base] = [...before.entries()].sort((a, b) => b[1].rss - a[1].rss)[0];
@@ -124,14 +152,18 @@ try {
       await page.waitForTimeout(300);
       const after = renderers().get(rpid) ?? base;
       if (!status.includes(" entries")) throw new Error(`${dir}: ${status}`);
+      const pageSeconds = await page.evaluate(() => (window.benchT1 - window.benchT0) / 1000);
+      suspends = await page.evaluate(() => window.shardscope.suspending_reads_done());
       if (run > 0) {
         times.push(seconds);
+        pageTimes.push(pageSeconds);
         growths.push((Math.max(after.hwm, after.rss) - base.rss) / MiB);
       }
       await page.close();
     }
     console.log(JSON.stringify({
-      checkpoint: dir, files: files.length, runs, open_s: median(times), open_s_all: times,
+      checkpoint: dir, way, files: files.length, runs, open_s: median(times), open_s_all: times,
+      page_open_s: Number(median(pageTimes).toFixed(3)), suspending_reads: suspends,
       renderer_growth_mib: Math.round(median(growths)), status,
     }));
   }

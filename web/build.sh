@@ -42,7 +42,7 @@ if [ -n "$OPT" ]; then
 else
   echo "note: no binaryen >= 116 wasm-opt found; bundle not optimized (optional: npm i --prefix web binaryen@132)" >&2
 fi
-cp web/index.html "$TMP/"
+cp web/index.html web/js/jspi.js "$TMP/"
 rm -rf "$OUT"
 mv "$TMP" "$OUT"
 total=$(du -cb "$OUT"/* | tail -1 | cut -f1)

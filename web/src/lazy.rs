@@ -15,11 +15,12 @@
 //! metadata; the first round prefetches what every format reads first (see [`first_ranges`]).
 
 use std::borrow::Cow;
-use std::cell::RefCell;
+use std::cell::{Cell, OnceCell, RefCell};
 use std::collections::BTreeMap;
 
 use shardscope_core::source::{Source, SourceError};
 
+use crate::jspi;
 use crate::urls::shown;
 use wasm_bindgen::JsCast;
 use wasm_bindgen_futures::JsFuture;
@@ -49,8 +50,24 @@ pub fn set_held_in_js_over(bytes: u64) {
 }
 /// The most small ranges read at once.
 const READS_AT_ONCE: usize = 512;
-/// Whole-file prefetch for metadata files up to this size.
-const PREFETCH_WHOLE: u64 = 64 << 20;
+thread_local! {
+    /// Whole-file prefetch for metadata files up to this size (64 MiB unless
+    /// [`set_read_sizes`] says otherwise).
+    static PREFETCH_WHOLE: Cell<u64> = const { Cell::new(64 << 20) };
+    /// Within a step run with suspending reads ([`jspi`]), a missed range of a picked file is
+    /// read during the step when it is at least this long (1 MiB unless [`set_read_sizes`] says
+    /// otherwise) or its file is a metadata file (read from start to end, window by window);
+    /// shorter ranges of data files wait for the next round, many at once.
+    static SUSPEND_MIN: Cell<u64> = const { Cell::new(1 << 20) };
+}
+
+/// Sets the sizes above: metadata files up to `prefetch_whole` bytes are read whole in the first
+/// round, and missed ranges of at least `suspend_min` bytes are read during a step (the browser
+/// test sets 0 and 0, so that its small checkpoints are read the way a large one is).
+pub fn set_read_sizes(prefetch_whole: u64, suspend_min: u64) {
+    PREFETCH_WHOLE.with(|p| p.set(prefetch_whole));
+    SUSPEND_MIN.with(|m| m.set(suspend_min));
+}
 
 /// Where a file's bytes come from.
 #[derive(Debug, Clone)]
@@ -67,6 +84,8 @@ struct LazyFile {
     size: u64,
     /// Fetched ranges: (offset, bytes).
     segments: Vec<(u64, Held)>,
+    /// The file as registered for suspending reads (a picked file, once one is read).
+    registered: OnceCell<Option<jspi::Registered>>,
 }
 
 /// Fetched bytes: small ranges in wasm memory; large ones (a million-chunk `.metadata` read whole)
@@ -121,8 +140,12 @@ pub struct LazySource {
     base_url: Option<String>,
     misses: RefCell<Vec<Miss>>,
     cached: u64,
-    /// Reads (requests) done so far.
-    pub requests: u64,
+    /// Reads (requests) done so far between rounds.
+    requests: u64,
+    /// A step is running with suspending reads ([`jspi::run`]).
+    suspending: Cell<bool>,
+    /// Suspending reads done so far: (reads, bytes).
+    streamed: Cell<(u64, u64)>,
 }
 
 impl LazySource {
@@ -143,6 +166,7 @@ impl LazySource {
                 origin,
                 size,
                 segments: Vec::new(),
+                registered: OnceCell::new(),
             },
         );
     }
@@ -195,6 +219,16 @@ impl LazySource {
     /// Bytes held (everything fetched so far).
     pub fn cached_bytes(&self) -> u64 {
         self.cached
+    }
+
+    /// Reads done so far: requests between rounds and reads during steps.
+    pub fn reads(&self) -> u64 {
+        self.requests.saturating_add(self.streamed.get().0)
+    }
+
+    /// Bytes read during steps (not held: read into the step's own buffers).
+    pub fn streamed_bytes(&self) -> u64 {
+        self.streamed.get().1
     }
 
     /// Total size of the files.
@@ -257,7 +291,16 @@ impl LazySource {
     ) -> Result<T, String> {
         for _ in 0..MAX_ROUNDS {
             self.misses.borrow_mut().clear();
-            let result = step(self);
+            let result = if jspi::available() {
+                // Large ranges are read during the step (see [`SUSPEND_MIN`]).
+                self.suspending.set(true);
+                let this = &*self;
+                let result = jspi::run(|| step(this)).await;
+                self.suspending.set(false);
+                result?
+            } else {
+                step(self)
+            };
             let misses = std::mem::take(&mut *self.misses.borrow_mut());
             if misses.is_empty() {
                 return result.map_err(|e| e.to_string());
@@ -458,6 +501,15 @@ fn find(segments: &[(u64, Held)], offset: u64, len: u64) -> Option<(&Held, usize
     })
 }
 
+/// A file read whole or from start to end: a DCP `.metadata`, a JSON index.
+fn is_metadata_file(name: &str) -> bool {
+    let base = name.rsplit('/').next().unwrap_or(name);
+    base == ".metadata"
+        || base
+            .rsplit_once('.')
+            .is_some_and(|(_, e)| e.eq_ignore_ascii_case("json"))
+}
+
 /// What is read first of a file: metadata (`.metadata`, JSON indexes) whole, the first bytes of
 /// DCP data files, and both ends of other files (safetensors headers, zip directories and
 /// `data.pkl`).
@@ -467,8 +519,8 @@ pub fn first_ranges(name: &str, size: u64) -> Vec<(String, u64, u64)> {
         .rsplit_once('.')
         .map(|(_, e)| e.to_ascii_lowercase())
         .unwrap_or_default();
-    if base == ".metadata" || ext == "json" {
-        return if size <= PREFETCH_WHOLE {
+    if is_metadata_file(name) {
+        return if size <= PREFETCH_WHOLE.with(Cell::get) {
             vec![(name.to_owned(), 0, size)]
         } else {
             Vec::new()
@@ -531,6 +583,12 @@ impl Source for LazySource {
     }
 
     fn read_range(&self, name: &str, offset: u64, len: u64) -> Result<Cow<'_, [u8]>, SourceError> {
+        if let Some(file) = self.to_read_suspending(name, offset, len) {
+            let mut out = vec![0; usize::try_from(len).unwrap_or(usize::MAX)];
+            return self
+                .read_suspending(name, file, offset, &mut out)
+                .map(|()| Cow::Owned(out));
+        }
         if len == 0 {
             return self
                 .fetched(name, offset, 0)
@@ -552,6 +610,9 @@ impl Source for LazySource {
         if out.is_empty() {
             return self.fetched(name, offset, 0).map(|_| ());
         }
+        if let Some(file) = self.to_read_suspending(name, offset, out.len() as u64) {
+            return self.read_suspending(name, file, offset, out);
+        }
         let (held, a, b) = self.fetched(name, offset, out.len() as u64)?;
         held.copy_into(a, b, out);
         Ok(())
@@ -559,6 +620,57 @@ impl Source for LazySource {
 }
 
 impl LazySource {
+    /// The file to read `offset..offset + len` of during the running step: a picked file, the
+    /// range within it and not fetched, and long enough or of a metadata file ([`SUSPEND_MIN`]);
+    /// `None` when the range is read as before (fetched, or a miss).
+    fn to_read_suspending(&self, name: &str, offset: u64, len: u64) -> Option<&LazyFile> {
+        if !self.suspending.get() || len == 0 || len > MAX_READ {
+            return None;
+        }
+        let file = self.files.get(name)?;
+        let within = offset.checked_add(len).is_some_and(|end| end <= file.size);
+        let wanted = len >= SUSPEND_MIN.with(Cell::get) || is_metadata_file(name);
+        (matches!(file.origin, Origin::Blob(_))
+            && within
+            && wanted
+            && find(&file.segments, offset, len).is_none())
+        .then_some(file)
+    }
+
+    /// Reads a range of `file` during the running step (see [`jspi`]).
+    fn read_suspending(
+        &self,
+        name: &str,
+        file: &LazyFile,
+        offset: u64,
+        out: &mut [u8],
+    ) -> Result<(), SourceError> {
+        let io = |message: String| SourceError::Io {
+            name: shown(name),
+            message,
+        };
+        let Origin::Blob(blob) = &file.origin else {
+            return Err(io("only picked files are read during a step".into()));
+        };
+        let registered = file
+            .registered
+            .get_or_init(|| jspi::Registered::new(blob))
+            .as_ref()
+            .ok_or_else(|| io("the browser did not take the file for reading".into()))?;
+        jspi::read_into(registered, offset, out, is_metadata_file(name)).map_err(|e| {
+            io(format!(
+                "reading bytes {offset}..{}: {e}",
+                offset + out.len() as u64
+            ))
+        })?;
+        let (reads, bytes) = self.streamed.get();
+        self.streamed.set((
+            reads.saturating_add(1),
+            bytes.saturating_add(out.len() as u64),
+        ));
+        Ok(())
+    }
+
     /// The fetched segment holding `offset..offset + len` of `name` (len > 0) and where the range
     /// lies in it; a range not fetched yet is recorded as a miss. For `len == 0`, only checks the
     /// file and the offset (and answers an empty segment of nothing).

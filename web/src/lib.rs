@@ -12,6 +12,9 @@ pub mod urls;
 pub mod lazy;
 
 #[cfg(target_arch = "wasm32")]
+pub mod jspi;
+
+#[cfg(target_arch = "wasm32")]
 pub mod compare;
 
 #[cfg(target_arch = "wasm32")]
@@ -337,8 +340,8 @@ mod handle {
                 format!(
                     "indexing checkpoint {name}: {files} files, {}; read {} in {} requests",
                     mib(total),
-                    mib(s.cached_bytes()),
-                    s.requests
+                    mib(s.cached_bytes().saturating_add(s.streamed_bytes())),
+                    s.reads()
                 ),
             );
             repaint_ctx(ctx);
@@ -829,6 +832,30 @@ mod handle {
         /// test sets 0 to read every range of a checkpoint that way.
         pub fn set_held_in_js_over(&self, bytes: u32) {
             lazy::set_held_in_js_over(u64::from(bytes));
+        }
+
+        /// Allows (the default) or forbids reading large ranges during a step where the browser
+        /// can suspend wasm (JSPI); the browser test opens its checkpoints both ways.
+        pub fn set_suspending_reads(&self, on: bool) {
+            crate::jspi::set_enabled(on);
+        }
+
+        /// Whether steps read with suspending reads in this browser (JSPI).
+        pub fn suspending_reads(&self) -> bool {
+            crate::jspi::available()
+        }
+
+        /// Suspending reads done since the page loaded.
+        pub fn suspending_reads_done(&self) -> f64 {
+            crate::jspi::reads_done() as f64
+        }
+
+        /// Metadata files up to `prefetch_whole` bytes are read whole in the first round (default
+        /// 64 MiB); ranges of at least `suspend_min` bytes missed during a step are read during it
+        /// where the browser can suspend wasm (default 1 MiB). The browser test sets 0 and 0, so
+        /// that its small checkpoints are read the way a large one is.
+        pub fn set_read_sizes(&self, prefetch_whole: u32, suspend_min: u32) {
+            lazy::set_read_sizes(u64::from(prefetch_whole), u64::from(suspend_min));
         }
 
         /// Adds a picked `File` (any `Blob`) to the current batch. Checkpoint files are read by

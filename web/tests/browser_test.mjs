@@ -92,36 +92,65 @@ async function compare(page, a, b, region) {
   }, { a: a.toString("base64"), b: b.toString("base64"), region });
 }
 
-// The same torch-written DCP with every fetched range kept in the JS array it was read into
-// (`set_held_in_js_over(0)`: the path a large `.metadata` takes, copied into wasm a window at a
-// time, then dropped once indexed): the same entries and chunks as torch's metadata, and the
-// bytes items' values read (the view built after the ranges were dropped).
-async function heldInJsTest(browser, port) {
+// The same torch-written DCP read each way a large checkpoint is read, with the sizes that send
+// a large `.metadata` down each path set to 0 so that the small fixture takes it:
+// - "held in JS": fetched between rounds and every range kept in the JS array it was read into
+//   (`set_held_in_js_over(0)`: copied into wasm a window at a time, dropped once indexed);
+// - "suspending": read during the indexing step, the wasm stack suspended until each range is
+//   read (JSPI; `set_read_sizes(0, 0)`: the `.metadata` not prefetched, so the streaming reader
+//   reads it window by window, and every missed range of a data file read then too).
+// Each gives the same entries, chunks and keys as torch's metadata, and the bytes items' values
+// are read (the view built after the ranges were dropped).
+async function readPathsTest(browser, port) {
   const dir = path.join(root, "tests/fixtures/formats/dcp_torch_save");
   const expected = JSON.parse(readFileSync(
     path.join(root, "tests/fixtures/formats/expected/dcp_torch_save_metadata.json"), "utf8"));
-  const page = await browser.newPage({ viewport: { width: 1400, height: 860 }, deviceScaleFactor: 1 });
-  const errors = [];
-  page.on("pageerror", (e) => errors.push(String(e)));
-  page.on("console", (m) => { if (m.type() === "error") errors.push(m.text()); });
-  await page.goto(`http://127.0.0.1:${port}/index.html?empty`);
-  await waitFor(() => page.evaluate(() => document.body.dataset.ready === "1"), "the viewer to start");
-  await page.evaluate(() => window.shardscope.set_held_in_js_over(0));
-  await page.setInputFiles("#files", [".metadata", "__0_0.distcp", "__1_0.distcp"].map((f) => path.join(dir, f)));
-  const opened = await waitFor(async () => {
-    const s = await page.textContent("#status");
-    return (s.includes("checkpoint ") && s.includes(" entries")) || s.includes("error") ? s : null;
-  }, "the checkpoint to open (ranges held in JS)");
   const entries = Object.keys(expected.items).length;
   const chunks = Object.values(expected.items).reduce((n, it) => n + (it.chunks ? it.chunks.length : 1), 0);
-  if (!opened.includes(`${entries} entries`) || !opened.includes(` ${chunks} chunks`) || opened.includes("error")) {
-    fail(`ranges held in JS: expected ${entries} entries and ${chunks} chunks: ${opened}`);
+  const ways = [
+    { name: "held in JS", setup: (h) => { h.set_suspending_reads(false); h.set_held_in_js_over(0); }, suspends: false },
+    { name: "suspending", setup: (h) => { h.set_read_sizes(0, 0); }, suspends: true },
+  ];
+  for (const way of ways) {
+    const page = await browser.newPage({ viewport: { width: 1400, height: 860 }, deviceScaleFactor: 1 });
+    const errors = [];
+    page.on("pageerror", (e) => errors.push(String(e)));
+    page.on("console", (m) => { if (m.type() === "error") errors.push(m.text()); });
+    await page.goto(`http://127.0.0.1:${port}/index.html?empty`);
+    await waitFor(() => page.evaluate(() => document.body.dataset.ready === "1"), "the viewer to start");
+    const jspi = await page.evaluate(() => typeof WebAssembly.Suspending === "function");
+    if (way.suspends && !jspi) {
+      console.log(`SKIP: ${way.name}: this Chromium has no JSPI`);
+      await page.close();
+      continue;
+    }
+    await page.evaluate(`(${way.setup})(window.shardscope)`);
+    if (way.suspends && !(await page.evaluate(() => window.shardscope.suspending_reads()))) {
+      fail(`${way.name}: the browser has JSPI but the viewer does not read with it`);
+    }
+    await page.setInputFiles("#files", [".metadata", "__0_0.distcp", "__1_0.distcp"].map((f) => path.join(dir, f)));
+    const opened = await waitFor(async () => {
+      const s = await page.textContent("#status");
+      return (s.includes("checkpoint ") && s.includes(" entries")) || s.includes("error") ? s : null;
+    }, `the checkpoint to open (${way.name})`);
+    if (!opened.includes(`${entries} entries`) || !opened.includes(` ${chunks} chunks`) || opened.includes("error")) {
+      fail(`${way.name}: expected ${entries} entries and ${chunks} chunks: ${opened}`);
+    }
+    // [key, dtype, shape] of each entry against torch's: tensors with their dtype and size,
+    // bytes items with neither.
+    const got = JSON.parse(await page.evaluate(() => window.shardscope.checkpoint_keys()))
+      .map((k) => JSON.stringify(k)).sort();
+    const want = Object.entries(expected.items)
+      .map(([k, it]) => JSON.stringify(it.kind === "tensor" ? [k, it.dtype, it.size] : [k, null, null])).sort();
+    if (JSON.stringify(got) !== JSON.stringify(want)) {
+      fail(`${way.name}: entries ${got.join(" ")}, torch wrote ${want.join(" ")}`);
+    }
+    const reads = await page.evaluate(() => window.shardscope.suspending_reads_done());
+    if (way.suspends ? reads === 0 : reads !== 0) fail(`${way.name}: ${reads} suspending reads`);
+    if (errors.length) fail(`${way.name}: page errors: ${errors.join("\n")}`);
+    await page.close();
+    console.log(`PASS: ${way.name} (${reads} suspending reads; ${opened})`);
   }
-  const keys = JSON.parse(await page.evaluate(() => window.shardscope.checkpoint_keys()));
-  if (keys.length !== entries) fail(`ranges held in JS: ${keys.length} keys, torch wrote ${entries}`);
-  if (errors.length) fail(`page errors: ${errors.join("\n")}`);
-  await page.close();
-  console.log(`PASS: ranges held in JS (${opened})`);
 }
 
 // Opens the torch-written DCP fixture (all three files in one pick, so they form one checkpoint),
@@ -811,7 +840,7 @@ try {
   if (errors.length) fail(`page errors: ${errors.join("\n")}`);
   console.log(`PASS: browser test, layout (screenshot ${path.join(shots, "web.png")})`);
   await checkpointTest(browser, port);
-  await heldInJsTest(browser, port);
+  await readPathsTest(browser, port);
   await derivedLayoutTest(browser, port);
   await compareTest(browser);
   await presignedTest(browser);

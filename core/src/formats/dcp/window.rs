@@ -102,9 +102,14 @@ impl<'s> Reader<'s> {
                 Cow::Owned(buf) => buf,
                 Cow::Borrowed(_) => Vec::new(),
             };
+            // The bytes of the old window not read yet move to the front; only what follows
+            // them is read, so that the file is read once, front to back, without overlaps (a
+            // browser streams it).
+            let kept = buf.len().saturating_sub(self.pos).min(len);
+            buf.copy_within(self.pos..self.pos + kept, 0);
             buf.resize(len, 0);
             self.source
-                .read_range_into(self.name, start, &mut buf)
+                .read_range_into(self.name, start + kept as u64, &mut buf[kept..])
                 .map_err(|_| un!())?;
             self.win = Cow::Owned(buf);
         }

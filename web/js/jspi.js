@@ -1,0 +1,198 @@
+// shardscope: synchronous reads for the viewer's synchronous readers, where the browser has
+// JavaScript Promise Integration (JSPI: `WebAssembly.Suspending` / `WebAssembly.promising`,
+// Chromium 137 and later).
+//
+// The wasm module imports `shardscope_read_suspending` from this file (a raw import, see
+// web/src/jspi.rs). A step run through `run` (indexing a checkpoint) calls it to read a range of
+// a picked file: the wasm stack is suspended until the bytes are copied into wasm memory, so a
+// large `.metadata` is read window by window as it is parsed instead of whole before. Where JSPI
+// is missing, `available` says so and the viewer reads by rounds as before.
+//
+// Rust keeps its shadow stack in linear memory (the `__stack_pointer` global). A suspended step
+// must not share it with the code that runs while it waits (the frame loop, other tasks), so the
+// step runs on a stack of its own (`stackTop`, allocated by Rust), and the global is switched at
+// each suspension and resumption: the waiting step's value is kept aside and the resting value is
+// put back.
+
+const SUPPORTED =
+  typeof WebAssembly === "object" &&
+  typeof WebAssembly.Suspending === "function" &&
+  typeof WebAssembly.promising === "function";
+
+// A file read front to back (a `.metadata`) is streamed (`Blob.stream()`, read into buffers of
+// BLOCK bytes that are used again, so that reading 140 MB leaves no garbage for the collector to
+// find late); the block after the one being parsed is read ahead, so that reading overlaps
+// parsing.
+const BLOCK = 4 << 20;
+
+const files = new Map(); // id -> Blob
+const streams = new Map(); // id -> Streamed
+let exportsObj = null;
+let promisingStep = null;
+// The resting value of `__stack_pointer` (what the code outside the step runs with).
+let restingSp = 0;
+let suspended = false;
+let lastError = "";
+let running = false;
+
+class Streamed {
+  constructor(blob) {
+    this.blob = blob;
+    this.reader = null;
+    this.streamPos = 0; // the file offset the stream reads next
+    this.expect = 0; // the file offset handed out next
+    this.cur = null; // { buf, off, len }: bytes read and not all handed out yet
+    this.ahead = null; // Promise of the next block
+    this.free = []; // buffers to read into
+  }
+
+  restart(offset) {
+    if (this.reader) this.reader.cancel().catch(() => {});
+    if (this.ahead) this.ahead.catch(() => {});
+    this.reader = this.blob.slice(offset).stream().getReader({ mode: "byob" });
+    this.streamPos = offset;
+    this.expect = offset;
+    this.cur = null;
+    this.ahead = null;
+  }
+
+  // Reads the next block (fewer bytes at the end of the file) into a free buffer.
+  async block() {
+    let buf = this.free.pop() ?? new ArrayBuffer(BLOCK);
+    let got = 0;
+    while (got < BLOCK) {
+      const { value, done } = await this.reader.read(new Uint8Array(buf, got, BLOCK - got));
+      // The same memory handed back (an empty view of it at the end of the stream).
+      if (value !== undefined) buf = value.buffer;
+      if (done) break;
+      got += value.byteLength;
+    }
+    this.streamPos += got;
+    return { buf, off: 0, len: got };
+  }
+
+  async read(offset, len, ptr) {
+    if (this.reader === null || offset !== this.expect) this.restart(offset);
+    let done = 0;
+    while (done < len) {
+      if (this.cur === null || this.cur.off === this.cur.len) {
+        const next = this.ahead ?? this.block();
+        this.ahead = null;
+        if (this.cur) this.free.push(this.cur.buf);
+        this.cur = await next;
+        if (this.cur.len === 0) throw new Error(`the file ended at byte ${this.expect}`);
+      }
+      const n = Math.min(this.cur.len - this.cur.off, len - done);
+      // wasm memory may have grown while waiting: a fresh view each time.
+      new Uint8Array(exportsObj.memory.buffer, ptr + done, n)
+        .set(new Uint8Array(this.cur.buf, this.cur.off, n));
+      this.cur.off += n;
+      this.expect += n;
+      done += n;
+    }
+    if (this.ahead === null && this.streamPos < this.blob.size) {
+      this.ahead = this.block();
+      this.ahead.catch(() => {}); // read ahead and never used: not an unhandled error
+    }
+  }
+
+  close() {
+    if (this.reader) this.reader.cancel().catch(() => {});
+    if (this.ahead) this.ahead.catch(() => {});
+  }
+}
+
+async function readInto(id, offset, len, ptr, ahead) {
+  const blob = files.get(id);
+  if (blob === undefined) throw new Error(`file ${id} is not registered`);
+  if (offset + len > blob.size) throw new Error(`bytes ${offset}..${offset + len} are past the end (${blob.size})`);
+  if (ahead) {
+    let s = streams.get(id);
+    if (s === undefined) streams.set(id, (s = new Streamed(blob)));
+    return s.read(offset, len, ptr);
+  }
+  // A read of its own (a large range of a data file): exactly its bytes.
+  const buf = await blob.slice(offset, offset + len).arrayBuffer();
+  if (buf.byteLength !== len) throw new Error(`read ${buf.byteLength} bytes of ${len}`);
+  new Uint8Array(exportsObj.memory.buffer, ptr, len).set(new Uint8Array(buf));
+}
+
+function closeStreams() {
+  for (const s of streams.values()) s.close();
+  streams.clear();
+}
+
+async function readSuspending(id, offset, len, ptr, ahead) {
+  const sp = exportsObj.__stack_pointer;
+  const inner = sp.value;
+  sp.value = restingSp;
+  suspended = true;
+  let rc = 0;
+  try {
+    await readInto(id, offset, len, ptr, ahead !== 0);
+  } catch (e) {
+    lastError = e && e.message ? `${e.name}: ${e.message}` : String(e);
+    rc = -1;
+  }
+  restingSp = sp.value;
+  sp.value = inner;
+  return rc;
+}
+
+// The raw import. Where JSPI is missing it is never called (`available` is false).
+export const shardscope_read_suspending = SUPPORTED
+  ? new WebAssembly.Suspending(readSuspending)
+  : () => -1;
+
+globalThis.shardscopeJspi = {
+  // Whether steps can be run with suspending reads (JSPI, and a module that exports its stack
+  // pointer and the step entry).
+  available(exports) {
+    return (
+      SUPPORTED &&
+      !running &&
+      exports.__stack_pointer instanceof WebAssembly.Global &&
+      typeof exports.shardscope_jspi_step === "function"
+    );
+  },
+  register(id, blob) {
+    files.set(id, blob);
+  },
+  unregister(id) {
+    files.delete(id);
+    streams.get(id)?.close();
+    streams.delete(id);
+  },
+  lastError() {
+    return lastError;
+  },
+  // Runs the step `ctx` on the stack ending at `stackTop`; resolves when it has returned.
+  run(exports, ctx, stackTop) {
+    exportsObj = exports;
+    if (promisingStep === null) promisingStep = WebAssembly.promising(exports.shardscope_jspi_step);
+    const sp = exports.__stack_pointer;
+    const saved = sp.value;
+    restingSp = saved;
+    suspended = false;
+    running = true;
+    sp.value = stackTop;
+    let p;
+    try {
+      p = promisingStep(ctx);
+    } finally {
+      // Returned or suspended: the caller goes on with its own stack.
+      sp.value = saved;
+    }
+    const done = () => {
+      // A step that suspended returned on its own stack: put the resting value back.
+      if (suspended) sp.value = restingSp;
+      suspended = false;
+      running = false;
+      closeStreams();
+    };
+    return p.then(
+      (v) => { done(); return v; },
+      (e) => { done(); throw e; },
+    );
+  },
+};
