@@ -25,8 +25,13 @@ const SUPPORTED =
 // parsing.
 const BLOCK = 4 << 20;
 
+// The most bytes read ahead (`readAhead`) and held for one step.
+const AHEAD_MAX = 256 << 20;
+
 const files = new Map(); // id -> Blob
 const streams = new Map(); // id -> Streamed
+const aheads = new Map(); // id -> [{ offset, len, promise }]: ranges being read or read
+let aheadBytes = 0;
 let exportsObj = null;
 let promisingStep = null;
 // The resting value of `__stack_pointer` (what the code outside the step runs with).
@@ -111,15 +116,30 @@ async function readInto(id, offset, len, ptr, ahead) {
     if (s === undefined) streams.set(id, (s = new Streamed(blob)));
     return s.read(offset, len, ptr);
   }
-  // A read of its own (a large range of a data file): exactly its bytes.
-  const buf = await blob.slice(offset, offset + len).arrayBuffer();
-  if (buf.byteLength !== len) throw new Error(`read ${buf.byteLength} bytes of ${len}`);
-  new Uint8Array(exportsObj.memory.buffer, ptr, len).set(new Uint8Array(buf));
+  // A range read ahead holding this one, else a read of exactly its bytes.
+  const held = (aheads.get(id) ?? []).find((a) => a.offset <= offset && offset + len <= a.offset + a.len);
+  const start = held ? held.offset : offset;
+  const buf = await (held ? held.promise : blob.slice(offset, offset + len).arrayBuffer());
+  if (buf.byteLength < offset - start + len) throw new Error(`read ${buf.byteLength} bytes of ${offset - start + len}`);
+  new Uint8Array(exportsObj.memory.buffer, ptr, len).set(new Uint8Array(buf, offset - start, len));
+}
+
+function readAhead(id, offset, len) {
+  const blob = files.get(id);
+  if (blob === undefined || len <= 0 || offset + len > blob.size || aheadBytes + len > AHEAD_MAX) return;
+  const promise = blob.slice(offset, offset + len).arrayBuffer();
+  promise.catch(() => {}); // read ahead and never used: not an unhandled error
+  let list = aheads.get(id);
+  if (list === undefined) aheads.set(id, (list = []));
+  list.push({ offset, len, promise });
+  aheadBytes += len;
 }
 
 function closeStreams() {
   for (const s of streams.values()) s.close();
   streams.clear();
+  aheads.clear();
+  aheadBytes = 0;
 }
 
 async function readSuspending(id, offset, len, ptr, ahead) {
@@ -139,9 +159,32 @@ async function readSuspending(id, offset, len, ptr, ahead) {
   return rc;
 }
 
-// The raw import. Where JSPI is missing it is never called (`available` is false).
+async function readManySuspending(desc, n) {
+  const sp = exportsObj.__stack_pointer;
+  const inner = sp.value;
+  sp.value = restingSp;
+  suspended = true;
+  let rc = 0;
+  try {
+    const d = new Float64Array(exportsObj.memory.buffer, desc, 4 * n).slice();
+    const reads = [];
+    for (let i = 0; i < n; i++) reads.push(readInto(d[4 * i], d[4 * i + 1], d[4 * i + 2], d[4 * i + 3], false));
+    await Promise.all(reads);
+  } catch (e) {
+    lastError = e && e.message ? `${e.name}: ${e.message}` : String(e);
+    rc = -1;
+  }
+  restingSp = sp.value;
+  sp.value = inner;
+  return rc;
+}
+
+// The raw imports. Where JSPI is missing they are never called (`available` is false).
 export const shardscope_read_suspending = SUPPORTED
   ? new WebAssembly.Suspending(readSuspending)
+  : () => -1;
+export const shardscope_read_many_suspending = SUPPORTED
+  ? new WebAssembly.Suspending(readManySuspending)
   : () => -1;
 
 globalThis.shardscopeJspi = {
@@ -158,8 +201,10 @@ globalThis.shardscopeJspi = {
   register(id, blob) {
     files.set(id, blob);
   },
+  readAhead,
   unregister(id) {
     files.delete(id);
+    aheads.delete(id);
     streams.get(id)?.close();
     streams.delete(id);
   },

@@ -23,6 +23,9 @@ unsafe extern "C" {
     /// Copies bytes `offset..offset + len` of registered file `id` to `ptr`, suspending until
     /// they are read: 0 when copied, -1 on an error (its text in [`last_error`]).
     fn shardscope_read_suspending(id: u32, offset: f64, len: u32, ptr: *mut u8, ahead: u32) -> i32;
+    /// The same for `n` ranges at once, described by `4 * n` numbers at `desc` (file id,
+    /// offset, length, address), all read before the step resumes.
+    fn shardscope_read_many_suspending(desc: *const f64, n: u32) -> i32;
 }
 
 #[wasm_bindgen]
@@ -35,6 +38,8 @@ extern "C" {
     fn js_register(id: u32, blob: &web_sys::Blob) -> Result<(), JsValue>;
     #[wasm_bindgen(catch, js_namespace = shardscopeJspi, js_name = unregister)]
     fn js_unregister(id: u32) -> Result<(), JsValue>;
+    #[wasm_bindgen(catch, js_namespace = shardscopeJspi, js_name = readAhead)]
+    fn js_read_ahead(id: u32, offset: f64, len: f64) -> Result<(), JsValue>;
     #[wasm_bindgen(catch, js_namespace = shardscopeJspi, js_name = lastError)]
     fn js_last_error() -> Result<String, JsValue>;
 }
@@ -127,6 +132,42 @@ pub fn read_into(
     } else {
         Err(js_last_error().unwrap_or_else(|_| "the read failed".into()))
     }
+}
+
+/// Reads several ranges at once into their buffers, suspending the running step once until all
+/// are read (the data files' heads a DCP index reads one after another). Only from within the
+/// step [`run`] runs.
+pub fn read_many(reads: &mut [(&Registered, u64, &mut [u8])]) -> Result<(), String> {
+    let mut desc = Vec::with_capacity(reads.len() * 4);
+    for (file, offset, out) in reads.iter_mut() {
+        if *offset > (1u64 << 53) {
+            return Err(format!("offset {offset} is past what the browser addresses"));
+        }
+        desc.extend([
+            f64::from(file.0),
+            *offset as f64,
+            out.len() as f64,
+            out.as_mut_ptr() as usize as f64,
+        ]);
+    }
+    let n = u32::try_from(reads.len()).map_err(|_| "too many reads at once".to_owned())?;
+    // SAFETY: `desc` names live, writable buffers (`reads` holds them, and nothing touches them
+    // while the step is suspended); the import writes exactly each one's length there.
+    let rc = unsafe { shardscope_read_many_suspending(desc.as_ptr(), n) };
+    if rc == 0 {
+        READS.with(|r| r.set(r.get().saturating_add(reads.len() as u64)));
+        Ok(())
+    } else {
+        Err(js_last_error().unwrap_or_else(|_| "the reads failed".into()))
+    }
+}
+
+/// Starts reading `offset..offset + len` of `file` without waiting: a suspending read of a range
+/// within it (until the running step returns) takes its bytes from this read. Within a step or
+/// just before one ([`crate::lazy::LazySource::begin_first_reads`]).
+pub fn read_ahead(file: &Registered, offset: u64, len: u64) {
+    // Sizes of files the browser holds are below 2^53: exact as f64.
+    let _ = js_read_ahead(file.0, offset as f64, len as f64);
 }
 
 /// The step entry `jspi.js` wraps with `WebAssembly.promising`: `ctx` points to the

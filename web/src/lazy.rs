@@ -50,24 +50,8 @@ pub fn set_held_in_js_over(bytes: u64) {
 }
 /// The most small ranges read at once.
 const READS_AT_ONCE: usize = 512;
-thread_local! {
-    /// Whole-file prefetch for metadata files up to this size (64 MiB unless
-    /// [`set_read_sizes`] says otherwise).
-    static PREFETCH_WHOLE: Cell<u64> = const { Cell::new(64 << 20) };
-    /// Within a step run with suspending reads ([`jspi`]), a missed range of a picked file is
-    /// read during the step when it is at least this long (1 MiB unless [`set_read_sizes`] says
-    /// otherwise) or its file is a metadata file (read from start to end, window by window);
-    /// shorter ranges of data files wait for the next round, many at once.
-    static SUSPEND_MIN: Cell<u64> = const { Cell::new(1 << 20) };
-}
-
-/// Sets the sizes above: metadata files up to `prefetch_whole` bytes are read whole in the first
-/// round, and missed ranges of at least `suspend_min` bytes are read during a step (the browser
-/// test sets 0 and 0, so that its small checkpoints are read the way a large one is).
-pub fn set_read_sizes(prefetch_whole: u64, suspend_min: u64) {
-    PREFETCH_WHOLE.with(|p| p.set(prefetch_whole));
-    SUSPEND_MIN.with(|m| m.set(suspend_min));
-}
+/// Whole-file prefetch for metadata files up to this size (read by rounds).
+const PREFETCH_WHOLE: u64 = 64 << 20;
 
 /// Where a file's bytes come from.
 #[derive(Debug, Clone)]
@@ -116,6 +100,18 @@ impl Held {
     }
 }
 
+impl LazyFile {
+    /// The file as registered for suspending reads (a picked file).
+    fn registered(&self) -> Option<&jspi::Registered> {
+        let Origin::Blob(blob) = &self.origin else {
+            return None;
+        };
+        self.registered
+            .get_or_init(|| jspi::Registered::new(blob))
+            .as_ref()
+    }
+}
+
 /// The segments each file held at one time ([`LazySource::mark`]).
 #[derive(Debug, Clone, Default)]
 pub struct Mark(BTreeMap<String, usize>);
@@ -146,6 +142,9 @@ pub struct LazySource {
     suspending: Cell<bool>,
     /// Suspending reads done so far: (reads, bytes).
     streamed: Cell<(u64, u64)>,
+    /// Ranges read at once during the running step because it said it would read them
+    /// ([`Source::will_read`]): (file, offset) -> bytes. Dropped when the step returns.
+    step_reads: RefCell<BTreeMap<(String, u64), Vec<u8>>>,
 }
 
 impl LazySource {
@@ -282,6 +281,26 @@ impl LazySource {
         self.prefetch(ranges).await
     }
 
+    /// Before a step run with suspending reads ([`jspi::available`]): starts reading what the
+    /// readers read first of each picked file ([`first_ranges`]; not metadata files, which the
+    /// step streams) without waiting, so that the data files' heads are read while the
+    /// `.metadata` is parsed; fetches it now for files behind URLs.
+    pub async fn begin_first_reads(&mut self) -> Result<(), String> {
+        let mut now = Vec::new();
+        for (name, f) in &self.files {
+            if let Some(registered) = f.registered() {
+                if !is_metadata_file(name) {
+                    for (_, offset, len) in first_ranges(name, f.size) {
+                        jspi::read_ahead(registered, offset, len);
+                    }
+                }
+            } else {
+                now.extend(first_ranges(name, f.size));
+            }
+        }
+        self.prefetch(now).await
+    }
+
     /// Runs `step` until it reads only fetched ranges (see the module documentation). A step that
     /// missed a range is run again even when it succeeded (readers may skip unreadable values).
     pub async fn run<T, E: std::fmt::Display>(
@@ -292,11 +311,12 @@ impl LazySource {
         for _ in 0..MAX_ROUNDS {
             self.misses.borrow_mut().clear();
             let result = if jspi::available() {
-                // Large ranges are read during the step (see [`SUSPEND_MIN`]).
+                // Picked files are read during the step.
                 self.suspending.set(true);
                 let this = &*self;
                 let result = jspi::run(|| step(this)).await;
                 self.suspending.set(false);
+                self.step_reads.borrow_mut().clear();
                 result?
             } else {
                 step(self)
@@ -486,6 +506,14 @@ impl LazySource {
     }
 }
 
+/// Whether `start..start + held` holds `offset..offset + len`.
+fn covers(start: u64, held: usize, offset: u64, len: u64) -> bool {
+    start <= offset
+        && offset
+            .checked_add(len)
+            .is_some_and(|end| start.checked_add(held as u64).is_some_and(|e| end <= e))
+}
+
 /// The fetched segment holding `offset..offset + len`, with where the range lies in it.
 fn find(segments: &[(u64, Held)], offset: u64, len: u64) -> Option<(&Held, usize, usize)> {
     let end = offset.checked_add(len)?;
@@ -520,7 +548,7 @@ pub fn first_ranges(name: &str, size: u64) -> Vec<(String, u64, u64)> {
         .map(|(_, e)| e.to_ascii_lowercase())
         .unwrap_or_default();
     if is_metadata_file(name) {
-        return if size <= PREFETCH_WHOLE.with(Cell::get) {
+        return if size <= PREFETCH_WHOLE {
             vec![(name.to_owned(), 0, size)]
         } else {
             Vec::new()
@@ -544,9 +572,15 @@ impl Source for LazySource {
     /// Records every hinted range not fetched yet (and every file not known yet) as a miss, so
     /// that the next round fetches them all.
     fn will_read(&self, reads: &[(&str, u64, u64)]) {
+        if self.suspending.get() {
+            self.read_at_once(reads);
+        }
         let mut misses = self.misses.borrow_mut();
         for &(name, offset, len) in reads {
             match self.files.get(name) {
+                // During a step with suspending reads, a picked file's ranges are read now, all
+                // at once (below).
+                Some(file) if self.suspending.get() && file.registered().is_some() => {}
                 None => {
                     if self.url_of(name).is_ok() {
                         misses.push(Miss::File(name.to_owned()));
@@ -583,6 +617,9 @@ impl Source for LazySource {
     }
 
     fn read_range(&self, name: &str, offset: u64, len: u64) -> Result<Cow<'_, [u8]>, SourceError> {
+        if let Some(bytes) = self.step_read(name, offset, len) {
+            return Ok(Cow::Owned(bytes));
+        }
         if let Some(file) = self.to_read_suspending(name, offset, len) {
             let mut out = vec![0; usize::try_from(len).unwrap_or(usize::MAX)];
             return self
@@ -610,6 +647,10 @@ impl Source for LazySource {
         if out.is_empty() {
             return self.fetched(name, offset, 0).map(|_| ());
         }
+        if let Some(bytes) = self.step_read(name, offset, out.len() as u64) {
+            out.copy_from_slice(&bytes);
+            return Ok(());
+        }
         if let Some(file) = self.to_read_suspending(name, offset, out.len() as u64) {
             return self.read_suspending(name, file, offset, out);
         }
@@ -621,20 +662,93 @@ impl Source for LazySource {
 
 impl LazySource {
     /// The file to read `offset..offset + len` of during the running step: a picked file, the
-    /// range within it and not fetched, and long enough or of a metadata file ([`SUSPEND_MIN`]);
-    /// `None` when the range is read as before (fetched, or a miss).
+    /// range within it and not fetched; `None` when the range is read as before (fetched, or a
+    /// miss).
     fn to_read_suspending(&self, name: &str, offset: u64, len: u64) -> Option<&LazyFile> {
         if !self.suspending.get() || len == 0 || len > MAX_READ {
             return None;
         }
         let file = self.files.get(name)?;
         let within = offset.checked_add(len).is_some_and(|end| end <= file.size);
-        let wanted = len >= SUSPEND_MIN.with(Cell::get) || is_metadata_file(name);
-        (matches!(file.origin, Origin::Blob(_))
-            && within
-            && wanted
-            && find(&file.segments, offset, len).is_none())
-        .then_some(file)
+        (matches!(file.origin, Origin::Blob(_)) && within && find(&file.segments, offset, len).is_none())
+            .then_some(file)
+    }
+
+    /// During a step with suspending reads: reads the ranges the step says it will read (of
+    /// picked files, not fetched yet) all at once, suspending it once, and keeps them until it
+    /// returns. Holds at most [`MAX_READ`] bytes that way; what is left out (or fails: the read
+    /// that follows reports it) is read when asked for.
+    fn read_at_once(&self, reads: &[(&str, u64, u64)]) {
+        let mut wanted: Vec<(&str, &jspi::Registered, u64, Vec<u8>)> = Vec::new();
+        let mut total = 0u64;
+        for &(name, offset, len) in reads {
+            let Some(file) = self.files.get(name) else {
+                continue;
+            };
+            let len = len.min(file.size.saturating_sub(offset));
+            let Some(registered) = file.registered() else {
+                continue;
+            };
+            if len == 0
+                || total.saturating_add(len) > MAX_READ
+                || find(&file.segments, offset, len).is_some()
+                || self.step_read_len(name, offset, len)
+            {
+                continue;
+            }
+            total += len;
+            wanted.push((name, registered, offset, vec![0; len as usize]));
+        }
+        if wanted.is_empty() {
+            return;
+        }
+        let mut batch: Vec<(&jspi::Registered, u64, &mut [u8])> = wanted
+            .iter_mut()
+            .map(|(_, r, offset, buf)| (*r, *offset, buf.as_mut_slice()))
+            .collect();
+        if jspi::read_many(&mut batch).is_err() {
+            return;
+        }
+        let (reads_done, bytes) = self.streamed.get();
+        self.streamed.set((
+            reads_done.saturating_add(wanted.len() as u64),
+            bytes.saturating_add(total),
+        ));
+        let mut kept = self.step_reads.borrow_mut();
+        for (name, _, offset, buf) in wanted {
+            kept.insert((name.to_owned(), offset), buf);
+        }
+    }
+
+    /// Whether `offset..offset + len` of `name` was read at once for the running step.
+    fn step_read_len(&self, name: &str, offset: u64, len: u64) -> bool {
+        self.with_step_read(name, offset, len, |_| ()).is_some()
+    }
+
+    /// The bytes `offset..offset + len` of `name`, when read at once for the running step.
+    fn step_read(&self, name: &str, offset: u64, len: u64) -> Option<Vec<u8>> {
+        if !self.suspending.get() || len == 0 {
+            return None;
+        }
+        self.with_step_read(name, offset, len, <[u8]>::to_vec)
+    }
+
+    /// `f` of the bytes `offset..offset + len` of `name` read at once for the running step (the
+    /// range read last that starts at or before `offset`).
+    fn with_step_read<T>(
+        &self,
+        name: &str,
+        offset: u64,
+        len: u64,
+        f: impl FnOnce(&[u8]) -> T,
+    ) -> Option<T> {
+        let kept = self.step_reads.borrow();
+        let ((held_name, start), bytes) = kept.range(..=(name.to_owned(), offset)).next_back()?;
+        if held_name != name || !covers(*start, bytes.len(), offset, len) {
+            return None;
+        }
+        let a = usize::try_from(offset - start).ok()?;
+        Some(f(&bytes[a..a + usize::try_from(len).ok()?]))
     }
 
     /// Reads a range of `file` during the running step (see [`jspi`]).
@@ -649,13 +763,8 @@ impl LazySource {
             name: shown(name),
             message,
         };
-        let Origin::Blob(blob) = &file.origin else {
-            return Err(io("only picked files are read during a step".into()));
-        };
         let registered = file
-            .registered
-            .get_or_init(|| jspi::Registered::new(blob))
-            .as_ref()
+            .registered()
             .ok_or_else(|| io("the browser did not take the file for reading".into()))?;
         jspi::read_into(registered, offset, out, is_metadata_file(name)).map_err(|e| {
             io(format!(

@@ -346,7 +346,11 @@ mod handle {
             );
             repaint_ctx(ctx);
         };
-        src.prefetch_first().await?;
+        if crate::jspi::available() {
+            src.begin_first_reads().await?;
+        } else {
+            src.prefetch_first().await?;
+        }
         progress(src);
         let options = shared
             .lock()
@@ -834,8 +838,9 @@ mod handle {
             lazy::set_held_in_js_over(u64::from(bytes));
         }
 
-        /// Allows (the default) or forbids reading large ranges during a step where the browser
-        /// can suspend wasm (JSPI); the browser test opens its checkpoints both ways.
+        /// Allows (the default) or forbids reading picked files during a step where the browser
+        /// can suspend wasm (JSPI) instead of between rounds; the browser test opens its
+        /// checkpoints both ways.
         pub fn set_suspending_reads(&self, on: bool) {
             crate::jspi::set_enabled(on);
         }
@@ -848,14 +853,6 @@ mod handle {
         /// Suspending reads done since the page loaded.
         pub fn suspending_reads_done(&self) -> f64 {
             crate::jspi::reads_done() as f64
-        }
-
-        /// Metadata files up to `prefetch_whole` bytes are read whole in the first round (default
-        /// 64 MiB); ranges of at least `suspend_min` bytes missed during a step are read during it
-        /// where the browser can suspend wasm (default 1 MiB). The browser test sets 0 and 0, so
-        /// that its small checkpoints are read the way a large one is.
-        pub fn set_read_sizes(&self, prefetch_whole: u32, suspend_min: u32) {
-            lazy::set_read_sizes(u64::from(prefetch_whole), u64::from(suspend_min));
         }
 
         /// Adds a picked `File` (any `Blob`) to the current batch. Checkpoint files are read by

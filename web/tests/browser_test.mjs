@@ -92,13 +92,13 @@ async function compare(page, a, b, region) {
   }, { a: a.toString("base64"), b: b.toString("base64"), region });
 }
 
-// The same torch-written DCP read each way a large checkpoint is read, with the sizes that send
-// a large `.metadata` down each path set to 0 so that the small fixture takes it:
-// - "held in JS": fetched between rounds and every range kept in the JS array it was read into
-//   (`set_held_in_js_over(0)`: copied into wasm a window at a time, dropped once indexed);
-// - "suspending": read during the indexing step, the wasm stack suspended until each range is
-//   read (JSPI; `set_read_sizes(0, 0)`: the `.metadata` not prefetched, so the streaming reader
-//   reads it window by window, and every missed range of a data file read then too).
+// The same torch-written DCP read each way the page reads a checkpoint:
+// - "held in JS": fetched between rounds (the way where the browser has no JSPI) and every range
+//   kept in the JS array it was read into (`set_held_in_js_over(0)`: the way of a large
+//   `.metadata`, copied into wasm a window at a time, dropped once indexed);
+// - "suspending" (the default where the browser has JSPI): read during the indexing step, the
+//   wasm stack suspended until each range is read: the `.metadata` streamed window by window,
+//   the data files' heads read ahead all at once.
 // Each gives the same entries, chunks and keys as torch's metadata, and the bytes items' values
 // are read (the view built after the ranges were dropped).
 async function readPathsTest(browser, port) {
@@ -109,7 +109,7 @@ async function readPathsTest(browser, port) {
   const chunks = Object.values(expected.items).reduce((n, it) => n + (it.chunks ? it.chunks.length : 1), 0);
   const ways = [
     { name: "held in JS", setup: (h) => { h.set_suspending_reads(false); h.set_held_in_js_over(0); }, suspends: false },
-    { name: "suspending", setup: (h) => { h.set_read_sizes(0, 0); }, suspends: true },
+    { name: "suspending", setup: (h) => { h.set_suspending_reads(true); }, suspends: true },
   ];
   for (const way of ways) {
     const page = await browser.newPage({ viewport: { width: 1400, height: 860 }, deviceScaleFactor: 1 });
