@@ -141,7 +141,9 @@ pub fn read_many(reads: &mut [(&Registered, u64, &mut [u8])]) -> Result<(), Stri
     let mut desc = Vec::with_capacity(reads.len() * 4);
     for (file, offset, out) in reads.iter_mut() {
         if *offset > (1u64 << 53) {
-            return Err(format!("offset {offset} is past what the browser addresses"));
+            return Err(format!(
+                "offset {offset} is past what the browser addresses"
+            ));
         }
         desc.extend([
             f64::from(file.0),

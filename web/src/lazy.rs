@@ -670,8 +670,10 @@ impl LazySource {
         }
         let file = self.files.get(name)?;
         let within = offset.checked_add(len).is_some_and(|end| end <= file.size);
-        (matches!(file.origin, Origin::Blob(_)) && within && find(&file.segments, offset, len).is_none())
-            .then_some(file)
+        (matches!(file.origin, Origin::Blob(_))
+            && within
+            && find(&file.segments, offset, len).is_none())
+        .then_some(file)
     }
 
     /// During a step with suspending reads: reads the ranges the step says it will read (of

@@ -148,8 +148,38 @@ async function readPathsTest(browser, port) {
     const reads = await page.evaluate(() => window.shardscope.suspending_reads_done());
     if (way.suspends ? reads === 0 : reads !== 0) fail(`${way.name}: ${reads} suspending reads`);
     if (errors.length) fail(`${way.name}: page errors: ${errors.join("\n")}`);
+
+    // The same files, the `.metadata` failing to read (a file removed or changed after it was
+    // picked): an error on the page naming it, not a hang or a partial checkpoint.
+    const files = Object.fromEntries([".metadata", "__0_0.distcp", "__1_0.distcp"]
+      .map((f) => [f, readFileSync(path.join(dir, f)).toString("base64")]));
+    await page.evaluate((files) => {
+      const failing = (bytes) => {
+        const gone = () => new DOMException("the file could not be read", "NotReadableError");
+        const blob = new Blob([bytes]);
+        const wrap = (b) => {
+          b.arrayBuffer = () => Promise.reject(gone());
+          b.stream = () => new ReadableStream({ type: "bytes", pull(c) { c.error(gone()); } });
+          b.slice = (...args) => wrap(Blob.prototype.slice.apply(b, args));
+          return b;
+        };
+        return wrap(blob);
+      };
+      for (const [name, b64] of Object.entries(files)) {
+        const bytes = Uint8Array.from(atob(b64), (c) => c.charCodeAt(0));
+        window.shardscope.add_blob(name, name === ".metadata" ? failing(bytes) : new Blob([bytes]));
+      }
+      window.shardscope.finish_batch();
+    }, files);
+    const failed = await waitFor(async () => {
+      const s = await page.textContent("#status");
+      return s.includes("error") ? s : null;
+    }, `an error for the unreadable .metadata (${way.name})`);
+    if (!failed.includes(".metadata") || !failed.includes("NotReadableError")) {
+      fail(`${way.name}: the error does not name the file and the cause: ${failed}`);
+    }
     await page.close();
-    console.log(`PASS: ${way.name} (${reads} suspending reads; ${opened})`);
+    console.log(`PASS: ${way.name} (${reads} suspending reads; ${opened}); unreadable file: ${failed}`);
   }
 }
 
