@@ -142,14 +142,18 @@ function closeStreams() {
   aheadBytes = 0;
 }
 
-async function readSuspending(id, offset, len, ptr, ahead) {
+// Runs `work` while the step is suspended: the step's stack pointer is kept aside and the resting
+// value put back until the step resumes. 0 when done, -1 on an error (its text in `lastError`).
+async function suspending(work) {
   const sp = exportsObj.__stack_pointer;
   const inner = sp.value;
   sp.value = restingSp;
   suspended = true;
   let rc = 0;
   try {
-    await readInto(id, offset, len, ptr, ahead !== 0);
+    // Always awaited (a synchronous throw of `work` rejects), so that the lines below run only
+    // once the step is about to resume.
+    await new Promise((resolve) => resolve(work()));
   } catch (e) {
     lastError = e && e.message ? `${e.name}: ${e.message}` : String(e);
     rc = -1;
@@ -159,24 +163,18 @@ async function readSuspending(id, offset, len, ptr, ahead) {
   return rc;
 }
 
-async function readManySuspending(desc, n) {
-  const sp = exportsObj.__stack_pointer;
-  const inner = sp.value;
-  sp.value = restingSp;
-  suspended = true;
-  let rc = 0;
-  try {
+function readSuspending(id, offset, len, ptr, ahead) {
+  return suspending(() => readInto(id, offset, len, ptr, ahead !== 0));
+}
+
+// `n` ranges described by `4 * n` numbers at `desc`: file id, offset, length, address.
+function readManySuspending(desc, n) {
+  return suspending(() => {
     const d = new Float64Array(exportsObj.memory.buffer, desc, 4 * n).slice();
     const reads = [];
     for (let i = 0; i < n; i++) reads.push(readInto(d[4 * i], d[4 * i + 1], d[4 * i + 2], d[4 * i + 3], false));
-    await Promise.all(reads);
-  } catch (e) {
-    lastError = e && e.message ? `${e.name}: ${e.message}` : String(e);
-    rc = -1;
-  }
-  restingSp = sp.value;
-  sp.value = inner;
-  return rc;
+    return Promise.all(reads);
+  });
 }
 
 // The raw imports. Where JSPI is missing they are never called (`available` is false).
