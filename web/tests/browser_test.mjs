@@ -92,6 +92,17 @@ async function compare(page, a, b, region) {
   }, { a: a.toString("base64"), b: b.toString("base64"), region });
 }
 
+// A fresh page with an empty viewer, started; `errors` collects the page's errors.
+async function openViewer(browser, port) {
+  const page = await browser.newPage({ viewport: { width: 1400, height: 860 }, deviceScaleFactor: 1 });
+  const errors = [];
+  page.on("pageerror", (e) => errors.push(String(e)));
+  page.on("console", (m) => { if (m.type() === "error") errors.push(m.text()); });
+  await page.goto(`http://127.0.0.1:${port}/index.html?empty`);
+  await waitFor(() => page.evaluate(() => document.body.dataset.ready === "1"), "the viewer to start");
+  return { page, errors };
+}
+
 // The same torch-written DCP read each way the page reads a checkpoint:
 // - "held in JS": fetched between rounds (the way where the browser has no JSPI) and every range
 //   kept in the JS array it was read into (`set_held_in_js_over(0)`: the way of a large
@@ -112,12 +123,7 @@ async function readPathsTest(browser, port) {
     { name: "suspending", setup: (h) => { h.set_suspending_reads(true); }, suspends: true },
   ];
   for (const way of ways) {
-    const page = await browser.newPage({ viewport: { width: 1400, height: 860 }, deviceScaleFactor: 1 });
-    const errors = [];
-    page.on("pageerror", (e) => errors.push(String(e)));
-    page.on("console", (m) => { if (m.type() === "error") errors.push(m.text()); });
-    await page.goto(`http://127.0.0.1:${port}/index.html?empty`);
-    await waitFor(() => page.evaluate(() => document.body.dataset.ready === "1"), "the viewer to start");
+    const { page, errors } = await openViewer(browser, port);
     const jspi = await page.evaluate(() => typeof WebAssembly.Suspending === "function");
     if (way.suspends && !jspi) {
       console.log(`SKIP: ${way.name}: this Chromium has no JSPI`);
@@ -192,12 +198,7 @@ async function checkpointTest(browser, port) {
   const key = "model.embed.weight";
   const want = expected.items[key];
   if (!want || !want.chunks) fail(`${key} is not a tensor in torch's metadata`);
-  const page = await browser.newPage({ viewport: { width: 1400, height: 860 }, deviceScaleFactor: 1 });
-  const errors = [];
-  page.on("pageerror", (e) => errors.push(String(e)));
-  page.on("console", (m) => { if (m.type() === "error") errors.push(m.text()); });
-  await page.goto(`http://127.0.0.1:${port}/index.html?empty`);
-  await waitFor(() => page.evaluate(() => document.body.dataset.ready === "1"), "the viewer to start");
+  const { page, errors } = await openViewer(browser, port);
   await page.setInputFiles("#files", [".metadata", "__0_0.distcp", "__1_0.distcp"].map((f) => path.join(dir, f)));
   const opened = await waitFor(async () => {
     const s = await page.textContent("#status");
@@ -254,12 +255,7 @@ async function derivedLayoutTest(browser, port) {
   const dir = path.join(root, "tests/fixtures/app_state/dcp");
   const torchUnits = JSON.parse(readFileSync(
     path.join(root, "tests/fixtures/app_state/auto_wrap_ws2.json"), "utf8")).ranks[0].flat_params.length;
-  const page = await browser.newPage({ viewport: { width: 1400, height: 860 }, deviceScaleFactor: 1 });
-  const errors = [];
-  page.on("pageerror", (e) => errors.push(String(e)));
-  page.on("console", (m) => { if (m.type() === "error") errors.push(m.text()); });
-  await page.goto(`http://127.0.0.1:${port}/index.html?empty`);
-  await waitFor(() => page.evaluate(() => document.body.dataset.ready === "1"), "the viewer to start");
+  const { page, errors } = await openViewer(browser, port);
   await page.setInputFiles("#files", [".metadata", "__0_0.distcp"].map((f) => path.join(dir, f)));
   const shown = await waitFor(async () => {
     const s = await page.textContent("#status");
