@@ -119,6 +119,7 @@ try {
     const growths = [];
     let status = "";
     let suspends = 0;
+    let progress = 0;
     for (let run = 0; run <= runs; run++) {
       // A fresh page (one renderer) per open.
       const page = await browser.newPage({ viewport: { width: 1400, height: 860 }, deviceScaleFactor: 1 });
@@ -131,7 +132,9 @@ try {
         const input = document.getElementById("files");
         input.addEventListener("change", () => { window.benchT0 = performance.now(); }, { capture: true });
         const status = document.getElementById("status");
+        window.benchProgress = new Set();
         new MutationObserver(() => {
+          if (status.textContent.includes("indexing")) window.benchProgress.add(status.textContent);
           if (window.benchT1 === undefined && status.textContent.includes(" entries")) window.benchT1 = performance.now();
         }).observe(status, { childList: true, characterData: true, subtree: true });
       }, way);
@@ -154,6 +157,7 @@ try {
       if (!status.includes(" entries")) throw new Error(`${dir}: ${status}`);
       const pageSeconds = await page.evaluate(() => (window.benchT1 - window.benchT0) / 1000);
       suspends = await page.evaluate(() => window.shardscope.suspending_reads_done());
+      progress = await page.evaluate(() => window.benchProgress.size);
       if (run > 0) {
         times.push(seconds);
         pageTimes.push(pageSeconds);
@@ -164,6 +168,8 @@ try {
     console.log(JSON.stringify({
       checkpoint: dir, way, files: files.length, runs, open_s: median(times), open_s_all: times,
       page_open_s: Number(median(pageTimes).toFixed(3)), suspending_reads: suspends,
+      // How many different "indexing ..." status lines the page showed during the last open.
+      progress_lines: progress,
       renderer_growth_mib: Math.round(median(growths)), status,
     }));
   }

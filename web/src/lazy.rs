@@ -129,7 +129,7 @@ enum Miss {
 }
 
 /// Files read lazily; see the module documentation.
-#[derive(Debug, Default)]
+#[derive(Default)]
 pub struct LazySource {
     files: BTreeMap<String, LazyFile>,
     /// Names not added explicitly are looked up under this URL (ends with `/`).
@@ -145,6 +145,29 @@ pub struct LazySource {
     /// Ranges read at once during the running step because it said it would read them
     /// ([`Source::will_read`]): (file, offset) -> bytes. Dropped when the step returns.
     step_reads: RefCell<BTreeMap<(String, u64), Vec<u8>>>,
+    /// Told the reads and bytes read so far during steps, at most every [`PROGRESS_EVERY_MS`]
+    /// (the page runs while a step waits for a read, so a status line can follow it).
+    on_step_reads: Option<OnStepReads>,
+    /// When `on_step_reads` was last told (`Date.now()`).
+    told: Cell<f64>,
+}
+
+/// See [`LazySource::on_step_reads`].
+pub type OnStepReads = Box<dyn Fn(u64, u64) + Send>;
+
+/// How often [`LazySource::on_step_reads`] is told, at most: each time the page draws a frame
+/// (software rendering can take 0.1 s), which the waiting step then waits for too.
+const PROGRESS_EVERY_MS: f64 = 500.0;
+
+impl std::fmt::Debug for LazySource {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("LazySource")
+            .field("files", &self.files.len())
+            .field("cached", &self.cached)
+            .field("requests", &self.requests)
+            .field("streamed", &self.streamed.get())
+            .finish_non_exhaustive()
+    }
 }
 
 impl LazySource {
@@ -223,6 +246,12 @@ impl LazySource {
     /// Reads done so far: requests between rounds and reads during steps.
     pub fn reads(&self) -> u64 {
         self.requests.saturating_add(self.streamed.get().0)
+    }
+
+    /// Calls `f(reads, bytes)` as steps read (reads during steps and their bytes so far), at most
+    /// twice a second.
+    pub fn on_step_reads(&mut self, f: OnStepReads) {
+        self.on_step_reads = Some(f);
     }
 
     /// Bytes read during steps (not held: read into the step's own buffers).
@@ -711,14 +740,25 @@ impl LazySource {
         if jspi::read_many(&mut batch).is_err() {
             return;
         }
-        let (reads_done, bytes) = self.streamed.get();
-        self.streamed.set((
-            reads_done.saturating_add(wanted.len() as u64),
-            bytes.saturating_add(total),
-        ));
+        self.count_step_reads(wanted.len() as u64, total);
         let mut kept = self.step_reads.borrow_mut();
         for (name, _, offset, buf) in wanted {
             kept.insert((name.to_owned(), offset), buf);
+        }
+    }
+
+    /// Counts reads done during a step, telling [`LazySource::on_step_reads`] at most every
+    /// [`PROGRESS_EVERY_MS`].
+    fn count_step_reads(&self, reads: u64, bytes: u64) {
+        let (r, b) = self.streamed.get();
+        let (r, b) = (r.saturating_add(reads), b.saturating_add(bytes));
+        self.streamed.set((r, b));
+        if let Some(f) = &self.on_step_reads {
+            let now = js_sys::Date::now();
+            if now - self.told.get() >= PROGRESS_EVERY_MS {
+                self.told.set(now);
+                f(r, b);
+            }
         }
     }
 
@@ -774,11 +814,7 @@ impl LazySource {
                 offset + out.len() as u64
             ))
         })?;
-        let (reads, bytes) = self.streamed.get();
-        self.streamed.set((
-            reads.saturating_add(1),
-            bytes.saturating_add(out.len() as u64),
-        ));
+        self.count_step_reads(1, out.len() as u64);
         Ok(())
     }
 

@@ -49,6 +49,9 @@ mod handle {
     #[derive(Debug, Default)]
     struct Shared {
         status: String,
+        /// The viewer's own part of the status line and the comparison's summary, as of the last
+        /// frame (the status line is composed again when a job reports without a frame).
+        frame_status: (String, Option<String>),
         selected: Option<String>,
         /// `Some("")` clears the selection.
         select_request: Option<String>,
@@ -204,26 +207,14 @@ mod handle {
                     }
                 }
                 self.seen_messages = self.viewer.messages.len();
-                let mut status = self.viewer.status_line();
-                for b in s.busy.values() {
-                    status.push_str(" · ");
-                    status.push_str(b);
-                    status.push_str("...");
-                }
-                if let Some(p) = &s.compare_progress {
-                    status.push_str(" · ");
-                    status.push_str(&p.text());
-                    status.push_str("...");
-                } else if let Some(c) = &self.viewer.comparison {
-                    status.push_str(" · compared: ");
-                    status.push_str(&c.summary());
-                }
-                if let Some(e) = &s.error {
-                    status.push_str(" · error: ");
-                    status.push_str(e);
-                }
-                // Never a URL's query (a presigned URL's signature) on the page.
-                s.status = urls::hide_queries(&status);
+                s.frame_status = (
+                    self.viewer.status_line(),
+                    self.viewer
+                        .comparison
+                        .as_ref()
+                        .map(shardscope_viewer::compare::Comparison::summary),
+                );
+                s.status = compose_status(&s);
                 s.selected.clone_from(&self.viewer.selection.fqn);
                 s.read_options.clone_from(&self.viewer.loader.read_options);
                 s.tolerance = self.viewer.comparer.tolerance;
@@ -280,6 +271,31 @@ mod handle {
         }
     }
 
+    /// The page's status line: the viewer's, what the jobs are doing, the comparison, the last
+    /// failure; never a URL's query (a presigned URL's signature).
+    fn compose_status(s: &Shared) -> String {
+        let (viewer, compared) = &s.frame_status;
+        let mut status = viewer.clone();
+        for b in s.busy.values() {
+            status.push_str(" · ");
+            status.push_str(b);
+            status.push_str("...");
+        }
+        if let Some(p) = &s.compare_progress {
+            status.push_str(" · ");
+            status.push_str(&p.text());
+            status.push_str("...");
+        } else if let Some(c) = compared {
+            status.push_str(" · compared: ");
+            status.push_str(c);
+        }
+        if let Some(e) = &s.error {
+            status.push_str(" · error: ");
+            status.push_str(e);
+        }
+        urls::hide_queries(&status)
+    }
+
     fn repaint_ctx(ctx: &Mutex<Option<egui::Context>>) {
         if let Ok(slot) = ctx.lock()
             && let Some(ctx) = slot.as_ref()
@@ -327,8 +343,8 @@ mod handle {
     async fn index_lazily(
         name: &str,
         src: &mut LazySource,
-        shared: &Mutex<Shared>,
-        ctx: &Mutex<Option<egui::Context>>,
+        shared: &Arc<Mutex<Shared>>,
+        ctx: &Arc<Mutex<Option<egui::Context>>>,
         job: u64,
     ) -> Result<Box<CheckpointView>, String> {
         let total = src.total_size();
@@ -347,6 +363,24 @@ mod handle {
             repaint_ctx(ctx);
         };
         if crate::jspi::available() {
+            // Read during the step: the status line follows the `.metadata` as it is streamed.
+            let (shared, name) = (Arc::clone(shared), name.to_owned());
+            // The line is composed here, not in a frame: the frame loop runs while the step
+            // waits, but drawing a frame (0.1 s in software) would delay the step.
+            src.on_step_reads(Box::new(move |reads, bytes| {
+                if let Ok(mut s) = shared.lock() {
+                    s.busy.insert(
+                        job,
+                        format!(
+                            "indexing checkpoint {name}: {files} files, {}; read {} in {reads} \
+                             requests",
+                            mib(total),
+                            mib(bytes)
+                        ),
+                    );
+                    s.status = compose_status(&s);
+                }
+            }));
             src.begin_first_reads().await?;
         } else {
             src.prefetch_first().await?;
@@ -428,8 +462,8 @@ mod handle {
     async fn open_as_a(
         name: String,
         mut src: LazySource,
-        shared: &Mutex<Shared>,
-        ctx: &Mutex<Option<egui::Context>>,
+        shared: &Arc<Mutex<Shared>>,
+        ctx: &Arc<Mutex<Option<egui::Context>>>,
         job: u64,
     ) -> Result<Box<CheckpointView>, String> {
         let view = index_lazily(&name, &mut src, shared, ctx, job).await?;
@@ -470,8 +504,8 @@ mod handle {
     async fn open_urls_lazily(
         inputs: &[String],
         ranks: &str,
-        shared: &Mutex<Shared>,
-        ctx: &Mutex<Option<egui::Context>>,
+        shared: &Arc<Mutex<Shared>>,
+        ctx: &Arc<Mutex<Option<egui::Context>>>,
         job: u64,
     ) -> Result<Box<CheckpointView>, String> {
         let (name, src) = url_sources(inputs, ranks, shared, ctx, job).await?;
