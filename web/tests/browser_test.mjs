@@ -189,6 +189,48 @@ async function readPathsTest(browser, port) {
   }
 }
 
+// Two checkpoints opened at once where the browser has JSPI: the first one's indexing step waits
+// for its reads (suspended, on its own stack) while the second one is indexed by rounds and the
+// frame loop runs; both open without an error, and a third open reads with suspending reads
+// again (the first one's state was put back).
+async function concurrentOpensTest(browser, port) {
+  const { page, errors } = await openViewer(browser, port);
+  if (!(await page.evaluate(() => window.shardscope.suspending_reads()))) {
+    console.log("SKIP: two opens at once: this Chromium has no JSPI");
+    await page.close();
+    return;
+  }
+  const read = (fixture) => Object.fromEntries([".metadata", "__0_0.distcp", "__1_0.distcp"]
+    .map((f) => [f, readFileSync(path.join(root, "tests/fixtures/formats", fixture, f)).toString("base64")]));
+  const batches = [read("dcp_torch_save"), read("dcp_safetensors")];
+  const openAll = (batches) => {
+    for (const files of batches) {
+      for (const [name, b64] of Object.entries(files)) {
+        window.shardscope.add_blob(name, new Blob([Uint8Array.from(atob(b64), (c) => c.charCodeAt(0))]));
+      }
+      window.shardscope.finish_batch();
+    }
+  };
+  const settled = async (what) => waitFor(async () => {
+    const s = await page.textContent("#status");
+    return (!s.includes("indexing") && s.includes(" entries")) || s.includes("error") ? s : null;
+  }, what);
+  const before = await page.evaluate(() => window.shardscope.suspending_reads_done());
+  await page.evaluate(openAll, batches);
+  const both = await settled("two checkpoints opened at once");
+  if (both.includes("error") || !both.includes("44 entries")) fail(`two opens at once: ${both}`);
+  const during = await page.evaluate(() => window.shardscope.suspending_reads_done());
+  if (during === before) fail("two opens at once: neither read with suspending reads");
+  await page.evaluate(openAll, [batches[0]]);
+  const third = await settled("a third checkpoint");
+  const after = await page.evaluate(() => window.shardscope.suspending_reads_done());
+  if (third.includes("error") || !third.includes("44 entries")) fail(`the open after two at once: ${third}`);
+  if (after === during) fail("the open after two at once did not read with suspending reads");
+  if (errors.length) fail(`two opens at once: page errors: ${errors.join("\n")}`);
+  await page.close();
+  console.log(`PASS: two opens at once, then a third (${during - before} and ${after - during} suspending reads)`);
+}
+
 // Opens the torch-written DCP fixture (all three files in one pick, so they form one checkpoint),
 // clicks a key's row in the checkpoint table and checks the status line against torch's metadata.
 async function checkpointTest(browser, port) {
@@ -867,6 +909,7 @@ try {
   console.log(`PASS: browser test, layout (screenshot ${path.join(shots, "web.png")})`);
   await checkpointTest(browser, port);
   await readPathsTest(browser, port);
+  await concurrentOpensTest(browser, port);
   await derivedLayoutTest(browser, port);
   await compareTest(browser);
   await presignedTest(browser);
