@@ -48,9 +48,8 @@ mod handle {
     /// What the page reads back between frames.
     #[derive(Debug, Default)]
     struct Shared {
-        status: String,
         /// The viewer's own part of the status line and the comparison's summary, as of the last
-        /// frame (the status line is composed again when a job reports without a frame).
+        /// frame (the page's status line adds what the jobs do now: [`compose_status`]).
         frame_status: (String, Option<String>),
         selected: Option<String>,
         /// `Some("")` clears the selection.
@@ -214,7 +213,6 @@ mod handle {
                         .as_ref()
                         .map(shardscope_viewer::compare::Comparison::summary),
                 );
-                s.status = compose_status(&s);
                 s.selected.clone_from(&self.viewer.selection.fqn);
                 s.read_options.clone_from(&self.viewer.loader.read_options);
                 s.tolerance = self.viewer.comparer.tolerance;
@@ -365,21 +363,19 @@ mod handle {
         if crate::jspi::available() {
             // Read during the step: the status line follows the `.metadata` as it is streamed.
             let (shared, name) = (Arc::clone(shared), name.to_owned());
-            // The line is composed here, not in a frame: the frame loop runs while the step
-            // waits, but drawing a frame (0.1 s in software) would delay the step.
+            // No frame is asked for: the page's status line is composed when it is read
+            // (`WebHandle::status`), and drawing a frame (0.1 s in software) would delay the
+            // waiting step.
             src.on_step_reads(Box::new(move |reads, bytes| {
-                if let Ok(mut s) = shared.lock() {
-                    s.busy.insert(
-                        job,
-                        format!(
-                            "indexing checkpoint {name}: {files} files, {}; read {} in {reads} \
-                             requests",
-                            mib(total),
-                            mib(bytes)
-                        ),
-                    );
-                    s.status = compose_status(&s);
-                }
+                set_busy(
+                    &shared,
+                    job,
+                    format!(
+                        "indexing checkpoint {name}: {files} files, {}; read {} in {reads} requests",
+                        mib(total),
+                        mib(bytes)
+                    ),
+                );
             }));
             src.begin_first_reads().await?;
         } else {
@@ -1097,9 +1093,10 @@ mod handle {
 
         /// One line describing what is shown (model, layout, selection).
         pub fn status(&self) -> String {
+            // Composed now: what the jobs do is current even before the next frame.
             self.shared
                 .lock()
-                .map(|s| s.status.clone())
+                .map(|s| compose_status(&s))
                 .unwrap_or_default()
         }
 

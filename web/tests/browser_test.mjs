@@ -211,8 +211,10 @@ async function concurrentOpensTest(browser, port) {
       window.shardscope.finish_batch();
     }
   };
+  // The handle's status (composed when read: an open started is "indexing" at once; the page's
+  // line follows it every 150 ms).
   const settled = async (what) => waitFor(async () => {
-    const s = await page.textContent("#status");
+    const s = await page.evaluate(() => window.shardscope.status());
     return (!s.includes("indexing") && s.includes(" entries")) || s.includes("error") ? s : null;
   }, what);
   const before = await page.evaluate(() => window.shardscope.suspending_reads_done());
