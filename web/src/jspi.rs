@@ -21,7 +21,7 @@ use wasm_bindgen_futures::JsFuture;
 #[link(wasm_import_module = "./jspi.js")]
 unsafe extern "C" {
     /// Copies bytes `offset..offset + len` of registered file `id` to `ptr`, suspending until
-    /// they are read: 0 when copied, -1 on an error (its text in [`last_error`]).
+    /// they are read: 0 when copied, -1 on an error (its text in `jspi.js`'s `lastError`).
     fn shardscope_read_suspending(id: u32, offset: f64, len: u32, ptr: *mut u8, ahead: u32) -> i32;
     /// The same for `n` ranges at once, described by `4 * n` numbers at `desc` (file id,
     /// offset, length, address), all read before the step resumes.

@@ -13,6 +13,11 @@
 //! file and shown as `?…` in every message ([`crate::urls::shown`]).
 //! Each round re-runs a metadata-only step, so the cost of a round is that of parsing the
 //! metadata; the first round prefetches what every format reads first (see [`first_ranges`]).
+//!
+//! Where the browser can suspend wasm (JSPI, [`crate::jspi`]), a step reads picked files *during*
+//! the step instead: a missed range is read then and there, a `.metadata` is streamed window by
+//! window, and the ranges a step says it will read ([`Source::will_read`]) are read at once. Such
+//! a step never misses a picked file's range, so it runs once.
 
 use std::borrow::Cow;
 use std::cell::{Cell, OnceCell, RefCell};
