@@ -681,8 +681,11 @@ impl Source for LazySource {
         if out.is_empty() {
             return self.fetched(name, offset, 0).map(|_| ());
         }
-        if let Some(bytes) = self.step_read(name, offset, out.len() as u64) {
-            out.copy_from_slice(&bytes);
+        if self.suspending.get()
+            && self
+                .with_step_read(name, offset, out.len() as u64, |b| out.copy_from_slice(b))
+                .is_some()
+        {
             return Ok(());
         }
         if let Some(file) = self.to_read_suspending(name, offset, out.len() as u64) {
@@ -728,7 +731,7 @@ impl LazySource {
             if len == 0
                 || total.saturating_add(len) > MAX_READ
                 || find(&file.segments, offset, len).is_some()
-                || self.step_read_len(name, offset, len)
+                || self.with_step_read(name, offset, len, |_| ()).is_some()
             {
                 continue;
             }
@@ -765,11 +768,6 @@ impl LazySource {
                 f(r, b);
             }
         }
-    }
-
-    /// Whether `offset..offset + len` of `name` was read at once for the running step.
-    fn step_read_len(&self, name: &str, offset: u64, len: u64) -> bool {
-        self.with_step_read(name, offset, len, |_| ()).is_some()
     }
 
     /// The bytes `offset..offset + len` of `name`, when read at once for the running step.

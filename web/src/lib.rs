@@ -269,6 +269,15 @@ mod handle {
         }
     }
 
+    /// What an open that indexes a lazily read checkpoint is doing.
+    fn indexing_line(name: &str, files: usize, total: u64, read: u64, reads: u64) -> String {
+        format!(
+            "indexing checkpoint {name}: {files} files, {}; read {} in {reads} requests",
+            mib(total),
+            mib(read)
+        )
+    }
+
     /// The page's status line: the viewer's, what the jobs are doing, the comparison, the last
     /// failure; never a URL's query (a presigned URL's signature).
     fn compose_status(s: &Shared) -> String {
@@ -342,39 +351,31 @@ mod handle {
         name: &str,
         src: &mut LazySource,
         shared: &Arc<Mutex<Shared>>,
-        ctx: &Arc<Mutex<Option<egui::Context>>>,
+        ctx: &Mutex<Option<egui::Context>>,
         job: u64,
     ) -> Result<Box<CheckpointView>, String> {
         let total = src.total_size();
         let files = src.file_count();
         let mut progress = |s: &LazySource| {
+            let read = s.cached_bytes().saturating_add(s.streamed_bytes());
             set_busy(
                 shared,
                 job,
-                format!(
-                    "indexing checkpoint {name}: {files} files, {}; read {} in {} requests",
-                    mib(total),
-                    mib(s.cached_bytes().saturating_add(s.streamed_bytes())),
-                    s.reads()
-                ),
+                indexing_line(name, files, total, read, s.reads()),
             );
             repaint_ctx(ctx);
         };
         if crate::jspi::available() {
             // Read during the step: the status line follows the `.metadata` as it is streamed.
-            let (shared, name) = (Arc::clone(shared), name.to_owned());
             // No frame is asked for: the page's status line is composed when it is read
             // (`WebHandle::status`), and drawing a frame (0.1 s in software) would delay the
             // waiting step.
+            let (shared, name) = (Arc::clone(shared), name.to_owned());
             src.on_step_reads(Box::new(move |reads, bytes| {
                 set_busy(
                     &shared,
                     job,
-                    format!(
-                        "indexing checkpoint {name}: {files} files, {}; read {} in {reads} requests",
-                        mib(total),
-                        mib(bytes)
-                    ),
+                    indexing_line(&name, files, total, bytes, reads),
                 );
             }));
             src.begin_first_reads().await?;
@@ -459,7 +460,7 @@ mod handle {
         name: String,
         mut src: LazySource,
         shared: &Arc<Mutex<Shared>>,
-        ctx: &Arc<Mutex<Option<egui::Context>>>,
+        ctx: &Mutex<Option<egui::Context>>,
         job: u64,
     ) -> Result<Box<CheckpointView>, String> {
         let view = index_lazily(&name, &mut src, shared, ctx, job).await?;
@@ -501,7 +502,7 @@ mod handle {
         inputs: &[String],
         ranks: &str,
         shared: &Arc<Mutex<Shared>>,
-        ctx: &Arc<Mutex<Option<egui::Context>>>,
+        ctx: &Mutex<Option<egui::Context>>,
         job: u64,
     ) -> Result<Box<CheckpointView>, String> {
         let (name, src) = url_sources(inputs, ranks, shared, ctx, job).await?;

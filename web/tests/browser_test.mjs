@@ -853,13 +853,7 @@ try {
       "--use-angle=swiftshader", "--enable-unsafe-swiftshader", "--enable-precise-memory-info"],
   });
   browser = await launch();
-  const page = await browser.newPage({ viewport: { width: 1400, height: 860 }, deviceScaleFactor: 1 });
-  const errors = [];
-  page.on("pageerror", (e) => errors.push(String(e)));
-  page.on("console", (m) => { if (m.type() === "error") errors.push(m.text()); });
-
-  await page.goto(`http://127.0.0.1:${port}/index.html?empty`);
-  await waitFor(() => page.evaluate(() => document.body.dataset.ready === "1"), "the viewer to start");
+  const { page, errors } = await openViewer(browser, port);
   await waitFor(async () => (await page.textContent("#status")).includes("no model"), "the empty status");
 
   // Open the fixture through the file picker.
