@@ -16,10 +16,14 @@ impl CheckpointIndex {
             .iter()
             .map(|(name, f)| (name.as_str(), f.size))
             .collect();
+        // The chunks of one file share its name: looked up once per name, then by address.
+        let mut by_address: FastMap<usize, Option<u64>> = FastMap::default();
         for e in &self.entries {
             for c in &e.chunks {
                 let end = c.byte_offset.checked_add(c.byte_length);
-                let size = sizes.get(c.file.as_ref()).copied();
+                let size = *by_address
+                    .entry(c.file.as_ptr() as usize)
+                    .or_insert_with(|| sizes.get(c.file.as_ref()).copied());
                 match (end, size) {
                     (Some(end), Some(size)) if end <= size => {}
                     _ => problems.push(Problem {

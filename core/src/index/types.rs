@@ -328,7 +328,15 @@ impl IndexEntry {
 
     /// The distinct ranks holding chunks.
     pub fn ranks(&self) -> BTreeSet<u32> {
-        self.chunks.iter().filter_map(|c| c.rank).collect()
+        // Runs of one rank are collapsed first (chunks come grouped by file), so the set is not
+        // built from every chunk of a million-chunk checkpoint.
+        let mut runs: Vec<u32> = Vec::new();
+        for r in self.chunks.iter().filter_map(|c| c.rank) {
+            if runs.last() != Some(&r) {
+                runs.push(r);
+            }
+        }
+        runs.into_iter().collect()
     }
 }
 

@@ -4,8 +4,6 @@
 //! `use_orig_params` is not recorded by any format, and a DCP directory does not say whether DTensors
 //! or ShardedTensors wrote it.
 
-use std::collections::BTreeSet;
-
 use crate::index::{CheckpointIndex, FsdpInfo};
 use crate::layout::Api;
 
@@ -56,7 +54,8 @@ pub fn layout_hints(index: &CheckpointIndex) -> LayoutHints {
         }
     }
     if hints.world_size.is_none() {
-        let ranks: BTreeSet<u32> = index
+        // The highest rank named (a set of a million chunks' ranks costs more than their max).
+        let last = index
             .files
             .values()
             .filter_map(|f| f.rank)
@@ -66,9 +65,9 @@ pub fn layout_hints(index: &CheckpointIndex) -> LayoutHints {
                     .iter()
                     .flat_map(|e| e.chunks.iter().filter_map(|c| c.rank)),
             )
-            .collect();
+            .max();
         let rank_files = index.files.values().filter(|f| f.rank.is_some()).count();
-        if let Some(&last) = ranks.last()
+        if let Some(last) = last
             && rank_files > 1
         {
             hints.world_size = Some(Hint {
