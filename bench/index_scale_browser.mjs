@@ -8,7 +8,10 @@
 // `page_open_s` is the page's own time, from the file input's change event to the entries shown
 // (without Chromium's handling of the 513 picked files). Each checkpoint is opened each way the
 // page can read it (`--ways`): "suspending" (JSPI: the `.metadata` read window by window during
-// indexing, never whole) and "rounds" (read whole between indexing rounds, held in JS).
+// indexing, never whole) and "rounds" (read whole between indexing rounds, held in JS). The way
+// "floor" is the baseline of the same run: a blank page that only does the file work every open
+// needs (the size of each picked file, the first 4 KiB of each `.distcp`, the `.metadata` streamed
+// front to back and dropped), no parsing; its page time is what Chromium's file handling costs.
 //
 // usage: node bench/index_scale_browser.mjs DIST CKPT_DIR [CKPT_DIR ...] [--runs N] [--ways W,W]
 //   DIST: a built viewer (web/build.sh DIST); CKPT_DIR: e.g. /tmp/index-scale/dcp-1000000
@@ -37,7 +40,7 @@ if (at >= 0) {
 }
 // How the page reads: "suspending" (the default where the browser has JSPI: a large `.metadata`
 // read window by window during the indexing step) and/or "rounds" (read whole between rounds).
-let ways = ["suspending", "rounds"];
+let ways = ["suspending", "rounds", "floor"];
 const wat = args.indexOf("--ways");
 if (wat >= 0) {
   ways = args[wat + 1].split(",");
@@ -45,7 +48,7 @@ if (wat >= 0) {
 }
 const [dist, ...checkpoints] = args;
 if (!dist || checkpoints.length === 0) {
-  console.error("usage: node bench/index_scale_browser.mjs DIST CKPT_DIR [CKPT_DIR ...] [--runs N] [--ways suspending,rounds]");
+  console.error("usage: node bench/index_scale_browser.mjs DIST CKPT_DIR [CKPT_DIR ...] [--runs N] [--ways suspending,rounds,floor]");
   process.exit(2);
 }
 const MiB = 1048576;
@@ -120,6 +123,45 @@ try {
     let status = "";
     let suspends = 0;
     let progress = 0;
+    if (way === "floor") {
+      for (let run = 0; run <= runs; run++) {
+        const page = await browser.newPage();
+        await page.setContent("<input type=file id=files multiple>");
+        await page.evaluate(() => {
+          const input = document.getElementById("files");
+          input.addEventListener("change", async () => {
+            const t0 = performance.now();
+            const picked = [...input.files];
+            let bytes = 0;
+            for (const f of picked) bytes += f.size;
+            const heads = picked.filter((f) => f.name.endsWith(".distcp"))
+              .map((f) => f.slice(0, 4096).arrayBuffer());
+            const meta = picked.find((f) => f.name === ".metadata");
+            const reader = meta.stream().getReader();
+            for (;;) {
+              const { done, value } = await reader.read();
+              if (done) break;
+              bytes += value.byteLength;
+            }
+            await Promise.all(heads);
+            window.benchFloor = { seconds: (performance.now() - t0) / 1000, bytes };
+          });
+        });
+        const t0 = Date.now();
+        await page.setInputFiles("#files", files);
+        const floor = await waitFor(() => page.evaluate(() => window.benchFloor), "the floor page", 600000);
+        if (run > 0) {
+          times.push((Date.now() - t0) / 1000);
+          pageTimes.push(floor.seconds);
+        }
+        await page.close();
+      }
+      console.log(JSON.stringify({
+        checkpoint: dir, way, files: files.length, runs, open_s: median(times), open_s_all: times,
+        page_open_s: Number(median(pageTimes).toFixed(3)),
+      }));
+      continue;
+    }
     for (let run = 0; run <= runs; run++) {
       // A fresh page (one renderer) per open.
       const page = await browser.newPage({ viewport: { width: 1400, height: 860 }, deviceScaleFactor: 1 });
