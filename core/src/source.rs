@@ -5,6 +5,8 @@
 //! local files (native runner, positioned reads), in tests and in the browser ([`MemorySource`]).
 
 pub mod conformance;
+#[cfg(test)]
+pub(crate) mod recording;
 
 use std::borrow::Cow;
 use std::collections::BTreeMap;

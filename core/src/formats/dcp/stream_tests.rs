@@ -2,15 +2,14 @@
 //! repository it must take the fast path and give the table the general path gives; on damaged
 //! and hostile bytes it may give up, but never give anything the general path would not.
 
-use std::borrow::Cow;
-use std::cell::RefCell;
 use std::path::PathBuf;
 
 use super::stream::read_table_by;
 use super::test_pickle::{GenTensor, metadata};
 use super::window::Unrecognised;
 use super::{MetadataTable, TableItemKind, read_metadata};
-use crate::source::{MemorySource, Source, SourceError};
+use crate::source::MemorySource;
+use crate::source::recording::Recording;
 
 /// Every torch-written `.metadata` of the repository (the same list the reader's robustness
 /// tests walk), at least 10 of them.
@@ -26,48 +25,19 @@ fn streamed(bytes: &[u8], window: u64) -> Result<MetadataTable, Unrecognised> {
     read_table_by(&source, ".metadata", bytes.len() as u64, window)
 }
 
-/// A source that copies what it reads (as local files and the browser do: no lending, no cheap
-/// whole reads), recording each read `(offset, len)`.
-struct Copying {
-    inner: MemorySource,
-    reads: RefCell<Vec<(u64, usize)>>,
-}
-
-impl Source for Copying {
-    fn names(&self) -> Vec<String> {
-        self.inner.names()
-    }
-    fn size(&self, name: &str) -> Result<u64, SourceError> {
-        self.inner.size(name)
-    }
-    fn read_range(&self, name: &str, offset: u64, len: u64) -> Result<Cow<'_, [u8]>, SourceError> {
-        self.reads.borrow_mut().push((offset, len as usize));
-        Ok(Cow::Owned(
-            self.inner.read_range(name, offset, len)?.into_owned(),
-        ))
-    }
-    fn read_range_into(&self, name: &str, offset: u64, out: &mut [u8]) -> Result<(), SourceError> {
-        self.reads.borrow_mut().push((offset, out.len()));
-        out.copy_from_slice(&self.inner.read_range(name, offset, out.len() as u64)?);
-        Ok(())
-    }
-}
-
-/// The table read through [`Copying`], and whether every pass read the file once, front to back:
-/// each read starts where the one before ended, or at 0 (the next pass).
+/// The table read through a source that copies what it reads (as local files and the browser
+/// do), and whether every pass read the file once, front to back: each read starts where the one
+/// before ended, or at 0 (the next pass).
 fn streamed_copying(bytes: &[u8], window: u64) -> (Result<MetadataTable, Unrecognised>, bool) {
     let mut inner = MemorySource::new();
     inner.insert(".metadata", bytes.to_vec());
-    let source = Copying {
-        inner,
-        reads: RefCell::new(Vec::new()),
-    };
+    let source = Recording::new(inner);
     let table = read_table_by(&source, ".metadata", bytes.len() as u64, window);
     let mut end = 0u64;
     let mut in_order = true;
-    for &(offset, len) in source.reads.borrow().iter() {
+    for &(_, offset, len) in source.reads.borrow().iter() {
         in_order &= offset == end || offset == 0;
-        end = offset + len as u64;
+        end = offset + len;
     }
     (table, in_order)
 }

@@ -497,45 +497,10 @@ mod tests {
 
 #[cfg(test)]
 mod hint_tests {
-    use std::borrow::Cow;
-    use std::cell::RefCell;
-
     use super::*;
     use crate::formats::dcp::test_pickle::{GenTensor, metadata};
-    use crate::source::{MemorySource, SourceError};
-
-    /// A memory source that records the reads it is told of and the ranges read.
-    struct Recording {
-        inner: MemorySource,
-        hinted: RefCell<Vec<Vec<(String, u64, u64)>>>,
-        read: RefCell<Vec<(String, u64)>>,
-    }
-
-    impl Source for Recording {
-        fn names(&self) -> Vec<String> {
-            self.inner.names()
-        }
-        fn size(&self, name: &str) -> Result<u64, SourceError> {
-            self.inner.size(name)
-        }
-        fn read_range(
-            &self,
-            name: &str,
-            offset: u64,
-            len: u64,
-        ) -> Result<Cow<'_, [u8]>, SourceError> {
-            self.read.borrow_mut().push((name.to_owned(), offset));
-            self.inner.read_range(name, offset, len)
-        }
-        fn will_read(&self, reads: &[(&str, u64, u64)]) {
-            self.hinted.borrow_mut().push(
-                reads
-                    .iter()
-                    .map(|&(n, o, l)| (n.to_owned(), o, l))
-                    .collect(),
-            );
-        }
-    }
+    use crate::source::MemorySource;
+    use crate::source::recording::Recording;
 
     #[test]
     fn every_data_file_head_is_hinted_in_one_call_before_it_is_read() {
@@ -557,20 +522,17 @@ mod hint_tests {
             b[..4].copy_from_slice(b"PK\x03\x04");
             inner.insert(format!("__{r}_0.distcp"), b);
         }
-        let src = Recording {
-            inner,
-            hinted: RefCell::default(),
-            read: RefCell::default(),
-        };
+        let src = Recording::new(inner);
         let index = index_dcp(&src, ".metadata").unwrap();
         let hinted = src.hinted.into_inner();
         assert_eq!(hinted.len(), 1, "one hint");
         // Each data file's head read is among the hinted ranges.
         let heads: Vec<(String, u64)> = src
-            .read
+            .reads
             .into_inner()
             .into_iter()
-            .filter(|(n, _)| n.ends_with(".distcp"))
+            .filter(|(n, _, _)| n.ends_with(".distcp"))
+            .map(|(n, o, _)| (n, o))
             .collect();
         assert_eq!(heads.len(), ranks as usize);
         for (name, offset) in &heads {
