@@ -6,6 +6,8 @@
 //!
 //! - [`model_state`]: FSDP1 flat parameters as a LOCAL state dict stores them (padding fill,
 //!   stored lengths, the `_flat_param` ShardedTensor entry).
+//! - [`mapping`]: name mappings between model families (torchtitan, Megatron-core → Hugging Face
+//!   and back) as data files, planned into renames and tensor operations.
 //! - [`optim_state`]: a rank's raw optimizer state dict from the full one, and the element runs
 //!   its tensors are made of.
 //!
@@ -13,6 +15,7 @@
 //! executor against (FSDP1 flat shards, whole model and optimizer state dicts, FSDP2 gathers,
 //! resharding). Everything here is a pure function over [`crate::model::tree`] values.
 
+pub mod mapping;
 pub mod model_state;
 pub mod optim_state;
 pub mod reference;
