@@ -42,8 +42,11 @@ enum Command {
     Diff(cli::diff::DiffArgs),
     /// Check one checkpoint against itself: tiling, byte ranges, replicas, steps, optimizer keys.
     Verify(cli::verify::VerifyArgs),
-    /// Convert a DCP, full or per-rank checkpoint to safetensors, torch.save or DCP for N ranks.
+    /// Convert a DCP, full or per-rank checkpoint to safetensors, torch.save or DCP for N ranks,
+    /// or its model to a Hugging Face model (`--to hf --config CONFIG.json`) and back.
     Convert(cli::convert::ConvertArgs),
+    /// List the built-in name mappings of `convert --to hf`, or print one (to write your own).
+    Mappings(cli::mappings::MappingsArgs),
     /// Print a shell completion script: `shardscope completions bash > ~/.local/share/bash-completion/completions/shardscope`.
     Completions {
         #[arg(value_enum)]
@@ -82,6 +85,7 @@ where
         Command::Diff(args) => cli::diff::run(&args),
         Command::Verify(args) => cli::verify::run(&args),
         Command::Convert(args) => cli::convert::run(&args),
+        Command::Mappings(args) => cli::mappings::run(&args),
         Command::Completions { shell } => {
             let mut cmd = <Cli as clap::CommandFactory>::command();
             let mut out = Vec::new();

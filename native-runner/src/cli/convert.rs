@@ -28,6 +28,14 @@ pub enum Target {
     Torch,
     /// A DCP directory sharded for `--world-size` ranks.
     Dcp,
+    /// A Hugging Face model directory (`config.json`, `model.safetensors` or shards with
+    /// `model.safetensors.index.json`, `--hf-assets` files): the model part renamed and reshaped by
+    /// the mapping `--config` and the stored names choose (see `--mapping`).
+    Hf,
+    /// torchtitan's names from a Hugging Face model (the way back of `--to hf`): a `.safetensors`
+    /// file, or with `--world-size N` a DCP that torchtitan's `CheckpointManager` loads as a
+    /// model-only checkpoint.
+    Torchtitan,
 }
 
 #[derive(Debug, Clone, Args)]
@@ -41,8 +49,8 @@ pub struct ConvertArgs {
     /// was built over `model.parameters()`), or see --model.
     #[arg(value_name = "SRC")]
     pub src: PathBuf,
-    /// Where to write (a file; a directory for DCP and for sharded safetensors). Must not exist,
-    /// or (directories) be empty.
+    /// Where to write (a file; a directory for DCP, sharded safetensors and `--to hf`). Must not
+    /// exist, or (directories) be empty.
     #[arg(short, long, value_name = "DST")]
     pub output: PathBuf,
     /// Output format; by default from DST's extension (`.safetensors`, `.pt`/`.pth`/`.bin`), or DCP
@@ -132,6 +140,31 @@ pub struct ConvertArgs {
     /// process that should have written it died).
     #[arg(long, requires = "part")]
     pub finalize: bool,
+    /// `--to hf`/`--to torchtitan`: the model's Hugging Face `config.json`. Its `architectures`
+    /// and `model_type` (with the stored names) choose the mapping, its sizes check every shape
+    /// and give the head counts of the RoPE permutation; it is written to DST (`torch_dtype` set to
+    /// `--dtype`).
+    #[arg(long, value_name = "CONFIG.json")]
+    pub config: Option<PathBuf>,
+    /// `--to hf`/`--to torchtitan`: the mapping file to use instead of the built-in ones
+    /// (`shardscope mappings` lists them and prints one to start from; docs/mappings.md describes the format).
+    #[arg(long, value_name = "FILE")]
+    pub mapping: Option<PathBuf>,
+    /// `--to hf`: a folder whose tokenizer and generation files (`tokenizer*`, `special_tokens_map.json`,
+    /// `generation_config.json`, `vocab.*`, `merges.txt`, `*.model`, `chat_template*`) are copied to DST.
+    #[arg(long, value_name = "DIR")]
+    pub hf_assets: Option<PathBuf>,
+    /// Rename keys: every match of REGEX in a key is replaced by REPLACEMENT (`$1` for groups);
+    /// repeatable, applied in order, before anything else. Two keys becoming one is an error.
+    #[arg(long, value_name = "REGEX=REPLACEMENT")]
+    pub rename: Vec<String>,
+    /// Leave out the keys REGEX matches (after --rename); repeatable.
+    #[arg(long, value_name = "REGEX")]
+    pub drop: Vec<String>,
+    /// Remove wrapper modules' names wherever they stand in a key: `_orig_mod.` (torch.compile),
+    /// `module.` (DDP), `_fsdp_wrapped_module.`, `_checkpoint_wrapped_module.`.
+    #[arg(long)]
+    pub strip_wrappers: bool,
     /// Print a JSON summary on stdout.
     #[arg(long)]
     pub json: bool,
@@ -188,7 +221,7 @@ fn parse_cast_dtype(s: &str) -> Result<shardscope_core::DType, String> {
     }
 }
 
-fn target_of(args: &ConvertArgs) -> Result<Target> {
+pub(super) fn target_of(args: &ConvertArgs) -> Result<Target> {
     if let Some(t) = args.to {
         return Ok(t);
     }
@@ -210,7 +243,7 @@ fn target_of(args: &ConvertArgs) -> Result<Target> {
     }
 }
 
-struct Bar(Option<indicatif::ProgressBar>);
+pub(super) struct Bar(pub(super) Option<indicatif::ProgressBar>);
 
 impl Progress for Bar {
     fn advance(&self, bytes: u64) {
@@ -229,6 +262,22 @@ pub fn run(args: &ConvertArgs) -> Result<ExitCode> {
     }
     check_output(args)?;
     let started = Instant::now();
+    let mapped = matches!(target_of(args)?, Target::Hf | Target::Torchtitan);
+    let surgery =
+        crate::convert::surgery::Surgery::parse(args.strip_wrappers, &args.rename, &args.drop)?;
+    if mapped && args.config.is_none() {
+        bail!(
+            "--to {} needs --config CONFIG.json: the model's Hugging Face config (its architectures choose the mapping; its sizes give the head counts and check every shape)",
+            if target_of(args)? == Target::Hf {
+                "hf"
+            } else {
+                "torchtitan"
+            }
+        );
+    }
+    if !mapped && (args.config.is_some() || args.mapping.is_some() || args.hf_assets.is_some()) {
+        bail!("--config, --mapping and --hf-assets apply to --to hf and --to torchtitan");
+    }
     let options = super::read::read_options(
         args.model.as_deref(),
         Fsdp1Flags {
@@ -241,11 +290,12 @@ pub fn run(args: &ConvertArgs) -> Result<ExitCode> {
         &super::read::RankFileArgs {
             model_files: args.model_files.clone(),
             optim_files: args.optim_files.clone(),
-            model_only: args.model_only,
+            // A model in another naming is made of the model part alone.
+            model_only: args.model_only || mapped,
             ranks: args.ranks,
         },
     )?;
-    let (source, checkpoint) = super::read::open(
+    let (source, mut checkpoint) = super::read::open(
         &super::read::expand_ranks(std::slice::from_ref(&args.src), args.ranks)?,
         false,
         &options,
@@ -253,6 +303,13 @@ pub fn run(args: &ConvertArgs) -> Result<ExitCode> {
     super::read::ensure_unambiguous(&checkpoint)?;
     let quiet = args.quiet || args.json;
     super::read::show_notes(&checkpoint, quiet);
+    let (renamed, dropped) = surgery.apply(&mut checkpoint.index)?;
+    if !surgery.is_empty() && !quiet {
+        eprintln!("note: key surgery: {renamed} key(s) renamed, {dropped} left out");
+    }
+    if mapped {
+        return super::convert_mapped::run(args, &checkpoint, &source, started);
+    }
     let label = checkpoint.label.clone();
     let per_rank_fsdp2 = checkpoint.index.kind == CheckpointKind::Fsdp2;
     if args.part.is_some() && per_rank_fsdp2 {
@@ -354,13 +411,20 @@ fn fsdp2_output(args: &ConvertArgs, checkpoint: &Checkpoint) -> Result<Checkpoin
 fn check_output(args: &ConvertArgs) -> Result<()> {
     crate::atomic::refuse_link(&args.output)?;
     let target = target_of(args)?;
-    if args.max_shard_size.is_some() && target != Target::Safetensors {
-        bail!("--max-shard-size applies to safetensors output only");
+    if args.world_size.is_some() && !matches!(target, Target::Dcp | Target::Torchtitan) {
+        bail!("--world-size applies to DCP output (and --to torchtitan) only");
     }
-    if (args.world_size.is_some() || args.nest.is_some()) && target != Target::Dcp {
-        bail!("--world-size and --nest apply to DCP output only");
+    if args.nest.is_some() && target != Target::Dcp {
+        bail!("--nest applies to DCP output only");
     }
-    let dir_output = target == Target::Dcp || args.max_shard_size.is_some();
+    if args.max_shard_size.is_some() && target == Target::Hf {
+        // HF shards: checked below with the directory outputs.
+    } else if args.max_shard_size.is_some() && target != Target::Safetensors {
+        bail!("--max-shard-size applies to safetensors output (and --to hf) only");
+    }
+    let dir_output = matches!(target, Target::Dcp | Target::Hf)
+        || args.max_shard_size.is_some()
+        || (target == Target::Torchtitan && args.world_size.is_some());
     if args.output.is_file() || (args.output.exists() && !dir_output) {
         bail!(
             "{} already exists\nhint: shardscope never overwrites; remove it or choose another path",
@@ -467,6 +531,7 @@ fn write_index(
             &sel,
             &output.path,
             output.max_shard_size,
+            &[],
             &opts,
             &bar,
         ),
@@ -478,6 +543,9 @@ fn write_index(
             &opts,
             &bar,
         ),
+        Target::Hf | Target::Torchtitan => {
+            bail!("--to hf and --to torchtitan are written by cli::convert_mapped")
+        }
         Target::Dcp => {
             let world_size = args.world_size.context("DCP output needs --world-size N")?;
             // A Megatron-core checkpoint, whole: `dist_checkpointing.load` needs its
@@ -575,7 +643,7 @@ fn report(
 }
 
 /// `--threads`, `--memory-limit`, `--part`, `--finalize`: checked against the output kind.
-fn write_options(args: &ConvertArgs, dir_output: bool) -> Result<convert::WriteOptions> {
+pub(super) fn write_options(args: &ConvertArgs, dir_output: bool) -> Result<convert::WriteOptions> {
     use crate::convert::exec::ExecOptions;
     use crate::convert::part::{PartArg, part_from_env};
     let part = match args.part {

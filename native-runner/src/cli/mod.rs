@@ -1,11 +1,13 @@
 //! Subcommands. Data goes to stdout; errors, hints and progress go to stderr.
 
 pub mod convert;
+pub mod convert_mapped;
 pub mod diff;
 pub mod doctor;
 pub mod gather;
 pub mod inspect;
 pub mod layout;
+pub mod mappings;
 pub mod read;
 pub mod report_text;
 pub mod reshard;

@@ -14,9 +14,9 @@ use std::sync::{Condvar, Mutex, MutexGuard};
 
 use anyhow::{Result, anyhow, bail};
 use shardscope_core::DType;
-use shardscope_core::index::{CheckpointIndex, IndexEntry};
+use shardscope_core::index::IndexEntry;
 
-use super::{Reader, read_cost_bytes};
+use super::Reader;
 use crate::input::Input;
 
 /// The default headroom above the largest read: `--memory-limit` defaults to the largest tensor
@@ -76,7 +76,7 @@ impl Job<'_> {
         {
             return Ok(range.end.saturating_sub(range.start));
         }
-        read_cost_bytes(self.entry, self.to)
+        reader.cost_bytes(self.entry, self.to)
     }
 
     fn run(&self, reader: &mut Reader<'_>, buf: &mut Vec<u8>) -> Result<usize> {
@@ -182,14 +182,13 @@ impl Drop for StopOnDrop<'_> {
 /// Reads `jobs` (with `options.threads` readers, within the memory limit) and passes each one's
 /// bytes to `write`, in job order.
 pub fn run(
-    source: &Input,
-    index: &CheckpointIndex,
+    template: &Reader<'_>,
     jobs: &[Job<'_>],
     options: &ExecOptions,
     mut write: impl FnMut(usize, &[u8]) -> Result<()>,
 ) -> Result<ExecStats> {
     // One reader locates the tensors for the costs; the workers start from what it found.
-    let cost_reader = Reader::new(source, index);
+    let cost_reader = template.fork();
     let stats = memory_limit(&cost_reader, jobs, options)?;
     if jobs.is_empty() {
         return Ok(stats);

@@ -26,15 +26,18 @@
 //! One file per job: [`reader`] (positioned reads into buffers, slabs, box copies), [`select`]
 //! (what is converted, tied aliases dropped), [`jobs`] (reads as executor jobs under the memory
 //! limit), [`multi`] (atomic or `--part` multi-file outputs), [`values`] (non-tensor values as
-//! Python values), and the writers [`to_safetensors`], [`to_torch_save`], [`to_dcp`],
+//! Python values), [`mapped`] (an index in another naming: `--to hf`), [`surgery`] (`--rename`,
+//! `--drop`, `--strip-wrappers`), and the writers [`to_safetensors`], [`to_torch_save`], [`to_dcp`],
 //! [`to_fsdp1`], [`to_fsdp2`].
 
 pub mod exec;
 mod jobs;
+pub mod mapped;
 mod multi;
 pub mod part;
 mod reader;
 mod select;
+pub mod surgery;
 mod to_dcp;
 pub mod to_fsdp1;
 pub mod to_fsdp2;
@@ -47,7 +50,7 @@ use std::path::Path;
 use anyhow::{Result, bail};
 use shardscope_core::index::CheckpointIndex;
 
-pub use reader::{Reader, read_cost_bytes, tensor_meta};
+pub use reader::{Reader, tensor_meta};
 pub use select::{drop_tied, own_prefix_left_out, own_prefix_warning, select};
 pub use to_dcp::{ShardApi, to_dcp};
 pub use to_safetensors::to_safetensors;

@@ -25,6 +25,9 @@ pub struct Reader<'a> {
     /// ends, which for a remote source means a buffer as long as the item (every piece job of a
     /// tensor asks again).
     slabs: RefCell<SlabMemo>,
+    /// Output tensors made from others by a name mapping (`convert --to hf`), by key: read by
+    /// evaluating their recipe over the stored tensors.
+    derived: Option<&'a super::mapped::Derivations>,
 }
 
 /// [`Reader::slab_pieces`] by tensor key and dtype.
@@ -38,13 +41,41 @@ impl<'a> Reader<'a> {
             scratch: Vec::new(),
             range_scratch: Vec::new(),
             slabs: RefCell::new(HashMap::new()),
+            derived: None,
+        }
+    }
+
+    /// A reader of an index whose entries include tensors `derived` from stored ones.
+    pub fn with_derived(
+        source: &'a Input,
+        index: &'a CheckpointIndex,
+        derived: &'a super::mapped::Derivations,
+    ) -> Self {
+        Self {
+            derived: Some(derived),
+            ..Self::new(source, index)
+        }
+    }
+
+    /// The recipe of `entry` when it is made from other tensors.
+    fn derived_of(&self, entry: &IndexEntry) -> Option<&'a super::mapped::Derived> {
+        self.derived.and_then(|d| d.get(&entry.key))
+    }
+
+    /// The buffer bytes a read of `entry` as `to` needs: [`read_cost_bytes`], or for a derived
+    /// tensor what its recipe holds at once.
+    pub fn cost_bytes(&self, entry: &IndexEntry, to: DType) -> Result<u64> {
+        match self.derived_of(entry) {
+            Some(d) => Ok(read_cost_bytes(entry, to)?.saturating_add(d.working_bytes)),
+            None => read_cost_bytes(entry, to),
         }
     }
 
     /// A new reader of the same checkpoint that starts with what this one found of where
     /// tensors lie (for another thread).
     pub fn fork(&self) -> Reader<'a> {
-        let reader = Reader::new(self.source, self.index);
+        let mut reader = Reader::new(self.source, self.index);
+        reader.derived = self.derived;
         reader.slabs.borrow_mut().clone_from(&self.slabs.borrow());
         reader
     }
@@ -142,6 +173,9 @@ impl<'a> Reader<'a> {
     }
 
     fn tensor_raw_into(&mut self, entry: &IndexEntry, mut dest: Dest<'_>) -> Result<usize> {
+        if let Some(derived) = self.derived_of(entry) {
+            return self.derived_into(entry, derived, dest);
+        }
         let (dtype, shape) = tensor_meta(entry)?;
         let item = dtype.size_bytes();
         let total = nbytes(dtype, shape)
@@ -233,6 +267,9 @@ impl<'a> Reader<'a> {
     /// `(byte offset in the tensor, length, file, byte offset in the file)` per distinct chunk,
     /// covering the tensor exactly. Any byte range of it can then be read in place.
     pub fn slab_pieces(&self, entry: &IndexEntry, to: DType) -> Option<Vec<SlabPiece>> {
+        if self.derived_of(entry).is_some() {
+            return None;
+        }
         let key = (entry.key.clone(), to);
         if let Some(known) = self.slabs.borrow().get(&key) {
             return known.clone();
@@ -389,6 +426,83 @@ impl Reader<'_> {
 }
 
 /// Where [`Reader::tensor_raw_into`] writes: a buffer it may grow, or one the caller allocated.
+impl Reader<'_> {
+    /// Evaluates a derived tensor's recipe: its reads (whole stored tensors, or dim-0 rows of
+    /// one: an expert of a grouped tensor) in the stored dtype, then the recipe's operations.
+    fn derived_into(
+        &mut self,
+        entry: &IndexEntry,
+        derived: &super::mapped::Derived,
+        mut dest: Dest<'_>,
+    ) -> Result<usize> {
+        use shardscope_core::transform::mapping::{Dense, MappingError, evaluate};
+        let (dtype, shape) = tensor_meta(entry)?;
+        let elem = dtype.size_bytes();
+        let mut failure: Option<anyhow::Error> = None;
+        let result = evaluate(&derived.recipe, elem, |read| {
+            let stored = derived.sources.get(&read.source).ok_or_else(|| {
+                MappingError::Apply(format!("{}: no stored tensor `{}`", entry.key, read.source))
+            })?;
+            let (sdtype, sshape) =
+                tensor_meta(stored).map_err(|e| MappingError::Apply(e.to_string()))?;
+            if sdtype != dtype {
+                return Err(MappingError::Apply(format!(
+                    "{}: `{}` is {sdtype}, not {dtype}",
+                    entry.key, read.source
+                )));
+            }
+            let got = match &read.rows {
+                None => {
+                    let mut buf = Vec::new();
+                    self.tensor_as(stored, dtype, &mut buf).map(|n| {
+                        buf.truncate(n);
+                        (buf, sshape.to_vec())
+                    })
+                }
+                Some(rows) => {
+                    let row: u64 = sshape.iter().skip(1).product();
+                    let n = (rows.end.saturating_sub(rows.start))
+                        .saturating_mul(row)
+                        .saturating_mul(elem as u64);
+                    let mut buf = vec![0u8; n as usize];
+                    self.rows_as_into(stored, dtype, rows.clone(), &mut buf)
+                        .map(|n| {
+                            buf.truncate(n);
+                            let mut s = sshape.to_vec();
+                            if let Some(d0) = s.first_mut() {
+                                *d0 = rows.end.saturating_sub(rows.start);
+                            }
+                            (buf, s)
+                        })
+                }
+            };
+            match got {
+                Ok((bytes, s)) => Dense::new(bytes, s, elem),
+                Err(e) => {
+                    let text = format!("{e:#}");
+                    failure = Some(e);
+                    Err(MappingError::Apply(text))
+                }
+            }
+        });
+        let t = match (result, failure) {
+            (Ok(t), _) => t,
+            (Err(_), Some(e)) => return Err(e),
+            (Err(e), None) => bail!("{}: {e}", entry.key),
+        };
+        if t.shape != shape {
+            bail!(
+                "{}: the mapping made shape {:?}, not {shape:?}",
+                entry.key,
+                t.shape
+            );
+        }
+        let buf = dest.get(&entry.key, t.bytes.len())?;
+        buf.copy_from_slice(&t.bytes);
+        Ok(t.bytes.len())
+    }
+}
+
 enum Dest<'b> {
     Grow(&'b mut Vec<u8>),
     Fixed(&'b mut [u8]),

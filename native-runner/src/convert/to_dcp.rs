@@ -135,14 +135,13 @@ pub fn to_dcp(
         final_names: &final_names,
         fingerprint: &fingerprint,
     };
-    let source = reader.source();
-    let index = reader.index();
+    let template: &Reader<'_> = reader;
     let outcome = write_multi(
         &multi,
         opts,
         &mut |rank, out| {
             let mut writer = DcpFileWriter::new(&plan, rank, out)?;
-            exec::run(source, index, &rank_jobs[rank], &exec_opts, |_, bytes| {
+            exec::run(template, &rank_jobs[rank], &exec_opts, |_, bytes| {
                 writer.write_chunk(bytes)?;
                 progress.advance(bytes.len() as u64);
                 Ok(())

@@ -32,9 +32,13 @@ pub fn to_safetensors(
     sel: &Selection<'_>,
     dest: &Path,
     max_shard_bytes: Option<u64>,
+    extra_files: &[(String, Vec<u8>)],
     opts: &WriteOptions,
     progress: &dyn Progress,
 ) -> Result<Written> {
+    if max_shard_bytes.is_none() && !extra_files.is_empty() {
+        bail!("files beside the tensors need a directory output (HF shards)");
+    }
     let specs: Vec<TensorSpec> = sel
         .tensors
         .iter()
@@ -90,11 +94,10 @@ pub fn to_safetensors(
     let (_, _, all_jobs) = jobs_of(&specs)?;
     let (exec_opts, limit) = fix_limit(reader, &all_jobs, &opts.exec)?;
     let source = reader.source();
-    let index = reader.index();
     let write_one = |out: &mut dyn Write, file_specs: &[TensorSpec]| -> Result<()> {
         let (order, job_tensor, jobs) = jobs_of(file_specs)?;
         let mut writer = SafetensorsWriter::new(out, file_specs, Some(&metadata))?;
-        exec::run(source, index, &jobs, &exec_opts, |i, bytes| {
+        exec::run(piece_reader, &jobs, &exec_opts, |i, bytes| {
             writer.write_tensor_part(&order[job_tensor[i]], bytes)?;
             progress.advance(bytes.len() as u64);
             Ok(())
@@ -109,11 +112,14 @@ pub fn to_safetensors(
         Some(limit) => {
             let plan = plan_shards(&specs, Some(limit), "model")?;
             let names: Vec<String> = plan.files.iter().map(|f| f.file_name.clone()).collect();
-            let final_names: &[&str] = if plan.needs_index() {
-                &["model.safetensors.index.json"]
-            } else {
-                &[]
-            };
+            // The index (when sharded) and the files beside the tensors (`config.json`, tokenizer),
+            // written last: the directory is complete once they are there.
+            let final_names: Vec<&str> = plan
+                .needs_index()
+                .then_some("model.safetensors.index.json")
+                .into_iter()
+                .chain(extra_files.iter().map(|(n, _)| n.as_str()))
+                .collect();
             let fingerprint = part::fingerprint(&format!(
                 "safetensors shards\n{specs:?}\n{metadata:?}\n{plan:?}\n{}",
                 source_identity(source)
@@ -121,7 +127,7 @@ pub fn to_safetensors(
             let multi = part::Plan {
                 dest,
                 files: &names,
-                final_names,
+                final_names: &final_names,
                 fingerprint: &fingerprint,
             };
             let outcome = write_multi(
@@ -137,11 +143,12 @@ pub fn to_safetensors(
                     Ok(serde_json::Value::Null)
                 },
                 &|_| {
-                    Ok(if plan.needs_index() {
-                        vec![index_json(&plan, &specs).into_bytes()]
-                    } else {
-                        Vec::new()
-                    })
+                    let mut files = Vec::new();
+                    if plan.needs_index() {
+                        files.push(index_json(&plan, &specs).into_bytes());
+                    }
+                    files.extend(extra_files.iter().map(|(_, b)| b.clone()));
+                    Ok(files)
                 },
             )?;
             complete = outcome.finalized;

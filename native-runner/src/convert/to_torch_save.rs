@@ -200,17 +200,11 @@ pub fn to_torch_save(
     atomic::write_file(dest, |out| {
         let table = storages.list.iter().map(|(s, _)| *s).collect();
         let mut writer = TorchSaveWriter::new(out, &archive, &value, table)?;
-        exec::run(
-            reader.source(),
-            reader.index(),
-            &jobs,
-            &exec_opts,
-            |_, bytes| {
-                writer.write_storage_part(bytes)?;
-                progress.advance(bytes.len() as u64);
-                Ok(())
-            },
-        )?;
+        exec::run(reader, &jobs, &exec_opts, |_, bytes| {
+            writer.write_storage_part(bytes)?;
+            progress.advance(bytes.len() as u64);
+            Ok(())
+        })?;
         writer.finish()?;
         Ok(())
     })?;

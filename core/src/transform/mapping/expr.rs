@@ -40,7 +40,8 @@ impl Pattern {
                         Some(n) => (n, true),
                         None => (name, false),
                     };
-                    if name.is_empty() || !name.chars().all(|c| c.is_ascii_alphanumeric() || c == '_')
+                    if name.is_empty()
+                        || !name.chars().all(|c| c.is_ascii_alphanumeric() || c == '_')
                     {
                         return Err(bad("a capture is named by letters, digits and `_`"));
                     }
@@ -197,9 +198,7 @@ impl Config {
             ))),
             _ => match self.defaults.get(field) {
                 Some(expr) if depth < 8 => self.eval_depth(expr, depth + 1),
-                _ => Err(MappingError::Config(format!(
-                    "the config has no `{field}`"
-                ))),
+                _ => Err(MappingError::Config(format!("the config has no `{field}`"))),
             },
         }
     }
@@ -242,9 +241,9 @@ impl Config {
             }
             let v = value.ok_or_else(|| MappingError::Spec(format!("`{expr}` is empty")))?;
             total = if sign_minus {
-                total.checked_sub(v).ok_or_else(|| {
-                    MappingError::Config(format!("`{expr}` is negative"))
-                })?
+                total
+                    .checked_sub(v)
+                    .ok_or_else(|| MappingError::Config(format!("`{expr}` is negative")))?
             } else {
                 total.checked_add(v).ok_or_else(overflow)?
             };
@@ -281,12 +280,18 @@ mod tests {
         assert_eq!(caps["N"], "3");
         assert!(p.matches("layers.x.y.moe.experts.w3").is_none());
         let part = Pattern::parse("mlp.{P}_proj.weight").unwrap();
-        assert_eq!(part.matches("mlp.gate_up_proj.weight").unwrap()["P"], "gate_up");
+        assert_eq!(
+            part.matches("mlp.gate_up_proj.weight").unwrap()["P"],
+            "gate_up"
+        );
         assert!(p.matches("layers.1.moe.experts.w3.bias").is_none());
         let any = Pattern::parse("model.{K*}").unwrap();
         assert_eq!(any.matches("model.a.b").unwrap()["K"], "a.b");
         assert!(any.matches("model.").is_none());
-        assert_eq!(Pattern::parse("x.{L}.y").unwrap().fill(&caps).unwrap(), "x.12.y");
+        assert_eq!(
+            Pattern::parse("x.{L}.y").unwrap().fill(&caps).unwrap(),
+            "x.12.y"
+        );
         assert!(Pattern::parse("x.{Q}.y").unwrap().fill(&caps).is_err());
         assert!(Pattern::parse("x.{L}{N}").is_err());
         assert!(Pattern::parse("x.{L").is_err());
@@ -303,8 +308,19 @@ mod tests {
         let c = Config::new(&cfg, &defaults).unwrap();
         assert_eq!(c.eval("num_attention_heads*head_dim").unwrap(), 64);
         assert_eq!(c.eval("2*hidden_size+8-num_attention_heads").unwrap(), 132);
-        assert_eq!(c.eval("hidden_size/3").unwrap_err().to_string().contains("not a multiple"), true);
-        assert!(c.eval("vocab_size").unwrap_err().to_string().contains("no `vocab_size`"));
+        assert_eq!(
+            c.eval("hidden_size/3")
+                .unwrap_err()
+                .to_string()
+                .contains("not a multiple"),
+            true
+        );
+        assert!(
+            c.eval("vocab_size")
+                .unwrap_err()
+                .to_string()
+                .contains("no `vocab_size`")
+        );
         assert!(c.eval("4-8").is_err());
         assert!(c.flag("flag", false).unwrap());
         assert!(!c.flag("absent", false).unwrap());

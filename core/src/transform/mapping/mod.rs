@@ -126,6 +126,9 @@ pub struct Match {
     /// Patterns each matching some stored name (`from` side).
     #[serde(default)]
     pub keys: Vec<String>,
+    /// Patterns of which at least one matches some stored name (`from` side; none: no condition).
+    #[serde(default)]
+    pub any_keys: Vec<String>,
     /// Patterns each matching some name of the `to` side (read by the way back; none: the file
     /// is not read backward).
     #[serde(default)]
@@ -192,12 +195,19 @@ pub enum OpSpec {
 /// An operation with its numbers resolved from the config.
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub enum Op {
-    Rope { heads: u64, inverse: bool },
+    Rope {
+        heads: u64,
+        inverse: bool,
+    },
     /// Swaps two dimensions (made contiguous).
     Transpose(usize, usize),
     /// A shape (one `None`: inferred from the element count).
     Reshape(Vec<Option<u64>>),
-    Slice { dim: usize, start: u64, len: u64 },
+    Slice {
+        dim: usize,
+        start: u64,
+        len: u64,
+    },
     /// Removes dimension `dim` (of size 1).
     Squeeze(usize),
     /// Inserts a dimension of size 1 at `dim`.
@@ -290,10 +300,9 @@ fn resolve_reshape(dims: &[Option<u64>], shape: &[u64]) -> Result<Vec<u64>, Mapp
     let inferred = dims.iter().filter(|d| d.is_none()).count();
     let out: Vec<u64> = match inferred {
         0 => dims.iter().flatten().copied().collect(),
-        1 if known != 0 && total % known == 0 => dims
-            .iter()
-            .map(|d| d.unwrap_or(total / known))
-            .collect(),
+        1 if known != 0 && total % known == 0 => {
+            dims.iter().map(|d| d.unwrap_or(total / known)).collect()
+        }
         _ => {
             return Err(MappingError::Apply(format!(
                 "cannot reshape {shape:?} to {dims:?}"
@@ -365,9 +374,17 @@ pub struct Plan {
     pub outputs: Vec<Planned>,
     /// Stored tensors a rule drops.
     pub dropped: Vec<String>,
-    /// `(kept, not written)` output names of a tie: the two must be equal, which the caller checks
-    /// with the bytes.
-    pub tied: Option<(String, String)>,
+    /// A tie: the output not written, which must equal the one kept (the caller checks the bytes).
+    pub tied: Option<Tied>,
+}
+
+/// Two outputs that a tied config holds once.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct Tied {
+    /// The name written.
+    pub kept: String,
+    /// The output not written (with its recipe, to compare).
+    pub dropped: Planned,
 }
 
 /// A stored tensor: name, dtype, shape.
@@ -380,8 +397,8 @@ pub struct Stored {
 
 /// Parses a mapping file's text; `origin` names it in messages.
 pub fn parse(text: &str, origin: &str) -> Result<MappingFile, MappingError> {
-    let mut file: MappingFile = serde_json::from_str(text)
-        .map_err(|e| MappingError::Spec(format!("{origin}: {e}")))?;
+    let mut file: MappingFile =
+        serde_json::from_str(text).map_err(|e| MappingError::Spec(format!("{origin}: {e}")))?;
     file.origin = origin.to_owned();
     if file.version != 1 {
         return Err(MappingError::Spec(format!(
@@ -390,7 +407,8 @@ pub fn parse(text: &str, origin: &str) -> Result<MappingFile, MappingError> {
         )));
     }
     for (i, r) in file.rules.iter().enumerate() {
-        let at = |what: String| MappingError::Spec(format!("{origin}: rule {i} (`{}`): {what}", r.from));
+        let at =
+            |what: String| MappingError::Spec(format!("{origin}: rule {i} (`{}`): {what}", r.from));
         let from = Pattern::parse(&r.from).map_err(|e| at(e.to_string()))?;
         match (&r.to, r.drop) {
             (Some(_), true) => return Err(at("`to` and `drop` together".to_owned())),
@@ -412,7 +430,9 @@ pub fn parse(text: &str, origin: &str) -> Result<MappingFile, MappingError> {
         if let Some(s) = &r.split
             && s.count.is_some() == !s.parts.is_empty()
         {
-            return Err(at("a split has `count` or `parts`, one of the two".to_owned()));
+            return Err(at(
+                "a split has `count` or `parts`, one of the two".to_owned()
+            ));
         }
         if let Some(s) = &r.split
             && !s.sizes.is_empty()
@@ -456,7 +476,10 @@ pub fn fits(
     let archs = config_names(config, "architectures");
     let types = config_names(config, "model_type");
     let m = &file.matches;
-    let arch_ok = m.architectures.iter().any(|a| a == "*" || archs.contains(a))
+    let arch_ok = m
+        .architectures
+        .iter()
+        .any(|a| a == "*" || archs.contains(a))
         || m.model_type.iter().any(|t| types.contains(t));
     let keys = match direction {
         Direction::Forward => &m.keys,
@@ -464,10 +487,12 @@ pub fn fits(
         Direction::Backward if m.target_keys.is_empty() => return false,
         Direction::Backward => &m.target_keys,
     };
-    let keys_ok = keys.iter().all(|k| {
-        Pattern::parse(k).is_ok_and(|p| names.iter().any(|n| p.matches(n).is_some()))
-    });
-    arch_ok && keys_ok
+    let present =
+        |k: &String| Pattern::parse(k).is_ok_and(|p| names.iter().any(|n| p.matches(n).is_some()));
+    let keys_ok = keys.iter().all(present);
+    let any_ok =
+        direction == Direction::Backward || m.any_keys.is_empty() || m.any_keys.iter().any(present);
+    arch_ok && keys_ok && any_ok
 }
 
 /// The first of `files` whose `to` (forward) or `from` (backward) is `target` and that fits.
@@ -568,8 +593,7 @@ fn check_shape(
     let Some(exprs) = spec else {
         return Ok(());
     };
-    let want = eval_shape(exprs, config)
-        .map_err(|e| MappingError::Plan(format!("{name}: {e}")))?;
+    let want = eval_shape(exprs, config).map_err(|e| MappingError::Plan(format!("{name}: {e}")))?;
     if want != shape {
         let fields: Vec<String> = exprs
             .iter()
@@ -586,7 +610,10 @@ fn check_shape(
 
 /// Maps `stored` (names, dtypes, shapes, in stored order) through `file` read in `direction`.
 /// Every stored tensor must be matched by a rule; outputs are checked against the rules' shapes.
-#[allow(clippy::too_many_lines, reason = "one pass over the rules in either direction")]
+#[allow(
+    clippy::too_many_lines,
+    reason = "one pass over the rules in either direction"
+)]
 pub fn plan(
     file: &MappingFile,
     direction: Direction,
@@ -618,14 +645,10 @@ pub fn plan(
     let mut groups: BTreeMap<(usize, String), (usize, Captures)> = BTreeMap::new();
     let mut group_order: Vec<(usize, String)> = Vec::new();
     for s in stored {
-        let Some((ri, caps)) = rules
-            .iter()
-            .enumerate()
-            .find_map(|(i, r)| {
-                let caps = r.read.matches(&s.name)?;
-                split_accepts(r.spec, backward, &caps).then_some((i, caps))
-            })
-        else {
+        let Some((ri, caps)) = rules.iter().enumerate().find_map(|(i, r)| {
+            let caps = r.read.matches(&s.name)?;
+            split_accepts(r.spec, backward, &caps).then_some((i, caps))
+        }) else {
             unmatched.push(s.name.clone());
             continue;
         };
@@ -655,9 +678,13 @@ pub fn plan(
         for key in &group_order {
             let (ri, outer) = &groups[key];
             let rule = &rules[*ri];
-            let write = rule.write.as_ref().ok_or_else(|| MappingError::Plan("dropped rule".to_owned()))?;
-            plan.outputs
-                .push(backward_output(rule.spec, &rule.read, write, outer, &by_name, &config)?);
+            let write = rule
+                .write
+                .as_ref()
+                .ok_or_else(|| MappingError::Plan("dropped rule".to_owned()))?;
+            plan.outputs.push(backward_output(
+                rule.spec, &rule.read, write, outer, &by_name, &config,
+            )?);
         }
     }
     if !unmatched.is_empty() {
@@ -668,7 +695,11 @@ pub fn plan(
             file.name,
             file.origin,
             shown.join(", "),
-            if unmatched.len() > shown.len() { ", …" } else { "" }
+            if unmatched.len() > shown.len() {
+                ", …"
+            } else {
+                ""
+            }
         )));
     }
     // Ties: forward, the tied name is not written; backward, it is made from the kept one.
@@ -699,7 +730,10 @@ pub fn plan(
         } else if let Some(pos) = plan.outputs.iter().position(|o| o.name == t.drop) {
             if plan.outputs.iter().any(|o| o.name == t.keep) {
                 let dropped = plan.outputs.remove(pos);
-                plan.tied = Some((t.keep.clone(), dropped.name));
+                plan.tied = Some(Tied {
+                    kept: t.keep.clone(),
+                    dropped,
+                });
             }
         }
     }
@@ -828,7 +862,11 @@ fn forward_outputs(
             Read {
                 source: s.name.clone(),
                 rows: Some(start..start + len),
-                ops: if squeeze { vec![Op::Squeeze(0)] } else { Vec::new() },
+                ops: if squeeze {
+                    vec![Op::Squeeze(0)]
+                } else {
+                    Vec::new()
+                },
             }
         } else {
             let mut ops = pre.clone();
@@ -1005,7 +1043,9 @@ pub fn evaluate(
                 parts.push(t);
             }
             let mut t = if parts.len() == 1 {
-                parts.pop().ok_or_else(|| MappingError::Apply("no read".to_owned()))?
+                parts
+                    .pop()
+                    .ok_or_else(|| MappingError::Apply("no read".to_owned()))?
             } else {
                 Dense::concat(parts, *concat_dim)?
             };

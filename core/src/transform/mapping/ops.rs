@@ -80,10 +80,7 @@ impl Dense {
     /// Elements `start..start + len` along `dim`.
     pub fn slice(self, dim: usize, start: u64, len: u64) -> Result<Self, MappingError> {
         let Some(&size) = self.shape.get(dim) else {
-            return Err(err(format!(
-                "no dimension {dim} in shape {:?}",
-                self.shape
-            )));
+            return Err(err(format!("no dimension {dim} in shape {:?}", self.shape)));
         };
         if start.checked_add(len).is_none_or(|end| end > size) {
             return Err(err(format!(
@@ -192,7 +189,9 @@ fn gather(src: &[u8], elem: usize, shape: &[u64], strides: &[u64], base: u64, ou
 /// `inverse` undoes it (`view(heads, 2, head_dim/2, rest)`, the same transpose).
 pub fn rope(t: Dense, heads: u64, inverse: bool) -> Result<Dense, MappingError> {
     let Some((&rows, rest)) = t.shape.split_first() else {
-        return Err(err("a RoPE permutation needs a matrix, not a scalar".to_owned()));
+        return Err(err(
+            "a RoPE permutation needs a matrix, not a scalar".to_owned()
+        ));
     };
     if heads == 0 || rows % (heads * 2) != 0 {
         return Err(err(format!(

@@ -1,0 +1,366 @@
+//! `shardscope convert --to hf` and `--to torchtitan`: the model part of a checkpoint in another
+//! naming, through a mapping file (`shardscope_core::transform::mapping`, chosen from the config and
+//! the stored names) laid over the index (`crate::convert::mapped`), streamed by the same engine
+//! as every conversion.
+
+use std::io::IsTerminal;
+use std::path::Path;
+use std::process::ExitCode;
+use std::time::Instant;
+
+use anyhow::{Context, Result, anyhow, bail};
+use shardscope_core::checkpoint::Checkpoint;
+use shardscope_core::index::{EntryKind, IndexEntry};
+use shardscope_core::transform::mapping::{self, Direction, MappingFile, Plan, Stored};
+
+use shardscope_runner::gather::output::human_bytes;
+
+use super::convert::{Bar, ConvertArgs, Target, target_of, write_options};
+use super::print_stdout;
+use crate::convert::{self, Reader, mapped};
+use crate::input::Input;
+
+/// The default shard size of `--to hf`, as `save_pretrained`'s `max_shard_size="5GB"`.
+pub const DEFAULT_HF_SHARD_BYTES: u64 = 5_000_000_000;
+
+/// The most bytes of one `--hf-assets` file copied (a tokenizer is a few MiB).
+const MAX_ASSET_BYTES: u64 = 1 << 30;
+
+/// Whether a file of a Hugging Face model folder is a tokenizer or generation file.
+fn is_asset(name: &str) -> bool {
+    name.starts_with("tokenizer")
+        || name.starts_with("vocab.")
+        || name.starts_with("chat_template")
+        || name.ends_with(".model")
+        || name.ends_with(".tiktoken")
+        || matches!(
+            name,
+            "special_tokens_map.json"
+                | "generation_config.json"
+                | "merges.txt"
+                | "added_tokens.json"
+                | "preprocessor_config.json"
+        )
+}
+
+/// The tokenizer and generation files of `dir`, by name.
+fn assets(dir: &Path) -> Result<Vec<(String, Vec<u8>)>> {
+    let mut out = Vec::new();
+    let listing =
+        std::fs::read_dir(dir).with_context(|| format!("--hf-assets {}", dir.display()))?;
+    for item in listing {
+        let item = item.with_context(|| format!("--hf-assets {}", dir.display()))?;
+        let name = item.file_name().to_string_lossy().into_owned();
+        let meta = item.metadata()?;
+        if !meta.is_file() || !is_asset(&name) {
+            continue;
+        }
+        if meta.len() > MAX_ASSET_BYTES {
+            bail!(
+                "--hf-assets: {} is {} (more than a tokenizer file holds)",
+                item.path().display(),
+                human_bytes(meta.len())
+            );
+        }
+        let bytes = std::fs::read(item.path())
+            .with_context(|| format!("cannot read {}", item.path().display()))?;
+        out.push((name, bytes));
+    }
+    out.sort();
+    if out.is_empty() {
+        bail!(
+            "--hf-assets {}: no tokenizer or generation files there (tokenizer*, special_tokens_map.json, generation_config.json, vocab.*, merges.txt, *.model)",
+            dir.display()
+        );
+    }
+    Ok(out)
+}
+
+/// The config as given, with `torch_dtype` (and transformers 5's `dtype`, when present) set to
+/// `--dtype`.
+fn read_config(args: &ConvertArgs) -> Result<serde_json::Value> {
+    let path = args
+        .config
+        .as_deref()
+        .context("--config CONFIG.json is needed")?;
+    let bytes = std::fs::read(path).with_context(|| format!("cannot read {}", path.display()))?;
+    let mut config: serde_json::Value = serde_json::from_slice(&bytes)
+        .with_context(|| format!("{}: not a JSON config", path.display()))?;
+    let Some(obj) = config.as_object_mut() else {
+        bail!("{}: a config is a JSON object", path.display());
+    };
+    if let Some(dtype) = args.dtype {
+        obj.insert("torch_dtype".to_owned(), dtype.name().into());
+        if obj.contains_key("dtype") {
+            obj.insert("dtype".to_owned(), dtype.name().into());
+        }
+    }
+    Ok(config)
+}
+
+fn mapping_files(args: &ConvertArgs) -> Result<Vec<MappingFile>> {
+    match &args.mapping {
+        None => Ok(mapping::builtin()),
+        Some(path) => {
+            let text = std::fs::read_to_string(path)
+                .with_context(|| format!("cannot read {}", path.display()))?;
+            Ok(vec![
+                mapping::parse(&text, &path.display().to_string()).map_err(|e| anyhow!("{e}"))?,
+            ])
+        }
+    }
+}
+
+/// Fails unless the output a tie leaves out equals the one kept (read both, compare the bytes).
+fn check_tie(
+    source: &Input,
+    index: &shardscope_core::index::CheckpointIndex,
+    plan: &Plan,
+    label: &str,
+) -> Result<Option<(String, String)>> {
+    let Some(tied) = &plan.tied else {
+        return Ok(None);
+    };
+    let (kept_index, kept_derived) = mapped::mapped_index(
+        index,
+        &Plan {
+            outputs: plan
+                .outputs
+                .iter()
+                .filter(|o| o.name == tied.kept)
+                .cloned()
+                .collect(),
+            ..Plan::default()
+        },
+    )?;
+    let (drop_index, drop_derived) = mapped::mapped_index(
+        index,
+        &Plan {
+            outputs: vec![tied.dropped.clone()],
+            ..Plan::default()
+        },
+    )?;
+    let read = |idx: &shardscope_core::index::CheckpointIndex,
+                d: &mapped::Derivations|
+     -> Result<Vec<u8>> {
+        let entry = idx.entries.first().context("a tied tensor")?;
+        let mut reader = Reader::with_derived(source, idx, d);
+        let mut buf = Vec::new();
+        let (dtype, _) = convert::tensor_meta(entry)?;
+        let n = reader.tensor_as(entry, dtype, &mut buf)?;
+        buf.truncate(n);
+        Ok(buf)
+    };
+    let a = read(&kept_index, &kept_derived)?;
+    let b = read(&drop_index, &drop_derived)?;
+    let same_meta = kept_index.entries[0].dtype == drop_index.entries[0].dtype
+        && kept_index.entries[0].shape == drop_index.entries[0].shape;
+    if !same_meta || a != b {
+        bail!(
+            "{label}: the config ties `{}` and `{}` (tie_word_embeddings), but the checkpoint holds two different tensors for them\nhint: set \"tie_word_embeddings\": false in the config (both are written), or check that the config is this model's",
+            tied.kept,
+            tied.dropped.name
+        );
+    }
+    Ok(Some((tied.kept.clone(), tied.dropped.name.clone())))
+}
+
+#[allow(
+    clippy::too_many_lines,
+    reason = "reads the config, plans, checks the tie, writes and reports in one place"
+)]
+pub fn run(
+    args: &ConvertArgs,
+    checkpoint: &Checkpoint,
+    source: &Input,
+    started: Instant,
+) -> Result<ExitCode> {
+    let target = target_of(args)?;
+    let target_name = if target == Target::Hf {
+        "hf"
+    } else {
+        "torchtitan"
+    };
+    let quiet = args.quiet || args.json;
+    let label = &checkpoint.label;
+    let index = &checkpoint.index;
+    convert::ensure_consistent(Path::new(&super::read::shown(&args.src)), index)?;
+    if target == Target::Torchtitan
+        && args.world_size.is_none()
+        && args.output.extension().is_none_or(|e| e != "safetensors")
+    {
+        bail!(
+            "--to torchtitan writes a .safetensors file, or with --world-size N a DCP directory; {} is neither\nhint: -o model.safetensors, or add --world-size N",
+            args.output.display()
+        );
+    }
+    if args.hf_assets.is_some() && target != Target::Hf {
+        bail!("--hf-assets applies to --to hf");
+    }
+    let config = read_config(args)?;
+    let files = mapping_files(args)?;
+    let mut tensors: Vec<&IndexEntry> = index
+        .entries
+        .iter()
+        .filter(|e| e.kind == EntryKind::Tensor)
+        .collect();
+    tensors.sort_by(|a, b| {
+        (a.position.is_none(), a.position, &a.key).cmp(&(b.position.is_none(), b.position, &b.key))
+    });
+    let stored: Vec<Stored> = tensors
+        .iter()
+        .map(|e| {
+            let (dtype, shape) = convert::tensor_meta(e)?;
+            Ok(Stored {
+                name: e.key.clone(),
+                dtype,
+                shape: shape.to_vec(),
+            })
+        })
+        .collect::<Result<_>>()?;
+    let values: Vec<&str> = index
+        .entries
+        .iter()
+        .filter(|e| e.kind != EntryKind::Tensor)
+        .map(|e| e.key.as_str())
+        .collect();
+    let names: Vec<&str> = stored.iter().map(|s| s.name.as_str()).collect();
+    let (file, direction) = mapping::choose(&files, target_name, &config, &names)
+        .map_err(|e| anyhow!("{label}: {e}"))?;
+    let plan =
+        mapping::plan(file, direction, &config, &stored).map_err(|e| anyhow!("{label}: {e}"))?;
+    if !quiet {
+        eprintln!(
+            "note: mapping `{}` ({}){}: {} stored tensors -> {} tensors{}",
+            file.name,
+            file.origin,
+            if direction == Direction::Backward {
+                format!(", read backward ({} -> {})", file.to, file.from)
+            } else {
+                String::new()
+            },
+            stored.len(),
+            plan.outputs.len(),
+            if plan.dropped.is_empty() {
+                String::new()
+            } else {
+                format!("; left out by the mapping: {}", plan.dropped.join(", "))
+            }
+        );
+        if !values.is_empty() {
+            eprintln!(
+                "note: {} non-tensor value(s) of the model part are not written: {}",
+                values.len(),
+                values.join(", ")
+            );
+        }
+    }
+    let tied = check_tie(source, index, &plan, label)?;
+    if let Some((kept, dropped)) = &tied
+        && !quiet
+    {
+        eprintln!(
+            "note: `{dropped}` equals `{kept}` (the config ties them): written once, as `{kept}`"
+        );
+    }
+    let (mapped_index, derived) = mapped::mapped_index(index, &plan)?;
+    let mut sel = convert::select(&mapped_index, None)?;
+    sel.cast = args.dtype;
+    // Names kept as they are (the HF mapping): a weight tied by shared storage or equal bytes is
+    // written once, as `save_pretrained` writes it.
+    let mut tied = tied.into_iter().collect::<Vec<_>>();
+    if target == Target::Hf && derived.is_empty() && !args.keep_tied {
+        let untied = convert::drop_tied(source, &mapped_index, &mut sel)?;
+        if !quiet {
+            for (kept, dropped) in &untied {
+                eprintln!(
+                    "note: `{dropped}` is tied to `{kept}` (one tensor): written once, as `{kept}` (--keep-tied writes both)"
+                );
+            }
+        }
+        tied.extend(untied);
+    }
+    let dir_output = target == Target::Hf || args.world_size.is_some();
+    let opts = write_options(args, dir_output)?;
+    let total = sel.tensor_bytes();
+    let show = !args.quiet && std::io::stderr().is_terminal() && total > 0;
+    let bar = Bar(show.then(|| {
+        let bar = indicatif::ProgressBar::new(total);
+        if let Ok(style) = indicatif::ProgressStyle::with_template(
+            "{bar:40} {binary_bytes}/{binary_total_bytes} {binary_bytes_per_sec} eta {eta}",
+        ) {
+            bar.set_style(style);
+        }
+        bar
+    }));
+    let mut reader = Reader::with_derived(source, &mapped_index, &derived);
+    let written = match (target, args.world_size) {
+        (Target::Hf, _) => {
+            let mut extra = vec![(
+                "config.json".to_owned(),
+                format!("{}\n", serde_json::to_string_pretty(&config)?).into_bytes(),
+            )];
+            if let Some(dir) = &args.hf_assets {
+                extra.extend(assets(dir)?);
+            }
+            convert::to_safetensors(
+                &mut reader,
+                &sel,
+                &args.output,
+                Some(args.max_shard_size.unwrap_or(DEFAULT_HF_SHARD_BYTES)),
+                &extra,
+                &opts,
+                &bar,
+            )
+        }
+        (_, Some(world_size)) => convert::to_dcp(
+            &mut reader,
+            &sel,
+            &args.output,
+            world_size,
+            args.api,
+            None,
+            &[],
+            &opts,
+            &bar,
+        ),
+        (_, None) => {
+            convert::to_safetensors(&mut reader, &sel, &args.output, None, &[], &opts, &bar)
+        }
+    };
+    if let Some(bar) = &bar.0 {
+        bar.finish_and_clear();
+    }
+    let written = written?;
+    let seconds = started.elapsed().as_secs_f64();
+    if args.json {
+        let summary = serde_json::json!({
+            "source": super::read::shown(&args.src),
+            "source_kind": index.kind,
+            "to": target_name,
+            "mapping": {"name": file.name, "file": file.origin, "direction": format!("{direction:?}").to_ascii_lowercase()},
+            "outputs": written.outputs,
+            "tensors": written.tensors,
+            "tensor_bytes": written.tensor_bytes,
+            "largest_tensor_bytes": written.largest_tensor_bytes,
+            "dtype": args.dtype.map(shardscope_core::DType::name),
+            "dropped_by_mapping": plan.dropped,
+            "tied_dropped": tied.iter().map(|(kept, dropped)| serde_json::json!({"kept": kept, "dropped": dropped})).collect::<Vec<_>>(),
+            "values_not_written": values,
+            "seconds": seconds,
+            "threads": opts.exec.threads,
+            "memory_limit_bytes": written.memory_limit_bytes,
+            "complete": written.complete,
+        });
+        print_stdout(&format!("{}\n", serde_json::to_string_pretty(&summary)?))?;
+    } else if !args.quiet {
+        eprintln!(
+            "wrote {} ({} tensors, {}, mapping `{}`) in {seconds:.2} s",
+            args.output.display(),
+            written.tensors,
+            human_bytes(written.tensor_bytes),
+            file.name
+        );
+    }
+    Ok(ExitCode::SUCCESS)
+}
