@@ -115,7 +115,12 @@ pub(super) fn diagnose_model(
                 fixed_name(&options.label)
             )
         } else {
-            "sd = {k.replace(\"_fsdp_wrapped_module.\", \"\").replace(\"_checkpoint_wrapped_module.\", \"\").replace(\"_orig_mod.\", \"\").removeprefix(\"module.\"): v for k, v in sd.items()}".into()
+            // Wrapper names in the middle of keys: removed wherever they stand.
+            format!(
+                "shardscope convert {ckpt}{} --strip-wrappers -o {}",
+                part_name.map_or_else(String::new, |p| format!(" --select {p}")),
+                fixed_name(&options.label)
+            )
         };
         out.push(Finding {
             code: "wrapper-prefix",

@@ -30,6 +30,7 @@ mod gather_ckpt;
 mod gather_cli;
 mod gather_fixtures;
 mod gather_roundtrip;
+mod hf_mapping;
 mod hsdp_replicas;
 mod interop_ranks;
 mod layout_fixtures;
