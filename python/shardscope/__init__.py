@@ -768,8 +768,12 @@ def verify(path: Union[PathLike, Sequence[PathLike]], **options: Any) -> Dict[st
 
 
 def convert(src: Union[PathLike, Sequence[PathLike]], dst: PathLike, **options: Any) -> Dict[str, Any]:
-    """`shardscope convert -o DST --json`: `to` ("safetensors", "torch", "dcp"), `select`, `dtype`,
-    `world_size`, `api`, `max_shard_size`, `keep_tied`, `threads`, ... Returns what it wrote."""
+    """`shardscope convert -o DST --json`: `to` ("safetensors", "torch", "dcp", "hf", "torchtitan"),
+    `config` (with to="hf"/"torchtitan": the model's Hugging Face config.json), `mapping`,
+    `hf_assets`, `select`, `dtype`, `world_size`, `api`, `max_shard_size`, `keep_tied`, `rename` and
+    `drop` (lists), `strip_wrappers`, `threads`, ... Returns what it wrote.
+
+    >>> shardscope.convert("outputs/checkpoint/step-1000", "llama-hf", to="hf", config="config.json")"""
     argv = ["convert", *_paths(src), "-o", os.fspath(dst), "--json", "--quiet", *_flags(options)]
     return _json(_run(argv))
 
