@@ -28,11 +28,13 @@ const MAX_ASSET_BYTES: u64 = 1 << 30;
 
 /// Whether a file of a Hugging Face model folder is a tokenizer or generation file.
 fn is_asset(name: &str) -> bool {
+    let ext = Path::new(name)
+        .extension()
+        .map(|e| e.to_string_lossy().to_ascii_lowercase());
     name.starts_with("tokenizer")
         || name.starts_with("vocab.")
         || name.starts_with("chat_template")
-        || name.ends_with(".model")
-        || name.ends_with(".tiktoken")
+        || matches!(ext.as_deref(), Some("model" | "tiktoken"))
         || matches!(
             name,
             "special_tokens_map.json"

@@ -1,6 +1,7 @@
 //! `shardscope mappings`: the built-in name mappings of `convert --to hf` / `--to torchtitan`, and
 //! the text of one, to start a mapping file of one's own from.
 
+use std::fmt::Write as _;
 use std::process::ExitCode;
 
 use anyhow::{Result, bail};
@@ -53,7 +54,8 @@ pub fn run(args: &MappingsArgs) -> Result<ExitCode> {
     }
     let mut text = String::new();
     for f in &files {
-        text.push_str(&format!(
+        let _ = write!(
+            text,
             "{:<24} {} -> {}{}  {}\n    {}\n",
             f.name,
             f.from,
@@ -65,7 +67,7 @@ pub fn run(args: &MappingsArgs) -> Result<ExitCode> {
             },
             f.matches.architectures.join(", "),
             f.description
-        ));
+        );
     }
     text.push_str(
         "\n`shardscope mappings NAME` prints a file; `convert --mapping FILE` uses your own.\n",

@@ -362,3 +362,12 @@ fn mappings_lists_and_prints_the_builtin_files() {
 fn torchtitan_models_to_hf_and_back_match_torchtitan_and_transformers() {
     crate::common::run_interop_script("check_hf_mapping.py");
 }
+
+/// Megatron-core's own GPTModel (tests/fixtures/megatron_gpt/gen_megatron_gpt.py) as
+/// `model.state_dict()` names it and as `dist_checkpointing` saved it with tensor parallelism 2
+/// (layers stacked), to the HF model: bit for bit against the weights the generator proved by
+/// Megatron's logits, and `from_pretrained` logits (tests/interop/check_megatron_hf.py).
+#[test]
+fn megatron_gpt_to_hf_matches_megatron() {
+    crate::common::run_interop_script("check_megatron_hf.py");
+}

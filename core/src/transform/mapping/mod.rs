@@ -159,6 +159,10 @@ pub struct RuleSpec {
     pub ops: Vec<OpSpec>,
     #[serde(default)]
     pub split: Option<SplitSpec>,
+    /// Further splits of each piece of `split`, in order (Megatron's stacked layers, then q/k/v);
+    /// such a rule is read forward only.
+    #[serde(default)]
+    pub splits: Vec<SplitSpec>,
     #[serde(default)]
     pub shape: Option<Vec<String>>,
 }
@@ -300,7 +304,7 @@ fn resolve_reshape(dims: &[Option<u64>], shape: &[u64]) -> Result<Vec<u64>, Mapp
     let inferred = dims.iter().filter(|d| d.is_none()).count();
     let out: Vec<u64> = match inferred {
         0 => dims.iter().flatten().copied().collect(),
-        1 if known != 0 && total % known == 0 => {
+        1 if known != 0 && total.is_multiple_of(known) => {
             dims.iter().map(|d| d.unwrap_or(total / known)).collect()
         }
         _ => {
@@ -399,7 +403,7 @@ pub struct Stored {
 pub fn parse(text: &str, origin: &str) -> Result<MappingFile, MappingError> {
     let mut file: MappingFile =
         serde_json::from_str(text).map_err(|e| MappingError::Spec(format!("{origin}: {e}")))?;
-    file.origin = origin.to_owned();
+    origin.clone_into(&mut file.origin);
     if file.version != 1 {
         return Err(MappingError::Spec(format!(
             "{origin}: version {} (this shardscope reads version 1)",
@@ -419,8 +423,8 @@ pub fn parse(text: &str, origin: &str) -> Result<MappingFile, MappingError> {
             let to = Pattern::parse(to).map_err(|e| at(e.to_string()))?;
             let from_caps: BTreeSet<&str> = from.captures().collect();
             let to_caps: BTreeSet<&str> = to.captures().collect();
-            let split_cap = r.split.as_ref().map(|s| s.capture.as_str());
-            let want: BTreeSet<&str> = from_caps.iter().copied().chain(split_cap).collect();
+            let split_caps = r.split.iter().chain(&r.splits).map(|s| s.capture.as_str());
+            let want: BTreeSet<&str> = from_caps.iter().copied().chain(split_caps).collect();
             if want != to_caps {
                 return Err(at(format!(
                     "`to` captures {to_caps:?} but `from` (and the split) capture {want:?}"
@@ -428,7 +432,7 @@ pub fn parse(text: &str, origin: &str) -> Result<MappingFile, MappingError> {
             }
         }
         if let Some(s) = &r.split
-            && s.count.is_some() == !s.parts.is_empty()
+            && s.count.is_some() != s.parts.is_empty()
         {
             return Err(at(
                 "a split has `count` or `parts`, one of the two".to_owned()
@@ -629,6 +633,12 @@ pub fn plan(
                 Pattern::parse(&spec.from)?,
                 to.as_deref().map(Pattern::parse).transpose()?,
             ),
+            (true, Some(_)) if !spec.splits.is_empty() => {
+                return Err(MappingError::Plan(format!(
+                    "mapping `{}`: the rule for `{}` splits more than once and cannot be read backward",
+                    file.name, spec.from
+                )));
+            }
             (true, Some(to)) => (Pattern::parse(to)?, Some(Pattern::parse(&spec.from)?)),
             (true, None) => continue,
         };
@@ -657,10 +667,7 @@ pub fn plan(
             plan.dropped.push(s.name.clone());
             continue;
         };
-        if !backward {
-            plan.outputs
-                .extend(forward_outputs(rule.spec, write, &caps, s, &config)?);
-        } else {
+        if backward {
             check_shape(&s.name, &s.shape, rule.spec.shape.as_ref(), &config)?;
             let mut outer = caps.clone();
             if let Some(split) = &rule.spec.split {
@@ -672,6 +679,9 @@ pub fn plan(
                 group_order.push(key.clone());
             }
             groups.entry(key).or_insert((ri, outer));
+        } else {
+            plan.outputs
+                .extend(forward_outputs(rule.spec, write, &caps, s, &config)?);
         }
     }
     if backward {
@@ -727,14 +737,14 @@ pub fn plan(
                     });
                 }
             }
-        } else if let Some(pos) = plan.outputs.iter().position(|o| o.name == t.drop) {
-            if plan.outputs.iter().any(|o| o.name == t.keep) {
-                let dropped = plan.outputs.remove(pos);
-                plan.tied = Some(Tied {
-                    kept: t.keep.clone(),
-                    dropped,
-                });
-            }
+        } else if let Some(pos) = plan.outputs.iter().position(|o| o.name == t.drop)
+            && plan.outputs.iter().any(|o| o.name == t.keep)
+        {
+            let dropped = plan.outputs.remove(pos);
+            plan.tied = Some(Tied {
+                kept: t.keep.clone(),
+                dropped,
+            });
         }
     }
     let mut seen = BTreeSet::new();
@@ -766,6 +776,10 @@ fn split_accepts(spec: &RuleSpec, backward: bool, caps: &Captures) -> bool {
 }
 
 /// The outputs of one stored tensor read forward.
+#[allow(
+    clippy::too_many_lines,
+    reason = "a plain rename, counted and named splits in one place"
+)]
 fn forward_outputs(
     spec: &RuleSpec,
     write: &Pattern,
@@ -801,105 +815,136 @@ fn forward_outputs(
             recipe,
         }]);
     };
-    let pre = resolve_ops(&split.pre, config, false).map_err(at)?;
-    let base = shape_through(&pre, s.shape.clone()).map_err(at)?;
-    let dim = split.dim;
-    let Some(&size) = base.get(dim) else {
-        return Err(at(MappingError::Apply(format!(
-            "no dimension {dim} to split in {base:?}"
-        ))));
-    };
-    // (capture value, start, len, dimension removed)
-    let pieces: Vec<(String, u64, u64, bool)> = if let Some(count) = &split.count {
-        let n = config.eval(count).map_err(at)?;
-        if n != size {
-            return Err(MappingError::Plan(format!(
-                "{}: dimension {dim} is {size}, but the config gives `{count}` = {n}\nhint: is the config the one of this checkpoint's model?",
-                s.name
-            )));
-        }
-        (0..n).map(|i| (i.to_string(), i, 1, true)).collect()
-    } else {
-        let sizes: Vec<u64> = if split.sizes.is_empty() {
-            let n = split.parts.len() as u64;
-            if n == 0 || size % n != 0 {
-                return Err(MappingError::Plan(format!(
-                    "{}: dimension {dim} ({size}) does not split into {n} equal parts",
-                    s.name
-                )));
-            }
-            vec![size / n; split.parts.len()]
-        } else {
-            eval_shape(&split.sizes, config).map_err(at)?
-        };
-        if sizes.iter().sum::<u64>() != size {
-            return Err(MappingError::Plan(format!(
-                "{}: dimension {dim} is {size}, but the parts' sizes {:?} add up to {}",
-                s.name,
-                split.sizes,
-                sizes.iter().sum::<u64>()
-            )));
-        }
-        let mut start = 0;
-        split
-            .parts
-            .iter()
-            .zip(sizes)
-            .map(|(p, len)| {
-                let piece = (p.clone(), start, len, false);
-                start += len;
-                piece
-            })
-            .collect()
-    };
-    let mut out = Vec::new();
-    for (value, start, len, squeeze) in pieces {
-        let mut caps = caps.clone();
-        caps.insert(split.capture.clone(), value);
-        let name = write.fill(&caps)?;
-        // Experts of a grouped tensor along dim 0 with nothing before: read only their rows.
-        let read = if dim == 0 && pre.is_empty() {
-            Read {
-                source: s.name.clone(),
-                rows: Some(start..start + len),
-                ops: if squeeze {
-                    vec![Op::Squeeze(0)]
+    // Splits in sequence: each piece is a read (an expert's dim-0 rows where it can be), the ops
+    // that cut it, its captures and its shape.
+    struct Piece {
+        caps: Captures,
+        rows: Option<Range<u64>>,
+        ops: Vec<Op>,
+        shape: Vec<u64>,
+    }
+    let mut pieces = vec![Piece {
+        caps: caps.clone(),
+        rows: None,
+        ops: Vec::new(),
+        shape: s.shape.clone(),
+    }];
+    for split in std::iter::once(split).chain(&spec.splits) {
+        let pre = resolve_ops(&split.pre, config, false).map_err(at)?;
+        let mut next = Vec::new();
+        for piece in pieces {
+            let base = shape_through(&pre, piece.shape.clone()).map_err(at)?;
+            for (value, start, len, squeeze) in split_pieces(split, &base, &s.name, config)? {
+                let dim = split.dim;
+                let mut caps = piece.caps.clone();
+                caps.insert(split.capture.clone(), value);
+                let mut shape = base.clone();
+                shape[dim] = len;
+                if squeeze {
+                    shape.remove(dim);
+                }
+                // The first cut along dim 0 of the stored tensor: read only its rows.
+                let (rows, mut ops) = if dim == 0
+                    && pre.is_empty()
+                    && piece.rows.is_none()
+                    && piece.ops.is_empty()
+                {
+                    (Some(start..start + len), Vec::new())
                 } else {
-                    Vec::new()
-                },
+                    let mut ops = piece.ops.clone();
+                    ops.extend(pre.iter().cloned());
+                    ops.push(Op::Slice { dim, start, len });
+                    (piece.rows.clone(), ops)
+                };
+                if squeeze {
+                    ops.push(Op::Squeeze(dim));
+                }
+                next.push(Piece {
+                    caps,
+                    rows,
+                    ops,
+                    shape,
+                });
             }
-        } else {
-            let mut ops = pre.clone();
-            ops.push(Op::Slice { dim, start, len });
-            if squeeze {
-                ops.push(Op::Squeeze(dim));
-            }
-            Read {
-                source: s.name.clone(),
-                rows: None,
-                ops,
-            }
-        };
-        let post = post.clone();
-        let mut piece_shape = base.clone();
-        piece_shape[dim] = len;
-        if squeeze {
-            piece_shape.remove(dim);
         }
-        let shape = shape_through(&post, piece_shape).map_err(at)?;
+        pieces = next;
+    }
+    let mut out = Vec::new();
+    for piece in pieces {
+        let name = write.fill(&piece.caps)?;
+        let shape = shape_through(&post, piece.shape).map_err(at)?;
         check_shape(&name, &shape, spec.shape.as_ref(), config)?;
         out.push(Planned {
             name,
             dtype: s.dtype,
             shape,
             recipe: Recipe::Derived {
-                reads: vec![read],
+                reads: vec![Read {
+                    source: s.name.clone(),
+                    rows: piece.rows,
+                    ops: piece.ops,
+                }],
                 concat_dim: 0,
-                ops: post,
+                ops: post.clone(),
             },
         });
     }
     Ok(out)
+}
+
+/// The pieces one split cuts a tensor of shape `base` into: `(capture value, start, len, the
+/// dimension removed)`.
+fn split_pieces(
+    split: &SplitSpec,
+    base: &[u64],
+    source: &str,
+    config: &Config,
+) -> Result<Vec<(String, u64, u64, bool)>, MappingError> {
+    let at = |e: MappingError| MappingError::Plan(format!("{source}: {e}"));
+    let dim = split.dim;
+    let Some(&size) = base.get(dim) else {
+        return Err(at(MappingError::Apply(format!(
+            "no dimension {dim} to split in {base:?}"
+        ))));
+    };
+    if let Some(count) = &split.count {
+        let n = config.eval(count).map_err(at)?;
+        if n != size {
+            return Err(MappingError::Plan(format!(
+                "{source}: dimension {dim} is {size}, but the config gives `{count}` = {n}\nhint: is the config the one of this checkpoint's model?"
+            )));
+        }
+        return Ok((0..n).map(|i| (i.to_string(), i, 1, true)).collect());
+    }
+    let sizes: Vec<u64> = if split.sizes.is_empty() {
+        let n = split.parts.len() as u64;
+        if n == 0 || !size.is_multiple_of(n) {
+            return Err(MappingError::Plan(format!(
+                "{source}: dimension {dim} ({size}) does not split into {n} equal parts"
+            )));
+        }
+        vec![size / n; split.parts.len()]
+    } else {
+        eval_shape(&split.sizes, config).map_err(at)?
+    };
+    if sizes.iter().sum::<u64>() != size {
+        return Err(MappingError::Plan(format!(
+            "{source}: dimension {dim} is {size}, but the parts' sizes {:?} add up to {}",
+            split.sizes,
+            sizes.iter().sum::<u64>()
+        )));
+    }
+    let mut start = 0;
+    Ok(split
+        .parts
+        .iter()
+        .zip(sizes)
+        .map(|(p, len)| {
+            let piece = (p.clone(), start, len, false);
+            start += len;
+            piece
+        })
+        .collect())
 }
 
 /// The output of one group of stored tensors read backward (all parts or experts of one name).
@@ -1047,7 +1092,7 @@ pub fn evaluate(
                     .pop()
                     .ok_or_else(|| MappingError::Apply("no read".to_owned()))?
             } else {
-                Dense::concat(parts, *concat_dim)?
+                Dense::concat(&parts, *concat_dim)?
             };
             for op in ops {
                 t = op.apply(t)?;

@@ -103,7 +103,7 @@ impl Dense {
     }
 
     /// The tensors joined along `dim` (all other dimensions equal).
-    pub fn concat(parts: Vec<Self>, dim: usize) -> Result<Self, MappingError> {
+    pub fn concat(parts: &[Self], dim: usize) -> Result<Self, MappingError> {
         let Some(first) = parts.first() else {
             return Err(err("nothing to concatenate".to_owned()));
         };
@@ -113,7 +113,7 @@ impl Dense {
             return Err(err(format!("no dimension {dim} in shape {shape:?}")));
         }
         shape[dim] = 0;
-        for p in &parts {
+        for p in parts {
             let same = p.elem == elem
                 && p.shape.len() == rank
                 && p.shape
@@ -135,7 +135,7 @@ impl Dense {
         let outer = numel(&shape[..dim]).unwrap_or(0);
         let mut out = Vec::with_capacity(parts.iter().map(|p| p.bytes.len()).sum());
         for o in 0..outer {
-            for p in &parts {
+            for p in parts {
                 let block = p.bytes.len() / outer.max(1) as usize;
                 let at = o as usize * block;
                 out.extend_from_slice(&p.bytes[at..at + block]);
@@ -152,7 +152,7 @@ impl Dense {
 /// Appends the elements of the strided view (`shape`, element `strides`, element offset `base`)
 /// of `src` to `out`, in C order; the innermost contiguous run is copied at once.
 fn gather(src: &[u8], elem: usize, shape: &[u64], strides: &[u64], base: u64, out: &mut Vec<u8>) {
-    if shape.iter().any(|&d| d == 0) {
+    if shape.contains(&0) {
         return;
     }
     // Merge the innermost dimensions that are contiguous in the source.
@@ -226,7 +226,7 @@ mod tests {
         assert_eq!(y.bytes, vec![0, 3, 1, 4, 2, 5]);
         let s = x.clone().slice(1, 1, 2).unwrap();
         assert_eq!(s.bytes, vec![1, 2, 4, 5]);
-        let c = Dense::concat(vec![x.clone().slice(1, 0, 1).unwrap(), s], 1).unwrap();
+        let c = Dense::concat(&[x.clone().slice(1, 0, 1).unwrap(), s], 1).unwrap();
         assert_eq!(c, x);
         assert!(x.clone().slice(1, 2, 2).is_err());
         assert!(x.clone().permute(&[0, 0]).is_err());
