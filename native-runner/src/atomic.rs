@@ -210,7 +210,7 @@ pub fn write_dir<T>(dest: &Path, write: impl FnOnce(&Path) -> Result<T>) -> Resu
         Ok(mut entries) => {
             if entries.next().is_some() {
                 bail!(
-                    "output directory already exists and is not empty: {}",
+                    "output directory already exists and is not empty: {}\nhint: shardscope never overwrites; remove it or choose another path",
                     dest.display()
                 );
             }

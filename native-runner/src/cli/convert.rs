@@ -205,19 +205,20 @@ fn parse_size(s: &str) -> Result<u64, String> {
 /// `--dtype`: the short names HF users type, or torch's names; floating dtypes only.
 fn parse_cast_dtype(s: &str) -> Result<shardscope_core::DType, String> {
     use shardscope_core::DType;
+    let accepted = "casts go to bf16, fp16, fp32 or fp64 (or torch's names: bfloat16, float16, half, float32, float, float64, double)";
     let dtype = match s.to_ascii_lowercase().as_str() {
         "bf16" => DType::BFloat16,
         "fp16" | "f16" => DType::Float16,
         "fp32" | "f32" => DType::Float32,
         "fp64" | "f64" => DType::Float64,
-        other => other.parse::<DType>().map_err(|e| e.to_string())?,
+        other => other
+            .parse::<DType>()
+            .map_err(|_| format!("`{s}` is not a dtype a cast goes to: {accepted}"))?,
     };
     if shardscope_core::cast::is_castable(dtype) {
         Ok(dtype)
     } else {
-        Err(format!(
-            "--dtype {s}: casts go to bf16, fp16, fp32 or fp64 (torch names work too)"
-        ))
+        Err(format!("`{s}` is not a dtype a cast goes to: {accepted}"))
     }
 }
 

@@ -32,9 +32,11 @@ pub struct ReshardCliArgs {
     /// Output folder (must not exist or be empty); it appears complete or not at all.
     #[arg(short = 'o', long = "output", value_name = "DST")]
     pub dst: PathBuf,
-    /// Model description (JSON, the format of `shardscope layout --model`).
+    /// Model description (JSON, the format of `shardscope layout --model`; `shardscope layout
+    /// --from CKPT` derives one). Required: per-rank FSDP files follow the model's layout. (A DCP
+    /// for another world size needs none: `shardscope convert CKPT -o OUT --world-size N`.)
     #[arg(long, value_name = "MODEL.json")]
-    pub model: PathBuf,
+    pub model: Option<PathBuf>,
     /// Number of ranks of the output.
     #[arg(long, value_name = "B")]
     pub to_world_size: usize,
@@ -116,7 +118,15 @@ pub fn run(args: &ReshardCliArgs) -> anyhow::Result<ExitCode> {
             args.to_shard_group_size
         },
     };
-    let desc = fsdp1_local::read_description(&args.model)?;
+    let Some(model) = args.model.as_deref() else {
+        anyhow::bail!(
+            "reshard writes per-rank FSDP files, whose layout follows the model: it needs --model MODEL.json (`shardscope layout --from {src}` derives one)\nhint: to change the world size of a DCP checkpoint, no description is needed: shardscope convert {src} -o {dst} --world-size {n}",
+            src = super::read::shown(&args.src),
+            dst = args.dst.display(),
+            n = args.to_world_size
+        );
+    };
+    let desc = fsdp1_local::read_description(model)?;
     let full_source = is_full_checkpoint(&args.src);
     let (source, index, files, model_prefix, fsdp2_source) = if full_source {
         let (source, index, files, prefix) = open_full(args, &desc)?;
@@ -351,7 +361,12 @@ fn open_per_rank(
     use shardscope_core::checkpoint::{Fsdp1Flags, View, ranks_in};
     use shardscope_core::index::{PathSeg, Role};
     let options = ReadOptions {
-        description: Some((desc.clone(), args.model.display().to_string())),
+        description: Some((
+            desc.clone(),
+            args.model
+                .as_deref()
+                .map_or_else(String::new, |p| p.display().to_string()),
+        )),
         fsdp1: Fsdp1Flags {
             world_size: None,
             use_orig_params: args.use_orig_params,

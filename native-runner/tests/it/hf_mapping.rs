@@ -371,3 +371,63 @@ fn torchtitan_models_to_hf_and_back_match_torchtitan_and_transformers() {
 fn megatron_gpt_to_hf_matches_megatron() {
     crate::common::run_interop_script("check_megatron_hf.py");
 }
+
+/// Dead ends a newcomer met (issue 38), each answered with the way out.
+#[test]
+fn dead_ends_point_the_way_out() {
+    let dir = work("dead-ends");
+    let src = repo(EXAMPLE);
+    let src = src.to_str().unwrap();
+    // reshard without a description: convert --world-size is the way to another world size.
+    let t = text(&shardscope(&[
+        "reshard",
+        src,
+        "-o",
+        dir.join("r3").to_str().unwrap(),
+        "--to-world-size",
+        "3",
+    ]));
+    assert!(
+        t.contains("needs --model")
+            && t.contains(&format!("shardscope convert {src} -o"))
+            && t.contains("--world-size 3"),
+        "{t}"
+    );
+    // A dtype that is no cast target: the accepted ones, and only those.
+    let t = text(&shardscope(&[
+        "convert",
+        src,
+        "-o",
+        dir.join("x.safetensors").to_str().unwrap(),
+        "--dtype",
+        "float8",
+    ]));
+    assert!(
+        t.contains("bf16, fp16, fp32 or fp64") && !t.contains("int64"),
+        "{t}"
+    );
+    let t = text(&shardscope(&[
+        "convert",
+        src,
+        "-o",
+        dir.join("x.safetensors").to_str().unwrap(),
+        "--dtype",
+        "int64",
+    ]));
+    assert!(t.contains("bf16, fp16, fp32 or fp64"), "{t}");
+    // An existing output folder: the same hint as a file.
+    let full = dir.join("full");
+    std::fs::create_dir_all(&full).unwrap();
+    std::fs::write(full.join("keep"), b"x").unwrap();
+    let t = text(&shardscope(&[
+        "convert",
+        src,
+        "-o",
+        full.to_str().unwrap(),
+        "--world-size",
+        "2",
+    ]));
+    assert!(t.contains("never overwrites"), "{t}");
+    assert_eq!(std::fs::read(full.join("keep")).unwrap(), b"x");
+    let _ = std::fs::remove_dir_all(&dir);
+}

@@ -844,18 +844,15 @@ fn forward_outputs(
                     shape.remove(dim);
                 }
                 // The first cut along dim 0 of the stored tensor: read only its rows.
-                let (rows, mut ops) = if dim == 0
-                    && pre.is_empty()
-                    && piece.rows.is_none()
-                    && piece.ops.is_empty()
-                {
-                    (Some(start..start + len), Vec::new())
-                } else {
-                    let mut ops = piece.ops.clone();
-                    ops.extend(pre.iter().cloned());
-                    ops.push(Op::Slice { dim, start, len });
-                    (piece.rows.clone(), ops)
-                };
+                let (rows, mut ops) =
+                    if dim == 0 && pre.is_empty() && piece.rows.is_none() && piece.ops.is_empty() {
+                        (Some(start..start + len), Vec::new())
+                    } else {
+                        let mut ops = piece.ops.clone();
+                        ops.extend(pre.iter().cloned());
+                        ops.push(Op::Slice { dim, start, len });
+                        (piece.rows.clone(), ops)
+                    };
                 if squeeze {
                     ops.push(Op::Squeeze(dim));
                 }
