@@ -199,7 +199,7 @@ pub fn run(
     if args.hf_assets.is_some() && target != Target::Hf {
         bail!("--hf-assets applies to --to hf");
     }
-    let config = read_config(args)?;
+    let mut config = read_config(args)?;
     let files = mapping_files(args)?;
     let mut tensors: Vec<&IndexEntry> = index
         .entries
@@ -256,6 +256,22 @@ pub fn run(
                 values.join(", ")
             );
         }
+    }
+    // A config without a dtype gets the one the weights are written in (as `save_pretrained`
+    // records it), when they have one.
+    let float_dtypes: std::collections::BTreeSet<_> = plan
+        .outputs
+        .iter()
+        .map(|o| shardscope_core::cast::cast_target(o.dtype, args.dtype))
+        .filter(|d| d.is_floating_point())
+        .collect();
+    if let (Some(obj), [dtype]) = (
+        config.as_object_mut(),
+        float_dtypes.into_iter().collect::<Vec<_>>().as_slice(),
+    ) && !obj.contains_key("torch_dtype")
+        && !obj.contains_key("dtype")
+    {
+        obj.insert("torch_dtype".to_owned(), dtype.name().into());
     }
     let tied = check_tie(source, index, &plan, label)?;
     if let Some((kept, dropped)) = &tied
