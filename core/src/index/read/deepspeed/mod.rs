@@ -248,11 +248,6 @@ pub fn index_deepspeed(source: &dyn Source, names: &[String]) -> Result<FolderRe
             "optim",
         ),
     ];
-    if let Some(v) = &zero.ds_version {
-        notes.push(format!(
-            "DeepSpeed {v} ZeRO-{stage}, {world_size} ranks: the model is the fp32 master weights of the optimizer partitions, as zero_to_fp32 gives it"
-        ));
-    }
     let index = CheckpointIndex {
         format: Format::TorchSave,
         kind: CheckpointKind::DeepSpeedZero { stage, precision },

@@ -1,6 +1,6 @@
 //! The records of DeepSpeed's files that `zero_to_fp32` reads, from their pickles (no tensor bytes
 //! are read): the model states (`buffer_names`, `module`, `param_shapes`, `frozen_param_shapes`,
-//! `frozen_param_fragments`, `shared_params`, `ds_config`, `ds_version`) and each rank's optimizer
+//! `frozen_param_fragments`, `shared_params`, `ds_config`) and each rank's optimizer
 //! states (`optimizer_state_dict`: `zero_stage`, `partition_count`, the fp32 flat groups,
 //! `param_alignment_paddings`). Every record is checked for the type `zero_to_fp32` uses; errors
 //! name the file and the key.
@@ -211,7 +211,6 @@ pub(super) struct ModelStates {
     pub frozen_param_fragments: Option<Vec<(String, Stored)>>,
     /// `shared_params`: `(alias, name)` pairs in order.
     pub shared_params: Vec<(String, String)>,
-    pub ds_version: Option<String>,
     /// From `ds_config` (`bf16`/`bfloat16`, `fp16` enabled).
     pub precision: Option<ZeroPrecision>,
 }
@@ -299,7 +298,6 @@ pub(super) fn model_states(r: &Reader<'_>) -> Result<ModelStates, IndexError> {
             })
             .collect::<Result<Vec<_>, IndexError>>()?,
     };
-    let ds_version = get("ds_version").and_then(PyValue::as_str).map(str::to_owned);
     let precision = match get("ds_config") {
         Some(PyValue::Dict(config)) => Some(if enabled(config, "bf16") || enabled(config, "bfloat16") {
             ZeroPrecision::Bf16
@@ -318,7 +316,6 @@ pub(super) fn model_states(r: &Reader<'_>) -> Result<ModelStates, IndexError> {
         frozen_param_shapes,
         frozen_param_fragments,
         shared_params,
-        ds_version,
         precision,
     })
 }
