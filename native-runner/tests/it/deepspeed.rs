@@ -137,7 +137,9 @@ fn convert_to_safetensors_is_zero_to_fp32_bit_for_bit() {
         ];
         for (i, input) in inputs.iter().enumerate() {
             for model_only in [false, true] {
-                let out = tmp.path().join(format!("{case}-{i}-{model_only}.safetensors"));
+                let out = tmp
+                    .path()
+                    .join(format!("{case}-{i}-{model_only}.safetensors"));
                 let mut args = vec!["convert", s(input), "-o", s(&out), "--json"];
                 if model_only {
                     args.push("--model-only");
@@ -267,7 +269,10 @@ fn damaged_folders_are_errors_naming_the_file() {
     std::fs::remove_file(dir.join("global_step2").join(gone)).unwrap();
     let out = tmp.path().join("a.safetensors");
     let err = fails(&["convert", s(&dir), "-o", s(&out)]);
-    assert!(err.contains(&format!("missing: global_step2/{gone}")), "{err}");
+    assert!(
+        err.contains(&format!("missing: global_step2/{gone}")),
+        "{err}"
+    );
     assert!(!out.exists());
     // A truncated file.
     let dir = copy_case("zero2_fp32", &tmp.path().join("t"));
@@ -293,4 +298,64 @@ fn damaged_folders_are_errors_naming_the_file() {
     }
     let err = fails(&["inspect", s(&dir)]);
     assert!(err.contains("ZeRO stages mixed"), "{err}");
+}
+
+/// Compares a whole `.pt` output with DeepSpeed's references in torch: the model as
+/// zero_to_fp32 gives it, and `optimizer` in the shape of torch's FQN-keyed full optimizer state
+/// dict, its `exp_avg`/`exp_avg_sq` equal bit for bit to the live engine's
+/// `safe_get_full_optimizer_state`. Prints `OK`.
+const OPTIMIZER_AS_THE_LIVE_ENGINE: &str = r#"
+import json, sys, torch
+from safetensors.torch import load_file
+got = torch.load(sys.argv[1], weights_only=True)
+want = load_file(sys.argv[2])
+live = load_file(sys.argv[3])
+meta = json.load(open(sys.argv[4]))
+for k in meta["keys"]:
+    assert torch.equal(got[k].view(torch.uint8), want[k].view(torch.uint8)), k
+opt = got["optimizer"]
+assert set(opt) == {"state", "param_groups"}, set(opt)
+names = [k.split(".", 1)[1] for k in live if k.startswith("exp_avg.")]
+assert sorted(opt["state"]) == sorted(names), (sorted(opt["state"]), names)
+for n in names:
+    s = opt["state"][n]
+    assert s["step"].dim() == 0 and float(s["step"]) == 2.0, s["step"]
+    for k in ("exp_avg", "exp_avg_sq"):
+        assert s[k].dtype == torch.float32 and torch.equal(s[k].view(torch.uint8), live[f"{k}.{n}"].view(torch.uint8)), (n, k)
+params = [p for g in opt["param_groups"] for p in g["params"]]
+assert sorted(params) == sorted(names), params
+assert opt["param_groups"][0]["weight_decay"] == 0.1 and opt["param_groups"][0]["betas"] == (0.9, 0.95), opt["param_groups"][0]
+print("OK")
+"#;
+
+#[test]
+fn convert_to_torch_save_holds_the_optimizer_per_parameter() {
+    let Some(py) = python() else {
+        eprintln!("skipped: no Python with torch");
+        return;
+    };
+    let tmp = tempfile::tempdir().unwrap();
+    for case in CASES {
+        let out = tmp.path().join(format!("{case}.pt"));
+        ok(
+            &run(&["convert", s(&deepspeed().join(case)), "-o", s(&out), "-q"]),
+            case,
+        );
+        let dir = deepspeed().join("expected");
+        let check = Command::new(&py)
+            .arg("-c")
+            .arg(OPTIMIZER_AS_THE_LIVE_ENGINE)
+            .arg(&out)
+            .arg(dir.join(format!("{case}.zero_to_fp32.safetensors")))
+            .arg(dir.join(format!("{case}.live.safetensors")))
+            .arg(dir.join(format!("{case}.json")))
+            .output()
+            .unwrap();
+        let text = String::from_utf8_lossy(&check.stdout);
+        assert!(
+            text.lines().any(|l| l == "OK"),
+            "{case}: {text}\n{}",
+            String::from_utf8_lossy(&check.stderr)
+        );
+    }
 }

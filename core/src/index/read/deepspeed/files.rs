@@ -53,7 +53,9 @@ pub(super) fn parse_name(base: &str) -> Option<DsFile> {
         if let Some(mp) = rest.strip_prefix("mp_rank_") {
             return number(mp).map(|mp| DsFile::ModelStates { mp });
         }
-        let (dp, mp) = rest.strip_prefix("zero_pp_rank_")?.split_once("_mp_rank_")?;
+        let (dp, mp) = rest
+            .strip_prefix("zero_pp_rank_")?
+            .split_once("_mp_rank_")?;
         return Some(DsFile::Zero3ModelStates {
             dp: number(dp)?,
             mp: number(mp)?,
@@ -64,7 +66,9 @@ pub(super) fn parse_name(base: &str) -> Option<DsFile> {
         Some(r) => (true, r),
         None => (false, rest),
     };
-    let (dp, mp) = rest.strip_prefix("zero_pp_rank_")?.split_once("_mp_rank_")?;
+    let (dp, mp) = rest
+        .strip_prefix("zero_pp_rank_")?
+        .split_once("_mp_rank_")?;
     Some(DsFile::OptimStates {
         bf16,
         dp: number(dp)?,
@@ -172,7 +176,10 @@ pub(super) fn locate(source: &dyn Source, names: &[String]) -> Result<Folder, In
     } else {
         let dirs: Vec<&str> = by_dir.keys().copied().collect();
         match dirs.as_slice() {
-            [one] => ((*one).to_owned(), Some(format!("its one tag folder `{one}/`"))),
+            [one] => (
+                (*one).to_owned(),
+                Some(format!("its one tag folder `{one}/`")),
+            ),
             _ => {
                 return Err(IndexError::SeveralCheckpoints {
                     groups: dirs.iter().map(|d| format!("{d}/")).collect(),
@@ -245,7 +252,9 @@ pub(super) fn save_files(folder: &Folder) -> Result<SaveFiles, IndexError> {
         match *kind {
             DsFile::ModelStates { .. } => model12.push((0, name.clone())),
             DsFile::Zero3ModelStates { dp, .. } => model3.push((dp, name.clone())),
-            DsFile::OptimStates { bf16: false, dp, .. } => optim_plain.push((dp, name.clone())),
+            DsFile::OptimStates {
+                bf16: false, dp, ..
+            } => optim_plain.push((dp, name.clone())),
             DsFile::OptimStates { bf16: true, dp, .. } => optim_bf16.push((dp, name.clone())),
         }
     }
@@ -356,7 +365,10 @@ mod tests {
                 mp: 3
             })
         );
-        assert_eq!(parse_name("zero_pp_rank_x_mp_rank_00_optim_states.pt"), None);
+        assert_eq!(
+            parse_name("zero_pp_rank_x_mp_rank_00_optim_states.pt"),
+            None
+        );
         assert_eq!(parse_name("layer_01-model_states.pt"), None);
         assert_eq!(parse_name("model.pt"), None);
         assert!(looks_like_deepspeed(&[

@@ -21,6 +21,7 @@
 //! not fill, stages mixed in one folder.
 
 mod files;
+mod optimizer;
 mod plan;
 mod records;
 #[cfg(test)]
@@ -38,8 +39,8 @@ use crate::index::{
 };
 use crate::source::Source;
 
-pub use files::looks_like_deepspeed;
 use files::check_ranks;
+pub use files::looks_like_deepspeed;
 use plan::ParamPlan;
 use records::{Flat, ModelStates, OptimStates, Reader, Stored, bad, open_archive};
 
@@ -79,9 +80,18 @@ pub fn index_deepspeed(source: &dyn Source, names: &[String]) -> Result<FolderRe
     }
     if !folder.not_read.is_empty() {
         const SHOWN: usize = 8;
-        let mut list: Vec<&str> = folder.not_read.iter().take(SHOWN).map(String::as_str).collect();
+        let mut list: Vec<&str> = folder
+            .not_read
+            .iter()
+            .take(SHOWN)
+            .map(String::as_str)
+            .collect();
         let more = folder.not_read.len().saturating_sub(SHOWN);
-        let tail = if more > 0 { format!(" and {more} more") } else { String::new() };
+        let tail = if more > 0 {
+            format!(" and {more} more")
+        } else {
+            String::new()
+        };
         list.sort_unstable();
         notes.push(format!(
             "files beside the DeepSpeed checkpoint are not read: {}{tail}",
@@ -140,7 +150,10 @@ pub fn index_deepspeed(source: &dyn Source, names: &[String]) -> Result<FolderRe
             ),
         ));
     }
-    let model_pattern = format!("{}zero_pp_rank_{{r}}_mp_rank_00_model_states.pt", folder.prefix);
+    let model_pattern = format!(
+        "{}zero_pp_rank_{{r}}_mp_rank_00_model_states.pt",
+        folder.prefix
+    );
     if save.zero3_model {
         check_ranks(
             &save.model,
@@ -170,7 +183,7 @@ pub fn index_deepspeed(source: &dyn Source, names: &[String]) -> Result<FolderRe
     let mut sd = StateDict::default();
     buffers(zero, &mut sd, &mut notes)?;
     frozen(stage, &model, &mut sd)?;
-    trainable(stage, zero, &optim, &mut sd)?;
+    let plans = trainable(stage, zero, &optim, &mut sd)?;
     // Tied names: `state_dict[alias] = state_dict[name]` when `name` is there.
     for (alias, name) in &zero.shared_params {
         if let Some(t) = sd.values.get(name) {
@@ -209,9 +222,11 @@ pub fn index_deepspeed(source: &dyn Source, names: &[String]) -> Result<FolderRe
             object: None,
         });
     }
-    let model_count = entries.len() as u64;
-    for (i, mut e) in extra.into_iter().enumerate() {
-        e.position = Some(model_count + i as u64);
+    let optimizer = optimizer::entries(zero, &optim, &plans, &mut notes)?;
+    let has_optimizer_state = !optimizer.is_empty();
+    let before = entries.len() as u64;
+    for (i, mut e) in optimizer.into_iter().chain(extra).enumerate() {
+        e.position = Some(before + i as u64);
         entries.push(e);
     }
     entries.sort_by(|a, b| a.key.cmp(&b.key));
@@ -243,7 +258,11 @@ pub fn index_deepspeed(source: &dyn Source, names: &[String]) -> Result<FolderRe
         (
             RankGroup {
                 pattern: optim_pattern.replace("{r}", "{R}"),
-                files: save.optim.iter().map(|(r, n)| (n.clone(), Some(*r))).collect(),
+                files: save
+                    .optim
+                    .iter()
+                    .map(|(r, n)| (n.clone(), Some(*r)))
+                    .collect(),
             },
             "optim",
         ),
@@ -251,7 +270,7 @@ pub fn index_deepspeed(source: &dyn Source, names: &[String]) -> Result<FolderRe
     let index = CheckpointIndex {
         format: Format::TorchSave,
         kind: CheckpointKind::DeepSpeedZero { stage, precision },
-        has_optimizer_state: false,
+        has_optimizer_state,
         entries,
         files: file_infos,
         dcp: None,
@@ -270,7 +289,11 @@ fn file_info(source: &dyn Source, name: &str, rank: Option<u32>) -> Result<FileI
 /// `{k: v.float() if floating else v for k, v in module.items() if k in buffer_names}`: the
 /// buffers in `module`'s order. A floating buffer that is not float32 is kept as stored (an index
 /// reads bytes, it does not cast them), with a note.
-fn buffers(zero: &ModelStates, sd: &mut StateDict, notes: &mut Vec<String>) -> Result<(), IndexError> {
+fn buffers(
+    zero: &ModelStates,
+    sd: &mut StateDict,
+    notes: &mut Vec<String>,
+) -> Result<(), IndexError> {
     let mut cast = Vec::new();
     for (name, t) in &zero.module {
         if !zero.buffer_names.contains(name) {
@@ -337,11 +360,14 @@ fn frozen(stage: u8, model: &[ModelStates], sd: &mut StateDict) -> Result<(), In
         let lens: Vec<u64> = flats.iter().map(|f| f.numel).collect();
         let plan = plan::zero3_frozen(name, shape, &lens).map_err(|e| bad(&zero.file, e))?;
         let chunks = plan::chunks(&plan, |r, _| flats.get(r)).map_err(|e| bad(&zero.file, e))?;
-        sd.insert(name, Tensor {
-            dtype: flats[0].dtype,
-            shape: shape.clone(),
-            chunks,
-        });
+        sd.insert(
+            name,
+            Tensor {
+                dtype: flats[0].dtype,
+                shape: shape.clone(),
+                chunks,
+            },
+        );
     }
     Ok(())
 }
@@ -352,7 +378,7 @@ fn trainable(
     zero: &ModelStates,
     optim: &[OptimStates],
     sd: &mut StateDict,
-) -> Result<(), IndexError> {
+) -> Result<Vec<ParamPlan>, IndexError> {
     let first = &optim[0];
     for o in optim {
         if o.groups.len() != first.groups.len() {
@@ -370,7 +396,10 @@ fn trainable(
             if a.dtype != b.dtype {
                 return Err(bad(
                     &o.file,
-                    format!("fp32 partition {g} is {}, {}'s is {}", a.dtype, first.file, b.dtype),
+                    format!(
+                        "fp32 partition {g} is {}, {}'s is {}",
+                        a.dtype, first.file, b.dtype
+                    ),
                 ));
             }
         }
@@ -380,7 +409,11 @@ fn trainable(
         .map(|o| o.groups.iter().map(|g| g.numel).collect())
         .collect();
     let plans: Vec<ParamPlan> = if stage <= 2 {
-        plan::zero12(&zero.param_shapes, &lens, first.alignment_paddings.as_deref())
+        plan::zero12(
+            &zero.param_shapes,
+            &lens,
+            first.alignment_paddings.as_deref(),
+        )
     } else {
         let mut merged: Vec<(String, Vec<u64>)> = Vec::new();
         for (name, shape) in zero.param_shapes.iter().flatten() {
@@ -394,7 +427,15 @@ fn trainable(
         }
         plan::zero3(&merged, &lens)
     }
-    .map_err(|e| bad(&first.file, format!("the fp32 partitions do not fit `param_shapes` of {}: {e}", zero.file)))?;
+    .map_err(|e| {
+        bad(
+            &first.file,
+            format!(
+                "the fp32 partitions do not fit `param_shapes` of {}: {e}",
+                zero.file
+            ),
+        )
+    })?;
     for p in &plans {
         let chunks = plan::chunks(p, |r, g| optim.get(r).and_then(|o| o.groups.get(g)))
             .map_err(|e| bad(&first.file, e))?;
@@ -404,13 +445,16 @@ fn trainable(
             .and_then(|piece| first.groups.get(piece.slot))
             .or(first.groups.first())
             .map_or(DType::Float32, |g| g.dtype);
-        sd.insert(&p.name, Tensor {
-            dtype,
-            shape: p.shape.clone(),
-            chunks,
-        });
+        sd.insert(
+            &p.name,
+            Tensor {
+                dtype,
+                shape: p.shape.clone(),
+                chunks,
+            },
+        );
     }
-    Ok(())
+    Ok(plans)
 }
 
 /// Notes the parameters of `module` that `zero_to_fp32` leaves out (DeepSpeed recorded no fp32
@@ -467,7 +511,7 @@ fn extra_entries(r: &Reader<'_>) -> Result<Vec<IndexEntry>, IndexError> {
     Ok(out)
 }
 
-fn entry(key: String, path: Vec<PathSeg>, kind: EntryKind) -> IndexEntry {
+pub(super) fn entry(key: String, path: Vec<PathSeg>, kind: EntryKind) -> IndexEntry {
     IndexEntry {
         key,
         raw_key: None,

@@ -50,14 +50,7 @@ fn align_up(x: u64, align_to: u64) -> Option<u64> {
 
 /// The pieces of the run `[start, end)` of a flat space made of consecutive tensors of lengths
 /// `lens` (the tensors `slot0..` of `rank`), the run being the parameter's elements from `first`.
-fn split_run(
-    lens: &[u64],
-    rank: usize,
-    start: u64,
-    end: u64,
-    first: u64,
-    out: &mut Vec<Piece>,
-) {
+fn split_run(lens: &[u64], rank: usize, start: u64, end: u64, first: u64, out: &mut Vec<Piece>) {
     let mut base = 0u64;
     for (slot, &len) in lens.iter().enumerate() {
         let (lo, hi) = (start.max(base), end.min(base.saturating_add(len)));
@@ -236,7 +229,14 @@ pub(super) fn zero3_frozen(name: &str, shape: &[u64], lens: &[u64]) -> Result<Pa
     let mut pieces = Vec::new();
     let mut base = 0u64;
     for (rank, &len) in lens.iter().enumerate() {
-        split_run(&[len], rank, 0, len.min(numel.saturating_sub(base)), base, &mut pieces);
+        split_run(
+            &[len],
+            rank,
+            0,
+            len.min(numel.saturating_sub(base)),
+            base,
+            &mut pieces,
+        );
         base = base.saturating_add(len);
     }
     if base < numel {
@@ -263,8 +263,12 @@ pub(super) fn chunks<'a>(
         .ok_or_else(|| format!("`{}`: the shape {:?} overflows", plan.name, plan.shape))?;
     let mut out = Vec::new();
     for p in &plan.pieces {
-        let f = flat(p.rank, p.slot)
-            .ok_or_else(|| format!("`{}`: rank {} has no flat tensor {}", plan.name, p.rank, p.slot))?;
+        let f = flat(p.rank, p.slot).ok_or_else(|| {
+            format!(
+                "`{}`: rank {} has no flat tensor {}",
+                plan.name, p.rank, p.slot
+            )
+        })?;
         let inside = p.at.checked_add(p.len).is_some_and(|e| e <= f.numel);
         if !inside {
             return Err(format!(
@@ -321,17 +325,47 @@ mod tests {
         assert_eq!(
             plans[1].pieces,
             vec![
-                Piece { rank: 0, slot: 0, at: 66, start: 0, len: 10 },
-                Piece { rank: 1, slot: 0, at: 0, start: 10, len: 32 },
+                Piece {
+                    rank: 0,
+                    slot: 0,
+                    at: 66,
+                    start: 0,
+                    len: 10
+                },
+                Piece {
+                    rank: 1,
+                    slot: 0,
+                    at: 0,
+                    start: 10,
+                    len: 32
+                },
             ]
         );
-        assert_eq!(plans[2].pieces, vec![Piece { rank: 1, slot: 0, at: 32, start: 0, len: 42 }]);
+        assert_eq!(
+            plans[2].pieces,
+            vec![Piece {
+                rank: 1,
+                slot: 0,
+                at: 32,
+                start: 0,
+                len: 42
+            }]
+        );
         // zero_to_fp32's check: 150 and 152 agree rounded up to 4; 150 and 160 do not.
         let e = zero12(&s, &[vec![80], vec![80]], None).unwrap_err();
         assert!(e.contains("consumed 152 numels out of 160"), "{e}");
         // Alignment paddings move the next parameter.
         let plans = zero12(&s, &[vec![76], vec![76]], Some(&[vec![2, 0, 0]])).unwrap();
-        assert_eq!(plans[1].pieces[0], Piece { rank: 0, slot: 0, at: 68, start: 0, len: 8 });
+        assert_eq!(
+            plans[1].pieces[0],
+            Piece {
+                rank: 0,
+                slot: 0,
+                at: 68,
+                start: 0,
+                len: 8
+            }
+        );
         let e = zero12(&s, &[vec![76], vec![76]], Some(&[vec![2]])).unwrap_err();
         assert!(e.contains("Expected 3 parameter alignment paddings"), "{e}");
         let e = zero12(&s, &[vec![40], vec![40]], None).unwrap_err();
@@ -346,15 +380,39 @@ mod tests {
         assert_eq!(
             plans[0].pieces,
             vec![
-                Piece { rank: 0, slot: 0, at: 0, start: 0, len: 4 },
-                Piece { rank: 1, slot: 0, at: 0, start: 4, len: 3 },
+                Piece {
+                    rank: 0,
+                    slot: 0,
+                    at: 0,
+                    start: 0,
+                    len: 4
+                },
+                Piece {
+                    rank: 1,
+                    slot: 0,
+                    at: 0,
+                    start: 4,
+                    len: 3
+                },
             ]
         );
         assert_eq!(
             plans[1].pieces,
             vec![
-                Piece { rank: 0, slot: 1, at: 0, start: 0, len: 33 },
-                Piece { rank: 1, slot: 1, at: 0, start: 33, len: 33 },
+                Piece {
+                    rank: 0,
+                    slot: 1,
+                    at: 0,
+                    start: 0,
+                    len: 33
+                },
+                Piece {
+                    rank: 1,
+                    slot: 1,
+                    at: 0,
+                    start: 33,
+                    len: 33
+                },
             ]
         );
         // One group holding both: a part that spans two groups is split at the boundary.
@@ -362,10 +420,34 @@ mod tests {
         assert_eq!(
             plans[1].pieces,
             vec![
-                Piece { rank: 0, slot: 0, at: 4, start: 0, len: 2 },
-                Piece { rank: 0, slot: 1, at: 0, start: 2, len: 31 },
-                Piece { rank: 1, slot: 0, at: 4, start: 33, len: 2 },
-                Piece { rank: 1, slot: 1, at: 0, start: 35, len: 31 },
+                Piece {
+                    rank: 0,
+                    slot: 0,
+                    at: 4,
+                    start: 0,
+                    len: 2
+                },
+                Piece {
+                    rank: 0,
+                    slot: 1,
+                    at: 0,
+                    start: 2,
+                    len: 31
+                },
+                Piece {
+                    rank: 1,
+                    slot: 0,
+                    at: 4,
+                    start: 33,
+                    len: 2
+                },
+                Piece {
+                    rank: 1,
+                    slot: 1,
+                    at: 0,
+                    start: 35,
+                    len: 31
+                },
             ]
         );
         let e = zero3(&s, &[vec![4, 34], vec![4, 34]]).unwrap_err();
@@ -374,16 +456,43 @@ mod tests {
         assert!(e.contains("rank 1's fp32 flat groups"), "{e}");
         // A parameter smaller than the world: trailing ranks hold padding only.
         let plans = zero3(&shapes(&[("s", &[])]), &[vec![1], vec![1], vec![1]]).unwrap();
-        assert_eq!(plans[0].pieces, vec![Piece { rank: 0, slot: 0, at: 0, start: 0, len: 1 }]);
+        assert_eq!(
+            plans[0].pieces,
+            vec![Piece {
+                rank: 0,
+                slot: 0,
+                at: 0,
+                start: 0,
+                len: 1
+            }]
+        );
     }
 
     #[test]
     fn zero3_frozen_takes_the_first_numel_of_the_fragments() {
         let p = zero3_frozen("f", &[6, 7], &[21, 21]).unwrap();
         assert_eq!(p.pieces.len(), 2);
-        assert_eq!(p.pieces[1], Piece { rank: 1, slot: 0, at: 0, start: 21, len: 21 });
+        assert_eq!(
+            p.pieces[1],
+            Piece {
+                rank: 1,
+                slot: 0,
+                at: 0,
+                start: 21,
+                len: 21
+            }
+        );
         let p = zero3_frozen("f", &[7], &[4, 4]).unwrap();
-        assert_eq!(p.pieces[1], Piece { rank: 1, slot: 0, at: 0, start: 4, len: 3 });
+        assert_eq!(
+            p.pieces[1],
+            Piece {
+                rank: 1,
+                slot: 0,
+                at: 0,
+                start: 4,
+                len: 3
+            }
+        );
         assert!(zero3_frozen("f", &[9], &[4, 4]).is_err());
     }
 
@@ -392,7 +501,10 @@ mod tests {
         let flat = Flat {
             file: "f".into(),
             rank: Some(0),
-            range: crate::formats::torch_zip::MemberRange { offset: 64, len: 4 * 100 },
+            range: crate::formats::torch_zip::MemberRange {
+                offset: 64,
+                len: 4 * 100,
+            },
             storage_offset: 3,
             numel: 90,
             dtype: crate::dtype::DType::Float32,
@@ -400,20 +512,38 @@ mod tests {
         let plan = ParamPlan {
             name: "w".into(),
             shape: vec![7, 6],
-            pieces: vec![Piece { rank: 0, slot: 0, at: 66, start: 0, len: 10 }],
+            pieces: vec![Piece {
+                rank: 0,
+                slot: 0,
+                at: 66,
+                start: 0,
+                len: 10,
+            }],
         };
         let c = chunks(&plan, |_, _| Some(&flat)).unwrap();
         // Row 0 whole, then row 1's first four elements.
         assert_eq!(c.len(), 2);
-        assert_eq!((c[0].offsets.to_vec(), c[0].sizes.to_vec()), (vec![0, 0], vec![1, 6]));
-        assert_eq!((c[1].offsets.to_vec(), c[1].sizes.to_vec()), (vec![1, 0], vec![1, 4]));
+        assert_eq!(
+            (c[0].offsets.to_vec(), c[0].sizes.to_vec()),
+            (vec![0, 0], vec![1, 6])
+        );
+        assert_eq!(
+            (c[1].offsets.to_vec(), c[1].sizes.to_vec()),
+            (vec![1, 0], vec![1, 4])
+        );
         let so = |c: &Chunk| match &c.encoding {
             ChunkEncoding::Raw { storage_offset, .. } => *storage_offset,
             _ => unreachable!(),
         };
         assert_eq!((so(&c[0]), so(&c[1])), (69, 75));
         let plan = ParamPlan {
-            pieces: vec![Piece { rank: 0, slot: 0, at: 85, start: 0, len: 10 }],
+            pieces: vec![Piece {
+                rank: 0,
+                slot: 0,
+                at: 85,
+                start: 0,
+                len: 10,
+            }],
             ..plan
         };
         assert!(chunks(&plan, |_, _| Some(&flat)).is_err());

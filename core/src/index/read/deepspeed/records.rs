@@ -47,7 +47,9 @@ impl Stored {
     /// and ZeRO-3 fragments are); `what` names it in the error.
     pub fn flat(&self, what: &str) -> Result<Flat, IndexError> {
         let t = &self.tensor;
-        let numel = t.numel().ok_or_else(|| bad(&self.file, format!("{what}: size overflows")))?;
+        let numel = t
+            .numel()
+            .ok_or_else(|| bad(&self.file, format!("{what}: size overflows")))?;
         let contiguous = t.shape.len() == 1 && (t.stride == [1] || numel <= 1);
         if !contiguous {
             return Err(bad(
@@ -141,18 +143,13 @@ impl<'a> Reader<'a> {
     pub fn count(&self, v: &PyValue, key: &str) -> Result<u64, IndexError> {
         v.as_i64()
             .and_then(|i| u64::try_from(i).ok())
-            .ok_or_else(|| {
-                self.err(
-                    key,
-                    format!("a {}, not a non-negative int", v.type_name()),
-                )
-            })
+            .ok_or_else(|| self.err(key, format!("a {}, not a non-negative int", v.type_name())))
     }
 
     pub fn dims(&self, v: &PyValue, key: &str) -> Result<Vec<u64>, IndexError> {
-        let dims = v.as_dims().ok_or_else(|| {
-            self.err(key, format!("a {}, not a torch.Size", v.type_name()))
-        })?;
+        let dims = v
+            .as_dims()
+            .ok_or_else(|| self.err(key, format!("a {}, not a torch.Size", v.type_name())))?;
         if crate::shape::numel(&dims).is_none() {
             return Err(self.err(key, format!("the shape {dims:?} overflows")));
         }
@@ -179,13 +176,17 @@ impl<'a> Reader<'a> {
     }
 
     /// A dict of `str` keys to values, as `(key, value)` pairs in order; `key` names the dict.
-    pub fn named(&self, v: &'a PyValue, key: &str) -> Result<Vec<(&'a str, &'a PyValue)>, IndexError> {
+    pub fn named(
+        &self,
+        v: &'a PyValue,
+        key: &str,
+    ) -> Result<Vec<(&'a str, &'a PyValue)>, IndexError> {
         self.dict(v, key)?
             .iter()
             .map(|(k, x)| {
-                k.as_str()
-                    .map(|k| (k, x))
-                    .ok_or_else(|| self.err(key, format!("a key of type {}, not str", k.type_name())))
+                k.as_str().map(|k| (k, x)).ok_or_else(|| {
+                    self.err(key, format!("a key of type {}, not str", k.type_name()))
+                })
             })
             .collect()
     }
@@ -239,7 +240,8 @@ pub(super) fn model_states(r: &Reader<'_>) -> Result<ModelStates, IndexError> {
     let Some(names) = get("buffer_names") else {
         return Err(bad(
             &r.file,
-            "no `buffer_names`: not a DeepSpeed model states file (zero_to_fp32 refuses it too)".into(),
+            "no `buffer_names`: not a DeepSpeed model states file (zero_to_fp32 refuses it too)"
+                .into(),
         ));
     };
     let buffer_names = r
@@ -299,13 +301,15 @@ pub(super) fn model_states(r: &Reader<'_>) -> Result<ModelStates, IndexError> {
             .collect::<Result<Vec<_>, IndexError>>()?,
     };
     let precision = match get("ds_config") {
-        Some(PyValue::Dict(config)) => Some(if enabled(config, "bf16") || enabled(config, "bfloat16") {
-            ZeroPrecision::Bf16
-        } else if enabled(config, "fp16") {
-            ZeroPrecision::Fp16
-        } else {
-            ZeroPrecision::Fp32
-        }),
+        Some(PyValue::Dict(config)) => {
+            Some(if enabled(config, "bf16") || enabled(config, "bfloat16") {
+                ZeroPrecision::Bf16
+            } else if enabled(config, "fp16") {
+                ZeroPrecision::Fp16
+            } else {
+                ZeroPrecision::Fp32
+            })
+        }
         _ => None,
     };
     Ok(ModelStates {
@@ -332,6 +336,85 @@ pub(super) struct OptimStates {
     pub groups: Vec<Flat>,
     /// `param_alignment_paddings` (ZeRO-1/2, newer DeepSpeed): per group, per parameter.
     pub alignment_paddings: Option<Vec<Vec<u64>>>,
+    /// The wrapped torch optimizer's `state_dict()` over the flat partitions, when the file holds
+    /// one in that shape.
+    pub base: Option<BaseOptim>,
+}
+
+/// A torch optimizer's `state_dict()` over DeepSpeed's flat partitions: one parameter (id `g`) per
+/// group `g`.
+#[derive(Debug, Clone)]
+pub(super) struct BaseOptim {
+    /// `state[g]`: name -> value, in order.
+    pub state: Vec<(i64, Vec<(String, StateValue)>)>,
+    /// `param_groups[g]`: key -> value, in order (`params` included, as stored).
+    pub param_groups: Vec<Vec<(String, PyValue)>>,
+}
+
+/// One value of an optimizer state.
+#[derive(Debug, Clone)]
+pub(super) enum StateValue {
+    /// A 1-D tensor laid out like the group's flat partition (`exp_avg`, `exp_avg_sq`).
+    Flat(Flat),
+    /// Any other tensor (a 0-d `step`): the same for every parameter of the group.
+    Whole(Stored),
+    /// A value that is not a tensor.
+    Value(PyValue),
+}
+
+/// The wrapped optimizer's state dict at `key` of `osd` (`base_optimizer_state` for ZeRO-1/2,
+/// `optimizer_state_dict` for ZeRO-3), when it is a torch state dict (`{"state", "param_groups"}`;
+/// DeepSpeed's elastic layout, a list per group, is not read).
+fn base_optim(
+    r: &Reader<'_>,
+    osd: &[(PyValue, PyValue)],
+    key: &str,
+) -> Result<Option<BaseOptim>, IndexError> {
+    let Some(PyValue::Dict(items)) = dict_get(osd, key) else {
+        return Ok(None);
+    };
+    let (Some(state), Some(groups)) = (dict_get(items, "state"), dict_get(items, "param_groups"))
+    else {
+        return Ok(None);
+    };
+    let at = format!("optimizer_state_dict.{key}");
+    let mut out_state = Vec::new();
+    for (id, values) in r.dict(state, &format!("{at}.state"))? {
+        let id = id.as_i64().ok_or_else(|| {
+            r.err(
+                &format!("{at}.state"),
+                format!("a key of type {}, not an int", id.type_name()),
+            )
+        })?;
+        let mut named = Vec::new();
+        for (name, v) in r.named(values, &format!("{at}.state.{id}"))? {
+            let k = format!("{at}.state.{id}.{name}");
+            let value = match v {
+                PyValue::Tensor(t) if t.shape.len() == 1 => {
+                    StateValue::Flat(r.tensor(v, &k)?.flat(&k)?)
+                }
+                PyValue::Tensor(_) => StateValue::Whole(r.tensor(v, &k)?),
+                other => StateValue::Value(other.clone()),
+            };
+            named.push((name.to_owned(), value));
+        }
+        out_state.push((id, named));
+    }
+    let param_groups = r
+        .seq(groups, &format!("{at}.param_groups"))?
+        .iter()
+        .enumerate()
+        .map(|(g, group)| {
+            Ok(r.named(group, &format!("{at}.param_groups.{g}"))?
+                .into_iter()
+                .map(|(k, v)| (k.to_owned(), v.clone()))
+                .collect())
+        })
+        .collect::<Result<Vec<_>, IndexError>>()?;
+    Ok(Some(BaseOptim {
+        state: out_state,
+        param_groups,
+    }))
 }
 
 /// The ZeRO stage of a `zero_stage` record: an int, or DeepSpeed's `ZeroStageEnum(n)`.
@@ -350,7 +433,10 @@ pub(super) fn optim_states(r: &Reader<'_>) -> Result<OptimStates, IndexError> {
     const OSD: &str = "optimizer_state_dict";
     let root = r.root("DeepSpeed's optimizer states dict")?;
     let osd = dict_get(root, OSD).ok_or_else(|| {
-        bad(&r.file, format!("no `{OSD}`: not a DeepSpeed optimizer states file"))
+        bad(
+            &r.file,
+            format!("no `{OSD}`: not a DeepSpeed optimizer states file"),
+        )
     })?;
     let osd = r.dict(osd, OSD)?;
     let get = |key: &str| dict_get(osd, key);
@@ -362,7 +448,15 @@ pub(super) fn optim_states(r: &Reader<'_>) -> Result<OptimStates, IndexError> {
     })?;
     let stage = stage_of(stage)
         .filter(|s| (1..=3).contains(s))
-        .ok_or_else(|| r.err(&format!("{OSD}.zero_stage"), format!("{} is not ZeRO stage 1, 2 or 3", crate::index::json_of(stage))))?;
+        .ok_or_else(|| {
+            r.err(
+                &format!("{OSD}.zero_stage"),
+                format!(
+                    "{} is not ZeRO stage 1, 2 or 3",
+                    crate::index::json_of(stage)
+                ),
+            )
+        })?;
     let key = format!("{OSD}.partition_count");
     let count = get("partition_count").ok_or_else(|| bad(&r.file, format!("no `{key}`")))?;
     let partition_count = match count {
@@ -415,11 +509,21 @@ pub(super) fn optim_states(r: &Reader<'_>) -> Result<OptimStates, IndexError> {
                 .collect::<Result<Vec<_>, _>>()?,
         ),
     };
+    let base = base_optim(
+        r,
+        osd,
+        if stage <= 2 {
+            "base_optimizer_state"
+        } else {
+            "optimizer_state_dict"
+        },
+    )?;
     Ok(OptimStates {
         file: r.file.clone(),
         stage,
         partition_count,
         groups,
         alignment_paddings,
+        base,
     })
 }
