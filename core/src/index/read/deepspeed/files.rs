@@ -8,6 +8,7 @@
 //!   partition (the `bf16_` prefix when bf16 is enabled).
 
 use std::collections::{BTreeMap, BTreeSet};
+use std::fmt::Write as _;
 
 use crate::index::IndexError;
 use crate::source::Source;
@@ -22,19 +23,17 @@ const MAX_LATEST_BYTES: u64 = 4096;
 #[derive(Debug, Clone, Copy, PartialEq, Eq, PartialOrd, Ord)]
 pub(super) enum DsFile {
     /// `mp_rank_XX_model_states.pt` (ZeRO-1/2).
-    ModelStates { mp: u32 },
+    Model { mp: u32 },
     /// `zero_pp_rank_R_mp_rank_XX_model_states.pt` (ZeRO-3).
-    Zero3ModelStates { dp: u32, mp: u32 },
+    Zero3Model { dp: u32, mp: u32 },
     /// `[bf16_]zero_pp_rank_R_mp_rank_XX_optim_states.pt`.
-    OptimStates { bf16: bool, dp: u32, mp: u32 },
+    Optim { bf16: bool, dp: u32, mp: u32 },
 }
 
 impl DsFile {
     fn mp(self) -> u32 {
         match self {
-            DsFile::ModelStates { mp }
-            | DsFile::Zero3ModelStates { mp, .. }
-            | DsFile::OptimStates { mp, .. } => mp,
+            DsFile::Model { mp } | DsFile::Zero3Model { mp, .. } | DsFile::Optim { mp, .. } => mp,
         }
     }
 }
@@ -51,12 +50,12 @@ fn number(s: &str) -> Option<u32> {
 pub(super) fn parse_name(base: &str) -> Option<DsFile> {
     if let Some(rest) = base.strip_suffix("_model_states.pt") {
         if let Some(mp) = rest.strip_prefix("mp_rank_") {
-            return number(mp).map(|mp| DsFile::ModelStates { mp });
+            return number(mp).map(|mp| DsFile::Model { mp });
         }
         let (dp, mp) = rest
             .strip_prefix("zero_pp_rank_")?
             .split_once("_mp_rank_")?;
-        return Some(DsFile::Zero3ModelStates {
+        return Some(DsFile::Zero3Model {
             dp: number(dp)?,
             mp: number(mp)?,
         });
@@ -69,7 +68,7 @@ pub(super) fn parse_name(base: &str) -> Option<DsFile> {
     let (dp, mp) = rest
         .strip_prefix("zero_pp_rank_")?
         .split_once("_mp_rank_")?;
-    Some(DsFile::OptimStates {
+    Some(DsFile::Optim {
         bf16,
         dp: number(dp)?,
         mp: number(mp)?,
@@ -250,12 +249,12 @@ pub(super) fn save_files(folder: &Folder) -> Result<SaveFiles, IndexError> {
     let mut optim_bf16 = Vec::new();
     for (kind, name) in &folder.files {
         match *kind {
-            DsFile::ModelStates { .. } => model12.push((0, name.clone())),
-            DsFile::Zero3ModelStates { dp, .. } => model3.push((dp, name.clone())),
-            DsFile::OptimStates {
+            DsFile::Model { .. } => model12.push((0, name.clone())),
+            DsFile::Zero3Model { dp, .. } => model3.push((dp, name.clone())),
+            DsFile::Optim {
                 bf16: false, dp, ..
             } => optim_plain.push((dp, name.clone())),
-            DsFile::OptimStates { bf16: true, dp, .. } => optim_bf16.push((dp, name.clone())),
+            DsFile::Optim { bf16: true, dp, .. } => optim_bf16.push((dp, name.clone())),
         }
     }
     if !optim_plain.is_empty() && !optim_bf16.is_empty() {
@@ -329,16 +328,18 @@ pub(super) fn check_ranks(
     let file = files.first().map_or(pattern, |(_, n)| n.as_str());
     let mut what = format!("{why} {count} ranks");
     if !missing.is_empty() {
-        what.push_str(&format!(
+        let _ = write!(
+            what,
             "; missing: {} (a rank's file was not written, or was removed)",
             missing.join(", ")
-        ));
+        );
     }
     if !extra.is_empty() {
-        what.push_str(&format!(
+        let _ = write!(
+            what,
             "; files of further ranks are there: {}",
             extra.join(", ")
-        ));
+        );
     }
     Err(inconsistent(file, what))
 }
@@ -351,15 +352,15 @@ mod tests {
     fn names_are_parsed_as_deepspeed_writes_them() {
         assert_eq!(
             parse_name("mp_rank_00_model_states.pt"),
-            Some(DsFile::ModelStates { mp: 0 })
+            Some(DsFile::Model { mp: 0 })
         );
         assert_eq!(
             parse_name("zero_pp_rank_12_mp_rank_00_model_states.pt"),
-            Some(DsFile::Zero3ModelStates { dp: 12, mp: 0 })
+            Some(DsFile::Zero3Model { dp: 12, mp: 0 })
         );
         assert_eq!(
             parse_name("bf16_zero_pp_rank_1_mp_rank_03_optim_states.pt"),
-            Some(DsFile::OptimStates {
+            Some(DsFile::Optim {
                 bf16: true,
                 dp: 1,
                 mp: 3

@@ -74,114 +74,15 @@ impl StateDict {
 pub fn index_deepspeed(source: &dyn Source, names: &[String]) -> Result<FolderRead, IndexError> {
     let folder = files::locate(source, names)?;
     let save = files::save_files(&folder)?;
-    let mut notes = Vec::new();
-    if let Some(chosen) = &folder.chosen {
-        notes.push(format!("DeepSpeed checkpoint: read {chosen}"));
-    }
-    if !folder.not_read.is_empty() {
-        const SHOWN: usize = 8;
-        let mut list: Vec<&str> = folder
-            .not_read
-            .iter()
-            .take(SHOWN)
-            .map(String::as_str)
-            .collect();
-        let more = folder.not_read.len().saturating_sub(SHOWN);
-        let tail = if more > 0 {
-            format!(" and {more} more")
-        } else {
-            String::new()
-        };
-        list.sort_unstable();
-        notes.push(format!(
-            "files beside the DeepSpeed checkpoint are not read: {}{tail}",
-            list.join(", ")
-        ));
-    }
-    // The optimizer files: stage, world size and the fp32 partitions.
-    let mut optim: Vec<OptimStates> = Vec::with_capacity(save.optim.len());
+    let mut notes = folder_notes(&folder);
     let mut file_infos = BTreeMap::new();
-    for (rank, name) in &save.optim {
-        let archive = open_archive(source, name)?;
-        let reader = Reader {
-            file: Arc::from(name.as_str()),
-            rank: Some(*rank),
-            archive: &archive,
-        };
-        optim.push(records::optim_states(&reader)?);
-        file_infos.insert(name.clone(), file_info(source, name, Some(*rank))?);
-    }
-    let optim_pattern = format!(
-        "{}{}zero_pp_rank_{{r}}_mp_rank_00_optim_states.pt",
-        folder.prefix,
-        if save.bf16_names { "bf16_" } else { "" }
-    );
-    let first = &optim[0];
-    let world_size = first.partition_count;
-    check_ranks(
-        &save.optim,
-        world_size,
-        &optim_pattern,
-        &format!("`partition_count` of {} says", first.file),
-    )?;
-    let stage = first.stage;
-    for o in &optim {
-        if o.stage != stage {
-            return Err(bad(
-                &o.file,
-                format!(
-                    "ZeRO stages mixed: this file is ZeRO-{}, {} is ZeRO-{stage}",
-                    o.stage, first.file
-                ),
-            ));
-        }
-    }
-    if (stage == 3) != save.zero3_model {
-        let model = if save.zero3_model {
-            "ZeRO-3's per-rank model files"
-        } else {
-            "a ZeRO-1/2 model file"
-        };
-        return Err(bad(
-            &save.model[0].1,
-            format!(
-                "ZeRO stages mixed: {model} beside ZeRO-{stage} optimizer files ({})",
-                first.file
-            ),
-        ));
-    }
-    let model_pattern = format!(
-        "{}zero_pp_rank_{{r}}_mp_rank_00_model_states.pt",
-        folder.prefix
-    );
-    if save.zero3_model {
-        check_ranks(
-            &save.model,
-            world_size,
-            &model_pattern,
-            "ZeRO-3 writes a model states file per rank:",
-        )?;
-    }
-    // The model states: rank 0's records (all ranks' frozen fragments for ZeRO-3).
-    let mut model: Vec<ModelStates> = Vec::with_capacity(save.model.len());
-    let mut extra = Vec::new();
-    for (i, (rank, name)) in save.model.iter().enumerate() {
-        let archive = open_archive(source, name)?;
-        let rank = save.zero3_model.then_some(*rank);
-        let reader = Reader {
-            file: Arc::from(name.as_str()),
-            rank,
-            archive: &archive,
-        };
-        model.push(records::model_states(&reader)?);
-        if i == 0 {
-            extra = extra_entries(&reader)?;
-        }
-        file_infos.insert(name.clone(), file_info(source, name, rank)?);
-    }
+    let (optim, optim_pattern) = read_optim(source, &folder, &save, &mut file_infos)?;
+    let (stage, world_size) = (optim[0].stage, optim[0].partition_count);
+    let (model, extra, model_pattern) =
+        read_model(source, &folder, &save, world_size, &mut file_infos)?;
     let zero = &model[0];
     let mut sd = StateDict::default();
-    buffers(zero, &mut sd, &mut notes)?;
+    buffers(zero, &mut sd, &mut notes);
     frozen(stage, &model, &mut sd)?;
     let plans = trainable(stage, zero, &optim, &mut sd)?;
     // Tied names: `state_dict[alias] = state_dict[name]` when `name` is there.
@@ -201,27 +102,7 @@ pub fn index_deepspeed(source: &dyn Source, names: &[String]) -> Result<FolderRe
     } else {
         ZeroPrecision::Fp32
     });
-    let mut entries: Vec<IndexEntry> = Vec::with_capacity(sd.order.len() + extra.len());
-    for (position, name) in sd.order.iter().enumerate() {
-        let Some(t) = sd.values.remove(name) else {
-            continue;
-        };
-        entries.push(IndexEntry {
-            key: name.clone(),
-            raw_key: None,
-            path: vec![PathSeg::Key(name.clone())],
-            kind: EntryKind::Tensor,
-            dtype: Some(t.dtype),
-            shape: Some(t.shape),
-            chunks: t.chunks,
-            fsdp: None,
-            role: None,
-            flat_param: false,
-            value: None,
-            position: Some(position as u64),
-            object: None,
-        });
-    }
+    let mut entries = model_entries(sd);
     let optimizer = optimizer::entries(zero, &optim, &plans, &mut notes)?;
     let has_optimizer_state = !optimizer.is_empty();
     let before = entries.len() as u64;
@@ -239,7 +120,174 @@ pub fn index_deepspeed(source: &dyn Source, names: &[String]) -> Result<FolderRe
             ),
         ));
     }
-    let sets = vec![
+    let sets = read_sets(&save, &model_pattern, &optim_pattern);
+    let index = CheckpointIndex {
+        format: Format::TorchSave,
+        kind: CheckpointKind::DeepSpeedZero { stage, precision },
+        has_optimizer_state,
+        entries,
+        files: file_infos,
+        dcp: None,
+    };
+    Ok((index, sets, notes))
+}
+
+/// Notes on how the folder was found: the tag read, the files beside it not read.
+fn folder_notes(folder: &files::Folder) -> Vec<String> {
+    const SHOWN: usize = 8;
+    let mut notes = Vec::new();
+    if let Some(chosen) = &folder.chosen {
+        notes.push(format!("DeepSpeed checkpoint: read {chosen}"));
+    }
+    if !folder.not_read.is_empty() {
+        let mut list: Vec<&str> = folder
+            .not_read
+            .iter()
+            .take(SHOWN)
+            .map(String::as_str)
+            .collect();
+        list.sort_unstable();
+        let more = folder.not_read.len().saturating_sub(SHOWN);
+        let tail = if more > 0 {
+            format!(" and {more} more")
+        } else {
+            String::new()
+        };
+        notes.push(format!(
+            "files beside the DeepSpeed checkpoint are not read: {}{tail}",
+            list.join(", ")
+        ));
+    }
+    notes
+}
+
+/// The optimizer files, checked to be ranks `0..partition_count` of one stage, with the pattern
+/// that names them (`{r}` for the rank).
+fn read_optim(
+    source: &dyn Source,
+    folder: &files::Folder,
+    save: &files::SaveFiles,
+    file_infos: &mut BTreeMap<String, FileInfo>,
+) -> Result<(Vec<OptimStates>, String), IndexError> {
+    let mut optim: Vec<OptimStates> = Vec::with_capacity(save.optim.len());
+    for (rank, name) in &save.optim {
+        let archive = open_archive(source, name)?;
+        let reader = Reader {
+            file: Arc::from(name.as_str()),
+            rank: Some(*rank),
+            archive: &archive,
+        };
+        optim.push(records::optim_states(&reader)?);
+        file_infos.insert(name.clone(), file_info(source, name, Some(*rank))?);
+    }
+    let pattern = format!(
+        "{}{}zero_pp_rank_{{r}}_mp_rank_00_optim_states.pt",
+        folder.prefix,
+        if save.bf16_names { "bf16_" } else { "" }
+    );
+    let first = &optim[0];
+    check_ranks(
+        &save.optim,
+        first.partition_count,
+        &pattern,
+        &format!("`partition_count` of {} says", first.file),
+    )?;
+    let stage = first.stage;
+    if let Some(o) = optim.iter().find(|o| o.stage != stage) {
+        return Err(bad(
+            &o.file,
+            format!(
+                "ZeRO stages mixed: this file is ZeRO-{}, {} is ZeRO-{stage}",
+                o.stage, first.file
+            ),
+        ));
+    }
+    if (stage == 3) != save.zero3_model {
+        let model = if save.zero3_model {
+            "ZeRO-3's per-rank model files"
+        } else {
+            "a ZeRO-1/2 model file"
+        };
+        return Err(bad(
+            &save.model[0].1,
+            format!(
+                "ZeRO stages mixed: {model} beside ZeRO-{stage} optimizer files ({})",
+                first.file
+            ),
+        ));
+    }
+    Ok((optim, pattern))
+}
+
+/// The model states files (rank 0's; every rank's for ZeRO-3, checked to be `0..world_size`), the
+/// training state of rank 0's under `extra.`, and the pattern of ZeRO-3's files.
+fn read_model(
+    source: &dyn Source,
+    folder: &files::Folder,
+    save: &files::SaveFiles,
+    world_size: u64,
+    file_infos: &mut BTreeMap<String, FileInfo>,
+) -> Result<(Vec<ModelStates>, Vec<IndexEntry>, String), IndexError> {
+    let pattern = format!(
+        "{}zero_pp_rank_{{r}}_mp_rank_00_model_states.pt",
+        folder.prefix
+    );
+    if save.zero3_model {
+        check_ranks(
+            &save.model,
+            world_size,
+            &pattern,
+            "ZeRO-3 writes a model states file per rank:",
+        )?;
+    }
+    let mut model: Vec<ModelStates> = Vec::with_capacity(save.model.len());
+    let mut extra = Vec::new();
+    for (i, (rank, name)) in save.model.iter().enumerate() {
+        let archive = open_archive(source, name)?;
+        let rank = save.zero3_model.then_some(*rank);
+        let reader = Reader {
+            file: Arc::from(name.as_str()),
+            rank,
+            archive: &archive,
+        };
+        model.push(records::model_states(&reader)?);
+        if i == 0 {
+            extra = extra_entries(&reader)?;
+        }
+        file_infos.insert(name.clone(), file_info(source, name, rank)?);
+    }
+    Ok((model, extra, pattern))
+}
+
+/// The state dict's tensors as entries, `position` keeping its order.
+fn model_entries(mut sd: StateDict) -> Vec<IndexEntry> {
+    let mut entries = Vec::with_capacity(sd.order.len());
+    for (position, name) in sd.order.iter().enumerate() {
+        let Some(t) = sd.values.remove(name) else {
+            continue;
+        };
+        entries.push(IndexEntry {
+            dtype: Some(t.dtype),
+            shape: Some(t.shape),
+            chunks: t.chunks,
+            position: Some(position as u64),
+            ..entry(
+                name.clone(),
+                vec![PathSeg::Key(name.clone())],
+                EntryKind::Tensor,
+            )
+        });
+    }
+    entries
+}
+
+/// The file sets read: the model's and the optimizer's.
+fn read_sets(
+    save: &files::SaveFiles,
+    model_pattern: &str,
+    optim_pattern: &str,
+) -> Vec<crate::index::ReadSet> {
+    vec![
         (
             RankGroup {
                 pattern: if save.zero3_model {
@@ -266,16 +314,7 @@ pub fn index_deepspeed(source: &dyn Source, names: &[String]) -> Result<FolderRe
             },
             "optim",
         ),
-    ];
-    let index = CheckpointIndex {
-        format: Format::TorchSave,
-        kind: CheckpointKind::DeepSpeedZero { stage, precision },
-        has_optimizer_state,
-        entries,
-        files: file_infos,
-        dcp: None,
-    };
-    Ok((index, sets, notes))
+    ]
 }
 
 fn file_info(source: &dyn Source, name: &str, rank: Option<u32>) -> Result<FileInfo, IndexError> {
@@ -289,11 +328,7 @@ fn file_info(source: &dyn Source, name: &str, rank: Option<u32>) -> Result<FileI
 /// `{k: v.float() if floating else v for k, v in module.items() if k in buffer_names}`: the
 /// buffers in `module`'s order. A floating buffer that is not float32 is kept as stored (an index
 /// reads bytes, it does not cast them), with a note.
-fn buffers(
-    zero: &ModelStates,
-    sd: &mut StateDict,
-    notes: &mut Vec<String>,
-) -> Result<(), IndexError> {
+fn buffers(zero: &ModelStates, sd: &mut StateDict, notes: &mut Vec<String>) {
     let mut cast = Vec::new();
     for (name, t) in &zero.module {
         if !zero.buffer_names.contains(name) {
@@ -310,7 +345,6 @@ fn buffers(
             cast.join(", ")
         ));
     }
-    Ok(())
 }
 
 fn whole(t: &Stored) -> Tensor {

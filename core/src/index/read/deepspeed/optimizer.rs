@@ -9,6 +9,7 @@
 //! them too. A 0-d state (`step`) is the group's, given to each of its parameters, as torch keeps
 //! one per parameter. Hyperparameters come from rank 0's `param_groups`.
 
+use crate::formats::pickle::PyValue;
 use crate::index::read::torch::join_path;
 use crate::index::{EntryKind, IndexEntry, IndexError, PathSeg, Role, json_of};
 
@@ -28,7 +29,7 @@ fn group_id(base: &BaseOptim, g: usize) -> Option<i64> {
     }
 }
 
-fn state_of<'a>(base: &'a BaseOptim, id: i64) -> Option<&'a [(String, StateValue)]> {
+fn state_of(base: &BaseOptim, id: i64) -> Option<&[(String, StateValue)]> {
     base.state
         .iter()
         .find(|(i, _)| *i == id)
@@ -59,105 +60,128 @@ pub(super) fn entries(
     plans: &[ParamPlan],
     notes: &mut Vec<String>,
 ) -> Result<Vec<IndexEntry>, IndexError> {
-    let first = &optim[0];
-    let Some(base0) = &first.base else {
+    let Some(base0) = &optim[0].base else {
         notes.push(
             "the optimizer state is not read: the files hold no torch state dict of the wrapped optimizer (DeepSpeed's elastic layout, or none)".to_owned(),
         );
         return Ok(Vec::new());
     };
-    let groups = first.groups.len();
-    let mut ids = Vec::with_capacity(groups);
-    for g in 0..groups {
-        let ids_of_ranks: Vec<Option<i64>> = optim
+    let ids = group_ids(optim)?;
+    let mut out = Vec::new();
+    for p in plans {
+        // The parameter's group is its `param_shapes` group.
+        let Some(g) = zero
+            .param_shapes
+            .iter()
+            .position(|g| g.iter().any(|(n, _)| *n == p.name))
+        else {
+            continue;
+        };
+        // No state (no step taken yet): torch leaves the parameter out of `state`.
+        if let Some(state) = state_of(base0, ids[g]) {
+            param_state(p, state, optim, &ids, &mut out)?;
+        }
+    }
+    param_groups(zero, base0, &mut out);
+    Ok(out)
+}
+
+/// The state id of each group, the same on every rank.
+fn group_ids(optim: &[OptimStates]) -> Result<Vec<i64>, IndexError> {
+    let first = &optim[0];
+    let mut ids = Vec::with_capacity(first.groups.len());
+    for g in 0..first.groups.len() {
+        let of_ranks: Vec<Option<i64>> = optim
             .iter()
             .map(|o| o.base.as_ref().and_then(|b| group_id(b, g)))
             .collect();
-        match ids_of_ranks.first().copied().flatten() {
-            Some(id) if ids_of_ranks.iter().all(|i| *i == Some(id)) => ids.push(id),
+        match of_ranks.first().copied().flatten() {
+            Some(id) if of_ranks.iter().all(|i| *i == Some(id)) => ids.push(id),
             _ => {
                 return Err(bad(
                     &first.file,
                     format!(
-                        "the wrapped optimizer's `param_groups.{g}.params` is not the one flat partition of group {g} on every rank ({ids_of_ranks:?})"
+                        "the wrapped optimizer's `param_groups.{g}.params` is not the one flat partition of group {g} on every rank ({of_ranks:?})"
                     ),
                 ));
             }
         }
     }
-    // The group of each parameter (its `param_shapes` group).
-    let group_of = |name: &str| {
-        zero.param_shapes
-            .iter()
-            .position(|g| g.iter().any(|(n, _)| n == name))
-    };
-    let mut out = Vec::new();
-    for p in plans {
-        let Some(g) = group_of(&p.name) else {
-            continue;
+    Ok(ids)
+}
+
+/// `optimizer.state.<fqn>.<name>` for every state of the parameter's group (`state`: rank 0's).
+fn param_state(
+    p: &ParamPlan,
+    state: &[(String, StateValue)],
+    optim: &[OptimStates],
+    ids: &[i64],
+    out: &mut Vec<IndexEntry>,
+) -> Result<(), IndexError> {
+    for (name, value) in state {
+        let path = vec![
+            PathSeg::Key(OPTIMIZER.to_owned()),
+            PathSeg::Key("state".to_owned()),
+            PathSeg::Key(p.name.clone()),
+            PathSeg::Key(name.clone()),
+        ];
+        let role = Role::OptimizerState {
+            param: PathSeg::Key(p.name.clone()),
+            state: name.clone(),
         };
-        let Some(state) = state_of(base0, ids[g]) else {
-            // No state yet (no step taken): torch leaves the parameter out of `state`.
-            continue;
+        let entry = match value {
+            StateValue::Flat(f0) => {
+                // Rank r's piece of slot g lies in its state `name` of group g, laid out like
+                // its fp32 partition.
+                let flat = |r: usize, slot: usize| -> Option<&Flat> {
+                    let base = optim.get(r)?.base.as_ref()?;
+                    state_of(base, *ids.get(slot)?)?
+                        .iter()
+                        .find_map(|(n, v)| match v {
+                            StateValue::Flat(f) if n == name && f.dtype == f0.dtype => Some(f),
+                            _ => None,
+                        })
+                };
+                let chunks = plan::chunks(p, flat)
+                    .map_err(|e| bad(&optim[0].file, format!("optimizer state `{name}`: {e}")))?;
+                tensor_entry(path, role, f0.dtype, p.shape.clone(), chunks)
+            }
+            StateValue::Whole(t) => tensor_entry(
+                path,
+                role,
+                t.dtype(),
+                t.tensor.shape.clone(),
+                vec![t.chunk()],
+            ),
+            StateValue::Value(v) => IndexEntry {
+                value: Some(json_of(v)),
+                object: Some(Box::new(v.clone())),
+                role: Some(role),
+                ..super::entry(join_path(&path), path, EntryKind::Scalar)
+            },
         };
-        for (name, value) in state {
-            let path = vec![
-                PathSeg::Key(OPTIMIZER.to_owned()),
-                PathSeg::Key("state".to_owned()),
-                PathSeg::Key(p.name.clone()),
-                PathSeg::Key(name.clone()),
-            ];
-            let role = Role::OptimizerState {
-                param: PathSeg::Key(p.name.clone()),
-                state: name.clone(),
-            };
-            let entry = match value {
-                StateValue::Flat(f0) => {
-                    let flat = |r: usize, slot: usize| -> Option<&Flat> {
-                        let base = optim.get(r)?.base.as_ref()?;
-                        state_of(base, *ids.get(slot)?)?
-                            .iter()
-                            .find_map(|(n, v)| match v {
-                                StateValue::Flat(f) if n == name && f.dtype == f0.dtype => Some(f),
-                                _ => None,
-                            })
-                    };
-                    let chunks = plan::chunks(p, flat)
-                        .map_err(|e| bad(&first.file, format!("optimizer state `{name}`: {e}")))?;
-                    tensor_entry(path, role, f0.dtype, p.shape.clone(), chunks)
-                }
-                StateValue::Whole(t) => tensor_entry(
-                    path,
-                    role,
-                    t.dtype(),
-                    t.tensor.shape.clone(),
-                    vec![t.chunk()],
-                ),
-                StateValue::Value(v) => IndexEntry {
-                    value: Some(json_of(v)),
-                    object: Some(Box::new(v.clone())),
-                    role: Some(role),
-                    ..super::entry(join_path(&path), path, EntryKind::Scalar)
-                },
-            };
-            out.push(entry);
-        }
+        out.push(entry);
     }
-    // Hyperparameters, `params` naming the group's parameters.
+    Ok(())
+}
+
+/// `optimizer.param_groups.<g>.<key>` from rank 0's groups, `params` naming the group's
+/// parameters (its `param_shapes[g]`).
+fn param_groups(zero: &ModelStates, base0: &BaseOptim, out: &mut Vec<IndexEntry>) {
     for (g, group) in base0.param_groups.iter().enumerate() {
-        let names: Vec<crate::formats::pickle::PyValue> = zero
+        let names: Vec<PyValue> = zero
             .param_shapes
             .get(g)
             .map(|shapes| {
                 shapes
                     .iter()
-                    .map(|(n, _)| crate::formats::pickle::PyValue::Str(n.clone()))
+                    .map(|(n, _)| PyValue::Str(n.clone()))
                     .collect()
             })
             .unwrap_or_default();
         for (k, v) in group {
             let value = if k == "params" {
-                crate::formats::pickle::PyValue::List(names.clone())
+                PyValue::List(names.clone())
             } else {
                 v.clone()
             };
@@ -175,5 +199,4 @@ pub(super) fn entries(
             });
         }
     }
-    Ok(out)
 }

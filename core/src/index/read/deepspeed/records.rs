@@ -108,7 +108,7 @@ pub(super) struct Reader<'a> {
 }
 
 impl<'a> Reader<'a> {
-    fn err(&self, key: &str, what: String) -> IndexError {
+    fn err(&self, key: &str, what: &str) -> IndexError {
         bad(&self.file, format!("`{key}`: {what}"))
     }
 
@@ -126,39 +126,39 @@ impl<'a> Reader<'a> {
     pub fn dict(&self, v: &'a PyValue, key: &str) -> Result<&'a [(PyValue, PyValue)], IndexError> {
         match v {
             PyValue::Dict(items) => Ok(items),
-            other => Err(self.err(key, format!("a {}, not a dict", other.type_name()))),
+            other => Err(self.err(key, &format!("a {}, not a dict", other.type_name()))),
         }
     }
 
     pub fn seq(&self, v: &'a PyValue, key: &str) -> Result<&'a [PyValue], IndexError> {
         v.as_seq()
-            .ok_or_else(|| self.err(key, format!("a {}, not a list", v.type_name())))
+            .ok_or_else(|| self.err(key, &format!("a {}, not a list", v.type_name())))
     }
 
     pub fn str(&self, v: &'a PyValue, key: &str) -> Result<&'a str, IndexError> {
         v.as_str()
-            .ok_or_else(|| self.err(key, format!("a {}, not a str", v.type_name())))
+            .ok_or_else(|| self.err(key, &format!("a {}, not a str", v.type_name())))
     }
 
     pub fn count(&self, v: &PyValue, key: &str) -> Result<u64, IndexError> {
         v.as_i64()
             .and_then(|i| u64::try_from(i).ok())
-            .ok_or_else(|| self.err(key, format!("a {}, not a non-negative int", v.type_name())))
+            .ok_or_else(|| self.err(key, &format!("a {}, not a non-negative int", v.type_name())))
     }
 
     pub fn dims(&self, v: &PyValue, key: &str) -> Result<Vec<u64>, IndexError> {
         let dims = v
             .as_dims()
-            .ok_or_else(|| self.err(key, format!("a {}, not a torch.Size", v.type_name())))?;
+            .ok_or_else(|| self.err(key, &format!("a {}, not a torch.Size", v.type_name())))?;
         if crate::shape::numel(&dims).is_none() {
-            return Err(self.err(key, format!("the shape {dims:?} overflows")));
+            return Err(self.err(key, &format!("the shape {dims:?} overflows")));
         }
         Ok(dims)
     }
 
     pub fn tensor(&self, v: &PyValue, key: &str) -> Result<Stored, IndexError> {
         let PyValue::Tensor(t) = v else {
-            return Err(self.err(key, format!("a {}, not a tensor", v.type_name())));
+            return Err(self.err(key, &format!("a {}, not a tensor", v.type_name())));
         };
         let range = self
             .archive
@@ -185,7 +185,7 @@ impl<'a> Reader<'a> {
             .iter()
             .map(|(k, x)| {
                 k.as_str().map(|k| (k, x)).ok_or_else(|| {
-                    self.err(key, format!("a key of type {}, not str", k.type_name()))
+                    self.err(key, &format!("a key of type {}, not str", k.type_name()))
                 })
             })
             .collect()
@@ -383,7 +383,7 @@ fn base_optim(
         let id = id.as_i64().ok_or_else(|| {
             r.err(
                 &format!("{at}.state"),
-                format!("a key of type {}, not an int", id.type_name()),
+                &format!("a key of type {}, not an int", id.type_name()),
             )
         })?;
         let mut named = Vec::new();
@@ -451,7 +451,7 @@ pub(super) fn optim_states(r: &Reader<'_>) -> Result<OptimStates, IndexError> {
         .ok_or_else(|| {
             r.err(
                 &format!("{OSD}.zero_stage"),
-                format!(
+                &format!(
                     "{} is not ZeRO stage 1, 2 or 3",
                     crate::index::json_of(stage)
                 ),
@@ -466,12 +466,12 @@ pub(super) fn optim_states(r: &Reader<'_>) -> Result<OptimStates, IndexError> {
                 let c = r.count(c, &key)?;
                 most = Some(most.map_or(c, |m: u64| m.max(c)));
             }
-            most.ok_or_else(|| r.err(&key, "an empty list".into()))?
+            most.ok_or_else(|| r.err(&key, "an empty list"))?
         }
         other => r.count(other, &key)?,
     };
     if partition_count == 0 {
-        return Err(r.err(&key, "0 partitions".into()));
+        return Err(r.err(&key, "0 partitions"));
     }
     let groups_key = if stage <= 2 {
         "single_partition_of_fp32_groups"
