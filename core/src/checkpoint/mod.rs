@@ -261,7 +261,9 @@ fn top_level_torch(names: &[String]) -> Option<(Vec<String>, Vec<String>)> {
     // A torch_checkpointing folder (`metadata.pkl`) reads itself: its subfolders hold its items.
     let other = names
         .iter()
-        .any(|n| n.ends_with(".metadata") || n.ends_with(".safetensors") || n == "metadata.pkl");
+        .any(|n| n.ends_with(".metadata") || n.ends_with(".safetensors") || n == "metadata.pkl")
+        // A DeepSpeed tag folder beside the files of a trainer (HF Trainer's `checkpoint-N/`).
+        || index::looks_like_deepspeed(names);
     let (nested, top): (Vec<String>, Vec<String>) = names
         .iter()
         .filter(|n| index::is_torch_file(n))

@@ -3,7 +3,7 @@
 //! `metadata.pkl`, verl's file names, torchtitan's items). Shown by `inspect`; a DCP conversion of a
 //! Megatron-core checkpoint carries its `metadata.json` and `common.pt` ([`megatron_companions`]).
 
-use crate::index::{CheckpointIndex, PathSeg};
+use crate::index::{CheckpointIndex, CheckpointKind, PathSeg};
 use crate::source::Source;
 
 /// The most bytes of `metadata.json` read (Megatron-core writes about 120).
@@ -32,6 +32,18 @@ pub fn written_by(
     index: &CheckpointIndex,
 ) -> Option<String> {
     let has = |n: &str| names.iter().any(|x| x == n);
+    if matches!(index.kind, CheckpointKind::DeepSpeedZero { .. }) {
+        let version = index
+            .entry("extra.ds_version")
+            .and_then(|e| e.value.as_ref())
+            .and_then(serde_json::Value::as_str)
+            .map_or_else(String::new, |v| format!(" {v}"));
+        return Some(if has("trainer_state.json") {
+            format!("Hugging Face Trainer checkpoint (DeepSpeed{version} engine state)")
+        } else {
+            format!("DeepSpeed{version} (engine.save_checkpoint)")
+        });
+    }
     if has("common.pt")
         && let Some(backend) = megatron_backend(source)
     {

@@ -23,6 +23,7 @@ use crate::source::Source;
 use names::file_ext;
 pub use names::{RankGroup, RankedFiles, group_rank_files, is_torch_file, rank_from_name};
 pub use read::dcp::index_dcp;
+pub use read::deepspeed::{index_deepspeed, looks_like_deepspeed};
 pub use read::items::{FolderRead, index_rank_folder};
 use read::safetensors::index_safetensors;
 pub use read::sets::{EXTRA_KEYS, index_torch_groups, index_torch_sets, set_class, set_item};
@@ -31,7 +32,7 @@ pub use stats::ValueStats;
 pub use types::{
     CheckpointIndex, CheckpointKind, Chunk, ChunkEncoding, DcpFacts, EntryKind, FileInfo, Format,
     FsdpInfo, ITEM_ARCHIVE_OVERHEAD, IndexEntry, IndexError, MAX_BYTES_ITEM, PathSeg, Problem,
-    Role, ShardPlacement,
+    Role, ShardPlacement, ZeroPrecision,
 };
 pub use values::{ChunkLocation, TensorData};
 
@@ -86,6 +87,10 @@ pub fn index_source_read(source: &dyn Source) -> Result<FolderRead, IndexError> 
         && let Some((index, sets)) = read::torch_checkpointing::index_torch_checkpointing(source)?
     {
         return Ok((index, sets, Vec::new()));
+    }
+    // DeepSpeed ZeRO: a tag folder, or the folder holding it and `latest`.
+    if looks_like_deepspeed(&names) {
+        return index_deepspeed(source, &names);
     }
     let safetensors: Vec<&String> = names
         .iter()

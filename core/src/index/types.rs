@@ -126,6 +126,20 @@ pub enum CheckpointKind {
     RankLocal,
     /// A plain `torch.save` state dict.
     Plain,
+    /// DeepSpeed ZeRO partitions (`global_stepN/`: model states and per-rank optimizer states),
+    /// read as DeepSpeed's `zero_to_fp32` reads them (`index::read::deepspeed`).
+    #[serde(rename = "deepspeed_zero")]
+    DeepSpeedZero { stage: u8, precision: ZeroPrecision },
+}
+
+/// The training precision of a DeepSpeed ZeRO checkpoint (its master weights are fp32 in every
+/// case).
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize)]
+#[serde(rename_all = "snake_case")]
+pub enum ZeroPrecision {
+    Fp32,
+    Bf16,
+    Fp16,
 }
 
 impl CheckpointKind {
@@ -151,7 +165,25 @@ impl CheckpointKind {
                 "per-rank local state (no global metadata, e.g. raw FSDP1 optimizer state)"
             }
             CheckpointKind::Plain => "plain torch.save state dict",
+            CheckpointKind::DeepSpeedZero { stage, precision } => deepspeed_text(stage, precision),
         }
+    }
+}
+
+/// How [`CheckpointKind::describe`] names a DeepSpeed ZeRO checkpoint.
+fn deepspeed_text(stage: u8, precision: ZeroPrecision) -> &'static str {
+    use ZeroPrecision::{Bf16, Fp16, Fp32};
+    match (stage, precision) {
+        (1, Fp32) => "DeepSpeed ZeRO stage 1, fp32",
+        (1, Bf16) => "DeepSpeed ZeRO stage 1, bf16 (fp32 master weights)",
+        (1, Fp16) => "DeepSpeed ZeRO stage 1, fp16 (fp32 master weights)",
+        (2, Fp32) => "DeepSpeed ZeRO stage 2, fp32",
+        (2, Bf16) => "DeepSpeed ZeRO stage 2, bf16 (fp32 master weights)",
+        (2, Fp16) => "DeepSpeed ZeRO stage 2, fp16 (fp32 master weights)",
+        (3, Fp32) => "DeepSpeed ZeRO stage 3, fp32",
+        (3, Bf16) => "DeepSpeed ZeRO stage 3, bf16 (fp32 master weights)",
+        (3, Fp16) => "DeepSpeed ZeRO stage 3, fp16 (fp32 master weights)",
+        _ => "DeepSpeed ZeRO",
     }
 }
 

@@ -349,6 +349,21 @@ pub fn run(args: &ConvertArgs) -> Result<ExitCode> {
             index.kind.describe()
         );
     }
+    let mut index = index;
+    // DeepSpeed to safetensors: the model as zero_to_fp32 gives it (a .pt also holds the optimizer).
+    if matches!(index.kind, CheckpointKind::DeepSpeedZero { .. })
+        && target_of(args)? == Target::Safetensors
+        && args.select.is_none()
+        && index.has_optimizer_state
+    {
+        index.entries.retain(|e| e.role.is_none());
+        index.has_optimizer_state = false;
+        if !quiet {
+            eprintln!(
+                "note: {label}: safetensors holds the model, as zero_to_fp32 gives it; the optimizer state goes to a .pt output"
+            );
+        }
+    }
     let output = Output::of(args)?;
     let (written, untied) = write_index(args, &output, &source, &index)?;
     report(

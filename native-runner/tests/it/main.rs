@@ -17,6 +17,7 @@ mod convert_atomic;
 mod convert_fsdp2_optim;
 mod convert_interop;
 mod convert_parallel;
+mod deepspeed;
 mod diff_verify;
 mod doctor;
 mod dtypes;

@@ -12,9 +12,9 @@ use crate::index::{
 use crate::model::fqn::clean_tensor_name;
 use crate::source::Source;
 
-struct Leaf<'a> {
-    path: Vec<PathSeg>,
-    value: &'a PyValue,
+pub(crate) struct Leaf<'a> {
+    pub(crate) path: Vec<PathSeg>,
+    pub(crate) value: &'a PyValue,
 }
 
 fn path_seg_of_key(k: &PyValue) -> Option<PathSeg> {
@@ -35,7 +35,7 @@ fn is_tensorish(v: &PyValue) -> bool {
 
 /// DCP's traversal: mappings are always descended; a list/tuple is descended when it holds a
 /// tensor or a container; everything else is a leaf.
-fn flatten<'a>(v: &'a PyValue, path: &mut Vec<PathSeg>, out: &mut Vec<Leaf<'a>>) {
+pub(crate) fn flatten<'a>(v: &'a PyValue, path: &mut Vec<PathSeg>, out: &mut Vec<Leaf<'a>>) {
     match v {
         PyValue::Dict(items) if items.iter().all(|(k, _)| path_seg_of_key(k).is_some()) => {
             for (k, val) in items {

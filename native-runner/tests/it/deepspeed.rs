@@ -1,0 +1,361 @@
+//! DeepSpeed ZeRO checkpoints written by DeepSpeed 0.19.8 itself on CPU
+//! (`tests/fixtures/deepspeed/gen_deepspeed.py`: ZeRO-1/2/3 in fp32 and bf16, a tied weight, a
+//! frozen parameter, two buffers) through the command: `inspect` names them, and `convert` gives
+//! the model as DeepSpeed's `zero_to_fp32` gives it, compared bit for bit with the state dict
+//! DeepSpeed's own `get_fp32_state_dict_from_zero_checkpoint` returned (`expected/<case>.*`).
+#![allow(clippy::unwrap_used, clippy::expect_used, clippy::panic)]
+
+use std::collections::BTreeMap;
+use std::path::{Path, PathBuf};
+use std::process::{Command, Output};
+
+use shardscope_tests::fixtures_dir;
+
+use crate::common::{python, shardscope_bin};
+
+const CASES: &[&str] = &[
+    "zero1_fp32",
+    "zero2_fp32",
+    "zero3_fp32",
+    "zero1_bf16",
+    "zero2_bf16",
+    "zero3_bf16",
+];
+
+fn deepspeed() -> PathBuf {
+    fixtures_dir().join("deepspeed")
+}
+
+fn run(args: &[&str]) -> Output {
+    Command::new(shardscope_bin()).args(args).output().unwrap()
+}
+
+fn s(p: &Path) -> &str {
+    p.to_str().unwrap()
+}
+
+fn ok(out: &Output, what: &str) -> String {
+    let stdout = String::from_utf8_lossy(&out.stdout).into_owned();
+    assert!(
+        out.status.success(),
+        "{what} failed ({:?}):\n{stdout}\n{}",
+        out.status.code(),
+        String::from_utf8_lossy(&out.stderr)
+    );
+    stdout
+}
+
+/// A safetensors file's tensors: name -> (dtype, shape, bytes).
+type Tensors = BTreeMap<String, (String, Vec<u64>, Vec<u8>)>;
+
+fn safetensors_of(path: &Path) -> Tensors {
+    let bytes = std::fs::read(path).unwrap();
+    let st = safetensors::SafeTensors::deserialize(&bytes).unwrap();
+    st.tensors()
+        .into_iter()
+        .map(|(k, v)| {
+            (
+                k,
+                (
+                    format!("{:?}", v.dtype()),
+                    v.shape().iter().map(|&d| d as u64).collect(),
+                    v.data().to_vec(),
+                ),
+            )
+        })
+        .collect()
+}
+
+/// What DeepSpeed wrote down: `zero_to_fp32`'s tensors (every name), its key order and ties.
+struct Expected {
+    tensors: Tensors,
+    keys: Vec<String>,
+    /// `(alias, name)`: names zero_to_fp32 gives as one tensor.
+    ties: Vec<(String, String)>,
+}
+
+fn expected(case: &str) -> Expected {
+    let dir = deepspeed().join("expected");
+    let meta: serde_json::Value =
+        serde_json::from_slice(&std::fs::read(dir.join(format!("{case}.json"))).unwrap()).unwrap();
+    let strs = |v: &serde_json::Value| -> Vec<String> {
+        v.as_array()
+            .unwrap()
+            .iter()
+            .map(|x| x.as_str().unwrap().to_owned())
+            .collect()
+    };
+    Expected {
+        tensors: safetensors_of(&dir.join(format!("{case}.zero_to_fp32.safetensors"))),
+        keys: strs(&meta["keys"]),
+        ties: meta["ties"]
+            .as_array()
+            .unwrap()
+            .iter()
+            .map(|p| {
+                let p = strs(p);
+                (p[0].clone(), p[1].clone())
+            })
+            .collect(),
+    }
+}
+
+#[test]
+fn inspect_names_the_stage_precision_and_ranks() {
+    for case in CASES {
+        let text = ok(&run(&["inspect", s(&deepspeed().join(case))]), case);
+        let stage = &case[4..5];
+        let precision = if case.ends_with("bf16") {
+            "bf16 (fp32 master weights)"
+        } else {
+            "fp32"
+        };
+        let want = format!("looks like: DeepSpeed ZeRO stage {stage}, {precision}, 2 ranks");
+        assert!(text.contains(&want), "{case}: want `{want}` in\n{text}");
+        let json = ok(
+            &run(&["inspect", s(&deepspeed().join(case)), "--json"]),
+            case,
+        );
+        let v: serde_json::Value = serde_json::from_str(&json).unwrap();
+        assert_eq!(
+            v["kind"]["deepspeed_zero"]["stage"],
+            serde_json::json!(stage.parse::<u8>().unwrap()),
+            "{case}"
+        );
+    }
+}
+
+#[test]
+fn convert_to_safetensors_is_zero_to_fp32_bit_for_bit() {
+    let tmp = tempfile::tempdir().unwrap();
+    for case in CASES {
+        let want = expected(case);
+        // The run folder (through `latest`) and the tag folder, whole and --model-only.
+        let inputs = [
+            deepspeed().join(case),
+            deepspeed().join(case).join("global_step2"),
+        ];
+        for (i, input) in inputs.iter().enumerate() {
+            for model_only in [false, true] {
+                let out = tmp
+                    .path()
+                    .join(format!("{case}-{i}-{model_only}.safetensors"));
+                let mut args = vec!["convert", s(input), "-o", s(&out), "--json"];
+                if model_only {
+                    args.push("--model-only");
+                }
+                let summary: serde_json::Value =
+                    serde_json::from_str(&ok(&run(&args), case)).unwrap();
+                let got = safetensors_of(&out);
+                // One copy of a tied weight: every name but the aliases, values bit for bit.
+                let aliases: Vec<&str> = want.ties.iter().map(|(a, _)| a.as_str()).collect();
+                let names: Vec<&String> = want
+                    .keys
+                    .iter()
+                    .filter(|k| !aliases.contains(&k.as_str()))
+                    .collect();
+                assert_eq!(
+                    got.keys().collect::<Vec<_>>().len(),
+                    names.len(),
+                    "{case}: {:?}",
+                    got.keys()
+                );
+                for name in names {
+                    assert_eq!(got.get(name), want.tensors.get(name), "{case}: {name}");
+                }
+                let dropped = summary["tied_dropped"].as_array().unwrap();
+                assert_eq!(dropped.len(), want.ties.len(), "{case}: {summary}");
+                for (alias, name) in &want.ties {
+                    assert!(
+                        dropped
+                            .iter()
+                            .any(|d| d["dropped"] == alias.as_str() && d["kept"] == name.as_str()),
+                        "{case}: {alias} -> {name}: {summary}"
+                    );
+                }
+            }
+        }
+    }
+}
+
+/// Compares `.pt` outputs with zero_to_fp32's state dict in torch: the same keys in the same
+/// order, each tensor equal in dtype, shape and bits, tied names one storage. Prints `OK`.
+const SAME_AS_ZERO_TO_FP32: &str = r#"
+import json, sys, torch
+from safetensors.torch import load_file
+got = torch.load(sys.argv[1], weights_only=True)
+want = load_file(sys.argv[2])
+meta = json.load(open(sys.argv[3]))
+assert list(got.keys()) == meta["keys"], (list(got.keys()), meta["keys"])
+for k in meta["keys"]:
+    a, b = got[k], want[k]
+    assert a.dtype == b.dtype and a.shape == b.shape, (k, a.dtype, b.dtype, a.shape, b.shape)
+    assert torch.equal(a.contiguous().view(torch.uint8), b.contiguous().view(torch.uint8)), k
+for alias, name in meta["ties"]:
+    assert got[alias].untyped_storage().data_ptr() == got[name].untyped_storage().data_ptr(), (alias, name)
+print("OK")
+"#;
+
+#[test]
+fn convert_model_only_to_torch_save_is_zero_to_fp32() {
+    let Some(py) = python() else {
+        eprintln!("skipped: no Python with torch");
+        return;
+    };
+    let tmp = tempfile::tempdir().unwrap();
+    for case in CASES {
+        let out = tmp.path().join(format!("{case}.pt"));
+        ok(
+            &run(&[
+                "convert",
+                s(&deepspeed().join(case)),
+                "--model-only",
+                "-o",
+                s(&out),
+                "-q",
+            ]),
+            case,
+        );
+        let dir = deepspeed().join("expected");
+        let check = Command::new(&py)
+            .arg("-c")
+            .arg(SAME_AS_ZERO_TO_FP32)
+            .arg(&out)
+            .arg(dir.join(format!("{case}.zero_to_fp32.safetensors")))
+            .arg(dir.join(format!("{case}.json")))
+            .output()
+            .unwrap();
+        let text = String::from_utf8_lossy(&check.stdout);
+        assert!(
+            text.lines().any(|l| l == "OK"),
+            "{case}: {text}\n{}",
+            String::from_utf8_lossy(&check.stderr)
+        );
+    }
+}
+
+/// Copies the fixture `case` into a fresh folder under `tmp`.
+fn copy_case(case: &str, tmp: &Path) -> PathBuf {
+    let from = deepspeed().join(case);
+    let to = tmp.join(case);
+    let tag = to.join("global_step2");
+    std::fs::create_dir_all(&tag).unwrap();
+    std::fs::copy(from.join("latest"), to.join("latest")).unwrap();
+    for e in std::fs::read_dir(from.join("global_step2")).unwrap() {
+        let p = e.unwrap().path();
+        std::fs::copy(&p, tag.join(p.file_name().unwrap())).unwrap();
+    }
+    to
+}
+
+fn fails(args: &[&str]) -> String {
+    let out = run(args);
+    let stderr = String::from_utf8_lossy(&out.stderr).into_owned();
+    assert!(
+        !out.status.success(),
+        "{args:?} succeeded:\n{}",
+        String::from_utf8_lossy(&out.stdout)
+    );
+    assert!(!stderr.contains("panicked"), "{stderr}");
+    stderr
+}
+
+#[test]
+fn damaged_folders_are_errors_naming_the_file() {
+    let tmp = tempfile::tempdir().unwrap();
+    // A missing rank.
+    let dir = copy_case("zero3_bf16", tmp.path());
+    let gone = "bf16_zero_pp_rank_1_mp_rank_00_optim_states.pt";
+    std::fs::remove_file(dir.join("global_step2").join(gone)).unwrap();
+    let out = tmp.path().join("a.safetensors");
+    let err = fails(&["convert", s(&dir), "-o", s(&out)]);
+    assert!(
+        err.contains(&format!("missing: global_step2/{gone}")),
+        "{err}"
+    );
+    assert!(!out.exists());
+    // A truncated file.
+    let dir = copy_case("zero2_fp32", &tmp.path().join("t"));
+    let file = dir
+        .join("global_step2")
+        .join("zero_pp_rank_1_mp_rank_00_optim_states.pt");
+    let bytes = std::fs::read(&file).unwrap();
+    std::fs::write(&file, &bytes[..bytes.len() / 2]).unwrap();
+    let err = fails(&["inspect", s(&dir)]);
+    assert!(
+        err.contains("zero_pp_rank_1_mp_rank_00_optim_states.pt"),
+        "{err}"
+    );
+    // Stages mixed: ZeRO-3 model files beside ZeRO-2 optimizer files.
+    let dir = copy_case("zero2_fp32", &tmp.path().join("m"));
+    for r in 0..2 {
+        let name = format!("zero_pp_rank_{r}_mp_rank_00_model_states.pt");
+        std::fs::copy(
+            deepspeed().join("zero3_fp32/global_step2").join(&name),
+            dir.join("global_step2").join(&name),
+        )
+        .unwrap();
+    }
+    let err = fails(&["inspect", s(&dir)]);
+    assert!(err.contains("ZeRO stages mixed"), "{err}");
+}
+
+/// Compares a whole `.pt` output with DeepSpeed's references in torch: the model as
+/// zero_to_fp32 gives it, and `optimizer` in the shape of torch's FQN-keyed full optimizer state
+/// dict, its `exp_avg`/`exp_avg_sq` equal bit for bit to the live engine's
+/// `safe_get_full_optimizer_state`. Prints `OK`.
+const OPTIMIZER_AS_THE_LIVE_ENGINE: &str = r#"
+import json, sys, torch
+from safetensors.torch import load_file
+got = torch.load(sys.argv[1], weights_only=True)
+want = load_file(sys.argv[2])
+live = load_file(sys.argv[3])
+meta = json.load(open(sys.argv[4]))
+for k in meta["keys"]:
+    assert torch.equal(got[k].view(torch.uint8), want[k].view(torch.uint8)), k
+opt = got["optimizer"]
+assert set(opt) == {"state", "param_groups"}, set(opt)
+names = [k.split(".", 1)[1] for k in live if k.startswith("exp_avg.")]
+assert sorted(opt["state"]) == sorted(names), (sorted(opt["state"]), names)
+for n in names:
+    s = opt["state"][n]
+    assert s["step"].dim() == 0 and float(s["step"]) == 2.0, s["step"]
+    for k in ("exp_avg", "exp_avg_sq"):
+        assert s[k].dtype == torch.float32 and torch.equal(s[k].view(torch.uint8), live[f"{k}.{n}"].view(torch.uint8)), (n, k)
+params = [p for g in opt["param_groups"] for p in g["params"]]
+assert sorted(params) == sorted(names), params
+assert opt["param_groups"][0]["weight_decay"] == 0.1 and opt["param_groups"][0]["betas"] == (0.9, 0.95), opt["param_groups"][0]
+print("OK")
+"#;
+
+#[test]
+fn convert_to_torch_save_holds_the_optimizer_per_parameter() {
+    let Some(py) = python() else {
+        eprintln!("skipped: no Python with torch");
+        return;
+    };
+    let tmp = tempfile::tempdir().unwrap();
+    for case in CASES {
+        let out = tmp.path().join(format!("{case}.pt"));
+        ok(
+            &run(&["convert", s(&deepspeed().join(case)), "-o", s(&out), "-q"]),
+            case,
+        );
+        let dir = deepspeed().join("expected");
+        let check = Command::new(&py)
+            .arg("-c")
+            .arg(OPTIMIZER_AS_THE_LIVE_ENGINE)
+            .arg(&out)
+            .arg(dir.join(format!("{case}.zero_to_fp32.safetensors")))
+            .arg(dir.join(format!("{case}.live.safetensors")))
+            .arg(dir.join(format!("{case}.json")))
+            .output()
+            .unwrap();
+        let text = String::from_utf8_lossy(&check.stdout);
+        assert!(
+            text.lines().any(|l| l == "OK"),
+            "{case}: {text}\n{}",
+            String::from_utf8_lossy(&check.stderr)
+        );
+    }
+}
