@@ -20,3 +20,11 @@ fn convert_outputs_load_in_torch_and_match_torch_own_conversion() {
 fn parts_launched_by_torchrun_equal_one_run_and_load_in_torch() {
     crate::common::run_interop_script("check_parallel.py");
 }
+
+/// Nothing lost: empty dicts at any depth, empty lists and tuples, None and plain leaves of a
+/// torch-written checkpoint come back from a `.pt` output as torch saved them
+/// (tests/interop/check_empty_values.py).
+#[test]
+fn values_without_tensors_round_trip_to_pt() {
+    crate::common::run_interop_script("check_empty_values.py");
+}

@@ -70,9 +70,38 @@ fn chunks(t: &MetadataTable) -> usize {
         .sum()
 }
 
+/// `.metadata` files whose storage records come in another order than their chunks (Megatron's
+/// `dist_checkpointing` with tensor parallelism 2 writes one tensor's rank pieces interleaved with
+/// other tensors'): the streaming reader gives up on them by design and the general path reads
+/// them (checked below).
+const RECORDS_OUT_OF_ORDER: &[&str] = &["megatron_gpt/dist/.metadata"];
+
+fn out_of_order(path: &std::path::Path) -> bool {
+    RECORDS_OUT_OF_ORDER
+        .iter()
+        .any(|f| path.to_string_lossy().ends_with(f))
+}
+
+#[test]
+fn records_out_of_chunk_order_go_to_the_general_path() {
+    let mut seen = 0;
+    for (path, bytes) in fixtures() {
+        if out_of_order(&path) {
+            seen += 1;
+            let what = path.display().to_string();
+            general(&bytes).unwrap_or_else(|| panic!("{what}: general path fails"));
+            assert!(
+                streamed(&bytes, 4 << 20).is_err(),
+                "{what}: now streams: remove it from the list"
+            );
+        }
+    }
+    assert_eq!(seen, RECORDS_OUT_OF_ORDER.len());
+}
+
 #[test]
 fn every_fixture_takes_the_fast_path_and_reads_alike() {
-    for (path, bytes) in fixtures() {
+    for (path, bytes) in fixtures().into_iter().filter(|(p, _)| !out_of_order(p)) {
         let what = path.display().to_string();
         let expected = general(&bytes).unwrap_or_else(|| panic!("{what}: general path fails"));
         // Windows of every small size cross every opcode and string boundary.
@@ -263,7 +292,10 @@ fn with_shortcut(
 #[test]
 fn the_record_shortcut_reads_as_the_opcodes_do() {
     let mut made = 0;
-    let mut fixtures = fixtures();
+    let mut fixtures: Vec<_> = fixtures()
+        .into_iter()
+        .filter(|(p, _)| !out_of_order(p))
+        .collect();
     fixtures.push((
         PathBuf::from("generated"),
         metadata(&generated(12, 700, false), 64, Some("extra_state")),

@@ -33,11 +33,16 @@ fn is_tensorish(v: &PyValue) -> bool {
     )
 }
 
-/// DCP's traversal: mappings are always descended; a list/tuple is descended when it holds a
+/// DCP's traversal: mappings are descended (an empty one is a value); a list/tuple is descended when it holds a
 /// tensor or a container; everything else is a leaf.
 pub(crate) fn flatten<'a>(v: &'a PyValue, path: &mut Vec<PathSeg>, out: &mut Vec<Leaf<'a>>) {
     match v {
-        PyValue::Dict(items) if items.iter().all(|(k, _)| path_seg_of_key(k).is_some()) => {
+        // An empty mapping is a value of its own (Lightning's `loops.fit_loop.state_dict = {}`):
+        // descending it would leave nothing, and outputs would lose the key.
+        PyValue::Dict(items)
+            if (!items.is_empty() || path.is_empty())
+                && items.iter().all(|(k, _)| path_seg_of_key(k).is_some()) =>
+        {
             for (k, val) in items {
                 if let Some(seg) = path_seg_of_key(k) {
                     path.push(seg);

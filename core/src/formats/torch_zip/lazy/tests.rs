@@ -260,7 +260,7 @@ fn the_store_merges_what_it_holds() {
 }
 
 /// The globals scan by range equals the whole-file scan, for every fixture, and reads no storage
-/// past its first KiB.
+/// longer than the coalescing gap past its first KiB.
 #[test]
 fn pickle_globals_from_equals_pickle_globals() {
     for path in fixtures() {
@@ -276,7 +276,13 @@ fn pickle_globals_from_equals_pickle_globals() {
             && let Ok(a) = read_archive(&bytes)
         {
             let read = source.reads.borrow().clone();
-            for r in a.storages.values().filter(|r| r.len > 1024) {
+            // Storages shorter than the coalescing gap that lie between two member headers are
+            // read with them (one request instead of two: megatron_gpt/model.pt's 3-8 KiB ones).
+            for r in a
+                .storages
+                .values()
+                .filter(|r| r.len > 1024 && r.len > super::COALESCE_GAP)
+            {
                 let (from, to) = (r.offset + 1024, r.offset + r.len);
                 assert!(
                     read.iter().all(|&(o, l)| o + l <= from || o >= to),

@@ -1,0 +1,63 @@
+"""Nothing lost: values with no tensor in them (empty dicts at any depth, empty lists and tuples,
+None, nested containers, plain leaves) round-trip through `shardscope convert` to a `.pt` file.
+
+Usage: python check_empty_values.py SHARDSCOPE_BIN WORK_DIR
+
+torch writes a checkpoint shaped like Lightning's (`loops.fit_loop.state_dict = {}` beside the
+model and its training state); `convert CKPT -o OUT.pt` must give back, under torch.load, exactly
+what torch saved. Prints `ok` last.
+"""
+import subprocess
+import sys
+from pathlib import Path
+
+import torch
+
+BIN, WORK = sys.argv[1], Path(sys.argv[2])
+
+
+def same(a, b, path="") -> None:
+    if isinstance(a, torch.Tensor):
+        assert isinstance(b, torch.Tensor) and torch.equal(a, b) and a.dtype == b.dtype, path
+        return
+    assert type(a) is type(b), f"{path}: {type(a).__name__} != {type(b).__name__}"
+    if isinstance(a, dict):
+        assert list(a) == list(b), f"{path}: keys {list(a)} != {list(b)}"
+        for k in a:
+            same(a[k], b[k], f"{path}.{k}")
+    elif isinstance(a, (list, tuple)):
+        assert len(a) == len(b), f"{path}: length {len(a)} != {len(b)}"
+        for i, (x, y) in enumerate(zip(a, b)):
+            same(x, y, f"{path}.{i}")
+    else:
+        assert a == b, f"{path}: {a!r} != {b!r}"
+
+
+def main() -> None:
+    WORK.mkdir(parents=True, exist_ok=True)
+    torch.manual_seed(0)
+    ckpt = {
+        "state_dict": {"layer.weight": torch.randn(3, 2), "layer.bias": torch.randn(3)},
+        "loops": {
+            "fit_loop": {"state_dict": {}, "epoch_progress": {"total": {"ready": 1, "completed": 1}}},
+            "validate_loop": {"state_dict": {}},
+        },
+        "callbacks": {},
+        "optimizer_states": [{"state": {}, "param_groups": [{"lr": 0.1, "params": [0, 1]}]}],
+        "lr_schedulers": [],
+        "hparams": {"name": "x", "none": None, "sizes": (4, 5), "empty": ()},
+        "epoch": 1,
+    }
+    src = WORK / "lightning_like.ckpt"
+    torch.save(ckpt, src)
+    out = WORK / "out.pt"
+    r = subprocess.run([BIN, "convert", str(src), "-o", str(out), "-q"], capture_output=True, text=True)
+    if r.returncode != 0:
+        raise SystemExit(f"convert failed:\n{r.stdout}\n{r.stderr}")
+    same(ckpt, torch.load(out, weights_only=True))
+    print("every value round-trips, empty containers included")
+    print("ok")
+
+
+if __name__ == "__main__":
+    main()
