@@ -118,8 +118,8 @@ fn inspect_names_the_stage_precision_and_ranks() {
         );
         let v: serde_json::Value = serde_json::from_str(&json).unwrap();
         assert_eq!(
-            v["kind"]["deepspeed_zero"]["stage"],
-            serde_json::json!(stage.parse::<u8>().unwrap()),
+            v["kind"],
+            format!("deepspeed_zero{stage}").as_str(),
             "{case}"
         );
     }
