@@ -78,7 +78,7 @@ pub(super) fn entries(
             continue;
         };
         // No state (no step taken yet): torch leaves the parameter out of `state`.
-        if let Some(state) = state_of(base0, ids[g]) {
+        if let Some(state) = ids.get(g).and_then(|&id| state_of(base0, id)) {
             param_state(p, state, optim, &ids, &mut out)?;
         }
     }
