@@ -15,6 +15,8 @@ const CASES: &[&str] = &[
     "zero1_bf16",
     "zero2_bf16",
     "zero3_bf16",
+    "zero2_fp32_ws3",
+    "zero3_bf16_ws3",
 ];
 
 fn fixtures() -> PathBuf {
@@ -90,7 +92,7 @@ fn every_fixture_reads_as_zero_to_fp32_gives_it() {
         for source in [&root, &tag] {
             let (index, sets, notes) = open(source).unwrap_or_else(|e| panic!("{case}: {e}"));
             let stage: u8 = case[4..5].parse().unwrap();
-            let precision = if case.ends_with("bf16") {
+            let precision = if case.contains("bf16") {
                 ZeroPrecision::Bf16
             } else {
                 ZeroPrecision::Fp32
