@@ -403,3 +403,33 @@ fn a_trainer_folder_around_the_tag_is_read_as_deepspeed() {
     let keys: Vec<&str> = keys.into_iter().map(|(_, k)| k).collect();
     assert_eq!(keys, expected("zero2_bf16").keys);
 }
+
+#[test]
+fn kinds_serialize_as_their_names() {
+    // The names the derived (snake_case) serialization gave before DeepSpeed's kind had fields,
+    // and DeepSpeed's: `inspect --json` and the Python module read them as strings.
+    use CheckpointKind as K;
+    let names = [
+        (K::DcpTorchSave, "dcp_torch_save"),
+        (K::DcpSafetensors, "dcp_safetensors"),
+        (K::HfSafetensors, "hf_safetensors"),
+        (K::HfDistributedSafetensors, "hf_distributed_safetensors"),
+        (K::Fsdp1Full, "fsdp1_full"),
+        (K::Fsdp1Sharded, "fsdp1_sharded"),
+        (K::Fsdp1Local, "fsdp1_local"),
+        (K::Fsdp2, "fsdp2"),
+        (K::Fsdp1Unflattened, "fsdp1_unflattened"),
+        (K::RankLocal, "rank_local"),
+        (K::Plain, "plain"),
+        (
+            K::DeepSpeedZero {
+                stage: 3,
+                precision: ZeroPrecision::Bf16,
+            },
+            "deepspeed_zero3",
+        ),
+    ];
+    for (kind, name) in names {
+        assert_eq!(serde_json::to_value(kind).unwrap(), name);
+    }
+}
