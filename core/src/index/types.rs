@@ -99,9 +99,9 @@ pub enum Format {
     Safetensors,
 }
 
-/// What kind of checkpoint the index looks like.
+/// What kind of checkpoint the index looks like. Serialized as its name ([`CheckpointKind::name`]).
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize)]
-#[serde(rename_all = "snake_case")]
+#[serde(into = "&'static str")]
 pub enum CheckpointKind {
     /// A DCP directory with the default (`torch.save` items) serialization.
     DcpTorchSave,
@@ -128,7 +128,6 @@ pub enum CheckpointKind {
     Plain,
     /// DeepSpeed ZeRO partitions (`global_stepN/`: model states and per-rank optimizer states),
     /// read as DeepSpeed's `zero_to_fp32` reads them (`index::read::deepspeed`).
-    #[serde(rename = "deepspeed_zero")]
     DeepSpeedZero { stage: u8, precision: ZeroPrecision },
 }
 
@@ -142,7 +141,35 @@ pub enum ZeroPrecision {
     Fp16,
 }
 
+impl From<CheckpointKind> for &'static str {
+    fn from(kind: CheckpointKind) -> Self {
+        kind.name()
+    }
+}
+
 impl CheckpointKind {
+    /// Its name in JSON (`inspect --json`, the Python module's `kind`): the variant in snake case;
+    /// `deepspeed_zero1`, `deepspeed_zero2`, `deepspeed_zero3` for DeepSpeed.
+    pub fn name(self) -> &'static str {
+        match self {
+            CheckpointKind::DcpTorchSave => "dcp_torch_save",
+            CheckpointKind::DcpSafetensors => "dcp_safetensors",
+            CheckpointKind::HfSafetensors => "hf_safetensors",
+            CheckpointKind::HfDistributedSafetensors => "hf_distributed_safetensors",
+            CheckpointKind::Fsdp1Full => "fsdp1_full",
+            CheckpointKind::Fsdp1Sharded => "fsdp1_sharded",
+            CheckpointKind::Fsdp1Local => "fsdp1_local",
+            CheckpointKind::Fsdp2 => "fsdp2",
+            CheckpointKind::Fsdp1Unflattened => "fsdp1_unflattened",
+            CheckpointKind::RankLocal => "rank_local",
+            CheckpointKind::Plain => "plain",
+            CheckpointKind::DeepSpeedZero { stage: 1, .. } => "deepspeed_zero1",
+            CheckpointKind::DeepSpeedZero { stage: 2, .. } => "deepspeed_zero2",
+            CheckpointKind::DeepSpeedZero { stage: 3, .. } => "deepspeed_zero3",
+            CheckpointKind::DeepSpeedZero { .. } => "deepspeed_zero",
+        }
+    }
+
     /// A phrase for people.
     pub fn describe(self) -> &'static str {
         match self {

@@ -312,9 +312,12 @@ pub(super) fn check_ranks(
     pattern: &str,
     why: &str,
 ) -> Result<(), IndexError> {
+    // The first few missing ranks only: a damaged `partition_count` may say billions.
+    const SHOWN: usize = 16;
     let have: BTreeSet<u64> = files.iter().map(|(r, _)| u64::from(*r)).collect();
     let missing: Vec<String> = (0..count)
         .filter(|r| !have.contains(r))
+        .take(SHOWN)
         .map(|r| pattern.replace("{r}", &r.to_string()))
         .collect();
     let extra: Vec<&str> = files
@@ -389,5 +392,8 @@ mod tests {
         let e = check_ranks(&files, 2, "a{r}", "x").expect_err("rank 2 extra");
         assert!(e.to_string().contains("further ranks are there: a2"), "{e}");
         assert!(check_ranks(&files[..1], 1, "a{r}", "x").is_ok());
+        // A count of billions names the first missing ranks, at once.
+        let e = check_ranks(&files, u64::MAX, "a{r}", "x").expect_err("most are missing");
+        assert!(e.to_string().contains("missing: a1, a3, a4"), "{e}");
     }
 }

@@ -27,7 +27,7 @@ mod records;
 #[cfg(test)]
 mod tests;
 
-use std::collections::{BTreeMap, HashMap};
+use std::collections::{BTreeMap, HashMap, HashSet};
 use std::sync::Arc;
 
 use crate::dtype::DType;
@@ -329,9 +329,10 @@ fn file_info(source: &dyn Source, name: &str, rank: Option<u32>) -> Result<FileI
 /// buffers in `module`'s order. A floating buffer that is not float32 is kept as stored (an index
 /// reads bytes, it does not cast them), with a note.
 fn buffers(zero: &ModelStates, sd: &mut StateDict, notes: &mut Vec<String>) {
+    let names: HashSet<&str> = zero.buffer_names.iter().map(String::as_str).collect();
     let mut cast = Vec::new();
     for (name, t) in &zero.module {
-        if !zero.buffer_names.contains(name) {
+        if !names.contains(name.as_str()) {
             continue;
         }
         if t.dtype().is_floating_point() && t.dtype() != DType::Float32 {
@@ -362,11 +363,23 @@ fn frozen(stage: u8, model: &[ModelStates], sd: &mut StateDict) -> Result<(), In
     let Some(shapes) = zero.frozen_param_shapes.as_ref().filter(|s| !s.is_empty()) else {
         return Ok(());
     };
-    let fragment = |m: &ModelStates, name: &str| -> Result<Stored, IndexError> {
-        m.frozen_param_fragments
-            .as_ref()
-            .and_then(|f| f.iter().find(|(n, _)| n == name))
-            .map(|(_, t)| t.clone())
+    // Each rank's fragments by name.
+    let by_name: Vec<HashMap<&str, &Stored>> = model
+        .iter()
+        .map(|m| {
+            m.frozen_param_fragments
+                .iter()
+                .flatten()
+                .map(|(n, t)| (n.as_str(), t))
+                .collect()
+        })
+        .collect();
+    // Rank `rank`'s fragment of `name`.
+    let fragment = |rank: usize, name: &str| -> Result<Stored, IndexError> {
+        let m = &model[rank];
+        by_name[rank]
+            .get(name)
+            .map(|t| (*t).clone())
             .ok_or_else(|| {
                 bad(
                     &m.file,
@@ -376,13 +389,13 @@ fn frozen(stage: u8, model: &[ModelStates], sd: &mut StateDict) -> Result<(), In
     };
     for (name, shape) in shapes {
         if stage <= 2 {
-            sd.insert(name, whole(&fragment(zero, name)?));
+            sd.insert(name, whole(&fragment(0, name)?));
             continue;
         }
         let mut flats = Vec::with_capacity(model.len());
-        for m in model {
+        for (rank, m) in model.iter().enumerate() {
             let key = format!("frozen_param_fragments.{name}");
-            let f = fragment(m, name)?.flat(&key)?;
+            let f = fragment(rank, name)?.flat(&key)?;
             if f.dtype != flats.first().map_or(f.dtype, |g: &Flat| g.dtype) {
                 return Err(bad(
                     &m.file,
@@ -450,8 +463,9 @@ fn trainable(
         )
     } else {
         let mut merged: Vec<(String, Vec<u64>)> = Vec::new();
+        let mut seen: HashSet<&str> = HashSet::new();
         for (name, shape) in zero.param_shapes.iter().flatten() {
-            if merged.iter().any(|(n, _)| n == name) {
+            if !seen.insert(name.as_str()) {
                 return Err(bad(
                     &zero.file,
                     format!("`param_shapes` lists `{name}` in two groups"),
@@ -494,11 +508,12 @@ fn trainable(
 /// Notes the parameters of `module` that `zero_to_fp32` leaves out (DeepSpeed recorded no fp32
 /// copy of them: frozen parameters under ZeRO-1 are not in `frozen_param_shapes`).
 fn left_out(zero: &ModelStates, sd: &StateDict, notes: &mut Vec<String>) {
+    let buffers: HashSet<&str> = zero.buffer_names.iter().map(String::as_str).collect();
     let missing: Vec<&str> = zero
         .module
         .iter()
         .map(|(n, _)| n.as_str())
-        .filter(|n| !sd.values.contains_key(*n) && !zero.buffer_names.iter().any(|b| b == n))
+        .filter(|n| !sd.values.contains_key(*n) && !buffers.contains(n))
         .collect();
     if !missing.is_empty() {
         notes.push(format!(

@@ -9,6 +9,8 @@
 //! them too. A 0-d state (`step`) is the group's, given to each of its parameters, as torch keeps
 //! one per parameter. Hyperparameters come from rank 0's `param_groups`.
 
+use std::collections::HashMap;
+
 use crate::formats::pickle::PyValue;
 use crate::index::read::torch::join_path;
 use crate::index::{EntryKind, IndexEntry, IndexError, PathSeg, Role, json_of};
@@ -67,18 +69,20 @@ pub(super) fn entries(
         return Ok(Vec::new());
     };
     let ids = group_ids(optim)?;
+    // The parameter's group is its `param_shapes` group.
+    let group_of: HashMap<&str, usize> = zero
+        .param_shapes
+        .iter()
+        .enumerate()
+        .flat_map(|(g, shapes)| shapes.iter().map(move |(n, _)| (n.as_str(), g)))
+        .collect();
     let mut out = Vec::new();
     for p in plans {
-        // The parameter's group is its `param_shapes` group.
-        let Some(g) = zero
-            .param_shapes
-            .iter()
-            .position(|g| g.iter().any(|(n, _)| *n == p.name))
-        else {
+        let Some(&g) = group_of.get(p.name.as_str()) else {
             continue;
         };
         // No state (no step taken yet): torch leaves the parameter out of `state`.
-        if let Some(state) = state_of(base0, ids[g]) {
+        if let Some(state) = ids.get(g).and_then(|&id| state_of(base0, id)) {
             param_state(p, state, optim, &ids, &mut out)?;
         }
     }

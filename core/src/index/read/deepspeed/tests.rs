@@ -15,6 +15,8 @@ const CASES: &[&str] = &[
     "zero1_bf16",
     "zero2_bf16",
     "zero3_bf16",
+    "zero2_fp32_ws3",
+    "zero3_bf16_ws3",
 ];
 
 fn fixtures() -> PathBuf {
@@ -90,7 +92,7 @@ fn every_fixture_reads_as_zero_to_fp32_gives_it() {
         for source in [&root, &tag] {
             let (index, sets, notes) = open(source).unwrap_or_else(|e| panic!("{case}: {e}"));
             let stage: u8 = case[4..5].parse().unwrap();
-            let precision = if case.ends_with("bf16") {
+            let precision = if case.contains("bf16") {
                 ZeroPrecision::Bf16
             } else {
                 ZeroPrecision::Fp32
@@ -257,15 +259,20 @@ fn truncated_and_damaged_files_are_errors_naming_the_file() {
             assert!(e.contains(&name), "{name} cut at {cut}: {e}");
         }
     }
-    // Byte flips anywhere never panic (an error, or a read that still checks out).
-    let name = "bf16_zero_pp_rank_1_mp_rank_00_optim_states.pt";
-    let len = base.size(name).unwrap() as usize;
-    for at in (0..len).step_by(7) {
-        let mut s = load(&fixtures().join("zero3_bf16/global_step2"));
-        s.get_mut(name).unwrap()[at] ^= 0x5a;
-        if let Ok((index, _, _)) = open(&s) {
-            for e in &index.entries {
-                let _ = index.read_tensor(&s, e);
+    // Byte flips anywhere in any file never panic (an error, or a read that still checks out).
+    for case in ["zero3_bf16", "zero2_fp32"] {
+        let dir = fixtures().join(case).join("global_step2");
+        let base = load(&dir);
+        for name in base.names() {
+            let len = base.size(&name).unwrap() as usize;
+            for at in (0..len).step_by(11) {
+                let mut s = load(&dir);
+                s.get_mut(&name).unwrap()[at] ^= 0x5a;
+                if let Ok((index, _, _)) = open(&s) {
+                    for e in &index.entries {
+                        let _ = index.read_tensor(&s, e);
+                    }
+                }
             }
         }
     }
@@ -342,5 +349,87 @@ fn optimizer_state_per_parameter_is_the_live_engines() {
                 .is_none()
         );
         assert!(index.entry("optimizer.state.head.weight.exp_avg").is_none());
+    }
+}
+
+#[test]
+fn a_trainer_folder_around_the_tag_is_read_as_deepspeed() {
+    // HF Trainer's `checkpoint-N/`: `latest`, the tag folder, and the trainer's own files.
+    let mut s = load(&fixtures().join("zero2_bf16"));
+    let args = s
+        .read_all("global_step2/mp_rank_00_model_states.pt")
+        .unwrap()
+        .to_vec();
+    s.insert("training_args.bin", args);
+    s.insert("trainer_state.json", b"{}".to_vec());
+    let ck = crate::checkpoint::Checkpoint::open(
+        &s,
+        "checkpoint-2",
+        &crate::checkpoint::ReadOptions::default(),
+    )
+    .unwrap();
+    assert!(
+        matches!(
+            ck.index.kind,
+            CheckpointKind::DeepSpeedZero { stage: 2, .. }
+        ),
+        "{:?}",
+        ck.index.kind
+    );
+    assert!(
+        ck.notes
+            .iter()
+            .any(|n| n.contains("not read") && n.contains("training_args.bin")),
+        "{:?}",
+        ck.notes
+    );
+    assert_eq!(
+        ck.written_by.as_deref(),
+        Some("Hugging Face Trainer checkpoint (DeepSpeed 0.19.8 engine state)")
+    );
+    // --model-only: the model as zero_to_fp32 gives it.
+    let options = crate::checkpoint::ReadOptions {
+        model_only: true,
+        ..Default::default()
+    };
+    let ck = crate::checkpoint::Checkpoint::open(&s, "checkpoint-2", &options).unwrap();
+    let mut keys: Vec<(u64, &str)> = ck
+        .index
+        .entries
+        .iter()
+        .map(|e| (e.position.unwrap(), e.key.as_str()))
+        .collect();
+    keys.sort_unstable();
+    let keys: Vec<&str> = keys.into_iter().map(|(_, k)| k).collect();
+    assert_eq!(keys, expected("zero2_bf16").keys);
+}
+
+#[test]
+fn kinds_serialize_as_their_names() {
+    // The names the derived (snake_case) serialization gave before DeepSpeed's kind had fields,
+    // and DeepSpeed's: `inspect --json` and the Python module read them as strings.
+    use CheckpointKind as K;
+    let names = [
+        (K::DcpTorchSave, "dcp_torch_save"),
+        (K::DcpSafetensors, "dcp_safetensors"),
+        (K::HfSafetensors, "hf_safetensors"),
+        (K::HfDistributedSafetensors, "hf_distributed_safetensors"),
+        (K::Fsdp1Full, "fsdp1_full"),
+        (K::Fsdp1Sharded, "fsdp1_sharded"),
+        (K::Fsdp1Local, "fsdp1_local"),
+        (K::Fsdp2, "fsdp2"),
+        (K::Fsdp1Unflattened, "fsdp1_unflattened"),
+        (K::RankLocal, "rank_local"),
+        (K::Plain, "plain"),
+        (
+            K::DeepSpeedZero {
+                stage: 3,
+                precision: ZeroPrecision::Bf16,
+            },
+            "deepspeed_zero3",
+        ),
+    ];
+    for (kind, name) in names {
+        assert_eq!(serde_json::to_value(kind).unwrap(), name);
     }
 }
