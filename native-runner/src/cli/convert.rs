@@ -263,22 +263,9 @@ pub fn run(args: &ConvertArgs) -> Result<ExitCode> {
     }
     check_output(args)?;
     let started = Instant::now();
-    let mapped = matches!(target_of(args)?, Target::Hf | Target::Torchtitan);
+    let mapped = mapped_output(args)?;
     let surgery =
         crate::convert::surgery::Surgery::parse(args.strip_wrappers, &args.rename, &args.drop)?;
-    if mapped && args.config.is_none() {
-        bail!(
-            "--to {} needs --config CONFIG.json: the model's Hugging Face config (its architectures choose the mapping; its sizes give the head counts and check every shape)",
-            if target_of(args)? == Target::Hf {
-                "hf"
-            } else {
-                "torchtitan"
-            }
-        );
-    }
-    if !mapped && (args.config.is_some() || args.mapping.is_some() || args.hf_assets.is_some()) {
-        bail!("--config, --mapping and --hf-assets apply to --to hf and --to torchtitan");
-    }
     let options = super::read::read_options(
         args.model.as_deref(),
         Fsdp1Flags {
@@ -304,10 +291,7 @@ pub fn run(args: &ConvertArgs) -> Result<ExitCode> {
     super::read::ensure_unambiguous(&checkpoint)?;
     let quiet = args.quiet || args.json;
     super::read::show_notes(&checkpoint, quiet);
-    let (renamed, dropped) = surgery.apply(&mut checkpoint.index)?;
-    if !surgery.is_empty() && !quiet {
-        eprintln!("note: key surgery: {renamed} key(s) renamed, {dropped} left out");
-    }
+    surgery.apply_noted(&mut checkpoint.index, quiet)?;
     if mapped {
         return super::convert_mapped::run(args, &checkpoint, &source, started);
     }
@@ -373,6 +357,27 @@ pub fn run(args: &ConvertArgs) -> Result<ExitCode> {
         &untied,
         started.elapsed().as_secs_f64(),
     )
+}
+
+/// Whether the output is a model in another naming (`--to hf`, `--to torchtitan`), with the flags
+/// that go with it checked.
+fn mapped_output(args: &ConvertArgs) -> Result<bool> {
+    let target = target_of(args)?;
+    let mapped = matches!(target, Target::Hf | Target::Torchtitan);
+    if mapped && args.config.is_none() {
+        bail!(
+            "--to {} needs --config CONFIG.json: the model's Hugging Face config (its architectures choose the mapping; its sizes give the head counts and check every shape)",
+            if target == Target::Hf {
+                "hf"
+            } else {
+                "torchtitan"
+            }
+        );
+    }
+    if !mapped && (args.config.is_some() || args.mapping.is_some() || args.hf_assets.is_some()) {
+        bail!("--config, --mapping and --hf-assets apply to --to hf and --to torchtitan");
+    }
+    Ok(mapped)
 }
 
 /// True when the output is not the FSDP1 model file + `.optim.pt` pair: `--select`, `--dtype` or

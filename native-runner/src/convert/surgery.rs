@@ -69,6 +69,15 @@ impl Surgery {
         (!self.drops.iter().any(|d| d.is_match(&name))).then_some(name)
     }
 
+    /// [`Self::apply`], with a note of what it did on stderr (unless `quiet`).
+    pub fn apply_noted(&self, index: &mut CheckpointIndex, quiet: bool) -> Result<()> {
+        let (renamed, dropped) = self.apply(index)?;
+        if !self.is_empty() && !quiet {
+            eprintln!("note: key surgery: {renamed} key(s) renamed, {dropped} left out");
+        }
+        Ok(())
+    }
+
     /// Applies the surgery to `index` and returns `(renamed, dropped)` counts.
     pub fn apply(&self, index: &mut CheckpointIndex) -> Result<(usize, usize)> {
         if self.is_empty() {

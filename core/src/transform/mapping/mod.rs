@@ -775,6 +775,15 @@ fn split_accepts(spec: &RuleSpec, backward: bool, caps: &Captures) -> bool {
     }
 }
 
+/// A piece of a stored tensor cut by a rule's splits: its read (an expert's dim-0 rows where it
+/// can be), the ops that cut it, its captures and its shape.
+struct Piece {
+    caps: Captures,
+    rows: Option<Range<u64>>,
+    ops: Vec<Op>,
+    shape: Vec<u64>,
+}
+
 /// The outputs of one stored tensor read forward.
 #[allow(
     clippy::too_many_lines,
@@ -815,14 +824,7 @@ fn forward_outputs(
             recipe,
         }]);
     };
-    // Splits in sequence: each piece is a read (an expert's dim-0 rows where it can be), the ops
-    // that cut it, its captures and its shape.
-    struct Piece {
-        caps: Captures,
-        rows: Option<Range<u64>>,
-        ops: Vec<Op>,
-        shape: Vec<u64>,
-    }
+    // Splits in sequence, each cutting every piece of the one before.
     let mut pieces = vec![Piece {
         caps: caps.clone(),
         rows: None,

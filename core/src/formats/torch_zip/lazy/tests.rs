@@ -278,11 +278,7 @@ fn pickle_globals_from_equals_pickle_globals() {
             let read = source.reads.borrow().clone();
             // Storages shorter than the coalescing gap that lie between two member headers are
             // read with them (one request instead of two: megatron_gpt/model.pt's 3-8 KiB ones).
-            for r in a
-                .storages
-                .values()
-                .filter(|r| r.len > 1024 && r.len > super::COALESCE_GAP)
-            {
+            for r in a.storages.values().filter(|r| r.len > super::COALESCE_GAP) {
                 let (from, to) = (r.offset + 1024, r.offset + r.len);
                 assert!(
                     read.iter().all(|&(o, l)| o + l <= from || o >= to),
