@@ -246,6 +246,23 @@ pub(super) fn target_of(args: &ConvertArgs) -> Result<Target> {
 
 pub(super) struct Bar(pub(super) Option<indicatif::ProgressBar>);
 
+impl Bar {
+    /// A progress bar over `total` tensor bytes on a terminal (none when `quiet`, off a terminal,
+    /// or with nothing to write).
+    pub(super) fn for_bytes(total: u64, quiet: bool) -> Self {
+        let show = !quiet && std::io::stderr().is_terminal() && total > 0;
+        Bar(show.then(|| {
+            let bar = indicatif::ProgressBar::new(total);
+            if let Ok(style) = indicatif::ProgressStyle::with_template(
+                "{bar:40} {binary_bytes}/{binary_total_bytes} {binary_bytes_per_sec} eta {eta}",
+            ) {
+                bar.set_style(style);
+            }
+            bar
+        }))
+    }
+}
+
 impl Progress for Bar {
     fn advance(&self, bytes: u64) {
         if let Some(bar) = &self.0 {
@@ -534,17 +551,7 @@ fn write_index(
             );
         }
     }
-    let total = sel.tensor_bytes();
-    let show = !args.quiet && std::io::stderr().is_terminal() && total > 0;
-    let bar = Bar(show.then(|| {
-        let bar = indicatif::ProgressBar::new(total);
-        if let Ok(style) = indicatif::ProgressStyle::with_template(
-            "{bar:40} {binary_bytes}/{binary_total_bytes} {binary_bytes_per_sec} eta {eta}",
-        ) {
-            bar.set_style(style);
-        }
-        bar
-    }));
+    let bar = Bar::for_bytes(sel.tensor_bytes(), args.quiet);
     let mut reader = Reader::new(source, index);
     let written = match target {
         Target::Safetensors => convert::to_safetensors(

@@ -3,7 +3,6 @@
 //! the stored names) laid over the index (`crate::convert::mapped`), streamed by the same engine
 //! as every conversion.
 
-use std::io::IsTerminal;
 use std::path::Path;
 use std::process::ExitCode;
 use std::time::Instant;
@@ -300,17 +299,7 @@ pub fn run(
     }
     let dir_output = target == Target::Hf || args.world_size.is_some();
     let opts = write_options(args, dir_output)?;
-    let total = sel.tensor_bytes();
-    let show = !args.quiet && std::io::stderr().is_terminal() && total > 0;
-    let bar = Bar(show.then(|| {
-        let bar = indicatif::ProgressBar::new(total);
-        if let Ok(style) = indicatif::ProgressStyle::with_template(
-            "{bar:40} {binary_bytes}/{binary_total_bytes} {binary_bytes_per_sec} eta {eta}",
-        ) {
-            bar.set_style(style);
-        }
-        bar
-    }));
+    let bar = Bar::for_bytes(sel.tensor_bytes(), args.quiet);
     let mut reader = Reader::with_derived(source, &mapped_index, &derived);
     let written = match (target, args.world_size) {
         (Target::Hf, _) => {
