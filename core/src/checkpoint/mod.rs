@@ -16,6 +16,8 @@
 //! What a user should know about how it was read is in [`Checkpoint::notes`]; a front end shows
 //! them (the CLI on stderr).
 
+#[cfg(test)]
+mod deepspeed_tests;
 mod describe;
 mod files;
 mod model_only;

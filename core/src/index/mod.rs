@@ -10,7 +10,7 @@ mod check;
 pub mod from_index;
 pub mod json;
 mod names;
-mod read;
+pub(crate) mod read;
 mod stats;
 pub mod ties;
 mod types;

@@ -25,7 +25,7 @@ mod optimizer;
 mod plan;
 mod records;
 #[cfg(test)]
-mod tests;
+pub(crate) mod tests;
 
 use std::collections::{BTreeMap, HashMap, HashSet};
 use std::sync::Arc;

@@ -19,12 +19,12 @@ const CASES: &[&str] = &[
     "zero3_bf16_ws3",
 ];
 
-fn fixtures() -> PathBuf {
+pub(crate) fn fixtures() -> PathBuf {
     Path::new(env!("CARGO_MANIFEST_DIR")).join("../tests/fixtures/deepspeed")
 }
 
 /// Every file under `dir`, named relative to it.
-fn load(dir: &Path) -> MemorySource {
+pub(crate) fn load(dir: &Path) -> MemorySource {
     fn walk(dir: &Path, prefix: &str, out: &mut MemorySource) {
         let mut entries: Vec<PathBuf> = std::fs::read_dir(dir)
             .unwrap()
@@ -49,12 +49,12 @@ fn open(source: &MemorySource) -> Result<crate::index::FolderRead, IndexError> {
     index_source_read(source)
 }
 
-struct Expected {
-    keys: Vec<String>,
+pub(crate) struct Expected {
+    pub(crate) keys: Vec<String>,
     tensors: Vec<(String, crate::dtype::DType, Vec<u64>, Vec<u8>)>,
 }
 
-fn expected(case: &str) -> Expected {
+pub(crate) fn expected(case: &str) -> Expected {
     let dir = fixtures().join("expected");
     let meta: serde_json::Value =
         serde_json::from_slice(&std::fs::read(dir.join(format!("{case}.json"))).unwrap()).unwrap();
@@ -350,58 +350,6 @@ fn optimizer_state_per_parameter_is_the_live_engines() {
         );
         assert!(index.entry("optimizer.state.head.weight.exp_avg").is_none());
     }
-}
-
-#[test]
-fn a_trainer_folder_around_the_tag_is_read_as_deepspeed() {
-    // HF Trainer's `checkpoint-N/`: `latest`, the tag folder, and the trainer's own files.
-    let mut s = load(&fixtures().join("zero2_bf16"));
-    let args = s
-        .read_all("global_step2/mp_rank_00_model_states.pt")
-        .unwrap()
-        .to_vec();
-    s.insert("training_args.bin", args);
-    s.insert("trainer_state.json", b"{}".to_vec());
-    let ck = crate::checkpoint::Checkpoint::open(
-        &s,
-        "checkpoint-2",
-        &crate::checkpoint::ReadOptions::default(),
-    )
-    .unwrap();
-    assert!(
-        matches!(
-            ck.index.kind,
-            CheckpointKind::DeepSpeedZero { stage: 2, .. }
-        ),
-        "{:?}",
-        ck.index.kind
-    );
-    assert!(
-        ck.notes
-            .iter()
-            .any(|n| n.contains("not read") && n.contains("training_args.bin")),
-        "{:?}",
-        ck.notes
-    );
-    assert_eq!(
-        ck.written_by.as_deref(),
-        Some("Hugging Face Trainer checkpoint (DeepSpeed 0.19.8 engine state)")
-    );
-    // --model-only: the model as zero_to_fp32 gives it.
-    let options = crate::checkpoint::ReadOptions {
-        model_only: true,
-        ..Default::default()
-    };
-    let ck = crate::checkpoint::Checkpoint::open(&s, "checkpoint-2", &options).unwrap();
-    let mut keys: Vec<(u64, &str)> = ck
-        .index
-        .entries
-        .iter()
-        .map(|e| (e.position.unwrap(), e.key.as_str()))
-        .collect();
-    keys.sort_unstable();
-    let keys: Vec<&str> = keys.into_iter().map(|(_, k)| k).collect();
-    assert_eq!(keys, expected("zero2_bf16").keys);
 }
 
 #[test]
