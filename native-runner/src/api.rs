@@ -43,6 +43,11 @@ pub struct OpenArgs {
 pub struct Opened {
     input: Input,
     checkpoint: Checkpoint,
+    /// What it was opened from and with (a mapped view reopens its model part).
+    paths: Vec<PathBuf>,
+    args: OpenArgs,
+    /// The recipes of tensors a mapping derives (a view in another naming: [`Opened::mapped`]).
+    derived: Option<crate::convert::mapped::Derivations>,
     /// The first problem of each entry whose chunks do not tile it (read refuses those).
     problems: BTreeMap<String, Problem>,
 }
@@ -81,8 +86,8 @@ impl Opened {
             optim_files: args.optim_files.clone(),
             model_only: args.model_only,
         };
-        let paths = crate::cli::read::expand_ranks(paths, args.ranks)?;
-        let (input, checkpoint) = crate::cli::read::open(&paths, false, &options)?;
+        let expanded = crate::cli::read::expand_ranks(paths, args.ranks)?;
+        let (input, checkpoint) = crate::cli::read::open(&expanded, false, &options)?;
         let mut problems = BTreeMap::new();
         for p in checkpoint.index.check() {
             problems.entry(p.key.clone()).or_insert(p);
@@ -90,8 +95,101 @@ impl Opened {
         Ok(Self {
             input,
             checkpoint,
+            paths: paths.to_vec(),
+            args: args.clone(),
+            derived: None,
             problems,
         })
+    }
+
+    /// Its model part (found as `--model-only` finds it) in another naming, as `convert --to`
+    /// writes it: `to` is `hf` or `torchtitan`, `config_json` a Hugging Face config's text, and
+    /// `mapping` a mapping file's `(text, name)` (default: the built-in files, chosen by the
+    /// config and the stored names). Tensors a mapping derives (RoPE rows, one expert of a
+    /// grouped tensor) are made when read.
+    pub fn mapped(
+        &self,
+        to: &str,
+        config_json: &str,
+        mapping: Option<(&str, &str)>,
+    ) -> Result<Self> {
+        if self.derived.is_some() {
+            bail!("{}: already in another naming", self.checkpoint.label);
+        }
+        let config: serde_json::Value =
+            serde_json::from_str(config_json).context("the config is not JSON")?;
+        if !config.is_object() {
+            bail!("the config is a JSON object (a Hugging Face config.json)");
+        }
+        let files = match mapping {
+            None => shardscope_core::transform::mapping::builtin(),
+            Some((text, name)) => vec![crate::cli::convert_mapped::parse_mapping(text, name)?],
+        };
+        // Reopened as `--model-only` (the model part; the view owns its own source).
+        let base = Self::open(
+            &self.paths,
+            &OpenArgs {
+                model_only: true,
+                ..self.args.clone()
+            },
+        )?;
+        let m = crate::cli::convert_mapped::map_model(
+            &base.input,
+            &base.checkpoint.index,
+            &base.checkpoint.label,
+            to,
+            &config,
+            &files,
+        )?;
+        let mut notes = base.checkpoint.notes.clone();
+        notes.push(format!(
+            "mapping `{}` ({}): {} stored tensors -> {} tensors{}",
+            m.file.name,
+            m.file.origin,
+            m.plan.stored,
+            m.plan.plan.outputs.len(),
+            if m.plan.plan.dropped.is_empty() {
+                String::new()
+            } else {
+                format!(
+                    "; left out by the mapping: {}",
+                    m.plan.plan.dropped.join(", ")
+                )
+            }
+        ));
+        if let Some((kept, dropped)) = &m.tied {
+            notes.push(format!(
+                "`{dropped}` equals `{kept}` (the config ties them): held once, as `{kept}`"
+            ));
+        }
+        Ok(Self {
+            checkpoint: Checkpoint {
+                label: base.checkpoint.label.clone(),
+                index: m.index,
+                view: base.checkpoint.view,
+                hints: base.checkpoint.hints.clone(),
+                sets: Vec::new(),
+                ambiguous: None,
+                notes,
+                written_by: base.checkpoint.written_by.clone(),
+            },
+            input: base.input,
+            paths: self.paths.clone(),
+            args: self.args.clone(),
+            derived: Some(m.derived),
+            problems: BTreeMap::new(),
+        })
+    }
+
+    fn reader(&self) -> crate::convert::Reader<'_> {
+        match &self.derived {
+            Some(d) => crate::convert::Reader::with_derived(&self.input, &self.checkpoint.index, d),
+            None => crate::convert::Reader::new(&self.input, &self.checkpoint.index),
+        }
+    }
+
+    fn is_derived(&self, key: &str) -> bool {
+        self.derived.as_ref().is_some_and(|d| d.contains_key(key))
     }
 
     pub fn checkpoint(&self) -> &Checkpoint {
@@ -163,10 +261,11 @@ impl Opened {
         let buffer = n
             .checked_mul(out.size_bytes().max(dtype.size_bytes()) as u64)
             .with_context(|| format!("{}: {key}: size overflows", self.checkpoint.label))?;
-        // Never ask for more memory than the files holding the chunks can fill.
+        // Never ask for more memory than the files holding the chunks can fill (a derived
+        // tensor's reads are checked as they are made).
         let available = self.checkpoint.index.max_decoded_bytes(entry);
         let stored = n.saturating_mul(dtype.size_bytes() as u64);
-        if stored > available {
+        if stored > available && !self.is_derived(key) {
             bail!(
                 "{}: {key}: the tensor ({stored} bytes) is larger than the chunks holding it can decode to ({available} bytes)",
                 self.checkpoint.label
@@ -191,7 +290,7 @@ impl Opened {
     ) -> Result<usize> {
         let plan = self.plan(key, to, rows)?;
         let entry = self.readable(key)?;
-        let mut reader = crate::convert::Reader::new(&self.input, &self.checkpoint.index);
+        let mut reader = self.reader();
         let label = &self.checkpoint.label;
         let n = match rows {
             None => reader.tensor_as_into(entry, plan.dtype, out),
@@ -219,10 +318,13 @@ impl Opened {
         let Input::Local(local) = &self.input else {
             return Ok(None);
         };
+        if self.is_derived(key) {
+            return Ok(None);
+        }
         let entry = self.readable(key)?;
         let plan = self.plan(key, None, rows)?;
         let (dtype, shape) = crate::convert::tensor_meta(entry)?;
-        let reader = crate::convert::Reader::new(&self.input, &self.checkpoint.index);
+        let reader = self.reader();
         let Some(pieces) = reader.slab_pieces(entry, dtype) else {
             return Ok(None);
         };
@@ -275,7 +377,13 @@ impl Opened {
     /// Tie groups among `keys` found from shared storage (`torch.save` files): for each group,
     /// the key that comes first in `keys` and the keys that alias it. Reads nothing.
     pub fn storage_ties(&self, keys: &[String]) -> Vec<(String, Vec<String>)> {
-        let candidates = self.positions(keys);
+        // A derived tensor (a mapped view's) is made when read: it shares no storage.
+        let stored: Vec<String> = keys
+            .iter()
+            .filter(|k| !self.is_derived(k))
+            .cloned()
+            .collect();
+        let candidates = self.positions(&stored);
         shardscope_core::index::ties::find_storage_ties(&self.checkpoint.index, &candidates)
             .into_iter()
             .map(|g| {
@@ -291,6 +399,11 @@ impl Opened {
     /// storage in `torch.save`, equal bytes elsewhere): `(kept, dropped)` pairs, the kept key
     /// the one that comes first in the checkpoint.
     pub fn tied_aliases(&self, keys: &[String]) -> Result<Vec<(String, String)>> {
+        if self.derived.as_ref().is_some_and(|d| !d.is_empty()) {
+            // A mapped view with derived tensors: its mapping's tie is already applied (as
+            // `convert --to` does).
+            return Ok(Vec::new());
+        }
         let wanted: BTreeSet<&str> = keys.iter().map(String::as_str).collect();
         let mut sel = crate::convert::select(&self.checkpoint.index, None)?;
         sel.tensors
@@ -302,6 +415,12 @@ impl Opened {
     /// `.metadata` order for DCP); keys the order does not list follow, sorted.
     pub fn stored_order(&self) -> Vec<String> {
         let index = &self.checkpoint.index;
+        if self.derived.is_some() {
+            // A mapped view: the mapping's output order.
+            let mut entries: Vec<&IndexEntry> = index.entries.iter().collect();
+            entries.sort_by_key(|e| (e.position.is_none(), e.position));
+            return entries.into_iter().map(|e| e.key.clone()).collect();
+        }
         let mut keys = Vec::with_capacity(index.entries.len());
         let mut seen = BTreeSet::new();
         if let Ok(order) = shardscope_core::index::from_index::stored_key_order(&self.input, index)

@@ -287,6 +287,30 @@ impl PyCheckpoint {
         py.detach(|| guarded(|| self.opened.tied_aliases(&keys)))
     }
 
+    /// The model part in another naming (`to`: "hf" or "torchtitan"), through the mapping the
+    /// config (JSON text) and the stored names choose, or the given mapping file's text.
+    #[pyo3(signature = (to, config_json, mapping_text=None, mapping_name=None))]
+    fn mapped(
+        &self,
+        py: Python<'_>,
+        to: &str,
+        config_json: &str,
+        mapping_text: Option<String>,
+        mapping_name: Option<String>,
+    ) -> PyResult<PyCheckpoint> {
+        py.detach(|| {
+            guarded(|| {
+                let mapping = mapping_text
+                    .as_deref()
+                    .map(|t| (t, mapping_name.as_deref().unwrap_or("the mapping file")));
+                Ok(PyCheckpoint {
+                    opened: self.opened.mapped(to, config_json, mapping)?,
+                    order: OnceLock::new(),
+                })
+            })
+        })
+    }
+
     fn __repr__(&self) -> String {
         let c = self.opened.checkpoint();
         format!(

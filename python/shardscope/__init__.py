@@ -330,6 +330,40 @@ class Checkpoint:
         """A non-tensor entry's value (a step count, a learning rate, a param group's list)."""
         return json.loads(self._ck.value_json(key))
 
+    def mapped(
+        self,
+        to: str,
+        config: Union[PathLike, Mapping[str, Any]],
+        *,
+        mapping: Optional[PathLike] = None,
+    ) -> "Checkpoint":
+        """The model part (found as `convert --model-only` finds it) in another naming, as
+        `shardscope convert --to` writes it: `to="hf"` gives Hugging Face names (RoPE rows
+        permuted, experts one by one, the tied head once), `to="torchtitan"` torchtitan's.
+
+        config: the Hugging Face `config.json` (a path, or the dict) of the model: it chooses the
+            mapping with the stored names and gives the head counts and shapes checked.
+        mapping: a mapping file of one's own (`shardscope mappings NAME` prints a built-in one).
+
+        Nothing is read until a tensor is: a permuted or split tensor is made from the stored
+        one when it is read.
+
+        >>> hf = shardscope.open("step-1000/").mapped("hf", config="config.json")
+        >>> hf.keys()[:1]
+        ['model.embed_tokens.weight']
+        """
+        if isinstance(config, Mapping):
+            text = json.dumps(config)
+        else:
+            with builtins.open(os.fspath(config), "rb") as f:
+                text = f.read().decode("utf-8")
+        mapping_text = mapping_name = None
+        if mapping is not None:
+            mapping_name = os.fspath(mapping)
+            with builtins.open(mapping_name, "rb") as f:
+                mapping_text = f.read().decode("utf-8")
+        return Checkpoint(self._ck.mapped(to, text, mapping_text, mapping_name))
+
     def state_dict(
         self,
         *,
@@ -340,8 +374,14 @@ class Checkpoint:
         mmap: bool = False,
         threads: Optional[int] = None,
         progress: Optional[bool] = None,
+        to: Optional[str] = None,
+        config: Union[None, PathLike, Mapping[str, Any]] = None,
+        mapping: Optional[PathLike] = None,
     ) -> Dict[str, Any]:
         """Every key (or those under `select.`, prefix removed) as {name: tensor or value}, in stored order.
+
+        to, config, mapping: the model part in another naming, as `mapped(to, config)` gives it
+            (`to="hf"`: ready for `AutoModelForCausalLM.from_config(config).load_state_dict`).
 
         select: an app-state prefix, e.g. "model" for a DCP written as {"model": ..., "optim": ...}.
         dtype: floating tensors are cast to it (integers and bools are kept), as `convert --dtype`.
@@ -355,8 +395,17 @@ class Checkpoint:
 
         >>> model.load_state_dict(shardscope.open("ckpt/").state_dict(select="model"))
         """
+        if to is not None or config is not None:
+            if to is None or config is None:
+                raise ShardscopeError(f"{self.label}: state_dict(to=..., config=...) takes both (to='hf' and the model's config.json)")
+            return self.mapped(to, config, mapping=mapping).state_dict(
+                select=select, framework=framework, dtype=dtype, keep_tied=keep_tied, mmap=mmap,
+                threads=threads, progress=progress,
+            )
+        if mapping is not None:
+            raise ShardscopeError(f"{self.label}: mapping= goes with to= and config=")
         framework = _framework(framework)
-        to = _dtype_name(dtype)
+        to_dtype = _dtype_name(dtype)
         keys = self.keys()
         if select:
             prefix = select.rstrip(".") + "."
@@ -392,7 +441,7 @@ class Checkpoint:
         meter = _Progress(total, self.label) if show else None
 
         def read_one(source: str) -> Any:
-            cast = to if to is not None and infos[source]["dtype"] in _CASTABLE else None
+            cast = to_dtype if to_dtype is not None and infos[source]["dtype"] in _CASTABLE else None
             tensor = self.read(source, framework=framework, dtype=cast, mmap=mmap)
             if meter is not None:
                 meter.advance(int(infos[source].get("nbytes") or 0))

@@ -105,9 +105,7 @@ fn mapping_files(args: &ConvertArgs) -> Result<Vec<MappingFile>> {
         Some(path) => {
             let text = std::fs::read_to_string(path)
                 .with_context(|| format!("cannot read {}", path.display()))?;
-            Ok(vec![
-                mapping::parse(&text, &path.display().to_string()).map_err(|e| anyhow!("{e}"))?,
-            ])
+            Ok(vec![parse_mapping(&text, &path.display().to_string())?])
         }
     }
 }
@@ -166,6 +164,88 @@ fn check_tie(
     Ok(Some((tied.kept.clone(), tied.dropped.name.clone())))
 }
 
+/// A plan and how many stored tensors it read.
+pub struct Planned {
+    pub plan: Plan,
+    pub stored: usize,
+}
+
+/// The model part of a checkpoint in another naming: the mapping chosen, its plan, the index it
+/// lays over the stored one with the recipes of derived tensors, the tie it checked, and the
+/// non-tensor values it leaves out.
+pub struct Mapped {
+    pub file: MappingFile,
+    pub direction: Direction,
+    pub plan: Planned,
+    pub index: shardscope_core::index::CheckpointIndex,
+    pub derived: mapped::Derivations,
+    /// `(kept, dropped)`: the config ties them and the checkpoint holds equal tensors.
+    pub tied: Option<(String, String)>,
+    pub values: Vec<String>,
+}
+
+/// Maps the tensors of `index` (the model part of a checkpoint, read from `source`) to the
+/// `target` naming (`hf`, `torchtitan`) through the mapping of `files` that `config` and the
+/// stored names choose: what `convert --to` writes and `Checkpoint.state_dict(to=...)` reads.
+pub fn map_model(
+    source: &Input,
+    index: &shardscope_core::index::CheckpointIndex,
+    label: &str,
+    target: &str,
+    config: &serde_json::Value,
+    files: &[MappingFile],
+) -> Result<Mapped> {
+    let mut tensors: Vec<&IndexEntry> = index
+        .entries
+        .iter()
+        .filter(|e| e.kind == EntryKind::Tensor)
+        .collect();
+    tensors.sort_by(|a, b| {
+        (a.position.is_none(), a.position, &a.key).cmp(&(b.position.is_none(), b.position, &b.key))
+    });
+    let stored: Vec<Stored> = tensors
+        .iter()
+        .map(|e| {
+            let (dtype, shape) = convert::tensor_meta(e)?;
+            Ok(Stored {
+                name: e.key.clone(),
+                dtype,
+                shape: shape.to_vec(),
+            })
+        })
+        .collect::<Result<_>>()?;
+    let values: Vec<String> = index
+        .entries
+        .iter()
+        .filter(|e| e.kind != EntryKind::Tensor)
+        .map(|e| e.key.clone())
+        .collect();
+    let names: Vec<&str> = stored.iter().map(|s| s.name.as_str()).collect();
+    let (file, direction) =
+        mapping::choose(files, target, config, &names).map_err(|e| anyhow!("{label}: {e}"))?;
+    let plan =
+        mapping::plan(file, direction, config, &stored).map_err(|e| anyhow!("{label}: {e}"))?;
+    let tied = check_tie(source, index, &plan, label)?;
+    let (mapped_index, derived) = mapped::mapped_index(index, &plan)?;
+    Ok(Mapped {
+        file: file.clone(),
+        direction,
+        plan: Planned {
+            plan,
+            stored: stored.len(),
+        },
+        index: mapped_index,
+        derived,
+        tied,
+        values,
+    })
+}
+
+/// Reads a mapping file given by the user.
+pub fn parse_mapping(text: &str, origin: &str) -> Result<MappingFile> {
+    mapping::parse(text, origin).map_err(|e| anyhow!("{e}"))
+}
+
 #[allow(
     clippy::too_many_lines,
     reason = "reads the config, plans, checks the tie, writes and reports in one place"
@@ -200,36 +280,15 @@ pub fn run(
     }
     let mut config = read_config(args)?;
     let files = mapping_files(args)?;
-    let mut tensors: Vec<&IndexEntry> = index
-        .entries
-        .iter()
-        .filter(|e| e.kind == EntryKind::Tensor)
-        .collect();
-    tensors.sort_by(|a, b| {
-        (a.position.is_none(), a.position, &a.key).cmp(&(b.position.is_none(), b.position, &b.key))
-    });
-    let stored: Vec<Stored> = tensors
-        .iter()
-        .map(|e| {
-            let (dtype, shape) = convert::tensor_meta(e)?;
-            Ok(Stored {
-                name: e.key.clone(),
-                dtype,
-                shape: shape.to_vec(),
-            })
-        })
-        .collect::<Result<_>>()?;
-    let values: Vec<&str> = index
-        .entries
-        .iter()
-        .filter(|e| e.kind != EntryKind::Tensor)
-        .map(|e| e.key.as_str())
-        .collect();
-    let names: Vec<&str> = stored.iter().map(|s| s.name.as_str()).collect();
-    let (file, direction) = mapping::choose(&files, target_name, &config, &names)
-        .map_err(|e| anyhow!("{label}: {e}"))?;
-    let plan =
-        mapping::plan(file, direction, &config, &stored).map_err(|e| anyhow!("{label}: {e}"))?;
+    let Mapped {
+        file,
+        direction,
+        plan,
+        index: mapped_index,
+        derived,
+        tied,
+        values,
+    } = map_model(source, index, label, target_name, &config, &files)?;
     if !quiet {
         eprintln!(
             "note: mapping `{}` ({}){}: {} stored tensors -> {} tensors{}",
@@ -240,12 +299,15 @@ pub fn run(
             } else {
                 String::new()
             },
-            stored.len(),
-            plan.outputs.len(),
-            if plan.dropped.is_empty() {
+            plan.stored,
+            plan.plan.outputs.len(),
+            if plan.plan.dropped.is_empty() {
                 String::new()
             } else {
-                format!("; left out by the mapping: {}", plan.dropped.join(", "))
+                format!(
+                    "; left out by the mapping: {}",
+                    plan.plan.dropped.join(", ")
+                )
             }
         );
         if !values.is_empty() {
@@ -259,6 +321,7 @@ pub fn run(
     // A config without a dtype gets the one the weights are written in (as `save_pretrained`
     // records it), when they have one.
     let float_dtypes: std::collections::BTreeSet<_> = plan
+        .plan
         .outputs
         .iter()
         .map(|o| shardscope_core::cast::cast_target(o.dtype, args.dtype))
@@ -272,7 +335,6 @@ pub fn run(
     {
         obj.insert("torch_dtype".to_owned(), dtype.name().into());
     }
-    let tied = check_tie(source, index, &plan, label)?;
     if let Some((kept, dropped)) = &tied
         && !quiet
     {
@@ -280,7 +342,6 @@ pub fn run(
             "note: `{dropped}` equals `{kept}` (the config ties them): written once, as `{kept}`"
         );
     }
-    let (mapped_index, derived) = mapped::mapped_index(index, &plan)?;
     let mut sel = convert::select(&mapped_index, None)?;
     sel.cast = args.dtype;
     // Names kept as they are (the HF mapping): a weight tied by shared storage or equal bytes is
@@ -351,7 +412,7 @@ pub fn run(
             "tensor_bytes": written.tensor_bytes,
             "largest_tensor_bytes": written.largest_tensor_bytes,
             "dtype": args.dtype.map(shardscope_core::DType::name),
-            "dropped_by_mapping": plan.dropped,
+            "dropped_by_mapping": plan.plan.dropped,
             "tied_dropped": tied.iter().map(|(kept, dropped)| serde_json::json!({"kept": kept, "dropped": dropped})).collect::<Vec<_>>(),
             "values_not_written": values,
             "seconds": seconds,

@@ -33,6 +33,33 @@ fn renamed(stored: &IndexEntry, key: &str) -> IndexEntry {
     }
 }
 
+/// The entry of a derived output (no chunks; the reader evaluates its recipe), its recipe recorded
+/// in `derived`.
+fn derived_entry(
+    derived: &mut Derivations,
+    out: &shardscope_core::transform::mapping::Planned,
+    sources: BTreeMap<String, IndexEntry>,
+    read_bytes: u64,
+    template: &IndexEntry,
+) -> IndexEntry {
+    let out_bytes = shardscope_core::shape::nbytes(out.dtype, &out.shape).unwrap_or(u64::MAX);
+    derived.insert(
+        out.name.clone(),
+        Derived {
+            recipe: out.recipe.clone(),
+            working_bytes: read_bytes.saturating_add(out_bytes),
+            sources,
+        },
+    );
+    IndexEntry {
+        chunks: Vec::new(),
+        fsdp: None,
+        dtype: Some(out.dtype),
+        shape: Some(out.shape.clone()),
+        ..renamed(template, &out.name)
+    }
+}
+
 /// The index `plan` describes over `index` (whose tensors are keyed by the names the plan read),
 /// and the recipes of its derived tensors.
 pub fn mapped_index(
@@ -70,23 +97,16 @@ pub fn mapped_index(
                     .next()
                     .cloned()
                     .with_context(|| format!("{}: a recipe with no read", out.name))?;
-                let out_bytes =
-                    shardscope_core::shape::nbytes(out.dtype, &out.shape).unwrap_or(u64::MAX);
-                derived.insert(
-                    out.name.clone(),
-                    Derived {
-                        recipe: out.recipe.clone(),
-                        working_bytes: read_bytes.saturating_add(out_bytes),
-                        sources,
-                    },
-                );
-                IndexEntry {
-                    chunks: Vec::new(),
-                    fsdp: None,
-                    dtype: Some(out.dtype),
-                    shape: Some(out.shape.clone()),
-                    ..renamed(&first, &out.name)
-                }
+                derived_entry(&mut derived, out, sources, read_bytes, &first)
+            }
+            Recipe::Zeros { .. } => {
+                // Made from nothing: any stored tensor entry lends its fields (not its chunks).
+                let template = index
+                    .entries
+                    .iter()
+                    .find(|e| e.kind == EntryKind::Tensor)
+                    .with_context(|| format!("{}: no stored tensor", out.name))?;
+                derived_entry(&mut derived, out, BTreeMap::new(), 0, template)
             }
         };
         entry.position = Some(position as u64);

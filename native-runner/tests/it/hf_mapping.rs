@@ -357,10 +357,19 @@ fn mappings_lists_and_prints_the_builtin_files() {
 }
 
 /// Every torchtitan fixture to HF and back, against torchtitan's own adapter, transformers'
-/// `from_pretrained` logits and torchtitan's `CheckpointManager` (tests/interop/check_hf_mapping.py).
+/// `from_pretrained` logits and torchtitan's `from_hf` (tests/interop/check_hf_mapping.py).
 #[test]
 fn torchtitan_models_to_hf_and_back_match_torchtitan_and_transformers() {
     crate::common::run_interop_script("check_hf_mapping.py");
+}
+
+/// Every torchtitan fixture's HF model converted back with `--to torchtitan --world-size 2`, then
+/// loaded by torchtitan 0.3.0's own `CheckpointManager` as a fine-tuning run loads converted weights
+/// (`initial_load_path`, model only) into its FSDP2 model on 2 gloo ranks: every tensor equal to
+/// torchtitan's `from_hf` (tests/interop/check_titan_load.py).
+#[test]
+fn torchtitan_checkpoint_manager_loads_the_way_back() {
+    crate::common::run_interop_script("check_titan_load.py");
 }
 
 /// Megatron-core's own GPTModel (tests/fixtures/megatron_gpt/gen_megatron_gpt.py) as

@@ -18,7 +18,9 @@
 //!     "shape": ["num_attention_heads*head_dim", "hidden_size"]},
 //!    {"from": "layers.{L}.moe.experts.w1", "to": "model.layers.{L}.mlp.experts.{E}.gate_proj.weight",
 //!     "split": {"dim": 0, "capture": "E", "count": "n_routed_experts"}},
-//!    {"from": "freqs_cis", "drop": true}]}
+//!    {"from": "freqs_cis", "drop": true},
+//!    {"from": "layers.{L}.moe.expert_bias_E", "drop": true, "shape": ["num_local_experts"],
+//!     "restore": {"zeros": "float32", "beside": "layers.{L}.moe.router.gate.weight"}}]}
 //! ```
 //! - Patterns capture a word (letters, digits, `_`) with `{L}` and any text with `{K*}`; the `to`
 //!   side fills them in.
@@ -31,6 +33,9 @@
 //! - `shape` is the `to` side's shape as expressions over the config (`+ - * /`, fields, integers;
 //!   `defaults` for fields a config may omit): every tensor is checked against it, and a mismatch
 //!   names the tensor and the fields.
+//! - `drop` leaves a stored tensor out. With `restore`, the way back writes it again as zeros of
+//!   `shape` in the dtype named by `zeros`, once for each output matching `beside` (a buffer the
+//!   other side has no use for, which the model needs to load: torchtitan's MoE `expert_bias_E`).
 //! - `tie`: with the config's `flag` true, `drop` is one tensor with `keep` and is not written;
 //!   the way back writes it from `keep` when the input has only `keep`.
 //!
@@ -165,6 +170,19 @@ pub struct RuleSpec {
     pub splits: Vec<SplitSpec>,
     #[serde(default)]
     pub shape: Option<Vec<String>>,
+    /// With `drop`: what the way back writes in its place.
+    #[serde(default)]
+    pub restore: Option<RestoreSpec>,
+}
+
+/// A dropped tensor written back as zeros (`drop` + `restore`), once for each output of the way
+/// back whose name matches `beside` (the captures fill `from`).
+#[derive(Debug, Clone, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct RestoreSpec {
+    /// The dtype of the zeros (`float32`, ...).
+    pub zeros: String,
+    pub beside: String,
 }
 
 /// Several outputs of one stored tensor.
@@ -345,6 +363,8 @@ pub struct Read {
 pub enum Recipe {
     /// The stored tensor as it is, under another name.
     Copy { source: String },
+    /// Zeros of this shape (a dropped buffer written back: `restore`).
+    Zeros { shape: Vec<u64> },
     /// Reads, each with its ops; several are joined along `concat_dim`; then `ops`.
     Derived {
         reads: Vec<Read>,
@@ -359,6 +379,7 @@ impl Recipe {
         match self {
             Recipe::Copy { source } => vec![source.as_str()],
             Recipe::Derived { reads, .. } => reads.iter().map(|r| r.source.as_str()).collect(),
+            Recipe::Zeros { .. } => Vec::new(),
         }
     }
 }
@@ -418,6 +439,25 @@ pub fn parse(text: &str, origin: &str) -> Result<MappingFile, MappingError> {
             (Some(_), true) => return Err(at("`to` and `drop` together".to_owned())),
             (None, false) => return Err(at("needs `to` or `drop`".to_owned())),
             _ => {}
+        }
+        if let Some(restore) = &r.restore {
+            if !r.drop {
+                return Err(at("`restore` goes with `drop`".to_owned()));
+            }
+            if r.shape.is_none() {
+                return Err(at("`restore` needs the tensor's `shape`".to_owned()));
+            }
+            if restore.zeros.parse::<DType>().is_err() {
+                return Err(at(format!("`restore`: `{}` is not a dtype", restore.zeros)));
+            }
+            let beside = Pattern::parse(&restore.beside).map_err(|e| at(e.to_string()))?;
+            let from_caps: BTreeSet<&str> = from.captures().collect();
+            let beside_caps: BTreeSet<&str> = beside.captures().collect();
+            if !from_caps.is_subset(&beside_caps) {
+                return Err(at(format!(
+                    "`restore.beside` captures {beside_caps:?}, which do not fill {from_caps:?}"
+                )));
+            }
         }
         if let Some(to) = &r.to {
             let to = Pattern::parse(to).map_err(|e| at(e.to_string()))?;
@@ -697,6 +737,9 @@ pub fn plan(
             )?);
         }
     }
+    if backward {
+        restore_dropped(file, &config, &mut plan)?;
+    }
     if !unmatched.is_empty() {
         let shown: Vec<&str> = unmatched.iter().take(5).map(String::as_str).collect();
         return Err(MappingError::Plan(format!(
@@ -757,6 +800,41 @@ pub fn plan(
         }
     }
     Ok(plan)
+}
+
+/// The way back: the zeros each `drop` + `restore` rule writes beside the outputs it names.
+fn restore_dropped(
+    file: &MappingFile,
+    config: &Config,
+    plan: &mut Plan,
+) -> Result<(), MappingError> {
+    for spec in &file.rules {
+        let (Some(restore), Some(shape)) = (&spec.restore, &spec.shape) else {
+            continue;
+        };
+        let from = Pattern::parse(&spec.from)?;
+        let beside = Pattern::parse(&restore.beside)?;
+        let dtype: DType = restore.zeros.parse().map_err(|_| {
+            MappingError::Spec(format!("`restore`: `{}` is not a dtype", restore.zeros))
+        })?;
+        let mut made = Vec::new();
+        for o in &plan.outputs {
+            let Some(caps) = beside.matches(&o.name) else {
+                continue;
+            };
+            let name = from.fill(&caps)?;
+            let shape = eval_shape(shape, config)
+                .map_err(|e| MappingError::Plan(format!("{name}: {e}")))?;
+            made.push(Planned {
+                name,
+                dtype,
+                shape: shape.clone(),
+                recipe: Recipe::Zeros { shape },
+            });
+        }
+        plan.outputs.extend(made);
+    }
+    Ok(())
 }
 
 /// Read backward, a split's capture must name one of its parts (or be a number): `{P}_proj` of a
@@ -1054,6 +1132,9 @@ fn backward_output(
     })
 }
 
+/// The most bytes of zeros a `restore` makes (a buffer, sized by the config).
+const MAX_ZEROS_BYTES: u64 = 1 << 32;
+
 /// Makes an output's bytes from its reads: `read(i)` returns read `i` of the recipe as stored
 /// (whole, or its rows), in the output's dtype.
 pub fn evaluate(
@@ -1097,6 +1178,20 @@ pub fn evaluate(
                 t = op.apply(t)?;
             }
             Ok(t)
+        }
+        Recipe::Zeros { shape } => {
+            let n = shape
+                .iter()
+                .try_fold(elem as u64, |a, &d| a.checked_mul(d))
+                .filter(|&n| n <= MAX_ZEROS_BYTES)
+                .ok_or_else(|| {
+                    MappingError::Apply(format!(
+                        "zeros of shape {shape:?} would be more than {MAX_ZEROS_BYTES} bytes"
+                    ))
+                })?;
+            let n = usize::try_from(n)
+                .map_err(|_| MappingError::Apply(format!("zeros of shape {shape:?}")))?;
+            Dense::new(vec![0; n], shape.clone(), elem)
         }
     }
 }

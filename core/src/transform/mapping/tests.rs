@@ -265,8 +265,72 @@ fn bad_files_are_refused_with_the_rule() {
             r#"{"version": 1, "name": "x", "from": "a", "to": "b", "rules": [{"from": "a", "to": "b", "ops": [{"op": "spin"}]}]}"#,
             "unknown variant",
         ),
+        (
+            r#"{"version": 1, "name": "x", "from": "a", "to": "b", "rules": [{"from": "a", "to": "b", "shape": ["1"], "restore": {"zeros": "float32", "beside": "b"}}]}"#,
+            "`restore` goes with `drop`",
+        ),
+        (
+            r#"{"version": 1, "name": "x", "from": "a", "to": "b", "rules": [{"from": "a", "drop": true, "restore": {"zeros": "float32", "beside": "b"}}]}"#,
+            "needs the tensor's `shape`",
+        ),
+        (
+            r#"{"version": 1, "name": "x", "from": "a", "to": "b", "rules": [{"from": "a", "drop": true, "shape": ["1"], "restore": {"zeros": "floaty", "beside": "b"}}]}"#,
+            "not a dtype",
+        ),
+        (
+            r#"{"version": 1, "name": "x", "from": "a", "to": "b", "rules": [{"from": "l.{L}.bias", "drop": true, "shape": ["1"], "restore": {"zeros": "float32", "beside": "other"}}]}"#,
+            "do not fill",
+        ),
     ] {
         let e = parse(text, "f.json").unwrap_err().to_string();
         assert!(e.contains(want) && e.contains("f.json"), "{e}");
     }
+}
+
+/// A dropped buffer with `restore` comes back on the way back as zeros, one per layer that the
+/// `beside` name has, and never on the way forward.
+#[test]
+fn restore_writes_zeros_back_beside_each_match() {
+    let text = r#"{"version": 1, "name": "r", "from": "titan", "to": "hf",
+      "match": {"keys": ["layers.{L}.gate.weight"], "target_keys": ["model.layers.{L}.router.weight"]},
+      "rules": [
+        {"from": "layers.{L}.gate.weight", "to": "model.layers.{L}.router.weight", "shape": ["num_experts", "hidden_size"]},
+        {"from": "layers.{L}.expert_bias", "drop": true, "shape": ["num_experts"],
+         "restore": {"zeros": "float32", "beside": "layers.{L}.gate.weight"}}]}"#;
+    let file = parse(text, "r.json").unwrap();
+    let cfg = serde_json::json!({"num_experts": 3, "hidden_size": 2});
+    let titan = vec![
+        stored("layers.0.gate.weight", &[3, 2]),
+        stored("layers.0.expert_bias", &[3]),
+        stored("layers.1.gate.weight", &[3, 2]),
+        stored("layers.1.expert_bias", &[3]),
+    ];
+    let forward = plan(&file, Direction::Forward, &cfg, &titan).unwrap();
+    assert_eq!(
+        forward.dropped,
+        ["layers.0.expert_bias", "layers.1.expert_bias"]
+    );
+    assert!(forward.outputs.iter().all(|o| !o.name.contains("bias")));
+    let hf = vec![
+        stored("model.layers.0.router.weight", &[3, 2]),
+        stored("model.layers.1.router.weight", &[3, 2]),
+    ];
+    let back = plan(&file, Direction::Backward, &cfg, &hf).unwrap();
+    let names: Vec<&str> = back.outputs.iter().map(|o| o.name.as_str()).collect();
+    assert_eq!(
+        names,
+        [
+            "layers.0.gate.weight",
+            "layers.1.gate.weight",
+            "layers.0.expert_bias",
+            "layers.1.expert_bias"
+        ]
+    );
+    let bias = &back.outputs[2];
+    assert_eq!(
+        (bias.dtype, bias.shape.as_slice()),
+        (DType::Float32, &[3u64][..])
+    );
+    let t = evaluate(&bias.recipe, 4, |_| unreachable!("zeros read nothing")).unwrap();
+    assert_eq!((t.bytes, t.shape), (vec![0u8; 12], vec![3]));
 }
