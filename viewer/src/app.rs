@@ -86,6 +86,9 @@ pub struct Viewer {
     pub trace: Option<Trace>,
     /// The opened checkpoint.
     pub checkpoint: Option<crate::checkpoint::CheckpointView>,
+    /// A Hugging Face config opened beside it, and the HF names of the layout's parameters.
+    pub hf_config: Option<crate::hf_names::HfConfig>,
+    pub hf_names: Option<crate::hf_names::HfNames>,
     pub ckpt: crate::panels::checkpoint::CheckpointState,
     pub report: Option<crate::report::Report>,
     pub verify: crate::panels::verify::VerifyState,
@@ -375,8 +378,54 @@ impl Viewer {
                     self.tab = Tab::Checkpoint;
                 }
             }
+            Ok(Document::HfConfig(config)) => self.open_hf_config(config),
             Err(e) => self.messages.push(format!("error: {e}")),
         }
+    }
+
+    /// Applies a Hugging Face config: the FQN map shows the HF names.
+    fn open_hf_config(&mut self, config: crate::hf_names::HfConfig) {
+        self.messages.push(format!(
+            "opened Hugging Face config {}: the FQN map shows the HF names",
+            config.name
+        ));
+        self.hf_config = Some(config);
+        self.refresh_hf_names();
+        if let Some(names) = &self.hf_names {
+            match (&names.mapping, &names.error) {
+                (_, Some(e)) => self.messages.push(format!("note: HF names: {e}")),
+                (Some(m), None) => {
+                    self.messages.push(format!("HF names by the mapping `{m}`"));
+                }
+                (None, None) => {}
+            }
+        }
+        if !self.stay_on_tab {
+            self.tab = Tab::FqnMap;
+        }
+    }
+
+    /// Recomputes the HF names of the current layout (after a layout or a config change).
+    fn refresh_hf_names(&mut self) {
+        self.hf_names = match (&self.hf_config, &self.view) {
+            (Some(config), Some(view)) => {
+                let prefix = self
+                    .checkpoint
+                    .as_ref()
+                    .and_then(|c| shardscope_core::checkpoint::app_state_prefix(&c.index))
+                    .map(|p| format!("{p}."));
+                let mut names = crate::hf_names::compute(config, view, prefix.as_deref());
+                if names.error.is_some() && prefix.is_some() {
+                    // The layout may already hold the names without the app-state prefix.
+                    let plain = crate::hf_names::compute(config, view, None);
+                    if plain.error.is_none() {
+                        names = plain;
+                    }
+                }
+                Some(names)
+            }
+            _ => None,
+        };
     }
 
     /// Recomputes the layout if the controls or the model changed.
@@ -412,6 +461,7 @@ impl Viewer {
                     .map(|o| crate::map_marks::place(&view, o));
                 self.view = Some(view);
                 self.layout_error = None;
+                self.refresh_hf_names();
             }
             Err(e) => {
                 self.view = None;
@@ -1100,7 +1150,13 @@ impl Viewer {
                         &mut self.selection,
                         self.theme,
                     ),
-                    Tab::FqnMap => fqn_map::ui(ui, view, &mut self.fqn_map, &mut self.selection),
+                    Tab::FqnMap => fqn_map::ui(
+                        ui,
+                        view,
+                        self.hf_names.as_ref(),
+                        &mut self.fqn_map,
+                        &mut self.selection,
+                    ),
                     _ => {
                         if let Some(o) = &self.overlay {
                             let line = crate::panels::overlay::origins_line(

@@ -21,6 +21,8 @@ pub enum Document {
     Report(crate::report::Report),
     /// An indexed checkpoint (boxed: it is much larger than the other variants).
     Checkpoint(Box<crate::checkpoint::CheckpointView>),
+    /// A Hugging Face model config (`config.json`): the FQN map shows the HF names.
+    HfConfig(crate::hf_names::HfConfig),
 }
 
 /// Why an input cannot be opened.
@@ -37,9 +39,14 @@ pub enum OpenError {
     Report(#[from] crate::report::ReportError),
     /// JSON that is neither a model description nor a trace.
     #[error(
-        "{name}: JSON, but not a model description (`params`), a Chrome trace (`traceEvents`) or a verification report (`kind: shardscope.verify`)"
+        "{name}: JSON, but not a model description (`params`), a Chrome trace (`traceEvents`), a verification report (`kind: shardscope.verify`) or a Hugging Face config (`architectures`)"
     )]
     UnknownJson { name: String },
+    /// A Hugging Face config that is not valid JSON.
+    #[error(
+        "{name}: a Hugging Face config (`architectures`, `model_type`), but not valid JSON: {message}"
+    )]
+    HfConfig { name: String, message: String },
     /// Not JSON at all.
     #[error(
         "{name}: unsupported input ({size_bytes} bytes); the viewer opens checkpoints, model descriptions (.json), runner traces (.json) and verification reports (.json)"
@@ -79,6 +86,19 @@ pub fn parse(name: &str, bytes: &[u8]) -> Result<Document, OpenError> {
         return Ok(Document::Report(crate::report::Report::from_json_bytes(
             bytes, name,
         )?));
+    }
+    if !has(b"\"params\"") && (has(b"\"architectures\"") || has(b"\"model_type\"")) {
+        let config: serde_json::Value =
+            serde_json::from_slice(bytes).map_err(|e| OpenError::HfConfig {
+                name: name.to_owned(),
+                message: e.to_string(),
+            })?;
+        if crate::hf_names::is_hf_config(&config) {
+            return Ok(Document::HfConfig(crate::hf_names::HfConfig {
+                name: name.to_owned(),
+                config,
+            }));
+        }
     }
     if has(b"\"params\"") {
         let model = ModelDescription::from_json_bytes(bytes, name)?;

@@ -7,6 +7,7 @@ pub mod checkpoint;
 pub mod compare;
 pub mod docs;
 pub mod format;
+pub mod hf_names;
 pub mod job;
 pub mod map_marks;
 pub mod panels;

@@ -3,7 +3,9 @@
 //!
 //! Options (all optional): `--api fsdp1|fsdp2`, `--world-size N`, `--shard-group-size K`,
 //! `--strategy NAME`, `--no-orig-params`, `--select FQN`, `--light`, `--compare B` (A/B compare of the
-//! one checkpoint given, A, with B: the **Compare** tab, as `shardscope diff A B`).
+//! one checkpoint given, A, with B: the **Compare** tab, as `shardscope diff A B`), `--config
+//! CONFIG.json` (a Hugging Face config: the FQN map shows each parameter's HF name, as
+//! `shardscope convert --to hf --config CONFIG.json` writes it).
 
 #[cfg(not(target_arch = "wasm32"))]
 fn main() -> std::process::ExitCode {
@@ -11,9 +13,7 @@ fn main() -> std::process::ExitCode {
         Ok(()) => std::process::ExitCode::SUCCESS,
         Err(e) => {
             eprintln!("error: {e}");
-            eprintln!(
-                "hint: shardscope-viewer [--api fsdp1|fsdp2] [--world-size N] [--shard-group-size S] [--strategy NAME] [--no-orig-params] [--select FQN] [--tab shard-map|ranks|checkpoint|values|compare] [--light] [FILE_OR_FOLDER ...] [A --compare B]"
-            );
+            eprintln!("hint: {USAGE}");
             std::process::ExitCode::from(2)
         }
     }
@@ -24,12 +24,16 @@ fn main() -> std::process::ExitCode {
 const COMMAND_LINE: &str = "set on the command line";
 
 #[cfg(not(target_arch = "wasm32"))]
+const USAGE: &str = "shardscope-viewer [--api fsdp1|fsdp2] [--world-size N] [--shard-group-size S] [--strategy NAME] [--no-orig-params] [--select FQN] [--tab shard-map|ranks|checkpoint|values|compare] [--light] [--config CONFIG.json] [FILE_OR_FOLDER ...] [A --compare B]";
+
+#[cfg(not(target_arch = "wasm32"))]
 fn run() -> Result<(), String> {
     use shardscope_viewer::Viewer;
 
     let mut viewer = Viewer::new();
     let mut paths: Vec<std::path::PathBuf> = Vec::new();
     let mut compare: Option<std::path::PathBuf> = None;
+    let mut config: Option<std::path::PathBuf> = None;
     // `--tab values`: read the values of the checkpoint opened (before the window opens).
     let mut read_values = false;
     let mut args = std::env::args_os().skip(1);
@@ -66,6 +70,7 @@ fn run() -> Result<(), String> {
             "--no-orig-params" => viewer.controls.use_orig_params = false,
             "--select" => viewer.selection.select(value("--select")?),
             "--compare" => compare = Some(value("--compare")?.into()),
+            "--config" => config = Some(std::path::PathBuf::from(value("--config")?)),
             "--tab" => {
                 viewer.tab = tab(&value("--tab")?)?;
                 read_values |= viewer.tab == shardscope_viewer::Tab::Values;
@@ -73,9 +78,7 @@ fn run() -> Result<(), String> {
             }
             "--light" => viewer.theme = shardscope_viewer::theme::Theme::Light,
             "-h" | "--help" => {
-                println!(
-                    "shardscope-viewer [--api fsdp1|fsdp2] [--world-size N] [--shard-group-size S] [--strategy NAME] [--no-orig-params] [--select FQN] [--tab shard-map|ranks|checkpoint|values|compare] [--light] [FILE_OR_FOLDER ...] [A --compare B]"
-                );
+                println!("{USAGE}");
                 return Ok(());
             }
             flag if flag.starts_with("--") => return Err(format!("unknown option {flag}")),
@@ -90,22 +93,16 @@ fn run() -> Result<(), String> {
         viewer.stay_on_tab = true;
     }
     if paths.is_empty() {
-        viewer.open_bytes(
-            "examples/tiny_model.json",
-            shardscope_viewer::app::EXAMPLE_MODEL.to_vec(),
-        );
-        viewer.open_bytes(
-            "examples/viewer/gather_trace.json",
-            shardscope_viewer::app::EXAMPLE_TRACE.to_vec(),
-        );
-        viewer.tab = shardscope_viewer::Tab::ShardMap;
-        viewer.stay_on_tab = true;
+        open_example(&mut viewer);
     }
     if read_values {
         viewer.loader.synchronous = true;
     }
     for p in paths {
         viewer.open_path(p);
+    }
+    if let Some(path) = config {
+        open_config(&mut viewer, &path)?;
     }
     if read_values {
         viewer.poll_loader();
@@ -125,6 +122,34 @@ fn run() -> Result<(), String> {
         Box::new(move |_cc| Ok(Box::new(viewer))),
     )
     .map_err(|e| e.to_string())
+}
+
+/// No files given: the bundled example model and trace.
+#[cfg(not(target_arch = "wasm32"))]
+fn open_example(viewer: &mut shardscope_viewer::Viewer) {
+    viewer.open_bytes(
+        "examples/tiny_model.json",
+        shardscope_viewer::app::EXAMPLE_MODEL.to_vec(),
+    );
+    viewer.open_bytes(
+        "examples/viewer/gather_trace.json",
+        shardscope_viewer::app::EXAMPLE_TRACE.to_vec(),
+    );
+    viewer.tab = shardscope_viewer::Tab::ShardMap;
+    viewer.stay_on_tab = true;
+}
+
+/// `--config CONFIG.json`: a Hugging Face config opened after the checkpoint (not one of its files).
+#[cfg(not(target_arch = "wasm32"))]
+fn open_config(
+    viewer: &mut shardscope_viewer::Viewer,
+    path: &std::path::Path,
+) -> Result<(), String> {
+    let bytes = std::fs::read(path)
+        .map_err(|e| format!("--config: cannot read {}: {e}", path.display()))?;
+    viewer.loader.end_batch();
+    viewer.open_bytes(path.display().to_string(), bytes);
+    Ok(())
 }
 
 /// The tab `--tab NAME` names.

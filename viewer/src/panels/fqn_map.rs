@@ -1,11 +1,13 @@
 //! The FQN map: raw (wrapped) name ⇄ clean FQN ⇄ flat parameter and offset range, searchable and
-//! sortable. Rows are virtualised, so 100 000 parameters scroll as smoothly as ten.
+//! sortable, with the Hugging Face name beside each when a `config.json` is opened
+//! ([`crate::hf_names`]). Rows are virtualised, so 100 000 parameters scroll as smoothly as ten.
 
 use egui::{Sense, Ui};
 use egui_extras::{Column, TableBuilder};
 
 use crate::Selection;
 use crate::format::{count, ranks as fmt_ranks, shape as fmt_shape};
+use crate::hf_names::HfNames;
 use crate::view::{LayoutView, ParamRow};
 
 /// Sortable columns.
@@ -18,6 +20,7 @@ pub enum SortKey {
     Raw,
     Flat,
     Numel,
+    Hf,
 }
 
 /// Search text and sort order.
@@ -28,14 +31,16 @@ pub struct FqnMapState {
     pub descending: bool,
     /// Scroll to the selected row on the next frame.
     pub reveal_selection: bool,
-    /// `(view generation, filter, sort, descending, rows)`: recomputed only when one changes.
-    cache: Option<(u64, String, SortKey, bool, Vec<usize>)>,
+    /// `(view generation, HF names shown, filter, sort, descending, rows)`: recomputed only
+    /// when one changes.
+    cache: Option<(u64, bool, String, SortKey, bool, Vec<usize>)>,
 }
 
-/// Whether `p` matches a case-insensitive search over its names.
-pub fn matches(p: &ParamRow, needle_lower: &str) -> bool {
+/// Whether `p` matches a case-insensitive search over its names (its HF names included).
+pub fn matches(p: &ParamRow, hf: Option<&HfNames>, needle_lower: &str) -> bool {
     needle_lower.is_empty()
         || p.fqn.to_lowercase().contains(needle_lower)
+        || hf.is_some_and(|h| h.matches(&p.fqn, needle_lower))
         || p.raw_name.to_lowercase().contains(needle_lower)
         || p.flat_param
             .as_deref()
@@ -43,10 +48,10 @@ pub fn matches(p: &ParamRow, needle_lower: &str) -> bool {
 }
 
 /// The rows shown, in order.
-pub fn rows(view: &LayoutView, st: &FqnMapState) -> Vec<usize> {
+pub fn rows(view: &LayoutView, hf: Option<&HfNames>, st: &FqnMapState) -> Vec<usize> {
     let needle = st.filter.to_lowercase();
     let mut rows: Vec<usize> = (0..view.params.len())
-        .filter(|&i| matches(&view.params[i], &needle))
+        .filter(|&i| matches(&view.params[i], hf, &needle))
         .collect();
     let key = |i: &usize| &view.params[*i];
     match st.sort {
@@ -58,6 +63,11 @@ pub fn rows(view: &LayoutView, st: &FqnMapState) -> Vec<usize> {
                 .cmp(&(key(b).flat_param.as_deref(), key(b).flat_range))
         }),
         SortKey::Numel => rows.sort_by_key(|i| view.params[*i].numel),
+        SortKey::Hf => {
+            if let Some(h) = hf {
+                rows.sort_by_cached_key(|i| h.label(&view.params[*i].fqn));
+            }
+        }
     }
     if st.descending {
         rows.reverse();
@@ -86,21 +96,35 @@ fn sort_button(ui: &mut Ui, st: &mut FqnMapState, key: SortKey, label: &str) {
     clippy::too_many_lines,
     reason = "immediate-mode UI: the FQN map's filter, rows and details laid out in drawing order"
 )]
-pub fn ui(ui: &mut Ui, view: &LayoutView, st: &mut FqnMapState, selection: &mut Selection) {
-    let fresh = st.cache.as_ref().is_some_and(|(g, f, k, d, _)| {
-        *g == view.generation && *f == st.filter && *k == st.sort && *d == st.descending
+pub fn ui(
+    ui: &mut Ui,
+    view: &LayoutView,
+    hf: Option<&HfNames>,
+    st: &mut FqnMapState,
+    selection: &mut Selection,
+) {
+    let hf_error = hf.and_then(|h| h.error.as_ref().map(|e| (h.config.as_str(), e.as_str())));
+    let hf_shown = hf.is_some_and(|h| h.error.is_none());
+    let hf = hf.filter(|h| h.error.is_none());
+    let fresh = st.cache.as_ref().is_some_and(|(g, h, f, k, d, _)| {
+        *g == view.generation
+            && *h == hf_shown
+            && *f == st.filter
+            && *k == st.sort
+            && *d == st.descending
     });
     if !fresh {
-        let r = rows(view, st);
+        let r = rows(view, hf, st);
         st.cache = Some((
             view.generation,
+            hf_shown,
             st.filter.clone(),
             st.sort,
             st.descending,
             r,
         ));
     }
-    let shown = st.cache.as_ref().map(|c| c.4.clone()).unwrap_or_default();
+    let shown = st.cache.as_ref().map(|c| c.5.clone()).unwrap_or_default();
     ui.horizontal(|ui| {
         let label = ui.label("Search");
         ui.add(
@@ -118,6 +142,17 @@ pub fn ui(ui: &mut Ui, view: &LayoutView, st: &mut FqnMapState, selection: &mut 
             view.params.len()
         ));
     });
+    if let Some((config, e)) = hf_error {
+        ui.label(format!("No HF names from {config}: {e}"));
+    }
+    if let Some(h) = hf {
+        ui.label(format!(
+            "HF names from {} by the mapping `{}` (what `shardscope convert --to hf --config {}` writes)",
+            h.config,
+            h.mapping.as_deref().unwrap_or("?"),
+            h.config
+        ));
+    }
     let selected_row = selection
         .fqn
         .as_deref()
@@ -127,7 +162,11 @@ pub fn ui(ui: &mut Ui, view: &LayoutView, st: &mut FqnMapState, selection: &mut 
         .striped(true)
         .resizable(true)
         .sense(Sense::click())
-        .column(Column::initial(220.0).at_least(80.0).clip(true))
+        .column(Column::initial(220.0).at_least(80.0).clip(true));
+    if hf.is_some() {
+        table = table.column(Column::initial(300.0).at_least(80.0).clip(true));
+    }
+    table = table
         .column(Column::initial(300.0).at_least(80.0).clip(true))
         .column(Column::initial(240.0).at_least(80.0).clip(true))
         .column(Column::initial(110.0))
@@ -144,6 +183,9 @@ pub fn ui(ui: &mut Ui, view: &LayoutView, st: &mut FqnMapState, selection: &mut 
     table
         .header(22.0, |mut header| {
             header.col(|ui| sort_button(ui, st, SortKey::Fqn, "Clean FQN"));
+            if hf.is_some() {
+                header.col(|ui| sort_button(ui, st, SortKey::Hf, "HF name"));
+            }
             header.col(|ui| sort_button(ui, st, SortKey::Raw, "Raw (wrapped) name"));
             header.col(|ui| sort_button(ui, st, SortKey::Flat, "Flat parameter"));
             header.col(|ui| {
@@ -167,6 +209,14 @@ pub fn ui(ui: &mut Ui, view: &LayoutView, st: &mut FqnMapState, selection: &mut 
                 row.col(|ui| {
                     ui.add(egui::Label::new(&p.fqn).selectable(false));
                 });
+                if let Some(h) = hf {
+                    row.col(|ui| {
+                        let r = ui.add(egui::Label::new(h.label(&p.fqn)).selectable(false));
+                        if let Some(all) = h.names.get(&p.fqn).filter(|n| n.len() > 1) {
+                            r.on_hover_text(all.join("\n"));
+                        }
+                    });
+                }
                 row.col(|ui| {
                     ui.add(egui::Label::new(&p.raw_name).selectable(false));
                 });

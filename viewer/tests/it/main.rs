@@ -8,6 +8,7 @@ mod derived_layout;
 mod doctor;
 mod follows;
 mod front_ends;
+mod hf_names;
 mod map_marks;
 mod overlay;
 mod panels;
