@@ -157,6 +157,9 @@ impl Opened {
                 )
             }
         ));
+        if let Some(w) = m.lost_warning() {
+            notes.push(w);
+        }
         if let Some((kept, dropped)) = &m.tied {
             notes.push(format!(
                 "`{dropped}` equals `{kept}` (the config ties them): held once, as `{kept}`"

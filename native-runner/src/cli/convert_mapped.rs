@@ -182,6 +182,57 @@ pub struct Mapped {
     /// `(kept, dropped)`: the config ties them and the checkpoint holds equal tensors.
     pub tied: Option<(String, String)>,
     pub values: Vec<String>,
+    /// Tensors the mapping leaves out that are not zero although the other model has no place for
+    /// them (gpt_oss's `expert_bias_E`: the HF model routes without it).
+    pub lost: Vec<String>,
+}
+
+impl Mapped {
+    /// The warning about [`Self::lost`], if any.
+    pub fn lost_warning(&self) -> Option<String> {
+        (!self.lost.is_empty()).then(|| {
+            format!(
+                "{} left out by the mapping `{}` and not zero: {}; the {} model has no place for them, so it does not compute what the checkpoint's model did (expected zero: e.g. a MoE load-balancing bias that was never updated)",
+                if self.lost.len() == 1 { "a tensor is" } else { "tensors are" },
+                self.file.name,
+                self.lost.join(", "),
+                self.file.to
+            )
+        })
+    }
+}
+
+/// The tensors of `names` whose values are not all zero (read one at a time).
+fn not_zero(
+    source: &Input,
+    index: &shardscope_core::index::CheckpointIndex,
+    names: &[&String],
+) -> Result<Vec<String>> {
+    let mut reader = Reader::new(source, index);
+    let mut out = Vec::new();
+    let mut buf = Vec::new();
+    for name in names {
+        let Some(entry) = index.entry(name) else {
+            continue;
+        };
+        let (dtype, _) = convert::tensor_meta(entry)?;
+        let n = reader.tensor_as(entry, dtype, &mut buf)?;
+        // A floating -0.0 is zero too: its sign bit (the top bit of its last byte) is ignored.
+        let size = dtype.size_bytes().max(1);
+        let zero = if dtype.is_floating_point() {
+            buf[..n].chunks_exact(size).all(|e| {
+                e.split_last().is_some_and(|(last, rest)| {
+                    last.trailing_zeros() >= 7 && rest.iter().all(|&b| b == 0)
+                })
+            })
+        } else {
+            buf[..n].iter().all(|&b| b == 0)
+        };
+        if !zero {
+            out.push((*name).clone());
+        }
+    }
+    Ok(out)
 }
 
 /// Maps the tensors of `index` (the model part of a checkpoint, read from `source`) to the
@@ -226,6 +277,12 @@ pub fn map_model(
     let plan =
         mapping::plan(file, direction, config, &stored).map_err(|e| anyhow!("{label}: {e}"))?;
     let tied = check_tie(source, index, &plan, label)?;
+    let restored: Vec<&String> = plan
+        .dropped
+        .iter()
+        .filter(|d| direction == Direction::Forward && mapping::restored_as_zeros(file, d))
+        .collect();
+    let lost = not_zero(source, index, &restored)?;
     let (mapped_index, derived) = mapped::mapped_index(index, &plan)?;
     Ok(Mapped {
         file: file.clone(),
@@ -238,6 +295,7 @@ pub fn map_model(
         derived,
         tied,
         values,
+        lost,
     })
 }
 
@@ -280,6 +338,8 @@ pub fn run(
     }
     let mut config = read_config(args)?;
     let files = mapping_files(args)?;
+    let mapped = map_model(source, index, label, target_name, &config, &files)?;
+    let lost_warning = mapped.lost_warning();
     let Mapped {
         file,
         direction,
@@ -288,7 +348,11 @@ pub fn run(
         derived,
         tied,
         values,
-    } = map_model(source, index, label, target_name, &config, &files)?;
+        lost,
+    } = mapped;
+    if let Some(w) = &lost_warning {
+        eprintln!("warning: {w}");
+    }
     if !quiet {
         eprintln!(
             "note: mapping `{}` ({}){}: {} stored tensors -> {} tensors{}",
@@ -413,6 +477,7 @@ pub fn run(
             "largest_tensor_bytes": written.largest_tensor_bytes,
             "dtype": args.dtype.map(shardscope_core::DType::name),
             "dropped_by_mapping": plan.plan.dropped,
+            "dropped_not_zero": lost,
             "tied_dropped": tied.iter().map(|(kept, dropped)| serde_json::json!({"kept": kept, "dropped": dropped})).collect::<Vec<_>>(),
             "values_not_written": values,
             "seconds": seconds,

@@ -440,3 +440,113 @@ fn dead_ends_point_the_way_out() {
     assert_eq!(std::fs::read(full.join("keep")).unwrap(), b"x");
     let _ = std::fs::remove_dir_all(&dir);
 }
+
+/// Sets every byte of tensor `key` of a safetensors file to `value` (the file's own header gives
+/// its byte range).
+fn overwrite_tensor(path: &Path, key: &str, value: u8) {
+    let mut bytes = std::fs::read(path).unwrap();
+    let n = u64::from_le_bytes(bytes[..8].try_into().unwrap()) as usize;
+    let header: serde_json::Value = serde_json::from_slice(&bytes[8..8 + n]).unwrap();
+    let offsets = header[key]["data_offsets"].as_array().unwrap();
+    let (a, b) = (
+        8 + n + offsets[0].as_u64().unwrap() as usize,
+        8 + n + offsets[1].as_u64().unwrap() as usize,
+    );
+    bytes[a..b].fill(value);
+    std::fs::write(path, bytes).unwrap();
+}
+
+/// gpt_oss's MoE load-balancing bias (`expert_bias_E`) has no place in transformers' model: left
+/// out silently while it is zero (as torchtitan leaves it when never updated), with a warning naming
+/// it when it is not (the HF model would route tokens differently), and as zeros on the way back.
+#[test]
+fn a_dropped_bias_that_is_not_zero_is_named() {
+    let fixture = repo("tests/fixtures/hf_mapping/gpt_oss");
+    let config = fixture.join("config.json");
+    let dir = work("lost");
+    let titan = dir.join("titan.safetensors");
+    let out = shardscope(&[
+        "convert",
+        fixture.join("step-2").to_str().unwrap(),
+        "-o",
+        titan.to_str().unwrap(),
+        "-q",
+    ]);
+    assert!(out.status.success(), "{}", text(&out));
+
+    let hf = dir.join("hf-zero");
+    let out = shardscope(&[
+        "convert",
+        titan.to_str().unwrap(),
+        "-o",
+        hf.to_str().unwrap(),
+        "--to",
+        "hf",
+        "--config",
+        config.to_str().unwrap(),
+        "--json",
+    ]);
+    assert!(out.status.success(), "{}", text(&out));
+    assert!(!text(&out).contains("warning"), "{}", text(&out));
+    let summary: serde_json::Value = serde_json::from_slice(&out.stdout).unwrap();
+    assert_eq!(summary["dropped_not_zero"], serde_json::json!([]));
+
+    overwrite_tensor(&titan, "layers.1.moe.expert_bias_E", 0x3f);
+    let hf = dir.join("hf-lost");
+    let out = shardscope(&[
+        "convert",
+        titan.to_str().unwrap(),
+        "-o",
+        hf.to_str().unwrap(),
+        "--to",
+        "hf",
+        "--config",
+        config.to_str().unwrap(),
+        "--json",
+    ]);
+    assert!(out.status.success(), "{}", text(&out));
+    let t = text(&out);
+    assert!(
+        t.contains("warning:")
+            && t.contains("layers.1.moe.expert_bias_E")
+            && !t.contains("layers.0.moe.expert_bias_E,"),
+        "{t}"
+    );
+    let summary: serde_json::Value = serde_json::from_slice(&out.stdout).unwrap();
+    assert_eq!(
+        summary["dropped_not_zero"],
+        serde_json::json!(["layers.1.moe.expert_bias_E"])
+    );
+
+    // The way back writes the bias again, as zeros (what a freshly built torchtitan model holds).
+    let back = dir.join("back.safetensors");
+    let out = shardscope(&[
+        "convert",
+        hf.to_str().unwrap(),
+        "-o",
+        back.to_str().unwrap(),
+        "--to",
+        "torchtitan",
+        "--config",
+        config.to_str().unwrap(),
+        "-q",
+    ]);
+    assert!(out.status.success(), "{}", text(&out));
+    let keys: BTreeSet<String> = tensors(&back).into_iter().map(|(k, _)| k).collect();
+    assert!(
+        keys.contains("layers.0.moe.expert_bias_E") && keys.contains("layers.1.moe.expert_bias_E"),
+        "{keys:?}"
+    );
+    let bytes = std::fs::read(&back).unwrap();
+    let n = u64::from_le_bytes(bytes[..8].try_into().unwrap()) as usize;
+    let header: serde_json::Value = serde_json::from_slice(&bytes[8..8 + n]).unwrap();
+    let o = header["layers.1.moe.expert_bias_E"]["data_offsets"]
+        .as_array()
+        .unwrap();
+    assert!(
+        bytes[8 + n + o[0].as_u64().unwrap() as usize..8 + n + o[1].as_u64().unwrap() as usize]
+            .iter()
+            .all(|&b| b == 0)
+    );
+    std::fs::remove_dir_all(&dir).ok();
+}

@@ -802,6 +802,14 @@ pub fn plan(
     Ok(plan)
 }
 
+/// Whether `name` (a stored name the way forward drops) is one a `restore` rule writes back as
+/// zeros: a buffer the other side has no place for, whose non-zero values are lost.
+pub fn restored_as_zeros(file: &MappingFile, name: &str) -> bool {
+    file.rules.iter().any(|r| {
+        r.restore.is_some() && Pattern::parse(&r.from).is_ok_and(|p| p.matches(name).is_some())
+    })
+}
+
 /// The way back: the zeros each `drop` + `restore` rule writes beside the outputs it names.
 fn restore_dropped(
     file: &MappingFile,
