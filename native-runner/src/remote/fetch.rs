@@ -121,9 +121,14 @@ impl RemoteSource {
             filled: 0,
             etag: None,
         };
+        let started = std::time::Instant::now();
         let mut tries = 0u32;
+        // Tries in a row that brought no new byte: a try that delivers part of the body starts
+        // the count (and the backoff) again, so a transfer cut every time still gets there.
+        let mut in_a_row = 0u32;
         loop {
             tries += 1;
+            let before = at.filled;
             let fault = match self
                 .fetch_rest(location, &part, dst, &mut at, first.take(), bar, settings)
                 .await
@@ -137,10 +142,22 @@ impl RemoteSource {
                     fault
                 }
             };
-            if !fault.is_transient() || tries >= settings.tries {
-                return Err(Failure { fault, tries });
+            in_a_row = if at.filled > before { 0 } else { in_a_row + 1 };
+            if !fault.is_transient() {
+                return Err(Failure::new(fault, tries, tries));
             }
-            tokio::time::sleep(settings.backoff(tries + 1)).await;
+            if in_a_row >= settings.tries {
+                return Err(Failure::new(fault, tries, in_a_row));
+            }
+            let wait = settings.backoff(in_a_row + 1);
+            if started.elapsed() + wait > settings.deadline {
+                return Err(Failure {
+                    fault,
+                    tries,
+                    gave_up: super::retry::GaveUp::Deadline(settings.deadline),
+                });
+            }
+            tokio::time::sleep(wait).await;
         }
     }
 
@@ -227,7 +244,7 @@ impl RemoteSource {
                 Err(_) => Fault::Stalled(settings.io_timeout),
             };
             if !fault.is_transient() || tries >= settings.tries {
-                return Err(Failure { fault, tries });
+                return Err(Failure::new(fault, tries, tries));
             }
             tokio::time::sleep(settings.backoff(tries + 1)).await;
         }
@@ -249,7 +266,7 @@ impl RemoteSource {
                 .await?;
             self.requests.fetch_add(1, Ordering::Relaxed);
             let size = got.meta.size;
-            let one = |fault| Failure { fault, tries: 1 };
+            let one = |fault| Failure::new(fault, 1, 1);
             if size > limit {
                 return Err(one(Fault::TooLarge { size, limit, what }));
             }

@@ -25,8 +25,12 @@ pub fn set_io_timeout(timeout: Duration) {
     IO_TIMEOUT_MS.store(ms, Ordering::Relaxed);
 }
 
-/// Tries of one request (the first and the retries).
+/// Tries of one request in a row that bring no new byte (the first and the retries); a try that
+/// delivers bytes of the body starts the count again.
 const TRIES: u32 = 5;
+/// No request is retried once this long has passed since its first try
+/// (`SHARDSCOPE_RETRY_DEADLINE_MS` overrides it).
+const DEADLINE_MS: u64 = 30 * 60 * 1000;
 /// The first backoff, doubled after each failed try (`SHARDSCOPE_RETRY_BASE_MS` overrides it).
 const BACKOFF_BASE_MS: u64 = 200;
 /// No backoff is longer than this.
@@ -37,6 +41,8 @@ const BACKOFF_MAX_MS: u64 = 5_000;
 pub(super) struct Settings {
     pub(super) io_timeout: Duration,
     pub(super) tries: u32,
+    /// Past this since the first try, a failed try is the last.
+    pub(super) deadline: Duration,
     backoff_base_ms: u64,
 }
 
@@ -46,9 +52,14 @@ impl Settings {
             .ok()
             .and_then(|v| v.trim().parse::<u64>().ok())
             .unwrap_or(BACKOFF_BASE_MS);
+        let deadline_ms = std::env::var("SHARDSCOPE_RETRY_DEADLINE_MS")
+            .ok()
+            .and_then(|v| v.trim().parse::<u64>().ok())
+            .unwrap_or(DEADLINE_MS);
         Settings {
             io_timeout: Duration::from_millis(IO_TIMEOUT_MS.load(Ordering::Relaxed)),
             tries: TRIES,
+            deadline: Duration::from_millis(deadline_ms),
             backoff_base_ms,
         }
     }
@@ -216,11 +227,21 @@ impl Fault {
     }
 }
 
-/// The last fault of a request and how many tries it had.
+/// The last fault of a request, how many tries it had, and why it was not tried again.
 #[derive(Debug)]
 pub(super) struct Failure {
     pub(super) fault: Fault,
     pub(super) tries: u32,
+    pub(super) gave_up: GaveUp,
+}
+
+/// Why a request that failed with a transient fault was not tried again.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub(super) enum GaveUp {
+    /// This many tries in a row brought no new byte (the budget).
+    NoProgress(u32),
+    /// The deadline since the first try had passed.
+    Deadline(Duration),
 }
 
 impl Failure {
@@ -231,12 +252,31 @@ impl Failure {
         )
     }
 
+    /// A failure after `tries` tries, the last `in_a_row` of which brought no new byte.
+    pub(super) fn new(fault: Fault, tries: u32, in_a_row: u32) -> Self {
+        Failure {
+            fault,
+            tries,
+            gave_up: GaveUp::NoProgress(in_a_row),
+        }
+    }
+
     pub(super) fn describe(&self, scheme: Scheme) -> String {
         let text = self.fault.describe(scheme);
-        if self.tries > 1 {
-            format!("{text} (gave up after {} tries)", self.tries)
-        } else {
-            text
+        match self.gave_up {
+            GaveUp::Deadline(d) => format!(
+                "{text} (gave up: still incomplete {} after the first of {} tries; SHARDSCOPE_RETRY_DEADLINE_MS)",
+                seconds(d),
+                self.tries
+            ),
+            GaveUp::NoProgress(in_a_row) if in_a_row < self.tries => format!(
+                "{text} (gave up after {in_a_row} tries in a row that brought no new byte; {} tries in all)",
+                self.tries
+            ),
+            GaveUp::NoProgress(_) if self.tries > 1 => {
+                format!("{text} (gave up after {} tries)", self.tries)
+            }
+            GaveUp::NoProgress(_) => text,
         }
     }
 }
@@ -287,10 +327,31 @@ mod tests {
         };
         let fault = Fault::of(Scheme::Http, status, (0, 10));
         assert!(matches!(fault, Fault::Status(503)) && fault.is_transient());
-        let failure = Failure { fault, tries: 5 };
+        let failure = Failure::new(fault, 5, 5);
         assert_eq!(
             failure.describe(Scheme::Http),
             "HTTP 503 Service Unavailable (gave up after 5 tries)"
+        );
+        // Tries that brought bytes do not count against the budget, and the message says so.
+        let cut = |missing| Fault::Cut {
+            reset: false,
+            missing,
+            range: (0, 100),
+        };
+        let t = Failure::new(cut(10), 9, 5).describe(Scheme::Http);
+        assert!(
+            t.contains("5 tries in a row that brought no new byte; 9 tries in all"),
+            "{t}"
+        );
+        let late = Failure {
+            fault: cut(10),
+            tries: 3,
+            gave_up: GaveUp::Deadline(Duration::from_secs(2)),
+        };
+        let t = late.describe(Scheme::Http);
+        assert!(
+            t.contains("still incomplete 2 s after the first of 3 tries"),
+            "{t}"
         );
         // A reset, found through the sources whatever the message says ("timeout" in it).
         let reset = object_store::Error::Generic {
@@ -327,13 +388,7 @@ mod tests {
             path: "x".into(),
             source: "404".into(),
         };
-        assert!(
-            Failure {
-                fault: Fault::of(Scheme::Http, nf, (0, 1)),
-                tries: 1
-            }
-            .is_not_found()
-        );
+        assert!(Failure::new(Fault::of(Scheme::Http, nf, (0, 1)), 1, 1).is_not_found());
         let big = Fault::TooLarge {
             size: 6 << 30,
             limit: 1 << 30,

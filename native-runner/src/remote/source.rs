@@ -99,7 +99,7 @@ impl RemoteSource {
     /// A zeroed buffer for `len` bytes of `name`: a size from the network, so a failed allocation
     /// is an error naming the URL, never an abort.
     pub(super) fn buffer(&self, name: &str, len: u64) -> Result<Vec<u8>, SourceError> {
-        zeroed(len).map_err(|fault| self.failure(name, &Failure { fault, tries: 1 }))
+        zeroed(len).map_err(|fault| self.failure(name, &Failure::new(fault, 1, 1)))
     }
 
     pub(super) fn file(&self, name: &str) -> Result<&RemoteFile, SourceError> {
@@ -196,7 +196,7 @@ impl Source for RemoteSource {
             return self.read_range(name, offset, len);
         }
         let mut out = lazy_zeroed((end - start) as u64)
-            .map_err(|fault| self.failure(name, &Failure { fault, tries: 1 }))?;
+            .map_err(|fault| self.failure(name, &Failure::new(fault, 1, 1)))?;
         let head = usize::try_from(head_bytes)
             .unwrap_or(usize::MAX)
             .min(out.len());

@@ -36,11 +36,13 @@ enum Fault {
     None,
     /// The first struck body: half of it, then a TCP reset.
     ResetOnce,
-    /// Every struck body: half of it, then a TCP reset.
-    ResetAlways,
+    /// Every struck response: its head, then a TCP reset before any body byte.
+    ResetBeforeBody,
+    /// Every struck body, the resumed ones too: half of it, then the connection closed (FIN).
+    ShortAlways,
     /// The first struck body: half of it, then the connection closed (FIN).
     ShortOnce,
-    /// Every struck body: half of it, then nothing (the socket left open).
+    /// Every struck response: its head, then nothing (the socket left open).
     Stall,
     /// The first struck request answers 500.
     Status500Once,
@@ -238,7 +240,11 @@ fn respond(state: &State, stream: &mut TcpStream, seen: &Seen, if_match: Option<
             Fault::ResetOnce | Fault::ShortOnce | Fault::Status500Once => {
                 !state.struck_once.swap(true, Ordering::SeqCst)
             }
-            Fault::ResetAlways | Fault::Stall | Fault::Status503Always | Fault::WrongRange => true,
+            Fault::ResetBeforeBody
+            | Fault::ShortAlways
+            | Fault::Stall
+            | Fault::Status503Always
+            | Fault::WrongRange => true,
             _ => false,
         }
     };
@@ -276,10 +282,11 @@ fn respond(state: &State, stream: &mut TcpStream, seen: &Seen, if_match: Option<
     if seen.method == "HEAD" {
         return true;
     }
-    let send = if struck && state.fault != Fault::WrongRange {
-        len / 2
-    } else {
-        len
+    let send = match state.fault {
+        _ if !struck => len,
+        Fault::WrongRange => len,
+        Fault::ResetBeforeBody | Fault::Stall => 0,
+        _ => len / 2,
     };
     if !send_file(stream, &path, start, send) {
         return false;
@@ -303,14 +310,14 @@ fn respond(state: &State, stream: &mut TcpStream, seen: &Seen, if_match: Option<
 fn end_struck(state: &State, stream: &mut TcpStream) {
     let _ = stream.flush();
     match state.fault {
-        Fault::ResetOnce | Fault::ResetAlways => {
+        Fault::ResetOnce | Fault::ResetBeforeBody => {
             // Give the client a moment to take the half sent, then reset (RST, not FIN).
             std::thread::sleep(Duration::from_millis(100));
             let socket = socket2::Socket::from(stream.try_clone().unwrap());
             let _ = socket.set_linger(Some(Duration::ZERO));
             drop(socket);
         }
-        Fault::ShortOnce => {
+        Fault::ShortOnce | Fault::ShortAlways => {
             let _ = stream.shutdown(Shutdown::Both);
         }
         Fault::Stall => {
@@ -499,12 +506,55 @@ fn a_500_once_is_retried() {
     assert_converts(&server, "500 once", &[]);
 }
 
+/// A reset before any body byte, every time: no try brings anything, so the fifth is the last.
 #[test]
 fn a_reset_every_time_fails_naming_the_url() {
     let root = served_checkpoint();
-    let server = FaultServer::start(root.path(), Fault::ResetAlways);
+    let server = FaultServer::start(root.path(), Fault::ResetBeforeBody);
     let err = assert_fails(&server, "ck/", &[], &["/ck/__", "gave up after 5 tries"]);
     assert!(!err.contains("timed out"), "{err}");
+}
+
+/// Every body cut midway, the resumed ones too: each try brings new bytes, so the count of tries
+/// starts again and the transfer gets there, in more than the 5 tries a request without progress
+/// gets; the output equals the local conversion.
+#[test]
+fn a_transfer_cut_every_time_but_progressing_completes() {
+    let root = served_checkpoint();
+    let server = FaultServer::start(root.path(), Fault::ShortAlways);
+    assert_converts(&server, "cut midway every time", &[]);
+    let strikes = server.strikes();
+    let mut per_range: HashMap<(String, u64), usize> = HashMap::new();
+    for (path, s) in &strikes {
+        *per_range.entry((path.clone(), s.end)).or_default() += 1;
+    }
+    let most = per_range.values().copied().max().unwrap_or(0);
+    assert!(
+        most > 5,
+        "a range was cut {most} times; the test needs one cut more than 5 times: {strikes:?}"
+    );
+}
+
+/// The same server with a deadline already past after the first cut: the read gives up and
+/// says it was the deadline, not the count.
+#[test]
+fn a_progressing_transfer_stops_at_the_deadline_and_says_so() {
+    let root = served_checkpoint();
+    let server = FaultServer::start(root.path(), Fault::ShortAlways);
+    let tmp = tempfile::tempdir().unwrap();
+    let out = convert(
+        &server.url("ck/"),
+        tmp.path(),
+        &[],
+        &[("SHARDSCOPE_RETRY_DEADLINE_MS", "1")],
+    );
+    let err = text(&out.stderr);
+    assert_eq!(out.status.code(), Some(2), "{err}");
+    assert!(
+        err.contains("gave up: still incomplete") && err.contains("SHARDSCOPE_RETRY_DEADLINE_MS"),
+        "{err}"
+    );
+    assert!(std::fs::read_dir(tmp.path()).unwrap().next().is_none());
 }
 
 #[test]
