@@ -409,6 +409,7 @@ mod tests {
         let s = Settings {
             io_timeout: Duration::from_secs(1),
             tries: 5,
+            deadline: Duration::from_millis(DEADLINE_MS),
             backoff_base_ms: 100,
         };
         assert_eq!(s.backoff(2), Duration::from_millis(100));
