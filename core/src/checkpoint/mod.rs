@@ -25,7 +25,7 @@ mod written_by;
 
 pub use describe::{AutoDescribed, DescribeOptions, Described, is_block, repeated_blocks};
 pub use files::{RANK_PLACEHOLDER, pattern_rank};
-pub use model_only::{app_state_prefix, is_model_tensor, model_fqns};
+pub use model_only::{app_state_prefix, is_model_tensor, model_fqns, optimizer_roots};
 pub use written_by::{megatron_backend, megatron_companions, written_by};
 
 use crate::dtype::DType;

@@ -39,6 +39,30 @@ fn not_model(key: &str) -> bool {
     NOT_MODEL.contains(&key) || crate::index::EXTRA_KEYS.contains(&key)
 }
 
+/// Top-level keys that hold an optimizer's state dict, found by what they hold (`K.state.…` and
+/// `K.param_groups.…`) whatever they are called (`optim`, `optimizer`, `opt`, ...).
+pub fn optimizer_roots(index: &CheckpointIndex) -> BTreeSet<String> {
+    let mut state = BTreeSet::new();
+    let mut groups = BTreeSet::new();
+    for e in &index.entries {
+        if let [PathSeg::Key(root), PathSeg::Key(second), ..] = e.path.as_slice() {
+            match second.as_str() {
+                "state" => {
+                    state.insert(root.as_str());
+                }
+                "param_groups" => {
+                    groups.insert(root.as_str());
+                }
+                _ => {}
+            }
+        }
+    }
+    state
+        .intersection(&groups)
+        .map(|k| (*k).to_owned())
+        .collect()
+}
+
 /// App-state keys a trainer nests the model under, in the order they are tried.
 const WRAPPERS: &[&str] = &["model", "state_dict", "model_state_dict", "module"];
 

@@ -419,25 +419,35 @@ fn fsdp2_output(args: &ConvertArgs, checkpoint: &Checkpoint) -> Result<Checkpoin
     let mut index = checkpoint.index.clone();
     let quiet = args.quiet || args.json;
     let has_optim = index.has_optimizer_state;
+    // The optimizer is found by what it holds, whatever its item is called.
+    let mut optims = shardscope_core::checkpoint::optimizer_roots(&index);
+    if optims.is_empty() {
+        optims.insert("optim".to_owned());
+    }
+    let optim_names = optims
+        .iter()
+        .map(|k| format!("`{k}`"))
+        .collect::<Vec<_>>()
+        .join(", ");
     if has_optim && !quiet {
         eprintln!(
             "note: FSDP2 per-rank files of {} ranks ({}): written as torch's full state dicts",
             ranks_in(&index),
             if checkpoint.sets.len() == 1 {
-                "one {\"model\", \"optim\"} file per rank"
+                format!("one file per rank holding `model` and the optimizer {optim_names}")
             } else {
-                "model and optimizer files"
+                "model and optimizer files".to_owned()
             }
         );
     }
     if has_optim && args.select.is_none() {
         let before = index.entries.len();
-        index.entries.retain(
-            |e| matches!(e.path.first(), Some(PathSeg::Key(k)) if k == "model" || k == "optim"),
-        );
+        index.entries.retain(|e| {
+            matches!(e.path.first(), Some(PathSeg::Key(k)) if k == "model" || optims.contains(k))
+        });
         if index.entries.len() < before && !quiet {
             eprintln!(
-                "note: {} entries outside `model` and `optim` (extra state) are not written; --select NAME writes one subtree",
+                "note: {} entries outside `model` and the optimizer {optim_names} (extra state) are not written; --select NAME writes one subtree",
                 before - index.entries.len()
             );
         }

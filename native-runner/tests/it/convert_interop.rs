@@ -28,3 +28,11 @@ fn parts_launched_by_torchrun_equal_one_run_and_load_in_torch() {
 fn values_without_tensors_round_trip_to_pt() {
     crate::common::run_interop_script("check_empty_values.py");
 }
+
+/// An optimizer saved as `optimizer` (FSDP2 per-rank files of `{"model", "optimizer"}`) is found
+/// by what it holds (`state` + `param_groups`) and written, equal to torch's full state dicts
+/// (tests/interop/check_optimizer_by_content.py).
+#[test]
+fn an_optimizer_is_found_by_what_it_holds() {
+    crate::common::run_interop_script("check_optimizer_by_content.py");
+}
