@@ -19,6 +19,7 @@
 //!   pickle globals);
 //! - [`safety`]: `unsafe-pickle` for the pickles torch's loaders unpickle with no restriction
 //!   (`.metadata`, `.distcp` bytes items, `metadata.pkl`), file by file, before anything is parsed;
+//! - [`storage`]: `bloated-storage`, tensors saved as views of larger storages;
 //! - [`text`]: how findings write shapes, key lists and shell arguments.
 
 mod coverage;
@@ -30,6 +31,7 @@ mod parts;
 mod pickle_globals;
 mod report;
 mod safety;
+mod storage;
 mod target;
 mod text;
 
@@ -121,5 +123,6 @@ pub fn diagnose(
         optim::diagnose_optim(part, &flat_model, &parts, options, &mut findings);
     }
     moments::diagnose_moments(index, source, &parts, &mut findings);
+    storage::bloated_storages(index, &options.label, &mut findings);
     findings
 }

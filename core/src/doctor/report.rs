@@ -88,7 +88,7 @@ fn merge_alike(findings: Vec<Finding>) -> Vec<Finding> {
     out
 }
 
-const CODES: [&str; 16] = [
+const CODES: [&str; 17] = [
     "unsafe-pickle",
     "coverage",
     "world-size",
@@ -105,6 +105,7 @@ const CODES: [&str; 16] = [
     "optimizer-moments-equal",
     "dtype-mismatch",
     "unreadable",
+    "bloated-storage",
 ];
 
 fn code_rank(code: &str) -> usize {

@@ -628,3 +628,75 @@ with open(f"{out}/tc/metadata.pkl", "wb") as f:
         );
     }
 }
+
+/// Tensors saved as views of larger storages: a warning naming them, with the unused bytes torch
+/// itself gives (`untyped_storage().nbytes() - numel() * element_size()`, recorded by
+/// gen_bloated.py), and a fix; after the fix (`convert`) the file holds only its tensors' bytes and
+/// doctor says nothing. A checkpoint without views gets no such finding.
+#[test]
+fn views_of_larger_storages_are_found_with_torchs_byte_count() {
+    let expected: Value =
+        serde_json::from_slice(&std::fs::read(fixtures().join("bloated.expected.json")).unwrap())
+            .unwrap();
+    let mut wasted = 0u64;
+    let mut views = BTreeSet::new();
+    let mut own = 0u64;
+    for (k, t) in expected["tensors"].as_object().unwrap() {
+        let lost = t["storage_bytes"].as_u64().unwrap() - t["own_bytes"].as_u64().unwrap();
+        own += t["own_bytes"].as_u64().unwrap();
+        if lost > 0 {
+            views.insert(k.clone());
+            wasted += lost;
+        }
+    }
+    let run = doctor(&["bloated.pt"], &[]);
+    assert_eq!(run.code, 0, "a warning only: {:#}", run.report);
+    let f = findings(&run)
+        .into_iter()
+        .find(|f| f["code"] == "bloated-storage")
+        .unwrap_or_else(|| panic!("{:#}", run.report));
+    assert_eq!(f["severity"], "warning");
+    assert_eq!(keys_of(&run, "bloated-storage"), views);
+    let message = f["message"].as_str().unwrap();
+    assert!(message.contains(&format!("{wasted} bytes")), "{message}");
+    assert!(f["fix"].as_str().unwrap().contains("shardscope convert"));
+
+    let tmp = std::env::temp_dir().join(format!("shardscope-bloated-{}", std::process::id()));
+    let _ = std::fs::remove_dir_all(&tmp);
+    std::fs::create_dir_all(&tmp).unwrap();
+    let compact = tmp.join("compact.pt");
+    let out = Command::new(crate::common::shardscope_bin())
+        .args([
+            "convert",
+            fixtures().join("bloated.pt").to_str().unwrap(),
+            "-o",
+            compact.to_str().unwrap(),
+            "-q",
+        ])
+        .output()
+        .unwrap();
+    assert!(
+        out.status.success(),
+        "{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    let size = std::fs::metadata(&compact).unwrap().len();
+    assert!(
+        size < own + (64 << 10),
+        "{size} bytes for {own} bytes of tensors"
+    );
+    let run = doctor(&[compact.to_str().unwrap()], &[]);
+    assert!(
+        keys_of(&run, "bloated-storage").is_empty(),
+        "{:#}",
+        run.report
+    );
+    std::fs::remove_dir_all(&tmp).ok();
+
+    let run = doctor(&["clean.pt"], &[]);
+    assert!(
+        keys_of(&run, "bloated-storage").is_empty(),
+        "{:#}",
+        run.report
+    );
+}
