@@ -33,6 +33,8 @@ pub mod checkpoint;
 pub mod doctor;
 pub mod transform;
 pub mod verify;
+/// Content manifests: per-tensor digests of logical values (`shardscope hash`).
+pub mod manifest;
 
 pub use dtype::DType;
 pub use source::{MemorySource, Source, SourceError};
