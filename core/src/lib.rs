@@ -31,10 +31,10 @@ pub mod view;
 
 pub mod checkpoint;
 pub mod doctor;
-pub mod transform;
-pub mod verify;
 /// Content manifests: per-tensor digests of logical values (`shardscope hash`).
 pub mod manifest;
+pub mod transform;
+pub mod verify;
 
 pub use dtype::DType;
 pub use source::{MemorySource, Source, SourceError};

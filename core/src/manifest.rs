@@ -418,7 +418,8 @@ impl Manifest {
         })?;
         let check = |what: &str, d: &str| -> Result<(), ManifestError> {
             let ok = d.len() == algorithm.hex_len()
-                && d.bytes().all(|b| b.is_ascii_digit() || (b'a'..=b'f').contains(&b));
+                && d.bytes()
+                    .all(|b| b.is_ascii_digit() || (b'a'..=b'f').contains(&b));
             if ok {
                 Ok(())
             } else {
@@ -439,8 +440,7 @@ impl Manifest {
                 check(key, &c.digest)?;
                 let inside = c.offsets.len() == t.shape.len()
                     && c.sizes.len() == t.shape.len()
-                    && c
-                        .offsets
+                    && c.offsets
                         .iter()
                         .zip(&c.sizes)
                         .zip(&t.shape)
@@ -612,7 +612,9 @@ mod tests {
 
         let bad = |s: &str| Manifest::from_json(s.as_bytes()).unwrap_err().to_string();
         assert!(bad("[]").contains("not a shardscope manifest"));
-        assert!(bad(r#"{"version": 2, "algorithm": "sha256", "tensors": {}}"#).contains("version 2"));
+        assert!(
+            bad(r#"{"version": 2, "algorithm": "sha256", "tensors": {}}"#).contains("version 2")
+        );
         assert!(bad(r#"{"version": 1, "algorithm": "md5", "tensors": {}}"#).contains("md5"));
         let w = |dtype: &str, digest: &str, chunk: &str| {
             format!(

@@ -157,7 +157,12 @@ pub fn manifest_of(
     manifest
 }
 
-fn run_job(reader: &mut Reader<'_>, job: &Job<'_>, algorithm: Algorithm, buf: &mut Vec<u8>) -> Done {
+fn run_job(
+    reader: &mut Reader<'_>,
+    job: &Job<'_>,
+    algorithm: Algorithm,
+    buf: &mut Vec<u8>,
+) -> Done {
     match job {
         Job::File(name, size) => match hash_file(reader.source(), name, *size, algorithm, buf) {
             Ok(f) => Done::File((*name).to_owned(), f),
@@ -296,11 +301,19 @@ pub fn hash_tensor(
         tensor.update(data);
         for c in &distinct {
             let mut chunk = Hasher::tensor(algorithm, dtype, &c.sizes);
-            for_each_box_row(shape, &c.offsets, &c.sizes, item, |r| chunk.update(&data[r]))
-                .with_context(|| {
-                    format!("{}: a chunk at {:?} is outside the tensor", entry.key, c.offsets)
-                })?;
-            let stored = match (&c.encoding, reader.index().locate_chunk(reader.source(), entry, c)) {
+            for_each_box_row(shape, &c.offsets, &c.sizes, item, |r| {
+                chunk.update(&data[r])
+            })
+            .with_context(|| {
+                format!(
+                    "{}: a chunk at {:?} is outside the tensor",
+                    entry.key, c.offsets
+                )
+            })?;
+            let stored = match (
+                &c.encoding,
+                reader.index().locate_chunk(reader.source(), entry, c),
+            ) {
                 (ChunkEncoding::ZstdTorchSaveItem, _) | (_, Err(_)) => None,
                 (_, Ok(loc)) => loc
                     .contiguous_range(&c.sizes, item)

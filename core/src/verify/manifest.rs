@@ -31,12 +31,10 @@ pub fn compare_manifests(
         .collect();
     for key in keys {
         let mut e = Entry::new(key, Status::Match);
-        let in_left = l.tensors.contains_key(key)
-            || l.values.contains_key(key)
-            || l.errors.contains_key(key);
-        let in_right = r.tensors.contains_key(key)
-            || r.values.contains_key(key)
-            || r.errors.contains_key(key);
+        let in_left =
+            l.tensors.contains_key(key) || l.values.contains_key(key) || l.errors.contains_key(key);
+        let in_right =
+            r.tensors.contains_key(key) || r.values.contains_key(key) || r.errors.contains_key(key);
         if let Some(t) = l.tensors.get(key).or_else(|| r.tensors.get(key)) {
             e.dtype = t.dtype.parse().ok();
             e.shape = Some(t.shape.clone());
@@ -46,9 +44,15 @@ pub fn compare_manifests(
         } else if !in_left {
             e.add_problem(Status::Unexpected, &format!("not in {}", left.1));
         } else if let Some(why) = l.errors.get(key) {
-            e.add_problem(Status::Mismatch, &format!("{}: cannot be read: {why}", left.1));
+            e.add_problem(
+                Status::Mismatch,
+                &format!("{}: cannot be read: {why}", left.1),
+            );
         } else if let Some(why) = r.errors.get(key) {
-            e.add_problem(Status::Mismatch, &format!("{}: cannot be read: {why}", right.1));
+            e.add_problem(
+                Status::Mismatch,
+                &format!("{}: cannot be read: {why}", right.1),
+            );
         } else {
             match (l.tensors.get(key), r.tensors.get(key)) {
                 (Some(a), Some(b)) => compare_tensors(&mut e, a, b),
@@ -61,7 +65,11 @@ pub fn compare_manifests(
                     let what = |t: bool| if t { "a tensor" } else { "a non-tensor value" };
                     e.add_problem(
                         Status::Mismatch,
-                        &format!("{} on the left, {} on the right", what(a.is_some()), what(a.is_none())),
+                        &format!(
+                            "{} on the left, {} on the right",
+                            what(a.is_some()),
+                            what(a.is_none())
+                        ),
                     );
                 }
             }
@@ -76,7 +84,10 @@ pub fn compare_manifests(
 fn compare_tensors(e: &mut Entry, a: &TensorDigest, b: &TensorDigest) {
     if a.dtype != b.dtype {
         e.right_dtype = b.dtype.parse().ok();
-        e.add_problem(Status::Mismatch, &format!("dtype {} vs {}", a.dtype, b.dtype));
+        e.add_problem(
+            Status::Mismatch,
+            &format!("dtype {} vs {}", a.dtype, b.dtype),
+        );
     }
     if a.shape != b.shape {
         e.right_shape = Some(b.shape.clone());
@@ -148,11 +159,13 @@ fn compare_files(l: &Manifest, r: &Manifest, report: &mut Report) {
                 "file {name}: {} bytes, {} expected",
                 b.size, a.size
             )),
-            (Some(a), Some(b)) if a.digest != b.digest => report
-                .notes
-                .push(format!("file {name}: its bytes differ")),
+            (Some(a), Some(b)) if a.digest != b.digest => {
+                report.notes.push(format!("file {name}: its bytes differ"))
+            }
             (Some(_), None) => report.notes.push(format!("file {name}: missing")),
-            (None, Some(_)) => report.notes.push(format!("file {name}: not in the manifest")),
+            (None, Some(_)) => report
+                .notes
+                .push(format!("file {name}: not in the manifest")),
             _ => {}
         }
     }
@@ -187,7 +200,8 @@ mod tests {
     #[test]
     fn names_differing_chunks_missing_and_extra_keys() {
         let mut a = Manifest::new(Algorithm::Xxh3);
-        a.tensors.insert("w".into(), tensor("w", &[("c0", 0), ("c1", 2)]));
+        a.tensors
+            .insert("w".into(), tensor("w", &[("c0", 0), ("c1", 2)]));
         a.tensors.insert("gone".into(), tensor("g", &[]));
         a.values.insert(
             "step".into(),
@@ -198,7 +212,8 @@ mod tests {
         let mut b = a.clone();
         b.tensors.remove("gone");
         b.tensors.insert("new".into(), tensor("n", &[]));
-        b.tensors.insert("w".into(), tensor("w2", &[("c0", 0), ("c1x", 2)]));
+        b.tensors
+            .insert("w".into(), tensor("w2", &[("c0", 0), ("c1x", 2)]));
         b.values.get_mut("step").unwrap().digest = digest(Algorithm::Xxh3, b"2");
         let report = compare_manifests((&a, "M"), (&b, "CKPT"), "verify");
         let status = |k: &str| report.entries[k].status;
@@ -207,7 +222,10 @@ mod tests {
         assert_eq!(status("step"), Status::Mismatch);
         assert_eq!(status("w"), Status::Mismatch);
         let m = report.entries["w"].message.clone().unwrap();
-        assert!(m.contains("the chunk at [2, 0] of [2, 2] (f2 bytes 16..32)"), "{m}");
+        assert!(
+            m.contains("the chunk at [2, 0] of [2, 2] (f2 bytes 16..32)"),
+            "{m}"
+        );
         assert!(!m.contains("f0"), "{m}");
         assert_eq!(report.exit_code(), 1);
 
@@ -227,8 +245,20 @@ mod tests {
         b.tensors.get_mut("v").unwrap().shape = vec![8];
         let report = compare_manifests((&a, "M"), (&b, "CKPT"), "verify");
         assert_eq!(report.entries["w"].status, Status::Mismatch);
-        assert!(report.entries["w"].message.as_ref().unwrap().contains("cannot be read: f0: file too short"));
-        assert!(report.entries["v"].message.as_ref().unwrap().contains("shape [4, 2] vs [8]"));
+        assert!(
+            report.entries["w"]
+                .message
+                .as_ref()
+                .unwrap()
+                .contains("cannot be read: f0: file too short")
+        );
+        assert!(
+            report.entries["v"]
+                .message
+                .as_ref()
+                .unwrap()
+                .contains("shape [4, 2] vs [8]")
+        );
         assert_eq!(report.exit_code(), 1);
     }
 }

@@ -162,7 +162,10 @@ fn diff_manifests(
         .or(right.as_ref())
         .map(|m| m.algorithm)
         .unwrap_or_default();
-    let with_files = left.as_ref().or(right.as_ref()).is_some_and(|m| !m.files.is_empty());
+    let with_files = left
+        .as_ref()
+        .or(right.as_ref())
+        .is_some_and(|m| !m.files.is_empty());
     let side = |m: Option<shardscope_core::manifest::Manifest>, path: &PathBuf| {
         if let Some(m) = m {
             return Ok(m);

@@ -151,7 +151,9 @@ pub fn manifest_of_paths(
 /// The manifest at `path` when it is one (a local `.json` file holding `version`, `algorithm` and
 /// `tensors`), checked; `None` for anything else (a checkpoint).
 pub fn read_manifest_if(path: &Path) -> Result<Option<Manifest>> {
-    let is_json = path.extension().is_some_and(|e| e.eq_ignore_ascii_case("json"));
+    let is_json = path
+        .extension()
+        .is_some_and(|e| e.eq_ignore_ascii_case("json"));
     if !is_json || crate::input::as_url(path).is_some() || !path.is_file() {
         return Ok(None);
     }

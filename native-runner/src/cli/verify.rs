@@ -100,8 +100,7 @@ fn against_manifest(
         threads: args.threads.unwrap_or_else(crate::hash::default_threads),
         files: !expected.files.is_empty(),
     };
-    let actual =
-        super::hash::manifest_of_paths(&paths, options, hash, args.quiet || args.json)?;
+    let actual = super::hash::manifest_of_paths(&paths, options, hash, args.quiet || args.json)?;
     let report = verify::compare_manifests(
         (&expected, &manifest_path.display().to_string()),
         (&actual, &super::read::label_of(&paths)),

@@ -80,9 +80,18 @@ fn flipped_bytes_and_truncation_are_named() {
     copy_dir(&fixtures_dir().join("formats/dcp_torch_save"), &ckpt);
     let manifest = tmp.path().join("m.json");
     let out = run(&["hash", s(&ckpt), "-o", s(&manifest), "--quiet"]);
-    assert!(out.status.success(), "{}", String::from_utf8_lossy(&out.stderr));
+    assert!(
+        out.status.success(),
+        "{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
     let out = run(&["verify", s(&ckpt), "--manifest", s(&manifest), "--json"]);
-    assert_eq!(out.status.code(), Some(0), "{}", String::from_utf8_lossy(&out.stdout));
+    assert_eq!(
+        out.status.code(),
+        Some(0),
+        "{}",
+        String::from_utf8_lossy(&out.stdout)
+    );
     assert!(problems(&json(&out)).is_empty());
 
     // Where torch stored one tensor: its values (torch's, from the expected file) found once in
@@ -131,11 +140,16 @@ fn flipped_bytes_and_truncation_are_named() {
     assert_eq!((k.as_str(), status.as_str()), (key.as_str(), "mismatch"));
     let ranges = ranges_named(message, &file);
     assert!(
-        ranges.iter().any(|&(a, b)| a <= at as u64 && (at as u64) < b),
+        ranges
+            .iter()
+            .any(|&(a, b)| a <= at as u64 && (at as u64) < b),
         "{message}: byte {at} of {file} not named"
     );
     let notes = json(&out)["notes"].to_string();
-    assert!(notes.contains(&format!("file {file}: its bytes differ")), "{notes}");
+    assert!(
+        notes.contains(&format!("file {file}: its bytes differ")),
+        "{notes}"
+    );
     // The same through `diff`, with the manifest on either side.
     for (a, b) in [(&manifest, &ckpt), (&ckpt, &manifest)] {
         let out = run(&["diff", s(a), s(b), "--json", "--quiet"]);
@@ -155,7 +169,12 @@ fn flipped_bytes_and_truncation_are_named() {
     let cut = other.1.len() - 200;
     std::fs::write(ckpt.join(&other.0), &other.1[..cut]).unwrap();
     let out = run(&["verify", s(&ckpt), "--manifest", s(&manifest), "--json"]);
-    assert_eq!(out.status.code(), Some(1), "{}", String::from_utf8_lossy(&out.stderr));
+    assert_eq!(
+        out.status.code(),
+        Some(1),
+        "{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
     let report = json(&out);
     let found = problems(&report);
     assert!(!found.is_empty());
@@ -213,8 +232,14 @@ fn missing_and_extra_keys_are_named() {
     let mut found = problems(&json(&out));
     found.sort();
     assert_eq!(found.len(), 2, "{found:?}");
-    assert_eq!((found[0].0.as_str(), found[0].1.as_str()), ("gone", "missing"));
-    assert_eq!((found[1].0.as_str(), found[1].1.as_str()), ("new", "unexpected"));
+    assert_eq!(
+        (found[0].0.as_str(), found[0].1.as_str()),
+        ("gone", "missing")
+    );
+    assert_eq!(
+        (found[1].0.as_str(), found[1].1.as_str()),
+        ("new", "unexpected")
+    );
     // Two manifests compared (two machines): the same verdicts, files named differently noted.
     let mb = tmp.path().join("b.manifest.json");
     assert!(run(&["hash", s(&b), "-o", s(&mb), "-q"]).status.success());
@@ -223,13 +248,23 @@ fn missing_and_extra_keys_are_named() {
     assert_eq!(problems(&json(&out)).len(), 2);
     // A manifest of another algorithm cannot be compared.
     let sha = tmp.path().join("sha.json");
-    assert!(run(&["hash", s(&a), "-o", s(&sha), "--algorithm", "sha256", "-q"]).status.success());
+    assert!(
+        run(&["hash", s(&a), "-o", s(&sha), "--algorithm", "sha256", "-q"])
+            .status
+            .success()
+    );
     let out = run(&["diff", s(&m), s(&sha)]);
     assert_eq!(out.status.code(), Some(2));
     assert!(String::from_utf8_lossy(&out.stderr).contains("different algorithms"));
     // And a manifest matches its own checkpoint with either algorithm.
-    assert_eq!(run(&["verify", s(&a), "--manifest", s(&sha)]).status.code(), Some(0));
-    assert_eq!(run(&["verify", s(&a), "--manifest", s(&m)]).status.code(), Some(0));
+    assert_eq!(
+        run(&["verify", s(&a), "--manifest", s(&sha)]).status.code(),
+        Some(0)
+    );
+    assert_eq!(
+        run(&["verify", s(&a), "--manifest", s(&m)]).status.code(),
+        Some(0)
+    );
 }
 
 #[test]
@@ -247,7 +282,11 @@ fn manifests_do_not_depend_on_threads() {
     assert_eq!(outs[0], outs[2]);
     // Written again over itself: replaced, same bytes, no temporary left.
     let again = tmp.path().join("m1.json");
-    assert!(run(&["hash", s(&ckpt), "-o", s(&again), "-q"]).status.success());
+    assert!(
+        run(&["hash", s(&ckpt), "-o", s(&again), "-q"])
+            .status
+            .success()
+    );
     assert_eq!(std::fs::read(&again).unwrap(), outs[0]);
     let left: Vec<_> = std::fs::read_dir(tmp.path()).unwrap().collect();
     assert_eq!(left.len(), 3);
@@ -260,9 +299,18 @@ fn bad_manifests_are_refused_with_the_file_and_key() {
     write_st(&a, &[("w", vec![1.0])]);
     let cases = [
         ("{not json", "not a shardscope manifest"),
-        (r#"{"version": 1, "algorithm": "xxh3-128", "tensors": {"w": {"dtype": "float32", "shape": [1], "digest": "zz"}}}"#, "w: `zz` is not a xxh3-128 digest"),
-        (r#"{"version": 1, "algorithm": "xxh3-128", "tensors": {"w": {"dtype": "float32", "shape": [1], "digest": "00000000000000000000000000000000", "chunks": [{"offsets": [1], "sizes": [1], "digest": "00000000000000000000000000000000"}]}}}"#, "w: a chunk at [1] of [1] is not inside"),
-        (r#"{"version": 9, "algorithm": "xxh3-128", "tensors": {}}"#, "manifest version 9"),
+        (
+            r#"{"version": 1, "algorithm": "xxh3-128", "tensors": {"w": {"dtype": "float32", "shape": [1], "digest": "zz"}}}"#,
+            "w: `zz` is not a xxh3-128 digest",
+        ),
+        (
+            r#"{"version": 1, "algorithm": "xxh3-128", "tensors": {"w": {"dtype": "float32", "shape": [1], "digest": "00000000000000000000000000000000", "chunks": [{"offsets": [1], "sizes": [1], "digest": "00000000000000000000000000000000"}]}}}"#,
+            "w: a chunk at [1] of [1] is not inside",
+        ),
+        (
+            r#"{"version": 9, "algorithm": "xxh3-128", "tensors": {}}"#,
+            "manifest version 9",
+        ),
     ];
     for (i, (text, what)) in cases.iter().enumerate() {
         let m = tmp.path().join(format!("bad{i}.json"));
@@ -286,6 +334,9 @@ fn unreadable_tensors_fail_the_hash_and_write_nothing() {
     let out = run(&["hash", s(&ckpt), "-o", s(&m), "-q"]);
     assert_eq!(out.status.code(), Some(2));
     let err = String::from_utf8_lossy(&out.stderr);
-    assert!(err.contains("cannot be read, no manifest written") && err.contains("__0_0.distcp"), "{err}");
+    assert!(
+        err.contains("cannot be read, no manifest written") && err.contains("__0_0.distcp"),
+        "{err}"
+    );
     assert!(!m.exists());
 }
