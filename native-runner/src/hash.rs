@@ -237,6 +237,7 @@ fn hash_file(
 }
 
 /// The digest of one tensor, with its chunks' when it has several.
+#[allow(clippy::too_many_lines)] // one pass per storage case, kept together
 pub fn hash_tensor(
     reader: &mut Reader<'_>,
     entry: &IndexEntry,
@@ -302,7 +303,7 @@ pub fn hash_tensor(
         for c in &distinct {
             let mut chunk = Hasher::tensor(algorithm, dtype, &c.sizes);
             for_each_box_row(shape, &c.offsets, &c.sizes, item, |r| {
-                chunk.update(&data[r])
+                chunk.update(&data[r]);
             })
             .with_context(|| {
                 format!(

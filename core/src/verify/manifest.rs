@@ -18,24 +18,26 @@ pub fn compare_manifests(
     right: (&Manifest, &str),
     command: &'static str,
 ) -> Report {
-    let (l, r) = (left.0, right.0);
+    let (lm, rm) = (left.0, right.0);
     let mut report = Report::new(command, Some(left.1.to_owned()), Some(right.1.to_owned()));
-    let keys: BTreeSet<&String> = l
+    let keys: BTreeSet<&String> = lm
         .tensors
         .keys()
-        .chain(l.values.keys())
-        .chain(r.tensors.keys())
-        .chain(r.values.keys())
-        .chain(l.errors.keys())
-        .chain(r.errors.keys())
+        .chain(lm.values.keys())
+        .chain(rm.tensors.keys())
+        .chain(rm.values.keys())
+        .chain(lm.errors.keys())
+        .chain(rm.errors.keys())
         .collect();
     for key in keys {
         let mut e = Entry::new(key, Status::Match);
-        let in_left =
-            l.tensors.contains_key(key) || l.values.contains_key(key) || l.errors.contains_key(key);
-        let in_right =
-            r.tensors.contains_key(key) || r.values.contains_key(key) || r.errors.contains_key(key);
-        if let Some(t) = l.tensors.get(key).or_else(|| r.tensors.get(key)) {
+        let in_left = lm.tensors.contains_key(key)
+            || lm.values.contains_key(key)
+            || lm.errors.contains_key(key);
+        let in_right = rm.tensors.contains_key(key)
+            || rm.values.contains_key(key)
+            || rm.errors.contains_key(key);
+        if let Some(t) = lm.tensors.get(key).or_else(|| rm.tensors.get(key)) {
             e.dtype = t.dtype.parse().ok();
             e.shape = Some(t.shape.clone());
         }
@@ -43,21 +45,21 @@ pub fn compare_manifests(
             e.add_problem(Status::Missing, &format!("not in {}", right.1));
         } else if !in_left {
             e.add_problem(Status::Unexpected, &format!("not in {}", left.1));
-        } else if let Some(why) = l.errors.get(key) {
+        } else if let Some(why) = lm.errors.get(key) {
             e.add_problem(
                 Status::Mismatch,
                 &format!("{}: cannot be read: {why}", left.1),
             );
-        } else if let Some(why) = r.errors.get(key) {
+        } else if let Some(why) = rm.errors.get(key) {
             e.add_problem(
                 Status::Mismatch,
                 &format!("{}: cannot be read: {why}", right.1),
             );
         } else {
-            match (l.tensors.get(key), r.tensors.get(key)) {
+            match (lm.tensors.get(key), rm.tensors.get(key)) {
                 (Some(a), Some(b)) => compare_tensors(&mut e, a, b),
                 (None, None) => {
-                    if l.values.get(key) != r.values.get(key) {
+                    if lm.values.get(key) != rm.values.get(key) {
                         e.add_problem(Status::Mismatch, "the values differ");
                     }
                 }
@@ -76,7 +78,7 @@ pub fn compare_manifests(
         }
         report.insert(e);
     }
-    compare_files(l, r, &mut report);
+    compare_files(lm, rm, &mut report);
     report.finish();
     report
 }
@@ -160,7 +162,7 @@ fn compare_files(l: &Manifest, r: &Manifest, report: &mut Report) {
                 b.size, a.size
             )),
             (Some(a), Some(b)) if a.digest != b.digest => {
-                report.notes.push(format!("file {name}: its bytes differ"))
+                report.notes.push(format!("file {name}: its bytes differ"));
             }
             (Some(_), None) => report.notes.push(format!("file {name}: missing")),
             (None, Some(_)) => report

@@ -115,12 +115,13 @@ pub fn run(args: &HashArgs) -> Result<ExitCode> {
         }
         None if args.json => print_stdout(&text)?,
         None => {
+            use std::fmt::Write as _;
             let mut lines = String::new();
             for (k, t) in &manifest.tensors {
-                lines.push_str(&format!("{}  {k}\n", t.digest));
+                let _ = writeln!(lines, "{}  {k}", t.digest);
             }
             for (k, v) in &manifest.values {
-                lines.push_str(&format!("{}  {k}\n", v.digest));
+                let _ = writeln!(lines, "{}  {k}", v.digest);
             }
             print_stdout(&lines)?;
         }

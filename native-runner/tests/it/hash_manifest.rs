@@ -3,6 +3,8 @@
 //! where it was made (the place found from torch's own values, not from our output), missing and
 //! extra keys, exit codes, determinism, untrusted manifests.
 
+#![allow(clippy::unwrap_used, clippy::too_many_lines)]
+
 use std::path::{Path, PathBuf};
 use std::process::{Command, Output};
 
