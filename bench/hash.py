@@ -83,11 +83,12 @@ def main() -> None:
         data_files = sorted(os.path.join(src, f) for f in os.listdir(src) if f.endswith(".distcp"))
         input_bytes = sum(os.path.getsize(f) for f in data_files)
         out = os.path.join(work, "m.json")
+        out_sha = os.path.join(work, "sha.json")
         commands = {
             "cat FILES > /dev/null": ["sh", "-c", 'cat "$@" > /dev/null', "sh", *data_files],
             "hash --no-files (xxh3)": [shardscope, "hash", src, "--no-files", "-o", out, "--quiet"],
             "hash (xxh3, + file digests)": [shardscope, "hash", src, "-o", out, "--quiet"],
-            "hash --no-files --algorithm sha256": [shardscope, "hash", src, "--no-files", "--algorithm", "sha256", "-o", out, "--quiet"],
+            "hash --no-files --algorithm sha256": [shardscope, "hash", src, "--no-files", "--algorithm", "sha256", "-o", out_sha, "--quiet"],
         }
         names = list(commands)
         runs = {n: [] for n in names}
@@ -101,8 +102,8 @@ def main() -> None:
             for name in names:
                 ratios[name].append(round_["cat FILES > /dev/null"] / round_[name])
 
-        # The last manifest is sha256: check one tensor against hashlib.
-        with open(out) as f:
+        # The sha256 manifest: one tensor against hashlib.
+        with open(out_sha) as f:
             manifest = json.load(f)
         t = full_tensor(3)
         header = b"tensor\0float32\0" + f"{ROWS},{COLS}".encode() + b"\0"
