@@ -31,6 +31,8 @@ pub mod view;
 
 pub mod checkpoint;
 pub mod doctor;
+/// Content manifests: per-tensor digests of logical values (`shardscope hash`).
+pub mod manifest;
 pub mod transform;
 pub mod verify;
 

@@ -23,7 +23,9 @@ use crate::index::{CheckpointIndex, CheckpointKind, EntryKind, IndexEntry, PathS
 use crate::layout::fsdp1::{FlatParamLayout, Fsdp1Layout};
 use crate::source::Source;
 
+mod manifest;
 mod plan;
+pub use manifest::compare_manifests;
 pub use plan::DiffPlan;
 
 /// The `kind` of every report.

@@ -55,6 +55,10 @@ enum Command {
     /// Say why a checkpoint will not load into a model, and how to fix it (exit 0 loadable, 1 not,
     /// 2 unreadable).
     Doctor(cli::doctor::DoctorArgs),
+    /// Write a content manifest: one digest per tensor of its logical value, the same whatever
+    /// the format or sharding (DCP, safetensors, per-rank files, `.pt`); `verify --manifest`
+    /// and `diff` check a checkpoint against it.
+    Hash(cli::hash::HashArgs),
 }
 
 /// Runs the `shardscope` command with `args` (the program name first, as `std::env::args_os`
@@ -93,6 +97,7 @@ where
             cli::print_stdout(&String::from_utf8_lossy(&out)).map(|()| ExitCode::SUCCESS)
         }
         Command::Doctor(args) => cli::doctor::run(&args),
+        Command::Hash(args) => cli::hash::run(&args),
     };
     match result {
         Ok(code) => code,

@@ -11,6 +11,7 @@ mod app;
 mod atomic;
 mod cli;
 mod convert;
+mod hash;
 mod input;
 mod writeback;
 

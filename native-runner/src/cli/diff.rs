@@ -68,6 +68,15 @@ pub fn run(args: &DiffArgs) -> anyhow::Result<ExitCode> {
         }
     };
     let options = args.read.options()?;
+    let left_manifest = super::hash::read_manifest_if(&args.left)?;
+    let right_manifest = super::hash::read_manifest_if(&args.right)?;
+    if left_manifest.is_some() || right_manifest.is_some() {
+        anyhow::ensure!(
+            tolerance.is_none() && args.select.is_none(),
+            "a manifest compares digests: --rtol, --atol and --select do not apply"
+        );
+        return diff_manifests(args, left_manifest, right_manifest, &options);
+    }
     let side_options = |side: &PathBuf| {
         let mut o = options.clone();
         if !side.is_dir() {
@@ -132,6 +141,63 @@ pub fn run(args: &DiffArgs) -> anyhow::Result<ExitCode> {
             eprintln!("{w}");
         }
     }
+    if args.json {
+        print_stdout(&report.to_json())?;
+    } else {
+        print_stdout(&render(&report))?;
+    }
+    Ok(ExitCode::from(report.exit_code()))
+}
+
+/// `diff` with a manifest on one side or both: the other side's manifest is computed with the
+/// manifest's algorithm, then the two are compared key by key.
+fn diff_manifests(
+    args: &DiffArgs,
+    left: Option<shardscope_core::manifest::Manifest>,
+    right: Option<shardscope_core::manifest::Manifest>,
+    options: &shardscope_core::checkpoint::ReadOptions,
+) -> anyhow::Result<ExitCode> {
+    let algorithm = left
+        .as_ref()
+        .or(right.as_ref())
+        .map(|m| m.algorithm)
+        .unwrap_or_default();
+    let with_files = left
+        .as_ref()
+        .or(right.as_ref())
+        .is_some_and(|m| !m.files.is_empty());
+    let side = |m: Option<shardscope_core::manifest::Manifest>, path: &PathBuf| {
+        if let Some(m) = m {
+            return Ok(m);
+        }
+        let mut o = options.clone();
+        if !path.is_dir() {
+            o.model_files = None;
+            o.optim_files = None;
+        }
+        let paths = super::read::expand_ranks(std::slice::from_ref(path), args.read.files.ranks)?;
+        let hash = crate::hash::HashOptions {
+            algorithm,
+            threads: crate::hash::default_threads(),
+            files: with_files,
+        };
+        super::hash::manifest_of_paths(&paths, &o, hash, args.quiet || args.json)
+    };
+    let left = side(left, &args.left)?;
+    let right = side(right, &args.right)?;
+    anyhow::ensure!(
+        left.algorithm == right.algorithm,
+        "{} is a {} manifest, {} a {} one: digests of different algorithms cannot be compared",
+        args.left.display(),
+        left.algorithm.name(),
+        args.right.display(),
+        right.algorithm.name()
+    );
+    let report = verify::compare_manifests(
+        (&left, &super::read::shown(&args.left)),
+        (&right, &super::read::shown(&args.right)),
+        "diff",
+    );
     if args.json {
         print_stdout(&report.to_json())?;
     } else {

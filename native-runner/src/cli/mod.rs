@@ -5,6 +5,7 @@ pub mod convert_mapped;
 pub mod diff;
 pub mod doctor;
 pub mod gather;
+pub mod hash;
 pub mod inspect;
 pub mod layout;
 pub mod mappings;

@@ -25,6 +25,14 @@ pub struct VerifyArgs {
     /// No progress on stderr.
     #[arg(long, short)]
     pub quiet: bool,
+    /// Check the checkpoint against a content manifest (`shardscope hash -o MANIFEST.json`):
+    /// exit 0 when every tensor and value matches, 1 naming each that differs (with the file and
+    /// byte range of the differing chunk), is missing or is extra.
+    #[arg(long, value_name = "MANIFEST.json")]
+    pub manifest: Option<PathBuf>,
+    /// With --manifest: threads reading and hashing (default: the available cores, at most 8).
+    #[arg(long, value_name = "N", value_parser = crate::convert::exec::parse_threads)]
+    pub threads: Option<usize>,
     /// With --model: FSDP1 flat parameters are checked against the layout (sizes, rank pieces,
     /// zero padding segments), and the per-rank files must read as every original parameter.
     #[command(flatten)]
@@ -35,6 +43,9 @@ pub struct VerifyArgs {
 /// or does not hold together.
 pub fn run(args: &VerifyArgs) -> anyhow::Result<ExitCode> {
     let options = args.read.options()?;
+    if let Some(manifest) = &args.manifest {
+        return against_manifest(args, manifest, &options);
+    }
     // Its own progress line: no second one for remote reads. The stored pieces are checked first
     // (against the layout with --model), then read through the view.
     let paths = super::read::expand_ranks(&args.paths, args.read.files.ranks)?;
@@ -63,6 +74,38 @@ pub fn run(args: &VerifyArgs) -> anyhow::Result<ExitCode> {
         checkpoint.apply_view(&options)?;
         super::read::show_notes(&checkpoint, args.quiet || args.json);
     }
+    if args.json {
+        print_stdout(&report.to_json())?;
+    } else {
+        print_stdout(&render(&report))?;
+    }
+    Ok(ExitCode::from(report.exit_code()))
+}
+
+/// `verify --manifest`: the checkpoint's manifest, computed with the manifest's algorithm,
+/// compared with it.
+fn against_manifest(
+    args: &VerifyArgs,
+    manifest_path: &std::path::Path,
+    options: &shardscope_core::checkpoint::ReadOptions,
+) -> anyhow::Result<ExitCode> {
+    anyhow::ensure!(
+        !args.shallow,
+        "--shallow and --manifest: a manifest is checked by reading every value"
+    );
+    let expected = super::hash::read_manifest(manifest_path)?;
+    let paths = super::read::expand_ranks(&args.paths, args.read.files.ranks)?;
+    let hash = crate::hash::HashOptions {
+        algorithm: expected.algorithm,
+        threads: args.threads.unwrap_or_else(crate::hash::default_threads),
+        files: !expected.files.is_empty(),
+    };
+    let actual = super::hash::manifest_of_paths(&paths, options, hash, args.quiet || args.json)?;
+    let report = verify::compare_manifests(
+        (&expected, &manifest_path.display().to_string()),
+        (&actual, &super::read::label_of(&paths)),
+        "verify",
+    );
     if args.json {
         print_stdout(&report.to_json())?;
     } else {

@@ -31,6 +31,7 @@ mod gather_ckpt;
 mod gather_cli;
 mod gather_fixtures;
 mod gather_roundtrip;
+mod hash_manifest;
 mod hf_mapping;
 mod hsdp_replicas;
 mod interop_ranks;

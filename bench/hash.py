@@ -1,0 +1,128 @@
+#!/usr/bin/env python3
+"""Benchmark: `shardscope hash` of a 1 GiB DCP written by torch, against `cat FILES > /dev/null`
+of the same `.distcp` files, in the same run.
+
+1. Two spawned ranks (gloo, CPU) save `{"model": {...}}` with `dcp.save`: 8 float32 tensors of
+   [8192, 4096] (128 MiB each) as `DTensor`s sharded on dim 0 (one chunk per rank, as FSDP2 writes
+   them); 1.00 GiB in two `.distcp` files.
+2. Each command runs as its own process under `/usr/bin/time -v`; the page cache is WARM for every
+   command (the files are read with `cat` right before each one, see `benchlib.timed`), so this
+   measures the CPU cost of reading and hashing against the cheapest read there is:
+   - `cat FILES > /dev/null`;
+   - `shardscope hash DCP --no-files -o M.json` (xxh3-128 tensor digests: every tensor byte once);
+   - `shardscope hash DCP -o M.json` (also each file's digest: every byte twice);
+   - `shardscope hash DCP --no-files --algorithm sha256 -o M.json`.
+   `--runs N` rounds (default 5), the order rotated each round; medians, and the median of each
+   command's ratio to the `cat` of its round.
+3. Check: one tensor's SHA-256 digest, computed here with hashlib (docs/hash.md's framing), equals
+   the manifest's.
+
+usage: python bench/hash.py [--shardscope target/release/shardscope] [--dir /tmp] [--runs 5]
+Prints a table and one JSON line. Cleans up its temp directory. See BENCHMARKS.md.
+"""
+
+from __future__ import annotations
+
+import argparse
+import hashlib
+import json
+import os
+import shutil
+import socket
+import subprocess
+import sys
+import tempfile
+
+import torch
+import torch.distributed as dist
+import torch.distributed.checkpoint as dcp
+import torch.multiprocessing as mp
+from benchlib import timed
+
+TENSORS = 8
+ROWS, COLS = 8192, 4096  # 128 MiB of float32
+WORLD = 2
+
+
+def save_worker(rank: int, port: int, out_dir: str) -> None:
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.tensor import DTensor, Shard
+
+    os.environ["MASTER_ADDR"] = "127.0.0.1"
+    os.environ["MASTER_PORT"] = str(port)
+    dist.init_process_group("gloo", rank=rank, world_size=WORLD)
+    mesh = init_device_mesh("cpu", (WORLD,))
+    sd = {}
+    for i in range(TENSORS):
+        g = torch.Generator().manual_seed(1000 * i + rank)
+        sd[f"layers.{i:02d}.weight"] = DTensor.from_local(torch.randn(ROWS // WORLD, COLS, generator=g), mesh, [Shard(0)])
+    dcp.save({"model": sd}, checkpoint_id=out_dir)
+    dist.barrier()
+    dist.destroy_process_group()
+
+
+def full_tensor(i: int) -> torch.Tensor:
+    parts = [torch.randn(ROWS // WORLD, COLS, generator=torch.Generator().manual_seed(1000 * i + r)) for r in range(WORLD)]
+    return torch.cat(parts)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--shardscope", default="target/release/shardscope")
+    parser.add_argument("--dir", default=tempfile.gettempdir())
+    parser.add_argument("--runs", type=int, default=5)
+    args = parser.parse_args()
+    shardscope = os.path.abspath(args.shardscope)
+    work = tempfile.mkdtemp(prefix="shardscope-bench-hash-", dir=args.dir)
+    try:
+        src = os.path.join(work, "dcp")
+        with socket.socket() as s:
+            s.bind(("127.0.0.1", 0))
+            port = s.getsockname()[1]
+        mp.spawn(save_worker, args=(port, src), nprocs=WORLD, join=True)
+        data_files = sorted(os.path.join(src, f) for f in os.listdir(src) if f.endswith(".distcp"))
+        input_bytes = sum(os.path.getsize(f) for f in data_files)
+        out = os.path.join(work, "m.json")
+        out_sha = os.path.join(work, "sha.json")
+        commands = {
+            "cat FILES > /dev/null": ["sh", "-c", 'cat "$@" > /dev/null', "sh", *data_files],
+            "hash --no-files (xxh3)": [shardscope, "hash", src, "--no-files", "-o", out, "--quiet"],
+            "hash (xxh3, + file digests)": [shardscope, "hash", src, "-o", out, "--quiet"],
+            "hash --no-files --algorithm sha256": [shardscope, "hash", src, "--no-files", "--algorithm", "sha256", "-o", out_sha, "--quiet"],
+        }
+        names = list(commands)
+        runs = {n: [] for n in names}
+        ratios = {n: [] for n in names}
+        for r in range(args.runs):
+            round_ = {}
+            for name in names[r % len(names):] + names[: r % len(names)]:
+                wall, rss = timed(commands[name], data_files)
+                runs[name].append((wall, rss))
+                round_[name] = wall
+            for name in names:
+                ratios[name].append(round_["cat FILES > /dev/null"] / round_[name])
+
+        # The sha256 manifest: one tensor against hashlib.
+        with open(out_sha) as f:
+            manifest = json.load(f)
+        t = full_tensor(3)
+        header = b"tensor\0float32\0" + f"{ROWS},{COLS}".encode() + b"\0"
+        want = hashlib.sha256(header + t.numpy().tobytes()).hexdigest()
+        assert manifest["tensors"]["model.layers.03.weight"]["digest"] == want
+
+        med = lambda v: sorted(v)[len(v) // 2]  # noqa: E731
+        print(f"input: {input_bytes / 2**30:.2f} GiB in {len(data_files)} .distcp files, page cache warm, {os.cpu_count()} cores, {args.runs} runs")
+        print(f"{'command':40} {'wall s':>8} {'GiB/s':>7} {'peak RSS MiB':>13} {'of cat':>8}")
+        summary = {"input_bytes": input_bytes, "runs": args.runs, "cache": "warm"}
+        for name in names:
+            wall, rss = med(runs[name])
+            ratio = med(ratios[name])
+            print(f"{name:40} {wall:8.3f} {input_bytes / 2**30 / wall:7.2f} {rss / 2**20:13.0f} {ratio * 100:7.0f}%")
+            summary[name] = {"wall_s": wall, "peak_rss_bytes": rss, "fraction_of_cat": ratio, "all_wall_s": [round(w, 3) for w, _ in runs[name]]}
+        print(json.dumps(summary))
+    finally:
+        shutil.rmtree(work, ignore_errors=True)
+
+
+if __name__ == "__main__":
+    main()
