@@ -39,7 +39,7 @@ pub fn bloated_storages(index: &CheckpointIndex, label: &str, findings: &mut Vec
                 .entry((&c.file, c.byte_offset, c.byte_length))
                 .or_insert_with(|| (BTreeSet::new(), item, BTreeSet::new()));
             slot.0
-                .insert((*storage_offset, strides.to_vec(), c.sizes.to_vec()));
+                .insert((*storage_offset, strides.clone(), c.sizes.to_vec()));
             slot.2.insert(e.key.as_str());
         }
     }
