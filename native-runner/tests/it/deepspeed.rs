@@ -362,3 +362,13 @@ fn convert_to_torch_save_holds_the_optimizer_per_parameter() {
         );
     }
 }
+
+/// `convert <case> -o dcp --world-size N` (N = 2, 3) for every case loads into a fresh FSDP2 model
+/// and AdamW on N gloo ranks (`dcp.load` into `get_model_state_dict` + `get_optimizer_state_dict`,
+/// then `set_model_state_dict` / `set_optimizer_state_dict`), every parameter, moment and step
+/// equal to what DeepSpeed wrote, and trains one more step; a moment changed in DeepSpeed's file
+/// is caught (tests/interop/check_deepspeed_fsdp2.py).
+#[test]
+fn dcp_for_n_ranks_loads_into_fsdp2_and_trains_on() {
+    crate::common::run_interop_script("check_deepspeed_fsdp2.py");
+}
