@@ -372,3 +372,80 @@ fn convert_to_torch_save_holds_the_optimizer_per_parameter() {
 fn dcp_for_n_ranks_loads_into_fsdp2_and_trains_on() {
     crate::common::run_interop_script("check_deepspeed_fsdp2.py");
 }
+
+/// Replaces the one occurrence of `from` in `file` with `to` (the same length: the `data.pkl` member
+/// keeps its size, so the archive stays readable).
+fn patch_once(file: &Path, from: &[u8], to: &[u8]) {
+    assert_eq!(from.len(), to.len());
+    let mut bytes = std::fs::read(file).unwrap();
+    let at: Vec<usize> = bytes
+        .windows(from.len())
+        .enumerate()
+        .filter(|(_, w)| *w == from)
+        .map(|(i, _)| i)
+        .collect();
+    assert_eq!(at.len(), 1, "{}", String::from_utf8_lossy(from));
+    bytes[at[0]..at[0] + to.len()].copy_from_slice(to);
+    std::fs::write(file, bytes).unwrap();
+}
+
+/// `doctor` on DeepSpeed's folders: the optimizer files name DeepSpeed's own record classes
+/// (`ZeroStageEnum`, `LossScaler`, `fragment_address`), which torch's `weights_only` load refuses:
+/// a `deepspeed-pickle` warning, the checkpoint loadable (exit 0). Any other global in such a file
+/// (here DeepSpeed's enum renamed, and a class of another module) stays an `unsafe-pickle` error.
+#[test]
+fn doctor_knows_deepspeed_records_from_unsafe_pickles() {
+    for case in CASES {
+        let out = run(&["doctor", s(&deepspeed().join(case)), "--json"]);
+        let report: serde_json::Value = serde_json::from_slice(&out.stdout).unwrap();
+        assert_eq!(out.status.code(), Some(0), "{case}: {report}");
+        let codes: Vec<&str> = report["findings"]
+            .as_array()
+            .unwrap()
+            .iter()
+            .map(|f| f["code"].as_str().unwrap())
+            .collect();
+        assert!(codes.contains(&"deepspeed-pickle"), "{case}: {report}");
+        assert!(!codes.contains(&"unsafe-pickle"), "{case}: {report}");
+    }
+    let tmp = tempfile::tempdir().unwrap();
+    let optim = "global_step2/zero_pp_rank_1_mp_rank_00_optim_states.pt";
+    for (i, (from, to, named)) in [
+        (
+            &b"ZeroStageEnum\n"[..],
+            &b"ZeroStageEnuX\n"[..],
+            "deepspeed.runtime.zero.config.ZeroStageEnuX",
+        ),
+        (
+            &b"deepspeed.runtime.fp16.loss_scaler\nLossScaler\n"[..],
+            &b"subprocess.xxxxxxxxxxxxxxxxxxxxxxx\nPopenXxxxx\n"[..],
+            "subprocess.xxxxxxxxxxxxxxxxxxxxxxx.PopenXxxxx",
+        ),
+    ]
+    .into_iter()
+    .enumerate()
+    {
+        let dir = copy_case("zero2_fp32", &tmp.path().join(i.to_string()));
+        patch_once(&dir.join(optim), from, to);
+        let out = run(&["doctor", s(&dir), "--json"]);
+        let report: serde_json::Value = serde_json::from_slice(&out.stdout).unwrap();
+        assert_eq!(out.status.code(), Some(1), "{report}");
+        let findings = report["findings"].as_array().unwrap();
+        let unsafe_pickle = findings
+            .iter()
+            .find(|f| f["code"] == "unsafe-pickle" && f["keys"][0] == optim)
+            .unwrap_or_else(|| panic!("no unsafe-pickle for {optim}: {report}"));
+        let message = unsafe_pickle["message"].as_str().unwrap();
+        assert!(message.contains(named), "{message}");
+        if i == 1 {
+            // The folder still reads as DeepSpeed's: rank 0's untouched file stays a warning.
+            let rank0 = optim.replace("rank_1", "rank_0");
+            assert!(
+                findings
+                    .iter()
+                    .any(|f| f["code"] == "deepspeed-pickle" && f["keys"][0] == rank0.as_str()),
+                "{report}"
+            );
+        }
+    }
+}
