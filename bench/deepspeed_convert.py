@@ -20,7 +20,9 @@ same run.
      CKPT, OUT, max_shard_size=None, safe_serialization=True)` (what `zero_to_fp32.py CKPT OUT
      --safe_serialization` runs; `max_shard_size=None` because its default "5GB" needs
      huggingface_hub, and one file is written either way), then an fsync of the file, so both
-     commands pay for their writes.
+     commands pay for their writes;
+   - last in each round, a durable copy of shardscope's output (`cat model.safetensors > COPY && sync
+     COPY`): the floor for writing these bytes.
 3. Check (after round 1, not timed): both model.safetensors hold the same names, dtypes, shapes and
    bytes; whether the files are byte-identical is reported. DeepSpeed's import alone
    (`python -c "import deepspeed.utils.zero_to_fp32"`) is timed once, for context, and the
@@ -60,6 +62,7 @@ DEEPSPEED_VERSION = "0.19.8"
 
 SHARDSCOPE = "shardscope convert --model-only"
 ZERO_TO_FP32 = "DeepSpeed zero_to_fp32 (safetensors)"
+COPY = "durable copy of the output (cat + sync)"
 
 
 def log(msg: str) -> None:
@@ -211,17 +214,22 @@ def main() -> None:
         SHARDSCOPE: [shardscope, "convert", ckpt, "--model-only", "-o", os.path.join(out_ours, "model.safetensors"), "-q"],
         ZERO_TO_FP32: [sys.executable, os.path.abspath(__file__), "--zero-to-fp32", ckpt, out_ds],
     }
-    output_of = {SHARDSCOPE: out_ours, ZERO_TO_FP32: out_ds}
-    runs: dict[str, list[tuple[float, int]]] = {n: [] for n in commands}
+    out_copy = os.path.join(work, "out-copy")
+    copied = os.path.join(out_ours, "model.safetensors")
+    output_of = {SHARDSCOPE: out_ours, ZERO_TO_FP32: out_ds, COPY: out_copy}
     names = list(commands)
+    # Last in every round: the floor for writing the output's bytes durably.
+    commands[COPY] = ["sh", "-c", 'cat "$1" > "$2/model.safetensors" && sync "$2/model.safetensors"', "sh",
+                      copied, out_copy]
+    runs: dict[str, list[tuple[float, int]]] = {n: [] for n in commands}
     loads = [os.getloadavg()[0]]
     work_s: list[float] = []
     check = None
     for r in range(args.runs):
-        for name in names[r % 2:] + names[: r % 2]:
+        for name in names[r % 2:] + names[: r % 2] + [COPY]:
             shutil.rmtree(output_of[name], ignore_errors=True)
             os.makedirs(output_of[name])
-            wall, rss = timed(commands[name], warm)
+            wall, rss = timed(commands[name], [copied] if name == COPY else warm)
             runs[name].append((wall, rss))
             log(f"round {r + 1}/{args.runs}: {name}: {wall:.2f} s, peak RSS {rss / 2**20:.0f} MiB")
             if name == ZERO_TO_FP32:
@@ -238,7 +246,8 @@ def main() -> None:
     per_round = [
         {"round": i + 1, "speedup": runs[ZERO_TO_FP32][i][0] / runs[SHARDSCOPE][i][0],
          "speedup_without_imports": work_s[i] / runs[SHARDSCOPE][i][0],
-         "rss_fraction": runs[SHARDSCOPE][i][1] / runs[ZERO_TO_FP32][i][1]}
+         "rss_fraction": runs[SHARDSCOPE][i][1] / runs[ZERO_TO_FP32][i][1],
+         "fraction_of_copy": runs[COPY][i][0] / runs[SHARDSCOPE][i][0]}
         for i in range(args.runs)
     ]
     med = {n: {"wall_s": median([w for w, _ in v]), "min_s": min(w for w, _ in v), "max_s": max(w for w, _ in v),
@@ -252,6 +261,7 @@ def main() -> None:
         "zero_to_fp32_work_s": work_s,
         "median_round_speedup_without_imports": median([p["speedup_without_imports"] for p in per_round]),
         "median_round_rss_fraction": median([p["rss_fraction"] for p in per_round]),
+        "median_round_fraction_of_copy": median([p["fraction_of_copy"] for p in per_round]),
     }
     if args.json:
         print(json.dumps(summary, indent=1))
@@ -266,21 +276,24 @@ def main() -> None:
     print("| command | wall (median, range) | peak RSS (median) | x zero_to_fp32 (speed) | RSS / zero_to_fp32's |")
     print("|---|---|---|---|---|")
     base = med[ZERO_TO_FP32]
-    for n in names:
+    for n in names + [COPY]:
         m = med[n]
         print(f"| {n} | {m['wall_s']:.2f} s ({m['min_s']:.2f}–{m['max_s']:.2f}) | {m['peak_rss_bytes'] / 2**20:.0f} MiB | "
               f"{base['wall_s'] / m['wall_s']:.1f}x | {m['peak_rss_bytes'] / base['peak_rss_bytes']:.3f} |")
     print()
-    print("| round | " + " | ".join(names) + " | speed-up | speed-up vs zero_to_fp32 after its imports | RSS fraction |")
-    print("|---|---|---|---|---|---|")
+    print("| round | " + " | ".join(names + [COPY]) + " | speed-up | speed-up vs zero_to_fp32 after its imports | RSS fraction | shardscope % of copy |")
+    print("|---|---|---|---|---|---|---|---|")
     for i, p in enumerate(per_round):
-        cells = [f"{runs[n][i][0]:.2f} s, {runs[n][i][1] / 2**20:.0f} MiB" for n in names]
+        cells = [f"{runs[n][i][0]:.2f} s, {runs[n][i][1] / 2**20:.0f} MiB" for n in names + [COPY]]
         print(f"| {p['round']} | " + " | ".join(cells) + f" | {p['speedup']:.1f}x | "
-              f"{p['speedup_without_imports']:.1f}x ({work_s[i]:.2f} s) | {p['rss_fraction']:.3f} |")
+              f"{p['speedup_without_imports']:.1f}x ({work_s[i]:.2f} s) | {p['rss_fraction']:.3f} | "
+              f"{p['fraction_of_copy'] * 100:.0f}% |")
     print()
     print(f"shardscope: {summary['median_round_speedup']:.1f}x faster than zero_to_fp32 (median of the rounds' ratios), "
           f"{summary['median_round_speedup_without_imports']:.1f}x against its conversion alone (imports left out), "
-          f"{summary['median_round_rss_fraction'] * 100:.1f}% of its peak RSS; outputs equal bit for bit "
+          f"{summary['median_round_rss_fraction'] * 100:.1f}% of its peak RSS, "
+          f"{summary['median_round_fraction_of_copy'] * 100:.0f}% of the speed of a durable copy of its output; "
+          f"outputs equal bit for bit "
           f"({check['tensors']} tensors, files byte-identical: {check['files_byte_identical']}); "
           f"`import deepspeed.utils.zero_to_fp32` alone takes {import_s:.1f} s.")
 
