@@ -449,3 +449,55 @@ fn doctor_knows_deepspeed_records_from_unsafe_pickles() {
         }
     }
 }
+
+/// `diff <case> --model-only` against DeepSpeed's own `zero_to_fp32` state dict is equal for every
+/// case; a copy with one fp32 master weight changed in DeepSpeed's optimizer file differs from it in
+/// exactly that parameter and its tie (exit 1, the names and the element).
+#[test]
+fn diff_against_zero_to_fp32_finds_a_changed_master_weight() {
+    for case in CASES {
+        let reference = deepspeed()
+            .join("expected")
+            .join(format!("{case}.zero_to_fp32.safetensors"));
+        let out = run(&[
+            "diff",
+            s(&deepspeed().join(case)),
+            s(&reference),
+            "--model-only",
+        ]);
+        ok(&out, case);
+    }
+    // ZeRO-3 on 2 ranks: rank 1's flat group 0 starts with embed.weight's elements 33.. (each rank
+    // holds ceil(66 / 2) = 33 of them), found by their bytes in DeepSpeed's file.
+    let tmp = tempfile::tempdir().unwrap();
+    let dir = copy_case("zero3_fp32", tmp.path());
+    let want = expected("zero3_fp32");
+    let embed = &want.tensors["embed.weight"].2;
+    let part = &embed[33 * 4..41 * 4];
+    let mut changed = part.to_vec();
+    changed[..4].copy_from_slice(
+        &(f32::from_le_bytes(part[..4].try_into().unwrap()) * 2.0 + 1.0).to_le_bytes(),
+    );
+    let file = dir
+        .join("global_step2")
+        .join("zero_pp_rank_1_mp_rank_00_optim_states.pt");
+    patch_once(&file, part, &changed);
+    let reference = deepspeed()
+        .join("expected")
+        .join("zero3_fp32.zero_to_fp32.safetensors");
+    let out = run(&["diff", s(&dir), s(&reference), "--model-only"]);
+    let stdout = String::from_utf8_lossy(&out.stdout);
+    assert_eq!(out.status.code(), Some(1), "{stdout}");
+    let mismatches: Vec<&str> = stdout
+        .lines()
+        .filter(|l| l.starts_with("MISMATCH"))
+        .collect();
+    // The parameter and its tie (`head.weight` is `embed.weight`), element 33 = [5, 3].
+    assert_eq!(mismatches.len(), 2, "{stdout}");
+    for (line, name) in mismatches.iter().zip(["embed.weight", "head.weight"]) {
+        assert!(
+            line.contains(&format!("MISMATCH   {name} ")) && line.contains("first at [5, 3]"),
+            "{stdout}"
+        );
+    }
+}
