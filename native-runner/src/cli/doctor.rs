@@ -228,6 +228,23 @@ fn open_or_salvage(
                 Err(e) => return Err(anyhow::Error::new(e).context(format!("cannot read {label}"))),
             }
         }
+        // A DeepSpeed save is diagnosed as a whole (its files are not loose torch.save files),
+        // after what each of its pickles names.
+        Err(CheckpointError::Index { source: err, .. })
+            if index::looks_like_deepspeed(&source.names()) =>
+        {
+            let mut findings: Vec<Finding> = source
+                .names()
+                .iter()
+                .filter(|n| n.ends_with(".pt"))
+                .filter_map(|n| {
+                    let globals = torch_zip::pickle_globals_from(source, n).ok()?;
+                    doctor::torch_save_pickle_finding(n, &globals, true)
+                })
+                .collect();
+            findings.push(doctor::deepspeed_folder(label, &err.to_string()));
+            (None, findings)
+        }
         Err(CheckpointError::Index { source: err, .. }) => {
             let err = *err;
             let salvage = if source

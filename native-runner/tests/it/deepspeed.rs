@@ -501,3 +501,49 @@ fn diff_against_zero_to_fp32_finds_a_changed_master_weight() {
         );
     }
 }
+
+/// `doctor` on a DeepSpeed save that does not read as one (a missing rank, ZeRO stages mixed):
+/// one `deepspeed-folder` error with the reader's message naming the file, exit 1; its files are
+/// not diagnosed as loose `torch.save` files (no `unsafe-pickle` for DeepSpeed's own records, no
+/// coverage of `module`).
+#[test]
+fn doctor_names_what_breaks_a_deepspeed_save() {
+    let tmp = tempfile::tempdir().unwrap();
+    let missing = copy_case("zero3_bf16", &tmp.path().join("missing"));
+    let gone = "bf16_zero_pp_rank_1_mp_rank_00_optim_states.pt";
+    std::fs::remove_file(missing.join("global_step2").join(gone)).unwrap();
+    let mixed = copy_case("zero2_fp32", &tmp.path().join("mixed"));
+    for r in 0..2 {
+        let name = format!("zero_pp_rank_{r}_mp_rank_00_model_states.pt");
+        std::fs::copy(
+            deepspeed().join("zero3_fp32/global_step2").join(&name),
+            mixed.join("global_step2").join(&name),
+        )
+        .unwrap();
+    }
+    for (dir, want) in [
+        (&missing, format!("missing: global_step2/{gone}")),
+        (&mixed, "ZeRO stages mixed".to_owned()),
+    ] {
+        let out = run(&["doctor", s(dir), "--json"]);
+        let report: serde_json::Value = serde_json::from_slice(&out.stdout).unwrap();
+        assert_eq!(out.status.code(), Some(1), "{report}");
+        let findings = report["findings"].as_array().unwrap();
+        // The files' own pickles are still reported (DeepSpeed's records: warnings).
+        assert!(
+            findings
+                .iter()
+                .all(|f| f["code"] == "deepspeed-folder" || f["code"] == "deepspeed-pickle"),
+            "{report}"
+        );
+        let errors: Vec<&serde_json::Value> = findings
+            .iter()
+            .filter(|f| f["code"] == "deepspeed-folder")
+            .collect();
+        assert_eq!(errors.len(), 1, "{report}");
+        assert!(
+            errors[0]["message"].as_str().unwrap().contains(&want),
+            "{report}"
+        );
+    }
+}
