@@ -236,7 +236,11 @@ fn open_or_salvage(
             let mut findings: Vec<Finding> = source
                 .names()
                 .iter()
-                .filter(|n| n.ends_with(".pt"))
+                .filter(|n| {
+                    std::path::Path::new(n.as_str())
+                        .extension()
+                        .is_some_and(|e| e.eq_ignore_ascii_case("pt"))
+                })
                 .filter_map(|n| {
                     let globals = torch_zip::pickle_globals_from(source, n).ok()?;
                     doctor::torch_save_pickle_finding(n, &globals, true)
