@@ -66,6 +66,8 @@ CASES = [
     "zero3_bf16_ws3",
 ]
 CORRUPT = "zero3_fp32_corrupt"
+# The corrupted copy is checked against its source's references.
+CASES_DIR = {CORRUPT: "zero3_fp32"}
 
 
 class _DeepSpeedObject:
@@ -124,9 +126,6 @@ def expected(case):
         "groups": deepspeed_groups(FIXTURES / src),
     }
 
-
-# The corrupted copy is checked against its source's references.
-CASES_DIR = {CORRUPT: "zero3_fp32"}
 
 
 def build(world_size):
