@@ -18,6 +18,22 @@ pub fn unreadable_file(file: &str, what: &str) -> Finding {
     }
 }
 
+/// A finding for a DeepSpeed ZeRO folder that does not read as one save (`error`: the reader's
+/// message, naming the file and key: a missing rank, ZeRO stages mixed, partitions the parameters
+/// do not fill, a damaged file). Its files are not diagnosed one by one as loose `torch.save`
+/// files: what DeepSpeed wrote is only meaningful as the whole save.
+pub fn deepspeed_folder(label: &str, error: &str) -> Finding {
+    Finding {
+        code: "deepspeed-folder",
+        severity: Severity::Error,
+        keys: vec![label.to_owned()],
+        message: format!(
+            "{label} is a DeepSpeed ZeRO save that does not read as one checkpoint: {error}. DeepSpeed's load_checkpoint and zero_to_fp32 would fail on it too"
+        ),
+        fix: "copy the save again from where the run wrote it (every rank's files of one tag), and keep the files of one save in its tag folder".to_owned(),
+    }
+}
+
 /// A finding for a file that reads but holds a layout shardscope does not read (`what`): the file
 /// is not damaged, and copying it again would not help. A warning: nothing is known to be wrong,
 /// but nothing in it was checked.

@@ -40,8 +40,10 @@ use std::collections::BTreeSet;
 use crate::index::{CheckpointIndex, EntryKind, Problem};
 use crate::source::Source;
 
-pub use files::{unreadable_file, unsupported_file};
-pub use pickle_globals::{unsafe_globals, unsafe_pickle, weights_only_allows};
+pub use files::{deepspeed_folder, unreadable_file, unsupported_file};
+pub use pickle_globals::{
+    deepspeed_own, torch_save_pickle_finding, unsafe_globals, unsafe_pickle, weights_only_allows,
+};
 pub use report::{Finding, REPORT_VERSION, Report, Severity};
 pub use safety::{metadata_allows, unsafe_loader_pickles, unsafe_loader_pickles_indexed};
 pub use target::{Target, TargetKind, TargetTensor};

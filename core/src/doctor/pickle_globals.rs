@@ -142,6 +142,57 @@ pub(super) fn torch_own(g: &Global) -> bool {
 }
 
 /// A finding for a pickle that names globals outside torch's `weights_only=True` allowlist.
+/// DeepSpeed's own record classes, in the files `DeepSpeedEngine.save_checkpoint` writes
+/// (DeepSpeed 0.19.8, ZeRO-1/2/3): the ZeRO stage (`ZeroStageEnum(1)`, an `enum.IntEnum`), the loss
+/// scaler's settings (`LossScaler`, `DynamicLossScaler`: plain attributes set by `BUILD`) and the
+/// `param_slice_mappings` records (`fragment_address(numel, start)`, a dataclass). DeepSpeed itself
+/// loads these files with `torch.load(weights_only=False)`; nothing else is DeepSpeed's known
+/// content, and another global in such a file is an `unsafe-pickle` like anywhere else.
+pub fn deepspeed_own(g: &Global) -> bool {
+    matches!(
+        (g.module.as_str(), g.name.as_str()),
+        ("deepspeed.runtime.zero.config", "ZeroStageEnum")
+            | (
+                "deepspeed.runtime.fp16.loss_scaler",
+                "LossScaler" | "DynamicLossScaler"
+            )
+            | ("deepspeed.utils.tensor_fragment", "fragment_address")
+    )
+}
+
+/// The finding for the globals of a `torch.save` file outside torch's `weights_only` allowlist,
+/// or `None` when there are none. In a DeepSpeed checkpoint (`deepspeed`), a file naming only
+/// DeepSpeed's own record classes ([`deepspeed_own`]) besides torch's is a warning
+/// (`deepspeed-pickle`): `torch.load(weights_only=True)` refuses it, as it refuses every DeepSpeed
+/// optimizer file, and DeepSpeed loads it with `weights_only=False`. Any other global is an
+/// `unsafe-pickle` error naming every global outside the allowlist.
+pub fn torch_save_pickle_finding(
+    file: &str,
+    globals: &[Global],
+    deepspeed: bool,
+) -> Option<Finding> {
+    let bad = unsafe_globals(globals);
+    if bad.is_empty() {
+        return None;
+    }
+    let foreign = globals
+        .iter()
+        .any(|g| !deepspeed_own(g) && bad.contains(&g.to_string()));
+    if !deepspeed || foreign {
+        return Some(unsafe_pickle(file, &bad));
+    }
+    Some(Finding {
+        code: "deepspeed-pickle",
+        severity: Severity::Warning,
+        keys: vec![file.to_owned()],
+        message: format!(
+            "{file} names DeepSpeed's own record classes ({}), outside torch's weights_only allowlist: torch.load(weights_only=True, the default) refuses it; DeepSpeed loads it with torch.load(weights_only=False), which imports DeepSpeed. It names nothing else (shardscope reads it without importing or running anything)",
+            list(&bad)
+        ),
+        fix: "load it with DeepSpeed, or let shardscope read it (`shardscope convert CKPT -o model.safetensors`, or `--world-size N` for FSDP)".to_owned(),
+    })
+}
+
 pub fn unsafe_pickle(file: &str, globals: &[String]) -> Finding {
     Finding {
         code: "unsafe-pickle",

@@ -11,7 +11,7 @@ use clap::{Args, ValueEnum};
 use shardscope_core::checkpoint::{Checkpoint, CheckpointError, Fsdp1Flags};
 use shardscope_core::doctor::{self, Finding, Options, Report, Severity, Target};
 use shardscope_core::formats::{dcp, torch_zip};
-use shardscope_core::index::{self, CheckpointIndex, Format};
+use shardscope_core::index::{self, CheckpointIndex, CheckpointKind, Format};
 use shardscope_core::model::ModelDescription;
 use shardscope_core::source::Source;
 
@@ -195,13 +195,11 @@ fn pickle_findings(index: &CheckpointIndex, source: &dyn Source) -> Vec<Finding>
     if index.format != Format::TorchSave {
         return out;
     }
+    let deepspeed = matches!(index.kind, CheckpointKind::DeepSpeedZero { .. });
     for file in index.files.keys() {
         // By range: the zip directory and data.pkl, not the tensor bytes (remote files).
         if let Ok(globals) = torch_zip::pickle_globals_from(source, file) {
-            let bad = doctor::unsafe_globals(&globals);
-            if !bad.is_empty() {
-                out.push(doctor::unsafe_pickle(file, &bad));
-            }
+            out.extend(doctor::torch_save_pickle_finding(file, &globals, deepspeed));
         }
     }
     out
@@ -229,6 +227,27 @@ fn open_or_salvage(
                 Ok(idx) => (Some(idx), Vec::new()),
                 Err(e) => return Err(anyhow::Error::new(e).context(format!("cannot read {label}"))),
             }
+        }
+        // A DeepSpeed save is diagnosed as a whole (its files are not loose torch.save files),
+        // after what each of its pickles names.
+        Err(CheckpointError::Index { source: err, .. })
+            if index::looks_like_deepspeed(&source.names()) =>
+        {
+            let mut findings: Vec<Finding> = source
+                .names()
+                .iter()
+                .filter(|n| {
+                    std::path::Path::new(n.as_str())
+                        .extension()
+                        .is_some_and(|e| e.eq_ignore_ascii_case("pt"))
+                })
+                .filter_map(|n| {
+                    let globals = torch_zip::pickle_globals_from(source, n).ok()?;
+                    doctor::torch_save_pickle_finding(n, &globals, true)
+                })
+                .collect();
+            findings.push(doctor::deepspeed_folder(label, &err.to_string()));
+            (None, findings)
         }
         Err(CheckpointError::Index { source: err, .. }) => {
             let err = *err;

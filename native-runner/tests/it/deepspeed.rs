@@ -362,3 +362,188 @@ fn convert_to_torch_save_holds_the_optimizer_per_parameter() {
         );
     }
 }
+
+/// `convert <case> -o dcp --world-size N` (N = 2, 3) for every case loads into a fresh FSDP2 model
+/// and AdamW on N gloo ranks (`dcp.load` into `get_model_state_dict` + `get_optimizer_state_dict`,
+/// then `set_model_state_dict` / `set_optimizer_state_dict`), every parameter, moment and step
+/// equal to what DeepSpeed wrote, and trains one more step; a moment changed in DeepSpeed's file
+/// is caught (tests/interop/check_deepspeed_fsdp2.py).
+#[test]
+fn dcp_for_n_ranks_loads_into_fsdp2_and_trains_on() {
+    crate::common::run_interop_script("check_deepspeed_fsdp2.py");
+}
+
+/// Replaces the one occurrence of `from` in `file` with `to` (the same length: the `data.pkl` member
+/// keeps its size, so the archive stays readable).
+fn patch_once(file: &Path, from: &[u8], to: &[u8]) {
+    assert_eq!(from.len(), to.len());
+    let mut bytes = std::fs::read(file).unwrap();
+    let at: Vec<usize> = bytes
+        .windows(from.len())
+        .enumerate()
+        .filter(|(_, w)| *w == from)
+        .map(|(i, _)| i)
+        .collect();
+    assert_eq!(at.len(), 1, "{}", String::from_utf8_lossy(from));
+    bytes[at[0]..at[0] + to.len()].copy_from_slice(to);
+    std::fs::write(file, bytes).unwrap();
+}
+
+/// `doctor` on DeepSpeed's folders: the optimizer files name DeepSpeed's own record classes
+/// (`ZeroStageEnum`, `LossScaler`, `fragment_address`), which torch's `weights_only` load refuses:
+/// a `deepspeed-pickle` warning, the checkpoint loadable (exit 0). Any other global in such a file
+/// (here DeepSpeed's enum renamed, and a class of another module) stays an `unsafe-pickle` error.
+#[test]
+fn doctor_knows_deepspeed_records_from_unsafe_pickles() {
+    for case in CASES {
+        let out = run(&["doctor", s(&deepspeed().join(case)), "--json"]);
+        let report: serde_json::Value = serde_json::from_slice(&out.stdout).unwrap();
+        assert_eq!(out.status.code(), Some(0), "{case}: {report}");
+        let codes: Vec<&str> = report["findings"]
+            .as_array()
+            .unwrap()
+            .iter()
+            .map(|f| f["code"].as_str().unwrap())
+            .collect();
+        assert!(codes.contains(&"deepspeed-pickle"), "{case}: {report}");
+        assert!(!codes.contains(&"unsafe-pickle"), "{case}: {report}");
+    }
+    let tmp = tempfile::tempdir().unwrap();
+    let optim = "global_step2/zero_pp_rank_1_mp_rank_00_optim_states.pt";
+    for (i, (from, to, named)) in [
+        (
+            &b"ZeroStageEnum\n"[..],
+            &b"ZeroStageEnuX\n"[..],
+            "deepspeed.runtime.zero.config.ZeroStageEnuX",
+        ),
+        (
+            &b"deepspeed.runtime.fp16.loss_scaler\nLossScaler\n"[..],
+            &b"subprocess.xxxxxxxxxxxxxxxxxxxxxxx\nPopenXxxxx\n"[..],
+            "subprocess.xxxxxxxxxxxxxxxxxxxxxxx.PopenXxxxx",
+        ),
+    ]
+    .into_iter()
+    .enumerate()
+    {
+        let dir = copy_case("zero2_fp32", &tmp.path().join(i.to_string()));
+        patch_once(&dir.join(optim), from, to);
+        let out = run(&["doctor", s(&dir), "--json"]);
+        let report: serde_json::Value = serde_json::from_slice(&out.stdout).unwrap();
+        assert_eq!(out.status.code(), Some(1), "{report}");
+        let findings = report["findings"].as_array().unwrap();
+        let unsafe_pickle = findings
+            .iter()
+            .find(|f| f["code"] == "unsafe-pickle" && f["keys"][0] == optim)
+            .unwrap_or_else(|| panic!("no unsafe-pickle for {optim}: {report}"));
+        let message = unsafe_pickle["message"].as_str().unwrap();
+        assert!(message.contains(named), "{message}");
+        if i == 1 {
+            // The folder still reads as DeepSpeed's: rank 0's untouched file stays a warning.
+            let rank0 = optim.replace("rank_1", "rank_0");
+            assert!(
+                findings
+                    .iter()
+                    .any(|f| f["code"] == "deepspeed-pickle" && f["keys"][0] == rank0.as_str()),
+                "{report}"
+            );
+        }
+    }
+}
+
+/// `diff <case> --model-only` against DeepSpeed's own `zero_to_fp32` state dict is equal for every
+/// case; a copy with one fp32 master weight changed in DeepSpeed's optimizer file differs from it in
+/// exactly that parameter and its tie (exit 1, the names and the element).
+#[test]
+fn diff_against_zero_to_fp32_finds_a_changed_master_weight() {
+    for case in CASES {
+        let reference = deepspeed()
+            .join("expected")
+            .join(format!("{case}.zero_to_fp32.safetensors"));
+        let out = run(&[
+            "diff",
+            s(&deepspeed().join(case)),
+            s(&reference),
+            "--model-only",
+        ]);
+        ok(&out, case);
+    }
+    // ZeRO-3 on 2 ranks: rank 1's flat group 0 starts with embed.weight's elements 33.. (each rank
+    // holds ceil(66 / 2) = 33 of them), found by their bytes in DeepSpeed's file.
+    let tmp = tempfile::tempdir().unwrap();
+    let dir = copy_case("zero3_fp32", tmp.path());
+    let want = expected("zero3_fp32");
+    let embed = &want.tensors["embed.weight"].2;
+    let part = &embed[33 * 4..41 * 4];
+    let mut changed = part.to_vec();
+    changed[..4].copy_from_slice(
+        &(f32::from_le_bytes(part[..4].try_into().unwrap()) * 2.0 + 1.0).to_le_bytes(),
+    );
+    let file = dir
+        .join("global_step2")
+        .join("zero_pp_rank_1_mp_rank_00_optim_states.pt");
+    patch_once(&file, part, &changed);
+    let reference = deepspeed()
+        .join("expected")
+        .join("zero3_fp32.zero_to_fp32.safetensors");
+    let out = run(&["diff", s(&dir), s(&reference), "--model-only"]);
+    let stdout = String::from_utf8_lossy(&out.stdout);
+    assert_eq!(out.status.code(), Some(1), "{stdout}");
+    let mismatches: Vec<&str> = stdout
+        .lines()
+        .filter(|l| l.starts_with("MISMATCH"))
+        .collect();
+    // The parameter and its tie (`head.weight` is `embed.weight`), element 33 = [5, 3].
+    assert_eq!(mismatches.len(), 2, "{stdout}");
+    for (line, name) in mismatches.iter().zip(["embed.weight", "head.weight"]) {
+        assert!(
+            line.contains(&format!("MISMATCH   {name} ")) && line.contains("first at [5, 3]"),
+            "{stdout}"
+        );
+    }
+}
+
+/// `doctor` on a DeepSpeed save that does not read as one (a missing rank, ZeRO stages mixed):
+/// one `deepspeed-folder` error with the reader's message naming the file, exit 1; its files are
+/// not diagnosed as loose `torch.save` files (no `unsafe-pickle` for DeepSpeed's own records, no
+/// coverage of `module`).
+#[test]
+fn doctor_names_what_breaks_a_deepspeed_save() {
+    let tmp = tempfile::tempdir().unwrap();
+    let missing = copy_case("zero3_bf16", &tmp.path().join("missing"));
+    let gone = "bf16_zero_pp_rank_1_mp_rank_00_optim_states.pt";
+    std::fs::remove_file(missing.join("global_step2").join(gone)).unwrap();
+    let mixed = copy_case("zero2_fp32", &tmp.path().join("mixed"));
+    for r in 0..2 {
+        let name = format!("zero_pp_rank_{r}_mp_rank_00_model_states.pt");
+        std::fs::copy(
+            deepspeed().join("zero3_fp32/global_step2").join(&name),
+            mixed.join("global_step2").join(&name),
+        )
+        .unwrap();
+    }
+    for (dir, want) in [
+        (&missing, format!("missing: global_step2/{gone}")),
+        (&mixed, "ZeRO stages mixed".to_owned()),
+    ] {
+        let out = run(&["doctor", s(dir), "--json"]);
+        let report: serde_json::Value = serde_json::from_slice(&out.stdout).unwrap();
+        assert_eq!(out.status.code(), Some(1), "{report}");
+        let findings = report["findings"].as_array().unwrap();
+        // The files' own pickles are still reported (DeepSpeed's records: warnings).
+        assert!(
+            findings
+                .iter()
+                .all(|f| f["code"] == "deepspeed-folder" || f["code"] == "deepspeed-pickle"),
+            "{report}"
+        );
+        let errors: Vec<&serde_json::Value> = findings
+            .iter()
+            .filter(|f| f["code"] == "deepspeed-folder")
+            .collect();
+        assert_eq!(errors.len(), 1, "{report}");
+        assert!(
+            errors[0]["message"].as_str().unwrap().contains(&want),
+            "{report}"
+        );
+    }
+}
