@@ -38,6 +38,7 @@ __all__ = [
     "describe",
     "diff",
     "doctor",
+    "hash",
     "layout",
     "open",
     "verify",
@@ -811,8 +812,19 @@ def diff(a: Union[PathLike, Sequence[PathLike]], b: Union[PathLike, Sequence[Pat
     return _json(_run(["diff", pa[0], pb[0], "--json", "--quiet", *_flags(options)], ok=(0, 1)))
 
 
+def hash(path: Union[PathLike, Sequence[PathLike]], **options: Any) -> Dict[str, Any]:  # noqa: A001
+    """`shardscope hash --json`: the content manifest of a checkpoint, one digest per tensor of its
+    logical value (the same for a DCP, its safetensors twin, per-rank files and torch's consolidated
+    `.pt`): `{"version", "algorithm", "tensors": {key: {"dtype", "shape", "digest"}}, "files": ...}`.
+    Options: `algorithm="sha256"` (default xxh3), `no_files=True`, `threads`.
+
+    >>> m = shardscope.hash("ckpt/"); shardscope.verify("copy/", manifest="ckpt.manifest.json")"""
+    return _json(_run(["hash", *_paths(path), "--json", *_flags(options)]))
+
+
 def verify(path: Union[PathLike, Sequence[PathLike]], **options: Any) -> Dict[str, Any]:
-    """`shardscope verify --json`: the checkpoint checked against itself (`shallow`, `model`, ...)."""
+    """`shardscope verify --json`: the checkpoint checked against itself (`shallow`, `model`, ...), or
+    with `manifest=PATH` against a manifest `shardscope hash` wrote (`summary.mismatched`, ...)."""
     return _json(_run(["verify", *_paths(path), "--json", "--quiet", *_flags(options)], ok=(0, 1)))
 
 
