@@ -19,6 +19,7 @@ mod convert_interop;
 mod convert_parallel;
 mod deepspeed;
 mod diff_verify;
+mod docs;
 mod doctor;
 mod dtypes;
 mod export_interop;
