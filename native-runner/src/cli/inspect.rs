@@ -549,6 +549,16 @@ fn render(
             "padding: {} of storage no tensor view refers to (FSDP padding kept by torch.save)",
             human_bytes(summary.unreferenced_storage_bytes)
         );
+    } else if matches!(
+        idx.kind,
+        shardscope_core::index::CheckpointKind::DeepSpeedZero { .. }
+    ) {
+        // ZeRO's alignment and partition padding lies inside each rank's flat groups, which the
+        // storage count does not see.
+        let _ = writeln!(
+            out,
+            "padding: not counted for DeepSpeed flat partitions (their alignment padding is inside each rank's flat groups)"
+        );
     } else {
         let _ = writeln!(out, "padding: none found in storages");
     }
