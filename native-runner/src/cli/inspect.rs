@@ -500,13 +500,16 @@ fn render(
     }
     let _ = writeln!(
         out,
-        "entries: {} ({} tensors), {} in {} files",
+        "entries: {} ({} tensors), {} in {} file{}",
         summary.entries,
         summary.tensors,
         human_bytes(summary.total_bytes),
-        summary.files
+        summary.files,
+        if summary.files == 1 { "" } else { "s" }
     );
-    if !summary.bytes_per_rank.is_empty() {
+    // Bytes per rank only when the files say which rank wrote them (a lone file written by no
+    // rank in particular has no "rank ?" line).
+    if summary.bytes_per_rank.iter().any(|r| r.rank.is_some()) {
         let name = |r: &RankBytes| r.rank.map_or("?".into(), |r| r.to_string());
         let per: Vec<String> = if summary.bytes_per_rank.len() <= 8 {
             summary
@@ -563,11 +566,15 @@ fn render(
         let _ = writeln!(out, "padding: none found in storages");
     }
     if let Some(d) = &idx.dcp {
+        // `.metadata` records where the checkpoint was first written, not where it is now.
         let _ = writeln!(
             out,
-            "dcp: version {}, saved to {}",
-            d.version.as_deref().unwrap_or("?"),
-            d.checkpoint_id.as_deref().unwrap_or("?")
+            "dcp: version {}{}",
+            d.version.as_deref().unwrap_or("not recorded"),
+            d.checkpoint_id
+                .as_deref()
+                .map(|id| format!(" (written to {id}, as its .metadata records)"))
+                .unwrap_or_default()
         );
         let compressed = idx
             .entries

@@ -244,3 +244,61 @@ fn marked_command_blocks_run_against_the_bundled_examples() {
     }
     assert!(ran >= 10, "only {ran} documented commands ran");
 }
+
+/// What a newcomer's first `inspect` prints has no placeholder: no `?` where a rank or a path is
+/// not known, no "1 files", and the path a DCP's `.metadata` records is said to be where it was
+/// written (not where it is).
+#[test]
+fn inspect_summaries_have_no_placeholders() {
+    let work = tempfile::tempdir().unwrap();
+    let st = work.path().join("model.safetensors");
+    let dcp = work.path().join("dcp2");
+    let example = repo().join("examples/fsdp2_dcp");
+    let run = |args: &[&str]| {
+        let out = Command::new(crate::common::shardscope_bin())
+            .args(args)
+            .output()
+            .unwrap();
+        assert!(
+            out.status.success(),
+            "{args:?}: {}",
+            String::from_utf8_lossy(&out.stderr)
+        );
+        String::from_utf8_lossy(&out.stdout).into_owned()
+    };
+    let ex = example.to_str().unwrap();
+    run(&[
+        "convert",
+        ex,
+        "-o",
+        st.to_str().unwrap(),
+        "--select",
+        "model",
+        "-q",
+    ]);
+    run(&[
+        "convert",
+        ex,
+        "-o",
+        dcp.to_str().unwrap(),
+        "--world-size",
+        "2",
+        "-q",
+    ]);
+    for input in [ex, st.to_str().unwrap(), dcp.to_str().unwrap()] {
+        let text = run(&["inspect", input]);
+        let summary: String = text
+            .lines()
+            .skip_while(|l| !l.starts_with("looks like:"))
+            .collect::<Vec<_>>()
+            .join("\n");
+        assert!(!summary.contains('?'), "{input}:\n{summary}");
+        assert!(!summary.contains(" 1 files"), "{input}:\n{summary}");
+        assert!(!summary.contains("saved to"), "{input}:\n{summary}");
+    }
+    let text = run(&["inspect", st.to_str().unwrap()]);
+    assert!(
+        text.contains("in 1 file\n") && !text.contains("bytes per rank"),
+        "{text}"
+    );
+}
