@@ -91,15 +91,21 @@ def _import(module: str, framework: str) -> Any:
         ) from None
 
 
-def _numpy_dtype(name: str, key: str) -> Any:
+def _numpy_dtype(name: str, key: str, cast_from: Optional[str] = None) -> Any:
+    """The numpy dtype of `name`; `cast_from`: the stored dtype when `name` is a cast's target."""
     np = _import("numpy", "numpy")
 
     if name in _ML_DTYPES:
         try:
             import ml_dtypes
         except ImportError:
+            what = (
+                f"{key} ({cast_from}) cast to {name}: numpy has no {name} type"
+                if cast_from is not None and cast_from != name
+                else f"{key} is {name}, which numpy has no type for"
+            )
             raise ShardscopeError(
-                f"{key} is {name}, which numpy has no type for\n"
+                f"{what}\n"
                 f'hint: read it with framework="torch", or `pip install ml_dtypes`'
             ) from None
         return np.dtype(getattr(ml_dtypes, name))
@@ -285,7 +291,7 @@ class Checkpoint:
         out_dtype = to if to is not None else info["dtype"]
         # Before reading: a missing numpy, ml_dtypes or torch fails at once.
         if framework == "numpy" and out_dtype is not None:
-            _numpy_dtype(out_dtype, key)
+            _numpy_dtype(out_dtype, key, cast_from=info["dtype"] if to is not None else None)
         elif out_dtype is not None:
             _torch_dtype(out_dtype, key)
         span = self._rows(key, info, rows)
@@ -719,12 +725,18 @@ def _run(argv: List[str], ok: Sequence[int] = (0,)) -> str:
     """Runs `shardscope ARGV` (this package's command, in a child process) and returns its stdout. An
     exit status outside `ok` raises ShardscopeError with the command's message; its notes and warnings
     go to this process's stderr."""
+    # The child imports this very package, wherever it was imported from (`pip install --target DIR`
+    # and `sys.path`, a source tree): its parent folder goes first on the child's PYTHONPATH.
+    env = dict(os.environ)
+    here = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    env["PYTHONPATH"] = os.pathsep.join(p for p in (here, env.get("PYTHONPATH", "")) if p)
     proc = subprocess.run(
         [sys.executable, "-m", "shardscope", *argv],
         stdout=subprocess.PIPE,
         stderr=subprocess.PIPE,
         text=True,
         check=False,
+        env=env,
     )
     if proc.returncode not in ok:
         message = proc.stderr.strip()

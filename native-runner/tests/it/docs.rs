@@ -1,4 +1,4 @@
-//! Docs that cannot rot: every relative link of README.md, ARCHITECTURE.md, BENCHMARKS.md and
+//! Docs that cannot rot: every relative link of README.md, ARCHITECTURE.md, BENCHMARKS*.md and
 //! docs/ points at a file that exists (and at a heading that exists, for `#anchor` links into a
 //! Markdown file); every page of docs/ is in the book's table of contents (docs/SUMMARY.md); the
 //! README fits on a few screens; and every command block marked `<!-- docs-test: run -->` runs,
@@ -20,6 +20,7 @@ fn pages() -> Vec<PathBuf> {
         root.join("README.md"),
         root.join("ARCHITECTURE.md"),
         root.join("BENCHMARKS.md"),
+        root.join("BENCHMARKS_HISTORY.md"),
     ];
     let mut dirs = vec![root.join("docs")];
     while let Some(dir) = dirs.pop() {

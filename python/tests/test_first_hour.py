@@ -1,0 +1,44 @@
+"""What a newcomer met in the first hour (issue 38): a cast to bfloat16 with numpy but no ml_dtypes
+is named as a cast, and the package works when imported from a folder on `sys.path` (as `pip install
+--target DIR` leaves it), the child process of `doctor()`/`verify()`/`convert()` included."""
+
+from __future__ import annotations
+
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+import shardscope
+from conftest import REPO
+
+EXAMPLE = REPO / "examples" / "fsdp2_dcp"
+
+
+def test_a_bf16_cast_without_ml_dtypes_is_named_as_a_cast(monkeypatch: pytest.MonkeyPatch) -> None:
+    ck = shardscope.open(EXAMPLE)
+    monkeypatch.setitem(sys.modules, "ml_dtypes", None)  # `import ml_dtypes` raises ImportError
+    with pytest.raises(shardscope.ShardscopeError) as e:
+        ck.read("model.embed.weight", dtype="bfloat16")
+    text = str(e.value)
+    assert "model.embed.weight (float32) cast to bfloat16" in text and "ml_dtypes" in text, text
+    # Stored as float32 and read as such, it needs nothing more.
+    assert ck.read("model.embed.weight").dtype.name == "float32"
+
+
+def test_imported_from_a_folder_on_sys_path(tmp_path: Path) -> None:
+    python = shutil.which("python3")
+    assert python is not None
+    if subprocess.run([python, "-c", "import shardscope"], capture_output=True).returncode == 0:
+        pytest.skip(f"{python} has shardscope installed: the case needs a python without it")
+    pkg = tmp_path / "target"
+    shutil.copytree(Path(shardscope.__file__).parent, pkg / "shardscope")
+    code = (
+        f"import sys; sys.path.insert(0, {str(pkg)!r}); import shardscope; "
+        f"r = shardscope.verify({str(EXAMPLE)!r}); print(r['kind'], r['summary'])"
+    )
+    out = subprocess.run([python, "-c", code], capture_output=True, text=True)
+    assert out.returncode == 0, out.stderr
+    assert "shardscope.verify" in out.stdout, out.stdout
