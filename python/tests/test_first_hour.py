@@ -42,3 +42,13 @@ def test_imported_from_a_folder_on_sys_path(tmp_path: Path) -> None:
     out = subprocess.run([python, "-c", code], capture_output=True, text=True)
     assert out.returncode == 0, out.stderr
     assert "shardscope.verify" in out.stdout, out.stdout
+
+
+def test_layout_of_the_bundled_model_says_how_to_wrap_its_frozen_parameter() -> None:
+    model = REPO / "examples" / "tiny_model.json"
+    # torch's own rule: FSDP1 with use_orig_params=False cannot flatten frozen and trained
+    # parameters into one unit. The message says the ways out, and each one works.
+    with pytest.raises(shardscope.ShardscopeError, match="use_orig_params=True"):
+        shardscope.layout(model, world_size=2)
+    assert shardscope.layout(model, world_size=2, use_orig_params=True)["world_size"] == 2
+    assert shardscope.layout(model, world_size=2, api="fsdp2")["world_size"] == 2

@@ -206,7 +206,7 @@ pub enum LayoutError {
     },
     /// torch: "Must flatten tensors with uniform `requires_grad` when `use_orig_params=False`".
     #[error(
-        "unit `{unit}`: parameter `{fqn}` (requires_grad={found}) after parameters with requires_grad={expected}: Must flatten tensors with uniform `requires_grad` when `use_orig_params=False`"
+        "unit `{unit}`: parameter `{fqn}` (requires_grad={found}) after parameters with requires_grad={expected}: Must flatten tensors with uniform `requires_grad` when `use_orig_params=False`\nhint: FSDP1 wraps such a unit only with use_orig_params=True (--use-orig-params), or wrap the frozen parameters in a unit of their own; FSDP2 (--api fsdp2) has no such rule"
     )]
     MixedRequiresGrad {
         unit: String,
