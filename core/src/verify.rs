@@ -255,6 +255,9 @@ pub struct DiffOptions {
     /// is taken whole (so `model.` selects the model of a DCP directory to compare with a plain
     /// safetensors file).
     pub select: Option<String>,
+    /// Floating tensors of both sides are cast to this before they are compared (as `convert
+    /// --dtype` casts them): a bf16 export against its fp32 source.
+    pub cast: Option<DType>,
 }
 
 /// Called before each entry: `(done, total, key)`.
@@ -384,6 +387,7 @@ fn compare_entries(
     right: Side<'_>,
     b: &IndexEntry,
     tolerance: Option<Tolerance>,
+    cast: Option<DType>,
 ) -> Entry {
     let mut e = Entry::new(fqn, Status::Match);
     e.dtype = a.dtype;
@@ -418,12 +422,16 @@ fn compare_entries(
         }
         return e;
     }
-    if a.dtype != b.dtype {
+    // With a cast, floating tensors are compared as that dtype.
+    let as_cast = |d: Option<DType>| d.map(|d| crate::cast::cast_target(d, cast));
+    if as_cast(a.dtype) != as_cast(b.dtype) {
         e.right_dtype = b.dtype;
         e.add_problem(
             Status::Mismatch,
             &format!("dtype {} vs {}", dtype_name(a.dtype), dtype_name(b.dtype)),
         );
+    } else if a.dtype != b.dtype {
+        e.right_dtype = b.dtype;
     }
     if a.shape != b.shape {
         e.right_shape.clone_from(&b.shape);
@@ -439,16 +447,23 @@ fn compare_entries(
     if e.status != Status::Match {
         return e;
     }
-    let Some(dtype) = a.dtype else {
+    let (Some(dtype), Some(bdtype)) = (a.dtype, b.dtype) else {
         e.add_problem(Status::Error, "tensor without a dtype");
         return e;
     };
+    let target = crate::cast::cast_target(dtype, cast);
     if a.shape.is_some() {
-        let ta = left.index.read_tensor(left.source, a);
-        let tb = right.index.read_tensor(right.source, b);
+        let ta = left
+            .index
+            .read_tensor(left.source, a)
+            .and_then(|t| cast_read(t, &a.key, dtype, target));
+        let tb = right
+            .index
+            .read_tensor(right.source, b)
+            .and_then(|t| cast_read(t, &b.key, bdtype, target));
         match (ta, tb) {
             (Ok(ta), Ok(tb)) => {
-                let d = compare_values(dtype, &ta.bytes, &tb.bytes, tolerance);
+                let d = compare_values(target, &ta.bytes, &tb.bytes, tolerance);
                 apply_diff(&mut e, &d, &ta.shape, "");
             }
             (Err(err), _) => e.add_problem(Status::Error, &format!("left: {err}")),
@@ -456,8 +471,38 @@ fn compare_entries(
         }
         return e;
     }
+    if target != dtype || target != bdtype {
+        e.add_problem(
+            Status::Error,
+            "rank-local pieces are compared as stored: --dtype does not apply to them",
+        );
+        return e;
+    }
     compare_rank_local(&mut e, dtype, left, a, right, b, tolerance);
     e
+}
+
+/// A tensor read as `from`, cast to `to` (as `convert --dtype` casts).
+fn cast_read(
+    mut t: crate::index::TensorData,
+    key: &str,
+    from: DType,
+    to: DType,
+) -> Result<crate::index::TensorData, crate::index::IndexError> {
+    if from == to {
+        return Ok(t);
+    }
+    let numel = t.bytes.len() / from.size_bytes().max(1);
+    let need = numel.saturating_mul(from.size_bytes().max(to.size_bytes()));
+    t.bytes.resize(need, 0);
+    let n = crate::cast::cast_in_place(&mut t.bytes, numel, from, to).map_err(|e| {
+        crate::index::IndexError::NotReadable {
+            key: key.to_owned(),
+            what: e.to_string(),
+        }
+    })?;
+    t.bytes.truncate(n);
+    Ok(t)
 }
 
 /// Rank-local pieces (no global shape): the same pieces on the same ranks, with equal values.

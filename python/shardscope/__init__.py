@@ -817,7 +817,8 @@ def doctor(
 
 
 def diff(a: Union[PathLike, Sequence[PathLike]], b: Union[PathLike, Sequence[PathLike]], **options: Any) -> Dict[str, Any]:
-    """`shardscope diff --json`: the two checkpoints tensor by tensor (`rtol`, `atol`, `equal_nan`, `select`)."""
+    """`shardscope diff --json`: the two checkpoints tensor by tensor (`rtol`, `atol`, `equal_nan`, `select`,
+    `dtype`: floating tensors cast to it before the comparison, e.g. a bf16 export against its source)."""
     pa, pb = _paths(a), _paths(b)
     if len(pa) != 1 or len(pb) != 1:
         raise ShardscopeError("diff compares two checkpoints: give one path or URL for each")

@@ -52,3 +52,28 @@ def test_layout_of_the_bundled_model_says_how_to_wrap_its_frozen_parameter() -> 
         shardscope.layout(model, world_size=2)
     assert shardscope.layout(model, world_size=2, use_orig_params=True)["world_size"] == 2
     assert shardscope.layout(model, world_size=2, api="fsdp2")["world_size"] == 2
+
+
+def test_a_bf16_export_is_checked_against_its_fp32_source(tmp_path: Path) -> None:
+    """`diff --dtype bf16`: the fp32 checkpoint's floating tensors cast as torch casts them
+    (`Tensor.to(torch.bfloat16)`, here by torch itself) equal the export bit for bit; one element
+    changed is named."""
+    import torch
+    from safetensors.torch import save_file
+
+    ck = shardscope.open(EXAMPLE)
+    model = ck.state_dict(select="model")
+    export = {k: v.to(torch.bfloat16) if v.is_floating_point() else v for k, v in model.items()}
+    path = tmp_path / "bf16.safetensors"
+    save_file({k: v.contiguous() for k, v in export.items()}, str(path))
+    plain = shardscope.diff(EXAMPLE, path, select="model")
+    assert plain["summary"]["mismatched"] == len(export)  # float32 vs bfloat16, without a cast
+    same = shardscope.diff(EXAMPLE, path, select="model", dtype=torch.bfloat16)
+    assert same["summary"] == {**same["summary"], "matched": len(export), "mismatched": 0}, same["summary"]
+
+    key = "embed.weight"
+    export[key] = export[key].clone()
+    export[key][3, 2] += 1.0
+    save_file({k: v.contiguous() for k, v in export.items()}, str(path))
+    changed = shardscope.diff(EXAMPLE, path, select="model", dtype="bf16")
+    assert [e["fqn"] for e in changed["entries"] if e["status"] == "mismatch"] == [key]

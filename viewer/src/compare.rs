@@ -445,6 +445,7 @@ pub fn compare(
         &DiffOptions {
             tolerance,
             select: None,
+            cast: None,
         },
         &mut |done, total, key| {
             progress(Progress {

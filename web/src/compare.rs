@@ -127,6 +127,7 @@ pub async fn compare(
         &DiffOptions {
             tolerance,
             select: None,
+            cast: None,
         },
     );
     let keys = plan.keys();

@@ -20,6 +20,7 @@ pub struct DiffPlan<'a> {
     fqns: Vec<String>,
     notes: Vec<String>,
     tolerance: Option<Tolerance>,
+    cast: Option<crate::dtype::DType>,
 }
 
 impl<'a> DiffPlan<'a> {
@@ -48,6 +49,7 @@ impl<'a> DiffPlan<'a> {
             fqns,
             notes,
             tolerance: options.tolerance,
+            cast: options.cast,
         }
     }
 
@@ -71,7 +73,9 @@ impl<'a> DiffPlan<'a> {
         };
         let (a, b) = (self.lkeys.get(fqn), self.rkeys.get(fqn));
         let mut entry = match (a, b) {
-            (Some(a), Some(b)) => compare_entries(fqn, left, a, right, b, self.tolerance),
+            (Some(a), Some(b)) => {
+                compare_entries(fqn, left, a, right, b, self.tolerance, self.cast)
+            }
             (Some(a), None) => {
                 let mut e = Entry::new(fqn, Status::Missing)
                     .with_message(format!("only in {}", left.label));

@@ -203,7 +203,7 @@ fn parse_size(s: &str) -> Result<u64, String> {
 }
 
 /// `--dtype`: the short names HF users type, or torch's names; floating dtypes only.
-fn parse_cast_dtype(s: &str) -> Result<shardscope_core::DType, String> {
+pub(crate) fn parse_cast_dtype(s: &str) -> Result<shardscope_core::DType, String> {
     use shardscope_core::DType;
     let accepted = "casts go to bf16, fp16, fp32 or fp64 (or torch's names: bfloat16, float16, half, float32, float, float64, double)";
     let dtype = match s.to_ascii_lowercase().as_str() {

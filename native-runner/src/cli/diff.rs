@@ -37,6 +37,10 @@ pub struct DiffArgs {
     /// `model.model.embed_tokens.weight`), is compared whole. The report's notes say which.
     #[arg(long, value_name = "PREFIX")]
     pub select: Option<String>,
+    /// Cast floating tensors of both sides to this dtype before comparing them (as `convert
+    /// --dtype` casts): a bf16 export against its fp32 source, bitwise, is `--dtype bf16`.
+    #[arg(long, value_name = "DTYPE", value_parser = super::convert::parse_cast_dtype)]
+    pub dtype: Option<shardscope_core::DType>,
     /// Print the report as JSON (the schema the viewer's Verify panel reads).
     #[arg(long)]
     pub json: bool,
@@ -102,6 +106,7 @@ pub fn run(args: &DiffArgs) -> anyhow::Result<ExitCode> {
     let options = DiffOptions {
         tolerance,
         select: args.select.clone(),
+        cast: args.dtype,
     };
     let mut progress = Progress::new(args.quiet, "diff");
     let report = verify::diff(

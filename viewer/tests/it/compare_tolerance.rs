@@ -73,6 +73,7 @@ fn diff_json(a: &Path, b: &Path, tolerance: Option<Tolerance>) -> Value {
         &shardscope_core::verify::DiffOptions {
             tolerance,
             select: None,
+            cast: None,
         },
         &mut |_, _, _| {},
     );
