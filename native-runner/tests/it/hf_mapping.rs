@@ -474,18 +474,21 @@ fn a_dropped_bias_that_is_not_zero_is_named() {
     ]);
     assert!(out.status.success(), "{}", text(&out));
 
+    let to_hf = |titan: &Path, hf: &Path| {
+        shardscope(&[
+            "convert",
+            titan.to_str().unwrap(),
+            "-o",
+            hf.to_str().unwrap(),
+            "--to",
+            "hf",
+            "--config",
+            config.to_str().unwrap(),
+            "--json",
+        ])
+    };
     let hf = dir.join("hf-zero");
-    let out = shardscope(&[
-        "convert",
-        titan.to_str().unwrap(),
-        "-o",
-        hf.to_str().unwrap(),
-        "--to",
-        "hf",
-        "--config",
-        config.to_str().unwrap(),
-        "--json",
-    ]);
+    let out = to_hf(&titan, &hf);
     assert!(out.status.success(), "{}", text(&out));
     assert!(!text(&out).contains("warning"), "{}", text(&out));
     let summary: serde_json::Value = serde_json::from_slice(&out.stdout).unwrap();
@@ -493,17 +496,7 @@ fn a_dropped_bias_that_is_not_zero_is_named() {
 
     overwrite_tensor(&titan, "layers.1.moe.expert_bias_E", 0x3f);
     let hf = dir.join("hf-lost");
-    let out = shardscope(&[
-        "convert",
-        titan.to_str().unwrap(),
-        "-o",
-        hf.to_str().unwrap(),
-        "--to",
-        "hf",
-        "--config",
-        config.to_str().unwrap(),
-        "--json",
-    ]);
+    let out = to_hf(&titan, &hf);
     assert!(out.status.success(), "{}", text(&out));
     let t = text(&out);
     assert!(
