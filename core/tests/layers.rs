@@ -19,6 +19,8 @@ const LAYERS: &[(&str, u8)] = &[
     // The canonical index and the torch.save ⇄ value tree bridge.
     ("index", 2),
     ("bridge", 2),
+    // Content manifests: one digest per tensor's logical value (`shardscope hash`).
+    ("manifest", 2),
     // FSDP layouts.
     ("layout", 3),
     // Indexes re-keyed through a layout, layout hints.
