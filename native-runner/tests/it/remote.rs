@@ -645,7 +645,8 @@ fn faults_mid_convert_fail_cleanly() {
     }
     // Indexing reads `.metadata` (1 GET) and 4 bytes of each data file (2 GETs): the fault
     // strikes when tensor data is read.
-    for (mode, says) in [(&["die", "3"][..], "cannot connect")] {
+    {
+        let (mode, says) = (&["die", "3"][..], "cannot connect");
         let (_server, port) = faulty_server(root.path(), mode);
         let tmp = tempfile::tempdir().unwrap();
         let dst = tmp.path().join("out.safetensors");
