@@ -407,25 +407,14 @@ impl Viewer {
 
     /// Recomputes the HF names of the current layout (after a layout or a config change).
     fn refresh_hf_names(&mut self) {
-        self.hf_names = match (&self.hf_config, &self.view) {
-            (Some(config), Some(view)) => {
-                let prefix = self
-                    .checkpoint
-                    .as_ref()
-                    .and_then(|c| shardscope_core::checkpoint::app_state_prefix(&c.index))
-                    .map(|p| format!("{p}."));
-                let mut names = crate::hf_names::compute(config, view, prefix.as_deref());
-                if names.error.is_some() && prefix.is_some() {
-                    // The layout may already hold the names without the app-state prefix.
-                    let plain = crate::hf_names::compute(config, view, None);
-                    if plain.error.is_none() {
-                        names = plain;
-                    }
-                }
-                Some(names)
-            }
-            _ => None,
-        };
+        self.hf_names = self
+            .hf_config
+            .as_ref()
+            .zip(self.view.as_ref())
+            .map(|(config, view)| {
+                let index = self.checkpoint.as_ref().map(|c| &c.index);
+                crate::hf_names::of_layout(config, view, index)
+            });
     }
 
     /// Recomputes the layout if the controls or the model changed.

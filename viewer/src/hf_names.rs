@@ -118,6 +118,28 @@ pub fn compute(config: &HfConfig, view: &LayoutView, prefix: Option<&str>) -> Hf
     out
 }
 
+/// The Hugging Face names of `view`'s parameters, the checkpoint (`index`) opened: its app-state
+/// prefix (`model.`) is left out of the names the mapping reads, unless the names fit the mapping
+/// only with it.
+pub fn of_layout(
+    config: &HfConfig,
+    view: &LayoutView,
+    index: Option<&shardscope_core::index::CheckpointIndex>,
+) -> HfNames {
+    let prefix = index
+        .and_then(shardscope_core::checkpoint::app_state_prefix)
+        .map(|p| format!("{p}."));
+    let names = compute(config, view, prefix.as_deref());
+    if names.error.is_some() && prefix.is_some() {
+        // The layout may already hold the names without the app-state prefix.
+        let plain = compute(config, view, None);
+        if plain.error.is_none() {
+            return plain;
+        }
+    }
+    names
+}
+
 /// Whether a JSON document is a Hugging Face model config (what `config.json` of a model folder
 /// holds): an object with `architectures` or `model_type`, and no model description's `params`.
 pub fn is_hf_config(value: &serde_json::Value) -> bool {

@@ -165,7 +165,7 @@ fn check_tie(
 }
 
 /// A plan and how many stored tensors it read.
-pub struct Planned {
+pub struct MappedPlan {
     pub plan: Plan,
     pub stored: usize,
 }
@@ -176,7 +176,7 @@ pub struct Planned {
 pub struct Mapped {
     pub file: MappingFile,
     pub direction: Direction,
-    pub plan: Planned,
+    pub plan: MappedPlan,
     pub index: shardscope_core::index::CheckpointIndex,
     pub derived: mapped::Derivations,
     /// `(kept, dropped)`: the config ties them and the checkpoint holds equal tensors.
@@ -287,7 +287,7 @@ pub fn map_model(
     Ok(Mapped {
         file: file.clone(),
         direction,
-        plan: Planned {
+        plan: MappedPlan {
             plan,
             stored: stored.len(),
         },

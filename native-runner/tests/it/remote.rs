@@ -545,6 +545,24 @@ fn missing_urls_are_named_in_the_error() {
 // ----- faults ----------------------------------------------------------------------------------
 
 /// `tests/remote/faulty_http.py ROOT MODE [N]`, on the port it prints.
+/// `dst` holds the bytes the same conversion of the bundled example gives from the local files
+/// (converted into `scratch`).
+fn assert_equals_local(dst: &Path, scratch: &Path) {
+    let local = scratch.join("local.safetensors");
+    let src = examples_dir().join("fsdp2_dcp");
+    assert_ok(
+        &shardscope(&[
+            "convert",
+            src.to_str().unwrap(),
+            "-o",
+            local.to_str().unwrap(),
+            "-q",
+        ]),
+        "convert local",
+    );
+    assert!(std::fs::read(dst).unwrap() == std::fs::read(&local).unwrap());
+}
+
 fn faulty_server(root: &Path, mode: &[&str]) -> (Server, u16) {
     let script = PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("../tests/remote/faulty_http.py");
     let mut child = Command::new("python3")
@@ -599,19 +617,7 @@ fn faults_mid_convert_fail_cleanly() {
             &shardscope(&["convert", &url, "-o", dst.to_str().unwrap(), "-q"]),
             "convert from a server failing every other request",
         );
-        let local = tmp.path().join("local.safetensors");
-        let src = examples_dir().join("fsdp2_dcp");
-        assert_ok(
-            &shardscope(&[
-                "convert",
-                src.to_str().unwrap(),
-                "-o",
-                local.to_str().unwrap(),
-                "-q",
-            ]),
-            "convert local",
-        );
-        assert!(std::fs::read(&dst).unwrap() == std::fs::read(&local).unwrap());
+        assert_equals_local(&dst, tmp.path());
     }
     // Every body cut short (half of it, then the connection closed), the resumed ones too: each
     // try brings new bytes, so the count of tries starts again and the conversion gets there
@@ -629,19 +635,7 @@ fn faults_mid_convert_fail_cleanly() {
             .output()
             .expect("cannot run shardscope");
         assert_ok(&out, "convert from a server cutting every body short");
-        let local = tmp.path().join("local.safetensors");
-        let src = examples_dir().join("fsdp2_dcp");
-        assert_ok(
-            &shardscope(&[
-                "convert",
-                src.to_str().unwrap(),
-                "-o",
-                local.to_str().unwrap(),
-                "-q",
-            ]),
-            "convert local",
-        );
-        assert!(std::fs::read(&dst).unwrap() == std::fs::read(&local).unwrap());
+        assert_equals_local(&dst, tmp.path());
     }
     // Indexing reads `.metadata` (1 GET) and 4 bytes of each data file (2 GETs): the fault
     // strikes when tensor data is read.

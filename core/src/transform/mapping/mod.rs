@@ -45,6 +45,7 @@
 
 pub mod expr;
 pub mod ops;
+mod restore;
 
 use std::collections::{BTreeMap, BTreeSet};
 use std::ops::Range;
@@ -55,6 +56,8 @@ use crate::dtype::DType;
 
 pub use expr::{Captures, Config, Pattern};
 pub use ops::Dense;
+use restore::restore_dropped;
+pub use restore::restored_as_zeros;
 
 /// What is wrong with a mapping, a config, or a checkpoint against them.
 #[derive(Debug, Clone, PartialEq, thiserror::Error)]
@@ -800,49 +803,6 @@ pub fn plan(
         }
     }
     Ok(plan)
-}
-
-/// Whether `name` (a stored name the way forward drops) is one a `restore` rule writes back as
-/// zeros: a buffer the other side has no place for, whose non-zero values are lost.
-pub fn restored_as_zeros(file: &MappingFile, name: &str) -> bool {
-    file.rules.iter().any(|r| {
-        r.restore.is_some() && Pattern::parse(&r.from).is_ok_and(|p| p.matches(name).is_some())
-    })
-}
-
-/// The way back: the zeros each `drop` + `restore` rule writes beside the outputs it names.
-fn restore_dropped(
-    file: &MappingFile,
-    config: &Config,
-    plan: &mut Plan,
-) -> Result<(), MappingError> {
-    for spec in &file.rules {
-        let (Some(restore), Some(shape)) = (&spec.restore, &spec.shape) else {
-            continue;
-        };
-        let from = Pattern::parse(&spec.from)?;
-        let beside = Pattern::parse(&restore.beside)?;
-        let dtype: DType = restore.zeros.parse().map_err(|_| {
-            MappingError::Spec(format!("`restore`: `{}` is not a dtype", restore.zeros))
-        })?;
-        let mut made = Vec::new();
-        for o in &plan.outputs {
-            let Some(caps) = beside.matches(&o.name) else {
-                continue;
-            };
-            let name = from.fill(&caps)?;
-            let shape = eval_shape(shape, config)
-                .map_err(|e| MappingError::Plan(format!("{name}: {e}")))?;
-            made.push(Planned {
-                name,
-                dtype,
-                shape: shape.clone(),
-                recipe: Recipe::Zeros { shape },
-            });
-        }
-        plan.outputs.extend(made);
-    }
-    Ok(())
 }
 
 /// Read backward, a split's capture must name one of its parts (or be a number): `{P}_proj` of a
