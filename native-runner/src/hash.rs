@@ -1,4 +1,4 @@
-//! The engine of `shardscope hash` (and of `verify`/`diff --manifest`, `convert --manifest`): the
+//! The engine of `shardscope hash` (and of `verify --manifest` and `diff` with a manifest): the
 //! content manifest of an opened checkpoint ([`shardscope_core::manifest`] defines the digests).
 //!
 //! Tensors are read through the conversion [`Reader`] in their logical C order: a tensor stored as
