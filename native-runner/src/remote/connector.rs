@@ -63,12 +63,23 @@ impl std::fmt::Debug for Connector {
 
 impl HttpConnector for Connector {
     fn connect(&self, options: &ClientOptions) -> object_store::Result<HttpClient> {
+        install_crypto_provider();
         let inner = ReqwestConnector::default().connect(options)?;
         Ok(HttpClient::new(TypedStatus {
             inner,
             queries: Arc::clone(&self.queries),
         }))
     }
+}
+
+/// `ring` as rustls's process-wide provider, before the first client is built (`reqwest` is built
+/// without one, see Cargo.toml). Installing fails only when a provider is already set (by us, or by
+/// a host process embedding this crate); either way one is there, which is all `reqwest` needs.
+fn install_crypto_provider() {
+    static ONCE: std::sync::Once = std::sync::Once::new();
+    ONCE.call_once(|| {
+        let _ = rustls::crypto::ring::default_provider().install_default();
+    });
 }
 
 struct TypedStatus {

@@ -91,6 +91,9 @@ pub(super) enum Fault {
     },
     /// No connection could be made (refused, DNS, unreachable).
     Connect(String),
+    /// The TLS handshake failed (an untrusted or invalid certificate, no common protocol): another
+    /// try would fail the same way, so it is not retried.
+    Tls(String),
     /// The redirects never ended (a loop, or more than the client follows).
     Redirects,
     /// The object is larger than a whole-file read allows.
@@ -124,6 +127,7 @@ impl Fault {
             return Fault::Store(err);
         }
         let mut connect = false;
+        let mut tls = None;
         let mut cut = None;
         let mut timeout = false;
         let mut next: Option<&(dyn std::error::Error + 'static)> = Some(&err);
@@ -137,6 +141,9 @@ impl Fault {
                 }
                 connect |= r.is_connect();
                 timeout |= r.is_timeout();
+            }
+            if let Some(t) = tls_error(e) {
+                tls = Some(t.to_string());
             }
             if let Some(io) = e.downcast_ref::<std::io::Error>() {
                 use std::io::ErrorKind as K;
@@ -166,7 +173,9 @@ impl Fault {
             }
             next = e.source();
         }
-        if connect {
+        if let Some(why) = tls {
+            Fault::Tls(why)
+        } else if connect {
             Fault::Connect(hide_queries(&error_chain(&err)))
         } else if let Some(reset) = cut {
             Fault::Cut {
@@ -209,6 +218,11 @@ impl Fault {
                 }
             }
             Fault::Connect(chain) => format!("cannot connect to the server ({chain})"),
+            Fault::Tls(why) => format!(
+                "the TLS handshake with the server failed: {why}\n\
+                 hint: a server whose certificate comes from a private authority is trusted by \
+                 setting SSL_CERT_FILE (or SSL_CERT_DIR) to that authority's PEM certificate"
+            ),
             Fault::Redirects => "too many redirects (a redirect loop?)".into(),
             Fault::TooLarge { size, limit, what } => format!(
                 "is {}; {what} over {} are refused (limit)",
@@ -225,6 +239,19 @@ impl Fault {
             Fault::Store(e) => describe_error(scheme, e),
         }
     }
+}
+
+/// rustls's error in `e`, or in the `io::Error`s nested in it: hyper wraps it in two, and an
+/// `io::Error`'s `source()` skips what it wraps, so the chain walk alone never meets it.
+fn tls_error<'a>(e: &'a (dyn std::error::Error + 'static)) -> Option<&'a rustls::Error> {
+    let mut at = e;
+    for _ in 0..8 {
+        if let Some(t) = at.downcast_ref::<rustls::Error>() {
+            return Some(t);
+        }
+        at = at.downcast_ref::<std::io::Error>()?.get_ref()?;
+    }
+    None
 }
 
 /// The last fault of a request, how many tries it had, and why it was not tried again.

@@ -42,6 +42,7 @@ mod local_faults;
 mod rank_names;
 mod remote;
 mod remote_faults;
+mod remote_tls;
 mod remote_urls;
 mod reshard_cli;
 mod reshard_fsdp2;

@@ -103,6 +103,7 @@ pub(crate) struct Nginx {
     _server: Server,
     prefix: tempfile::TempDir,
     port: u16,
+    scheme: &'static str,
 }
 
 impl Nginx {
@@ -113,6 +114,19 @@ impl Nginx {
     /// nginx with `http_extra` in its `http` block and `server_extra` in its `server` block
     /// (`remote_urls`: a `map` and a `location` that refuse requests without their query).
     pub(crate) fn start_with(http_extra: &str, server_extra: &str) -> Option<Nginx> {
+        Self::start_full(http_extra, server_extra, None)
+    }
+
+    /// nginx over TLS with `tls` = (certificate chain, key), both PEM.
+    pub(crate) fn start_tls(tls: (&Path, &Path)) -> Option<Nginx> {
+        Self::start_full("", "", Some(tls))
+    }
+
+    fn start_full(
+        http_extra: &str,
+        server_extra: &str,
+        tls: Option<(&Path, &Path)>,
+    ) -> Option<Nginx> {
         let Some(bin) = nginx_binary() else {
             skip("nginx");
             return None;
@@ -131,6 +145,14 @@ impl Nginx {
         for _attempt in 0..5 {
             let port = free_port();
             let p = prefix.path().display();
+            let listen = match tls {
+                None => format!("listen 127.0.0.1:{port};"),
+                Some((cert, key)) => format!(
+                    "listen 127.0.0.1:{port} ssl; ssl_certificate {}; ssl_certificate_key {};",
+                    cert.display(),
+                    key.display()
+                ),
+            };
             let conf = format!(
                 "daemon off;\nworker_processes 1;\npid {p}/nginx.pid;\nerror_log {p}/logs/error.log;\n\
                  events {{ worker_connections 256; }}\n\
@@ -138,7 +160,7 @@ impl Nginx {
                  access_log {p}/logs/bytes.log bytes;\n  client_body_temp_path {p}/tmp;\n  proxy_temp_path {p}/tmp;\n\
                  fastcgi_temp_path {p}/tmp;\n  uwsgi_temp_path {p}/tmp;\n  scgi_temp_path {p}/tmp;\n\
                  {http_extra}\n\
-                 server {{ listen 127.0.0.1:{port}; root {p}/www; {server_extra} }}\n}}\n"
+                 server {{ {listen} root {p}/www; {server_extra} }}\n}}\n"
             );
             let conf_path = prefix.path().join("nginx.conf");
             std::fs::write(&conf_path, conf).unwrap();
@@ -157,6 +179,7 @@ impl Nginx {
                     _server: Server { child },
                     prefix,
                     port,
+                    scheme: if tls.is_some() { "https" } else { "http" },
                 });
             }
             let _ = child.wait();
@@ -169,7 +192,7 @@ impl Nginx {
     }
 
     pub(crate) fn url(&self, path: &str) -> String {
-        format!("http://127.0.0.1:{}/{path}", self.port)
+        format!("{}://127.0.0.1:{}/{path}", self.scheme, self.port)
     }
 
     /// (method, uri, status, body bytes) per request since the last call; the log is emptied.
