@@ -9,6 +9,9 @@ per-rank files, safetensors, HF shards), local or remote, without torch.
 (32, 16)
 >>> w = ck.read("model.embed.weight")                       # numpy.ndarray, assembled from both ranks
 >>> sd = ck.state_dict(select="model", framework="torch")  # {name: torch.Tensor}, torch imported only now
+
+Arrays are numpy's unless `framework="torch"` is given, for `read` and `state_dict` alike (numpy is
+the default everywhere: torch is imported only when asked for).
 >>> sd["embed.weight"].shape
 torch.Size([32, 16])
 
@@ -375,7 +378,7 @@ class Checkpoint:
         self,
         *,
         select: Optional[str] = None,
-        framework: str = "torch",
+        framework: str = "numpy",
         dtype: Any = None,
         keep_tied: bool = True,
         mmap: bool = False,
@@ -400,7 +403,10 @@ class Checkpoint:
         progress: a progress line on stderr (default: when stderr is a terminal and there is 1 GiB
             or more to read).
 
-        >>> model.load_state_dict(shardscope.open("ckpt/").state_dict(select="model"))
+        framework: "numpy" (the default, as for `read`: numpy.ndarray, bfloat16/float8 need
+            `ml_dtypes`) or "torch" (torch.Tensor, what `load_state_dict` takes).
+
+        >>> model.load_state_dict(shardscope.open("ckpt/").state_dict(select="model", framework="torch"))
         """
         if to is not None or config is not None:
             if to is None or config is None:

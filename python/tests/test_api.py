@@ -120,7 +120,7 @@ def test_failures_are_shardscope_errors_with_the_commands_text(tmp_path):
     with pytest.raises(shardscope.ShardscopeError, match="not inside its 32 rows"):
         ck.read("model.embed.weight", rows=(30, 40))
     with pytest.raises(shardscope.ShardscopeError, match="no key under `nothing.`"):
-        ck.state_dict(select="nothing")
+        ck.state_dict(select="nothing", framework="torch")
 
 
 def test_the_readme_notebook_example_runs():
@@ -162,7 +162,7 @@ def test_mmap_maps_whole_stored_tensors_and_never_writes_the_file(tmp_path):
     before = hashlib.sha256(path.read_bytes()).hexdigest()
     want = load_file(str(path))
     ck = shardscope.open(path)
-    mapped = ck.state_dict(mmap=True)
+    mapped = ck.state_dict(mmap=True, framework="torch")
     assert mapped.keys() == want.keys()
     for k, v in want.items():
         assert torch.equal(mapped[k], v), k
@@ -225,8 +225,8 @@ def test_reads_from_several_threads_equal_one_thread():
     from concurrent.futures import ThreadPoolExecutor
 
     ck = shardscope.open(FIX / "fsdp2_hsdp/ws4_2x2")
-    one = ck.state_dict(threads=1)
-    many = ck.state_dict(threads=8)
+    one = ck.state_dict(threads=1, framework="torch")
+    many = ck.state_dict(threads=8, framework="torch")
     assert one.keys() == many.keys()
     tensors = [k for k, v in one.items() if isinstance(v, torch.Tensor)]
     assert tensors
@@ -261,7 +261,7 @@ def test_a_megatron_checkpoint_reads_as_megatron_saved_it():
     assert ck.written_by.startswith("Megatron-core dist_checkpointing (torch_dist")
     want = load_file(str(folder / "expected/megatron_full.safetensors"))
     common = json.loads((folder / "expected/megatron_common.json").read_text())
-    sd = ck.state_dict()
+    sd = ck.state_dict(framework="torch")
     for k, v in want.items():
         assert sd[k].dtype == v.dtype and torch.equal(sd[k], v), k
     assert sd["iteration"] == common["iteration"] and sd["args.lr"] == common["args"]["lr"]
@@ -270,8 +270,8 @@ def test_a_megatron_checkpoint_reads_as_megatron_saved_it():
 
 def test_state_dict_shows_progress_when_asked(capsys):
     ck = shardscope.open(DCP)
-    ck.state_dict(progress=True)
+    ck.state_dict(progress=True, framework="torch")
     err = capsys.readouterr().err
     assert err.rstrip().endswith("(100%)") and ck.label in err, err
-    ck.state_dict(progress=False)
+    ck.state_dict(progress=False, framework="torch")
     assert capsys.readouterr().err == ""

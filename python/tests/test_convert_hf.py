@@ -49,7 +49,7 @@ def test_state_dict_to_hf_equals_torchtitans_to_hf(model: str) -> None:
     fixture = HF / model
     ck = shardscope.open(fixture / "step-1")
     assert any(k.startswith("optimizer.") for k in ck.keys())
-    got = ck.state_dict(to="hf", config=fixture / "config.json")
+    got = ck.state_dict(to="hf", config=fixture / "config.json", framework="torch")
     want = load_file(fixture / "expected" / "hf.safetensors")
     assert sorted(got) == sorted(want)
     for key, w in want.items():
@@ -70,7 +70,7 @@ def test_state_dict_to_torchtitan_takes_a_config_dict(tmp_path: Path) -> None:
     hf_dir = tmp_path / "hf"
     shardscope.convert(fixture / "step-2", hf_dir, to="hf", config=fixture / "config.json")
     config = json.loads((fixture / "config.json").read_text())
-    got = shardscope.open(hf_dir).state_dict(to="torchtitan", config=config)
+    got = shardscope.open(hf_dir).state_dict(to="torchtitan", config=config, framework="torch")
     want = load_file(fixture / "expected" / "from_hf.safetensors")
     assert list(got) == list(shardscope.open(hf_dir).mapped("torchtitan", config).keys())
     assert sorted(got) == sorted(want)
@@ -82,8 +82,8 @@ def test_state_dict_to_hf_needs_both_and_names_a_wrong_config() -> None:
     fixture = HF / "llama3"
     ck = shardscope.open(fixture / "step-2")
     with pytest.raises(shardscope.ShardscopeError, match="takes both"):
-        ck.state_dict(to="hf")
+        ck.state_dict(to="hf", framework="torch")
     wrong = dict(__import__("json").loads((fixture / "config.json").read_text()))
     wrong["hidden_size"] = wrong["hidden_size"] * 2
     with pytest.raises(shardscope.ShardscopeError, match="hidden_size"):
-        ck.state_dict(to="hf", config=wrong)
+        ck.state_dict(to="hf", config=wrong, framework="torch")

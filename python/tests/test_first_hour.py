@@ -7,6 +7,7 @@ from __future__ import annotations
 import shutil
 import subprocess
 import sys
+import tempfile
 from pathlib import Path
 
 import pytest
@@ -62,7 +63,7 @@ def test_a_bf16_export_is_checked_against_its_fp32_source(tmp_path: Path) -> Non
     from safetensors.torch import save_file
 
     ck = shardscope.open(EXAMPLE)
-    model = ck.state_dict(select="model")
+    model = ck.state_dict(select="model", framework="torch")
     export = {k: v.to(torch.bfloat16) if v.is_floating_point() else v for k, v in model.items()}
     path = tmp_path / "bf16.safetensors"
     save_file({k: v.contiguous() for k, v in export.items()}, str(path))
@@ -77,3 +78,24 @@ def test_a_bf16_export_is_checked_against_its_fp32_source(tmp_path: Path) -> Non
     save_file({k: v.contiguous() for k, v in export.items()}, str(path))
     changed = shardscope.diff(EXAMPLE, path, select="model", dtype="bf16")
     assert [e["fqn"] for e in changed["entries"] if e["status"] == "mismatch"] == [key]
+
+
+def test_read_and_state_dict_default_to_numpy_and_equal_torch() -> None:
+    """One default for both: numpy arrays, unless framework="torch"; the values are torch's own
+    (`dcp_to_torch_save` of the bundled example, loaded by torch)."""
+    import numpy as np
+    import torch
+    from torch.distributed.checkpoint.format_utils import dcp_to_torch_save
+
+    ck = shardscope.open(EXAMPLE)
+    with tempfile.TemporaryDirectory() as tmp:
+        dcp_to_torch_save(str(EXAMPLE), f"{tmp}/full.pt")
+        want = torch.load(f"{tmp}/full.pt", weights_only=True)["model"]
+    arrays = ck.state_dict(select="model")
+    tensors = ck.state_dict(select="model", framework="torch")
+    assert set(arrays) == set(tensors) == set(want)
+    for key, w in want.items():
+        assert isinstance(arrays[key], np.ndarray), (key, type(arrays[key]))
+        assert isinstance(tensors[key], torch.Tensor), (key, type(tensors[key]))
+        assert isinstance(ck.read("model." + key), np.ndarray)
+        assert torch.equal(torch.from_numpy(arrays[key]), w) and torch.equal(tensors[key], w), key

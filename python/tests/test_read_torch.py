@@ -45,7 +45,7 @@ def check_against(ck, want: dict, *, values: bool = True) -> None:
         f"keys differ from torch's: only shardscope {sorted(set(keys) - set(want))}, "
         f"only torch {sorted(set(want) - set(keys))}"
     )
-    sd = ck.state_dict()
+    sd = ck.state_dict(framework="torch")
     assert list(sd) == keys, "state_dict() is not in keys() order"
     for key in keys:
         assert key in ck
@@ -96,13 +96,13 @@ def test_dcp_select_strips_prefix(tmp_path):
     want = dcp_as_torch(EXAMPLES / "fsdp2_dcp", tmp_path)
     ck = shardscope.open(EXAMPLES / "fsdp2_dcp")
     assert ck.world_size == 2
-    sd = ck.state_dict(select="model")
+    sd = ck.state_dict(select="model", framework="torch")
     model = {k[len("model.") :]: v for k, v in want.items() if k.startswith("model.")}
     assert sorted(sd) == sorted(model)
     for k, v in model.items():
         assert_bitwise(sd[k], v, k)
     with pytest.raises(ShardscopeError, match="no key under"):
-        ck.state_dict(select="nope")
+        ck.state_dict(select="nope", framework="torch")
 
 
 # ----- 2. FSDP1 LOCAL per-rank files through model= ------------------------------------------------
@@ -164,7 +164,7 @@ def test_fsdp2_formats_equals_torch_full_tensor():
             want[f"optim.state.{params[int(parts[2])]}.{parts[3]}"] = t
     got = [k for k in ck.keys() if ck.info(k)["kind"] == "tensor"]
     assert sorted(got) == sorted(want)
-    sd = ck.state_dict()
+    sd = ck.state_dict(framework="torch")
     for k, t in want.items():
         assert_bitwise(ck.read(k, framework="torch"), t, k)
         assert_bitwise(sd[k], t, k)
@@ -252,7 +252,7 @@ def test_hf_shards_equal_every_shard(target):
 def _same_as_local(remote, local) -> None:
     assert remote.keys() == local.keys()
     assert remote.kind == local.kind
-    rsd, lsd = remote.state_dict(), local.state_dict()
+    rsd, lsd = remote.state_dict(framework="torch"), local.state_dict(framework="torch")
     for k in local.keys():
         if local.info(k)["kind"] == "tensor":
             assert remote.info(k) == local.info(k), k
@@ -389,7 +389,7 @@ def test_cast_nan_bits_equal_torchs_scalar_conversion():
 def test_state_dict_dtype_casts_floats_only():
     path = FORMATS / "plain" / "state_dict.pt"
     want = flatten(torch.load(str(path), weights_only=True))
-    sd = shardscope.open(path).state_dict(dtype=torch.float16)
+    sd = shardscope.open(path).state_dict(dtype=torch.float16, framework="torch")
     for k, v in want.items():
         if not isinstance(v, torch.Tensor):
             assert sd[k] == jsonish(v), k
@@ -418,7 +418,7 @@ def test_tied_weights_follow_torch_storage_sharing():
     tied = _storage_groups(want)
     assert tied, "the fixture must tie at least one pair (embed.weight / head.weight)"
     ck = shardscope.open(path)
-    sd = ck.state_dict(keep_tied=True)
+    sd = ck.state_dict(keep_tied=True, framework="torch")
     assert list(sd) == list(want)
     for k, v in want.items():
         assert_bitwise(sd[k], v, k)
@@ -430,7 +430,7 @@ def test_tied_weights_follow_torch_storage_sharing():
     untied = [k for k in want if not any(k in g for g in tied)]
     assert len({id(sd[k]) for k in untied}) == len(untied)
 
-    dropped = ck.state_dict(keep_tied=False)
+    dropped = ck.state_dict(keep_tied=False, framework="torch")
     aliases = {k for g in tied for k in g[1:]}  # torch keeps the first name of a shared storage
     assert set(dropped) == set(want) - aliases, f"keep_tied=False kept {sorted(set(dropped) & aliases)}"
     for k, v in dropped.items():
@@ -443,7 +443,7 @@ def test_untied_fixture_keeps_every_key():
     assert not _storage_groups(want)
     ck = shardscope.open(path)
     for keep in (True, False):
-        sd = ck.state_dict(keep_tied=keep)
+        sd = ck.state_dict(keep_tied=keep, framework="torch")
         assert list(sd) == list(want)
         for k, v in want.items():
             assert_bitwise(sd[k], v, k)
@@ -474,7 +474,7 @@ def _api_error(fn) -> str:
 def test_open_errors_match_the_cli(path):
     def go():
         ck = shardscope.open(path)
-        ck.state_dict()  # a partly readable file may open: reading all of it must fail
+        ck.state_dict(framework="torch")  # a partly readable file may open: reading all of it must fail
 
     msg = _api_error(go)
     assert path.name in msg, f"the message does not name {path.name}: {msg}"
@@ -498,14 +498,14 @@ def test_unsafe_pickle_is_never_executed(capfd):
     it. The CLI reads the file (exit 0) and lists `callback` as a scalar; the API does the same."""
     path = FIXTURES / "doctor" / "unsafe.pt"
     ck = shardscope.open(path)
-    sd = ck.state_dict()
+    sd = ck.state_dict(framework="torch")
     out, err = capfd.readouterr()
     assert "this would run" not in out + err, "os.system ran"
     assert ck.info("callback")["kind"] != "tensor"
     assert not callable(sd["callback"]) and isinstance(sd["callback"], (str, type(None), dict)), repr(sd["callback"])
     # the model part is the trained Net that gen_doctor.py also saved alone as clean.pt
     clean = torch.load(str(FIXTURES / "doctor" / "clean.pt"), weights_only=True)
-    model = ck.state_dict(select="model")
+    model = ck.state_dict(select="model", framework="torch")
     assert list(model) == list(clean)
     for k, v in clean.items():
         assert_bitwise(model[k], v, k)

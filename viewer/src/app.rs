@@ -17,6 +17,10 @@ use crate::view::LayoutView;
 
 /// The bundled example model (also what the web page shows before a file is opened).
 pub const EXAMPLE_MODEL: &[u8] = include_bytes!("../../examples/tiny_model.json");
+/// The name the bundled example model is shown under.
+pub const EXAMPLE_MODEL_NAME: &str = "examples/tiny_model.json";
+/// The name the bundled example trace is shown under.
+pub const EXAMPLE_TRACE_NAME: &str = "examples/viewer/gather_trace.json";
 /// The bundled example trace.
 pub const EXAMPLE_TRACE: &[u8] = include_bytes!("../../examples/viewer/gather_trace.json");
 
@@ -55,6 +59,10 @@ pub struct LoadedModel {
     /// Derived from the opened checkpoint (not opened as a description): its units follow
     /// `unit_patterns`, which the user edits.
     pub derived: Option<DerivedUnits>,
+    /// The bundled example (what the viewer shows before anything is opened): a checkpoint
+    /// opened later replaces it, as it replaces a derived model; a description the user opened
+    /// is kept.
+    pub example: bool,
 }
 
 /// The units of a model derived from a checkpoint, as the user edits them.
@@ -112,6 +120,11 @@ pub struct Viewer {
     generation: u64,
     /// Keep the current tab when a trace opens (the example opens both).
     pub stay_on_tab: bool,
+    /// The next model opened under [`EXAMPLE_MODEL_NAME`] is the bundled example
+    /// ([`Viewer::open_example`]).
+    example_pending: bool,
+    /// The desktop window's fit to its screen (`shardscope-viewer` turns it on).
+    pub window_fit: WindowFit,
     /// Errors and notices, newest last.
     pub messages: Vec<String>,
     inbox: Inbox,
@@ -146,6 +159,15 @@ impl Viewer {
     /// Queues bytes for parsing (browser drops, the file picker, tests).
     pub fn open_bytes(&mut self, name: impl Into<String>, bytes: Vec<u8>) {
         self.loader.open_bytes(name.into(), bytes);
+    }
+
+    /// Opens the bundled example model and trace (what the viewer shows before a file is opened).
+    /// The example model is marked as such: a checkpoint opened later draws its own layout, or
+    /// none, never the example's.
+    pub fn open_example(&mut self) {
+        self.example_pending = true;
+        self.open_bytes(EXAMPLE_MODEL_NAME, EXAMPLE_MODEL.to_vec());
+        self.open_bytes(EXAMPLE_TRACE_NAME, EXAMPLE_TRACE.to_vec());
     }
 
     /// Queues a file or folder for parsing.
@@ -297,12 +319,17 @@ impl Viewer {
                     "opened model {name} ({} parameters)",
                     model.params.len()
                 ));
-                // Checkpoints opened from now on read FSDP1 per-rank files through it.
-                self.loader.read_options.description = Some((model.clone(), name.clone()));
+                let example =
+                    name == EXAMPLE_MODEL_NAME && std::mem::take(&mut self.example_pending);
+                // Checkpoints opened from now on read FSDP1 per-rank files through it; never
+                // through the example's (it describes no checkpoint the user opens).
+                self.loader.read_options.description =
+                    (!example).then(|| (model.clone(), name.clone()));
                 self.model = Some(LoadedModel {
                     name,
                     model,
                     derived: None,
+                    example,
                 });
                 self.applied_config = None;
                 self.recompute();
@@ -352,9 +379,20 @@ impl Viewer {
                 }
                 // The shard map of what was opened, from the checkpoint alone, unless a model
                 // description was opened by hand.
-                if self.model.as_ref().is_none_or(|m| m.derived.is_some())
-                    && let Some(d) = &ckpt.derived
-                {
+                let replaceable = self
+                    .model
+                    .as_ref()
+                    .is_none_or(|m| m.derived.is_some() || m.example);
+                if replaceable && ckpt.derived.is_none() && self.model.take().is_some() {
+                    // Never the example's (or another checkpoint's) layout over this one.
+                    self.messages.push(format!(
+                        "no layout for {}: it could not be derived from the checkpoint alone (see \
+                         the note above); open the model's description JSON (Python: `shardscope.describe(model)`) \
+                         to draw its shard map",
+                        ckpt.name
+                    ));
+                }
+                if replaceable && let Some(d) = &ckpt.derived {
                     self.messages.push(format!(
                         "layout derived from {}: {}",
                         ckpt.name,
@@ -367,6 +405,7 @@ impl Viewer {
                             patterns: d.unit_patterns.clone(),
                             root: true,
                         }),
+                        example: false,
                     });
                     self.applied_config = None;
                 }
@@ -1177,7 +1216,57 @@ fn empty_state(ui: &mut Ui, error: Option<&str>) {
 
 impl eframe::App for Viewer {
     fn ui(&mut self, ui: &mut Ui, _frame: &mut eframe::Frame) {
+        #[cfg(not(target_arch = "wasm32"))]
+        self.window_fit.step(ui.ctx());
         Viewer::ui(self, ui);
+    }
+}
+
+/// The desktop window fills the screen it opens on ([`Viewer::fit_window_to_screen`]): it asks
+/// the window manager to maximize it; where none does (no window manager, or one that ignores the
+/// request), it sets the window to the monitor's size at its top-left corner itself. Whatever the
+/// screen, the window never opens larger than it.
+#[derive(Debug, Default)]
+pub enum WindowFit {
+    /// Left as it opened (tests, the browser).
+    #[default]
+    Off,
+    /// Maximize on the next frame that knows its monitor.
+    Start,
+    /// Maximize was asked for at this time; checked a moment later.
+    Asked(std::time::Instant),
+    Done,
+}
+
+impl WindowFit {
+    /// How long a window manager is given to maximize the window.
+    const GRACE: std::time::Duration = std::time::Duration::from_millis(500);
+
+    fn step(&mut self, ctx: &egui::Context) {
+        let (monitor, maximized) = ctx.input(|i| {
+            let v = i.viewport();
+            (v.monitor_size, v.maximized.unwrap_or(false))
+        });
+        match *self {
+            WindowFit::Off | WindowFit::Done => {}
+            WindowFit::Start => {
+                if monitor.is_some() {
+                    ctx.send_viewport_cmd(egui::ViewportCommand::Maximized(true));
+                    *self = WindowFit::Asked(std::time::Instant::now());
+                }
+                ctx.request_repaint_after(Self::GRACE);
+            }
+            WindowFit::Asked(at) if at.elapsed() < Self::GRACE => {
+                ctx.request_repaint_after(Self::GRACE);
+            }
+            WindowFit::Asked(_) => {
+                if !maximized && let Some(size) = monitor {
+                    ctx.send_viewport_cmd(egui::ViewportCommand::OuterPosition(egui::Pos2::ZERO));
+                    ctx.send_viewport_cmd(egui::ViewportCommand::InnerSize(size));
+                }
+                *self = WindowFit::Done;
+            }
+        }
     }
 }
 

@@ -109,6 +109,8 @@ fn run() -> Result<(), String> {
         viewer.compute_values();
         viewer.loader.synchronous = false;
     }
+    // Fills the screen it opens on (1400x860 until then, and when the screen is unknown).
+    viewer.window_fit = shardscope_viewer::app::WindowFit::Start;
     let options = eframe::NativeOptions {
         viewport: egui::ViewportBuilder::default()
             .with_title("shardscope")
@@ -127,14 +129,7 @@ fn run() -> Result<(), String> {
 /// No files given: the bundled example model and trace.
 #[cfg(not(target_arch = "wasm32"))]
 fn open_example(viewer: &mut shardscope_viewer::Viewer) {
-    viewer.open_bytes(
-        "examples/tiny_model.json",
-        shardscope_viewer::app::EXAMPLE_MODEL.to_vec(),
-    );
-    viewer.open_bytes(
-        "examples/viewer/gather_trace.json",
-        shardscope_viewer::app::EXAMPLE_TRACE.to_vec(),
-    );
+    viewer.open_example();
     viewer.tab = shardscope_viewer::Tab::ShardMap;
     viewer.stay_on_tab = true;
 }

@@ -170,14 +170,7 @@ mod handle {
                 take_compare_updates(&mut self.viewer, &mut s);
                 if std::mem::take(&mut s.example) {
                     self.viewer.stay_on_tab = true;
-                    self.viewer.open_bytes(
-                        "examples/tiny_model.json",
-                        shardscope_viewer::app::EXAMPLE_MODEL.to_vec(),
-                    );
-                    self.viewer.open_bytes(
-                        "examples/viewer/gather_trace.json",
-                        shardscope_viewer::app::EXAMPLE_TRACE.to_vec(),
-                    );
+                    self.viewer.open_example();
                     self.viewer.open_bytes(
                         "examples/viewer/verify_report.json",
                         shardscope_viewer::app::EXAMPLE_REPORT.to_vec(),

@@ -53,5 +53,8 @@ node web/tests/browser_test.mjs "$ART/web" "$ART"
 step "desktop screenshot under Xvfb"
 web/tests/desktop_screenshot.sh "$ART/desktop.png" "" --select embed.weight
 
+step "desktop window fills the screen it opens on (Xvfb screens of 1100x700 and 1920x1080)"
+web/tests/desktop_window_fits.sh "$TARGET_DIR/debug/shardscope-viewer"
+
 echo
 echo "viewer CI: all checks passed (screenshots in $ART)"

@@ -100,8 +100,46 @@ pub fn layout_hints(index: &CheckpointIndex) -> LayoutHints {
                 format!("`{}` is a ShardedTensor", e.key)
             },
         }),
-        // Both kinds (FSDP1 SHARDED_STATE_DICT with a device mesh holds DTensors too) or neither.
+        (None, None) => row_chunks(index).map(|key| Hint {
+            value: Api::Fsdp2,
+            why: format!(
+                "`{key}` and every other sharded tensor are stored as row chunks, one per rank: \
+                 FSDP2's sharding (FSDP1 shards flat parameters; its SHARDED_STATE_DICT stores \
+                 the same row chunks)"
+            ),
+        }),
+        // Both kinds (FSDP1 SHARDED_STATE_DICT with a device mesh holds DTensors too).
         _ => None,
     };
     hints
+}
+
+/// The first tensor (not optimizer state) of a DCP stored in several chunks, when every tensor stored in several
+/// chunks is split along dim 0 only, each chunk holding whole rows (what FSDP2's `Shard(0)`
+/// writes; a DCP does not record DTensors). `None` for other kinds and other splits.
+fn row_chunks(index: &CheckpointIndex) -> Option<&str> {
+    use crate::index::CheckpointKind as K;
+    if !matches!(
+        index.kind,
+        K::DcpTorchSave | K::DcpSafetensors | K::HfDistributedSafetensors
+    ) {
+        return None;
+    }
+    let mut first = None;
+    for e in index.entries.iter().filter(|e| e.chunks.len() > 1) {
+        let shape = e.shape.as_deref()?;
+        let rows_only = e.chunks.iter().all(|c| {
+            c.offsets.len() == shape.len()
+                && c.sizes.len() == shape.len()
+                && c.offsets.iter().skip(1).all(|&o| o == 0)
+                && c.sizes.iter().skip(1).eq(shape.iter().skip(1))
+        });
+        if !rows_only {
+            return None;
+        }
+        if first.is_none() && e.role.is_none() {
+            first = Some(e.key.as_str());
+        }
+    }
+    first
 }

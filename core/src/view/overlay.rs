@@ -93,6 +93,9 @@ pub struct Overlay {
     pub notes: Vec<String>,
     /// False when the checkpoint stores no per-rank pieces to compare (full or plain state dicts).
     pub applicable: bool,
+    /// Parameters of the layout the checkpoint has no tensor for (a difference: a layout of
+    /// another model compares nothing, and must not read as a match).
+    pub absent: usize,
 }
 
 impl Overlay {
@@ -104,10 +107,11 @@ impl Overlay {
             .fold((0, 0), |(e, m), r| (e + r.extra.len(), m + r.missing.len()))
     }
 
-    /// Every difference: extra ranges, missing ranges and configuration differences.
+    /// Every difference: extra ranges, missing ranges, layout parameters with no stored tensor
+    /// and configuration differences.
     pub fn difference_count(&self) -> usize {
         let (e, m) = self.piece_differences();
-        e + m + self.config_differences.len()
+        e + m + self.absent + self.config_differences.len()
     }
 
     /// One line for people: `stored chunks match the layout (...)` or `N differences: ...`.
@@ -128,6 +132,13 @@ impl Overlay {
                 ranks.len()
             );
         }
+        if self.params.is_empty() && self.absent > 0 {
+            return format!(
+                "nothing compared: none of the layout's {} parameters is stored in the checkpoint \
+                 (a layout of another model?)",
+                self.absent
+            );
+        }
         let (extra, missing) = self.piece_differences();
         let params = self
             .params
@@ -144,6 +155,12 @@ impl Overlay {
         }
         if params > 0 {
             parts.push(format!("in {params} of {} parameters", self.params.len()));
+        }
+        if self.absent > 0 {
+            parts.push(format!(
+                "{} layout parameters not stored in the checkpoint",
+                self.absent
+            ));
         }
         format!(
             "{n} difference{}: {}",
@@ -439,6 +456,7 @@ pub fn compare(
         prediction,
         notes: Vec::new(),
         applicable: stores_rank_pieces(index.kind),
+        absent: 0,
     };
     if !overlay.applicable {
         overlay.notes.push(format!(
@@ -564,6 +582,7 @@ pub fn compare(
             .notes
             .push(format!("{absent} layout parameters have no stored tensor"));
     }
+    overlay.absent = absent;
     if unknown_rank > 0 {
         overlay.notes.push(format!(
             "{unknown_rank} chunks name no rank and are not compared"

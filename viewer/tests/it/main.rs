@@ -13,3 +13,4 @@ mod map_marks;
 mod overlay;
 mod panels;
 mod torch_layouts;
+mod trainer_layouts;
