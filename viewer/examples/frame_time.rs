@@ -345,6 +345,7 @@ fn main() {
             name: "synthetic".to_owned(),
             model,
             derived: None,
+            example: false,
         });
         big.recompute();
         let build = t.elapsed();
