@@ -11,7 +11,7 @@ use std::io::{Cursor, Read, Seek};
 use crate::formats::pickle::{self, PickleError, PyValue, TensorRef};
 
 mod lazy;
-pub use lazy::{ArchiveFileError, pickle_globals_from, read_archive_from};
+pub use lazy::{ArchiveFileError, pickle_globals_from, read_archive_from, read_item_archive};
 
 /// What went wrong while reading a torch archive.
 #[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]

@@ -234,21 +234,26 @@ impl CheckpointIndex {
             }
             ChunkEncoding::TorchSaveItem => {
                 // The item's zip headers, `data.pkl` and central directory sit at its two ends:
-                // remote sources fetch only those; the whole item when they do not parse alone.
+                // only those are read (no buffer of the item's size); the whole item when they
+                // do not parse alone, or where whole reads are cheap (memory, mmap).
                 // (torch writes `data.pkl` first; its central directory is < 1 KiB per member.)
                 const HEAD_BYTES: u64 = 64 << 10;
                 const TAIL_BYTES: u64 = 16 << 10;
-                let ends = source.read_ends(
-                    &chunk.file,
-                    chunk.byte_offset,
-                    chunk.byte_length,
-                    HEAD_BYTES,
-                    TAIL_BYTES,
-                )?;
-                let archive = if let Ok(archive) = torch_zip::read_archive(&ends) {
+                let from_ends = if source.whole_reads_are_cheap() {
+                    None
+                } else {
+                    torch_zip::read_item_archive(
+                        source,
+                        &chunk.file,
+                        chunk.byte_offset,
+                        chunk.byte_length,
+                        HEAD_BYTES,
+                        TAIL_BYTES,
+                    )?
+                };
+                let archive = if let Some(archive) = from_ends {
                     archive
                 } else {
-                    drop(ends);
                     let bytes =
                         source.read_range(&chunk.file, chunk.byte_offset, chunk.byte_length)?;
                     torch_zip::read_archive(&bytes).map_err(|e| bad(e.to_string()))?

@@ -10,6 +10,7 @@ mod follows;
 mod front_ends;
 mod hf_names;
 mod map_marks;
+mod open_reads;
 mod overlay;
 mod panels;
 mod torch_layouts;

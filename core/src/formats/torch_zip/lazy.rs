@@ -164,6 +164,68 @@ fn archive_from(
     Ok(Some(build_archive(members, &layout, pkl, order)?))
 }
 
+/// The torch archive stored as the `len` bytes at `offset` of `name` (a DCP `.distcp` item),
+/// parsed from its first `head` and last `tail` bytes only: torch writes `data.pkl` and the small members first
+/// and the central directory last, so the ends hold everything but the tensor's bytes. Equal to
+/// `read_archive` of the item's whole bytes; `Ok(None)` when the ends alone do not parse (the
+/// caller then reads the item whole). Nothing of the item's middle is read or allocated.
+///
+/// [`read_archive`]: super::read_archive
+pub fn read_item_archive(
+    source: &dyn Source,
+    name: &str,
+    offset: u64,
+    len: u64,
+    head: u64,
+    tail: u64,
+) -> Result<Option<TorchArchive>, SourceError> {
+    let head_end = head.min(len);
+    let tail_start = len.saturating_sub(tail).max(head_end);
+    let mut ranges = vec![(0, head_end)];
+    if tail_start < len {
+        ranges.push((tail_start, len));
+    }
+    let mut store = Store::new(len, 0);
+    for &(start, end) in ranges.iter().filter(|r| r.0 < r.1) {
+        // One read per end (not `read_ranges`): a remote source serves repeated reads of the
+        // same ends from its read-ahead blocks; the browser's fetches both misses in one round.
+        let bytes = source.read_range(name, offset.saturating_add(start), end - start)?;
+        if bytes.len() as u64 != end - start {
+            return Ok(None);
+        }
+        store.insert(start, bytes.into_owned());
+    }
+    if !store.get(0, 4).is_some_and(looks_like_zip) {
+        return Ok(None);
+    }
+    let store = RefCell::new(store);
+    let Ok(mut archive) = zip::ZipArchive::new(Sparse::new(&store)) else {
+        return Ok(None);
+    };
+    let Ok(members) = archive_members(&mut archive, len, |_| true) else {
+        return Ok(None);
+    };
+    drop(archive);
+    let store = store.into_inner();
+    if store.miss.is_some() {
+        return Ok(None);
+    }
+    let Ok(layout) = Layout::of(&members) else {
+        return Ok(None);
+    };
+    let Some(pkl) = store.get(layout.pkl.offset, layout.pkl.len) else {
+        return Ok(None);
+    };
+    let order = match layout.byteorder {
+        Some(r) => match store.get(r.offset, r.len) {
+            Some(b) => Some(b),
+            None => return Ok(None),
+        },
+        None => None,
+    };
+    Ok(build_archive(&members, &layout, pkl, order).ok())
+}
+
 /// The globals `data.pkl` of the archive `name` names ([`pickle_globals`]), reading its zip
 /// directory and `data.pkl` by range (the whole file only where whole reads are cheap).
 ///
