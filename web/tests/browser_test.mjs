@@ -316,6 +316,36 @@ async function derivedLayoutTest(browser, port) {
   await page.close();
 }
 
+// A torchtitan step folder (tests/fixtures/trainer_folders/step-2: torchtitan's CheckpointManager,
+// FSDP2 on 2 gloo ranks; the model keys at the top level beside optimizer, lr_scheduler,
+// train_state and dataloader) picked as a folder on the page as it starts, with the bundled example
+// shown (issue 38): the layout is the checkpoint's own, derived as `--model-only` finds the model
+// (FSDP2, 2 ranks: what torch stored), and every stored chunk matches it; never the example's
+// model (`block1`, `embed`) with "0 parameters".
+async function trainerFolderTest(browser, port) {
+  const page = await browser.newPage({ viewport: { width: 1400, height: 860 }, deviceScaleFactor: 1 });
+  const errors = [];
+  page.on("pageerror", (e) => errors.push(String(e)));
+  await page.goto(`http://127.0.0.1:${port}/index.html`);
+  await waitFor(() => page.evaluate(() => document.body.dataset.ready === "1"), "the viewer to start");
+  await waitFor(async () => (await page.textContent("#status")).includes("tiny_model.json"), "the example");
+  await page.setInputFiles("#folder", path.join(root, "tests/fixtures/trainer_folders/step-2"));
+  const shown = await waitFor(async () => {
+    const s = await page.textContent("#status");
+    return s.includes("checkpoint") && s.includes("match") ? s : (s.includes("error") ? s : null);
+  }, "the torchtitan step folder with its layout");
+  console.log(`status of the torchtitan step folder: ${shown}`);
+  if (shown.includes("tiny_model")) fail(`the example's model is kept: ${shown}`);
+  if (!shown.includes("derived from")) fail(`no layout derived: ${shown}`);
+  if (!shown.includes("FSDP2")) fail(`not FSDP2, as torch wrote it: ${shown}`);
+  if (!/stored chunks match the layout \([1-9]\d* parameters, 2 ranks\)/.test(shown)) {
+    fail(`the stored chunks should match the derived FSDP2 layout on 2 ranks: ${shown}`);
+  }
+  if (errors.length) fail(`page errors: ${errors.join("\n")}`);
+  console.log("PASS: a torchtitan step folder gets its own layout, not the example's");
+  await page.close();
+}
+
 // A/B compare in the page: a torch-written DCP (A, picked as a folder) against torch's edit of the
 // same state dict saved with torch.save (B, picked with "Compare files"), then the same pair
 // by URL (`?url=A&compare=B`). The page's report must equal `shardscope diff --json A B` run here
@@ -907,6 +937,7 @@ try {
   await readPathsTest(browser, port);
   await concurrentOpensTest(browser, port);
   await derivedLayoutTest(browser, port);
+  await trainerFolderTest(browser, port);
   await compareTest(browser);
   await presignedTest(browser);
   if (errors.length) fail(`page errors: ${errors.join("\n")}`);

@@ -243,7 +243,7 @@ fn marked_command_blocks_run_against_the_bundled_examples() {
             ran += 1;
         }
     }
-    assert!(ran >= 10, "only {ran} documented commands ran");
+    assert!(ran >= 30, "only {ran} documented commands ran");
 }
 
 /// What a newcomer's first `inspect` prints has no placeholder: no `?` where a rank or a path is
