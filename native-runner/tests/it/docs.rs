@@ -303,3 +303,20 @@ fn inspect_summaries_have_no_placeholders() {
         "{text}"
     );
 }
+
+/// BENCHMARKS.md's chart is drawn from its table (`bench/chart.py`): a figure changed in the table
+/// and not in the chart fails here.
+#[test]
+fn the_benchmarks_chart_is_the_tables() {
+    let out = Command::new("python3")
+        .arg(repo().join("bench/chart.py"))
+        .arg("--check")
+        .output()
+        .expect("python3");
+    assert!(
+        out.status.success(),
+        "{}{}",
+        String::from_utf8_lossy(&out.stdout),
+        String::from_utf8_lossy(&out.stderr)
+    );
+}
