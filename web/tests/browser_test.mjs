@@ -805,7 +805,8 @@ async function largeTest(launch) {
     console.log(`20 GiB sparse DCP: ${opened} (${seconds.toFixed(2)} s)`);
     if (!opened.includes(`${entries} entries`)) fail(`expected ${entries} entries (torch's metadata): ${opened}`);
     if (!opened.includes("2 ranks")) fail(`expected 2 ranks: ${opened}`);
-    if (seconds > 30) fail(`opening took ${seconds.toFixed(1)} s (limit 30 s)`);
+    // Issue 38: about a second and +64 MiB whatever the size (measured 0.69 s and +11 MiB at load 7).
+    if (seconds > 10) fail(`opening took ${seconds.toFixed(1)} s (limit 10 s)`);
     await page.waitForTimeout(500);
     const after = renderers(pid).get(rpid);
     if (!after) fail("the renderer went away");
@@ -818,7 +819,7 @@ async function largeTest(launch) {
       `${(after.rss / MiB).toFixed(0)} MiB after, peak ${(after.hwm / MiB).toFixed(0)} MiB: ` +
       `grew ${(growth / MiB).toFixed(0)} MiB; wasm memory ${(heap.wasm / MiB).toFixed(0)} MiB, ` +
       `JS heap ${(heap.js / MiB).toFixed(0)} MiB`);
-    if (growth >= 512 * MiB) fail(`the renderer grew by ${(growth / MiB).toFixed(0)} MiB (limit 512)`);
+    if (growth >= 64 * MiB) fail(`the renderer grew by ${(growth / MiB).toFixed(0)} MiB (limit 64)`);
 
     // A broken .metadata: an error on the page naming the file, not a hang.
     await page.setInputFiles("#files", files.map((f) => path.join(tmp, "broken", f)));
