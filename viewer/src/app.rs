@@ -117,14 +117,17 @@ pub struct Viewer {
     pub timeline: timeline::TimelineState,
     pub loader: Loader,
     /// Counts layout rebuilds (see [`LayoutView::generation`]).
-    generation: u64,
+    pub(crate) generation: u64,
     /// Keep the current tab when a trace opens (the example opens both).
     pub stay_on_tab: bool,
     /// The next model opened under [`EXAMPLE_MODEL_NAME`] is the bundled example
     /// ([`Viewer::open_example`]).
     example_pending: bool,
     /// The desktop window's fit to its screen (`shardscope-viewer` turns it on).
-    pub window_fit: WindowFit,
+    pub window_fit: crate::window_fit::WindowFit,
+    /// A content manifest opened to check the checkpoint against (`manifest_check`).
+    pub manifest: Option<crate::manifest_check::OpenedManifest>,
+    pub manifest_job: crate::manifest_check::ManifestJob,
     /// Errors and notices, newest last.
     pub messages: Vec<String>,
     inbox: Inbox,
@@ -362,62 +365,9 @@ impl Viewer {
                     self.tab = Tab::Verify;
                 }
             }
-            Ok(Document::Checkpoint(mut ckpt)) => {
-                self.generation += 1;
-                ckpt.generation = self.generation;
-                self.messages.push(format!(
-                    "opened checkpoint {}: {}",
-                    ckpt.name,
-                    ckpt.summary()
-                ));
-                self.ckpt = crate::panels::checkpoint::CheckpointState::default();
-                self.values = None;
-                // The layout panel follows what was opened: the checkpoint's own configuration.
-                self.controls.apply_hints(&ckpt.hints);
-                for note in &ckpt.notes {
-                    self.messages.push(format!("note: {note}"));
-                }
-                // The shard map of what was opened, from the checkpoint alone, unless a model
-                // description was opened by hand.
-                let replaceable = self
-                    .model
-                    .as_ref()
-                    .is_none_or(|m| m.derived.is_some() || m.example);
-                if replaceable && ckpt.derived.is_none() && self.model.take().is_some() {
-                    // Never the example's (or another checkpoint's) layout over this one.
-                    self.messages.push(format!(
-                        "no layout for {}: it could not be derived from the checkpoint alone (see \
-                         the note above); open the model's description JSON (Python: `shardscope.describe(model)`) \
-                         to draw its shard map",
-                        ckpt.name
-                    ));
-                }
-                if replaceable && let Some(d) = &ckpt.derived {
-                    self.messages.push(format!(
-                        "layout derived from {}: {}",
-                        ckpt.name,
-                        d.notes.join("; ")
-                    ));
-                    self.model = Some(LoadedModel {
-                        name: format!("derived from {}", ckpt.name),
-                        model: d.model.clone(),
-                        derived: Some(DerivedUnits {
-                            patterns: d.unit_patterns.clone(),
-                            root: true,
-                        }),
-                        example: false,
-                    });
-                    self.applied_config = None;
-                }
-                self.checkpoint = Some(*ckpt);
-                // Always recompute: the overlay of the new checkpoint needs the layout.
-                self.applied_config = None;
-                self.recompute();
-                if !self.stay_on_tab {
-                    self.tab = Tab::Checkpoint;
-                }
-            }
+            Ok(Document::Checkpoint(ckpt)) => self.open_checkpoint(ckpt),
             Ok(Document::HfConfig(config)) => self.open_hf_config(config),
+            Ok(Document::Manifest(m)) => self.open_manifest(m),
             Err(e) => self.messages.push(format!("error: {e}")),
         }
     }
@@ -604,7 +554,7 @@ impl Viewer {
         if self.poll_loader() > 0 {
             ctx.request_repaint();
         }
-        if self.poll_comparer() | self.poll_value_job() {
+        if self.poll_comparer() | self.poll_value_job() | self.poll_manifest_job() {
             // Progress is shown as it goes (4 times a second: in the browser, frames share the
             // one thread with the work); the worker never blocks on the UI.
             ctx.request_repaint_after(std::time::Duration::from_millis(250));
@@ -1219,54 +1169,6 @@ impl eframe::App for Viewer {
         #[cfg(not(target_arch = "wasm32"))]
         self.window_fit.step(ui.ctx());
         Viewer::ui(self, ui);
-    }
-}
-
-/// The desktop window fills the screen it opens on ([`Viewer::fit_window_to_screen`]): it asks
-/// the window manager to maximize it; where none does (no window manager, or one that ignores the
-/// request), it sets the window to the monitor's size at its top-left corner itself. Whatever the
-/// screen, the window never opens larger than it.
-#[derive(Debug, Default)]
-pub enum WindowFit {
-    /// Left as it opened (tests, the browser).
-    #[default]
-    Off,
-    /// Maximize on the next frame that knows its monitor.
-    Start,
-    /// Maximize was asked for at this time; checked a moment later.
-    Asked(std::time::Instant),
-    Done,
-}
-
-impl WindowFit {
-    /// How long a window manager is given to maximize the window.
-    const GRACE: std::time::Duration = std::time::Duration::from_millis(500);
-
-    fn step(&mut self, ctx: &egui::Context) {
-        let (monitor, maximized) = ctx.input(|i| {
-            let v = i.viewport();
-            (v.monitor_size, v.maximized.unwrap_or(false))
-        });
-        match *self {
-            WindowFit::Off | WindowFit::Done => {}
-            WindowFit::Start => {
-                if monitor.is_some() {
-                    ctx.send_viewport_cmd(egui::ViewportCommand::Maximized(true));
-                    *self = WindowFit::Asked(std::time::Instant::now());
-                }
-                ctx.request_repaint_after(Self::GRACE);
-            }
-            WindowFit::Asked(at) if at.elapsed() < Self::GRACE => {
-                ctx.request_repaint_after(Self::GRACE);
-            }
-            WindowFit::Asked(_) => {
-                if !maximized && let Some(size) = monitor {
-                    ctx.send_viewport_cmd(egui::ViewportCommand::OuterPosition(egui::Pos2::ZERO));
-                    ctx.send_viewport_cmd(egui::ViewportCommand::InnerSize(size));
-                }
-                *self = WindowFit::Done;
-            }
-        }
     }
 }
 

@@ -19,6 +19,8 @@ pub enum Document {
     Trace(Trace),
     /// A `diff`/`verify` report.
     Report(crate::report::Report),
+    /// A content manifest (`shardscope hash`): the opened checkpoint is checked against it.
+    Manifest(crate::manifest_check::OpenedManifest),
     /// An indexed checkpoint (boxed: it is much larger than the other variants).
     Checkpoint(Box<crate::checkpoint::CheckpointView>),
     /// A Hugging Face model config (`config.json`): the FQN map shows the HF names.
@@ -39,9 +41,12 @@ pub enum OpenError {
     Report(#[from] crate::report::ReportError),
     /// JSON that is neither a model description nor a trace.
     #[error(
-        "{name}: JSON, but not a model description (`params`), a Chrome trace (`traceEvents`), a verification report (`kind: shardscope.verify`) or a Hugging Face config (`architectures`)"
+        "{name}: JSON, but not a model description (`params`), a Chrome trace (`traceEvents`), a verification report (`kind: shardscope.verify`), a content manifest (`shardscope hash`) or a Hugging Face config (`architectures`)"
     )]
     UnknownJson { name: String },
+    /// A content manifest that does not read (`core::manifest::Manifest::from_json`).
+    #[error("{name}: a content manifest (`algorithm`, `tensors`), but {message}")]
+    Manifest { name: String, message: String },
     /// A Hugging Face config that is not valid JSON.
     #[error(
         "{name}: a Hugging Face config (`architectures`, `model_type`), but not valid JSON: {message}"
@@ -86,6 +91,21 @@ pub fn parse(name: &str, bytes: &[u8]) -> Result<Document, OpenError> {
         return Ok(Document::Report(crate::report::Report::from_json_bytes(
             bytes, name,
         )?));
+    }
+    if has(b"\"algorithm\"")
+        && has(b"\"tensors\"")
+        && shardscope_core::manifest::Manifest::looks_like(bytes)
+    {
+        let manifest = shardscope_core::manifest::Manifest::from_json(bytes).map_err(|e| {
+            OpenError::Manifest {
+                name: name.to_owned(),
+                message: e.0,
+            }
+        })?;
+        return Ok(Document::Manifest(crate::manifest_check::OpenedManifest {
+            name: name.to_owned(),
+            manifest,
+        }));
     }
     if !has(b"\"params\"") && (has(b"\"architectures\"") || has(b"\"model_type\"")) {
         let config: serde_json::Value =

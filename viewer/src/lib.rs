@@ -3,12 +3,14 @@
 //! [`trace::Trace`]); [`Viewer`] arranges them, and the native binary and the web entry wrap it.
 
 pub mod app;
+mod app_open;
 pub mod checkpoint;
 pub mod compare;
 pub mod docs;
 pub mod format;
 pub mod hf_names;
 pub mod job;
+pub mod manifest_check;
 pub mod map_marks;
 pub mod panels;
 pub mod report;
@@ -16,6 +18,7 @@ pub mod theme;
 pub mod trace;
 pub mod values;
 pub mod view;
+pub mod window_fit;
 
 pub use app::{Tab, Viewer};
 pub use shardscope_core as core;

@@ -110,7 +110,7 @@ fn run() -> Result<(), String> {
         viewer.loader.synchronous = false;
     }
     // Fills the screen it opens on (1400x860 until then, and when the screen is unknown).
-    viewer.window_fit = shardscope_viewer::app::WindowFit::Start;
+    viewer.window_fit = shardscope_viewer::window_fit::WindowFit::Start;
     let options = eframe::NativeOptions {
         viewport: egui::ViewportBuilder::default()
             .with_title("shardscope")

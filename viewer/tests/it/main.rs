@@ -9,6 +9,7 @@ mod doctor;
 mod follows;
 mod front_ends;
 mod hf_names;
+mod manifest_check;
 mod map_marks;
 mod open_reads;
 mod overlay;
