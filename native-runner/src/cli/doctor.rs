@@ -11,7 +11,7 @@ use clap::{Args, ValueEnum};
 use shardscope_core::checkpoint::{Checkpoint, CheckpointError, Fsdp1Flags};
 use shardscope_core::doctor::{self, Finding, Options, Report, Severity, Target};
 use shardscope_core::formats::{dcp, torch_zip};
-use shardscope_core::index::{self, CheckpointIndex, CheckpointKind, Format};
+use shardscope_core::index::{self, CheckpointIndex, Format};
 use shardscope_core::model::ModelDescription;
 use shardscope_core::source::Source;
 
@@ -195,7 +195,7 @@ fn pickle_findings(index: &CheckpointIndex, source: &dyn Source) -> Vec<Finding>
     if index.format != Format::TorchSave {
         return out;
     }
-    let deepspeed = matches!(index.kind, CheckpointKind::DeepSpeedZero { .. });
+    let deepspeed = index.kind.is_deepspeed();
     for file in index.files.keys() {
         // By range: the zip directory and data.pkl, not the tensor bytes (remote files).
         if let Ok(globals) = torch_zip::pickle_globals_from(source, file) {

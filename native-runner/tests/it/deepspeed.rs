@@ -24,19 +24,19 @@ const CASES: &[&str] = &[
     "zero3_bf16_ws3",
 ];
 
-fn deepspeed() -> PathBuf {
+pub(crate) fn deepspeed() -> PathBuf {
     fixtures_dir().join("deepspeed")
 }
 
-fn run(args: &[&str]) -> Output {
+pub(crate) fn run(args: &[&str]) -> Output {
     Command::new(shardscope_bin()).args(args).output().unwrap()
 }
 
-fn s(p: &Path) -> &str {
+pub(crate) fn s(p: &Path) -> &str {
     p.to_str().unwrap()
 }
 
-fn ok(out: &Output, what: &str) -> String {
+pub(crate) fn ok(out: &Output, what: &str) -> String {
     let stdout = String::from_utf8_lossy(&out.stdout).into_owned();
     assert!(
         out.status.success(),
@@ -48,9 +48,9 @@ fn ok(out: &Output, what: &str) -> String {
 }
 
 /// A safetensors file's tensors: name -> (dtype, shape, bytes).
-type Tensors = BTreeMap<String, (String, Vec<u64>, Vec<u8>)>;
+pub(crate) type Tensors = BTreeMap<String, (String, Vec<u64>, Vec<u8>)>;
 
-fn safetensors_of(path: &Path) -> Tensors {
+pub(crate) fn safetensors_of(path: &Path) -> Tensors {
     let bytes = std::fs::read(path).unwrap();
     let st = safetensors::SafeTensors::deserialize(&bytes).unwrap();
     st.tensors()
@@ -69,14 +69,14 @@ fn safetensors_of(path: &Path) -> Tensors {
 }
 
 /// What DeepSpeed wrote down: `zero_to_fp32`'s tensors (every name), its key order and ties.
-struct Expected {
-    tensors: Tensors,
-    keys: Vec<String>,
+pub(crate) struct Expected {
+    pub(crate) tensors: Tensors,
+    pub(crate) keys: Vec<String>,
     /// `(alias, name)`: names zero_to_fp32 gives as one tensor.
-    ties: Vec<(String, String)>,
+    pub(crate) ties: Vec<(String, String)>,
 }
 
-fn expected(case: &str) -> Expected {
+pub(crate) fn expected(case: &str) -> Expected {
     let dir = deepspeed().join("expected");
     let meta: serde_json::Value =
         serde_json::from_slice(&std::fs::read(dir.join(format!("{case}.json"))).unwrap()).unwrap();
@@ -256,7 +256,7 @@ fn copy_case(case: &str, tmp: &Path) -> PathBuf {
     to
 }
 
-fn fails(args: &[&str]) -> String {
+pub(crate) fn fails(args: &[&str]) -> String {
     let out = run(args);
     let stderr = String::from_utf8_lossy(&out.stderr).into_owned();
     assert!(

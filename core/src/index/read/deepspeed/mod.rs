@@ -26,6 +26,7 @@ mod plan;
 mod records;
 #[cfg(test)]
 pub(crate) mod tests;
+mod universal;
 
 use std::collections::{BTreeMap, HashMap, HashSet};
 use std::sync::Arc;
@@ -43,6 +44,7 @@ use files::check_ranks;
 pub use files::looks_like_deepspeed;
 use plan::ParamPlan;
 use records::{Flat, ModelStates, OptimStates, Reader, Stored, bad, open_archive};
+pub use universal::{index_universal, looks_like_universal};
 
 /// The prefix under which the training state beside the model is kept.
 const EXTRA: &str = "extra";
@@ -102,24 +104,9 @@ pub fn index_deepspeed(source: &dyn Source, names: &[String]) -> Result<FolderRe
     } else {
         ZeroPrecision::Fp32
     });
-    let mut entries = model_entries(sd);
     let optimizer = optimizer::entries(zero, &optim, &plans, &mut notes)?;
     let has_optimizer_state = !optimizer.is_empty();
-    let before = entries.len() as u64;
-    for (i, mut e) in optimizer.into_iter().chain(extra).enumerate() {
-        e.position = Some(before + i as u64);
-        entries.push(e);
-    }
-    entries.sort_by(|a, b| a.key.cmp(&b.key));
-    if let Some(w) = entries.windows(2).find(|w| w[0].key == w[1].key) {
-        return Err(bad(
-            &zero.file,
-            format!(
-                "the key `{}` is both a model name and training state",
-                w[0].key
-            ),
-        ));
-    }
+    let entries = all_entries(sd, optimizer.into_iter().chain(extra), &zero.file)?;
     let sets = read_sets(&save, &model_pattern, &optim_pattern);
     let index = CheckpointIndex {
         format: Format::TorchSave,
@@ -257,6 +244,32 @@ fn read_model(
         file_infos.insert(name.clone(), file_info(source, name, rank)?);
     }
     Ok((model, extra, pattern))
+}
+
+/// The state dict's entries, then `rest` (optimizer, training state), `position` keeping that
+/// order, sorted by key; a key both in the model and in `rest` is an error naming `file`.
+fn all_entries(
+    sd: StateDict,
+    rest: impl Iterator<Item = IndexEntry>,
+    file: &str,
+) -> Result<Vec<IndexEntry>, IndexError> {
+    let mut entries = model_entries(sd);
+    let before = entries.len() as u64;
+    for (i, mut e) in rest.enumerate() {
+        e.position = Some(before + i as u64);
+        entries.push(e);
+    }
+    entries.sort_by(|a, b| a.key.cmp(&b.key));
+    if let Some(w) = entries.windows(2).find(|w| w[0].key == w[1].key) {
+        return Err(bad(
+            file,
+            format!(
+                "the key `{}` is both a model name and training state",
+                w[0].key
+            ),
+        ));
+    }
+    Ok(entries)
 }
 
 /// The state dict's tensors as entries, `position` keeping its order.
