@@ -24,7 +24,8 @@ use names::file_ext;
 pub use names::{RankGroup, RankedFiles, group_rank_files, is_torch_file, rank_from_name};
 pub use read::dcp::index_dcp;
 pub use read::deepspeed::{
-    index_deepspeed, index_universal, looks_like_deepspeed, looks_like_universal,
+    NonZeroPadding, PaddingCheck, check_padding as check_deepspeed_padding, index_deepspeed,
+    index_universal, looks_like_deepspeed, looks_like_universal,
 };
 pub use read::items::{FolderRead, index_rank_folder};
 use read::safetensors::index_safetensors;

@@ -323,6 +323,7 @@ pub fn run(args: &DoctorArgs) -> anyhow::Result<ExitCode> {
         let problems = idx.check();
         findings.extend(pickle_findings(idx, &source));
         findings.extend(doctor::diagnose(idx, &source, &problems, &options));
+        findings.extend(deepspeed_padding(idx, &source, &label));
     }
     let report = Report::new(findings);
     if args.json {
@@ -331,6 +332,27 @@ pub fn run(args: &DoctorArgs) -> anyhow::Result<ExitCode> {
         print_stdout(&render(&label, idx.as_ref(), target.as_ref(), &report))?;
     }
     Ok(ExitCode::from(report.exit_code()))
+}
+
+/// A DeepSpeed ZeRO folder: each run of its flat partitions' padding that is not zero.
+fn deepspeed_padding(idx: &CheckpointIndex, source: &dyn Source, label: &str) -> Vec<Finding> {
+    if !matches!(
+        idx.kind,
+        shardscope_core::index::CheckpointKind::DeepSpeedZero { .. }
+    ) {
+        return Vec::new();
+    }
+    let names = source.names();
+    match index::check_deepspeed_padding(source, &names) {
+        // The moments' padding only: DeepSpeed leaves the fp32 weights' padding uninitialized.
+        Ok(check) => check
+            .nonzero
+            .iter()
+            .filter(|p| p.moment)
+            .map(doctor::deepspeed_padding)
+            .collect(),
+        Err(e) => vec![doctor::deepspeed_folder(label, &e.to_string())],
+    }
 }
 
 fn render(

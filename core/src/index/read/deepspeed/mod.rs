@@ -22,6 +22,7 @@
 
 mod files;
 mod optimizer;
+mod padding;
 mod plan;
 mod records;
 #[cfg(test)]
@@ -42,6 +43,7 @@ use crate::source::Source;
 
 use files::check_ranks;
 pub use files::looks_like_deepspeed;
+pub use padding::{NonZeroPadding, PaddingCheck, check_padding};
 use plan::ParamPlan;
 use records::{Flat, ModelStates, OptimStates, Reader, Stored, bad, open_archive};
 pub use universal::{index_universal, looks_like_universal};
