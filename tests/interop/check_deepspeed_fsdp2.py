@@ -120,9 +120,16 @@ def expected(case):
 
     src = CASES_DIR.get(case, case)
     exp = FIXTURES / "expected"
+    z2f = load_file(exp / f"{src}.zero_to_fp32.safetensors")
+    live = load_file(exp / f"{src}.live.safetensors")
+    # The model shardscope gives: zero_to_fp32's, and the frozen parameters it leaves out (ZeRO-1:
+    # DeepSpeed records none but `module`'s), as the live engine's module holds them.
+    for key, value in live.items():
+        if key.startswith("frozen.") and key[len("frozen."):] not in z2f:
+            z2f[key[len("frozen."):]] = value
     return {
-        "zero_to_fp32": load_file(exp / f"{src}.zero_to_fp32.safetensors"),
-        "live": load_file(exp / f"{src}.live.safetensors"),
+        "zero_to_fp32": z2f,
+        "live": live,
         "groups": deepspeed_groups(FIXTURES / src),
     }
 
@@ -190,8 +197,8 @@ def check_case(world_size, case, dcp_dir):
     model, optim = build(world_size)
     errors = []
     state = get_model_state_dict(model)
-    # What zero_to_fp32 leaves out is not in the DCP either: under ZeRO-1 DeepSpeed records no
-    # copy of a frozen parameter but `module`'s; it keeps the value the model was built with.
+    # What the conversion leaves out is not in the DCP either (nothing, since ZeRO-1's frozen
+    # parameters are taken from `module`: `expected` adds them to zero_to_fp32's).
     left_out = sorted(k for k in state if k not in z2f)
     kept = {k: full(state[k]).detach().clone() for k in left_out}
     in_dcp = set(dcp.FileSystemReader(dcp_dir).read_metadata().state_dict_metadata)

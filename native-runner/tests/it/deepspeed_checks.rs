@@ -128,3 +128,103 @@ fn deepspeed_padding_that_is_not_zero_is_named() {
         "{text}"
     );
 }
+
+/// `doctor --reference` compares the model part of DeepSpeed saves (ZeRO folders and universal
+/// ones) with the model they should load into (`expected/tinylm*.reference.pt`, saved by torch from
+/// the generator's `TinyLM`, `gen_reference.py`): nothing to say with the right model, every
+/// parameter of another shape named with the wrong one (a vocabulary of 12: the embedding and the
+/// head tied to it).
+#[test]
+fn doctor_reference_compares_the_deepspeed_model() {
+    let reference = |name: &str| {
+        deepspeed()
+            .join("expected")
+            .join(format!("{name}.reference.pt"))
+    };
+    let model_codes = ["missing-key", "unexpected-key", "shape-mismatch"];
+    for case in [
+        "zero1_fp32",
+        "zero1_bf16",
+        "zero2_fp32",
+        "zero3_bf16_ws3",
+        "universal_zero2_bf16",
+        "universal_zero3_fp32",
+    ] {
+        let dir = deepspeed().join(case);
+        let out = run(&[
+            "doctor",
+            s(&dir),
+            "--reference",
+            s(&reference("tinylm")),
+            "--json",
+        ]);
+        let report: serde_json::Value = serde_json::from_slice(&out.stdout).unwrap();
+        let findings = report["findings"].as_array().unwrap();
+        assert!(
+            findings
+                .iter()
+                .all(|f| !model_codes.contains(&f["code"].as_str().unwrap())),
+            "{case}: {report}"
+        );
+        assert_eq!(report["loadable"], true, "{case}: {report}");
+        assert_eq!(out.status.code(), Some(0), "{case}: {report}");
+        let out = run(&[
+            "doctor",
+            s(&dir),
+            "--reference",
+            s(&reference("tinylm_vocab12")),
+            "--json",
+        ]);
+        let report: serde_json::Value = serde_json::from_slice(&out.stdout).unwrap();
+        let mut shapes: Vec<String> = report["findings"]
+            .as_array()
+            .unwrap()
+            .iter()
+            .filter(|f| model_codes.contains(&f["code"].as_str().unwrap()))
+            .map(|f| {
+                format!(
+                    "{} {}",
+                    f["code"].as_str().unwrap(),
+                    f["keys"][0].as_str().unwrap()
+                )
+            })
+            .collect();
+        shapes.sort();
+        assert_eq!(
+            shapes,
+            ["shape-mismatch embed.weight", "shape-mismatch head.weight"],
+            "{case}: {report}"
+        );
+        assert_eq!(report["loadable"], false, "{case}");
+        assert_ne!(out.status.code(), Some(0), "{case}");
+    }
+}
+
+/// ZeRO-1's frozen parameter (DeepSpeed 0.19.8 records no `frozen_param_shapes` for it, and
+/// zero_to_fp32 leaves it out) is in the output, and the commands say so.
+#[test]
+fn zero1_frozen_parameter_is_in_the_output_and_said() {
+    let tmp = tempfile::tempdir().unwrap();
+    for case in ["zero1_fp32", "zero1_bf16"] {
+        let out = tmp.path().join(format!("{case}.safetensors"));
+        let run_out = run(&["convert", s(&deepspeed().join(case)), "-o", s(&out)]);
+        ok(&run_out, case);
+        let stderr = String::from_utf8_lossy(&run_out.stderr);
+        assert!(
+            stderr.contains("included, where zero_to_fp32 leaves them out: frozen.weight"),
+            "{case}: {stderr}"
+        );
+        let got = crate::deepspeed::safetensors_of(&out);
+        let want = crate::deepspeed::expected(case);
+        assert_eq!(
+            got.get("frozen.weight"),
+            want.tensors.get("frozen.weight"),
+            "{case}"
+        );
+        let inspect = run(&["inspect", s(&deepspeed().join(case))]);
+        assert!(
+            String::from_utf8_lossy(&inspect.stderr).contains("zero_to_fp32 leaves them out"),
+            "{case}"
+        );
+    }
+}

@@ -88,6 +88,7 @@ pub fn index_deepspeed(source: &dyn Source, names: &[String]) -> Result<FolderRe
     let mut sd = StateDict::default();
     buffers(zero, &mut sd, &mut notes);
     frozen(stage, &model, &mut sd)?;
+    frozen_from_module(stage, zero, &mut sd, &mut notes);
     let plans = trainable(stage, zero, &optim, &mut sd)?;
     // Tied names: `state_dict[alias] = state_dict[name]` when `name` is there.
     for (alias, name) in &zero.shared_params {
@@ -432,6 +433,49 @@ fn frozen(stage: u8, model: &[ModelStates], sd: &mut StateDict) -> Result<(), In
         );
     }
     Ok(())
+}
+
+/// ZeRO-1's frozen parameters: DeepSpeed 0.19.8 records no `frozen_param_shapes` (nor
+/// fragments) for ZeRO-1, so `zero_to_fp32` leaves them out; they are in `module`, whole, in the
+/// training precision (the parameter itself: no fp32 copy of a frozen parameter exists). Taken
+/// from there, in `module`'s order, where `zero_to_fp32` puts frozen parameters (after the
+/// buffers), with a note: the names of `module` that are no buffer, no parameter of
+/// `param_shapes` and no tied alias.
+fn frozen_from_module(stage: u8, zero: &ModelStates, sd: &mut StateDict, notes: &mut Vec<String>) {
+    if stage > 2
+        || zero
+            .frozen_param_shapes
+            .as_ref()
+            .is_some_and(|f| !f.is_empty())
+    {
+        return;
+    }
+    let buffers: HashSet<&str> = zero.buffer_names.iter().map(String::as_str).collect();
+    let trainable: HashSet<&str> = zero
+        .param_shapes
+        .iter()
+        .flatten()
+        .map(|(n, _)| n.as_str())
+        .collect();
+    let aliases: HashSet<&str> = zero.shared_params.iter().map(|(a, _)| a.as_str()).collect();
+    let mut added = Vec::new();
+    for (name, t) in &zero.module {
+        let n = name.as_str();
+        if buffers.contains(n) || trainable.contains(n) || aliases.contains(n) {
+            continue;
+        }
+        if sd.values.contains_key(n) {
+            continue;
+        }
+        sd.insert(name, whole(t));
+        added.push(format!("{name} ({})", t.dtype()));
+    }
+    if !added.is_empty() {
+        notes.push(format!(
+            "included, where zero_to_fp32 leaves them out: {} (frozen parameters of a ZeRO-{stage} save, which records no `frozen_param_shapes`: taken from `module`, whole, in the training precision, which is the parameter itself)",
+            added.join(", ")
+        ));
+    }
 }
 
 /// The trainable parameters from the fp32 flat groups, through [`plan`].

@@ -234,6 +234,7 @@ pub fn index_universal(source: &dyn Source, names: &[String]) -> Result<FolderRe
     let mut sd = StateDict::default();
     super::buffers(zero, &mut sd, &mut notes);
     super::frozen(stage, &model, &mut sd)?;
+    super::frozen_from_module(stage, zero, &mut sd, &mut notes);
     let params = trainable_names(zero)?;
     let have: HashSet<&str> = names.iter().map(String::as_str).collect();
     let mut param_files = ParamFiles {
