@@ -60,16 +60,8 @@ pub fn deepspeed_padding(p: &NonZeroPadding) -> Finding {
         severity: Severity::Warning,
         keys: vec![p.file.clone()],
         message: format!(
-            "{}: `{}` (rank {}, group {}): its padding, elements {}..{} at bytes {}..{}, is not zero (first at byte {}); no gradient reaches the padding, so DeepSpeed's optimizer keeps it zero: the file was changed or damaged after the save",
-            p.file,
-            p.key,
-            p.rank,
-            p.group,
-            p.elements.start,
-            p.elements.end,
-            p.bytes.start,
-            p.bytes.end,
-            p.first_nonzero
+            "{}; no gradient reaches the padding, so DeepSpeed's optimizer keeps it zero: the file was changed or damaged after the save",
+            p.describe()
         ),
         fix: format!(
             "copy {} again from where the run wrote it, and compare its checksum with the original",

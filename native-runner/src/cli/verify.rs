@@ -101,18 +101,7 @@ fn deepspeed_padding(source: &dyn shardscope_core::source::Source, report: &mut 
     match index::check_deepspeed_padding(source, &names) {
         Ok(check) => {
             for p in &check.nonzero {
-                let what = format!(
-                    "{}: `{}` (rank {}, group {}): its padding, elements {}..{} at bytes {}..{}, is not zero (first at byte {})",
-                    p.file,
-                    p.key,
-                    p.rank,
-                    p.group,
-                    p.elements.start,
-                    p.elements.end,
-                    p.bytes.start,
-                    p.bytes.end,
-                    p.first_nonzero
-                );
+                let what = p.describe();
                 if p.moment {
                     report.add_problem(
                         &format!("padding of {} (rank {})", p.key, p.rank),

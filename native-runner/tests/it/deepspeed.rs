@@ -255,26 +255,34 @@ fn convert_model_only_to_torch_save_is_zero_to_fp32() {
             case,
         );
         let dir = deepspeed().join("expected");
-        let check = Command::new(&py)
-            .arg("-c")
-            .arg(SAME_AS_ZERO_TO_FP32)
-            .arg(&out)
-            .arg(dir.join(format!("{case}.zero_to_fp32.safetensors")))
-            .arg(dir.join(format!("{case}.json")))
-            .arg(dir.join(format!("{case}.live.safetensors")))
-            .output()
-            .unwrap();
-        let text = String::from_utf8_lossy(&check.stdout);
-        assert!(
-            text.lines().any(|l| l == "OK"),
-            "{case}: {text}\n{}",
-            String::from_utf8_lossy(&check.stderr)
-        );
+        let args = [
+            out,
+            dir.join(format!("{case}.zero_to_fp32.safetensors")),
+            dir.join(format!("{case}.json")),
+            dir.join(format!("{case}.live.safetensors")),
+        ];
+        python_ok(&py, SAME_AS_ZERO_TO_FP32, &args, case);
     }
 }
 
+/// Runs the Python `script` with torch on `args`; it must print `OK`.
+pub(crate) fn python_ok(py: &Path, script: &str, args: &[PathBuf], what: &str) {
+    let check = Command::new(py)
+        .arg("-c")
+        .arg(script)
+        .args(args)
+        .output()
+        .unwrap();
+    let text = String::from_utf8_lossy(&check.stdout);
+    assert!(
+        text.lines().any(|l| l == "OK"),
+        "{what}: {text}\n{}",
+        String::from_utf8_lossy(&check.stderr)
+    );
+}
+
 /// Copies the fixture `case` into a fresh folder under `tmp`.
-fn copy_case(case: &str, tmp: &Path) -> PathBuf {
+pub(crate) fn copy_case(case: &str, tmp: &Path) -> PathBuf {
     let from = deepspeed().join(case);
     let to = tmp.join(case);
     let tag = to.join("global_step2");
@@ -381,21 +389,13 @@ fn convert_to_torch_save_holds_the_optimizer_per_parameter() {
             case,
         );
         let dir = deepspeed().join("expected");
-        let check = Command::new(&py)
-            .arg("-c")
-            .arg(OPTIMIZER_AS_THE_LIVE_ENGINE)
-            .arg(&out)
-            .arg(dir.join(format!("{case}.zero_to_fp32.safetensors")))
-            .arg(dir.join(format!("{case}.live.safetensors")))
-            .arg(dir.join(format!("{case}.json")))
-            .output()
-            .unwrap();
-        let text = String::from_utf8_lossy(&check.stdout);
-        assert!(
-            text.lines().any(|l| l == "OK"),
-            "{case}: {text}\n{}",
-            String::from_utf8_lossy(&check.stderr)
-        );
+        let args = [
+            out,
+            dir.join(format!("{case}.zero_to_fp32.safetensors")),
+            dir.join(format!("{case}.live.safetensors")),
+            dir.join(format!("{case}.json")),
+        ];
+        python_ok(&py, OPTIMIZER_AS_THE_LIVE_ENGINE, &args, case);
     }
 }
 

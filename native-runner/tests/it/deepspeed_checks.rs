@@ -9,21 +9,9 @@
 //! the fp32 weights' padding (its own `zero3_bf16_ws3` holds uninitialized values there).
 #![allow(clippy::unwrap_used, clippy::expect_used, clippy::panic)]
 
-use std::path::{Path, PathBuf};
+use std::path::Path;
 
-use crate::deepspeed::{deepspeed, ok, run, s};
-
-/// Copies the fixture `case` into a fresh folder under `tmp`.
-fn copy_case(case: &str, tmp: &Path) -> PathBuf {
-    let to = tmp.join(case);
-    std::fs::create_dir_all(to.join("global_step2")).unwrap();
-    std::fs::copy(deepspeed().join(case).join("latest"), to.join("latest")).unwrap();
-    for e in std::fs::read_dir(deepspeed().join(case).join("global_step2")).unwrap() {
-        let p = e.unwrap().path();
-        std::fs::copy(&p, to.join("global_step2").join(p.file_name().unwrap())).unwrap();
-    }
-    to
-}
+use crate::deepspeed::{copy_case, deepspeed, ok, run, s};
 
 const RANK1: &str = "global_step2/zero_pp_rank_1_mp_rank_00_optim_states.pt";
 

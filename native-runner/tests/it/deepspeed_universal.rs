@@ -6,10 +6,9 @@
 #![allow(clippy::unwrap_used, clippy::expect_used, clippy::panic)]
 
 use std::path::{Path, PathBuf};
-use std::process::Command;
 
 use crate::common::python;
-use crate::deepspeed::{deepspeed, expected, fails, ok, run, s, safetensors_of};
+use crate::deepspeed::{deepspeed, expected, fails, ok, python_ok, run, s, safetensors_of};
 
 /// (universal fixture, the ZeRO fixture it was converted from, stage).
 const CASES: &[(&str, &str, u8)] = &[
@@ -154,21 +153,13 @@ fn convert_universal_to_torch_save_holds_model_and_optimizer() {
             &run(&["convert", s(&deepspeed().join(case)), "-o", s(&out), "-q"]),
             case,
         );
-        let check = Command::new(&py)
-            .arg("-c")
-            .arg(UNIVERSAL_AS_DEEPSPEED)
-            .arg(&out)
-            .arg(dir.join(format!("{case}.safetensors")))
-            .arg(dir.join(format!("{case}.json")))
-            .arg(&dir)
-            .output()
-            .unwrap();
-        let text = String::from_utf8_lossy(&check.stdout);
-        assert!(
-            text.lines().any(|l| l == "OK"),
-            "{case}: {text}\n{}",
-            String::from_utf8_lossy(&check.stderr)
-        );
+        let args = [
+            out,
+            dir.join(format!("{case}.safetensors")),
+            dir.join(format!("{case}.json")),
+            dir.clone(),
+        ];
+        python_ok(&py, UNIVERSAL_AS_DEEPSPEED, &args, case);
     }
 }
 

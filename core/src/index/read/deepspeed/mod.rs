@@ -90,17 +90,7 @@ pub fn index_deepspeed(source: &dyn Source, names: &[String]) -> Result<FolderRe
     frozen(stage, &model, &mut sd)?;
     frozen_from_module(stage, zero, &mut sd, &mut notes);
     let plans = trainable(stage, zero, &optim, &mut sd)?;
-    // Tied names: `state_dict[alias] = state_dict[name]` when `name` is there.
-    for (alias, name) in &zero.shared_params {
-        if let Some(t) = sd.values.get(name) {
-            let copy = Tensor {
-                dtype: t.dtype,
-                shape: t.shape.clone(),
-                chunks: t.chunks.clone(),
-            };
-            sd.insert(alias, copy);
-        }
-    }
+    ties(zero, &mut sd);
     left_out(zero, &sd, &mut notes);
     let precision = zero.precision.unwrap_or(if save.bf16_names {
         ZeroPrecision::Bf16
@@ -230,11 +220,23 @@ fn read_model(
             "ZeRO-3 writes a model states file per rank:",
         )?;
     }
-    let mut model: Vec<ModelStates> = Vec::with_capacity(save.model.len());
+    let (model, extra) = model_states_files(source, &save.model, save.zero3_model, file_infos)?;
+    Ok((model, extra, pattern))
+}
+
+/// Reads the model states `files` (rank, name; ranked files when `per_rank`, ZeRO-3's), and the
+/// training state of the first under `extra.`.
+fn model_states_files(
+    source: &dyn Source,
+    files: &[(u32, String)],
+    per_rank: bool,
+    file_infos: &mut BTreeMap<String, FileInfo>,
+) -> Result<(Vec<ModelStates>, Vec<IndexEntry>), IndexError> {
+    let mut model: Vec<ModelStates> = Vec::with_capacity(files.len());
     let mut extra = Vec::new();
-    for (i, (rank, name)) in save.model.iter().enumerate() {
+    for (i, (rank, name)) in files.iter().enumerate() {
         let archive = open_archive(source, name)?;
-        let rank = save.zero3_model.then_some(*rank);
+        let rank = per_rank.then_some(*rank);
         let reader = Reader {
             file: Arc::from(name.as_str()),
             rank,
@@ -246,7 +248,7 @@ fn read_model(
         }
         file_infos.insert(name.clone(), file_info(source, name, rank)?);
     }
-    Ok((model, extra, pattern))
+    Ok((model, extra))
 }
 
 /// The state dict's entries, then `rest` (optimizer, training state), `position` keeping that
@@ -562,6 +564,21 @@ fn trainable(
         );
     }
     Ok(plans)
+}
+
+/// The tied names of `shared_params`: `state_dict[alias] = state_dict[name]` when `name` is there
+/// (the same chunks: one copy is written).
+fn ties(zero: &ModelStates, sd: &mut StateDict) {
+    for (alias, name) in &zero.shared_params {
+        if let Some(t) = sd.values.get(name) {
+            let copy = Tensor {
+                dtype: t.dtype,
+                shape: t.shape.clone(),
+                chunks: t.chunks.clone(),
+            };
+            sd.insert(alias, copy);
+        }
+    }
 }
 
 /// Notes the parameters of `module` that `zero_to_fp32` leaves out (DeepSpeed recorded no fp32

@@ -32,6 +32,25 @@ pub struct NonZeroPadding {
     pub first_nonzero: u64,
 }
 
+impl NonZeroPadding {
+    /// `<file>: `<key>` (rank R, group G): its padding, elements a..b at bytes c..d, is not zero
+    /// (first at byte e)`.
+    pub fn describe(&self) -> String {
+        format!(
+            "{}: `{}` (rank {}, group {}): its padding, elements {}..{} at bytes {}..{}, is not zero (first at byte {})",
+            self.file,
+            self.key,
+            self.rank,
+            self.group,
+            self.elements.start,
+            self.elements.end,
+            self.bytes.start,
+            self.bytes.end,
+            self.first_nonzero
+        )
+    }
+}
+
 /// What [`check_padding`] found.
 #[derive(Debug, Clone, Default, PartialEq, Eq)]
 pub struct PaddingCheck {

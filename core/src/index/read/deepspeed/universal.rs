@@ -213,22 +213,8 @@ pub fn index_universal(source: &dyn Source, names: &[String]) -> Result<FolderRe
     add_file(source, &common_file, None, &mut file_infos, &mut read)?;
     let stage = common.stage;
     let files = model_files(&prefix, names, &common)?;
-    let mut model: Vec<ModelStates> = Vec::with_capacity(files.len());
-    let mut extra = Vec::new();
-    for (i, (rank, name)) in files.iter().enumerate() {
-        let archive = open_archive(source, name)?;
-        let rank = (stage == 3).then_some(*rank);
-        let reader = Reader {
-            file: Arc::from(name.as_str()),
-            rank,
-            archive: &archive,
-        };
-        model.push(records::model_states(&reader)?);
-        if i == 0 {
-            extra = super::extra_entries(&reader)?;
-        }
-        add_file(source, name, rank, &mut file_infos, &mut read)?;
-    }
+    let (model, extra) = super::model_states_files(source, &files, stage == 3, &mut file_infos)?;
+    read.extend(files.iter().map(|(_, n)| n.clone()));
     let zero = &model[0];
     let mut notes = Vec::new();
     let mut sd = StateDict::default();
@@ -260,16 +246,7 @@ pub fn index_universal(source: &dyn Source, names: &[String]) -> Result<FolderRe
         sd.insert(name, fp32);
         param_state(&mut param_files, &common, *g, name, shape, &mut optim)?;
     }
-    for (alias, name) in &zero.shared_params {
-        if let Some(t) = sd.values.get(name) {
-            let copy = Tensor {
-                dtype: t.dtype,
-                shape: t.shape.clone(),
-                chunks: t.chunks.clone(),
-            };
-            sd.insert(alias, copy);
-        }
-    }
+    super::ties(zero, &mut sd);
     super::left_out(zero, &sd, &mut notes);
     let has_optimizer_state = !optim.is_empty();
     if has_optimizer_state {
