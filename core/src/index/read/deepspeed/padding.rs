@@ -78,18 +78,28 @@ fn gaps(len: u64, mut covered: Vec<(u64, u64)>) -> Vec<Range<u64>> {
     out
 }
 
-/// Reads the run `run` of the flat tensor `f` (`key` in its file) and records it.
-#[allow(clippy::too_many_arguments)]
+/// Where a flat tensor lies: its key in its file, its rank and group, whether it is a moment.
+struct Place<'a> {
+    key: &'a str,
+    rank: usize,
+    group: usize,
+    moment: bool,
+}
+
+/// Reads the run `run` of the flat tensor `f` at `place` and records it.
 fn read_run(
     source: &dyn Source,
     f: &Flat,
-    key: &str,
-    rank: usize,
-    group: usize,
+    place: &Place<'_>,
     run: &Range<u64>,
-    moment: bool,
     out: &mut PaddingCheck,
 ) -> Result<(), IndexError> {
+    let Place {
+        key,
+        rank,
+        group,
+        moment,
+    } = *place;
     let size = f.dtype.size_bytes() as u64;
     let bytes = f
         .storage_offset
@@ -181,9 +191,15 @@ pub fn check_padding(source: &dyn Source, names: &[String]) -> Result<PaddingChe
                     }
                 }
             }
-            for (key, f, moment) in tensors {
+            for (key, f, moment) in &tensors {
+                let place = Place {
+                    key,
+                    rank,
+                    group,
+                    moment: *moment,
+                };
                 for run in &runs {
-                    read_run(source, f, &key, rank, group, run, moment, &mut out)?;
+                    read_run(source, f, &place, run, &mut out)?;
                 }
             }
         }
