@@ -183,6 +183,13 @@ impl Report {
         self.entries.insert(entry.fqn.clone(), entry);
     }
 
+    /// Adds a problem found outside [`verify`] (a DeepSpeed partition's padding) as an entry of
+    /// `status` named `fqn`.
+    pub fn add_problem(&mut self, fqn: &str, status: Status, message: String) {
+        self.insert(Entry::new(fqn, status).with_message(message));
+        self.finish();
+    }
+
     fn finish(&mut self) {
         let mut s = Summary::default();
         for e in self.entries.values() {

@@ -243,7 +243,8 @@ impl FileSource {
         self.files.get(name).map(|e| (e.path.as_path(), e.size))
     }
 
-    /// Every regular file in a folder and its sub-folders (two levels deep), hidden ones included
+    /// Every regular file in a folder and its sub-folders (three levels deep: a DeepSpeed
+    /// universal checkpoint's run folder holds `<tag>/zero/<name>/fp32.pt`), hidden ones included
     /// (`.metadata`); symbolic links are followed (to files and to folders).
     pub fn dir(root: &Path) -> anyhow::Result<Self> {
         let mut files = BTreeMap::new();
@@ -461,7 +462,7 @@ fn walk(
         let path = dir_entry.path();
         let rel = format!("{prefix}{name}");
         match kind_of(&dir_entry, &path)? {
-            Some(true) if depth < 2 && !name.starts_with('.') => {
+            Some(true) if depth < 3 && !name.starts_with('.') => {
                 walk(&path, &format!("{rel}/"), depth + 1, out)?;
             }
             Some(false)

@@ -4,7 +4,10 @@ usage: check_deepspeed_fsdp2.py SHARDSCOPE_BIN WORKDIR
 
 Fixtures: tests/fixtures/deepspeed (written by DeepSpeed 0.19.8 itself, gen_deepspeed.py): ZeRO-1/2/3
 in fp32 and bf16, on 2 and 3 ranks, a tied weight (`head.weight` is `embed.weight`), a frozen
-parameter (`frozen.weight`), two buffers and two parameter groups.
+parameter (`frozen.weight`), two buffers and two parameter groups; and DeepSpeed's universal
+checkpoints of `zero2_bf16` and `zero3_fp32` (ds_to_universal, gen_universal.py), checked against
+the references of the save they were converted from. ZeRO-1's frozen parameter, which zero_to_fp32
+leaves out, is compared with the live engine's module (`frozen.<name>` in the live file).
 
 For N = 2 and 3: `shardscope convert <case> -o dcp --world-size N` for every case, then one launch of
 N spawned gloo ranks (CPU) checks all of them. For each case, each rank builds a fresh FSDP2 TinyLM
@@ -66,8 +69,10 @@ CASES = [
     "zero3_bf16_ws3",
 ]
 CORRUPT = "zero3_fp32_corrupt"
-# The corrupted copy is checked against its source's references.
-CASES_DIR = {CORRUPT: "zero3_fp32"}
+# DeepSpeed's universal checkpoints (ds_to_universal, gen_universal.py) of two cases.
+UNIVERSAL = {"universal_zero2_bf16": "zero2_bf16", "universal_zero3_fp32": "zero3_fp32"}
+# The corrupted copy and the universal checkpoints are checked against their source's references.
+CASES_DIR = {CORRUPT: "zero3_fp32", **UNIVERSAL}
 
 
 class _DeepSpeedObject:
@@ -120,9 +125,16 @@ def expected(case):
 
     src = CASES_DIR.get(case, case)
     exp = FIXTURES / "expected"
+    z2f = load_file(exp / f"{src}.zero_to_fp32.safetensors")
+    live = load_file(exp / f"{src}.live.safetensors")
+    # The model shardscope gives: zero_to_fp32's, and the frozen parameters it leaves out (ZeRO-1:
+    # DeepSpeed records none but `module`'s), as the live engine's module holds them.
+    for key, value in live.items():
+        if key.startswith("frozen.") and key[len("frozen."):] not in z2f:
+            z2f[key[len("frozen."):]] = value
     return {
-        "zero_to_fp32": load_file(exp / f"{src}.zero_to_fp32.safetensors"),
-        "live": load_file(exp / f"{src}.live.safetensors"),
+        "zero_to_fp32": z2f,
+        "live": live,
         "groups": deepspeed_groups(FIXTURES / src),
     }
 
@@ -190,8 +202,8 @@ def check_case(world_size, case, dcp_dir):
     model, optim = build(world_size)
     errors = []
     state = get_model_state_dict(model)
-    # What zero_to_fp32 leaves out is not in the DCP either: under ZeRO-1 DeepSpeed records no
-    # copy of a frozen parameter but `module`'s; it keeps the value the model was built with.
+    # What the conversion leaves out is not in the DCP either (nothing, since ZeRO-1's frozen
+    # parameters are taken from `module`: `expected` adds them to zero_to_fp32's).
     left_out = sorted(k for k in state if k not in z2f)
     kept = {k: full(state[k]).detach().clone() for k in left_out}
     in_dcp = set(dcp.FileSystemReader(dcp_dir).read_metadata().state_dict_metadata)
@@ -311,7 +323,7 @@ def main():
     corrupt = corrupt_copy(work)
     for n in (2, 3):
         jobs = []
-        for case in CASES + [CORRUPT]:
+        for case in CASES + list(UNIVERSAL) + [CORRUPT]:
             src = corrupt if case == CORRUPT else FIXTURES / case
             dcp_dir = work / f"{case}_dcp{n}"
             convert(bin_path, src, "-o", dcp_dir, "--world-size", n, "-q")
@@ -321,14 +333,14 @@ def main():
         spawn(load_worker, (n, store, jobs, str(result)), n)
         for r in range(n):
             lines = dict(line.split("\t", 1) for line in Path(f"{result}.{r}").read_text().splitlines())
-            for case in CASES:
+            for case in CASES + list(UNIVERSAL):
                 if lines.get(case) != "ok":
                     sys.exit(f"{case} as a DCP for {n} ranks, rank {r}: {lines.get(case)}")
             # The negative control must fail on the changed moment, and on nothing else.
             bad = lines.get(CORRUPT, "")
             if bad == "ok" or not all("embed.weight exp_avg:" in e for e in bad.split(" | ")):
                 sys.exit(f"negative control ({CORRUPT}, {n} ranks, rank {r}): expected only an embed.weight exp_avg mismatch, got: {bad}")
-        print(f"{len(CASES)} DeepSpeed checkpoints as DCPs for {n} ranks load into FSDP2 (model + AdamW) as DeepSpeed wrote them and train on; a changed moment is caught")
+        print(f"{len(CASES)} DeepSpeed checkpoints and {len(UNIVERSAL)} universal ones as DCPs for {n} ranks load into FSDP2 (model + AdamW) as DeepSpeed wrote them and train on; a changed moment is caught")
     print("ok")
 
 

@@ -32,17 +32,21 @@ pub fn written_by(
     index: &CheckpointIndex,
 ) -> Option<String> {
     let has = |n: &str| names.iter().any(|x| x == n);
-    if matches!(index.kind, CheckpointKind::DeepSpeedZero { .. }) {
+    if index.kind.is_deepspeed() {
         let version = index
             .entry("extra.ds_version")
             .and_then(|e| e.value.as_ref())
             .and_then(serde_json::Value::as_str)
             .map_or_else(String::new, |v| format!(" {v}"));
-        return Some(if has("trainer_state.json") {
-            format!("Hugging Face Trainer checkpoint (DeepSpeed{version} engine state)")
-        } else {
-            format!("DeepSpeed{version} (engine.save_checkpoint)")
-        });
+        return Some(
+            if matches!(index.kind, CheckpointKind::DeepSpeedUniversal { .. }) {
+                format!("DeepSpeed{version} (ds_to_universal of an engine.save_checkpoint)")
+            } else if has("trainer_state.json") {
+                format!("Hugging Face Trainer checkpoint (DeepSpeed{version} engine state)")
+            } else {
+                format!("DeepSpeed{version} (engine.save_checkpoint)")
+            },
+        );
     }
     if has("common.pt")
         && let Some(backend) = megatron_backend(source)

@@ -2,6 +2,7 @@
 //! read.
 
 use super::report::{Finding, Severity};
+use crate::index::NonZeroPadding;
 
 /// Findings for files that cannot be read (a truncated file, a missing `.distcp`): `coverage`.
 pub fn unreadable_file(file: &str, what: &str) -> Finding {
@@ -46,5 +47,25 @@ pub fn unsupported_file(file: &str, what: &str) -> Finding {
             "{file} is an intact archive in a layout shardscope does not read, so it could not be checked: {what}"
         ),
         fix: "save the checkpoint with torch.distributed.checkpoint (dcp.save), which shardscope reads for every placement, or convert it with torch (get_model_state_dict / get_optimizer_state_dict with full_state_dict=True)".to_owned(),
+    }
+}
+
+/// A finding for a run of a DeepSpeed ZeRO optimizer moment's padding (`exp_avg`, `exp_avg_sq`
+/// laid out like the fp32 partition) that is not zero: no gradient reaches the padding, so
+/// DeepSpeed's optimizer keeps it zero, and the file was changed or damaged after the save. A
+/// warning: no parameter's state reads the padding, but the other bytes of that file are suspect.
+pub fn deepspeed_padding(p: &NonZeroPadding) -> Finding {
+    Finding {
+        code: "deepspeed-padding",
+        severity: Severity::Warning,
+        keys: vec![p.file.clone()],
+        message: format!(
+            "{}; no gradient reaches the padding, so DeepSpeed's optimizer keeps it zero: the file was changed or damaged after the save",
+            p.describe()
+        ),
+        fix: format!(
+            "copy {} again from where the run wrote it, and compare its checksum with the original",
+            p.file
+        ),
     }
 }

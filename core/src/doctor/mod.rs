@@ -40,7 +40,7 @@ use std::collections::BTreeSet;
 use crate::index::{CheckpointIndex, EntryKind, Problem};
 use crate::source::Source;
 
-pub use files::{deepspeed_folder, unreadable_file, unsupported_file};
+pub use files::{deepspeed_folder, deepspeed_padding, unreadable_file, unsupported_file};
 pub use pickle_globals::{
     deepspeed_own, torch_save_pickle_finding, unsafe_globals, unsafe_pickle, weights_only_allows,
 };

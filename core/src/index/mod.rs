@@ -23,7 +23,10 @@ use crate::source::Source;
 use names::file_ext;
 pub use names::{RankGroup, RankedFiles, group_rank_files, is_torch_file, rank_from_name};
 pub use read::dcp::index_dcp;
-pub use read::deepspeed::{index_deepspeed, looks_like_deepspeed};
+pub use read::deepspeed::{
+    NonZeroPadding, PaddingCheck, check_padding as check_deepspeed_padding, index_deepspeed,
+    index_universal, looks_like_deepspeed, looks_like_universal,
+};
 pub use read::items::{FolderRead, index_rank_folder};
 use read::safetensors::index_safetensors;
 pub use read::sets::{EXTRA_KEYS, index_torch_groups, index_torch_sets, set_class, set_item};
@@ -87,6 +90,10 @@ pub fn index_source_read(source: &dyn Source) -> Result<FolderRead, IndexError> 
         && let Some((index, sets)) = read::torch_checkpointing::index_torch_checkpointing(source)?
     {
         return Ok((index, sets, Vec::new()));
+    }
+    // DeepSpeed universal (`ds_to_universal`): its folder, or the one holding it.
+    if looks_like_universal(&names) {
+        return index_universal(source, &names);
     }
     // DeepSpeed ZeRO: a tag folder, or the folder holding it and `latest`.
     if looks_like_deepspeed(&names) {

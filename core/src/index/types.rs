@@ -129,6 +129,9 @@ pub enum CheckpointKind {
     /// DeepSpeed ZeRO partitions (`global_stepN/`: model states and per-rank optimizer states),
     /// read as DeepSpeed's `zero_to_fp32` reads them (`index::read::deepspeed`).
     DeepSpeedZero { stage: u8, precision: ZeroPrecision },
+    /// A DeepSpeed universal checkpoint (`ds_to_universal` output: a whole tensor per parameter
+    /// and state under `zero/<name>/`) of a ZeRO `stage` save (`index::read::deepspeed::universal`).
+    DeepSpeedUniversal { stage: u8 },
 }
 
 /// The training precision of a DeepSpeed ZeRO checkpoint (its master weights are fp32 in every
@@ -167,6 +170,7 @@ impl CheckpointKind {
             CheckpointKind::DeepSpeedZero { stage: 2, .. } => "deepspeed_zero2",
             CheckpointKind::DeepSpeedZero { stage: 3, .. } => "deepspeed_zero3",
             CheckpointKind::DeepSpeedZero { .. } => "deepspeed_zero",
+            CheckpointKind::DeepSpeedUniversal { .. } => "deepspeed_universal",
         }
     }
 
@@ -193,7 +197,26 @@ impl CheckpointKind {
             }
             CheckpointKind::Plain => "plain torch.save state dict",
             CheckpointKind::DeepSpeedZero { stage, precision } => deepspeed_text(stage, precision),
+            CheckpointKind::DeepSpeedUniversal { stage: 1 } => {
+                "DeepSpeed universal checkpoint (ds_to_universal, from ZeRO stage 1)"
+            }
+            CheckpointKind::DeepSpeedUniversal { stage: 2 } => {
+                "DeepSpeed universal checkpoint (ds_to_universal, from ZeRO stage 2)"
+            }
+            CheckpointKind::DeepSpeedUniversal { stage: 3 } => {
+                "DeepSpeed universal checkpoint (ds_to_universal, from ZeRO stage 3)"
+            }
+            CheckpointKind::DeepSpeedUniversal { .. } => "DeepSpeed universal checkpoint",
         }
+    }
+
+    /// True for DeepSpeed's checkpoints (ZeRO folders and universal ones): the model is what
+    /// `zero_to_fp32` gives, the optimizer state per parameter name beside it.
+    pub fn is_deepspeed(self) -> bool {
+        matches!(
+            self,
+            CheckpointKind::DeepSpeedZero { .. } | CheckpointKind::DeepSpeedUniversal { .. }
+        )
     }
 }
 

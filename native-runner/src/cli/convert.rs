@@ -352,7 +352,7 @@ pub fn run(args: &ConvertArgs) -> Result<ExitCode> {
     }
     let mut index = index;
     // DeepSpeed to safetensors: the model as zero_to_fp32 gives it (a .pt also holds the optimizer).
-    if matches!(index.kind, CheckpointKind::DeepSpeedZero { .. })
+    if index.kind.is_deepspeed()
         && target_of(args)? == Target::Safetensors
         && args.select.is_none()
         && index.has_optimizer_state

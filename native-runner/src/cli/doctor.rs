@@ -11,7 +11,7 @@ use clap::{Args, ValueEnum};
 use shardscope_core::checkpoint::{Checkpoint, CheckpointError, Fsdp1Flags};
 use shardscope_core::doctor::{self, Finding, Options, Report, Severity, Target};
 use shardscope_core::formats::{dcp, torch_zip};
-use shardscope_core::index::{self, CheckpointIndex, CheckpointKind, Format};
+use shardscope_core::index::{self, CheckpointIndex, Format};
 use shardscope_core::model::ModelDescription;
 use shardscope_core::source::Source;
 
@@ -195,7 +195,7 @@ fn pickle_findings(index: &CheckpointIndex, source: &dyn Source) -> Vec<Finding>
     if index.format != Format::TorchSave {
         return out;
     }
-    let deepspeed = matches!(index.kind, CheckpointKind::DeepSpeedZero { .. });
+    let deepspeed = index.kind.is_deepspeed();
     for file in index.files.keys() {
         // By range: the zip directory and data.pkl, not the tensor bytes (remote files).
         if let Ok(globals) = torch_zip::pickle_globals_from(source, file) {
@@ -323,6 +323,7 @@ pub fn run(args: &DoctorArgs) -> anyhow::Result<ExitCode> {
         let problems = idx.check();
         findings.extend(pickle_findings(idx, &source));
         findings.extend(doctor::diagnose(idx, &source, &problems, &options));
+        findings.extend(deepspeed_padding(idx, &source, &label));
     }
     let report = Report::new(findings);
     if args.json {
@@ -331,6 +332,27 @@ pub fn run(args: &DoctorArgs) -> anyhow::Result<ExitCode> {
         print_stdout(&render(&label, idx.as_ref(), target.as_ref(), &report))?;
     }
     Ok(ExitCode::from(report.exit_code()))
+}
+
+/// A DeepSpeed ZeRO folder: each run of its flat partitions' padding that is not zero.
+fn deepspeed_padding(idx: &CheckpointIndex, source: &dyn Source, label: &str) -> Vec<Finding> {
+    if !matches!(
+        idx.kind,
+        shardscope_core::index::CheckpointKind::DeepSpeedZero { .. }
+    ) {
+        return Vec::new();
+    }
+    let names = source.names();
+    match index::check_deepspeed_padding(source, &names) {
+        // The moments' padding only: DeepSpeed leaves the fp32 weights' padding uninitialized.
+        Ok(check) => check
+            .nonzero
+            .iter()
+            .filter(|p| p.moment)
+            .map(doctor::deepspeed_padding)
+            .collect(),
+        Err(e) => vec![doctor::deepspeed_folder(label, &e.to_string())],
+    }
 }
 
 fn render(

@@ -24,19 +24,19 @@ const CASES: &[&str] = &[
     "zero3_bf16_ws3",
 ];
 
-fn deepspeed() -> PathBuf {
+pub(crate) fn deepspeed() -> PathBuf {
     fixtures_dir().join("deepspeed")
 }
 
-fn run(args: &[&str]) -> Output {
+pub(crate) fn run(args: &[&str]) -> Output {
     Command::new(shardscope_bin()).args(args).output().unwrap()
 }
 
-fn s(p: &Path) -> &str {
+pub(crate) fn s(p: &Path) -> &str {
     p.to_str().unwrap()
 }
 
-fn ok(out: &Output, what: &str) -> String {
+pub(crate) fn ok(out: &Output, what: &str) -> String {
     let stdout = String::from_utf8_lossy(&out.stdout).into_owned();
     assert!(
         out.status.success(),
@@ -48,9 +48,9 @@ fn ok(out: &Output, what: &str) -> String {
 }
 
 /// A safetensors file's tensors: name -> (dtype, shape, bytes).
-type Tensors = BTreeMap<String, (String, Vec<u64>, Vec<u8>)>;
+pub(crate) type Tensors = BTreeMap<String, (String, Vec<u64>, Vec<u8>)>;
 
-fn safetensors_of(path: &Path) -> Tensors {
+pub(crate) fn safetensors_of(path: &Path) -> Tensors {
     let bytes = std::fs::read(path).unwrap();
     let st = safetensors::SafeTensors::deserialize(&bytes).unwrap();
     st.tensors()
@@ -69,14 +69,14 @@ fn safetensors_of(path: &Path) -> Tensors {
 }
 
 /// What DeepSpeed wrote down: `zero_to_fp32`'s tensors (every name), its key order and ties.
-struct Expected {
-    tensors: Tensors,
-    keys: Vec<String>,
+pub(crate) struct Expected {
+    pub(crate) tensors: Tensors,
+    pub(crate) keys: Vec<String>,
     /// `(alias, name)`: names zero_to_fp32 gives as one tensor.
-    ties: Vec<(String, String)>,
+    pub(crate) ties: Vec<(String, String)>,
 }
 
-fn expected(case: &str) -> Expected {
+pub(crate) fn expected(case: &str) -> Expected {
     let dir = deepspeed().join("expected");
     let meta: serde_json::Value =
         serde_json::from_slice(&std::fs::read(dir.join(format!("{case}.json"))).unwrap()).unwrap();
@@ -87,9 +87,28 @@ fn expected(case: &str) -> Expected {
             .map(|x| x.as_str().unwrap().to_owned())
             .collect()
     };
+    let mut tensors = safetensors_of(&dir.join(format!("{case}.zero_to_fp32.safetensors")));
+    let mut keys = strs(&meta["keys"]);
+    // The frozen parameters zero_to_fp32 leaves out (ZeRO-1), as the live engine's module holds
+    // them, before the first trainable parameter (zero_to_fp32's place for frozen ones).
+    let live = safetensors_of(&dir.join(format!("{case}.live.safetensors")));
+    for (name, value) in &live {
+        let Some(frozen) = name.strip_prefix("frozen.") else {
+            continue;
+        };
+        if tensors.contains_key(frozen) {
+            continue;
+        }
+        let at = keys
+            .iter()
+            .position(|k| live.contains_key(&format!("param.{k}")))
+            .unwrap();
+        keys.insert(at, frozen.to_owned());
+        tensors.insert(frozen.to_owned(), value.clone());
+    }
     Expected {
-        tensors: safetensors_of(&dir.join(format!("{case}.zero_to_fp32.safetensors"))),
-        keys: strs(&meta["keys"]),
+        tensors,
+        keys,
         ties: meta["ties"]
             .as_array()
             .unwrap()
@@ -187,15 +206,26 @@ fn convert_to_safetensors_is_zero_to_fp32_bit_for_bit() {
 }
 
 /// Compares `.pt` outputs with zero_to_fp32's state dict in torch: the same keys in the same
-/// order, each tensor equal in dtype, shape and bits, tied names one storage. Prints `OK`.
+/// order, each tensor equal in dtype, shape and bits, tied names one storage; ZeRO-1's frozen
+/// parameters (which zero_to_fp32 leaves out) as the live engine's module holds them. Prints `OK`.
 const SAME_AS_ZERO_TO_FP32: &str = r#"
 import json, sys, torch
 from safetensors.torch import load_file
 got = torch.load(sys.argv[1], weights_only=True)
 want = load_file(sys.argv[2])
 meta = json.load(open(sys.argv[3]))
-assert list(got.keys()) == meta["keys"], (list(got.keys()), meta["keys"])
-for k in meta["keys"]:
+live = load_file(sys.argv[4])
+# The frozen parameters zero_to_fp32 leaves out (ZeRO-1), as the live engine's module holds them,
+# before the first trainable parameter.
+keys = list(meta["keys"])
+trainable = {k[len("param."):] for k in live if k.startswith("param.")}
+for k, v in live.items():
+    name = k[len("frozen."):]
+    if k.startswith("frozen.") and name not in want:
+        keys.insert(next(i for i, n in enumerate(keys) if n in trainable), name)
+        want[name] = v
+assert list(got.keys()) == keys, (list(got.keys()), keys)
+for k in keys:
     a, b = got[k], want[k]
     assert a.dtype == b.dtype and a.shape == b.shape, (k, a.dtype, b.dtype, a.shape, b.shape)
     assert torch.equal(a.contiguous().view(torch.uint8), b.contiguous().view(torch.uint8)), k
@@ -225,25 +255,34 @@ fn convert_model_only_to_torch_save_is_zero_to_fp32() {
             case,
         );
         let dir = deepspeed().join("expected");
-        let check = Command::new(&py)
-            .arg("-c")
-            .arg(SAME_AS_ZERO_TO_FP32)
-            .arg(&out)
-            .arg(dir.join(format!("{case}.zero_to_fp32.safetensors")))
-            .arg(dir.join(format!("{case}.json")))
-            .output()
-            .unwrap();
-        let text = String::from_utf8_lossy(&check.stdout);
-        assert!(
-            text.lines().any(|l| l == "OK"),
-            "{case}: {text}\n{}",
-            String::from_utf8_lossy(&check.stderr)
-        );
+        let args = [
+            out,
+            dir.join(format!("{case}.zero_to_fp32.safetensors")),
+            dir.join(format!("{case}.json")),
+            dir.join(format!("{case}.live.safetensors")),
+        ];
+        python_ok(&py, SAME_AS_ZERO_TO_FP32, &args, case);
     }
 }
 
+/// Runs the Python `script` with torch on `args`; it must print `OK`.
+pub(crate) fn python_ok(py: &Path, script: &str, args: &[PathBuf], what: &str) {
+    let check = Command::new(py)
+        .arg("-c")
+        .arg(script)
+        .args(args)
+        .output()
+        .unwrap();
+    let text = String::from_utf8_lossy(&check.stdout);
+    assert!(
+        text.lines().any(|l| l == "OK"),
+        "{what}: {text}\n{}",
+        String::from_utf8_lossy(&check.stderr)
+    );
+}
+
 /// Copies the fixture `case` into a fresh folder under `tmp`.
-fn copy_case(case: &str, tmp: &Path) -> PathBuf {
+pub(crate) fn copy_case(case: &str, tmp: &Path) -> PathBuf {
     let from = deepspeed().join(case);
     let to = tmp.join(case);
     let tag = to.join("global_step2");
@@ -256,7 +295,7 @@ fn copy_case(case: &str, tmp: &Path) -> PathBuf {
     to
 }
 
-fn fails(args: &[&str]) -> String {
+pub(crate) fn fails(args: &[&str]) -> String {
     let out = run(args);
     let stderr = String::from_utf8_lossy(&out.stderr).into_owned();
     assert!(
@@ -350,21 +389,13 @@ fn convert_to_torch_save_holds_the_optimizer_per_parameter() {
             case,
         );
         let dir = deepspeed().join("expected");
-        let check = Command::new(&py)
-            .arg("-c")
-            .arg(OPTIMIZER_AS_THE_LIVE_ENGINE)
-            .arg(&out)
-            .arg(dir.join(format!("{case}.zero_to_fp32.safetensors")))
-            .arg(dir.join(format!("{case}.live.safetensors")))
-            .arg(dir.join(format!("{case}.json")))
-            .output()
-            .unwrap();
-        let text = String::from_utf8_lossy(&check.stdout);
-        assert!(
-            text.lines().any(|l| l == "OK"),
-            "{case}: {text}\n{}",
-            String::from_utf8_lossy(&check.stderr)
-        );
+        let args = [
+            out,
+            dir.join(format!("{case}.zero_to_fp32.safetensors")),
+            dir.join(format!("{case}.live.safetensors")),
+            dir.join(format!("{case}.json")),
+        ];
+        python_ok(&py, OPTIMIZER_AS_THE_LIVE_ENGINE, &args, case);
     }
 }
 
@@ -456,7 +487,7 @@ fn doctor_knows_deepspeed_records_from_unsafe_pickles() {
 }
 
 /// `diff <case> --model-only` against DeepSpeed's own `zero_to_fp32` state dict is equal for every
-/// case; a copy with one fp32 master weight changed in DeepSpeed's optimizer file differs from it in
+/// case (but ZeRO-1's frozen parameter, which zero_to_fp32 leaves out: the one key missing there); a copy with one fp32 master weight changed in DeepSpeed's optimizer file differs from it in
 /// exactly that parameter and its tie (exit 1, the names and the element).
 #[test]
 fn diff_against_zero_to_fp32_finds_a_changed_master_weight() {
@@ -470,7 +501,26 @@ fn diff_against_zero_to_fp32_finds_a_changed_master_weight() {
             s(&reference),
             "--model-only",
         ]);
-        ok(&out, case);
+        if !case.starts_with("zero1") {
+            ok(&out, case);
+            continue;
+        }
+        // ZeRO-1's frozen parameter, which zero_to_fp32 leaves out, is the one difference.
+        let stdout = String::from_utf8_lossy(&out.stdout);
+        assert_eq!(out.status.code(), Some(1), "{case}: {stdout}");
+        let differ: Vec<&str> = stdout
+            .lines()
+            .filter(|l| {
+                ["MISSING", "MISMATCH", "UNEXPECTED"]
+                    .iter()
+                    .any(|w| l.starts_with(w))
+            })
+            .collect();
+        assert_eq!(differ.len(), 1, "{case}: {stdout}");
+        assert!(
+            differ[0].starts_with("MISSING    frozen.weight "),
+            "{case}: {stdout}"
+        );
     }
     // ZeRO-3 on 2 ranks: rank 1's flat group 0 starts with embed.weight's elements 33.. (each rank
     // holds ceil(66 / 2) = 33 of them), found by their bytes in DeepSpeed's file.

@@ -18,6 +18,8 @@ mod convert_fsdp2_optim;
 mod convert_interop;
 mod convert_parallel;
 mod deepspeed;
+mod deepspeed_checks;
+mod deepspeed_universal;
 mod diff_verify;
 mod docs;
 mod doctor;

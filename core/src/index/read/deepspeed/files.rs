@@ -123,22 +123,22 @@ fn inconsistent(file: &str, what: String) -> IndexError {
     }
 }
 
-/// The tag `latest` names.
-fn read_latest(source: &dyn Source) -> Result<String, IndexError> {
-    let size = source.size(LATEST)?;
+/// The tag the file `latest` (or `latest_universal`) names.
+pub(super) fn read_latest(source: &dyn Source, latest: &str) -> Result<String, IndexError> {
+    let size = source.size(latest)?;
     if size > MAX_LATEST_BYTES {
         return Err(inconsistent(
-            LATEST,
+            latest,
             format!("{size} bytes: not the tag name DeepSpeed writes there"),
         ));
     }
-    let bytes = source.read_range(LATEST, 0, size)?;
+    let bytes = source.read_range(latest, 0, size)?;
     let tag = std::str::from_utf8(&bytes)
-        .map_err(|_| inconsistent(LATEST, "not UTF-8 text: not a DeepSpeed tag".into()))?
+        .map_err(|_| inconsistent(latest, "not UTF-8 text: not a DeepSpeed tag".into()))?
         .trim();
     if tag.is_empty() || tag.contains('/') || tag == "." || tag == ".." {
         return Err(inconsistent(
-            LATEST,
+            latest,
             format!("`{tag}` is not a tag folder name"),
         ));
     }
@@ -159,7 +159,7 @@ pub(super) fn locate(source: &dyn Source, names: &[String]) -> Result<Folder, In
     let (dir, chosen) = if by_dir.contains_key("") {
         (String::new(), None)
     } else if names.iter().any(|n| n == LATEST) {
-        let tag = read_latest(source)?;
+        let tag = read_latest(source, LATEST)?;
         if !by_dir.contains_key(tag.as_str()) {
             let found: Vec<&str> = by_dir.keys().copied().collect();
             return Err(inconsistent(

@@ -22,10 +22,12 @@
 
 mod files;
 mod optimizer;
+mod padding;
 mod plan;
 mod records;
 #[cfg(test)]
 pub(crate) mod tests;
+mod universal;
 
 use std::collections::{BTreeMap, HashMap, HashSet};
 use std::sync::Arc;
@@ -41,8 +43,10 @@ use crate::source::Source;
 
 use files::check_ranks;
 pub use files::looks_like_deepspeed;
+pub use padding::{NonZeroPadding, PaddingCheck, check_padding};
 use plan::ParamPlan;
 use records::{Flat, ModelStates, OptimStates, Reader, Stored, bad, open_archive};
+pub use universal::{index_universal, looks_like_universal};
 
 /// The prefix under which the training state beside the model is kept.
 const EXTRA: &str = "extra";
@@ -84,42 +88,18 @@ pub fn index_deepspeed(source: &dyn Source, names: &[String]) -> Result<FolderRe
     let mut sd = StateDict::default();
     buffers(zero, &mut sd, &mut notes);
     frozen(stage, &model, &mut sd)?;
+    frozen_from_module(stage, zero, &mut sd, &mut notes);
     let plans = trainable(stage, zero, &optim, &mut sd)?;
-    // Tied names: `state_dict[alias] = state_dict[name]` when `name` is there.
-    for (alias, name) in &zero.shared_params {
-        if let Some(t) = sd.values.get(name) {
-            let copy = Tensor {
-                dtype: t.dtype,
-                shape: t.shape.clone(),
-                chunks: t.chunks.clone(),
-            };
-            sd.insert(alias, copy);
-        }
-    }
+    ties(zero, &mut sd);
     left_out(zero, &sd, &mut notes);
     let precision = zero.precision.unwrap_or(if save.bf16_names {
         ZeroPrecision::Bf16
     } else {
         ZeroPrecision::Fp32
     });
-    let mut entries = model_entries(sd);
     let optimizer = optimizer::entries(zero, &optim, &plans, &mut notes)?;
     let has_optimizer_state = !optimizer.is_empty();
-    let before = entries.len() as u64;
-    for (i, mut e) in optimizer.into_iter().chain(extra).enumerate() {
-        e.position = Some(before + i as u64);
-        entries.push(e);
-    }
-    entries.sort_by(|a, b| a.key.cmp(&b.key));
-    if let Some(w) = entries.windows(2).find(|w| w[0].key == w[1].key) {
-        return Err(bad(
-            &zero.file,
-            format!(
-                "the key `{}` is both a model name and training state",
-                w[0].key
-            ),
-        ));
-    }
+    let entries = all_entries(sd, optimizer.into_iter().chain(extra), &zero.file)?;
     let sets = read_sets(&save, &model_pattern, &optim_pattern);
     let index = CheckpointIndex {
         format: Format::TorchSave,
@@ -240,11 +220,23 @@ fn read_model(
             "ZeRO-3 writes a model states file per rank:",
         )?;
     }
-    let mut model: Vec<ModelStates> = Vec::with_capacity(save.model.len());
+    let (model, extra) = model_states_files(source, &save.model, save.zero3_model, file_infos)?;
+    Ok((model, extra, pattern))
+}
+
+/// Reads the model states `files` (rank, name; ranked files when `per_rank`, ZeRO-3's), and the
+/// training state of the first under `extra.`.
+fn model_states_files(
+    source: &dyn Source,
+    files: &[(u32, String)],
+    per_rank: bool,
+    file_infos: &mut BTreeMap<String, FileInfo>,
+) -> Result<(Vec<ModelStates>, Vec<IndexEntry>), IndexError> {
+    let mut model: Vec<ModelStates> = Vec::with_capacity(files.len());
     let mut extra = Vec::new();
-    for (i, (rank, name)) in save.model.iter().enumerate() {
+    for (i, (rank, name)) in files.iter().enumerate() {
         let archive = open_archive(source, name)?;
-        let rank = save.zero3_model.then_some(*rank);
+        let rank = per_rank.then_some(*rank);
         let reader = Reader {
             file: Arc::from(name.as_str()),
             rank,
@@ -256,7 +248,33 @@ fn read_model(
         }
         file_infos.insert(name.clone(), file_info(source, name, rank)?);
     }
-    Ok((model, extra, pattern))
+    Ok((model, extra))
+}
+
+/// The state dict's entries, then `rest` (optimizer, training state), `position` keeping that
+/// order, sorted by key; a key both in the model and in `rest` is an error naming `file`.
+fn all_entries(
+    sd: StateDict,
+    rest: impl Iterator<Item = IndexEntry>,
+    file: &str,
+) -> Result<Vec<IndexEntry>, IndexError> {
+    let mut entries = model_entries(sd);
+    let before = entries.len() as u64;
+    for (i, mut e) in rest.enumerate() {
+        e.position = Some(before + i as u64);
+        entries.push(e);
+    }
+    entries.sort_by(|a, b| a.key.cmp(&b.key));
+    if let Some(w) = entries.windows(2).find(|w| w[0].key == w[1].key) {
+        return Err(bad(
+            file,
+            format!(
+                "the key `{}` is both a model name and training state",
+                w[0].key
+            ),
+        ));
+    }
+    Ok(entries)
 }
 
 /// The state dict's tensors as entries, `position` keeping its order.
@@ -419,6 +437,49 @@ fn frozen(stage: u8, model: &[ModelStates], sd: &mut StateDict) -> Result<(), In
     Ok(())
 }
 
+/// ZeRO-1's frozen parameters: DeepSpeed 0.19.8 records no `frozen_param_shapes` (nor
+/// fragments) for ZeRO-1, so `zero_to_fp32` leaves them out; they are in `module`, whole, in the
+/// training precision (the parameter itself: no fp32 copy of a frozen parameter exists). Taken
+/// from there, in `module`'s order, where `zero_to_fp32` puts frozen parameters (after the
+/// buffers), with a note: the names of `module` that are no buffer, no parameter of
+/// `param_shapes` and no tied alias.
+fn frozen_from_module(stage: u8, zero: &ModelStates, sd: &mut StateDict, notes: &mut Vec<String>) {
+    if stage > 2
+        || zero
+            .frozen_param_shapes
+            .as_ref()
+            .is_some_and(|f| !f.is_empty())
+    {
+        return;
+    }
+    let buffers: HashSet<&str> = zero.buffer_names.iter().map(String::as_str).collect();
+    let trainable: HashSet<&str> = zero
+        .param_shapes
+        .iter()
+        .flatten()
+        .map(|(n, _)| n.as_str())
+        .collect();
+    let aliases: HashSet<&str> = zero.shared_params.iter().map(|(a, _)| a.as_str()).collect();
+    let mut added = Vec::new();
+    for (name, t) in &zero.module {
+        let n = name.as_str();
+        if buffers.contains(n) || trainable.contains(n) || aliases.contains(n) {
+            continue;
+        }
+        if sd.values.contains_key(n) {
+            continue;
+        }
+        sd.insert(name, whole(t));
+        added.push(format!("{name} ({})", t.dtype()));
+    }
+    if !added.is_empty() {
+        notes.push(format!(
+            "included, where zero_to_fp32 leaves them out: {} (frozen parameters of a ZeRO-{stage} save, which records no `frozen_param_shapes`: taken from `module`, whole, in the training precision, which is the parameter itself)",
+            added.join(", ")
+        ));
+    }
+}
+
 /// The trainable parameters from the fp32 flat groups, through [`plan`].
 fn trainable(
     stage: u8,
@@ -503,6 +564,21 @@ fn trainable(
         );
     }
     Ok(plans)
+}
+
+/// The tied names of `shared_params`: `state_dict[alias] = state_dict[name]` when `name` is there
+/// (the same chunks: one copy is written).
+fn ties(zero: &ModelStates, sd: &mut StateDict) {
+    for (alias, name) in &zero.shared_params {
+        if let Some(t) = sd.values.get(name) {
+            let copy = Tensor {
+                dtype: t.dtype,
+                shape: t.shape.clone(),
+                chunks: t.chunks.clone(),
+            };
+            sd.insert(alias, copy);
+        }
+    }
 }
 
 /// Notes the parameters of `module` that `zero_to_fp32` leaves out (DeepSpeed recorded no fp32

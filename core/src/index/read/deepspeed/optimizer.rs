@@ -19,10 +19,10 @@ use super::plan::{self, ParamPlan};
 use super::records::{BaseOptim, Flat, ModelStates, OptimStates, StateValue, bad};
 
 /// The key under which the optimizer state is kept.
-const OPTIMIZER: &str = "optimizer";
+pub(super) const OPTIMIZER: &str = "optimizer";
 
 /// The state id of group `g`: the one int of `param_groups[g]["params"]`.
-fn group_id(base: &BaseOptim, g: usize) -> Option<i64> {
+pub(super) fn group_id(base: &BaseOptim, g: usize) -> Option<i64> {
     let group = base.param_groups.get(g)?;
     let params = group.iter().find(|(k, _)| k == "params")?.1.as_seq()?;
     match params {
@@ -31,14 +31,14 @@ fn group_id(base: &BaseOptim, g: usize) -> Option<i64> {
     }
 }
 
-fn state_of(base: &BaseOptim, id: i64) -> Option<&[(String, StateValue)]> {
+pub(super) fn state_of(base: &BaseOptim, id: i64) -> Option<&[(String, StateValue)]> {
     base.state
         .iter()
         .find(|(i, _)| *i == id)
         .map(|(_, v)| v.as_slice())
 }
 
-fn tensor_entry(
+pub(super) fn tensor_entry(
     path: Vec<PathSeg>,
     role: Role,
     dtype: crate::dtype::DType,
@@ -171,7 +171,7 @@ fn param_state(
 
 /// `optimizer.param_groups.<g>.<key>` from rank 0's groups, `params` naming the group's
 /// parameters (its `param_shapes[g]`).
-fn param_groups(zero: &ModelStates, base0: &BaseOptim, out: &mut Vec<IndexEntry>) {
+pub(super) fn param_groups(zero: &ModelStates, base0: &BaseOptim, out: &mut Vec<IndexEntry>) {
     for (g, group) in base0.param_groups.iter().enumerate() {
         let names: Vec<PyValue> = zero
             .param_shapes

@@ -108,7 +108,7 @@ pub(super) struct Reader<'a> {
 }
 
 impl<'a> Reader<'a> {
-    fn err(&self, key: &str, what: &str) -> IndexError {
+    pub fn err(&self, key: &str, what: &str) -> IndexError {
         bad(&self.file, format!("`{key}`: {what}"))
     }
 
@@ -365,10 +365,11 @@ pub(super) enum StateValue {
 /// The wrapped optimizer's state dict at `key` of `osd` (`base_optimizer_state` for ZeRO-1/2,
 /// `optimizer_state_dict` for ZeRO-3), when it is a torch state dict (`{"state", "param_groups"}`;
 /// DeepSpeed's elastic layout, a list per group, is not read).
-fn base_optim(
+pub(super) fn base_optim(
     r: &Reader<'_>,
     osd: &[(PyValue, PyValue)],
     key: &str,
+    at: &str,
 ) -> Result<Option<BaseOptim>, IndexError> {
     let Some(PyValue::Dict(items)) = dict_get(osd, key) else {
         return Ok(None);
@@ -377,7 +378,6 @@ fn base_optim(
     else {
         return Ok(None);
     };
-    let at = format!("optimizer_state_dict.{key}");
     let mut out_state = Vec::new();
     for (id, values) in r.dict(state, &format!("{at}.state"))? {
         let id = id.as_i64().ok_or_else(|| {
@@ -400,25 +400,32 @@ fn base_optim(
         }
         out_state.push((id, named));
     }
-    let param_groups = r
-        .seq(groups, &format!("{at}.param_groups"))?
+    Ok(Some(BaseOptim {
+        state: out_state,
+        param_groups: param_groups(r, groups, &format!("{at}.param_groups"))?,
+    }))
+}
+
+/// A torch optimizer's `param_groups` (`key` names it): each group's keys and values, in order.
+pub(super) fn param_groups(
+    r: &Reader<'_>,
+    groups: &PyValue,
+    key: &str,
+) -> Result<Vec<Vec<(String, PyValue)>>, IndexError> {
+    r.seq(groups, key)?
         .iter()
         .enumerate()
         .map(|(g, group)| {
-            Ok(r.named(group, &format!("{at}.param_groups.{g}"))?
+            Ok(r.named(group, &format!("{key}.{g}"))?
                 .into_iter()
                 .map(|(k, v)| (k.to_owned(), v.clone()))
                 .collect())
         })
-        .collect::<Result<Vec<_>, IndexError>>()?;
-    Ok(Some(BaseOptim {
-        state: out_state,
-        param_groups,
-    }))
+        .collect()
 }
 
 /// The ZeRO stage of a `zero_stage` record: an int, or DeepSpeed's `ZeroStageEnum(n)`.
-fn stage_of(v: &PyValue) -> Option<u8> {
+pub(super) fn stage_of(v: &PyValue) -> Option<u8> {
     let n = match v {
         PyValue::Object(o) if o.class().is_some_and(|g| g.name == "ZeroStageEnum") => {
             o.args.first()?.as_i64()?
@@ -426,6 +433,32 @@ fn stage_of(v: &PyValue) -> Option<u8> {
         other => other.as_i64()?,
     };
     u8::try_from(n).ok()
+}
+
+/// `partition_count` of the dict `d` (`key` names it): an int, or per group (its largest value, as
+/// `zero_to_fp32` takes it); never 0.
+pub(super) fn partition_count(
+    r: &Reader<'_>,
+    d: &[(PyValue, PyValue)],
+    key: &str,
+) -> Result<u64, IndexError> {
+    let count =
+        dict_get(d, "partition_count").ok_or_else(|| bad(&r.file, format!("no `{key}`")))?;
+    let partition_count = match count {
+        PyValue::List(items) | PyValue::Tuple(items) => {
+            let mut most = None;
+            for c in items {
+                let c = r.count(c, key)?;
+                most = Some(most.map_or(c, |m: u64| m.max(c)));
+            }
+            most.ok_or_else(|| r.err(key, "an empty list"))?
+        }
+        other => r.count(other, key)?,
+    };
+    if partition_count == 0 {
+        return Err(r.err(key, "0 partitions"));
+    }
+    Ok(partition_count)
 }
 
 /// Reads the optimizer records of `r`'s file.
@@ -457,22 +490,7 @@ pub(super) fn optim_states(r: &Reader<'_>) -> Result<OptimStates, IndexError> {
                 ),
             )
         })?;
-    let key = format!("{OSD}.partition_count");
-    let count = get("partition_count").ok_or_else(|| bad(&r.file, format!("no `{key}`")))?;
-    let partition_count = match count {
-        PyValue::List(items) | PyValue::Tuple(items) => {
-            let mut most = None;
-            for c in items {
-                let c = r.count(c, &key)?;
-                most = Some(most.map_or(c, |m: u64| m.max(c)));
-            }
-            most.ok_or_else(|| r.err(&key, "an empty list"))?
-        }
-        other => r.count(other, &key)?,
-    };
-    if partition_count == 0 {
-        return Err(r.err(&key, "0 partitions"));
-    }
+    let partition_count = partition_count(r, osd, &format!("{OSD}.partition_count"))?;
     let groups_key = if stage <= 2 {
         "single_partition_of_fp32_groups"
     } else {
@@ -516,6 +534,11 @@ pub(super) fn optim_states(r: &Reader<'_>) -> Result<OptimStates, IndexError> {
             "base_optimizer_state"
         } else {
             "optimizer_state_dict"
+        },
+        if stage <= 2 {
+            "optimizer_state_dict.base_optimizer_state"
+        } else {
+            "optimizer_state_dict.optimizer_state_dict"
         },
     )?;
     Ok(OptimStates {

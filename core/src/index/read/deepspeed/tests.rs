@@ -5,6 +5,7 @@
 
 use std::path::{Path, PathBuf};
 
+use crate::dtype::DType;
 use crate::index::{CheckpointKind, IndexError, ZeroPrecision, index_source_read};
 use crate::source::{MemorySource, Source as _};
 
@@ -58,29 +59,51 @@ pub(crate) fn expected(case: &str) -> Expected {
     let dir = fixtures().join("expected");
     let meta: serde_json::Value =
         serde_json::from_slice(&std::fs::read(dir.join(format!("{case}.json"))).unwrap()).unwrap();
-    let keys = meta["keys"]
+    let mut keys: Vec<String> = meta["keys"]
         .as_array()
         .unwrap()
         .iter()
         .map(|k| k.as_str().unwrap().to_owned())
         .collect();
-    let bytes = std::fs::read(dir.join(format!("{case}.zero_to_fp32.safetensors"))).unwrap();
+    let mut tensors = tensors_of(&dir.join(format!("{case}.zero_to_fp32.safetensors")));
+    // The frozen parameters zero_to_fp32 leaves out (ZeRO-1), as the live engine's module holds
+    // them, where zero_to_fp32 puts frozen parameters: before the first trainable one.
+    let live = tensors_of(&dir.join(format!("{case}.live.safetensors")));
+    let trainable: Vec<String> = live
+        .iter()
+        .filter_map(|(n, ..)| n.strip_prefix("param.").map(str::to_owned))
+        .collect();
+    for (name, dtype, shape, bytes) in live {
+        let Some(frozen) = name.strip_prefix("frozen.") else {
+            continue;
+        };
+        if keys.iter().any(|k| k == frozen) {
+            continue;
+        }
+        let first_trainable = keys.iter().position(|k| trainable.contains(k)).unwrap();
+        keys.insert(first_trainable, frozen.to_owned());
+        tensors.push((frozen.to_owned(), dtype, shape, bytes));
+    }
+    Expected { keys, tensors }
+}
+
+/// A safetensors file's tensors: name, dtype, shape, bytes.
+fn tensors_of(path: &Path) -> Vec<(String, crate::dtype::DType, Vec<u64>, Vec<u8>)> {
+    let bytes = std::fs::read(path).unwrap();
     let st = safetensors::SafeTensors::deserialize(&bytes).unwrap();
-    let tensors = st
-        .tensors()
+    st.tensors()
         .into_iter()
         .map(|(name, view)| {
             let dtype = match view.dtype() {
                 safetensors::Dtype::F32 => crate::dtype::DType::Float32,
                 safetensors::Dtype::BF16 => crate::dtype::DType::BFloat16,
                 safetensors::Dtype::I64 => crate::dtype::DType::Int64,
-                other => panic!("{case}: {name}: unexpected {other:?}"),
+                other => panic!("{}: {name}: unexpected {other:?}", path.display()),
             };
             let shape = view.shape().iter().map(|&d| d as u64).collect();
             (name, dtype, shape, view.data().to_vec())
         })
-        .collect();
-    Expected { keys, tensors }
+        .collect()
 }
 
 #[test]
@@ -133,14 +156,36 @@ fn every_fixture_reads_as_zero_to_fp32_gives_it() {
 }
 
 #[test]
-fn zero1_frozen_parameter_is_left_out_with_a_note() {
-    let (_, _, notes) = open(&load(&fixtures().join("zero1_bf16"))).unwrap();
-    assert!(
-        notes
-            .iter()
-            .any(|n| n.contains("left out") && n.contains("frozen.weight")),
-        "{notes:?}"
-    );
+fn zero1_frozen_parameter_is_taken_from_module_with_a_note() {
+    for (case, dtype) in [
+        ("zero1_bf16", DType::BFloat16),
+        ("zero1_fp32", DType::Float32),
+    ] {
+        let (index, _, notes) = open(&load(&fixtures().join(case))).unwrap();
+        assert!(
+            notes
+                .iter()
+                .any(|n| n.contains("zero_to_fp32 leaves them out") && n.contains("frozen.weight")),
+            "{notes:?}"
+        );
+        let e = index.entry("frozen.weight").unwrap();
+        assert_eq!(
+            (e.dtype, e.shape.as_deref()),
+            (Some(dtype), Some(&[6, 7][..])),
+            "{case}"
+        );
+        // After the buffers, before the trainable parameters (zero_to_fp32's place for frozen
+        // parameters of ZeRO-2).
+        let pos = |k: &str| index.entry(k).unwrap().position.unwrap();
+        assert!(pos("positions") < pos("frozen.weight"), "{case}");
+        assert!(pos("frozen.weight") < pos("embed.weight"), "{case}");
+        assert!(
+            index
+                .entry("optimizer.state.frozen.weight.exp_avg")
+                .is_none(),
+            "{case}"
+        );
+    }
 }
 
 /// The error text of reading `source`.
@@ -286,6 +331,9 @@ fn live(case: &str) -> Vec<(String, Vec<u64>, Vec<u8>)> {
     let st = safetensors::SafeTensors::deserialize(&bytes).unwrap();
     st.tensors()
         .into_iter()
+        // The frozen parameters (the module's own, in the training precision) are checked with
+        // the model (`expected`).
+        .filter(|(name, _)| !name.starts_with("frozen."))
         .map(|(name, v)| {
             assert_eq!(v.dtype(), safetensors::Dtype::F32, "{case}: {name}");
             (
