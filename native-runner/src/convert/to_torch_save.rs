@@ -184,6 +184,13 @@ pub fn to_torch_save(
         keys.push(join(&path));
         insert(&mut root, &path, i, &e.key)?;
     }
+    // A file whose whole content is one value (`torch.save(3)`, `torch.save(tensor)`): the
+    // value itself, not a dict holding it.
+    if strip == 0 && leaves.len() == 1 && leaves[0].1.path.is_empty() && leaves[0].1.key.is_empty()
+    {
+        root = KeyTree::Leaf(0);
+        keys[0] = String::new();
+    }
     let mut storages = Storages::default();
     let value = to_py(&root, &leaves, reader, sel, &mut storages)?;
     let archive = dest
