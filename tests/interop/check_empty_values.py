@@ -44,6 +44,10 @@ def main() -> None:
         },
         "callbacks": {},
         "optimizer_states": [{"state": {}, "param_groups": [{"lr": 0.1, "params": [0, 1]}]}],
+        # An optimizer's own `state_dict()`: `state` keyed by int ids stays a dict, not a list.
+        "optim": {"state": {0: {"step": torch.tensor(3.0), "exp_avg": torch.ones(2)}, 2: {"step": torch.tensor(1.0)}},
+                  "param_groups": [{"lr": 0.1, "params": [0, 1, 2]}]},
+        "by_id": {0: {}, 1: "x"},
         "lr_schedulers": [],
         "hparams": {"name": "x", "none": None, "sizes": (4, 5), "empty": ()},
         "epoch": 1,

@@ -91,12 +91,7 @@ NOT_LOADABLE = {
 }
 # Losses this check finds that are not fixed yet: path -> what is lost (the check fails when one
 # of them no longer shows, so that the list only shrinks).
-KNOWN_LOSSES = {
-    F + "doctor/optim_ok.pt": "dict != list",
-    F + "doctor/optim_bad.pt": "dict != list",
-}
-# An int-keyed dict (a plain optimizer state dict's `state`, {0: {...}}) becomes a list: the
-# index keeps an int key and a list position alike (`PathSeg::Index`).
+KNOWN_LOSSES: dict = {}
 
 # Written by torch from one state dict as another fixture (gen_formats.py saves `state` both
 # ways), which torch's `dcp_to_torch_save` reads: path -> that fixture.

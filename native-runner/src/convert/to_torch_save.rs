@@ -133,7 +133,7 @@ fn to_py(
                         .map(|(k, child)| {
                             let key = match k {
                                 PathSeg::Key(s) => PyValue::Str(s.clone()),
-                                PathSeg::Index(i) => PyValue::Int(*i),
+                                PathSeg::Index(i) | PathSeg::IntKey(i) => PyValue::Int(*i),
                             };
                             Ok((key, to_py(child, leaves, reader, sel, storages)?))
                         })
