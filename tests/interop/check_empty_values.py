@@ -13,24 +13,9 @@ from pathlib import Path
 
 import torch
 
+from check_nothing_lost import same
+
 BIN, WORK = sys.argv[1], Path(sys.argv[2])
-
-
-def same(a, b, path="") -> None:
-    if isinstance(a, torch.Tensor):
-        assert isinstance(b, torch.Tensor) and torch.equal(a, b) and a.dtype == b.dtype, path
-        return
-    assert type(a) is type(b), f"{path}: {type(a).__name__} != {type(b).__name__}"
-    if isinstance(a, dict):
-        assert list(a) == list(b), f"{path}: keys {list(a)} != {list(b)}"
-        for k in a:
-            same(a[k], b[k], f"{path}.{k}")
-    elif isinstance(a, (list, tuple)):
-        assert len(a) == len(b), f"{path}: length {len(a)} != {len(b)}"
-        for i, (x, y) in enumerate(zip(a, b)):
-            same(x, y, f"{path}.{i}")
-    else:
-        assert a == b, f"{path}: {a!r} != {b!r}"
 
 
 def main() -> None:

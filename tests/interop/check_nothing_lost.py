@@ -30,13 +30,10 @@ import subprocess
 import sys
 from pathlib import Path
 
-# The fixtures are ours: DCP's reader may unpickle the bytes items torch wrote (a tuple, an object).
-os.environ["TORCH_FORCE_NO_WEIGHTS_ONLY_LOAD"] = "1"
-
-import torch  # noqa: E402
-from safetensors.torch import load_file  # noqa: E402
-from torch.distributed.checkpoint.format_utils import dcp_to_torch_save  # noqa: E402
-from torch.distributed.fsdp._common_utils import clean_tensor_name  # noqa: E402
+import torch
+from safetensors.torch import load_file
+from torch.distributed.checkpoint.format_utils import dcp_to_torch_save
+from torch.distributed.fsdp._common_utils import clean_tensor_name
 
 BIN, WORK = sys.argv[1], Path(sys.argv[2])
 ROOT = Path(__file__).resolve().parents[2]
@@ -227,7 +224,13 @@ def source_values(src: Path):
     if (src / ".metadata").is_file():
         out = WORK / "dcp_to_torch_save.pt"
         out.unlink(missing_ok=True)
-        dcp_to_torch_save(str(src), str(out))
+        # The fixtures are ours: DCP's reader may unpickle the bytes items torch wrote (an
+        # object); only while torch reads the source, never for the `.pt` under test.
+        os.environ["TORCH_FORCE_NO_WEIGHTS_ONLY_LOAD"] = "1"
+        try:
+            dcp_to_torch_save(str(src), str(out))
+        finally:
+            del os.environ["TORCH_FORCE_NO_WEIGHTS_ONLY_LOAD"]
         full = torch.load(out, weights_only=False)
         # `torch.save` files beside the DCP (Lightning's `meta.pt`, Megatron-core's `common.pt`)
         # belong to the checkpoint's top level.
