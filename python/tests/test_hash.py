@@ -83,8 +83,8 @@ def test_checkpoint_verify_checks_the_checkpoint_as_opened(tmp_path: Path) -> No
     report = shardscope.open(copy).verify(manifest=path, threads=2)
     assert [e["fqn"] for e in report["entries"] if e["status"] != "match"] == [key]
 
-    # The sha256 manifest `convert --manifest` writes beside a .pt: the opened .pt matches it.
+    # The sha256 manifest `convert --write-manifest` writes beside a .pt: the opened .pt matches it.
     pt = tmp_path / "full.pt"
-    shardscope.convert(EXAMPLE, pt, manifest=True, manifest_algorithm="sha256")
+    shardscope.convert(EXAMPLE, pt, write_manifest=True, manifest_algorithm="sha256")
     report = shardscope.open(pt).verify(manifest=tmp_path / "full.pt.manifest.json")
     assert report["summary"]["mismatched"] == 0 and report["summary"]["matched"] > 0

@@ -1,4 +1,4 @@
-"""`convert --manifest` against torch: for a `.pt`, a safetensors file, a DCP (`--world-size 3`,
+"""`convert --write-manifest` against torch: for a `.pt`, a safetensors file, a DCP (`--world-size 3`,
 FSDP2 and FSDP1 chunking) and a `--to hf` folder, the manifest written beside (or inside) the
 output
 - lets `verify DST --manifest M` exit 0,
@@ -32,7 +32,7 @@ def run(*args, code=0):
 
 
 def convert(src, dst, *flags):
-    run("convert", src, "-o", dst, "--manifest", "--manifest-algorithm", "sha256", "--quiet", *flags)
+    run("convert", src, "-o", dst, "--write-manifest", "--manifest-algorithm", "sha256", "--quiet", *flags)
     folder = dst.is_dir()
     manifest = dst / "shardscope.manifest.json" if folder else dst.with_name(dst.name + ".manifest.json")
     assert manifest.is_file(), manifest

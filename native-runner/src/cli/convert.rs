@@ -170,13 +170,13 @@ pub struct ConvertArgs {
     /// `DST/shardscope.manifest.json` inside a folder output (DCP, HF shards, `--to hf`).
     /// `verify DST --manifest M` then proves the output intact. Not with `--part`.
     #[arg(long)]
-    pub manifest: bool,
+    pub write_manifest: bool,
     /// The manifest's digest: xxh3 (XXH3-128, the default) or sha256.
     #[arg(
         long,
         value_enum,
         value_name = "ALGORITHM",
-        requires = "manifest",
+        requires = "write_manifest",
         default_value = "xxh3"
     )]
     pub manifest_algorithm: super::hash::AlgorithmArg,
@@ -495,7 +495,7 @@ fn check_output(args: &ConvertArgs) -> Result<()> {
         );
     }
     let manifest = convert::manifest::manifest_path(&args.output, dir_output);
-    if args.manifest && !dir_output && std::fs::symlink_metadata(&manifest).is_ok() {
+    if args.write_manifest && !dir_output && std::fs::symlink_metadata(&manifest).is_ok() {
         bail!(
             "{} already exists\nhint: shardscope never overwrites; remove it or choose another path",
             manifest.display()
@@ -705,7 +705,7 @@ fn report(
     Ok(ExitCode::SUCCESS)
 }
 
-/// Says where `--manifest` wrote the manifest, and which files it holds no digest of.
+/// Says where `--write-manifest` wrote the manifest, and which files it holds no digest of.
 pub(super) fn manifest_note(written: &convert::Written, quiet: bool) {
     if quiet {
         return;
@@ -733,9 +733,9 @@ pub(super) fn write_options(args: &ConvertArgs, dir_output: bool) -> Result<conv
         Some(PartArg::Given(p)) => Some(p),
         Some(PartArg::Auto) => Some(part_from_env(|k| std::env::var(k).ok())?),
     };
-    if args.manifest && part.is_some() {
+    if args.write_manifest && part.is_some() {
         bail!(
-            "--manifest needs the whole output written by one process; with --part each process sees only its files\nhint: run `shardscope hash DST -o MANIFEST.json` once every part is done"
+            "--write-manifest needs the whole output written by one process; with --part each process sees only its files\nhint: run `shardscope hash DST -o MANIFEST.json` once every part is done"
         );
     }
     Ok(convert::WriteOptions {
@@ -745,7 +745,7 @@ pub(super) fn write_options(args: &ConvertArgs, dir_output: bool) -> Result<conv
         },
         part,
         finalize_only: args.finalize,
-        manifest: args.manifest.then(|| args.manifest_algorithm.into()),
+        manifest: args.write_manifest.then(|| args.manifest_algorithm.into()),
     })
 }
 

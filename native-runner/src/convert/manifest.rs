@@ -1,4 +1,4 @@
-//! `convert --manifest`: the content manifest of an output (`shardscope_core::manifest`, the format
+//! `convert --write-manifest`: the content manifest of an output (`shardscope_core::manifest`, the format
 //! `shardscope hash` writes), computed from the bytes as the writers write them, never from a
 //! second read of the output.
 //!

@@ -56,7 +56,7 @@ pub(super) fn write_multi(
     manifest: Option<&ManifestSink>,
 ) -> Result<MultiOutcome> {
     if manifest.is_some() && opts.part.is_some() {
-        bail!("--manifest needs the whole output written by one process (not --part)");
+        bail!("--write-manifest needs the whole output written by one process (not --part)");
     }
     let from = |o: part::Outcome| MultiOutcome {
         written: o.written,

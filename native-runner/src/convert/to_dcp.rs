@@ -62,7 +62,7 @@ pub fn to_dcp(
     // Per tensor entry: the byte range of each chunk in the full tensor, in chunk order.
     let mut ranges: Vec<Vec<std::ops::Range<u64>>> = Vec::new();
     let mut sources: Vec<&IndexEntry> = Vec::new();
-    // `--manifest`: each tensor by its key with its chunks, each value by its JSON form; the
+    // `--write-manifest`: each tensor by its key with its chunks, each value by its JSON form; the
     // slot of each entry (values have none).
     let sink = opts.manifest.map(ManifestSink::new);
     let mut slots: Vec<usize> = Vec::new();

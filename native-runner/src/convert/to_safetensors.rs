@@ -95,7 +95,7 @@ pub fn to_safetensors(
     let (_, _, all_jobs) = jobs_of(&specs)?;
     let (exec_opts, limit) = fix_limit(reader, &all_jobs, &opts.exec)?;
     let source = reader.source();
-    // `--manifest`: every tensor by its name (the values in `__metadata__` are text there, which
+    // `--write-manifest`: every tensor by its name (the values in `__metadata__` are text there, which
     // `hash` does not read as values), every tensor file by its name.
     let sink = opts.manifest.map(ManifestSink::new);
     let mut slots = BTreeMap::new();

@@ -214,7 +214,7 @@ pub fn to_torch_save(
         job_storage.resize(jobs.len(), k);
     }
     let (exec_opts, limit) = fix_limit(reader, &jobs, &opts.exec)?;
-    // `--manifest`: one digest per storage, under the keys of every leaf viewing it.
+    // `--write-manifest`: one digest per storage, under the keys of every leaf viewing it.
     let sink = opts.manifest.map(ManifestSink::new);
     let storage_slot = match &sink {
         Some(sink) => declare(sink, &storages, &leaves, &keys, reader, sel)?,

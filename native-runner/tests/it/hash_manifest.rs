@@ -365,7 +365,7 @@ fn convert_manifest_of_a_large_pt_is_thread_independent_and_never_overwrites() {
             s(&src),
             "-o",
             s(&dst),
-            "--manifest",
+            "--write-manifest",
             "--manifest-algorithm",
             "sha256",
             "--threads",
@@ -403,7 +403,7 @@ fn convert_manifest_of_a_large_pt_is_thread_independent_and_never_overwrites() {
     // A manifest already there: refused before anything is written.
     let dst = tmp.path().join("again.pt");
     std::fs::write(tmp.path().join("again.pt.manifest.json"), b"{}").unwrap();
-    let out = run(&["convert", s(&src), "-o", s(&dst), "--manifest"]);
+    let out = run(&["convert", s(&src), "-o", s(&dst), "--write-manifest"]);
     assert_eq!(out.status.code(), Some(2));
     assert!(String::from_utf8_lossy(&out.stderr).contains("again.pt.manifest.json already exists"));
     assert!(!dst.exists());
@@ -417,10 +417,12 @@ fn convert_manifest_of_a_large_pt_is_thread_independent_and_never_overwrites() {
         "2",
         "--part",
         "0/2",
-        "--manifest",
+        "--write-manifest",
     ]);
     assert_eq!(out.status.code(), Some(2));
-    assert!(String::from_utf8_lossy(&out.stderr).contains("--manifest needs the whole output"));
+    assert!(
+        String::from_utf8_lossy(&out.stderr).contains("--write-manifest needs the whole output")
+    );
 }
 
 #[test]
@@ -435,7 +437,7 @@ fn a_convert_manifest_finds_a_flipped_byte_in_the_dcp_it_describes() {
         s(&dst),
         "--world-size",
         "2",
-        "--manifest",
+        "--write-manifest",
         "-q",
     ]);
     assert!(
