@@ -32,6 +32,10 @@ use serde::{Deserialize, Serialize};
 
 use crate::dtype::DType;
 
+/// The name of the manifest `convert --manifest` writes inside a folder output (DCP, HF shards):
+/// readers leave it out of the checkpoint.
+pub const FOLDER_MANIFEST: &str = "shardscope.manifest.json";
+
 /// The manifest version written and read.
 pub const MANIFEST_VERSION: u32 = 1;
 

@@ -414,6 +414,39 @@ impl Opened {
         crate::convert::drop_tied(&self.input, &self.checkpoint.index, &mut sel)
     }
 
+    /// `verify --manifest` of this checkpoint as it was opened: its content manifest, computed
+    /// with the algorithm of the manifest at `manifest` (file digests too when that one has
+    /// them), compared key by key; the report `verify --manifest --json` prints.
+    pub fn verify_manifest(
+        &self,
+        manifest: &std::path::Path,
+        threads: Option<usize>,
+    ) -> Result<shardscope_core::verify::Report> {
+        if self.derived.is_some() {
+            bail!(
+                "{}: a view in another naming has no stored manifest to check\nhint: verify the checkpoint itself, or `convert --manifest` the view and verify its output",
+                self.checkpoint.label
+            );
+        }
+        let expected = crate::cli::hash::read_manifest(manifest)?;
+        let options = crate::hash::HashOptions {
+            algorithm: expected.algorithm,
+            threads: threads.unwrap_or_else(crate::hash::default_threads).max(1),
+            files: !expected.files.is_empty(),
+        };
+        let actual = crate::hash::manifest_of(
+            &self.input,
+            &self.checkpoint.index,
+            options,
+            &mut |_, _, _| {},
+        );
+        Ok(shardscope_core::verify::compare_manifests(
+            (&expected, &manifest.display().to_string()),
+            (&actual, &self.checkpoint.label),
+            "verify",
+        ))
+    }
+
     /// The keys in the order the checkpoint stores them (registration order for a state dict;
     /// `.metadata` order for DCP); keys the order does not list follow, sorted.
     pub fn stored_order(&self) -> Vec<String> {

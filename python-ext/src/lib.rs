@@ -277,6 +277,25 @@ impl PyCheckpoint {
         py.detach(|| guarded(|| Ok(self.opened.value(key)?.to_string())))
     }
 
+    /// `verify --manifest --json` of this checkpoint as opened, against the manifest at
+    /// `manifest`: the report as JSON text.
+    #[pyo3(signature = (manifest, threads=None))]
+    fn verify_manifest(
+        &self,
+        py: Python<'_>,
+        manifest: &str,
+        threads: Option<usize>,
+    ) -> PyResult<String> {
+        py.detach(|| {
+            guarded(|| {
+                Ok(self
+                    .opened
+                    .verify_manifest(std::path::Path::new(manifest), threads)?
+                    .to_json())
+            })
+        })
+    }
+
     /// Tie groups among `keys` by shared storage: `(kept, [aliases])`.
     fn storage_ties(&self, py: Python<'_>, keys: Vec<String>) -> Vec<(String, Vec<String>)> {
         py.detach(|| self.opened.storage_ties(&keys))

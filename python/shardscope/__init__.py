@@ -262,6 +262,19 @@ class Checkpoint:
         """
         return self._ck.info(key)
 
+    def verify(self, manifest: PathLike, *, threads: Optional[int] = None) -> Dict[str, Any]:
+        """This checkpoint, as opened, checked against a content manifest (`shardscope hash -o`, or
+        the one `convert --write-manifest` writes): every tensor and value digested with the manifest's
+        algorithm and compared key by key. Returns the report `verify --manifest --json` prints:
+        `summary` (`mismatched`, `missing`, `unexpected`, ...) and `entries` naming each key that
+        differs with the file and byte range of the differing chunk.
+
+        >>> ck = shardscope.open("ckpt/")
+        >>> ck.verify(manifest="ckpt.manifest.json")["summary"]["mismatched"]
+        0
+        """
+        return json.loads(self._ck.verify_manifest(os.fspath(manifest), threads))
+
     # -- values --------------------------------------------------------------------------------
     def read(
         self,

@@ -56,3 +56,35 @@ def test_hash_equals_torchs_values_and_verify_names_a_flipped_tensor(tmp_path: P
     report = shardscope.verify(copy, manifest=path)
     assert report["summary"]["mismatched"] == 1
     assert [e["fqn"] for e in report["entries"] if e["status"] == "mismatch"] == [key]
+
+
+def test_checkpoint_verify_checks_the_checkpoint_as_opened(tmp_path: Path) -> None:
+    path = tmp_path / "m.json"
+    shardscope._run(["hash", str(EXAMPLE), "-o", str(path), "-q"])
+    report = shardscope.open(EXAMPLE).verify(manifest=path)
+    assert report["summary"]["mismatched"] == 0 and report["summary"]["missing"] == 0
+    assert report["summary"]["matched"] == len(shardscope.open(EXAMPLE).keys())
+
+    # A copy with one byte of the first row torch wrote for a tensor flipped: that key, named.
+    want = {k.replace("/", "."): v for k, v in load_file(FIXTURES / "formats" / "expected" / "dcp.safetensors").items()}
+    copy = tmp_path / "copy"
+    shutil.copytree(EXAMPLE, copy)
+    key, t = max(want.items(), key=lambda kv: (kv[1].numel(), kv[0]))
+    row = t[0].contiguous().view(torch.uint8).numpy().tobytes()
+    for f in sorted(copy.glob("*.distcp")):
+        data = bytearray(f.read_bytes())
+        at = data.find(row)
+        if at >= 0:
+            data[at] ^= 0x01
+            f.write_bytes(bytes(data))
+            break
+    else:
+        raise AssertionError(f"{key}'s first row not found in the .distcp files")
+    report = shardscope.open(copy).verify(manifest=path, threads=2)
+    assert [e["fqn"] for e in report["entries"] if e["status"] != "match"] == [key]
+
+    # The sha256 manifest `convert --write-manifest` writes beside a .pt: the opened .pt matches it.
+    pt = tmp_path / "full.pt"
+    shardscope.convert(EXAMPLE, pt, write_manifest=True, manifest_algorithm="sha256")
+    report = shardscope.open(pt).verify(manifest=tmp_path / "full.pt.manifest.json")
+    assert report["summary"]["mismatched"] == 0 and report["summary"]["matched"] > 0

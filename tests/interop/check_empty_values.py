@@ -13,24 +13,9 @@ from pathlib import Path
 
 import torch
 
+from check_nothing_lost import same
+
 BIN, WORK = sys.argv[1], Path(sys.argv[2])
-
-
-def same(a, b, path="") -> None:
-    if isinstance(a, torch.Tensor):
-        assert isinstance(b, torch.Tensor) and torch.equal(a, b) and a.dtype == b.dtype, path
-        return
-    assert type(a) is type(b), f"{path}: {type(a).__name__} != {type(b).__name__}"
-    if isinstance(a, dict):
-        assert list(a) == list(b), f"{path}: keys {list(a)} != {list(b)}"
-        for k in a:
-            same(a[k], b[k], f"{path}.{k}")
-    elif isinstance(a, (list, tuple)):
-        assert len(a) == len(b), f"{path}: length {len(a)} != {len(b)}"
-        for i, (x, y) in enumerate(zip(a, b)):
-            same(x, y, f"{path}.{i}")
-    else:
-        assert a == b, f"{path}: {a!r} != {b!r}"
 
 
 def main() -> None:
@@ -44,6 +29,10 @@ def main() -> None:
         },
         "callbacks": {},
         "optimizer_states": [{"state": {}, "param_groups": [{"lr": 0.1, "params": [0, 1]}]}],
+        # An optimizer's own `state_dict()`: `state` keyed by int ids stays a dict, not a list.
+        "optim": {"state": {0: {"step": torch.tensor(3.0), "exp_avg": torch.ones(2)}, 2: {"step": torch.tensor(1.0)}},
+                  "param_groups": [{"lr": 0.1, "params": [0, 1, 2]}]},
+        "by_id": {0: {}, 1: "x"},
         "lr_schedulers": [],
         "hparams": {"name": "x", "none": None, "sizes": (4, 5), "empty": ()},
         "epoch": 1,

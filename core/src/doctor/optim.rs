@@ -43,7 +43,7 @@ pub(super) fn diagnose_optim(
         .iter()
         .filter_map(|p| match p {
             PathSeg::Key(k) if k.parse::<i64>().is_err() => Some(k.clone()),
-            PathSeg::Key(_) | PathSeg::Index(_) => None,
+            PathSeg::Key(_) | PathSeg::Index(_) | PathSeg::IntKey(_) => None,
         })
         .chain(part.group_names.iter().cloned())
         .collect();
@@ -82,7 +82,7 @@ pub(super) fn diagnose_optim(
             PathSeg::Key(k) if k.parse::<i64>().is_err() => {
                 Some(strip_compile_ddp(&crate::model::fqn::clean_tensor_name(k)))
             }
-            PathSeg::Key(_) | PathSeg::Index(_) => None,
+            PathSeg::Key(_) | PathSeg::Index(_) | PathSeg::IntKey(_) => None,
         })
         .collect();
     if let Some(trainable) = options.target.and_then(|t| t.trainable_names.as_ref())
@@ -107,7 +107,7 @@ pub(super) fn diagnose_optim(
         .state_params
         .iter()
         .filter_map(|p| match p {
-            PathSeg::Index(i) => Some(*i),
+            PathSeg::Index(i) | PathSeg::IntKey(i) => Some(*i),
             PathSeg::Key(k) => k.parse().ok(),
         })
         .collect();

@@ -242,14 +242,29 @@ fn deepspeed_text(stage: u8, precision: ZeroPrecision) -> &'static str {
 #[serde(untagged)]
 pub enum PathSeg {
     Key(String),
+    /// A list position (and, in a DCP, any integer step: torch's `dcp_to_torch_save` makes lists
+    /// of them).
     Index(i64),
+    /// An integer key of a dict (`torch.save` of an optimizer's `state_dict()`: `state` is keyed
+    /// by parameter id): written back as a dict, never a list.
+    IntKey(i64),
+}
+
+impl PathSeg {
+    /// The integer of a list position or an integer dict key.
+    pub fn as_int(&self) -> Option<i64> {
+        match self {
+            PathSeg::Key(_) => None,
+            PathSeg::Index(i) | PathSeg::IntKey(i) => Some(*i),
+        }
+    }
 }
 
 impl std::fmt::Display for PathSeg {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
         match self {
             PathSeg::Key(k) => f.write_str(k),
-            PathSeg::Index(i) => write!(f, "{i}"),
+            PathSeg::Index(i) | PathSeg::IntKey(i) => write!(f, "{i}"),
         }
     }
 }

@@ -165,6 +165,21 @@ pub struct ConvertArgs {
     /// `module.` (DDP), `_fsdp_wrapped_module.`, `_checkpoint_wrapped_module.`.
     #[arg(long)]
     pub strip_wrappers: bool,
+    /// Also write the output's content manifest (the format of `shardscope hash`), computed from
+    /// the bytes as they are written: `DST.manifest.json` beside a file output,
+    /// `DST/shardscope.manifest.json` inside a folder output (DCP, HF shards, `--to hf`).
+    /// `verify DST --manifest M` then proves the output intact. Not with `--part`.
+    #[arg(long)]
+    pub write_manifest: bool,
+    /// The manifest's digest: xxh3 (XXH3-128, the default) or sha256.
+    #[arg(
+        long,
+        value_enum,
+        value_name = "ALGORITHM",
+        requires = "write_manifest",
+        default_value = "xxh3"
+    )]
+    pub manifest_algorithm: super::hash::AlgorithmArg,
     /// Print a JSON summary on stdout.
     #[arg(long)]
     pub json: bool,
@@ -479,6 +494,13 @@ fn check_output(args: &ConvertArgs) -> Result<()> {
             args.output.display()
         );
     }
+    let manifest = convert::manifest::manifest_path(&args.output, dir_output);
+    if args.write_manifest && !dir_output && std::fs::symlink_metadata(&manifest).is_ok() {
+        bail!(
+            "{} already exists\nhint: shardscope never overwrites; remove it or choose another path",
+            manifest.display()
+        );
+    }
     Ok(())
 }
 
@@ -629,6 +651,7 @@ fn report(
     let target = target_of(args)?;
     let dir_output = target == Target::Dcp || args.max_shard_size.is_some();
     let opts = write_options(args, dir_output)?;
+    manifest_note(written, args.quiet || args.json);
     if args.json {
         let summary = serde_json::json!({
             "source": super::read::shown(&args.src),
@@ -649,6 +672,8 @@ fn report(
             "memory_limit_bytes": written.memory_limit_bytes,
             "part": opts.part.map(|p| p.to_string()),
             "complete": written.complete,
+            "manifest": written.manifest,
+            "manifest_files_left_out": written.undigested,
         });
         print_stdout(&format!("{}\n", serde_json::to_string_pretty(&summary)?))?;
     } else if !args.quiet {
@@ -680,6 +705,22 @@ fn report(
     Ok(ExitCode::SUCCESS)
 }
 
+/// Says where `--write-manifest` wrote the manifest, and which files it holds no digest of.
+pub(super) fn manifest_note(written: &convert::Written, quiet: bool) {
+    if quiet {
+        return;
+    }
+    if let Some(path) = &written.manifest {
+        eprintln!("wrote the content manifest {path}");
+    }
+    if !written.undigested.is_empty() {
+        eprintln!(
+            "note: the manifest holds no file digest of {}: its storages were written in parts and their checksums patched in afterwards (`shardscope hash` of the output adds it)",
+            written.undigested.join(", ")
+        );
+    }
+}
+
 /// `--threads`, `--memory-limit`, `--part`, `--finalize`: checked against the output kind.
 pub(super) fn write_options(args: &ConvertArgs, dir_output: bool) -> Result<convert::WriteOptions> {
     use crate::convert::exec::ExecOptions;
@@ -692,6 +733,11 @@ pub(super) fn write_options(args: &ConvertArgs, dir_output: bool) -> Result<conv
         Some(PartArg::Given(p)) => Some(p),
         Some(PartArg::Auto) => Some(part_from_env(|k| std::env::var(k).ok())?),
     };
+    if args.write_manifest && part.is_some() {
+        bail!(
+            "--write-manifest needs the whole output written by one process; with --part each process sees only its files\nhint: run `shardscope hash DST -o MANIFEST.json` once every part is done"
+        );
+    }
     Ok(convert::WriteOptions {
         exec: ExecOptions {
             threads: args.threads.unwrap_or_else(ExecOptions::default_threads),
@@ -699,6 +745,7 @@ pub(super) fn write_options(args: &ConvertArgs, dir_output: bool) -> Result<conv
         },
         part,
         finalize_only: args.finalize,
+        manifest: args.write_manifest.then(|| args.manifest_algorithm.into()),
     })
 }
 

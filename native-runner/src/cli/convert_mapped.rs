@@ -464,6 +464,7 @@ pub fn run(
         bar.finish_and_clear();
     }
     let written = written?;
+    super::convert::manifest_note(&written, quiet);
     let seconds = started.elapsed().as_secs_f64();
     if args.json {
         let summary = serde_json::json!({
@@ -484,6 +485,8 @@ pub fn run(
             "threads": opts.exec.threads,
             "memory_limit_bytes": written.memory_limit_bytes,
             "complete": written.complete,
+            "manifest": written.manifest,
+            "manifest_files_left_out": written.undigested,
         });
         print_stdout(&format!("{}\n", serde_json::to_string_pretty(&summary)?))?;
     } else if !args.quiet {

@@ -27,11 +27,13 @@
 //! (what is converted, tied aliases dropped), [`jobs`] (reads as executor jobs under the memory
 //! limit), [`multi`] (atomic or `--part` multi-file outputs), [`values`] (non-tensor values as
 //! Python values), [`mapped`] (an index in another naming: `--to hf`), [`surgery`] (`--rename`,
-//! `--drop`, `--strip-wrappers`), and the writers [`to_safetensors`], [`to_torch_save`], [`to_dcp`],
+//! `--drop`, `--strip-wrappers`), [`manifest`] (`--write-manifest`: digests of the bytes as they are
+//! written), and the writers [`to_safetensors`], [`to_torch_save`], [`to_dcp`],
 //! [`to_fsdp1`], [`to_fsdp2`].
 
 pub mod exec;
 mod jobs;
+pub mod manifest;
 pub mod mapped;
 mod multi;
 pub mod part;
@@ -91,6 +93,11 @@ pub struct Written {
     /// `--part`: whether this process wrote the index (the output is complete). Always true
     /// without `--part`.
     pub complete: bool,
+    /// `--write-manifest`: where the output's content manifest was written.
+    pub manifest: Option<String>,
+    /// `--write-manifest`: files of the output the manifest has no digest of (a `.pt` whose storages
+    /// were written in parts: their checksums are patched in after their bytes).
+    pub undigested: Vec<String>,
 }
 
 /// How a conversion runs: the executor's threads and memory, and which part of a multi-process
@@ -102,4 +109,7 @@ pub struct WriteOptions {
     pub part: Option<part::Part>,
     /// `--finalize`: write no data, only the index of a multi-part output whose parts are done.
     pub finalize_only: bool,
+    /// `--write-manifest`: write the output's content manifest with this algorithm, from the bytes as
+    /// they are written ([`manifest`]).
+    pub manifest: Option<shardscope_core::manifest::Algorithm>,
 }

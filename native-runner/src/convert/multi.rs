@@ -4,13 +4,14 @@
 use std::fs::File;
 use std::io::{BufWriter, Write};
 
-use anyhow::{Context, Result};
+use anyhow::{Context, Result, bail};
 
 use crate::atomic;
 use crate::input::Input;
 use crate::writeback::Paced;
 
 use super::WriteOptions;
+use super::manifest::{FOLDER_MANIFEST, ManifestSink};
 use super::part;
 
 /// The names, sizes and modification times of the source's files: part of a `--part` plan's
@@ -35,27 +36,46 @@ pub(super) fn source_identity(source: &Input) -> String {
     text
 }
 
+/// What [`write_multi`] wrote.
+pub(super) struct MultiOutcome {
+    pub written: Vec<String>,
+    pub finalized: bool,
+    /// The path of the manifest written inside the folder.
+    pub manifest: Option<String>,
+}
+
 /// Writes a multi-file output: all of it atomically (a temporary directory renamed into place),
 /// or with `--part` this process's files and, when all parts are done, the index (see [`part`]).
+/// With `manifest` (never with `--part`: a process sees only its files), the manifest the writers
+/// filled is written last into the folder, [`FOLDER_MANIFEST`], before it is moved into place.
 pub(super) fn write_multi(
     plan: &part::Plan<'_>,
     opts: &WriteOptions,
     write_one: &mut dyn FnMut(usize, &mut dyn Write) -> Result<serde_json::Value>,
     finish: &part::FinishFn<'_>,
-) -> Result<part::Outcome> {
+    manifest: Option<&ManifestSink>,
+) -> Result<MultiOutcome> {
+    if manifest.is_some() && opts.part.is_some() {
+        bail!("--write-manifest needs the whole output written by one process (not --part)");
+    }
+    let from = |o: part::Outcome| MultiOutcome {
+        written: o.written,
+        finalized: o.finalized,
+        manifest: None,
+    };
     if opts.finalize_only {
         let p = opts
             .part
             .context("--finalize needs --part R/N or --part auto (N: the number of parts)")?;
         let written = part::finalize(plan, p.count, true, finish)?
             .context("another process holds the finalize lock")?;
-        return Ok(part::Outcome {
+        return Ok(from(part::Outcome {
             written,
             finalized: true,
-        });
+        }));
     }
     if let Some(p) = opts.part {
-        return part::write_part(plan, p, write_one, finish);
+        return part::write_part(plan, p, write_one, finish).map(from);
     }
     atomic::write_dir(plan.dest, |tmp| {
         let mut records = Vec::with_capacity(plan.files.len());
@@ -73,9 +93,14 @@ pub(super) fn write_multi(
             std::fs::write(&path, bytes)
                 .with_context(|| format!("cannot write {}", path.display()))?;
         }
+        if let Some(sink) = manifest {
+            let path = tmp.join(FOLDER_MANIFEST);
+            std::fs::write(&path, sink.manifest()?.to_json())
+                .with_context(|| format!("cannot write {}", path.display()))?;
+        }
         Ok(())
     })?;
-    Ok(part::Outcome {
+    Ok(MultiOutcome {
         written: plan
             .files
             .iter()
@@ -83,5 +108,6 @@ pub(super) fn write_multi(
             .chain(plan.final_names.iter().map(|s| (*s).to_owned()))
             .collect(),
         finalized: true,
+        manifest: manifest.map(|_| plan.dest.join(FOLDER_MANIFEST).display().to_string()),
     })
 }

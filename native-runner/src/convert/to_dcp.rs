@@ -13,6 +13,7 @@ use shardscope_core::index::{EntryKind, IndexEntry};
 
 use super::exec;
 use super::jobs::{fix_limit, largest};
+use super::manifest::{ManifestSink, Tap};
 use super::multi::{source_identity, write_multi};
 use super::part;
 use super::reader::Reader;
@@ -61,6 +62,10 @@ pub fn to_dcp(
     // Per tensor entry: the byte range of each chunk in the full tensor, in chunk order.
     let mut ranges: Vec<Vec<std::ops::Range<u64>>> = Vec::new();
     let mut sources: Vec<&IndexEntry> = Vec::new();
+    // `--write-manifest`: each tensor by its key with its chunks, each value by its JSON form; the
+    // slot of each entry (values have none).
+    let sink = opts.manifest.map(ManifestSink::new);
+    let mut slots: Vec<usize> = Vec::new();
     for (name, e) in sel.tensors.iter().chain(&sel.values) {
         let mut path: Vec<PathKey> = nest
             .map(|n| PathKey::Key(n.to_owned()))
@@ -77,6 +82,13 @@ pub fn to_dcp(
             let mut seen = BTreeSet::new();
             pieces.retain(|p| seen.insert(p.chunk.offsets.clone()));
             ranges.push(pieces.iter().map(|p| p.bytes.clone()).collect());
+            if let Some(sink) = &sink {
+                let boxes: Vec<(Vec<u64>, Vec<u64>)> = pieces
+                    .iter()
+                    .map(|p| (p.chunk.offsets.clone(), p.chunk.sizes.clone()))
+                    .collect();
+                slots.push(sink.tensor(vec![fqn.clone()], dtype, shape, &boxes)?);
+            }
             DcpValue::Tensor {
                 dtype,
                 size: shape.to_vec(),
@@ -87,6 +99,10 @@ pub fn to_dcp(
             }
         } else {
             ranges.push(Vec::new());
+            if let Some(sink) = &sink {
+                sink.value(&fqn, &reader.index().read_bytes_value(reader.source(), e)?);
+                slots.push(usize::MAX);
+            }
             DcpValue::Bytes {
                 rank: 0,
                 value: BytesValue::Value(py_value_of(reader, e)?),
@@ -116,6 +132,18 @@ pub fn to_dcp(
                 .collect::<Result<_>>()
         })
         .collect::<Result<_>>()?;
+    // The entry of each job, per rank file (for the manifest).
+    let rank_entries: Vec<Vec<usize>> = (0..world_size)
+        .map(|rank| {
+            plan.items(rank)
+                .iter()
+                .filter_map(|item| match *item {
+                    DcpItemRef::Chunk { entry, .. } => Some(entry),
+                    DcpItemRef::Bytes { .. } => None,
+                })
+                .collect()
+        })
+        .collect();
     let all_jobs: Vec<exec::Job<'_>> = rank_jobs.iter().flatten().cloned().collect();
     let (exec_opts, limit) = fix_limit(reader, &all_jobs, &opts.exec)?;
     let names: Vec<String> = (0..world_size).map(DcpPlan::file_name).collect();
@@ -140,13 +168,22 @@ pub fn to_dcp(
         &multi,
         opts,
         &mut |rank, out| {
-            let mut writer = DcpFileWriter::new(&plan, rank, out)?;
-            exec::run(template, &rank_jobs[rank], &exec_opts, |_, bytes| {
+            let mut tap = Tap::new(out, opts.manifest);
+            let mut writer = DcpFileWriter::new(&plan, rank, &mut tap)?;
+            let jobs = &rank_jobs[rank];
+            exec::run(template, jobs, &exec_opts, |i, bytes| {
                 writer.write_chunk(bytes)?;
+                if let Some(sink) = &sink {
+                    let at = jobs[i].range.as_ref().map_or(0, |r| r.start);
+                    sink.bytes(slots[rank_entries[rank][i]], at, bytes)?;
+                }
                 progress.advance(bytes.len() as u64);
                 Ok(())
             })?;
             let (_, record) = writer.finish()?;
+            if let Some(sink) = &sink {
+                sink.file(&names[rank], tap);
+            }
             Ok(record_to_json(&record))
         },
         &|records| {
@@ -155,13 +192,14 @@ pub fn to_dcp(
                 .map(record_from_json)
                 .collect::<Result<Vec<_>>>()?;
             let mut files: Vec<Vec<u8>> = companions.iter().map(|(_, b)| b.clone()).collect();
-            files.push(metadata_pickle(
-                &plan,
-                &records,
-                &DcpMetadataOptions::default(),
-            )?);
+            let metadata = metadata_pickle(&plan, &records, &DcpMetadataOptions::default())?;
+            if let Some(sink) = &sink {
+                sink.file_bytes(".metadata", &metadata);
+            }
+            files.push(metadata);
             Ok(files)
         },
+        sink.as_ref(),
     )?;
     let mut outputs = vec![dest.display().to_string()];
     outputs.extend(
@@ -178,6 +216,8 @@ pub fn to_dcp(
         largest_tensor_bytes: largest(sel),
         memory_limit_bytes: limit,
         complete: outcome.finalized,
+        manifest: outcome.manifest,
+        undigested: sink.map(|s| s.undigested()).unwrap_or_default(),
     })
 }
 

@@ -14,6 +14,7 @@ use crate::atomic;
 
 use super::exec;
 use super::jobs::{fix_limit, largest, push_piece_jobs};
+use super::manifest::{ManifestSink, Tap, write_beside};
 use super::multi::{source_identity, write_multi};
 use super::part;
 use super::reader::Reader;
@@ -94,21 +95,52 @@ pub fn to_safetensors(
     let (_, _, all_jobs) = jobs_of(&specs)?;
     let (exec_opts, limit) = fix_limit(reader, &all_jobs, &opts.exec)?;
     let source = reader.source();
-    let write_one = |out: &mut dyn Write, file_specs: &[TensorSpec]| -> Result<()> {
+    // `--write-manifest`: every tensor by its name (the values in `__metadata__` are text there, which
+    // `hash` does not read as values), every tensor file by its name.
+    let sink = opts.manifest.map(ManifestSink::new);
+    let mut slots = BTreeMap::new();
+    if let Some(sink) = &sink {
+        for spec in &specs {
+            let slot = sink.tensor(vec![spec.name.clone()], spec.dtype, &spec.shape, &[])?;
+            slots.insert(spec.name.clone(), slot);
+        }
+    }
+    let write_one = |out: &mut dyn Write, file_specs: &[TensorSpec], file: &str| -> Result<()> {
         let (order, job_tensor, jobs) = jobs_of(file_specs)?;
-        let mut writer = SafetensorsWriter::new(out, file_specs, Some(&metadata))?;
+        let mut tap = Tap::new(out, opts.manifest);
+        let mut writer = SafetensorsWriter::new(&mut tap, file_specs, Some(&metadata))?;
         exec::run(piece_reader, &jobs, &exec_opts, |i, bytes| {
-            writer.write_tensor_part(&order[job_tensor[i]], bytes)?;
+            let name = &order[job_tensor[i]];
+            writer.write_tensor_part(name, bytes)?;
+            if let Some(sink) = &sink {
+                let at = jobs[i].range.as_ref().map_or(0, |r| r.start);
+                sink.bytes(slots[name], at, bytes)?;
+            }
             progress.advance(bytes.len() as u64);
             Ok(())
         })?;
         writer.finish()?;
+        if let Some(sink) = &sink {
+            sink.file(file, tap);
+        }
         Ok(())
     };
     let mut outputs = vec![dest.display().to_string()];
     let mut complete = true;
+    let manifest;
     match max_shard_bytes {
-        None => atomic::write_file(dest, |out| write_one(out, &specs))?,
+        None => {
+            let file = dest
+                .file_name()
+                .map(|n| n.to_string_lossy().into_owned())
+                .unwrap_or_default();
+            manifest = atomic::together(|| {
+                atomic::write_file(dest, |out| write_one(out, &specs, &file))?;
+                sink.as_ref()
+                    .map(|sink| write_beside(sink, dest))
+                    .transpose()
+            })?;
+        }
         Some(limit) => {
             let plan = plan_shards(&specs, Some(limit), "model")?;
             let names: Vec<String> = plan.files.iter().map(|f| f.file_name.clone()).collect();
@@ -139,7 +171,7 @@ pub fn to_safetensors(
                         .iter()
                         .map(|&t| specs[t].clone())
                         .collect();
-                    write_one(out, &file_specs)?;
+                    write_one(out, &file_specs, &names[i])?;
                     Ok(serde_json::Value::Null)
                 },
                 &|_| {
@@ -150,7 +182,9 @@ pub fn to_safetensors(
                     files.extend(extra_files.iter().map(|(_, b)| b.clone()));
                     Ok(files)
                 },
+                sink.as_ref(),
             )?;
+            manifest = outcome.manifest;
             complete = outcome.finalized;
             outputs.extend(
                 outcome
@@ -168,5 +202,7 @@ pub fn to_safetensors(
         largest_tensor_bytes: largest(sel),
         memory_limit_bytes: limit,
         complete,
+        manifest,
+        undigested: sink.map(|s| s.undigested()).unwrap_or_default(),
     })
 }

@@ -12,6 +12,7 @@ use crate::atomic;
 
 use super::exec;
 use super::jobs::{fix_limit, largest, push_piece_jobs};
+use super::manifest::{ManifestSink, Tap, write_beside};
 use super::reader::Reader;
 use super::select::Selection;
 use super::values::py_value_of;
@@ -51,6 +52,8 @@ fn insert(node: &mut KeyTree, path: &[PathSeg], leaf: usize, key: &str) -> Resul
 struct Storages {
     list: Vec<(StorageSpec, usize)>,
     by_chunks: std::collections::HashMap<String, usize>,
+    /// `(leaf, storage)` of every tensor leaf.
+    of_leaf: Vec<(usize, usize)>,
 }
 
 fn to_py(
@@ -88,6 +91,7 @@ fn to_py(
                     }
                     k
                 };
+                storages.of_leaf.push((*i, storage));
                 Ok(PyValue::Tensor(TensorPickle::contiguous(
                     storage, dtype, shape,
                 )))
@@ -129,7 +133,7 @@ fn to_py(
                         .map(|(k, child)| {
                             let key = match k {
                                 PathSeg::Key(s) => PyValue::Str(s.clone()),
-                                PathSeg::Index(i) => PyValue::Int(*i),
+                                PathSeg::Index(i) | PathSeg::IntKey(i) => PyValue::Int(*i),
                             };
                             Ok((key, to_py(child, leaves, reader, sel, storages)?))
                         })
@@ -160,6 +164,8 @@ pub fn to_torch_save(
     });
     let strip = prefix.map_or(0, |p| p.matches('.').count() + 1);
     let mut root = KeyTree::Map(Vec::new());
+    // Each leaf's key in the output (its path joined), for the manifest.
+    let mut keys: Vec<String> = Vec::with_capacity(leaves.len());
     for (i, (_, e)) in leaves.iter().enumerate() {
         let path: Vec<PathSeg> = if e.path.is_empty() {
             vec![PathSeg::Key(e.key.clone())]
@@ -175,7 +181,15 @@ pub fn to_torch_save(
             } else {
                 path
             };
+        keys.push(join(&path));
         insert(&mut root, &path, i, &e.key)?;
+    }
+    // A file whose whole content is one value (`torch.save(3)`, `torch.save(tensor)`): the
+    // value itself, not a dict holding it.
+    if strip == 0 && leaves.len() == 1 && leaves[0].1.path.is_empty() && leaves[0].1.key.is_empty()
+    {
+        root = KeyTree::Leaf(0);
+        keys[0] = String::new();
     }
     let mut storages = Storages::default();
     let value = to_py(&root, &leaves, reader, sel, &mut storages)?;
@@ -189,24 +203,50 @@ pub fn to_torch_save(
     // patched into its header when it ends): memory stays far below the tensor, and each piece is
     // still in the CPU cache when it is checksummed and written.
     let mut jobs: Vec<exec::Job<'_>> = Vec::with_capacity(storages.list.len());
-    for (spec, leaf) in &storages.list {
+    // The storage of each job.
+    let mut job_storage: Vec<usize> = Vec::with_capacity(storages.list.len());
+    for (k, (spec, leaf)) in storages.list.iter().enumerate() {
         let n = spec
             .numel
             .checked_mul(spec.dtype.size_bytes() as u64)
             .with_context(|| format!("{}: tensor size overflows", leaves[*leaf].1.key))?;
         push_piece_jobs(reader, leaves[*leaf].1, spec.dtype, n, &mut jobs);
+        job_storage.resize(jobs.len(), k);
     }
     let (exec_opts, limit) = fix_limit(reader, &jobs, &opts.exec)?;
-    atomic::write_file(dest, |out| {
-        let table = storages.list.iter().map(|(s, _)| *s).collect();
-        let mut writer = TorchSaveWriter::new(out, &archive, &value, table)?;
-        exec::run(reader, &jobs, &exec_opts, |_, bytes| {
-            writer.write_storage_part(bytes)?;
-            progress.advance(bytes.len() as u64);
+    // `--write-manifest`: one digest per storage, under the keys of every leaf viewing it.
+    let sink = opts.manifest.map(ManifestSink::new);
+    let storage_slot = match &sink {
+        Some(sink) => declare(sink, &storages, &leaves, &keys, reader, sel)?,
+        None => Vec::new(),
+    };
+    let file_name = dest
+        .file_name()
+        .map(|n| n.to_string_lossy().into_owned())
+        .unwrap_or_default();
+    let manifest = atomic::together(|| {
+        atomic::write_file(dest, |out| {
+            let mut tap = Tap::new(out, opts.manifest);
+            let table = storages.list.iter().map(|(s, _)| *s).collect();
+            let mut writer = TorchSaveWriter::new(&mut tap, &archive, &value, table)?;
+            exec::run(reader, &jobs, &exec_opts, |i, bytes| {
+                writer.write_storage_part(bytes)?;
+                if let Some(sink) = &sink {
+                    let at = jobs[i].range.as_ref().map_or(0, |r| r.start);
+                    sink.bytes(storage_slot[job_storage[i]], at, bytes)?;
+                }
+                progress.advance(bytes.len() as u64);
+                Ok(())
+            })?;
+            writer.finish()?;
+            if let Some(sink) = &sink {
+                sink.file(&file_name, tap);
+            }
             Ok(())
         })?;
-        writer.finish()?;
-        Ok(())
+        sink.as_ref()
+            .map(|sink| write_beside(sink, dest))
+            .transpose()
     })?;
     Ok(Written {
         outputs: vec![dest.display().to_string()],
@@ -216,7 +256,41 @@ pub fn to_torch_save(
         largest_tensor_bytes: largest(sel),
         memory_limit_bytes: limit,
         complete: true,
+        manifest,
+        undigested: sink.map(|s| s.undigested()).unwrap_or_default(),
     })
+}
+
+/// Declares to `sink` each storage (under the keys of every leaf viewing it) and each value;
+/// returns each storage's slot.
+fn declare(
+    sink: &ManifestSink,
+    storages: &Storages,
+    leaves: &[(String, &IndexEntry)],
+    keys: &[String],
+    reader: &Reader<'_>,
+    sel: &Selection<'_>,
+) -> Result<Vec<usize>> {
+    let mut slots = Vec::with_capacity(storages.list.len());
+    for (k, (spec, leaf)) in storages.list.iter().enumerate() {
+        let names = storages
+            .of_leaf
+            .iter()
+            .filter(|(_, s)| *s == k)
+            .map(|(l, _)| keys[*l].clone())
+            .collect();
+        let (_, shape) = sel.out_meta(leaves[*leaf].1)?;
+        slots.push(sink.tensor(names, spec.dtype, shape, &[])?);
+    }
+    for (i, (_, e)) in leaves.iter().enumerate() {
+        if e.kind != EntryKind::Tensor {
+            sink.value(
+                &keys[i],
+                &reader.index().read_bytes_value(reader.source(), e)?,
+            );
+        }
+    }
+    Ok(slots)
 }
 
 fn join(path: &[PathSeg]) -> String {

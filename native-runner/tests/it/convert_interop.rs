@@ -36,3 +36,11 @@ fn values_without_tensors_round_trip_to_pt() {
 fn an_optimizer_is_found_by_what_it_holds() {
     crate::common::run_interop_script("check_optimizer_by_content.py");
 }
+
+/// Nothing lost, as a category: every checkpoint among the fixtures that `convert` accepts goes to
+/// a `.pt` whose values torch loads equal to what torch's own tools read from the source
+/// (tests/interop/check_nothing_lost.py; refusals and exceptions listed there with their reasons).
+#[test]
+fn every_fixture_round_trips_to_pt() {
+    crate::common::run_interop_script("check_nothing_lost.py");
+}

@@ -342,3 +342,140 @@ fn unreadable_tensors_fail_the_hash_and_write_nothing() {
     );
     assert!(!m.exists());
 }
+
+#[test]
+fn convert_manifests_match_torch() {
+    crate::common::run_interop_script("check_convert_manifest.py");
+}
+
+#[test]
+fn convert_manifest_of_a_large_pt_is_thread_independent_and_never_overwrites() {
+    use shardscope_core::manifest::{Algorithm, Hasher};
+    let tmp = tempfile::tempdir().unwrap();
+    // A tensor over the 16 MiB the writer streams in pieces: the `.pt` member's checksum is
+    // patched in after its bytes, so the manifest has no file digest of it (and says so).
+    let big: Vec<f32> = (0..(17 << 18)).map(|i| (i % 1000) as f32 * 0.5).collect();
+    let src = tmp.path().join("big.safetensors");
+    write_st(&src, &[("w", big.clone()), ("b", vec![1.0, -2.0])]);
+    let mut manifests = Vec::new();
+    for threads in ["1", "3"] {
+        let dst = tmp.path().join(format!("out{threads}.pt"));
+        let out = run(&[
+            "convert",
+            s(&src),
+            "-o",
+            s(&dst),
+            "--write-manifest",
+            "--manifest-algorithm",
+            "sha256",
+            "--threads",
+            threads,
+        ]);
+        assert!(
+            out.status.success(),
+            "{}",
+            String::from_utf8_lossy(&out.stderr)
+        );
+        assert!(
+            String::from_utf8_lossy(&out.stderr).contains("holds no file digest of"),
+            "{}",
+            String::from_utf8_lossy(&out.stderr)
+        );
+        let m = tmp.path().join(format!("out{threads}.pt.manifest.json"));
+        let ok = run(&["verify", s(&dst), "--manifest", s(&m)]);
+        assert_eq!(ok.status.code(), Some(0));
+        manifests.push(std::fs::read(&m).unwrap());
+    }
+    assert_eq!(manifests[0], manifests[1]);
+    let m: serde_json::Value = serde_json::from_slice(&manifests[0]).unwrap();
+    // The digest of the values written into the source, framed as docs/hash.md says.
+    let mut h = Hasher::tensor(
+        Algorithm::Sha256,
+        shardscope_core::DType::Float32,
+        &[big.len() as u64],
+    );
+    for x in &big {
+        h.update(&x.to_le_bytes());
+    }
+    assert_eq!(m["tensors"]["w"]["digest"], h.finish());
+    assert_eq!(m["files"], serde_json::json!({}));
+
+    // A manifest already there: refused before anything is written.
+    let dst = tmp.path().join("again.pt");
+    std::fs::write(tmp.path().join("again.pt.manifest.json"), b"{}").unwrap();
+    let out = run(&["convert", s(&src), "-o", s(&dst), "--write-manifest"]);
+    assert_eq!(out.status.code(), Some(2));
+    assert!(String::from_utf8_lossy(&out.stderr).contains("again.pt.manifest.json already exists"));
+    assert!(!dst.exists());
+    // With --part a process sees only its files: refused.
+    let out = run(&[
+        "convert",
+        s(&src),
+        "-o",
+        s(&tmp.path().join("d")),
+        "--world-size",
+        "2",
+        "--part",
+        "0/2",
+        "--write-manifest",
+    ]);
+    assert_eq!(out.status.code(), Some(2));
+    assert!(
+        String::from_utf8_lossy(&out.stderr).contains("--write-manifest needs the whole output")
+    );
+}
+
+#[test]
+fn a_convert_manifest_finds_a_flipped_byte_in_the_dcp_it_describes() {
+    let tmp = tempfile::tempdir().unwrap();
+    let dst = tmp.path().join("dcp");
+    let src = fixtures_dir().join("formats/dcp_torch_save");
+    let out = run(&[
+        "convert",
+        s(&src),
+        "-o",
+        s(&dst),
+        "--world-size",
+        "2",
+        "--write-manifest",
+        "-q",
+    ]);
+    assert!(
+        out.status.success(),
+        "{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    let m = dst.join("shardscope.manifest.json");
+    assert_eq!(
+        run(&["verify", s(&dst), "--manifest", s(&m)]).status.code(),
+        Some(0)
+    );
+    // The largest tensor torch wrote (the expected file) found once in the rank files: flip a byte.
+    let expected = std::fs::read(fixtures_dir().join("formats/expected/dcp.safetensors")).unwrap();
+    let st = safetensors::SafeTensors::deserialize(&expected).unwrap();
+    let (name, view) = st
+        .tensors()
+        .into_iter()
+        .max_by_key(|(n, v)| (v.data().len(), n.clone()))
+        .unwrap();
+    // Its last row lies in the last rank's chunk.
+    let row = view.data().len() / view.shape()[0];
+    let half = &view.data()[view.data().len() - row..];
+    let mut flipped = None;
+    for f in ["__0_0.distcp", "__1_0.distcp"] {
+        let mut bytes = std::fs::read(dst.join(f)).unwrap();
+        if let Some(at) = bytes.windows(half.len()).position(|w| w == half) {
+            bytes[at + 3] ^= 0x10;
+            std::fs::write(dst.join(f), &bytes).unwrap();
+            flipped = Some(f);
+            break;
+        }
+    }
+    let file = flipped.expect("the tensor's bytes in a rank file");
+    let out = run(&["verify", s(&dst), "--manifest", s(&m), "--json"]);
+    assert_eq!(out.status.code(), Some(1));
+    let found = problems(&json(&out));
+    assert_eq!(found.len(), 1, "{found:?}");
+    assert_eq!(found[0].0, name.replace('/', "."));
+    assert!(found[0].2.contains(file), "{}", found[0].2);
+}

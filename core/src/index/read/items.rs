@@ -306,7 +306,12 @@ pub(crate) fn sort_rank_folder(
     source: &dyn Source,
     names: &[String],
 ) -> Result<RankFolder, IndexError> {
-    let hidden = |n: &str| n.split('/').any(|c| c.starts_with('.'));
+    // Hidden files, and a manifest `convert --manifest` put inside the folder (the content
+    // manifest of the rest, not a part of the checkpoint).
+    let hidden = |n: &str| {
+        n.split('/').any(|c| c.starts_with('.'))
+            || n.rsplit('/').next() == Some(crate::manifest::FOLDER_MANIFEST)
+    };
     let visible: Vec<String> = names.iter().filter(|n| !hidden(n)).cloned().collect();
     let mut folder = RankFolder::default();
     for group in one_process_groups(source, group_rank_files(&visible))? {

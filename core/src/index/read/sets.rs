@@ -120,7 +120,7 @@ fn keys_extra(index: &CheckpointIndex) -> bool {
     index.entries.iter().all(|e| match e.path.first() {
         None => e.kind != EntryKind::Tensor,
         Some(PathSeg::Key(k)) => EXTRA_KEYS.contains(&k.as_str()),
-        Some(PathSeg::Index(_)) => false,
+        Some(PathSeg::Index(_) | PathSeg::IntKey(_)) => false,
     })
 }
 

@@ -20,7 +20,7 @@ pub(crate) struct Leaf<'a> {
 fn path_seg_of_key(k: &PyValue) -> Option<PathSeg> {
     match k {
         PyValue::Str(s) => Some(PathSeg::Key(s.clone())),
-        PyValue::Int(i) => Some(PathSeg::Index(*i)),
+        PyValue::Int(i) => Some(PathSeg::IntKey(*i)),
         PyValue::Bool(b) => Some(PathSeg::Key(if *b { "True" } else { "False" }.into())),
         _ => None,
     }
@@ -86,6 +86,7 @@ pub(crate) fn clean_path(path: &[PathSeg]) -> Vec<PathSeg> {
                     .to_owned(),
             ),
             PathSeg::Index(i) => PathSeg::Index(*i),
+            PathSeg::IntKey(i) => PathSeg::IntKey(*i),
         })
         .collect()
 }
@@ -559,8 +560,10 @@ pub(crate) fn assign_roles(entries: &mut [IndexEntry]) -> bool {
             let rest = &e.path[prefix.len()..];
             match rest {
                 [PathSeg::Key(s), param, PathSeg::Key(name)] if s == "state" => {
+                    // A parameter id, whether the state is a dict keyed by it or a list.
+                    let param = param.as_int().map_or_else(|| param.clone(), PathSeg::Index);
                     e.role = Some(Role::OptimizerState {
-                        param: param.clone(),
+                        param,
                         state: name.clone(),
                     });
                     found = true;
