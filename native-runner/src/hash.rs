@@ -14,7 +14,7 @@ use std::sync::atomic::{AtomicUsize, Ordering};
 use std::sync::mpsc;
 
 use anyhow::{Context, Result, bail};
-use shardscope_core::index::{CheckpointIndex, ChunkEncoding, EntryKind, IndexEntry};
+use shardscope_core::index::{CheckpointIndex, EntryKind, IndexEntry};
 use shardscope_core::manifest::{
     Algorithm, ChunkDigest, FileDigest, Hasher, Manifest, StoredAt, TensorDigest, ValueDigest,
     for_each_box_row, value_digest,
@@ -311,30 +311,16 @@ pub fn hash_tensor(
                     entry.key, c.offsets
                 )
             })?;
-            let stored = match (
-                &c.encoding,
-                reader.index().locate_chunk(reader.source(), entry, c),
-            ) {
-                (ChunkEncoding::ZstdTorchSaveItem, _) | (_, Err(_)) => None,
-                (_, Ok(loc)) => loc
-                    .contiguous_range(&c.sizes, item)
-                    .map(|(start, len)| StoredAt {
-                        file: loc.file.clone(),
-                        start,
-                        end: start.saturating_add(len),
-                    }),
-            };
             chunks.push(ChunkDigest {
                 offsets: c.offsets.to_vec(),
                 sizes: c.sizes.to_vec(),
                 digest: chunk.finish(),
-                stored: stored.or_else(|| {
-                    Some(StoredAt {
-                        file: c.file.to_string(),
-                        start: c.byte_offset,
-                        end: c.byte_offset.saturating_add(c.byte_length),
-                    })
-                }),
+                stored: Some(StoredAt::of_chunk(
+                    reader.index(),
+                    reader.source(),
+                    entry,
+                    c,
+                )),
             });
         }
         chunks.sort_by(|a, b| a.offsets.cmp(&b.offsets));

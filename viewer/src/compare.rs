@@ -23,7 +23,33 @@ pub struct CompareInput {
     pub origin: Origin,
 }
 
+/// A checkpoint opened again from its files, and the source it reads them from.
+pub type Reopened = (
+    Box<dyn shardscope_core::source::Source + Send + Sync>,
+    Checkpoint,
+);
+
 impl CompareInput {
+    /// The checkpoint opened again from its files (`side` names it in errors: "A", "B").
+    pub fn open(
+        &self,
+        side: &'static str,
+        options: &ReadOptions,
+    ) -> Result<Reopened, CompareError> {
+        let source = self
+            .origin
+            .source()
+            .map_err(|source| CompareError::Open { side, source })?;
+        let checkpoint =
+            Checkpoint::open(&*source, &self.label, options).map_err(|e| CompareError::Open {
+                side,
+                source: CheckpointError::Open {
+                    message: e.to_string(),
+                },
+            })?;
+        Ok((source, checkpoint))
+    }
+
     /// A file or folder on disk, labelled with its path as `shardscope diff` labels it.
     #[cfg(not(target_arch = "wasm32"))]
     pub fn from_path(path: &std::path::Path) -> Result<Self, CheckpointError> {
@@ -399,20 +425,7 @@ pub fn compare(
     progress: &mut dyn FnMut(Progress),
     cancel: &AtomicBool,
 ) -> Result<Comparison, CompareError> {
-    let open = |side: &'static str, input: &CompareInput| {
-        let source = input
-            .origin
-            .source()
-            .map_err(|source| CompareError::Open { side, source })?;
-        let checkpoint =
-            Checkpoint::open(&*source, &input.label, options).map_err(|e| CompareError::Open {
-                side,
-                source: CheckpointError::Open {
-                    message: e.to_string(),
-                },
-            })?;
-        Ok::<_, CompareError>((source, checkpoint))
-    };
+    let open = |side: &'static str, input: &CompareInput| input.open(side, options);
     progress(Progress {
         what: format!("opening A: {}", a.label),
         ..Progress::default()

@@ -10,8 +10,8 @@
 use std::collections::BTreeSet;
 use std::sync::atomic::{AtomicBool, Ordering};
 
-use shardscope_core::checkpoint::{Checkpoint, ReadOptions};
-use shardscope_core::index::{CheckpointIndex, ChunkEncoding, EntryKind, IndexEntry};
+use shardscope_core::checkpoint::ReadOptions;
+use shardscope_core::index::{CheckpointIndex, EntryKind, IndexEntry};
 use shardscope_core::manifest::{
     ChunkDigest, Hasher, Manifest, StoredAt, TensorDigest, ValueDigest, for_each_box_row,
     value_digest,
@@ -58,21 +58,11 @@ fn tensor_digest(
                 e.key, c.offsets
             )
         })?;
-        let stored = match (&c.encoding, index.locate_chunk(source, e, c)) {
-            (ChunkEncoding::ZstdTorchSaveItem, _) | (_, Err(_)) => None,
-            (_, Ok(l)) => l
-                .contiguous_range(&c.sizes, item)
-                .map(|(start, len)| StoredAt {
-                    file: l.file.clone(),
-                    start,
-                    end: start.saturating_add(len),
-                }),
-        };
         chunks.push(ChunkDigest {
             offsets: c.offsets.to_vec(),
             sizes: c.sizes.to_vec(),
             digest: chunk.finish(),
-            stored,
+            stored: Some(StoredAt::of_chunk(index, source, e, c)),
         });
     }
     chunks.sort_by(|a, b| a.offsets.cmp(&b.offsets));
@@ -148,13 +138,7 @@ pub fn check(
     progress: &mut dyn FnMut(Progress),
     cancel: &AtomicBool,
 ) -> Result<crate::report::Report, CompareError> {
-    let open_err = |source| CompareError::Open { side: "A", source };
-    let source = input.origin.source().map_err(open_err)?;
-    let ckpt = Checkpoint::open(&*source, &input.label, options).map_err(|e| {
-        open_err(crate::checkpoint::CheckpointError::Open {
-            message: e.to_string(),
-        })
-    })?;
+    let (source, ckpt) = input.open("A", options)?;
     let actual = manifest_of(&ckpt.index, &*source, &expected.manifest, progress, cancel)?;
     let report = shardscope_core::verify::compare_manifests(
         (&expected.manifest, &expected.name),

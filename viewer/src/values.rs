@@ -7,7 +7,7 @@
 use std::collections::BTreeMap;
 use std::sync::atomic::{AtomicBool, Ordering};
 
-use shardscope_core::checkpoint::{Checkpoint, ReadOptions};
+use shardscope_core::checkpoint::ReadOptions;
 use shardscope_core::index::{CheckpointIndex, EntryKind, IndexEntry, TensorData, ValueStats};
 use shardscope_core::source::Source;
 
@@ -148,13 +148,7 @@ pub fn value_map(
     progress: &mut dyn FnMut(Progress),
     cancel: &AtomicBool,
 ) -> Result<ValueMap, CompareError> {
-    let open_err = |source| CompareError::Open { side: "A", source };
-    let source = input.origin.source().map_err(open_err)?;
-    let ckpt = Checkpoint::open(&*source, &input.label, options).map_err(|e| {
-        open_err(crate::checkpoint::CheckpointError::Open {
-            message: e.to_string(),
-        })
-    })?;
+    let (source, ckpt) = input.open("A", options)?;
     let entries: Vec<&IndexEntry> = ckpt
         .index
         .entries

@@ -151,17 +151,23 @@ fn archive_from(
         .map(|r| (r.offset, r.offset.saturating_add(r.len)))
         .collect();
     store.fetch(source, name, ranges)?;
-    let Some(pkl) = store.get(layout.pkl.offset, layout.pkl.len) else {
-        return Ok(None);
-    };
+    held_archive(members, &layout, store)
+        .transpose()
+        .map_err(Into::into)
+}
+
+/// The archive from `data.pkl` and `byteorder` as `store` holds them; `None` when it does not.
+fn held_archive(
+    members: &Members,
+    layout: &Layout,
+    store: &Store,
+) -> Option<Result<TorchArchive, TorchZipError>> {
+    let pkl = store.get(layout.pkl.offset, layout.pkl.len)?;
     let order = match layout.byteorder {
-        Some(r) => match store.get(r.offset, r.len) {
-            Some(b) => Some(b),
-            None => return Ok(None),
-        },
+        Some(r) => Some(store.get(r.offset, r.len)?),
         None => None,
     };
-    Ok(Some(build_archive(members, &layout, pkl, order)?))
+    Some(build_archive(members, layout, pkl, order))
 }
 
 /// The torch archive stored as the `len` bytes at `offset` of `name` (a DCP `.distcp` item),
@@ -213,17 +219,7 @@ pub fn read_item_archive(
     let Ok(layout) = Layout::of(&members) else {
         return Ok(None);
     };
-    let Some(pkl) = store.get(layout.pkl.offset, layout.pkl.len) else {
-        return Ok(None);
-    };
-    let order = match layout.byteorder {
-        Some(r) => match store.get(r.offset, r.len) {
-            Some(b) => Some(b),
-            None => return Ok(None),
-        },
-        None => None,
-    };
-    Ok(build_archive(&members, &layout, pkl, order).ok())
+    Ok(held_archive(&members, &layout, &store).and_then(Result::ok))
 }
 
 /// The globals `data.pkl` of the archive `name` names ([`pickle_globals`]), reading its zip
