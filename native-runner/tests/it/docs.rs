@@ -20,7 +20,7 @@ fn pages() -> Vec<PathBuf> {
         root.join("README.md"),
         root.join("ARCHITECTURE.md"),
         root.join("BENCHMARKS.md"),
-        root.join("BENCHMARKS_HISTORY.md"),
+        root.join("bench/HISTORY.md"),
     ];
     let mut dirs = vec![root.join("docs")];
     while let Some(dir) = dirs.pop() {
