@@ -79,6 +79,8 @@ NOT_LOADABLE = {
     **{F + f"deepspeed/{c}": "native-runner/tests/it/deepspeed.rs (zero_to_fp32's output)" for c in [
         "zero1_bf16", "zero1_fp32", "zero2_bf16", "zero2_fp32", "zero2_fp32_ws3", "zero3_bf16",
         "zero3_bf16_ws3", "zero3_fp32"]},
+    **{F + f"deepspeed/{c}": "native-runner/tests/it/deepspeed_universal.rs (DeepSpeed's universal files)"
+       for c in ["universal_zero2_bf16", "universal_zero3_fp32"]},
     **{F + f"trainer_folders/{c}": "native-runner/tests/it/trainer_sets.rs (expected/tc_full_*.pt)" for c in [
         "tc_default", "tc_items", "tc_raw", "tc_resharder", "tc_safetensors"]},
     F + "doctor/unsafe.pt": "its pickle calls a function when loaded: torch.load would run it (doctor's fixture)",
@@ -145,7 +147,7 @@ def rank_sets(names: list) -> dict:
 
 
 def candidates():
-    """Every checkpoint: a DCP or DeepSpeed directory, a directory of per-rank files, and every
+    """Every checkpoint: a DCP or DeepSpeed directory (ZeRO or universal), a directory of per-rank files, and every
     checkpoint file not part of a DCP or DeepSpeed directory (a per-rank file alone is one rank's
     piece, not a checkpoint)."""
     for top in [ROOT / "tests" / "fixtures", ROOT / "examples"]:
@@ -154,7 +156,7 @@ def candidates():
             if any(d.is_relative_to(t) for t in taken):
                 continue
             names = sorted(p.name for p in d.iterdir() if p.is_file())
-            if ".metadata" in names or "latest" in names:
+            if ".metadata" in names or "latest" in names or "latest_universal" in names:
                 taken.add(d)
                 yield d
                 continue
