@@ -291,34 +291,10 @@ pub struct StoredAt {
     pub end: u64,
 }
 
-impl StoredAt {
-    /// Where `chunk`'s elements lie in its file: their byte range when they are one contiguous
-    /// run there, else (a compressed item, a strided view) the chunk's whole stored range.
-    pub fn of_chunk(
-        index: &crate::index::CheckpointIndex,
-        source: &dyn crate::source::Source,
-        entry: &crate::index::IndexEntry,
-        chunk: &crate::index::Chunk,
-    ) -> StoredAt {
-        let item = entry.dtype.map_or(1, DType::size_bytes) as u64;
-        let located = match chunk.encoding {
-            crate::index::ChunkEncoding::ZstdTorchSaveItem => None,
-            _ => index.locate_chunk(source, entry, chunk).ok(),
-        };
-        located
-            .and_then(|l| {
-                let (start, len) = l.contiguous_range(&chunk.sizes, item)?;
-                Some(StoredAt {
-                    file: l.file,
-                    start,
-                    end: start.saturating_add(len),
-                })
-            })
-            .unwrap_or_else(|| StoredAt {
-                file: chunk.file.to_string(),
-                start: chunk.byte_offset,
-                end: chunk.byte_offset.saturating_add(chunk.byte_length),
-            })
+/// From `(file, start, end)` (`CheckpointIndex::stored_range`).
+impl From<(String, u64, u64)> for StoredAt {
+    fn from((file, start, end): (String, u64, u64)) -> StoredAt {
+        StoredAt { file, start, end }
     }
 }
 

@@ -315,12 +315,12 @@ pub fn hash_tensor(
                 offsets: c.offsets.to_vec(),
                 sizes: c.sizes.to_vec(),
                 digest: chunk.finish(),
-                stored: Some(StoredAt::of_chunk(
-                    reader.index(),
-                    reader.source(),
-                    entry,
-                    c,
-                )),
+                stored: Some(
+                    reader
+                        .index()
+                        .stored_range(reader.source(), entry, c)
+                        .into(),
+                ),
             });
         }
         chunks.sort_by(|a, b| a.offsets.cmp(&b.offsets));

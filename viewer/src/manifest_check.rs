@@ -13,8 +13,7 @@ use std::sync::atomic::{AtomicBool, Ordering};
 use shardscope_core::checkpoint::ReadOptions;
 use shardscope_core::index::{CheckpointIndex, EntryKind, IndexEntry};
 use shardscope_core::manifest::{
-    ChunkDigest, Hasher, Manifest, StoredAt, TensorDigest, ValueDigest, for_each_box_row,
-    value_digest,
+    ChunkDigest, Hasher, Manifest, TensorDigest, ValueDigest, for_each_box_row, value_digest,
 };
 use shardscope_core::source::Source;
 
@@ -62,7 +61,7 @@ fn tensor_digest(
             offsets: c.offsets.to_vec(),
             sizes: c.sizes.to_vec(),
             digest: chunk.finish(),
-            stored: Some(StoredAt::of_chunk(index, source, e, c)),
+            stored: Some(index.stored_range(source, e, c).into()),
         });
     }
     chunks.sort_by(|a, b| a.offsets.cmp(&b.offsets));

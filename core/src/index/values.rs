@@ -192,6 +192,34 @@ impl CheckpointIndex {
         })
     }
 
+    /// Where `chunk`'s elements lie in its file, `(file, start, end)`: their byte range when they
+    /// are one contiguous run there, else (a compressed item, a strided view) the chunk's whole
+    /// stored range. For messages naming where a value is.
+    pub fn stored_range(
+        &self,
+        source: &dyn Source,
+        entry: &IndexEntry,
+        chunk: &Chunk,
+    ) -> (String, u64, u64) {
+        let item = entry.dtype.map_or(1, DType::size_bytes) as u64;
+        let located = match chunk.encoding {
+            ChunkEncoding::ZstdTorchSaveItem => None,
+            _ => self.locate_chunk(source, entry, chunk).ok(),
+        };
+        located
+            .and_then(|l| {
+                let (start, len) = l.contiguous_range(&chunk.sizes, item)?;
+                Some((l.file, start, start.saturating_add(len)))
+            })
+            .unwrap_or_else(|| {
+                (
+                    chunk.file.to_string(),
+                    chunk.byte_offset,
+                    chunk.byte_offset.saturating_add(chunk.byte_length),
+                )
+            })
+    }
+
     /// Where the chunk's elements lie in its file, without reading them: for readers that copy
     /// chunk data straight into an output buffer (`shardscope convert`). For a DCP item the item's
     /// zip directory and pickle are parsed (a few hundred bytes); the storage is not touched. The
