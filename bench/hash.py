@@ -82,13 +82,30 @@ def main() -> None:
         mp.spawn(save_worker, args=(port, src), nprocs=WORLD, join=True)
         data_files = sorted(os.path.join(src, f) for f in os.listdir(src) if f.endswith(".distcp"))
         input_bytes = sum(os.path.getsize(f) for f in data_files)
+        # The same tensors whole, in one safetensors file written by the safetensors library:
+        # one chunk per tensor, so each byte is hashed once (a DCP's sharded tensor also has
+        # per-chunk digests: twice).
+        st = os.path.join(work, "full.safetensors")
+        from safetensors.torch import save_file
+
+        save_file({f"layers.{i:02d}.weight": full_tensor(i) for i in range(TENSORS)}, st)
         out = os.path.join(work, "m.json")
         out_sha = os.path.join(work, "sha.json")
+        cat = "cat FILES > /dev/null"
+        cat_st = "cat SAFETENSORS > /dev/null"
+        # name: (command, files read warm first, the cat it is measured against)
         commands = {
-            "cat FILES > /dev/null": ["sh", "-c", 'cat "$@" > /dev/null', "sh", *data_files],
-            "hash --no-files (xxh3)": [shardscope, "hash", src, "--no-files", "-o", out, "--quiet"],
-            "hash (xxh3, + file digests)": [shardscope, "hash", src, "-o", out, "--quiet"],
-            "hash --no-files --algorithm sha256": [shardscope, "hash", src, "--no-files", "--algorithm", "sha256", "-o", out_sha, "--quiet"],
+            cat: (["sh", "-c", 'cat "$@" > /dev/null', "sh", *data_files], data_files, cat),
+            "hash --no-files (xxh3)": ([shardscope, "hash", src, "--no-files", "-o", out, "--quiet"], data_files, cat),
+            "hash (xxh3, + file digests)": ([shardscope, "hash", src, "-o", out, "--quiet"], data_files, cat),
+            "hash --no-files --algorithm sha256": (
+                [shardscope, "hash", src, "--no-files", "--algorithm", "sha256", "-o", out_sha, "--quiet"],
+                data_files,
+                cat,
+            ),
+            cat_st: (["sh", "-c", 'cat "$1" > /dev/null', "sh", st], [st], cat_st),
+            "hash SAFETENSORS --no-files (xxh3)": ([shardscope, "hash", st, "--no-files", "-o", out, "--quiet"], [st], cat_st),
+            "hash SAFETENSORS (xxh3, + file digest)": ([shardscope, "hash", st, "-o", out, "--quiet"], [st], cat_st),
         }
         names = list(commands)
         runs = {n: [] for n in names}
@@ -96,11 +113,12 @@ def main() -> None:
         for r in range(args.runs):
             round_ = {}
             for name in names[r % len(names):] + names[: r % len(names)]:
-                wall, rss = timed(commands[name], data_files)
+                cmd, warm, _ = commands[name]
+                wall, rss = timed(cmd, warm)
                 runs[name].append((wall, rss))
                 round_[name] = wall
             for name in names:
-                ratios[name].append(round_["cat FILES > /dev/null"] / round_[name])
+                ratios[name].append(round_[commands[name][2]] / round_[name])
 
         # The sha256 manifest: one tensor against hashlib.
         with open(out_sha) as f:
@@ -111,7 +129,7 @@ def main() -> None:
         assert manifest["tensors"]["model.layers.03.weight"]["digest"] == want
 
         med = lambda v: sorted(v)[len(v) // 2]  # noqa: E731
-        print(f"input: {input_bytes / 2**30:.2f} GiB in {len(data_files)} .distcp files, page cache warm, {os.cpu_count()} cores, {args.runs} runs")
+        print(f"input: {input_bytes / 2**30:.2f} GiB in {len(data_files)} .distcp files (and the same tensors in one safetensors file), page cache warm, {os.cpu_count()} cores, {args.runs} runs; `of cat`: against the cat of the same files")
         print(f"{'command':40} {'wall s':>8} {'GiB/s':>7} {'peak RSS MiB':>13} {'of cat':>8}")
         summary = {"input_bytes": input_bytes, "runs": args.runs, "cache": "warm"}
         for name in names:
