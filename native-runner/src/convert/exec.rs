@@ -81,7 +81,10 @@ impl Job<'_> {
 
     fn run(&self, reader: &mut Reader<'_>, buf: &mut Vec<u8>) -> Result<usize> {
         match &self.range {
-            None => reader.tensor_as(self.entry, self.to, buf),
+            None => {
+                buf.clear();
+                reader.tensor_as(self.entry, self.to, buf)
+            }
             Some(range) => reader.range_as(self.entry, self.to, range.clone(), buf),
         }
     }
@@ -296,8 +299,11 @@ fn reserve(state: &mut State, cost: u64, limit: u64) -> Option<Vec<u8>> {
                 state.pool.push(buf);
                 return None;
             };
-            buf.clear();
-            buf.reserve_exact(extra);
+            // The length is kept: a job that overwrites every byte it returns (a slab range) then
+            // reuses the initialised bytes instead of zeroing the buffer again (a memset of every
+            // piece was 9% of a ZeRO-3 conversion's CPU); the others start from an empty buffer
+            // (`Job::run`).
+            buf.reserve_exact(extra.saturating_sub(buf.len()));
             state.held_bytes = state
                 .held_bytes
                 .saturating_add((buf.capacity() as u64).saturating_sub(have));

@@ -319,8 +319,19 @@ impl<'a> Reader<'a> {
                 file_start,
             });
         }
-        // The index check proved the chunks tile the tensor; count once more before trusting it.
-        (covered == total).then_some(pieces)
+        // The index check proved the chunks tile the tensor; check once more before trusting it:
+        // the pieces, in tensor order, follow each other with no gap or overlap (a range read
+        // from them writes every byte it returns, so buffers are not zeroed first).
+        let mut spans: Vec<(u64, u64)> = pieces.iter().map(|p| (p.tensor_start, p.len)).collect();
+        spans.sort_unstable();
+        let mut end = 0u64;
+        for (start, len) in spans {
+            if start != end {
+                return None;
+            }
+            end = start.checked_add(len)?;
+        }
+        (covered == total && end == total).then_some(pieces)
     }
 
     /// Reads the contiguous byte range `range` of the full tensor of `entry`, cast to `to` (its own
@@ -339,12 +350,15 @@ impl<'a> Reader<'a> {
             return Ok(0);
         }
         if let Some(pieces) = self.slab_pieces(entry, to) {
+            // Bytes already in `buf` are overwritten, not zeroed first: `read_slab_range` fails
+            // unless it fills all `len`.
             if buf.len() < len {
                 buf.resize(len, 0);
             }
             self.read_slab_range(entry, &pieces, &range, &mut buf[..len])?;
             return Ok(len);
         }
+        buf.clear();
         let n = self.tensor_as(entry, to, buf)?;
         let start = usize::try_from(range.start).ok();
         let Some((start, end)) = start.and_then(|s| Some((s, s.checked_add(len)?))) else {
