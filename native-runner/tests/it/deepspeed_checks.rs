@@ -348,10 +348,18 @@ fn zero12_alignment_and_group_padding_are_read_and_a_change_named() {
         // Rank 1: the group padding after the end of its saved partition, in exp_avg_sq.
         let r0 = group_record(case, 0, 0);
         let r1 = group_record(case, 1, 0);
-        assert!(r1.group_padding > 0, "{case}: rank 1 holds no group padding");
+        assert!(
+            r1.group_padding > 0,
+            "{case}: rank 1 holds no group padding"
+        );
         let pokes = [
             (0, "embed.weight", "exp_avg", r0.padding[0]),
-            (1, "down.weight", "exp_avg_sq", *moment_runs(&r1).last().unwrap()),
+            (
+                1,
+                "down.weight",
+                "exp_avg_sq",
+                *moment_runs(&r1).last().unwrap(),
+            ),
         ];
         for (rank, param, moment, (at, n)) in pokes {
             let dir = copy_case(case, &tmp.path().join(format!("{rank}")));

@@ -183,7 +183,12 @@ mod tests {
         }
         let mut source = load(&fixtures().join("zero2_fp32"));
         source.remove("global_step2/zero_pp_rank_1_mp_rank_00_optim_states.pt");
-        let e = partitions(&source, &source.names()).unwrap_err().to_string();
-        assert!(e.contains("zero_pp_rank_1_mp_rank_00_optim_states.pt"), "{e}");
+        let e = partitions(&source, &source.names())
+            .unwrap_err()
+            .to_string();
+        assert!(
+            e.contains("zero_pp_rank_1_mp_rank_00_optim_states.pt"),
+            "{e}"
+        );
     }
 }
