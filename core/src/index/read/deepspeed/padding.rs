@@ -3,10 +3,10 @@
 //! parameter (ZeRO-1/2 `param_alignment_paddings`, written with `parameter_alignment`), the group
 //! padding at the end of the last rank's moments (ZeRO-1/2 `group_paddings`: DeepSpeed cuts it
 //! off the fp32 partition on save, not off the wrapped optimizer's moments), ZeRO-3's padding of
-//! each parameter's last part. DeepSpeed writes zeros there
-//! (and the optimizer keeps them zero); anything else means the file was changed or damaged after
-//! the save. `verify` and `doctor` read these runs (a few elements each) and name the ones that
-//! are not zero.
+//! each parameter's last part. The optimizer keeps the moments' padding zero; anything else there
+//! means the file was changed or damaged after the save (ZeRO-3 leaves its fp32 padding
+//! uninitialized: only named in a note). `verify` and `doctor` read these runs (a few elements
+//! each) and name the ones that are not zero.
 
 use std::ops::Range;
 
