@@ -67,6 +67,8 @@ CASES = [
     "zero3_bf16",
     "zero2_fp32_ws3",
     "zero3_bf16_ws3",
+    "zero1_bf16_padded",
+    "zero2_fp32_padded",
 ]
 CORRUPT = "zero3_fp32_corrupt"
 # DeepSpeed's universal checkpoints (ds_to_universal, gen_universal.py) of two cases.

@@ -395,7 +395,7 @@ impl Viewer {
     }
 
     /// Recomputes the HF names of the current layout (after a layout or a config change).
-    fn refresh_hf_names(&mut self) {
+    pub(crate) fn refresh_hf_names(&mut self) {
         self.hf_names = self
             .hf_config
             .as_ref()
@@ -415,6 +415,9 @@ impl Viewer {
         self.applied_config = Some(config.clone());
         self.overlay = None;
         self.map_marks = None;
+        if self.show_stored_partitions() {
+            return;
+        }
         let Some(loaded) = &self.model else {
             self.view = None;
             return;

@@ -67,6 +67,28 @@ impl Viewer {
         }
     }
 
+    /// The shard map of an opened DeepSpeed ZeRO checkpoint is its flat partitions as saved
+    /// (unless a model description was opened by hand): true when that view was set.
+    pub(crate) fn show_stored_partitions(&mut self) -> bool {
+        let by_hand = self
+            .model
+            .as_ref()
+            .is_some_and(|m| m.derived.is_none() && !m.example);
+        let Some(p) = self.checkpoint.as_ref().and_then(|c| c.partitions.as_ref()) else {
+            return false;
+        };
+        if by_hand {
+            return false;
+        }
+        self.generation += 1;
+        let mut view = crate::view::LayoutView::from_deepspeed(p);
+        view.generation = self.generation;
+        self.view = Some(view);
+        self.layout_error = None;
+        self.refresh_hf_names();
+        true
+    }
+
     /// Keeps `m` and checks the opened checkpoint against it (when one is open).
     pub(crate) fn open_manifest(&mut self, m: OpenedManifest) {
         self.messages.push(format!(

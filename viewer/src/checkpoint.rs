@@ -440,6 +440,9 @@ pub struct CheckpointView {
     pub derived: Option<DerivedModel>,
     /// Where its files are, to read them again (A/B compare); `None` in the browser.
     pub origin: Option<Origin>,
+    /// A DeepSpeed ZeRO checkpoint's flat partitions as saved, which the shard map draws
+    /// ([`crate::view::LayoutView::from_deepspeed`]).
+    pub partitions: Option<shardscope_core::index::deepspeed_partitions::Partitions>,
 }
 
 /// A model description derived from an opened checkpoint, with the unit patterns chosen.
@@ -605,6 +608,18 @@ impl CheckpointView {
                 .notes
                 .push(format!("no layout can be derived from it alone: {e}")),
         }
+        if matches!(
+            view.index.kind,
+            shardscope_core::index::CheckpointKind::DeepSpeedZero { .. }
+        ) {
+            let names = source.names();
+            match shardscope_core::index::deepspeed_partitions::partitions(source, &names) {
+                Ok(p) => view.partitions = Some(p),
+                Err(e) => view
+                    .notes
+                    .push(format!("no map of its DeepSpeed partitions: {e}")),
+            }
+        }
         Ok(view)
     }
 
@@ -758,6 +773,7 @@ impl CheckpointView {
             notes: Vec::new(),
             derived: None,
             origin: None,
+            partitions: None,
         }
     }
 

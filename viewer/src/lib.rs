@@ -6,6 +6,7 @@ pub mod app;
 mod app_open;
 pub mod checkpoint;
 pub mod compare;
+pub mod deepspeed_view;
 pub mod docs;
 pub mod format;
 pub mod hf_names;

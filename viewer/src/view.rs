@@ -366,7 +366,7 @@ fn replicated_bytes(params: &[ParamRow]) -> u64 {
         .sum()
 }
 
-fn totals(units: &[UnitView], shard_group_size: u64, replicated: u64) -> Vec<RankTotal> {
+pub(crate) fn totals(units: &[UnitView], shard_group_size: u64, replicated: u64) -> Vec<RankTotal> {
     let mut totals: Vec<RankTotal> = (0..shard_group_size)
         .map(|rank| RankTotal {
             rank,

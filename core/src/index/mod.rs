@@ -23,6 +23,7 @@ use crate::source::Source;
 use names::file_ext;
 pub use names::{RankGroup, RankedFiles, group_rank_files, is_torch_file, rank_from_name};
 pub use read::dcp::index_dcp;
+pub use read::deepspeed::partitions as deepspeed_partitions;
 pub use read::deepspeed::{
     NonZeroPadding, PaddingCheck, check_padding as check_deepspeed_padding, index_deepspeed,
     index_universal, looks_like_deepspeed, looks_like_universal,

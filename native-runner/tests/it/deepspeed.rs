@@ -22,6 +22,9 @@ const CASES: &[&str] = &[
     "zero3_bf16",
     "zero2_fp32_ws3",
     "zero3_bf16_ws3",
+    // `parameter_alignment`: alignment padding inside the ZeRO-1/2 partitions.
+    "zero1_bf16_padded",
+    "zero2_fp32_padded",
 ];
 
 pub(crate) fn deepspeed() -> PathBuf {

@@ -216,3 +216,186 @@ fn zero1_frozen_parameter_is_in_the_output_and_said() {
         );
     }
 }
+
+/// DeepSpeed's record of one rank's flat group (`expected/<case>.partitions.json`, written by the
+/// generator from the live engine's own bookkeeping): the saved length, the padding runs, the
+/// group padding its moments keep (cut off the saved fp32 partition only), and where `name`'s
+/// piece lies.
+struct GroupRecord {
+    numel: u64,
+    padding: Vec<(u64, u64)>,
+    group_padding: u64,
+}
+
+fn group_record(case: &str, rank: usize, group: usize) -> GroupRecord {
+    let v: serde_json::Value = serde_json::from_slice(
+        &std::fs::read(
+            deepspeed()
+                .join("expected")
+                .join(format!("{case}.partitions.json")),
+        )
+        .unwrap(),
+    )
+    .unwrap();
+    let g = &v["ranks"][rank]["groups"][group];
+    GroupRecord {
+        numel: g["numel"].as_u64().unwrap(),
+        padding: g["padding"]
+            .as_array()
+            .unwrap()
+            .iter()
+            .map(|p| (p[0].as_u64().unwrap(), p[1].as_u64().unwrap()))
+            .collect(),
+        group_padding: g["group_padding"].as_u64().unwrap(),
+    }
+}
+
+/// The element of `name`'s piece on `rank` where it starts in its flat group, per DeepSpeed.
+fn piece_at(case: &str, rank: usize, name: &str) -> u64 {
+    let v: serde_json::Value = serde_json::from_slice(
+        &std::fs::read(
+            deepspeed()
+                .join("expected")
+                .join(format!("{case}.partitions.json")),
+        )
+        .unwrap(),
+    )
+    .unwrap();
+    v["ranks"][rank]["groups"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .flat_map(|g| g["params"].as_array().unwrap())
+        .find(|p| p["name"] == name)
+        .unwrap()["at"]
+        .as_u64()
+        .unwrap()
+}
+
+/// The padding runs of a moment laid out like a rank's fp32 partition: the partition's runs and
+/// the group padding after its end, one run where they touch.
+fn moment_runs(r: &GroupRecord) -> Vec<(u64, u64)> {
+    let mut runs = r.padding.clone();
+    if r.group_padding > 0 {
+        match runs.last_mut() {
+            Some((at, n)) if *at + *n == r.numel => *n += r.group_padding,
+            _ => runs.push((r.numel, r.group_padding)),
+        }
+    }
+    runs
+}
+
+/// The file offset of the fp32 flat group (or moment) that `key`'s piece on `rank` lies in: the
+/// piece's chunk names its storage offset, and DeepSpeed's record says where the piece starts.
+fn flat_storage(dir: &Path, case: &str, key: &str, param: &str, rank: usize) -> (String, u64) {
+    let json = ok(&run(&["inspect", s(dir), "--json"]), key);
+    let v: serde_json::Value = serde_json::from_str(&json).unwrap();
+    let entry = v["entries"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .find(|e| e["key"] == key)
+        .unwrap();
+    let chunk = entry["chunks"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .filter(|c| c["rank"] == rank)
+        .min_by_key(|c| c["storage_offset"].as_u64().unwrap())
+        .unwrap();
+    let elements = chunk["storage_offset"].as_u64().unwrap() - piece_at(case, rank, param);
+    (
+        chunk["file"].as_str().unwrap().to_owned(),
+        chunk["byte_offset"].as_u64().unwrap() + elements * 4,
+    )
+}
+
+/// ZeRO-1/2 saves with `parameter_alignment` (`zero1_bf16_padded`, `zero2_fp32_padded`): DeepSpeed
+/// pads each parameter but a group's last to 16 bytes of the training precision, inside the saved
+/// partitions, and the last rank's moments keep the group padding its fp32 partition lost on save.
+/// verify reads exactly the runs DeepSpeed's bookkeeping gives (none is zero in its files);
+/// a non-zero byte in a moment's alignment padding, or in the group padding of the last rank's
+/// moment, is named (file, key, rank, group, elements, bytes) by verify (exit 1) and doctor.
+#[test]
+fn zero12_alignment_and_group_padding_are_read_and_a_change_named() {
+    let tmp = tempfile::tempdir().unwrap();
+    for (case, prefix) in [("zero1_bf16_padded", "bf16_"), ("zero2_fp32_padded", "")] {
+        // The runs DeepSpeed's record gives: each fp32 partition's, and each of the two moments'
+        // (exp_avg, exp_avg_sq) of every rank and group; float32, 4 bytes an element.
+        let (mut runs, mut elements) = (0, 0);
+        for rank in 0..2 {
+            for group in 0..2 {
+                let r = group_record(case, rank, group);
+                runs += r.padding.len();
+                elements += r.padding.iter().map(|p| p.1).sum::<u64>();
+                let m = moment_runs(&r);
+                runs += 2 * m.len();
+                elements += 2 * m.iter().map(|p| p.1).sum::<u64>();
+            }
+        }
+        assert!(runs > 0, "{case}");
+        let clean = deepspeed().join(case);
+        let text = ok(&run(&["verify", "-q", s(&clean)]), case);
+        let want = format!(
+            "{runs} run(s) ({} bytes) of the ranks' fp32 partitions and moments read, 0 not zero",
+            elements * 4
+        );
+        assert!(text.contains(&want), "{case}: want {want} in\n{text}");
+        let doctor = ok(&run(&["doctor", s(&clean)]), case);
+        assert!(!doctor.contains("deepspeed-padding"), "{case}: {doctor}");
+
+        // Rank 0: the alignment padding after embed.weight (group 0's first run) in exp_avg.
+        // Rank 1: the group padding after the end of its saved partition, in exp_avg_sq.
+        let r0 = group_record(case, 0, 0);
+        let r1 = group_record(case, 1, 0);
+        assert!(
+            r1.group_padding > 0,
+            "{case}: rank 1 holds no group padding"
+        );
+        let pokes = [
+            (0, "embed.weight", "exp_avg", r0.padding[0]),
+            (
+                1,
+                "down.weight",
+                "exp_avg_sq",
+                *moment_runs(&r1).last().unwrap(),
+            ),
+        ];
+        for (rank, param, moment, (at, n)) in pokes {
+            let dir = copy_case(case, &tmp.path().join(format!("{rank}")));
+            let key = format!("optimizer.state.{param}.{moment}");
+            let (file, storage) = flat_storage(&dir, case, &key, param, rank);
+            assert_eq!(
+                file,
+                format!("global_step2/{prefix}zero_pp_rank_{rank}_mp_rank_00_optim_states.pt")
+            );
+            let poked = poke(&dir.join(&file), storage, at + n - 1);
+            let out = run(&["verify", "-q", s(&dir)]);
+            let text = String::from_utf8_lossy(&out.stdout);
+            assert_eq!(out.status.code(), Some(1), "{case}: {text}");
+            let want = format!(
+                "{file}: `optimizer_state_dict.base_optimizer_state.state.0.{moment}` (rank {rank}, group 0): its padding, elements {at}..{} at bytes {}..{}, is not zero (first at byte {poked})",
+                at + n,
+                storage + at * 4,
+                storage + (at + n) * 4
+            );
+            assert!(text.contains(&want), "{case}: want {want} in\n{text}");
+            let doctor = ok(&run(&["doctor", s(&dir), "--json"]), "doctor");
+            let report: serde_json::Value = serde_json::from_str(&doctor).unwrap();
+            let finding = report["findings"]
+                .as_array()
+                .unwrap()
+                .iter()
+                .find(|f| f["code"] == "deepspeed-padding")
+                .unwrap_or_else(|| panic!("{case}: {doctor}"));
+            assert_eq!(finding["severity"], "warning");
+            assert!(
+                finding["message"]
+                    .as_str()
+                    .unwrap()
+                    .contains(&want[file.len() + 2..]),
+                "{case}: {finding}"
+            );
+        }
+    }
+}

@@ -632,6 +632,23 @@ pub fn describe(view: &LayoutView, unit: &UnitView, rank: u64, seg: &Seg) -> Str
             }
             s
         }
+        SegKind::AlignPad if view.is_deepspeed() => format!(
+            "alignment padding in {}\nrank {rank}\noffset in partition {}  ({} elements, {})\nDeepSpeed pads every parameter but a group's last to 16 bytes of the training precision (`zero_optimization.parameter_alignment`, `param_alignment_paddings`); zeros, and the optimizer keeps its moments zero there",
+            unit.flat_param.as_deref().unwrap_or(unit.display_name()),
+            seg.offset_in_shard,
+            count(seg.numel),
+            fmt_bytes(seg.len_bytes)
+        ),
+        SegKind::TailPad { param } if view.is_deepspeed() => format!(
+            "padding of {}\nrank {rank}\noffset in partition {}  ({} elements, {})\nZeRO-3 gives every rank ceil(numel / world size) elements of each parameter, the last part padded",
+            param.map_or_else(
+                || "the partition".to_owned(),
+                |p| format!("the last part of {}", view.params[p].fqn)
+            ),
+            seg.offset_in_shard,
+            count(seg.numel),
+            fmt_bytes(seg.len_bytes)
+        ),
         SegKind::AlignPad => format!(
             "alignment padding in {}\nrank {rank}{group}\noffset in shard {}  ({} elements, {})\nFSDP pads every parameter to a 16-byte boundary with use_orig_params=True, and the flat parameter to a multiple of the shard-group size",
             unit.flat_param.as_deref().unwrap_or(unit.display_name()),

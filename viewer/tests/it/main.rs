@@ -4,6 +4,7 @@
 mod checkpoints;
 mod compare;
 mod compare_tolerance;
+mod deepspeed_map;
 mod derived_layout;
 mod doctor;
 mod follows;

@@ -23,6 +23,7 @@
 mod files;
 mod optimizer;
 mod padding;
+pub mod partitions;
 mod plan;
 mod records;
 #[cfg(test)]

@@ -1,10 +1,12 @@
 //! The padding of a DeepSpeed ZeRO checkpoint's fp32 flat partitions: the elements of each rank's
 //! flat group that no parameter's plan ([`super::plan`]) places — the alignment padding after a
-//! parameter (ZeRO-1/2 `param_alignment_paddings`), the group padding at the end of the last
-//! rank's partition, ZeRO-3's padding of each parameter's last part. DeepSpeed writes zeros there
-//! (and the optimizer keeps them zero); anything else means the file was changed or damaged after
-//! the save. `verify` and `doctor` read these runs (a few elements each) and name the ones that
-//! are not zero.
+//! parameter (ZeRO-1/2 `param_alignment_paddings`, written with `parameter_alignment`), the group
+//! padding at the end of the last rank's moments (ZeRO-1/2 `group_paddings`: DeepSpeed cuts it
+//! off the fp32 partition on save, not off the wrapped optimizer's moments), ZeRO-3's padding of
+//! each parameter's last part. The optimizer keeps the moments' padding zero; anything else there
+//! means the file was changed or damaged after the save (ZeRO-3 leaves its fp32 padding
+//! uninitialized: only named in a note). `verify` and `doctor` read these runs (a few elements
+//! each) and name the ones that are not zero.
 
 use std::ops::Range;
 
@@ -61,7 +63,7 @@ pub struct PaddingCheck {
 }
 
 /// The element runs `[0, len)` leaves uncovered by `covered` (`(start, len)` runs, any order).
-fn gaps(len: u64, mut covered: Vec<(u64, u64)>) -> Vec<Range<u64>> {
+pub(super) fn gaps(len: u64, mut covered: Vec<(u64, u64)>) -> Vec<Range<u64>> {
     covered.sort_unstable();
     let mut out = Vec::new();
     let mut cursor = 0u64;
@@ -173,7 +175,14 @@ pub fn check_padding(source: &dyn Source, names: &[String]) -> Result<PaddingChe
                 .filter(|piece| piece.rank == rank && piece.slot == group)
                 .map(|piece| (piece.at, piece.len))
                 .collect();
-            let runs = gaps(flat.numel, covered);
+            // ZeRO-1/2: a moment of the last ranks is longer than the fp32 partition by the
+            // group padding DeepSpeed cut off the partition alone on save (`group_paddings`).
+            let cut = o
+                .group_paddings
+                .as_ref()
+                .and_then(|p| p.get(group))
+                .copied()
+                .unwrap_or(0);
             // The fp32 partition, then each moment laid out like it.
             let mut tensors = vec![(format!("{groups_key}.{group}"), flat, false)];
             let id = ids.get(group).copied().flatten();
@@ -185,7 +194,7 @@ pub fn check_padding(source: &dyn Source, names: &[String]) -> Result<PaddingChe
             if let Some((id, state)) = state {
                 for (name, value) in state {
                     if let StateValue::Flat(f) = value
-                        && f.numel == flat.numel
+                        && (f.numel == flat.numel || Some(f.numel) == flat.numel.checked_add(cut))
                     {
                         tensors.push((format!("{base_key}.state.{id}.{name}"), f, true));
                     }
@@ -198,7 +207,7 @@ pub fn check_padding(source: &dyn Source, names: &[String]) -> Result<PaddingChe
                     group,
                     moment: *moment,
                 };
-                for run in &runs {
+                for run in &gaps(f.numel, covered.clone()) {
                     read_run(source, f, &place, run, &mut out)?;
                 }
             }

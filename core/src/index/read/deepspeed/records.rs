@@ -336,6 +336,11 @@ pub(super) struct OptimStates {
     pub groups: Vec<Flat>,
     /// `param_alignment_paddings` (ZeRO-1/2, newer DeepSpeed): per group, per parameter.
     pub alignment_paddings: Option<Vec<Vec<u64>>>,
+    /// `group_paddings` (ZeRO-1/2): per group, the elements of the group's padding to
+    /// `2 * world_size` that lay in this rank's partition. DeepSpeed cuts them off the fp32
+    /// partition on save, not off the moments of the wrapped optimizer (saved as they are unless
+    /// the checkpoint is elastic), which are then this much longer.
+    pub group_paddings: Option<Vec<u64>>,
     /// The wrapped torch optimizer's `state_dict()` over the flat partitions, when the file holds
     /// one in that shape.
     pub base: Option<BaseOptim>,
@@ -527,6 +532,16 @@ pub(super) fn optim_states(r: &Reader<'_>) -> Result<OptimStates, IndexError> {
                 .collect::<Result<Vec<_>, _>>()?,
         ),
     };
+    let group_paddings_key = format!("{OSD}.group_paddings");
+    let group_paddings = match get("group_paddings") {
+        Some(v) if stage <= 2 && !matches!(v, PyValue::None) => Some(
+            r.seq(v, &group_paddings_key)?
+                .iter()
+                .map(|p| r.count(p, &group_paddings_key))
+                .collect::<Result<Vec<_>, _>>()?,
+        ),
+        _ => None,
+    };
     let base = base_optim(
         r,
         osd,
@@ -547,6 +562,7 @@ pub(super) fn optim_states(r: &Reader<'_>) -> Result<OptimStates, IndexError> {
         partition_count,
         groups,
         alignment_paddings,
+        group_paddings,
         base,
     })
 }
