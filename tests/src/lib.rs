@@ -38,18 +38,23 @@ pub fn memory_source(dir: &std::path::Path) -> shardscope_core::MemorySource {
 }
 
 /// Python with torch and safetensors for interop tests: `SHARDSCOPE_PYTHON`, else
-/// `~/torch-venv/bin/python`; `None` when neither exists (the caller prints that it skips). A
+/// `~/torch-venv/bin/python`, else `~/.cache/shardscope/torch-venv/bin/python` (the venv
+/// `.ci/run` installs); `None` when none exists (the caller prints that it skips). A
 /// `SHARDSCOPE_PYTHON` that cannot import them is an error: CI sets it and must not skip silently.
 pub fn torch_python() -> Option<std::path::PathBuf> {
     let explicit = std::env::var_os("SHARDSCOPE_PYTHON");
     let python = if let Some(p) = &explicit {
         PathBuf::from(p)
     } else {
-        let p = PathBuf::from(std::env::var_os("HOME")?).join("torch-venv/bin/python");
-        if !p.exists() {
-            return None;
-        }
-        p
+        // `~/torch-venv` (the guide's), else the venv `.ci/run` installs.
+        let home = PathBuf::from(std::env::var_os("HOME")?);
+        [
+            "torch-venv/bin/python",
+            ".cache/shardscope/torch-venv/bin/python",
+        ]
+        .iter()
+        .map(|p| home.join(p))
+        .find(|p| p.exists())?
     };
     let ok = std::process::Command::new(&python)
         .args(["-c", "import torch, safetensors"])

@@ -572,9 +572,12 @@ impl Viewer {
 
         egui::Panel::top("menu").show(ui, |ui| self.menu_bar(ui));
         egui::Panel::bottom("status").show(ui, |ui| self.status_bar(ui));
+        // At most 40% of the window, whatever a row holds: the central map keeps its room.
+        let max_side = (ctx.content_rect().width() * 0.4).max(240.0);
         egui::Panel::left("controls")
             .resizable(true)
             .default_size(310.0)
+            .max_size(max_side)
             .show(ui, |ui| self.left_panel(ui));
         egui::Panel::right("inspector")
             .resizable(true)

@@ -11,11 +11,15 @@ pub fn python() -> Option<PathBuf> {
     let python = if let Some(p) = &explicit {
         PathBuf::from(p)
     } else {
-        let p = PathBuf::from(std::env::var_os("HOME")?).join("torch-venv/bin/python");
-        if !p.exists() {
-            return None;
-        }
-        p
+        // `~/torch-venv` (the guide's), else the venv `.ci/run` installs.
+        let home = PathBuf::from(std::env::var_os("HOME")?);
+        [
+            "torch-venv/bin/python",
+            ".cache/shardscope/torch-venv/bin/python",
+        ]
+        .iter()
+        .map(|p| home.join(p))
+        .find(|p| p.exists())?
     };
     let ok = Command::new(&python)
         .args(["-c", "import torch"])

@@ -29,8 +29,12 @@ pub struct Origins {
     pub shard_group: Option<String>,
 }
 
+/// Where a value came from, on one line cut to the panel's width (the whole text on hover): a
+/// long provenance must not widen the side panel over the shard map.
 fn show_origin(ui: &mut Ui, origin: Option<&String>) {
-    ui.weak(origin.map_or("default", String::as_str));
+    let text = origin.map_or("default", String::as_str);
+    ui.add(egui::Label::new(egui::RichText::new(text).weak()).truncate())
+        .on_hover_text(text);
 }
 
 impl Default for Controls {
