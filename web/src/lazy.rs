@@ -182,6 +182,7 @@ impl LazySource {
 
     /// The same files (and base URL) with nothing fetched: a second reader of the checkpoint (a
     /// manifest check) that leaves this one as it is.
+    #[must_use]
     pub fn reopen(&self) -> Self {
         let mut out = Self::new();
         out.base_url.clone_from(&self.base_url);

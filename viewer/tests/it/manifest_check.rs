@@ -106,21 +106,31 @@ fn a_checkpoint_is_checked_against_a_manifest_of_torchs_digests() {
     );
 }
 
-/// A manifest that does not read is an error naming it, and nothing is checked.
+/// A manifest that does not read is an error naming it and saying why, and nothing is checked:
+/// an unknown algorithm, another version, a manifest cut short (not JSON any more).
 #[test]
 fn a_bad_manifest_is_refused_with_the_reason() {
     let work = tempfile::tempdir().unwrap();
-    let path = work.path().join("m.json");
-    std::fs::write(
-        &path,
-        br#"{"version": 1, "algorithm": "md5", "tensors": {}, "values": {}, "files": {}}"#,
-    )
-    .unwrap();
-    let v = open(&root().join("examples/fsdp2_dcp"), &path);
-    assert!(v.report.is_none());
-    let said = v.messages.join("\n");
-    assert!(
-        said.contains("m.json") && said.contains("unknown algorithm"),
-        "{said}"
-    );
+    let good = r#"{"version": 1, "algorithm": "sha256", "tensors": {}, "values": {}, "files": {}}"#;
+    for (text, why) in [
+        (good.replace("sha256", "md5"), "unknown algorithm `md5`"),
+        (
+            good.replace("\"version\": 1", "\"version\": 2"),
+            "manifest version 2",
+        ),
+        (
+            good[..good.len() - 20].to_owned(),
+            "not a shardscope manifest: EOF",
+        ),
+    ] {
+        let path = work.path().join("m.json");
+        std::fs::write(&path, &text).unwrap();
+        let v = open(&root().join("examples/fsdp2_dcp"), &path);
+        assert!(v.report.is_none(), "{text}");
+        let said = v.messages.join("\n");
+        assert!(
+            said.contains("m.json: a content manifest") && said.contains(why),
+            "{text}: {said}"
+        );
+    }
 }
