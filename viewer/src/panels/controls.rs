@@ -29,8 +29,12 @@ pub struct Origins {
     pub shard_group: Option<String>,
 }
 
+/// One line, cut to the panel's width (the whole statement on hover): a checkpoint's statement is
+/// a sentence, which would otherwise widen the side panel over the whole window.
 fn show_origin(ui: &mut Ui, origin: Option<&String>) {
-    ui.weak(origin.map_or("default", String::as_str));
+    let text = origin.map_or("default", String::as_str);
+    ui.add(egui::Label::new(egui::RichText::new(text).weak()).truncate())
+        .on_hover_text(text);
 }
 
 impl Default for Controls {
