@@ -8,7 +8,8 @@
 //! The browser has no threads: the keys are taken a batch at a time (consecutive keys up to
 //! [`BATCH_BYTES`] of tensors, or one larger tensor), the batch's chunks are read at once
 //! (one suspension with JSPI, one round of reads without), hashed, and dropped before the next,
-//! so memory stays at a batch (or the largest tensor, at most [`MAX_TENSOR_BYTES`]); between
+//! so memory stays at a batch (or twice the largest tensor, which is assembled whole as on the
+//! desktop: at most [`MAX_TENSOR_BYTES`]); between
 //! batches the task yields to the page every few milliseconds, so that it keeps drawing, and the
 //! page's status line shows `checking against M: done/total: key`.
 
@@ -283,9 +284,13 @@ pub async fn check(
                 });
             }
         }
-        // The chunks the batch reads, asked for at once (one suspension, or one round of reads).
+        // The chunks of a batch of small tensors, asked for at once (one suspension, or one round
+        // of reads). Not those of one larger tensor: read at once, they would be held beside
+        // their copies (three times the tensor); read as asked for, each chunk is read into its
+        // own buffer (twice the tensor, with the tensor assembled).
         let reads: Vec<(&str, u64, u64)> = batch
             .iter()
+            .filter(|_| bytes <= BATCH_BYTES)
             .filter(|e| e.kind == EntryKind::Tensor && !out.errors.contains_key(&e.key))
             .flat_map(|e| {
                 e.chunks

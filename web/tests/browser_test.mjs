@@ -687,8 +687,10 @@ async function manifestTest(browser) {
       `${mem.gaps.length} frames, longest gap ${worst.toFixed(0)} ms; progress seen: ${seen.match(/checking against [^·]*/)?.[0] ?? "(finished first)"}`);
     if (!done.includes("32 tensors: 32 match")) fail(`the 512 MiB check: ${done}`);
     if (!/checking against big\.manifest\.json: \d+\/32/.test(seen)) fail(`no progress shown while checking: ${seen}`);
-    if (mem.wasm - wasmBefore > 192 * MiB) fail(`wasm memory grew by ${((mem.wasm - wasmBefore) / MiB).toFixed(0)} MiB checking 512 MiB (limit 192)`);
-    // The JS arrays the reads filled are collected lazily (212 MiB peak measured): under the file size.
+    // Wasm memory (which never shrinks) holds at most twice the largest tensor (its chunk as read
+    // and the tensor assembled: 32 MiB measured); the JS arrays the reads filled are garbage the
+    // browser collects lazily (peaks of 164-260 MiB measured): under the file's 512 MiB.
+    if (mem.wasm - wasmBefore > 64 * MiB) fail(`wasm memory grew by ${((mem.wasm - wasmBefore) / MiB).toFixed(0)} MiB checking 512 MiB of 16 MiB tensors (limit 64)`);
     if (mem.js > 384 * MiB) fail(`the JS heap reached ${(mem.js / MiB).toFixed(0)} MiB checking 512 MiB (limit 384)`);
     if (worst > 1000) fail(`the page stopped drawing for ${worst.toFixed(0)} ms while checking`);
     if (errors.length) fail(`page errors: ${errors.join("\n")}`);
