@@ -18,8 +18,13 @@
 // `{r}` pattern with `ranks=4` under one SAS-style query, and must show the keys, dtypes and
 // shapes `shardscope inspect --json` prints for the local files, while no signature appears in the
 // page's text, its title or the console.
+// A content manifest of torch's digests (viewer/tests/fixtures/torch_manifest.py, run with
+// $SHARDSCOPE_PYTHON, default ~/.cache/shardscope/torch-venv/bin/python) checks a copy of
+// examples/fsdp2_dcp in the page: all match, then one flipped byte is named (manifestTest).
 //
 // node web/tests/browser_test.mjs [DIST_DIR] [SCREENSHOT_DIR]   (defaults: dist/web, docs/img)
+// SHARDSCOPE_BROWSER_TESTS=manifest,compare runs only those after the layout test (names: checkpoint,
+// read_paths, concurrent, derived, trainer, compare, manifest, presigned, large).
 import { execFileSync, spawn } from "node:child_process";
 import { createHash } from "node:crypto";
 import {
