@@ -5,7 +5,7 @@
 use crate::Tab;
 use crate::app::{DerivedUnits, LoadedModel, Viewer};
 use crate::compare::{CompareError, CompareInput};
-use crate::manifest_check::OpenedManifest;
+use crate::manifest_check::{ExternalRequest, OpenedManifest};
 
 impl Viewer {
     /// Applies an opened checkpoint: its panels, its own layout (or none, said why), the overlay,
@@ -108,12 +108,24 @@ impl Viewer {
             return;
         };
         let Some(origin) = c.origin.clone() else {
-            self.messages.push(format!(
-                "note: {}: checking against a manifest reads every tensor; this viewer reads only \
-                 a checkpoint's metadata here (the desktop viewer and `shardscope verify \
-                 --manifest` check it)",
-                c.name
-            ));
+            if self.manifest_job.external.enabled {
+                // The front end reads the checkpoint's files itself (the browser).
+                self.messages.push(format!(
+                    "checking {} against {}: every tensor and value is read and hashed",
+                    c.name, m.name
+                ));
+                self.manifest_job.external.request = Some(ExternalRequest {
+                    checkpoint: c.name.clone(),
+                    manifest: m.clone(),
+                });
+            } else {
+                self.messages.push(format!(
+                    "note: {}: checking against a manifest reads every tensor; this viewer reads \
+                     only a checkpoint's metadata here (the desktop viewer and `shardscope verify \
+                     --manifest` check it)",
+                    c.name
+                ));
+            }
             return;
         };
         let input = CompareInput {
@@ -128,8 +140,17 @@ impl Viewer {
 
     /// Takes a finished check (shown in the Verify tab); true while one runs.
     pub fn poll_manifest_job(&mut self) -> bool {
-        match self.manifest_job.poll() {
-            Some(Ok(report)) => {
+        if let Some(result) = self.manifest_job.poll() {
+            self.take_manifest_check(result);
+        }
+        self.manifest_job.running()
+    }
+
+    /// Shows a finished check (the worker's, or the front end's: [`ExternalRequest`]) in the
+    /// Verify tab, or its error in the messages.
+    pub fn take_manifest_check(&mut self, result: Result<crate::report::Report, CompareError>) {
+        match result {
+            Ok(report) => {
                 self.messages
                     .push(format!("checked {}: {}", report.name, report.summary()));
                 self.verify.only_problems = report.entries.iter().any(|e| e.status.is_problem());
@@ -138,11 +159,10 @@ impl Viewer {
                     self.tab = Tab::Verify;
                 }
             }
-            Some(Err(e)) if e != CompareError::Cancelled => {
+            Err(e) if e != CompareError::Cancelled => {
                 self.messages.push(format!("error: manifest check: {e}"));
             }
-            Some(Err(_)) | None => {}
+            Err(_) => {}
         }
-        self.manifest_job.running()
     }
 }

@@ -5,7 +5,9 @@
 //! --manifest` does (`core::verify::compare_manifests`). The result is a `verify` report in the
 //! **Verify** tab: each tensor that differs (with the chunk and its byte range), is missing or is
 //! extra. File digests are not recomputed (they say nothing a tensor's digest does not). On the
-//! desktop the work runs on a worker thread, one tensor at a time.
+//! desktop the work runs on a worker thread, one tensor at a time ([`ManifestJob`]); the browser
+//! asks for it ([`External`]) and runs the same [`add_entry`] over batches of keys between frames
+//! (`web/src/manifest.rs`).
 
 use std::collections::BTreeSet;
 use std::sync::atomic::{AtomicBool, Ordering};
@@ -13,7 +15,8 @@ use std::sync::atomic::{AtomicBool, Ordering};
 use shardscope_core::checkpoint::ReadOptions;
 use shardscope_core::index::{CheckpointIndex, EntryKind, IndexEntry};
 use shardscope_core::manifest::{
-    ChunkDigest, Hasher, Manifest, TensorDigest, ValueDigest, for_each_box_row, value_digest,
+    Algorithm, ChunkDigest, Hasher, Manifest, TensorDigest, ValueDigest, for_each_box_row,
+    value_digest,
 };
 use shardscope_core::source::Source;
 
@@ -32,7 +35,7 @@ fn tensor_digest(
     index: &CheckpointIndex,
     source: &dyn Source,
     e: &IndexEntry,
-    algorithm: shardscope_core::manifest::Algorithm,
+    algorithm: Algorithm,
 ) -> Result<TensorDigest, String> {
     let data = index
         .read_tensor(source, e)
@@ -73,6 +76,50 @@ fn tensor_digest(
     })
 }
 
+/// An empty manifest of `index` with `algorithm`, holding the index's own problems as errors
+/// (their keys are not read): [`add_entry`] fills it.
+pub fn manifest_start(index: &CheckpointIndex, algorithm: Algorithm) -> Manifest {
+    let mut out = Manifest::new(algorithm);
+    for problem in index.check() {
+        out.errors
+            .entry(problem.key.clone())
+            .or_insert_with(|| problem.what.clone());
+    }
+    out
+}
+
+/// Adds the digest of entry `e` (a tensor's, with its chunks', or a value's) to `out`, with
+/// `out`'s algorithm, or why it has none to `out.errors`; a key already in error is skipped.
+pub fn add_entry(index: &CheckpointIndex, source: &dyn Source, e: &IndexEntry, out: &mut Manifest) {
+    if out.errors.contains_key(&e.key) {
+        return;
+    }
+    let algorithm = out.algorithm;
+    match e.kind {
+        EntryKind::Tensor => match tensor_digest(index, source, e, algorithm) {
+            Ok(t) => {
+                out.tensors.insert(e.key.clone(), t);
+            }
+            Err(why) => {
+                out.errors.insert(e.key.clone(), why);
+            }
+        },
+        EntryKind::Bytes | EntryKind::Scalar => match index.read_bytes_value(source, e) {
+            Ok(v) => {
+                out.values.insert(
+                    e.key.clone(),
+                    ValueDigest {
+                        digest: value_digest(algorithm, &v),
+                    },
+                );
+            }
+            Err(why) => {
+                out.errors.insert(e.key.clone(), why.to_string());
+            }
+        },
+    }
+}
+
 /// The manifest of `index` (tensors and values; no file digests), with `expected`'s algorithm.
 pub fn manifest_of(
     index: &CheckpointIndex,
@@ -81,13 +128,7 @@ pub fn manifest_of(
     progress: &mut dyn FnMut(Progress),
     cancel: &AtomicBool,
 ) -> Result<Manifest, CompareError> {
-    let algorithm = expected.algorithm;
-    let mut out = Manifest::new(algorithm);
-    for problem in index.check() {
-        out.errors
-            .entry(problem.key.clone())
-            .or_insert_with(|| problem.what.clone());
-    }
+    let mut out = manifest_start(index, expected.algorithm);
     let total = index.entries.len();
     for (done, e) in index.entries.iter().enumerate() {
         if cancel.load(Ordering::Relaxed) {
@@ -101,31 +142,35 @@ pub fn manifest_of(
             total,
             what: e.key.clone(),
         });
-        match e.kind {
-            EntryKind::Tensor => match tensor_digest(index, source, e, algorithm) {
-                Ok(t) => {
-                    out.tensors.insert(e.key.clone(), t);
-                }
-                Err(why) => {
-                    out.errors.insert(e.key.clone(), why);
-                }
-            },
-            EntryKind::Bytes | EntryKind::Scalar => match index.read_bytes_value(source, e) {
-                Ok(v) => {
-                    out.values.insert(
-                        e.key.clone(),
-                        ValueDigest {
-                            digest: value_digest(algorithm, &v),
-                        },
-                    );
-                }
-                Err(why) => {
-                    out.errors.insert(e.key.clone(), why.to_string());
-                }
-            },
-        }
+        add_entry(index, source, e, &mut out);
     }
     Ok(out)
+}
+
+/// `actual` (the manifest of the checkpoint `label`) checked against `expected` as `verify
+/// --manifest` does: the report as the viewer shows it, and as `verify --manifest --json` prints
+/// it.
+pub fn report_of(
+    expected: &OpenedManifest,
+    actual: &Manifest,
+    label: &str,
+) -> Result<(crate::report::Report, String), CompareError> {
+    let report = shardscope_core::verify::compare_manifests(
+        (&expected.manifest, &expected.name),
+        (actual, label),
+        "verify",
+    );
+    let json = report.to_json();
+    let name = format!("{label} against {}", expected.name);
+    let shown = crate::report::Report::from_json_bytes(json.as_bytes(), &name).map_err(|e| {
+        CompareError::Open {
+            side: "A",
+            source: crate::checkpoint::CheckpointError::Open {
+                message: e.to_string(),
+            },
+        }
+    })?;
+    Ok((shown, json))
 }
 
 /// The checkpoint `input` checked against `expected`: the `verify` report, as the viewer shows
@@ -139,26 +184,31 @@ pub fn check(
 ) -> Result<crate::report::Report, CompareError> {
     let (source, ckpt) = input.open("A", options)?;
     let actual = manifest_of(&ckpt.index, &*source, &expected.manifest, progress, cancel)?;
-    let report = shardscope_core::verify::compare_manifests(
-        (&expected.manifest, &expected.name),
-        (&actual, &input.label),
-        "verify",
-    );
-    let name = format!("{} against {}", input.label, expected.name);
-    crate::report::Report::from_json_bytes(report.to_json().as_bytes(), &name).map_err(|e| {
-        CompareError::Open {
-            side: "A",
-            source: crate::checkpoint::CheckpointError::Open {
-                message: e.to_string(),
-            },
-        }
-    })
+    report_of(expected, &actual, &input.label).map(|(report, _)| report)
+}
+
+/// A check the front end runs itself (the browser, which has no threads, runs it as an async
+/// task over its lazily read files): the viewer asks for it here instead of starting a job.
+#[derive(Debug, Default)]
+pub struct External {
+    /// The front end runs the checks.
+    pub enabled: bool,
+    /// A check asked for (the front end takes it).
+    pub request: Option<ExternalRequest>,
+}
+
+/// The opened checkpoint, by the name it was opened under, to check against `manifest`.
+#[derive(Debug, Clone)]
+pub struct ExternalRequest {
+    pub checkpoint: String,
+    pub manifest: OpenedManifest,
 }
 
 /// The check as a [`Job`].
 #[derive(Debug, Default)]
 pub struct ManifestJob {
     pub synchronous: bool,
+    pub external: External,
     job: Job<crate::report::Report>,
 }
 

@@ -17,13 +17,13 @@ use shardscope_viewer::compare::{CompareError, Comparison, Progress};
 use crate::lazy::LazySource;
 
 /// Files up to this size are fetched whole before comparing (small checkpoints in a few reads).
-const PREFETCH_WHOLE: u64 = 64 << 20;
+pub(crate) const PREFETCH_WHOLE: u64 = 64 << 20;
 /// Work this long (milliseconds) before yielding to the browser.
-const SLICE_MS: f64 = 30.0;
+pub(crate) const SLICE_MS: f64 = 30.0;
 /// The most tensor bytes of one side compared in one batch.
 pub const BATCH_BYTES: u64 = 32 << 20;
 /// The most keys in one batch.
-const BATCH_KEYS: usize = 512;
+pub(crate) const BATCH_KEYS: usize = 512;
 
 /// One side of a comparison: its name (a file name, a folder, a URL shown without its query)
 /// and its files.
@@ -33,7 +33,7 @@ pub struct Side {
     pub source: LazySource,
 }
 
-fn failed(side: &'static str, message: String) -> CompareError {
+pub(crate) fn failed(side: &'static str, message: String) -> CompareError {
     CompareError::Open {
         side,
         source: CheckpointError::Open { message },
@@ -41,7 +41,7 @@ fn failed(side: &'static str, message: String) -> CompareError {
 }
 
 /// Opens a side with `Checkpoint::open`, as every front end opens a checkpoint.
-async fn open(
+pub(crate) async fn open(
     side: &'static str,
     s: &mut Side,
     options: &ReadOptions,
@@ -66,7 +66,7 @@ async fn open(
 }
 
 /// Lets the browser draw a frame (a `setTimeout(0)` round trip).
-async fn yield_to_browser() {
+pub(crate) async fn yield_to_browser() {
     let promise = js_sys::Promise::new(&mut |resolve, _| {
         if let Some(w) = web_sys::window() {
             let _ = w.set_timeout_with_callback_and_timeout_and_arguments_0(&resolve, 0);

@@ -180,6 +180,18 @@ impl LazySource {
         Self::default()
     }
 
+    /// The same files (and base URL) with nothing fetched: a second reader of the checkpoint (a
+    /// manifest check) that leaves this one as it is.
+    #[must_use]
+    pub fn reopen(&self) -> Self {
+        let mut out = Self::new();
+        out.base_url.clone_from(&self.base_url);
+        for (name, f) in &self.files {
+            out.add(name.clone(), f.origin.clone(), f.size);
+        }
+        out
+    }
+
     /// Looks names that were not added up under `base` (a folder URL ending with `/`).
     pub fn set_base_url(&mut self, base: String) {
         self.base_url = Some(base);

@@ -18,6 +18,9 @@ pub mod jspi;
 pub mod compare;
 
 #[cfg(target_arch = "wasm32")]
+pub mod manifest;
+
+#[cfg(target_arch = "wasm32")]
 mod handle {
     use std::collections::BTreeMap;
     use std::sync::atomic::{AtomicBool, Ordering};
@@ -93,6 +96,27 @@ mod handle {
         comparison_json: String,
         /// Tolerance controls set by a script, for the viewer's next frame.
         tolerance_request: Option<shardscope_viewer::compare::ToleranceInput>,
+        /// Checks of the opened checkpoint against a content manifest.
+        checks: crate::manifest::Checks,
+    }
+
+    impl crate::manifest::Host for Shared {
+        fn checks(&mut self) -> &mut crate::manifest::Checks {
+            &mut self.checks
+        }
+        fn opened_copy(&self) -> Option<Side> {
+            let a = self.a_side.as_ref()?;
+            Some(Side {
+                label: a.label.clone(),
+                source: a.source.reopen(),
+            })
+        }
+        fn busy(&self) -> bool {
+            self.opens_in_flight > 0 || self.comparing
+        }
+        fn read_options(&self) -> ReadOptions {
+            self.read_options.clone()
+        }
     }
 
     /// A comparison to run: with a new B (else the last one's B) and a tolerance.
@@ -168,6 +192,7 @@ mod handle {
                     }
                 }
                 take_compare_updates(&mut self.viewer, &mut s);
+                s.checks.take_results(&mut self.viewer);
                 if std::mem::take(&mut s.example) {
                     self.viewer.stay_on_tab = true;
                     self.viewer.open_example();
@@ -178,6 +203,9 @@ mod handle {
                 }
             }
             self.viewer.ui(ui);
+            if let Some(request) = self.viewer.manifest_job.external.request.take() {
+                crate::manifest::request(&self.shared, &self.ctx, request);
+            }
             // A new tolerance in the Compare tab: compare the same two checkpoints again.
             if let Some(tolerance) = self.viewer.comparer.external.request.take() {
                 request_compare(
@@ -288,6 +316,11 @@ mod handle {
         } else if let Some(c) = compared {
             status.push_str(" · compared: ");
             status.push_str(c);
+        }
+        if let Some((text, running)) = s.checks.status() {
+            status.push_str(" · ");
+            status.push_str(text);
+            status.push_str(if running { "..." } else { "" });
         }
         if let Some(e) = &s.error {
             status.push_str(" · error: ");
@@ -813,6 +846,8 @@ mod handle {
             example: bool,
         ) -> Result<(), JsValue> {
             let mut viewer = Viewer::new();
+            // Checks against a content manifest run here (`manifest`), over the lazily read files.
+            viewer.manifest_job.external.enabled = true;
             // Share the inbox created in `new`, so files opened before `start` are kept.
             viewer.set_inbox(self.inbox.clone());
             if let Ok(mut s) = self.shared.lock() {
@@ -1010,6 +1045,15 @@ mod handle {
             self.shared
                 .lock()
                 .map(|s| s.comparison_json.clone())
+                .unwrap_or_default()
+        }
+
+        /// `shardscope verify --manifest --json` of the last check of the opened checkpoint against
+        /// an opened content manifest (empty before the first), queries hidden, for tests.
+        pub fn manifest_report_json(&self) -> String {
+            self.shared
+                .lock()
+                .map(|s| s.checks.report_json().to_owned())
                 .unwrap_or_default()
         }
 

@@ -47,6 +47,8 @@ export SHARDSCOPE_BIN=${SHARDSCOPE_BIN:-$TARGET_DIR/debug/shardscope}
 [ -x "$SHARDSCOPE_BIN" ] || cargo build -q -p shardscope-runner --bin shardscope
 echo "$SHARDSCOPE_BIN"
 
+# The manifest check runs torch's generator (viewer/tests/fixtures/torch_manifest.py) with
+# $SHARDSCOPE_PYTHON (.ci/run sets it; default ~/.cache/shardscope/torch-venv/bin/python).
 step "browser test (headless Chromium; nginx for presigned and per-rank URLs)"
 node web/tests/browser_test.mjs "$ART/web" "$ART"
 

@@ -106,21 +106,108 @@ fn a_checkpoint_is_checked_against_a_manifest_of_torchs_digests() {
     );
 }
 
-/// A manifest that does not read is an error naming it, and nothing is checked.
+/// A manifest that does not read is an error naming it and saying why, and nothing is checked:
+/// an unknown algorithm, another version, a manifest cut short (not JSON any more).
 #[test]
 fn a_bad_manifest_is_refused_with_the_reason() {
     let work = tempfile::tempdir().unwrap();
-    let path = work.path().join("m.json");
-    std::fs::write(
-        &path,
-        br#"{"version": 1, "algorithm": "md5", "tensors": {}, "values": {}, "files": {}}"#,
-    )
-    .unwrap();
-    let v = open(&root().join("examples/fsdp2_dcp"), &path);
+    let good = r#"{"version": 1, "algorithm": "sha256", "tensors": {}, "values": {}, "files": {}}"#;
+    for (text, why) in [
+        (good.replace("sha256", "md5"), "unknown algorithm `md5`"),
+        (
+            good.replace("\"version\": 1", "\"version\": 2"),
+            "manifest version 2",
+        ),
+        (
+            good[..good.len() - 20].to_owned(),
+            "not a shardscope manifest: EOF",
+        ),
+    ] {
+        let path = work.path().join("m.json");
+        std::fs::write(&path, &text).unwrap();
+        let v = open(&root().join("examples/fsdp2_dcp"), &path);
+        assert!(v.report.is_none(), "{text}");
+        let said = v.messages.join("\n");
+        assert!(
+            said.contains("m.json: a content manifest") && said.contains(why),
+            "{text}: {said}"
+        );
+    }
+}
+
+/// A checkpoint view as the browser builds it from its lazily read files: no file origin to
+/// read again (the front end holds the files).
+fn view_without_origin(dir: &Path) -> shardscope_viewer::checkpoint::CheckpointView {
+    let fs = FsSource::from_dir(dir).unwrap();
+    let ckpt = Checkpoint::open(&fs, "fsdp2_dcp", &ReadOptions::default()).unwrap();
+    let derived = shardscope_viewer::checkpoint::CheckpointView::derive_model(&ckpt, &fs);
+    let view =
+        shardscope_viewer::checkpoint::CheckpointView::from_checkpoint_derived(ckpt, derived, &fs)
+            .unwrap();
+    assert!(view.origin.is_none());
+    view
+}
+
+/// Where the front end runs the check itself (the browser: `manifest_check::External`), a
+/// checkpoint without a file origin and a manifest, either first, make one request naming both,
+/// and the front end's finished check is shown as the desktop's is; elsewhere a note says the
+/// check needs the checkpoint's files.
+#[test]
+fn the_front_end_is_asked_to_check_a_checkpoint_it_reads_itself() {
+    let dir = root().join("examples/fsdp2_dcp");
+    let manifest =
+        br#"{"version": 1, "algorithm": "xxh3-128", "tensors": {}, "values": {}, "files": {}}"#;
+    let open_checkpoint = |v: &mut Viewer| {
+        v.open_document(Ok(shardscope_viewer::docs::Document::Checkpoint(Box::new(
+            view_without_origin(&dir),
+        ))));
+    };
+    let open_manifest = |v: &mut Viewer| {
+        v.open_bytes("m.json", manifest.to_vec());
+        while v.poll_loader() > 0 {}
+    };
+    for manifest_first in [false, true] {
+        let mut v = Viewer::new();
+        v.loader.synchronous = true;
+        v.manifest_job.external.enabled = true;
+        if manifest_first {
+            open_manifest(&mut v);
+            assert!(v.manifest_job.external.request.is_none());
+            open_checkpoint(&mut v);
+        } else {
+            open_checkpoint(&mut v);
+            open_manifest(&mut v);
+        }
+        let request = v
+            .manifest_job
+            .external
+            .request
+            .take()
+            .unwrap_or_else(|| panic!("{:?}", v.messages));
+        assert_eq!(request.checkpoint, "fsdp2_dcp");
+        assert_eq!(request.manifest.name, "m.json");
+        assert!(v.report.is_none());
+        let report = shardscope_viewer::report::Report::from_json_bytes(
+            br#"{"kind": "shardscope.verify", "version": 1, "entries": [{"fqn": "w", "status": "mismatch", "message": "the values differ"}]}"#,
+            "fsdp2_dcp against m.json",
+        )
+        .unwrap();
+        v.take_manifest_check(Ok(report));
+        assert_eq!(v.tab, Tab::Verify);
+        assert!(v.verify.only_problems);
+        assert_eq!(v.report.as_ref().unwrap().entries[0].fqn, "w");
+    }
+    let mut v = Viewer::new();
+    v.loader.synchronous = true;
+    open_checkpoint(&mut v);
+    open_manifest(&mut v);
+    assert!(v.manifest_job.external.request.is_none());
     assert!(v.report.is_none());
-    let said = v.messages.join("\n");
     assert!(
-        said.contains("m.json") && said.contains("unknown algorithm"),
-        "{said}"
+        v.messages
+            .iter()
+            .any(|m| m.contains("reads only a checkpoint's metadata here")),
+        "{:?}",
+        v.messages
     );
 }
