@@ -2,6 +2,7 @@
 //! it in an `eframe::App`.
 
 use egui::{RichText, Ui};
+use shardscope_core::checkpoint::app_state_prefix;
 use shardscope_core::layout::{self, LayoutConfig};
 use shardscope_core::model::ModelDescription;
 
@@ -1103,8 +1104,9 @@ impl Viewer {
                 }
                 match &self.report {
                     Some(r) => {
-                        let view = self.view.as_ref();
-                        let known = |fqn: &str| view.is_some_and(|v| v.by_fqn.contains_key(fqn));
+                        let (view, c) = (self.view.as_ref(), self.checkpoint.as_ref());
+                        let wrapper = c.and_then(|c| app_state_prefix(&c.index));
+                        let known = |k: &str| crate::panels::verify::in_layout(view, wrapper, k);
                         crate::panels::verify::ui(
                             ui,
                             r,

@@ -164,7 +164,7 @@ pub fn report_of(
     let name = format!("{label} against {}", expected.name);
     let shown = crate::report::Report::from_json_bytes(json.as_bytes(), &name).map_err(|e| {
         CompareError::Open {
-            side: "A",
+            side: "the report",
             source: crate::checkpoint::CheckpointError::Open {
                 message: e.to_string(),
             },
@@ -182,7 +182,7 @@ pub fn check(
     progress: &mut dyn FnMut(Progress),
     cancel: &AtomicBool,
 ) -> Result<crate::report::Report, CompareError> {
-    let (source, ckpt) = input.open("A", options)?;
+    let (source, ckpt) = input.open("the checkpoint", options)?;
     let actual = manifest_of(&ckpt.index, &*source, &expected.manifest, progress, cancel)?;
     report_of(expected, &actual, &input.label).map(|(report, _)| report)
 }

@@ -189,7 +189,7 @@ async fn check_once<H: Host>(
             _ if cancel.load(Ordering::Relaxed) => return Err(CompareError::Cancelled),
             _ => {
                 return Err(failed(
-                    "A",
+                    "the checkpoint",
                     format!(
                         "{}: the browser checks a checkpoint it reads by byte range (opened \
                          from files, a folder or URLs); this one was opened whole (a .zip): \
@@ -237,11 +237,11 @@ pub async fn check(
         what: format!("opening {}", side.label),
         ..Progress::default()
     });
-    let ckpt = crate::compare::open("A", side, options).await?;
+    let ckpt = crate::compare::open("the checkpoint", side, options).await?;
     side.source
         .prefetch_small(PREFETCH_WHOLE)
         .await
-        .map_err(|e| failed("A", e))?;
+        .map_err(|e| failed("the checkpoint", e))?;
     let index = &ckpt.index;
     let algorithm = expected.manifest.algorithm;
     let mut out = manifest_start(index, algorithm);
@@ -315,7 +315,7 @@ pub async fn check(
             .await
             .map_err(|e| {
                 let key = batch.first().map_or("", |e| e.key.as_str());
-                failed("A", format!("reading `{key}`: {e}"))
+                failed("the checkpoint", format!("reading `{key}`: {e}"))
             })?;
         side.source.release(&mark);
         out.tensors.extend(part.tensors);

@@ -14,6 +14,17 @@ pub struct VerifyState {
     pub only_problems: bool,
 }
 
+/// Whether the report's key `key` names a parameter of the layout `view`: as it is, or under the
+/// checkpoint's app-state wrapper (`model.embed.weight` is the layout's `embed.weight`).
+pub fn in_layout(view: Option<&crate::view::LayoutView>, wrapper: Option<&str>, key: &str) -> bool {
+    view.is_some_and(|v| {
+        v.by_fqn.contains_key(key)
+            || wrapper
+                .and_then(|w| key.strip_prefix(w)?.strip_prefix('.'))
+                .is_some_and(|f| v.by_fqn.contains_key(f))
+    })
+}
+
 fn status_color(ui: &Ui, s: Status) -> egui::Color32 {
     match s {
         Status::Match => ui.visuals().weak_text_color(),

@@ -137,3 +137,41 @@ fn a_users_description_is_kept_and_another_models_layout_is_no_match() {
     let summary = v.overlay.as_ref().unwrap().summary();
     assert!(summary.starts_with("nothing compared"), "{summary}");
 }
+
+/// The Verify tab marks a report's key "(not in the layout)" only when it is not: a key under the
+/// app-state wrapper (`model.embed.weight` in the bundled `examples/fsdp2_dcp`, written by torch's
+/// `dcp.save({"model": ..., "optim": ...})`) is the derived layout's parameter `embed.weight`.
+#[test]
+fn report_keys_under_the_app_state_wrapper_are_in_the_layout() {
+    use shardscope_viewer::panels::verify::in_layout;
+    let dcp = PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("../examples/fsdp2_dcp");
+    let mut v = open_after_example(&dcp);
+    v.recompute();
+    let c = v.checkpoint.as_ref().unwrap();
+    let wrapper = shardscope_core::checkpoint::app_state_prefix(&c.index);
+    assert_eq!(wrapper, Some("model"));
+    let view = v.view.as_ref().expect("a derived layout");
+    let params: Vec<String> = c
+        .index
+        .entries
+        .iter()
+        .filter_map(|e| e.key.strip_prefix("model."))
+        .map(str::to_owned)
+        .collect();
+    assert!(!params.is_empty());
+    for p in &params {
+        assert!(
+            view.by_fqn.contains_key(p.as_str()),
+            "{p} not in the derived layout"
+        );
+        let key = format!("model.{p}");
+        assert!(in_layout(Some(view), wrapper, &key), "{key}");
+    }
+    assert!(!in_layout(Some(view), wrapper, "model.no_such.weight"));
+    assert!(!in_layout(
+        Some(view),
+        wrapper,
+        "optim.state.embed.weight.exp_avg"
+    ));
+    assert!(!in_layout(None, wrapper, &format!("model.{}", params[0])));
+}
