@@ -228,7 +228,7 @@ pub fn ui(
     theme: Theme,
 ) {
     toolbar(ui, view, st);
-    legend(ui, theme);
+    legend(ui, theme, view.is_deepspeed());
     if let Some(m) = marks {
         differences_legend(ui, m, st);
     }
@@ -289,8 +289,19 @@ fn toolbar(ui: &mut Ui, view: &LayoutView, st: &mut ShardMapState) {
     });
 }
 
-/// The colour legend.
-pub fn legend(ui: &mut Ui, theme: Theme) {
+/// The colour legend, in DeepSpeed's words for a ZeRO checkpoint's partitions (`deepspeed`).
+pub fn legend(ui: &mut Ui, theme: Theme, deepspeed: bool) {
+    let (align, tail) = if deepspeed {
+        (
+            "alignment padding (inside a flat group)",
+            "padding after a parameter's last part",
+        )
+    } else {
+        (
+            "alignment padding (inside the flat parameter)",
+            "shard-tail padding (zeros to equal shard size)",
+        )
+    };
     ui.horizontal_wrapped(|ui| {
         let swatch = |ui: &mut Ui, draw: &dyn Fn(&egui::Painter, Rect), text: &str| {
             let (rect, _) = ui.allocate_exact_size(Vec2::new(28.0, 14.0), Sense::hover());
@@ -324,7 +335,7 @@ pub fn legend(ui: &mut Ui, theme: Theme) {
                     5.0,
                 );
             },
-            "alignment padding (inside the flat parameter)",
+            align,
         );
         swatch(
             ui,
@@ -338,7 +349,7 @@ pub fn legend(ui: &mut Ui, theme: Theme) {
                     5.0,
                 );
             },
-            "shard-tail padding (zeros to equal shard size)",
+            tail,
         );
         swatch(
             ui,
