@@ -75,6 +75,44 @@ pub(crate) async fn yield_to_browser() {
     let _ = wasm_bindgen_futures::JsFuture::from(promise).await;
 }
 
+/// Work on the page's one thread in slices of [`SLICE_MS`]: between batches, [`Self::step`] stops
+/// when cancelled and, once a slice is spent, reports progress and lets the browser draw a frame.
+pub(crate) struct Slices {
+    started: f64,
+}
+
+impl Slices {
+    pub(crate) fn new() -> Slices {
+        Slices {
+            started: js_sys::Date::now(),
+        }
+    }
+
+    /// Before the batch starting at `done` of `total` (`what`: its first key).
+    pub(crate) async fn step(
+        &mut self,
+        cancel: &AtomicBool,
+        progress: &mut dyn FnMut(Progress),
+        done: usize,
+        total: usize,
+        what: &str,
+    ) -> Result<(), CompareError> {
+        if cancel.load(Ordering::Relaxed) {
+            return Err(CompareError::Cancelled);
+        }
+        if js_sys::Date::now() - self.started > SLICE_MS {
+            progress(Progress {
+                done,
+                total,
+                what: what.to_owned(),
+            });
+            yield_to_browser().await;
+            self.started = js_sys::Date::now();
+        }
+        Ok(())
+    }
+}
+
 /// The entry of `key` in a checkpoint.
 fn entry<'c>(ckpt: &'c Checkpoint, key: &str) -> Option<&'c shardscope_core::index::IndexEntry> {
     let i = ckpt
@@ -133,21 +171,12 @@ pub async fn compare(
     let keys = plan.keys();
     let total = keys.len();
     let mut entries = Vec::with_capacity(total);
-    let mut slice_start = js_sys::Date::now();
+    let mut slices = Slices::new();
     let mut start = 0;
     while start < total {
-        if cancel.load(Ordering::Relaxed) {
-            return Err(CompareError::Cancelled);
-        }
-        if js_sys::Date::now() - slice_start > SLICE_MS {
-            progress(Progress {
-                done: start,
-                total,
-                what: keys[start].clone(),
-            });
-            yield_to_browser().await;
-            slice_start = js_sys::Date::now();
-        }
+        slices
+            .step(cancel, progress, start, total, &keys[start])
+            .await?;
         let (mut end, mut a_bytes, mut b_bytes) = (start, 0u64, 0u64);
         while end < total && end - start < BATCH_KEYS {
             let key = &keys[end];

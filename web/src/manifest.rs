@@ -26,7 +26,7 @@ use shardscope_viewer::manifest_check::{
 };
 use shardscope_viewer::report::Report;
 
-use crate::compare::{BATCH_KEYS, PREFETCH_WHOLE, SLICE_MS, Side, failed, yield_to_browser};
+use crate::compare::{BATCH_KEYS, PREFETCH_WHOLE, Side, Slices, failed};
 use crate::lazy::LazySource;
 use crate::urls;
 
@@ -247,21 +247,12 @@ pub async fn check(
     let mut out = manifest_start(index, algorithm);
     let entries = &index.entries;
     let total = entries.len();
-    let mut slice_start = js_sys::Date::now();
+    let mut slices = Slices::new();
     let mut start = 0;
     while start < total {
-        if cancel.load(Ordering::Relaxed) {
-            return Err(CompareError::Cancelled);
-        }
-        if js_sys::Date::now() - slice_start > SLICE_MS {
-            progress(Progress {
-                done: start,
-                total,
-                what: entries[start].key.clone(),
-            });
-            yield_to_browser().await;
-            slice_start = js_sys::Date::now();
-        }
+        slices
+            .step(cancel, progress, start, total, &entries[start].key)
+            .await?;
         let (mut end, mut bytes) = (start, 0u64);
         while end < total && end - start < BATCH_KEYS {
             let n = entries[end].nbytes().unwrap_or(0);
