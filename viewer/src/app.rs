@@ -580,9 +580,12 @@ impl Viewer {
             .default_size(310.0)
             .max_size(max_side)
             .show(ui, |ui| self.left_panel(ui));
+        // A floor too: a size remembered from a first frame narrower than the window's real size
+        // (the window is sized after it opens) kept the inspector at ~95 px.
         egui::Panel::right("inspector")
             .resizable(true)
             .default_size(340.0)
+            .min_size(240.0)
             .show(ui, |ui| self.inspector(ui));
         egui::CentralPanel::default().show(ui, |ui| self.central(ui));
 
@@ -1009,13 +1012,17 @@ impl Viewer {
             });
             if let Some(v) = &self.view {
                 ui.separator();
-                ui.weak(format!(
+                // Cut to the row: a longer line would widen the central panel, and the map
+                // drawn below it would run under the inspector.
+                let text = format!(
                     "{} · {} · world {} · {} parameters",
                     v.api_label,
                     v.strategy_label,
                     v.world_size,
                     v.params.len()
-                ));
+                );
+                ui.add(egui::Label::new(RichText::new(&text).weak()).truncate())
+                    .on_hover_text(text);
             }
         });
         ui.separator();
