@@ -81,9 +81,19 @@ pub fn partitions(source: &dyn Source, names: &[String]) -> Result<Partitions, I
     let save = files::save_files(&folder)?;
     let mut file_infos = BTreeMap::new();
     let (optim, _) = read_optim(source, &folder, &save, &mut file_infos)?;
-    let (stage, world_size) = (optim[0].stage, optim[0].partition_count);
+    let place = if folder.prefix.is_empty() {
+        "the DeepSpeed folder"
+    } else {
+        folder.prefix.as_str()
+    };
+    let first = optim
+        .first()
+        .ok_or_else(|| super::records::bad(place, "no optimizer state files".to_owned()))?;
+    let (stage, world_size) = (first.stage, first.partition_count);
     let (model, _, _) = read_model(source, &folder, &save, world_size, &mut file_infos)?;
-    let zero = &model[0];
+    let zero = model
+        .first()
+        .ok_or_else(|| super::records::bad(place, "no model state files".to_owned()))?;
     let plans = trainable(stage, zero, &optim, &mut StateDict::default())?;
     let group_of: BTreeMap<&str, usize> = zero
         .param_shapes
@@ -125,7 +135,11 @@ pub fn partitions(source: &dyn Source, names: &[String]) -> Result<Partitions, I
             let covered = runs.iter().map(|r| (r.at, r.numel)).collect();
             for gap in gaps(flat.numel, covered) {
                 let after = runs.iter().find_map(|r| match r.kind {
-                    RunKind::Param { param, .. } if r.at + r.numel == gap.start => Some(param),
+                    RunKind::Param { param, .. }
+                        if r.at.checked_add(r.numel) == Some(gap.start) =>
+                    {
+                        Some(param)
+                    }
                     _ => None,
                 });
                 runs.push(FlatRun {
