@@ -52,7 +52,7 @@ use std::path::Path;
 use anyhow::{Result, bail};
 use shardscope_core::index::CheckpointIndex;
 
-pub use reader::{Reader, tensor_meta};
+pub use reader::{Reader, SlabPiece, tensor_meta};
 pub use select::{drop_tied, own_prefix_left_out, own_prefix_warning, select};
 pub use to_dcp::{ShardApi, to_dcp};
 pub use to_safetensors::to_safetensors;

@@ -1,0 +1,655 @@
+//! One read of a checkpoint's files for its manifest.
+//!
+//! Every file is cut into segments in file order: bytes outside any tensor, then one stored chunk
+//! of a slab tensor (its *region*). The segments are put in an order that respects both orders a
+//! digest needs: a file's bytes in file order (its digest) and a tensor's chunks in C order (its
+//! digest). Threads take 256 KiB pieces of the segments in that order and copy them in in
+//! parallel; each piece then waits for its turn in each digest it feeds (the file's, its chunk's,
+//! its tensor's), updates them and passes the turn on. A thread waits only for pieces handed out
+//! before its own, so the first piece not done can always go on: no deadlock.
+//!
+//! When the two orders conflict (file A holds chunk 2 of `x` before chunk 1 of `y`, file B chunk
+//! 1 of `x` after chunk 2 of `y`), the tensor met in a cycle is fed from that chunk on in a second
+//! stage, re-reading only those chunks. Tensors not stored as slabs, values, and tensors whose
+//! chunks share stored bytes with another are hashed on their own (`super::run_entry`).
+
+use std::cmp::Reverse;
+use std::collections::{BTreeMap, BinaryHeap};
+use std::sync::atomic::{AtomicUsize, Ordering};
+use std::sync::{Barrier, Condvar, Mutex, MutexGuard, mpsc};
+
+use shardscope_core::dtype::DType;
+use shardscope_core::index::{CheckpointIndex, EntryKind, IndexEntry};
+use shardscope_core::manifest::{FileDigest, Hasher, Manifest};
+use shardscope_core::source::Source;
+
+use super::{
+    Done, HashOptions, PIECE_BYTES, chunk_hasher, resume_slabs, row_bytes, run_entry,
+    slab_digest, with_places,
+};
+use crate::convert::{Reader, SlabPiece, tensor_meta};
+use crate::input::Input;
+
+/// A tensor read with its files: its dim-0 slab pieces, sorted by `tensor_start`.
+struct Streamed<'a> {
+    entry: &'a IndexEntry,
+    dtype: DType,
+    shape: &'a [u64],
+    rows: u64,
+    pieces: Vec<SlabPiece>,
+    bytes: u64,
+}
+
+/// A run of one file's bytes: `start..region` outside any tensor (read for the file's digest
+/// only), then `region..end`, piece `chunk.1` of tensor `chunk.0` (`None`: `region == end`).
+#[derive(Debug, Clone, Copy)]
+struct Segment {
+    file: usize,
+    start: u64,
+    region: u64,
+    end: u64,
+    chunk: Option<(usize, usize)>,
+}
+
+struct Plan<'a> {
+    /// `(name, size)` of every file of the checkpoint, in the index's order.
+    files: Vec<(&'a str, u64)>,
+    tensors: Vec<Streamed<'a>>,
+    /// Per tensor: its pieces from this one on are fed to its digest in the second stage.
+    feed_until: Vec<usize>,
+    /// In the order their pieces are handed out.
+    segments: Vec<Segment>,
+    /// Hashed on their own.
+    separate: Vec<&'a IndexEntry>,
+}
+
+/// Hashes `entries` and (with `options.files`) every file of `index` into `manifest`.
+pub(super) fn run(
+    source: &Input,
+    index: &CheckpointIndex,
+    entries: &[&IndexEntry],
+    options: HashOptions,
+    manifest: &mut Manifest,
+    progress: &mut dyn FnMut(usize, usize, &str),
+) {
+    let plan = plan(source, index, entries, options.files);
+    let mut total = plan.separate.len() + plan.tensors.len();
+    let mut done = 0;
+    if options.files {
+        total += plan.files.len();
+        // An empty file has no segment: its digest is known now.
+        for &(name, size) in &plan.files {
+            if size == 0 {
+                manifest.files.insert(
+                    name.to_owned(),
+                    FileDigest {
+                        size,
+                        digest: Hasher::new(options.algorithm).finish(),
+                    },
+                );
+                done += 1;
+            }
+        }
+    }
+    let run = Run::new(source, index, &plan, options);
+    let threads = options.threads.clamp(1, total.max(1));
+    let barrier = Barrier::new(threads);
+    let (tx, rx) = mpsc::channel::<Done>();
+    std::thread::scope(|scope| {
+        for _ in 0..threads {
+            let tx = tx.clone();
+            let (run, barrier) = (&run, &barrier);
+            scope.spawn(move || run.worker(barrier, &tx));
+        }
+        drop(tx);
+        progress(done, total, "");
+        for result in rx {
+            done += 1;
+            let name = result.record(manifest);
+            progress(done, total, &name);
+        }
+    });
+    progress(total, total, "");
+}
+
+fn plan<'a>(
+    source: &'a Input,
+    index: &'a CheckpointIndex,
+    entries: &[&'a IndexEntry],
+    with_files: bool,
+) -> Plan<'a> {
+    let reader = Reader::new(source, index);
+    let all_files: Vec<(&str, u64)> = index
+        .files
+        .iter()
+        .map(|(n, f)| (n.as_str(), f.size))
+        .collect();
+    let file_of: BTreeMap<&str, usize> = all_files
+        .iter()
+        .enumerate()
+        .map(|(i, (n, _))| (*n, i))
+        .collect();
+    let mut tensors = Vec::new();
+    let mut separate = Vec::new();
+    for &e in entries {
+        match streamable(&reader, e) {
+            Some(t) => tensors.push(t),
+            None => separate.push(e),
+        }
+    }
+    // Each tensor's chunks, by file; a tensor with a chunk outside the files, or sharing stored
+    // bytes with another chunk (tied weights in a torch.save file), is hashed on its own.
+    let mut regions: Vec<Vec<(u64, u64, usize, usize)>> = vec![Vec::new(); all_files.len()];
+    let mut alone = vec![false; tensors.len()];
+    for (t, s) in tensors.iter().enumerate() {
+        for (k, p) in s.pieces.iter().enumerate() {
+            let end = p.file_start.checked_add(p.len);
+            match (file_of.get(p.file.as_str()), end) {
+                (Some(&f), Some(end)) if end <= all_files[f].1 => {
+                    regions[f].push((p.file_start, end, t, k));
+                }
+                _ => alone[t] = true,
+            }
+        }
+    }
+    for list in &mut regions {
+        list.sort_unstable();
+        let mut end = 0;
+        for &(a, b, t, _) in list.iter() {
+            if a < end {
+                alone[t] = true;
+            } else {
+                end = b;
+            }
+        }
+    }
+    let mut kept = Vec::new();
+    let mut renumber = vec![usize::MAX; tensors.len()];
+    for (t, s) in tensors.into_iter().enumerate() {
+        if alone[t] {
+            separate.push(s.entry);
+        } else {
+            renumber[t] = kept.len();
+            kept.push(s);
+        }
+    }
+    let per_file: Vec<Vec<Segment>> = regions
+        .iter()
+        .enumerate()
+        .map(|(f, list)| {
+            let mut segments = Vec::new();
+            let mut at = 0;
+            for &(a, b, t, k) in list.iter().filter(|r| !alone[r.2]) {
+                segments.push(Segment {
+                    file: f,
+                    start: if with_files { at } else { a },
+                    region: a,
+                    end: b,
+                    chunk: Some((renumber[t], k)),
+                });
+                at = b;
+            }
+            let size = all_files[f].1;
+            if with_files && at < size {
+                segments.push(Segment {
+                    file: f,
+                    start: at,
+                    region: size,
+                    end: size,
+                    chunk: None,
+                });
+            }
+            segments
+        })
+        .collect();
+    let (segments, feed_until) = order(per_file, &kept, with_files);
+    Plan {
+        files: all_files,
+        tensors: kept,
+        feed_until,
+        segments,
+        separate,
+    }
+}
+
+fn streamable<'a>(reader: &Reader<'_>, e: &'a IndexEntry) -> Option<Streamed<'a>> {
+    if e.kind != EntryKind::Tensor {
+        return None;
+    }
+    let (dtype, shape) = tensor_meta(e).ok()?;
+    let mut pieces = reader.slab_pieces(e, dtype)?;
+    if pieces.is_empty() {
+        return None;
+    }
+    pieces.sort_by_key(|p| p.tensor_start);
+    let rows = row_bytes(e, dtype.size_bytes() as u64, shape).ok()?;
+    let bytes = pieces
+        .iter()
+        .try_fold(0u64, |n, p| n.checked_add(p.len))?;
+    Some(Streamed {
+        entry: e,
+        dtype,
+        shape,
+        rows,
+        pieces,
+        bytes,
+    })
+}
+
+/// The segments of all files in one order that keeps each file's (when files are hashed) and each
+/// tensor's chunks in order (Kahn's algorithm; among the segments ready, the earliest in its file
+/// first, so that the files advance together). A cycle between the two orders is broken by feeding
+/// the tensor met from that chunk on in the second stage. Returns the order and, per tensor, the
+/// first piece fed in the second stage (its piece count: none).
+fn order(
+    per_file: Vec<Vec<Segment>>,
+    tensors: &[Streamed<'_>],
+    with_files: bool,
+) -> (Vec<Segment>, Vec<usize>) {
+    let mut feed_until: Vec<usize> = tensors.iter().map(|t| t.pieces.len()).collect();
+    let mut place: Vec<Vec<(usize, usize)>> = tensors
+        .iter()
+        .map(|t| vec![(usize::MAX, usize::MAX); t.pieces.len()])
+        .collect();
+    let mut waits: Vec<Vec<u8>> = Vec::with_capacity(per_file.len());
+    for (f, segments) in per_file.iter().enumerate() {
+        let mut w = Vec::with_capacity(segments.len());
+        for (i, s) in segments.iter().enumerate() {
+            let mut n = u8::from(with_files && i > 0);
+            if let Some((t, k)) = s.chunk {
+                place[t][k] = (f, i);
+                n += u8::from(k > 0);
+            }
+            w.push(n);
+        }
+        waits.push(w);
+    }
+    let total: usize = per_file.iter().map(Vec::len).sum();
+    let mut out = Vec::with_capacity(total);
+    let mut scheduled: Vec<Vec<bool>> = per_file.iter().map(|s| vec![false; s.len()]).collect();
+    // With file order kept, the segments scheduled are a prefix of each file's.
+    let mut heads = vec![0usize; per_file.len()];
+    let mut ready: BinaryHeap<Reverse<(usize, usize)>> = BinaryHeap::new();
+    for (f, w) in waits.iter().enumerate() {
+        for (i, &n) in w.iter().enumerate() {
+            if n == 0 {
+                ready.push(Reverse((i, f)));
+            }
+        }
+    }
+    let release = |waits: &mut Vec<Vec<u8>>, ready: &mut BinaryHeap<_>, (f, i): (usize, usize)| {
+        let w: &mut u8 = &mut waits[f][i];
+        *w -= 1;
+        if *w == 0 {
+            ready.push(Reverse((i, f)));
+        }
+    };
+    while out.len() < total {
+        while let Some(Reverse((i, f))) = ready.pop() {
+            let s = per_file[f][i];
+            out.push(s);
+            scheduled[f][i] = true;
+            heads[f] = heads[f].max(i + 1);
+            if with_files && i + 1 < per_file[f].len() {
+                release(&mut waits, &mut ready, (f, i + 1));
+            }
+            if let Some((t, k)) = s.chunk
+                && k + 1 < feed_until[t]
+            {
+                release(&mut waits, &mut ready, place[t][k + 1]);
+            }
+        }
+        if out.len() == total {
+            break;
+        }
+        // A cycle: the first segment not scheduled of some file waits on its tensor only (its
+        // file's previous one is scheduled). Feed that tensor from there on in the second stage.
+        let Some((t, k)) = (0..per_file.len()).find_map(|f| {
+            let i = heads[f];
+            let s = per_file[f].get(i)?;
+            s.chunk.filter(|_| with_files && !scheduled[f][i] && waits[f][i] > 0)
+        }) else {
+            // Cannot happen (every wait is on a file's previous segment or a tensor's previous
+            // chunk); hand the rest out in file order with no tensor fed, rather than loop.
+            for (f, segments) in per_file.iter().enumerate() {
+                for (i, s) in segments.iter().enumerate() {
+                    if !scheduled[f][i] {
+                        out.push(*s);
+                        if let Some((t, _)) = s.chunk {
+                            feed_until[t] = 0;
+                        }
+                    }
+                }
+            }
+            break;
+        };
+        for k2 in k.max(1)..feed_until[t] {
+            let (g, j) = place[t][k2 - 1];
+            if !scheduled[g][j] {
+                release(&mut waits, &mut ready, place[t][k2]);
+            }
+        }
+        feed_until[t] = k;
+    }
+    (out, feed_until)
+}
+
+struct FileState {
+    hasher: Option<Hasher>,
+    at: u64,
+    error: Option<String>,
+}
+
+struct TensorState {
+    hasher: Option<Hasher>,
+    /// Bytes of the tensor (C order) fed so far.
+    at: u64,
+    /// A read failed while feeding it: hashed again on its own in the second stage.
+    broken: bool,
+    /// Per piece: `None` not hashed, `Some(None)` the whole tensor's chunk.
+    chunks: Vec<Option<Option<String>>>,
+    finished: bool,
+}
+
+struct State {
+    files: Vec<FileState>,
+    tensors: Vec<TensorState>,
+    /// Per segment: the chunk digest being fed, where its next piece starts, a read failed.
+    chunk: Vec<Option<Hasher>>,
+    chunk_at: Vec<u64>,
+    chunk_failed: Vec<bool>,
+}
+
+struct Run<'a> {
+    source: &'a Input,
+    index: &'a CheckpointIndex,
+    plan: &'a Plan<'a>,
+    options: HashOptions,
+    /// The next piece to hand out: segment and byte.
+    cursor: Mutex<(usize, u64)>,
+    next_separate: AtomicUsize,
+    next_resume: AtomicUsize,
+    state: Mutex<State>,
+    turn: Condvar,
+}
+
+/// One piece handed out: segment `seg`, bytes `a..b` of its file.
+#[derive(Clone, Copy)]
+struct Piece {
+    seg: usize,
+    a: u64,
+    b: u64,
+}
+
+impl<'a> Run<'a> {
+    fn new(
+        source: &'a Input,
+        index: &'a CheckpointIndex,
+        plan: &'a Plan<'a>,
+        options: HashOptions,
+    ) -> Run<'a> {
+        let algorithm = options.algorithm;
+        let state = State {
+            files: plan
+                .files
+                .iter()
+                .map(|_| FileState {
+                    hasher: Some(Hasher::new(algorithm)),
+                    at: 0,
+                    error: None,
+                })
+                .collect(),
+            tensors: plan
+                .tensors
+                .iter()
+                .map(|t| TensorState {
+                    hasher: Some(Hasher::tensor(algorithm, t.dtype, t.shape)),
+                    at: 0,
+                    broken: false,
+                    chunks: vec![None; t.pieces.len()],
+                    finished: false,
+                })
+                .collect(),
+            chunk: plan.segments.iter().map(|_| None).collect(),
+            chunk_at: plan.segments.iter().map(|s| s.region).collect(),
+            chunk_failed: vec![false; plan.segments.len()],
+        };
+        Run {
+            source,
+            index,
+            plan,
+            options,
+            cursor: Mutex::new((0, 0)),
+            next_separate: AtomicUsize::new(0),
+            next_resume: AtomicUsize::new(0),
+            state: Mutex::new(state),
+            turn: Condvar::new(),
+        }
+    }
+
+    fn lock(&self) -> MutexGuard<'_, State> {
+        // A thread that panicked holding the lock left no half-made digest that matters: the
+        // manifest is not written when a worker panics (the scope re-raises it).
+        self.state
+            .lock()
+            .unwrap_or_else(std::sync::PoisonError::into_inner)
+    }
+
+    fn worker(&self, barrier: &Barrier, tx: &mpsc::Sender<Done>) {
+        let mut buf = Vec::new();
+        let mut reader = Reader::new(self.source, self.index);
+        while let Some(piece) = self.next_piece() {
+            for done in self.hash_piece(piece, &mut buf) {
+                let _ = tx.send(done);
+            }
+        }
+        loop {
+            let i = self.next_separate.fetch_add(1, Ordering::Relaxed);
+            let Some(e) = self.plan.separate.get(i) else { break };
+            let _ = tx.send(run_entry(&mut reader, e, self.options.algorithm, &mut buf));
+        }
+        // Every piece is hashed before any tensor is taken over.
+        barrier.wait();
+        loop {
+            let t = self.next_resume.fetch_add(1, Ordering::Relaxed);
+            if t >= self.plan.tensors.len() {
+                break;
+            }
+            if let Some(done) = self.resume(&mut reader, t, &mut buf) {
+                let _ = tx.send(done);
+            }
+        }
+    }
+
+    fn next_piece(&self) -> Option<Piece> {
+        let mut c = self
+            .cursor
+            .lock()
+            .unwrap_or_else(std::sync::PoisonError::into_inner);
+        loop {
+            let s = self.plan.segments.get(c.0)?;
+            let a = c.1.max(s.start);
+            if a < s.end {
+                let stop = if a < s.region { s.region } else { s.end };
+                let b = stop.min(a.saturating_add(PIECE_BYTES as u64));
+                c.1 = b;
+                return Some(Piece { seg: c.0, a, b });
+            }
+            *c = (c.0 + 1, 0);
+        }
+    }
+
+    /// Reads `piece`, waits for its turn in each digest it feeds, feeds them; returns the files
+    /// and tensors it finished.
+    #[allow(clippy::too_many_lines)] // read, wait, feed, pass on: one piece's life, kept together
+    fn hash_piece(&self, piece: Piece, buf: &mut Vec<u8>) -> Vec<Done> {
+        let Piece { seg, a, b } = piece;
+        let s = self.plan.segments[seg];
+        let with_files = self.options.files;
+        let n = usize::try_from(b - a).unwrap_or(PIECE_BYTES);
+        if buf.len() < n {
+            buf.resize(n, 0);
+        }
+        let name = self.file_name(s.file);
+        let read = self
+            .source
+            .read_range_into(name, a, &mut buf[..n])
+            .map_err(|e| format!("{name}: bytes {a}..{b}: {e}"));
+        let chunk = s.chunk.filter(|_| a >= s.region);
+        let (t, k) = chunk.unwrap_or((usize::MAX, usize::MAX));
+        let feed = chunk.is_some_and(|_| k < self.plan.feed_until[t]);
+        let tensor = self.plan.tensors.get(t);
+        let tensor_at = tensor.map_or(0, |x| x.pieces[k].tensor_start + (a - s.region));
+
+        let mut st = self.lock();
+        while !((!with_files || st.files[s.file].at == a)
+            && (chunk.is_none() || st.chunk_at[seg] == a)
+            && (!feed || st.tensors[t].at == tensor_at))
+        {
+            st = self
+                .turn
+                .wait(st)
+                .unwrap_or_else(std::sync::PoisonError::into_inner);
+        }
+        let mut file_h = if with_files {
+            st.files[s.file].hasher.take()
+        } else {
+            None
+        };
+        let mut chunk_h = match tensor {
+            Some(x) if a == s.region => chunk_hasher(
+                self.options.algorithm,
+                x.entry,
+                x.pieces.len(),
+                x.rows,
+                &x.pieces[k],
+            ),
+            Some(_) => st.chunk[seg].take(),
+            None => None,
+        };
+        let mut tensor_h = if feed {
+            st.tensors[t].hasher.take()
+        } else {
+            None
+        };
+        drop(st);
+        if read.is_ok() {
+            for h in [&mut file_h, &mut chunk_h, &mut tensor_h]
+                .into_iter()
+                .flatten()
+            {
+                h.update(&buf[..n]);
+            }
+        }
+
+        let mut out = Vec::new();
+        let mut finished = None;
+        let mut st = self.lock();
+        if with_files {
+            let size = self.plan.files[s.file].1;
+            let f = &mut st.files[s.file];
+            match &read {
+                Ok(()) => f.hasher = file_h,
+                Err(e) => {
+                    f.error.get_or_insert_with(|| e.clone());
+                }
+            }
+            f.at = b;
+            if b == size {
+                out.push(match (f.error.take(), f.hasher.take()) {
+                    (None, Some(h)) => Done::File(
+                        name.to_owned(),
+                        FileDigest {
+                            size,
+                            digest: h.finish(),
+                        },
+                    ),
+                    (error, _) => Done::Failed(
+                        format!("file {name}"),
+                        error.unwrap_or_else(|| format!("{name}: not read")),
+                    ),
+                });
+            }
+        }
+        if chunk.is_some() {
+            st.chunk_at[seg] = b;
+            if read.is_err() {
+                st.chunk_failed[seg] = true;
+            }
+            if b == s.end {
+                if !st.chunk_failed[seg] {
+                    st.tensors[t].chunks[k] = Some(chunk_h.map(Hasher::finish));
+                }
+            } else {
+                st.chunk[seg] = chunk_h;
+            }
+        }
+        if let Some(x) = tensor.filter(|_| feed) {
+            let ts = &mut st.tensors[t];
+            if read.is_ok() {
+                ts.hasher = tensor_h;
+            } else {
+                ts.broken = true;
+            }
+            ts.at += b - a;
+            if !ts.broken && ts.at == x.bytes {
+                ts.finished = true;
+                finished = ts
+                    .hasher
+                    .take()
+                    .map(|h| (h, std::mem::take(&mut ts.chunks)));
+            }
+        }
+        drop(st);
+        self.turn.notify_all();
+        if let (Some(x), Some((h, chunks))) = (tensor, finished) {
+            out.push(finish(x, h.finish(), chunks));
+        }
+        out
+    }
+
+    /// The second stage for tensor `t`: feeds the pieces not fed with their files (re-reading
+    /// them), or hashes it again on its own after a read failed. `None` when it is done.
+    fn resume(&self, reader: &mut Reader<'_>, t: usize, buf: &mut Vec<u8>) -> Option<Done> {
+        let x = &self.plan.tensors[t];
+        let (hasher, chunks, broken) = {
+            let mut st = self.lock();
+            let ts = &mut st.tensors[t];
+            if ts.finished {
+                return None;
+            }
+            (
+                ts.hasher.take(),
+                std::mem::take(&mut ts.chunks),
+                ts.broken,
+            )
+        };
+        let algorithm = self.options.algorithm;
+        let Some(hasher) = hasher.filter(|_| !broken) else {
+            return Some(run_entry(reader, x.entry, algorithm, buf));
+        };
+        let from = self.plan.feed_until[t];
+        Some(
+            match resume_slabs(reader, x.entry, algorithm, x.rows, &x.pieces, from, hasher, chunks, buf) {
+                Ok(d) => Done::Tensor(x.entry.key.clone(), d),
+                Err(err) => Done::Failed(x.entry.key.clone(), with_places(x.entry, &err)),
+            },
+        )
+    }
+
+    fn file_name(&self, f: usize) -> &'a str {
+        self.plan.files.get(f).map_or("", |(name, _)| name)
+    }
+}
+
+fn finish(x: &Streamed<'_>, digest: String, chunks: Vec<Option<Option<String>>>) -> Done {
+    let key = x.entry.key.clone();
+    let chunks: Option<Vec<Option<String>>> = chunks.into_iter().collect();
+    let Some(chunks) = chunks else {
+        return Done::Failed(key, format!("{}: a chunk was not hashed", x.entry.key));
+    };
+    match slab_digest(x.entry, x.rows, &x.pieces, digest, chunks) {
+        Ok(d) => Done::Tensor(key, d),
+        Err(err) => Done::Failed(key, with_places(x.entry, &err)),
+    }
+}
