@@ -248,7 +248,9 @@ pub fn hash_tensor(
         pieces.sort_by_key(|p| p.tensor_start);
         let rows = row_bytes(entry, item, shape)?;
         let chunks = vec![None; pieces.len()];
-        return resume_slabs(reader, entry, algorithm, rows, &pieces, 0, tensor, chunks, buf);
+        return resume_slabs(
+            reader, entry, algorithm, rows, &pieces, 0, tensor, chunks, buf,
+        );
     }
     let mut chunks: Vec<ChunkDigest> = Vec::new();
     let n = reader.tensor_as(entry, dtype, buf)?;

@@ -24,8 +24,8 @@ use shardscope_core::manifest::{FileDigest, Hasher, Manifest};
 use shardscope_core::source::Source;
 
 use super::{
-    Done, HashOptions, PIECE_BYTES, chunk_hasher, resume_slabs, row_bytes, run_entry,
-    slab_digest, with_places,
+    Done, HashOptions, PIECE_BYTES, chunk_hasher, resume_slabs, row_bytes, run_entry, slab_digest,
+    with_places,
 };
 use crate::convert::{Reader, SlabPiece, tensor_meta};
 use crate::input::Input;
@@ -202,7 +202,8 @@ fn plan<'a>(
             segments
         })
         .collect();
-    let (segments, feed_until) = order(per_file, &kept, with_files);
+    let counts: Vec<usize> = kept.iter().map(|t| t.pieces.len()).collect();
+    let (segments, feed_until) = order(per_file, &counts, with_files);
     Plan {
         files: all_files,
         tensors: kept,
@@ -223,9 +224,7 @@ fn streamable<'a>(reader: &Reader<'_>, e: &'a IndexEntry) -> Option<Streamed<'a>
     }
     pieces.sort_by_key(|p| p.tensor_start);
     let rows = row_bytes(e, dtype.size_bytes() as u64, shape).ok()?;
-    let bytes = pieces
-        .iter()
-        .try_fold(0u64, |n, p| n.checked_add(p.len))?;
+    let bytes = pieces.iter().try_fold(0u64, |n, p| n.checked_add(p.len))?;
     Some(Streamed {
         entry: e,
         dtype,
@@ -243,13 +242,13 @@ fn streamable<'a>(reader: &Reader<'_>, e: &'a IndexEntry) -> Option<Streamed<'a>
 /// first piece fed in the second stage (its piece count: none).
 fn order(
     per_file: Vec<Vec<Segment>>,
-    tensors: &[Streamed<'_>],
+    pieces: &[usize],
     with_files: bool,
 ) -> (Vec<Segment>, Vec<usize>) {
-    let mut feed_until: Vec<usize> = tensors.iter().map(|t| t.pieces.len()).collect();
-    let mut place: Vec<Vec<(usize, usize)>> = tensors
+    let mut feed_until: Vec<usize> = pieces.to_vec();
+    let mut place: Vec<Vec<(usize, usize)>> = pieces
         .iter()
-        .map(|t| vec![(usize::MAX, usize::MAX); t.pieces.len()])
+        .map(|&n| vec![(usize::MAX, usize::MAX); n])
         .collect();
     let mut waits: Vec<Vec<u8>> = Vec::with_capacity(per_file.len());
     for (f, segments) in per_file.iter().enumerate() {
@@ -307,7 +306,8 @@ fn order(
         let Some((t, k)) = (0..per_file.len()).find_map(|f| {
             let i = heads[f];
             let s = per_file[f].get(i)?;
-            s.chunk.filter(|_| with_files && !scheduled[f][i] && waits[f][i] > 0)
+            s.chunk
+                .filter(|_| with_files && !scheduled[f][i] && waits[f][i] > 0)
         }) else {
             // Cannot happen (every wait is on a file's previous segment or a tensor's previous
             // chunk); hand the rest out in file order with no tensor fed, rather than loop.
@@ -445,7 +445,9 @@ impl<'a> Run<'a> {
         }
         loop {
             let i = self.next_separate.fetch_add(1, Ordering::Relaxed);
-            let Some(e) = self.plan.separate.get(i) else { break };
+            let Some(e) = self.plan.separate.get(i) else {
+                break;
+            };
             let _ = tx.send(run_entry(&mut reader, e, self.options.algorithm, &mut buf));
         }
         // Every piece is hashed before any tensor is taken over.
@@ -618,11 +620,7 @@ impl<'a> Run<'a> {
             if ts.finished {
                 return None;
             }
-            (
-                ts.hasher.take(),
-                std::mem::take(&mut ts.chunks),
-                ts.broken,
-            )
+            (ts.hasher.take(), std::mem::take(&mut ts.chunks), ts.broken)
         };
         let algorithm = self.options.algorithm;
         let Some(hasher) = hasher.filter(|_| !broken) else {
@@ -630,7 +628,9 @@ impl<'a> Run<'a> {
         };
         let from = self.plan.feed_until[t];
         Some(
-            match resume_slabs(reader, x.entry, algorithm, x.rows, &x.pieces, from, hasher, chunks, buf) {
+            match resume_slabs(
+                reader, x.entry, algorithm, x.rows, &x.pieces, from, hasher, chunks, buf,
+            ) {
                 Ok(d) => Done::Tensor(x.entry.key.clone(), d),
                 Err(err) => Done::Failed(x.entry.key.clone(), with_places(x.entry, &err)),
             },
@@ -651,5 +651,98 @@ fn finish(x: &Streamed<'_>, digest: String, chunks: Vec<Option<Option<String>>>)
     match slab_digest(x.entry, x.rows, &x.pieces, digest, chunks) {
         Ok(d) => Done::Tensor(key, d),
         Err(err) => Done::Failed(key, with_places(x.entry, &err)),
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::{Segment, order};
+
+    /// Files as lists of `(tensor, piece)` chunks, each 10 bytes, laid out back to back.
+    fn files(layout: &[&[(usize, usize)]]) -> Vec<Vec<Segment>> {
+        layout
+            .iter()
+            .enumerate()
+            .map(|(f, chunks)| {
+                (0u64..)
+                    .zip(chunks.iter())
+                    .map(|(i, &c)| Segment {
+                        file: f,
+                        start: 10 * i,
+                        region: 10 * i,
+                        end: 10 * i + 10,
+                        chunk: Some(c),
+                    })
+                    .collect()
+            })
+            .collect()
+    }
+
+    /// Every segment once; each file's in file order (with files); each tensor's fed pieces in
+    /// order, and a tensor's pieces fed with the files are a prefix of them.
+    fn check(per_file: &[Vec<Segment>], pieces: &[usize], with_files: bool) -> Vec<usize> {
+        let (out, feed_until) = order(per_file.to_vec(), pieces, with_files);
+        assert_eq!(out.len(), per_file.iter().map(Vec::len).sum::<usize>());
+        let pos = |s: &Segment| {
+            out.iter()
+                .position(|o| o.file == s.file && o.start == s.start)
+                .unwrap()
+        };
+        for segments in per_file {
+            let at: Vec<usize> = segments.iter().map(pos).collect();
+            if with_files {
+                assert!(at.windows(2).all(|w| w[0] < w[1]), "file order: {at:?}");
+            }
+        }
+        for (t, &n) in pieces.iter().enumerate() {
+            assert!(feed_until[t] <= n);
+            let at: Vec<usize> = (0..feed_until[t])
+                .map(|k| {
+                    let s = per_file
+                        .iter()
+                        .flatten()
+                        .find(|s| s.chunk == Some((t, k)))
+                        .unwrap();
+                    pos(s)
+                })
+                .collect();
+            assert!(at.windows(2).all(|w| w[0] < w[1]), "tensor {t}: {at:?}");
+        }
+        feed_until
+    }
+
+    #[test]
+    fn fsdp_files_are_fed_in_one_pass() {
+        // Rank r's file holds chunk r of every tensor, in the same key order.
+        let layout = files(&[
+            &[(0, 0), (1, 0), (2, 0)],
+            &[(0, 1), (1, 1), (2, 1)],
+            &[(0, 2), (1, 2), (2, 2)],
+        ]);
+        assert_eq!(check(&layout, &[3, 3, 3], true), [3, 3, 3]);
+        // The files take turns: chunk 0 of x, then chunk 1 of x, ...
+        let (out, _) = order(layout, &[3, 3, 3], true);
+        assert_eq!(out[1].chunk, Some((0, 1)));
+    }
+
+    #[test]
+    fn a_crossing_is_fed_after_from_where_it_crosses() {
+        // File 0 holds x's chunk 1 before y's chunk 0; file 1 y's chunk 1 before x's chunk 0.
+        let layout = files(&[&[(0, 1), (1, 0)], &[(1, 1), (0, 0)]]);
+        let feed = check(&layout, &[2, 2], true);
+        assert_eq!(feed.iter().filter(|&&f| f < 2).count(), 1, "{feed:?}");
+        // Without file digests nothing crosses.
+        assert_eq!(check(&layout, &[2, 2], false), [2, 2]);
+        // Longer cycles over three files, and a tensor crossing twice.
+        let layout = files(&[
+            &[(2, 1), (0, 0), (1, 2)],
+            &[(0, 1), (1, 1), (2, 0)],
+            &[(1, 0), (2, 2), (0, 2)],
+        ]);
+        check(&layout, &[3, 3, 3], true);
+        check(&layout, &[3, 3, 3], false);
+        let layout = files(&[&[(0, 3), (0, 1)], &[(0, 2), (0, 0)]]);
+        let feed = check(&layout, &[4], true);
+        assert!(feed[0] < 4);
     }
 }
