@@ -111,6 +111,23 @@ impl Slices {
         }
         Ok(())
     }
+
+    /// After the last batch: the cancel check and the final progress.
+    pub(crate) fn finish(
+        cancel: &AtomicBool,
+        progress: &mut dyn FnMut(Progress),
+        total: usize,
+    ) -> Result<(), CompareError> {
+        if cancel.load(Ordering::Relaxed) {
+            return Err(CompareError::Cancelled);
+        }
+        progress(Progress {
+            done: total,
+            total,
+            what: String::new(),
+        });
+        Ok(())
+    }
 }
 
 /// The entry of `key` in a checkpoint.
@@ -200,14 +217,7 @@ pub async fn compare(
         entries.extend(batch);
         start = end;
     }
-    if cancel.load(Ordering::Relaxed) {
-        return Err(CompareError::Cancelled);
-    }
-    progress(Progress {
-        done: total,
-        total,
-        what: String::new(),
-    });
+    Slices::finish(cancel, progress, total)?;
     Ok(Comparison::from_report(
         plan.report(entries),
         shardscope_viewer::compare::side_notes(&a_ckpt.notes, &b_ckpt.notes),

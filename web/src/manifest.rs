@@ -314,13 +314,6 @@ pub async fn check(
         out.errors.extend(part.errors);
         start = end;
     }
-    if cancel.load(Ordering::Relaxed) {
-        return Err(CompareError::Cancelled);
-    }
-    progress(Progress {
-        done: total,
-        total,
-        what: String::new(),
-    });
+    Slices::finish(cancel, progress, total)?;
     report_of(expected, &out, &side.label)
 }

@@ -46,7 +46,7 @@ pub struct HashArgs {
     /// Print JSON: the manifest itself, or with -o a summary.
     #[arg(long)]
     pub json: bool,
-    /// Leave the `files` part out (each file's bytes are then not read a second time).
+    /// Leave the `files` part out (one digest less per byte; the bytes outside tensors are not read).
     #[arg(long)]
     pub no_files: bool,
     /// Threads reading and hashing (the manifest is the same for any count). Default: the

@@ -293,7 +293,6 @@ impl<'a> Reader<'a> {
         let total = nbytes(dtype, shape)?;
         let mut seen: BTreeSet<(&[u64], &[u64])> = BTreeSet::new();
         let mut pieces = Vec::new();
-        let mut covered = 0u64;
         for chunk in &entry.chunks {
             if !seen.insert((&chunk.offsets, &chunk.sizes)) || chunk.numel() == Some(0) {
                 continue;
@@ -311,7 +310,6 @@ impl<'a> Reader<'a> {
                 .offsets
                 .first()
                 .map_or(Some(0), |&o| o.checked_mul(row_bytes))?;
-            covered = covered.checked_add(len)?;
             pieces.push(SlabPiece {
                 tensor_start,
                 len,
@@ -320,8 +318,9 @@ impl<'a> Reader<'a> {
             });
         }
         // The index check proved the chunks tile the tensor; check once more before trusting it:
-        // the pieces, in tensor order, follow each other with no gap or overlap (a range read
-        // from them writes every byte it returns, so buffers are not zeroed first).
+        // the pieces, in tensor order, follow each other from 0 to the tensor's end with no gap
+        // or overlap (a range read from them writes every byte it returns, so buffers are not
+        // zeroed first).
         let mut spans: Vec<(u64, u64)> = pieces.iter().map(|p| (p.tensor_start, p.len)).collect();
         spans.sort_unstable();
         let mut end = 0u64;
@@ -331,7 +330,7 @@ impl<'a> Reader<'a> {
             }
             end = start.checked_add(len)?;
         }
-        (covered == total && end == total).then_some(pieces)
+        (end == total).then_some(pieces)
     }
 
     /// Reads the contiguous byte range `range` of the full tensor of `entry`, cast to `to` (its own

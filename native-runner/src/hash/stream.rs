@@ -14,7 +14,7 @@
 //! chunks share stored bytes with another are hashed on their own (`super::run_entry`).
 
 use std::cmp::Reverse;
-use std::collections::{BTreeMap, BinaryHeap};
+use std::collections::{BTreeMap, BTreeSet, BinaryHeap};
 use std::sync::atomic::{AtomicUsize, Ordering};
 use std::sync::{Barrier, Condvar, Mutex, MutexGuard, mpsc};
 
@@ -37,7 +37,6 @@ struct Streamed<'a> {
     shape: &'a [u64],
     rows: u64,
     pieces: Vec<SlabPiece>,
-    bytes: u64,
 }
 
 /// A run of one file's bytes: `start..region` outside any tensor (read for the file's digest
@@ -61,6 +60,10 @@ struct Plan<'a> {
     segments: Vec<Segment>,
     /// Hashed on their own.
     separate: Vec<&'a IndexEntry>,
+    /// File digests are fed from the segments (else: not hashed, or read on their own).
+    fused: bool,
+    /// Files whose digest is a read of their own (file digests asked for, not fused).
+    file_jobs: Vec<usize>,
 }
 
 /// Hashes `entries` and (with `options.files`) every file of `index` into `manifest`.
@@ -72,7 +75,7 @@ pub(super) fn run(
     manifest: &mut Manifest,
     progress: &mut dyn FnMut(usize, usize, &str),
 ) {
-    let plan = plan(source, index, entries, options.files);
+    let plan = plan(source, index, entries, options);
     let mut total = plan.separate.len() + plan.tensors.len();
     let mut done = 0;
     if options.files {
@@ -116,7 +119,7 @@ fn plan<'a>(
     source: &'a Input,
     index: &'a CheckpointIndex,
     entries: &[&'a IndexEntry],
-    with_files: bool,
+    options: HashOptions,
 ) -> Plan<'a> {
     let reader = Reader::new(source, index);
     let all_files: Vec<(&str, u64)> = index
@@ -173,6 +176,21 @@ fn plan<'a>(
             kept.push(s);
         }
     }
+    // A file's digest takes its bytes in order, so the files' digests are as many streams as the
+    // files holding tensors: with fewer than the threads, threads would wait for each other, and
+    // the file digests are read on their own instead, beside the tensors.
+    let streams = regions
+        .iter()
+        .filter(|list| list.iter().any(|r| !alone[r.2]))
+        .count();
+    let with_files = options.files && streams >= options.threads.max(1);
+    let file_jobs = if options.files && !with_files {
+        (0..all_files.len())
+            .filter(|&f| all_files[f].1 > 0)
+            .collect()
+    } else {
+        Vec::new()
+    };
     let per_file: Vec<Vec<Segment>> = regions
         .iter()
         .enumerate()
@@ -210,6 +228,8 @@ fn plan<'a>(
         feed_until,
         segments,
         separate,
+        fused: with_files,
+        file_jobs,
     }
 }
 
@@ -224,14 +244,12 @@ fn streamable<'a>(reader: &Reader<'_>, e: &'a IndexEntry) -> Option<Streamed<'a>
     }
     pieces.sort_by_key(|p| p.tensor_start);
     let rows = row_bytes(e, dtype.size_bytes() as u64, shape).ok()?;
-    let bytes = pieces.iter().try_fold(0u64, |n, p| n.checked_add(p.len))?;
     Some(Streamed {
         entry: e,
         dtype,
         shape,
         rows,
         pieces,
-        bytes,
     })
 }
 
@@ -336,14 +354,11 @@ fn order(
 
 struct FileState {
     hasher: Option<Hasher>,
-    at: u64,
     error: Option<String>,
 }
 
 struct TensorState {
     hasher: Option<Hasher>,
-    /// Bytes of the tensor (C order) fed so far.
-    at: u64,
     /// A read failed while feeding it: hashed again on its own in the second stage.
     broken: bool,
     /// Per piece: `None` not hashed, `Some(None)` the whole tensor's chunk.
@@ -351,13 +366,16 @@ struct TensorState {
     finished: bool,
 }
 
+/// What the threads share: the digests not being fed, and which segments can start.
 struct State {
     files: Vec<FileState>,
     tensors: Vec<TensorState>,
-    /// Per segment: the chunk digest being fed, where its next piece starts, a read failed.
-    chunk: Vec<Option<Hasher>>,
-    chunk_at: Vec<u64>,
-    chunk_failed: Vec<bool>,
+    /// Per segment (in the plan's order): the segments it still waits for.
+    waits: Vec<u8>,
+    /// Segments whose wait is over, not yet taken: the earliest in the plan's order goes first.
+    ready: BTreeSet<usize>,
+    running: usize,
+    left: usize,
 }
 
 struct Run<'a> {
@@ -365,20 +383,13 @@ struct Run<'a> {
     index: &'a CheckpointIndex,
     plan: &'a Plan<'a>,
     options: HashOptions,
-    /// The next piece to hand out: segment and byte.
-    cursor: Mutex<(usize, u64)>,
+    /// Per segment: the segments that wait for it (its file's next, its tensor's next chunk).
+    next: Vec<[Option<usize>; 2]>,
+    next_file: AtomicUsize,
     next_separate: AtomicUsize,
     next_resume: AtomicUsize,
     state: Mutex<State>,
-    turn: Condvar,
-}
-
-/// One piece handed out: segment `seg`, bytes `a..b` of its file.
-#[derive(Clone, Copy)]
-struct Piece {
-    seg: usize,
-    a: u64,
-    b: u64,
+    changed: Condvar,
 }
 
 impl<'a> Run<'a> {
@@ -389,13 +400,45 @@ impl<'a> Run<'a> {
         options: HashOptions,
     ) -> Run<'a> {
         let algorithm = options.algorithm;
+        let n = plan.segments.len();
+        // Who waits for whom: a file's segments follow each other (with file digests), and a
+        // tensor's chunks fed with their files follow each other.
+        let mut by_file: Vec<Vec<usize>> = vec![Vec::new(); plan.files.len()];
+        let mut by_piece: Vec<Vec<usize>> = plan
+            .tensors
+            .iter()
+            .map(|t| vec![usize::MAX; t.pieces.len()])
+            .collect();
+        for (i, s) in plan.segments.iter().enumerate() {
+            by_file[s.file].push(i);
+            if let Some((t, k)) = s.chunk {
+                by_piece[t][k] = i;
+            }
+        }
+        let mut next = vec![[None, None]; n];
+        let mut waits = vec![0u8; n];
+        if plan.fused {
+            for list in &mut by_file {
+                list.sort_by_key(|&i| plan.segments[i].start);
+                for w in list.windows(2) {
+                    next[w[0]][0] = Some(w[1]);
+                    waits[w[1]] += 1;
+                }
+            }
+        }
+        for (t, list) in by_piece.iter().enumerate() {
+            for k in 1..plan.feed_until[t].min(list.len()) {
+                next[list[k - 1]][1] = Some(list[k]);
+                waits[list[k]] += 1;
+            }
+        }
+        let ready = (0..n).filter(|&i| waits[i] == 0).collect();
         let state = State {
             files: plan
                 .files
                 .iter()
                 .map(|_| FileState {
                     hasher: Some(Hasher::new(algorithm)),
-                    at: 0,
                     error: None,
                 })
                 .collect(),
@@ -404,26 +447,27 @@ impl<'a> Run<'a> {
                 .iter()
                 .map(|t| TensorState {
                     hasher: Some(Hasher::tensor(algorithm, t.dtype, t.shape)),
-                    at: 0,
                     broken: false,
                     chunks: vec![None; t.pieces.len()],
                     finished: false,
                 })
                 .collect(),
-            chunk: plan.segments.iter().map(|_| None).collect(),
-            chunk_at: plan.segments.iter().map(|s| s.region).collect(),
-            chunk_failed: vec![false; plan.segments.len()],
+            waits,
+            ready,
+            running: 0,
+            left: n,
         };
         Run {
             source,
             index,
             plan,
             options,
-            cursor: Mutex::new((0, 0)),
+            next,
+            next_file: AtomicUsize::new(0),
             next_separate: AtomicUsize::new(0),
             next_resume: AtomicUsize::new(0),
             state: Mutex::new(state),
-            turn: Condvar::new(),
+            changed: Condvar::new(),
         }
     }
 
@@ -438,8 +482,16 @@ impl<'a> Run<'a> {
     fn worker(&self, barrier: &Barrier, tx: &mpsc::Sender<Done>) {
         let mut buf = Vec::new();
         let mut reader = Reader::new(self.source, self.index);
-        while let Some(piece) = self.next_piece() {
-            for done in self.hash_piece(piece, &mut buf) {
+        // Files read on their own first: each is one long stream.
+        loop {
+            let i = self.next_file.fetch_add(1, Ordering::Relaxed);
+            let Some(&f) = self.plan.file_jobs.get(i) else {
+                break;
+            };
+            let _ = tx.send(self.hash_file(f, &mut buf));
+        }
+        while let Some(seg) = self.take_segment() {
+            for done in self.hash_segment(seg, &mut buf) {
                 let _ = tx.send(done);
             }
         }
@@ -450,7 +502,7 @@ impl<'a> Run<'a> {
             };
             let _ = tx.send(run_entry(&mut reader, e, self.options.algorithm, &mut buf));
         }
-        // Every piece is hashed before any tensor is taken over.
+        // Every segment is hashed before any tensor is taken over.
         barrier.wait();
         loop {
             let t = self.next_resume.fetch_add(1, Ordering::Relaxed);
@@ -463,101 +515,101 @@ impl<'a> Run<'a> {
         }
     }
 
-    fn next_piece(&self) -> Option<Piece> {
-        let mut c = self
-            .cursor
-            .lock()
-            .unwrap_or_else(std::sync::PoisonError::into_inner);
-        loop {
-            let s = self.plan.segments.get(c.0)?;
-            let a = c.1.max(s.start);
-            if a < s.end {
-                let stop = if a < s.region { s.region } else { s.end };
-                let b = stop.min(a.saturating_add(PIECE_BYTES as u64));
-                c.1 = b;
-                return Some(Piece { seg: c.0, a, b });
-            }
-            *c = (c.0 + 1, 0);
-        }
-    }
-
-    /// Reads `piece`, waits for its turn in each digest it feeds, feeds them; returns the files
-    /// and tensors it finished.
-    #[allow(clippy::too_many_lines)] // read, wait, feed, pass on: one piece's life, kept together
-    fn hash_piece(&self, piece: Piece, buf: &mut Vec<u8>) -> Vec<Done> {
-        let Piece { seg, a, b } = piece;
-        let s = self.plan.segments[seg];
-        let with_files = self.options.files;
-        let n = usize::try_from(b - a).unwrap_or(PIECE_BYTES);
-        if buf.len() < n {
-            buf.resize(n, 0);
-        }
-        let name = self.file_name(s.file);
-        let read = self
-            .source
-            .read_range_into(name, a, &mut buf[..n])
-            .map_err(|e| format!("{name}: bytes {a}..{b}: {e}"));
-        let chunk = s.chunk.filter(|_| a >= s.region);
-        let (t, k) = chunk.unwrap_or((usize::MAX, usize::MAX));
-        let feed = chunk.is_some_and(|_| k < self.plan.feed_until[t]);
-        let tensor = self.plan.tensors.get(t);
-        let tensor_at = tensor.map_or(0, |x| x.pieces[k].tensor_start + (a - s.region));
-
+    /// The earliest segment that can start; waits while every segment left waits for one being
+    /// hashed. `None` when all are taken.
+    fn take_segment(&self) -> Option<usize> {
         let mut st = self.lock();
-        while !((!with_files || st.files[s.file].at == a)
-            && (chunk.is_none() || st.chunk_at[seg] == a)
-            && (!feed || st.tensors[t].at == tensor_at))
-        {
+        loop {
+            if let Some(i) = st.ready.pop_first() {
+                st.running += 1;
+                st.left -= 1;
+                return Some(i);
+            }
+            if st.left == 0 || st.running == 0 {
+                // `running == 0` with segments left cannot happen (the plan's order has every
+                // wait before its segment); stop rather than wait for ever.
+                return None;
+            }
             st = self
-                .turn
+                .changed
                 .wait(st)
                 .unwrap_or_else(std::sync::PoisonError::into_inner);
         }
-        let mut file_h = if with_files {
-            st.files[s.file].hasher.take()
-        } else {
-            None
+    }
+
+    /// Reads segment `seg` piece by piece, each piece feeding its file's digest, its chunk's and
+    /// its tensor's (whose earlier bytes are all fed: the segments it waited for are done).
+    /// Returns the files and tensors it finished.
+    fn hash_segment(&self, seg: usize, buf: &mut Vec<u8>) -> Vec<Done> {
+        let s = self.plan.segments[seg];
+        let with_files = self.plan.fused;
+        let (name, size) = self.plan.files[s.file];
+        let tensor = s
+            .chunk
+            .and_then(|(t, k)| Some((t, k, self.plan.tensors.get(t)?)));
+        let feed = tensor.is_some_and(|(t, k, _)| k < self.plan.feed_until[t]);
+        let (mut file_h, mut tensor_h) = {
+            let mut st = self.lock();
+            let file_h = if with_files {
+                st.files[s.file].hasher.take()
+            } else {
+                None
+            };
+            let tensor_h = match tensor {
+                Some((t, _, _)) if feed => st.tensors[t].hasher.take(),
+                _ => None,
+            };
+            (file_h, tensor_h)
         };
-        let mut chunk_h = match tensor {
-            Some(x) if a == s.region => chunk_hasher(
+        let mut chunk_h = tensor.and_then(|(_, k, x)| {
+            chunk_hasher(
                 self.options.algorithm,
                 x.entry,
                 x.pieces.len(),
                 x.rows,
                 &x.pieces[k],
-            ),
-            Some(_) => st.chunk[seg].take(),
-            None => None,
-        };
-        let mut tensor_h = if feed {
-            st.tensors[t].hasher.take()
-        } else {
-            None
-        };
-        drop(st);
-        if read.is_ok() {
-            for h in [&mut file_h, &mut chunk_h, &mut tensor_h]
-                .into_iter()
-                .flatten()
-            {
-                h.update(&buf[..n]);
+            )
+        });
+        let mut error: Option<String> = None;
+        let mut a = s.start;
+        while a < s.end {
+            let stop = if a < s.region { s.region } else { s.end };
+            let b = stop.min(a.saturating_add(PIECE_BYTES as u64));
+            let n = usize::try_from(b - a).unwrap_or(PIECE_BYTES);
+            if buf.len() < n {
+                buf.resize(n, 0);
             }
+            if let Err(e) = self.source.read_range_into(name, a, &mut buf[..n]) {
+                error = Some(format!("{name}: bytes {a}..{b}: {e}"));
+                break;
+            }
+            let bytes = &buf[..n];
+            if let Some(h) = &mut file_h {
+                h.update(bytes);
+            }
+            if a >= s.region {
+                if let Some(h) = &mut chunk_h {
+                    h.update(bytes);
+                }
+                if let Some(h) = &mut tensor_h {
+                    h.update(bytes);
+                }
+            }
+            a = b;
         }
 
         let mut out = Vec::new();
         let mut finished = None;
         let mut st = self.lock();
         if with_files {
-            let size = self.plan.files[s.file].1;
             let f = &mut st.files[s.file];
-            match &read {
-                Ok(()) => f.hasher = file_h,
-                Err(e) => {
+            match &error {
+                None => f.hasher = file_h,
+                Some(e) => {
                     f.error.get_or_insert_with(|| e.clone());
                 }
             }
-            f.at = b;
-            if b == size {
+            if s.end == size {
                 out.push(match (f.error.take(), f.hasher.take()) {
                     (None, Some(h)) => Done::File(
                         name.to_owned(),
@@ -573,41 +625,70 @@ impl<'a> Run<'a> {
                 });
             }
         }
-        if chunk.is_some() {
-            st.chunk_at[seg] = b;
-            if read.is_err() {
-                st.chunk_failed[seg] = true;
+        if let Some((t, k, x)) = tensor {
+            // A read failed: the chunk is not hashed (the second stage reads it again and names
+            // the failure), and a tensor fed here is hashed again on its own.
+            let ts = &mut st.tensors[t];
+            if error.is_none() {
+                ts.chunks[k] = Some(chunk_h.map(Hasher::finish));
             }
-            if b == s.end {
-                if !st.chunk_failed[seg] {
-                    st.tensors[t].chunks[k] = Some(chunk_h.map(Hasher::finish));
+            if feed {
+                if error.is_some() {
+                    ts.broken = true;
+                } else if !ts.broken {
+                    ts.hasher = tensor_h;
+                    if k + 1 == x.pieces.len() {
+                        ts.finished = true;
+                        finished = ts
+                            .hasher
+                            .take()
+                            .map(|h| (h, std::mem::take(&mut ts.chunks)));
+                    }
                 }
-            } else {
-                st.chunk[seg] = chunk_h;
             }
         }
-        if let Some(x) = tensor.filter(|_| feed) {
-            let ts = &mut st.tensors[t];
-            if read.is_ok() {
-                ts.hasher = tensor_h;
-            } else {
-                ts.broken = true;
-            }
-            ts.at += b - a;
-            if !ts.broken && ts.at == x.bytes {
-                ts.finished = true;
-                finished = ts
-                    .hasher
-                    .take()
-                    .map(|h| (h, std::mem::take(&mut ts.chunks)));
+        st.running -= 1;
+        for j in self.next[seg].into_iter().flatten() {
+            st.waits[j] -= 1;
+            if st.waits[j] == 0 {
+                st.ready.insert(j);
             }
         }
         drop(st);
-        self.turn.notify_all();
-        if let (Some(x), Some((h, chunks))) = (tensor, finished) {
+        self.changed.notify_all();
+        if let (Some((_, _, x)), Some((h, chunks))) = (tensor, finished) {
             out.push(finish(x, h.finish(), chunks));
         }
         out
+    }
+
+    /// The digest of file `f`, read on its own.
+    fn hash_file(&self, f: usize, buf: &mut Vec<u8>) -> Done {
+        let (name, size) = self.plan.files[f];
+        let mut h = Hasher::new(self.options.algorithm);
+        let mut at = 0u64;
+        while at < size {
+            let end = size.min(at.saturating_add(PIECE_BYTES as u64));
+            let n = usize::try_from(end - at).unwrap_or(PIECE_BYTES);
+            if buf.len() < n {
+                buf.resize(n, 0);
+            }
+            if let Err(e) = self.source.read_range_into(name, at, &mut buf[..n]) {
+                return Done::Failed(
+                    format!("file {name}"),
+                    format!("{name}: bytes {at}..{end}: {e}"),
+                );
+            }
+            h.update(&buf[..n]);
+            at = end;
+        }
+        Done::File(
+            name.to_owned(),
+            FileDigest {
+                size,
+                digest: h.finish(),
+            },
+        )
     }
 
     /// The second stage for tensor `t`: feeds the pieces not fed with their files (re-reading
@@ -635,10 +716,6 @@ impl<'a> Run<'a> {
                 Err(err) => Done::Failed(x.entry.key.clone(), with_places(x.entry, &err)),
             },
         )
-    }
-
-    fn file_name(&self, f: usize) -> &'a str {
-        self.plan.files.get(f).map_or("", |(name, _)| name)
     }
 }
 
