@@ -6,7 +6,8 @@ checkpoint in every serialization torch writes: a DCP (examples/fsdp2_dcp), torc
 Default manifests (with file digests, read in one pass with the tensors) give the same tensors and
 each file's hashlib SHA-256; among them a DCP written here whose file order crosses its tensors' C
 order (rank 0 holds `x`'s second half before `y`'s first, rank 1 `y`'s second before `x`'s first),
-which the one pass cannot follow for both, hashed with 1, 2 and 3 threads.
+which the one pass cannot follow for both, hashed with 1, 2 and 3 threads; and one 24 MiB
+safetensors file with 1, 2 and 4 threads.
 
 Usage: python check_hash.py SHARDSCOPE_BIN WORK_DIR. Prints `ok` last.
 """
@@ -155,6 +156,20 @@ def check_crossed() -> None:
         check_files(f"crossed dcp, {threads} threads", out, no_files, threads)
 
 
+def check_one_large_file() -> None:
+    """One file of 8 MiB tensors (32 pieces each): its one stream of file digest is fed by one
+    thread while the others copy pieces ahead for it; any thread count gives torch's digests."""
+    g = torch.Generator().manual_seed(11)
+    tensors = {f"w{i}": torch.randn(512, 4096, generator=g) for i in range(3)}
+    tensors["bias"] = torch.randn(4096, generator=g).to(torch.bfloat16)
+    path = WORK / "large.safetensors"
+    save_file(tensors, str(path))
+    no_files = shardscope_hash(path)
+    check_tensors("large safetensors", no_files["tensors"], tensors)
+    for threads in (1, 2, 4):
+        check_files(f"large safetensors, {threads} threads", path, no_files, threads)
+
+
 def main() -> None:
     WORK.mkdir(parents=True, exist_ok=True)
     dcp = ROOT / "examples" / "fsdp2_dcp"
@@ -200,6 +215,7 @@ def main() -> None:
     folder = shardscope_hash(fsdp2)["tensors"]
     check_tensors("fsdp2 folder", {k[len("model."):]: v for k, v in folder.items() if k.startswith("model.")}, expected)
     check_crossed()
+    check_one_large_file()
     print(f"{len(tensors)} tensors and {len(dcp_values)} values in 3 serializations, {len(expected)} per-rank tensors")
     print("ok")
 

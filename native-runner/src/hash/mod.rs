@@ -9,6 +9,7 @@
 //! or the order work finishes. Memory: per thread one piece buffer, or the tensor for tensors that
 //! are not slabs.
 
+mod assist;
 mod stream;
 
 use std::collections::BTreeSet;

@@ -16,13 +16,14 @@
 use std::cmp::Reverse;
 use std::collections::{BTreeMap, BTreeSet, BinaryHeap};
 use std::sync::atomic::{AtomicUsize, Ordering};
-use std::sync::{Barrier, Condvar, Mutex, MutexGuard, mpsc};
+use std::sync::{Arc, Barrier, Condvar, Mutex, MutexGuard, mpsc};
 
 use shardscope_core::dtype::DType;
 use shardscope_core::index::{CheckpointIndex, EntryKind, IndexEntry};
-use shardscope_core::manifest::{FileDigest, Hasher, Manifest};
+use shardscope_core::manifest::{Algorithm, FileDigest, Hasher, Manifest};
 use shardscope_core::source::Source;
 
+use super::assist::{Assist, Help, Piece, Pieces};
 use super::{
     Done, HashOptions, PIECE_BYTES, chunk_hasher, resume_slabs, row_bytes, run_entry, slab_digest,
     with_places,
@@ -176,14 +177,17 @@ fn plan<'a>(
             kept.push(s);
         }
     }
-    // A file's digest takes its bytes in order, so the files' digests are as many streams as the
-    // files holding tensors: with fewer than the threads, threads would wait for each other, and
-    // the file digests are read on their own instead, beside the tensors.
+    // A file's digest takes its bytes in order: the files' digests are as many streams as there
+    // are files holding tensors. With fewer than the threads, the other threads copy pieces ahead
+    // for them ([`Assist`]), which pays while the copy is most of the work (xxh3); where the
+    // digest is (sha256), one stream's digests would leave the other cores idle, and the file
+    // digests are read on their own instead, beside the tensors.
     let streams = regions
         .iter()
         .filter(|list| list.iter().any(|r| !alone[r.2]))
         .count();
-    let with_files = options.files && streams >= options.threads.max(1);
+    let with_files = options.files
+        && (streams >= options.threads.max(1) || options.algorithm == Algorithm::Xxh3);
     let file_jobs = if options.files && !with_files {
         (0..all_files.len())
             .filter(|&f| all_files[f].1 > 0)
@@ -352,6 +356,12 @@ fn order(
     (out, feed_until)
 }
 
+enum Work {
+    Segment(usize, Arc<Assist>),
+    Help(Arc<Assist>),
+    Nothing,
+}
+
 struct FileState {
     hasher: Option<Hasher>,
     error: Option<String>,
@@ -374,6 +384,8 @@ struct State {
     waits: Vec<u8>,
     /// Segments whose wait is over, not yet taken: the earliest in the plan's order goes first.
     ready: BTreeSet<usize>,
+    /// The running segments, for threads with nothing to start to copy ahead for.
+    assists: Vec<Arc<Assist>>,
     running: usize,
     left: usize,
 }
@@ -386,6 +398,8 @@ struct Run<'a> {
     /// Per segment: the segments that wait for it (its file's next, its tensor's next chunk).
     next: Vec<[Option<usize>; 2]>,
     next_file: AtomicUsize,
+    /// `state.ready.len()`, read without the lock by threads copying ahead.
+    ready_len: AtomicUsize,
     next_separate: AtomicUsize,
     next_resume: AtomicUsize,
     state: Mutex<State>,
@@ -432,7 +446,8 @@ impl<'a> Run<'a> {
                 waits[list[k]] += 1;
             }
         }
-        let ready = (0..n).filter(|&i| waits[i] == 0).collect();
+        let ready: BTreeSet<usize> = (0..n).filter(|&i| waits[i] == 0).collect();
+        let ready_len = ready.len();
         let state = State {
             files: plan
                 .files
@@ -454,6 +469,7 @@ impl<'a> Run<'a> {
                 .collect(),
             waits,
             ready,
+            assists: Vec::new(),
             running: 0,
             left: n,
         };
@@ -464,6 +480,7 @@ impl<'a> Run<'a> {
             options,
             next,
             next_file: AtomicUsize::new(0),
+            ready_len: AtomicUsize::new(ready_len),
             next_separate: AtomicUsize::new(0),
             next_resume: AtomicUsize::new(0),
             state: Mutex::new(state),
@@ -490,9 +507,15 @@ impl<'a> Run<'a> {
             };
             let _ = tx.send(self.hash_file(f, &mut buf));
         }
-        while let Some(seg) = self.take_segment() {
-            for done in self.hash_segment(seg, &mut buf) {
-                let _ = tx.send(done);
+        loop {
+            match self.take_work() {
+                Work::Segment(seg, assist) => {
+                    for done in self.hash_segment(seg, &assist, &mut buf) {
+                        let _ = tx.send(done);
+                    }
+                }
+                Work::Help(assist) => self.help(&assist),
+                Work::Nothing => break,
             }
         }
         loop {
@@ -515,20 +538,43 @@ impl<'a> Run<'a> {
         }
     }
 
-    /// The earliest segment that can start; waits while every segment left waits for one being
-    /// hashed. `None` when all are taken.
-    fn take_segment(&self) -> Option<usize> {
+    /// The earliest segment that can start; else a running segment to copy ahead for; waits
+    /// while neither is there and segments are left.
+    fn take_work(&self) -> Work {
         let mut st = self.lock();
         loop {
             if let Some(i) = st.ready.pop_first() {
+                self.ready_len.store(st.ready.len(), Ordering::Release);
                 st.running += 1;
                 st.left -= 1;
-                return Some(i);
+                let s = self.plan.segments[i];
+                let assist = Arc::new(Assist::new(
+                    Pieces {
+                        start: s.start,
+                        region: s.region,
+                        end: s.end,
+                    },
+                    self.plan.files[s.file].0,
+                    2 * self.options.threads.clamp(1, 8),
+                ));
+                st.assists.push(Arc::clone(&assist));
+                drop(st);
+                self.changed.notify_all();
+                return Work::Segment(i, assist);
+            }
+            // The running segment with the most pieces nobody has claimed, if worth a copier.
+            if let Some(a) = st
+                .assists
+                .iter()
+                .max_by_key(|a| a.unclaimed())
+                .filter(|a| a.unclaimed() >= 2)
+            {
+                return Work::Help(Arc::clone(a));
             }
             if st.left == 0 || st.running == 0 {
                 // `running == 0` with segments left cannot happen (the plan's order has every
                 // wait before its segment); stop rather than wait for ever.
-                return None;
+                return Work::Nothing;
             }
             st = self
                 .changed
@@ -537,10 +583,24 @@ impl<'a> Run<'a> {
         }
     }
 
+    /// Copies pieces ahead for `assist`'s thread until they are all claimed or a segment can start.
+    fn help(&self, assist: &Assist) {
+        loop {
+            match assist.help(self.source) {
+                Help::Done => return,
+                Help::Copied => {}
+                Help::Full => std::thread::yield_now(),
+            }
+            if self.ready_len.load(Ordering::Acquire) > 0 {
+                return;
+            }
+        }
+    }
+
     /// Reads segment `seg` piece by piece, each piece feeding its file's digest, its chunk's and
     /// its tensor's (whose earlier bytes are all fed: the segments it waited for are done).
     /// Returns the files and tensors it finished.
-    fn hash_segment(&self, seg: usize, buf: &mut Vec<u8>) -> Vec<Done> {
+    fn hash_segment(&self, seg: usize, assist: &Arc<Assist>, buf: &mut Vec<u8>) -> Vec<Done> {
         let s = self.plan.segments[seg];
         let with_files = self.plan.fused;
         let (name, size) = self.plan.files[s.file];
@@ -571,23 +631,11 @@ impl<'a> Run<'a> {
             )
         });
         let mut error: Option<String> = None;
-        let mut a = s.start;
-        while a < s.end {
-            let stop = if a < s.region { s.region } else { s.end };
-            let b = stop.min(a.saturating_add(PIECE_BYTES as u64));
-            let n = usize::try_from(b - a).unwrap_or(PIECE_BYTES);
-            if buf.len() < n {
-                buf.resize(n, 0);
-            }
-            if let Err(e) = self.source.read_range_into(name, a, &mut buf[..n]) {
-                error = Some(format!("{name}: bytes {a}..{b}: {e}"));
-                break;
-            }
-            let bytes = &buf[..n];
+        let mut update = |bytes: &[u8], at: u64| {
             if let Some(h) = &mut file_h {
                 h.update(bytes);
             }
-            if a >= s.region {
+            if at >= s.region {
                 if let Some(h) = &mut chunk_h {
                     h.update(bytes);
                 }
@@ -595,8 +643,32 @@ impl<'a> Run<'a> {
                     h.update(bytes);
                 }
             }
-            a = b;
+        };
+        for i in 0..assist.pieces.count() {
+            let (a, b) = assist.pieces.range(i);
+            match assist.take(i) {
+                Piece::Own => {
+                    let n = usize::try_from(b - a).unwrap_or(PIECE_BYTES);
+                    if buf.len() < n {
+                        buf.resize(n, 0);
+                    }
+                    if let Err(e) = self.source.read_range_into(name, a, &mut buf[..n]) {
+                        error = Some(format!("{name}: bytes {a}..{b}: {e}"));
+                        break;
+                    }
+                    update(&buf[..n], a);
+                }
+                Piece::Copied(taken) => match taken.bytes() {
+                    Ok(bytes) => update(bytes, a),
+                    Err(e) => {
+                        error = Some(e.to_owned());
+                        break;
+                    }
+                },
+            }
         }
+        // Copiers stop: the pieces left (after an error) are not wanted.
+        assist.close();
 
         let mut out = Vec::new();
         let mut finished = None;
@@ -648,12 +720,14 @@ impl<'a> Run<'a> {
             }
         }
         st.running -= 1;
+        st.assists.retain(|a| !Arc::ptr_eq(a, assist));
         for j in self.next[seg].into_iter().flatten() {
             st.waits[j] -= 1;
             if st.waits[j] == 0 {
                 st.ready.insert(j);
             }
         }
+        self.ready_len.store(st.ready.len(), Ordering::Release);
         drop(st);
         self.changed.notify_all();
         if let (Some((_, _, x)), Some((h, chunks))) = (tensor, finished) {
