@@ -182,23 +182,23 @@ impl Assist {
             return Help::Done;
         }
         for slot in &self.slots {
-            let Some(mut g) = lock(slot) else { continue };
-            if g.piece != usize::MAX {
+            let Some(mut held) = lock(slot) else { continue };
+            if held.piece != usize::MAX {
                 continue;
             }
-            let i = self.next.fetch_add(1, Ordering::AcqRel);
-            if i >= total {
+            let claimed = self.next.fetch_add(1, Ordering::AcqRel);
+            if claimed >= total {
                 return Help::Done;
             }
-            let (a, b) = self.pieces.range(i);
-            let n = usize::try_from(b - a).unwrap_or(PIECE_BYTES);
-            g.buf.resize(n, 0);
+            let (from, to) = self.pieces.range(claimed);
+            let len = usize::try_from(to - from).unwrap_or(PIECE_BYTES);
+            held.buf.resize(len, 0);
             let file = &self.file;
-            g.error = source
-                .read_range_into(file, a, &mut g.buf[..n])
+            held.error = source
+                .read_range_into(file, from, &mut held.buf[..len])
                 .err()
-                .map(|e| format!("{file}: bytes {a}..{b}: {e}"));
-            g.piece = i;
+                .map(|e| format!("{file}: bytes {from}..{to}: {e}"));
+            held.piece = claimed;
             return Help::Copied;
         }
         Help::Full

@@ -47,6 +47,21 @@ pub fn default_threads() -> usize {
         .clamp(1, 8)
 }
 
+/// A stored chunk's digest while a tensor is hashed.
+#[derive(Debug, Clone)]
+enum Chunk {
+    NotYet,
+    /// The chunk is the whole tensor: its digest is the tensor's.
+    Whole,
+    Digest(String),
+}
+
+impl Chunk {
+    fn of(hasher: Option<Hasher>) -> Chunk {
+        hasher.map_or(Chunk::Whole, |h| Chunk::Digest(h.finish()))
+    }
+}
+
 enum Done {
     Tensor(String, TensorDigest),
     Value(String, ValueDigest),
@@ -173,13 +188,13 @@ fn chunk_hasher(
 }
 
 /// The digest of a tensor stored as `pieces` (sorted by `tensor_start`): `digest`, and per piece
-/// its chunk's (`None`: the chunk is the whole tensor and takes its digest).
+/// its chunk's (every one hashed).
 fn slab_digest(
     entry: &IndexEntry,
     row_bytes: u64,
     pieces: &[SlabPiece],
     digest: String,
-    chunk_digests: Vec<Option<String>>,
+    chunk_digests: Vec<Chunk>,
 ) -> Result<TensorDigest> {
     let (dtype, shape) = tensor_meta(entry)?;
     let chunks = pieces
@@ -187,18 +202,22 @@ fn slab_digest(
         .zip(chunk_digests)
         .map(|(piece, d)| {
             let (offsets, sizes) = slab_chunk(shape, row_bytes, piece);
-            ChunkDigest {
+            Ok(ChunkDigest {
                 offsets,
                 sizes,
-                digest: d.unwrap_or_else(|| digest.clone()),
+                digest: match d {
+                    Chunk::Digest(d) => d,
+                    Chunk::Whole => digest.clone(),
+                    Chunk::NotYet => bail!("{}: a chunk was not hashed", entry.key),
+                },
                 stored: Some(StoredAt {
                     file: piece.file.clone(),
                     start: piece.file_start,
                     end: piece.file_start.saturating_add(piece.len),
                 }),
-            }
+            })
         })
-        .collect();
+        .collect::<Result<Vec<_>>>()?;
     Ok(TensorDigest {
         dtype: dtype.name().to_owned(),
         shape: shape.to_vec(),
@@ -248,7 +267,7 @@ pub fn hash_tensor(
     if let Some(mut pieces) = reader.slab_pieces(entry, dtype) {
         pieces.sort_by_key(|p| p.tensor_start);
         let rows = row_bytes(entry, item, shape)?;
-        let chunks = vec![None; pieces.len()];
+        let chunks = vec![Chunk::NotYet; pieces.len()];
         return resume_slabs(
             reader, entry, algorithm, rows, &pieces, 0, tensor, chunks, buf,
         );
@@ -298,8 +317,7 @@ pub fn hash_tensor(
 }
 
 /// Feeds the pieces `pieces[from..]` of a slab tensor (sorted by `tensor_start`) to `tensor`,
-/// reading them, with the digest of each chunk not yet known (`chunks[k]`: `None` not hashed yet,
-/// `Some(None)` the whole tensor's); returns the tensor's digest.
+/// reading them, with the digest of each chunk not yet known; returns the tensor's digest.
 #[allow(clippy::too_many_arguments)] // the state a one-read pass leaves, taken over
 fn resume_slabs(
     reader: &mut Reader<'_>,
@@ -309,12 +327,12 @@ fn resume_slabs(
     pieces: &[SlabPiece],
     from: usize,
     mut tensor: Hasher,
-    mut chunks: Vec<Option<Option<String>>>,
+    mut chunks: Vec<Chunk>,
     buf: &mut Vec<u8>,
 ) -> Result<TensorDigest> {
     let (dtype, _) = tensor_meta(entry)?;
     for (k, piece) in pieces.iter().enumerate().skip(from) {
-        let known = chunks.get(k).is_some_and(Option::is_some);
+        let known = !matches!(chunks.get(k), Some(Chunk::NotYet) | None);
         let mut chunk = if known {
             None
         } else {
@@ -335,12 +353,8 @@ fn resume_slabs(
             at = stop;
         }
         if !known && let Some(slot) = chunks.get_mut(k) {
-            *slot = Some(chunk.map(Hasher::finish));
+            *slot = Chunk::of(chunk);
         }
     }
-    let chunks = chunks
-        .into_iter()
-        .map(|c| c.with_context(|| format!("{}: a chunk was not hashed", entry.key)))
-        .collect::<Result<Vec<_>>>()?;
     slab_digest(entry, rows, pieces, tensor.finish(), chunks)
 }

@@ -25,8 +25,8 @@ use shardscope_core::source::Source;
 
 use super::assist::{Assist, Help, Piece, Pieces};
 use super::{
-    Done, HashOptions, PIECE_BYTES, chunk_hasher, resume_slabs, row_bytes, run_entry, slab_digest,
-    with_places,
+    Chunk, Done, HashOptions, PIECE_BYTES, chunk_hasher, resume_slabs, row_bytes, run_entry,
+    slab_digest, with_places,
 };
 use crate::convert::{Reader, SlabPiece, tensor_meta};
 use crate::input::Input;
@@ -128,11 +128,6 @@ fn plan<'a>(
         .iter()
         .map(|(n, f)| (n.as_str(), f.size))
         .collect();
-    let file_of: BTreeMap<&str, usize> = all_files
-        .iter()
-        .enumerate()
-        .map(|(i, (n, _))| (*n, i))
-        .collect();
     let mut tensors = Vec::new();
     let mut separate = Vec::new();
     for &e in entries {
@@ -141,32 +136,7 @@ fn plan<'a>(
             None => separate.push(e),
         }
     }
-    // Each tensor's chunks, by file; a tensor with a chunk outside the files, or sharing stored
-    // bytes with another chunk (tied weights in a torch.save file), is hashed on its own.
-    let mut regions: Vec<Vec<(u64, u64, usize, usize)>> = vec![Vec::new(); all_files.len()];
-    let mut alone = vec![false; tensors.len()];
-    for (t, s) in tensors.iter().enumerate() {
-        for (k, p) in s.pieces.iter().enumerate() {
-            let end = p.file_start.checked_add(p.len);
-            match (file_of.get(p.file.as_str()), end) {
-                (Some(&f), Some(end)) if end <= all_files[f].1 => {
-                    regions[f].push((p.file_start, end, t, k));
-                }
-                _ => alone[t] = true,
-            }
-        }
-    }
-    for list in &mut regions {
-        list.sort_unstable();
-        let mut end = 0;
-        for &(a, b, t, _) in list.iter() {
-            if a < end {
-                alone[t] = true;
-            } else {
-                end = b;
-            }
-        }
-    }
+    let (regions, alone) = regions_by_file(&tensors, &all_files);
     let mut kept = Vec::new();
     let mut renumber = vec![usize::MAX; tensors.len()];
     for (t, s) in tensors.into_iter().enumerate() {
@@ -225,7 +195,7 @@ fn plan<'a>(
         })
         .collect();
     let counts: Vec<usize> = kept.iter().map(|t| t.pieces.len()).collect();
-    let (segments, feed_until) = order(per_file, &counts, with_files);
+    let (segments, feed_until) = order(&per_file, &counts, with_files);
     Plan {
         files: all_files,
         tensors: kept,
@@ -235,6 +205,46 @@ fn plan<'a>(
         fused: with_files,
         file_jobs,
     }
+}
+
+/// Each tensor's chunks, by file: `(start, end, tensor, piece)` sorted; and per tensor, whether it
+/// is hashed on its own: a chunk outside the files, or sharing stored bytes with another chunk (tied
+/// weights in a torch.save file).
+#[allow(clippy::type_complexity)] // a plan's intermediate, used once
+fn regions_by_file(
+    tensors: &[Streamed<'_>],
+    all_files: &[(&str, u64)],
+) -> (Vec<Vec<(u64, u64, usize, usize)>>, Vec<bool>) {
+    let file_of: BTreeMap<&str, usize> = all_files
+        .iter()
+        .enumerate()
+        .map(|(i, (n, _))| (*n, i))
+        .collect();
+    let mut regions: Vec<Vec<(u64, u64, usize, usize)>> = vec![Vec::new(); all_files.len()];
+    let mut alone = vec![false; tensors.len()];
+    for (t, s) in tensors.iter().enumerate() {
+        for (k, p) in s.pieces.iter().enumerate() {
+            let end = p.file_start.checked_add(p.len);
+            match (file_of.get(p.file.as_str()), end) {
+                (Some(&f), Some(end)) if end <= all_files[f].1 => {
+                    regions[f].push((p.file_start, end, t, k));
+                }
+                _ => alone[t] = true,
+            }
+        }
+    }
+    for list in &mut regions {
+        list.sort_unstable();
+        let mut end = 0;
+        for &(a, b, t, _) in list.iter() {
+            if a < end {
+                alone[t] = true;
+            } else {
+                end = b;
+            }
+        }
+    }
+    (regions, alone)
 }
 
 fn streamable<'a>(reader: &Reader<'_>, e: &'a IndexEntry) -> Option<Streamed<'a>> {
@@ -263,7 +273,7 @@ fn streamable<'a>(reader: &Reader<'_>, e: &'a IndexEntry) -> Option<Streamed<'a>
 /// the tensor met from that chunk on in the second stage. Returns the order and, per tensor, the
 /// first piece fed in the second stage (its piece count: none).
 fn order(
-    per_file: Vec<Vec<Segment>>,
+    per_file: &[Vec<Segment>],
     pieces: &[usize],
     with_files: bool,
 ) -> (Vec<Segment>, Vec<usize>) {
@@ -371,8 +381,7 @@ struct TensorState {
     hasher: Option<Hasher>,
     /// A read failed while feeding it: hashed again on its own in the second stage.
     broken: bool,
-    /// Per piece: `None` not hashed, `Some(None)` the whole tensor's chunk.
-    chunks: Vec<Option<Option<String>>>,
+    chunks: Vec<Chunk>,
     finished: bool,
 }
 
@@ -463,7 +472,7 @@ impl<'a> Run<'a> {
                 .map(|t| TensorState {
                     hasher: Some(Hasher::tensor(algorithm, t.dtype, t.shape)),
                     broken: false,
-                    chunks: vec![None; t.pieces.len()],
+                    chunks: vec![Chunk::NotYet; t.pieces.len()],
                     finished: false,
                 })
                 .collect(),
@@ -630,43 +639,7 @@ impl<'a> Run<'a> {
                 &x.pieces[k],
             )
         });
-        let mut error: Option<String> = None;
-        let mut update = |bytes: &[u8], at: u64| {
-            if let Some(h) = &mut file_h {
-                h.update(bytes);
-            }
-            if at >= s.region {
-                if let Some(h) = &mut chunk_h {
-                    h.update(bytes);
-                }
-                if let Some(h) = &mut tensor_h {
-                    h.update(bytes);
-                }
-            }
-        };
-        for i in 0..assist.pieces.count() {
-            let (a, b) = assist.pieces.range(i);
-            match assist.take(i) {
-                Piece::Own => {
-                    let n = usize::try_from(b - a).unwrap_or(PIECE_BYTES);
-                    if buf.len() < n {
-                        buf.resize(n, 0);
-                    }
-                    if let Err(e) = self.source.read_range_into(name, a, &mut buf[..n]) {
-                        error = Some(format!("{name}: bytes {a}..{b}: {e}"));
-                        break;
-                    }
-                    update(&buf[..n], a);
-                }
-                Piece::Copied(taken) => match taken.bytes() {
-                    Ok(bytes) => update(bytes, a),
-                    Err(e) => {
-                        error = Some(e.to_owned());
-                        break;
-                    }
-                },
-            }
-        }
+        let error = self.read_segment(s, assist, buf, [&mut file_h, &mut chunk_h, &mut tensor_h]);
         // Copiers stop: the pieces left (after an error) are not wanted.
         assist.close();
 
@@ -702,7 +675,7 @@ impl<'a> Run<'a> {
             // the failure), and a tensor fed here is hashed again on its own.
             let ts = &mut st.tensors[t];
             if error.is_none() {
-                ts.chunks[k] = Some(chunk_h.map(Hasher::finish));
+                ts.chunks[k] = Chunk::of(chunk_h);
             }
             if feed {
                 if error.is_some() {
@@ -734,6 +707,54 @@ impl<'a> Run<'a> {
             out.push(finish(x, h.finish(), chunks));
         }
         out
+    }
+
+    /// Feeds segment `s`'s pieces, in order, to `hashers` (the file's, then the chunk's and the
+    /// tensor's, which take the region's bytes only); the error of a piece that cannot be read.
+    fn read_segment(
+        &self,
+        s: Segment,
+        assist: &Assist,
+        buf: &mut Vec<u8>,
+        hashers: [&mut Option<Hasher>; 3],
+    ) -> Option<String> {
+        let [file_h, chunk_h, tensor_h] = hashers;
+        let name = self.plan.files[s.file].0;
+        let mut error: Option<String> = None;
+        let mut update = |bytes: &[u8], at: u64| {
+            if let Some(h) = file_h.as_mut() {
+                h.update(bytes);
+            }
+            if at >= s.region {
+                for h in [&mut *chunk_h, &mut *tensor_h].into_iter().flatten() {
+                    h.update(bytes);
+                }
+            }
+        };
+        for i in 0..assist.pieces.count() {
+            let (a, b) = assist.pieces.range(i);
+            match assist.take(i) {
+                Piece::Own => {
+                    let n = usize::try_from(b - a).unwrap_or(PIECE_BYTES);
+                    if buf.len() < n {
+                        buf.resize(n, 0);
+                    }
+                    if let Err(e) = self.source.read_range_into(name, a, &mut buf[..n]) {
+                        error = Some(format!("{name}: bytes {a}..{b}: {e}"));
+                        break;
+                    }
+                    update(&buf[..n], a);
+                }
+                Piece::Copied(taken) => match taken.bytes() {
+                    Ok(bytes) => update(bytes, a),
+                    Err(e) => {
+                        error = Some(e.to_owned());
+                        break;
+                    }
+                },
+            }
+        }
+        error
     }
 
     /// The digest of file `f`, read on its own.
@@ -793,12 +814,8 @@ impl<'a> Run<'a> {
     }
 }
 
-fn finish(x: &Streamed<'_>, digest: String, chunks: Vec<Option<Option<String>>>) -> Done {
+fn finish(x: &Streamed<'_>, digest: String, chunks: Vec<Chunk>) -> Done {
     let key = x.entry.key.clone();
-    let chunks: Option<Vec<Option<String>>> = chunks.into_iter().collect();
-    let Some(chunks) = chunks else {
-        return Done::Failed(key, format!("{}: a chunk was not hashed", x.entry.key));
-    };
     match slab_digest(x.entry, x.rows, &x.pieces, digest, chunks) {
         Ok(d) => Done::Tensor(key, d),
         Err(err) => Done::Failed(key, with_places(x.entry, &err)),
@@ -832,7 +849,7 @@ mod tests {
     /// Every segment once; each file's in file order (with files); each tensor's fed pieces in
     /// order, and a tensor's pieces fed with the files are a prefix of them.
     fn check(per_file: &[Vec<Segment>], pieces: &[usize], with_files: bool) -> Vec<usize> {
-        let (out, feed_until) = order(per_file.to_vec(), pieces, with_files);
+        let (out, feed_until) = order(per_file, pieces, with_files);
         assert_eq!(out.len(), per_file.iter().map(Vec::len).sum::<usize>());
         let pos = |s: &Segment| {
             out.iter()
@@ -872,7 +889,7 @@ mod tests {
         ]);
         assert_eq!(check(&layout, &[3, 3, 3], true), [3, 3, 3]);
         // The files take turns: chunk 0 of x, then chunk 1 of x, ...
-        let (out, _) = order(layout, &[3, 3, 3], true);
+        let (out, _) = order(&layout, &[3, 3, 3], true);
         assert_eq!(out[1].chunk, Some((0, 1)));
     }
 
