@@ -95,6 +95,15 @@ def full_tensor(i: int) -> torch.Tensor:
     return torch.cat(parts)
 
 
+def save(worker, out_dir: str) -> list[str]:
+    """Runs `worker` on WORLD spawned ranks to save a DCP into `out_dir`; its `.distcp` files."""
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    mp.spawn(worker, args=(port, out_dir), nprocs=WORLD, join=True)
+    return sorted(os.path.join(out_dir, f) for f in os.listdir(out_dir) if f.endswith(".distcp"))
+
+
 def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("--shardscope", default="target/release/shardscope")
@@ -104,18 +113,9 @@ def main() -> None:
     shardscope = os.path.abspath(args.shardscope)
     work = tempfile.mkdtemp(prefix="shardscope-bench-hash-", dir=args.dir)
     try:
-        src = os.path.join(work, "dcp")
-        with socket.socket() as s:
-            s.bind(("127.0.0.1", 0))
-            port = s.getsockname()[1]
-        mp.spawn(save_worker, args=(port, src), nprocs=WORLD, join=True)
-        data_files = sorted(os.path.join(src, f) for f in os.listdir(src) if f.endswith(".distcp"))
-        model = os.path.join(work, "model_dcp")
-        with socket.socket() as s:
-            s.bind(("127.0.0.1", 0))
-            port = s.getsockname()[1]
-        mp.spawn(model_worker, args=(port, model), nprocs=WORLD, join=True)
-        model_files = sorted(os.path.join(model, f) for f in os.listdir(model) if f.endswith(".distcp"))
+        src, model = os.path.join(work, "dcp"), os.path.join(work, "model_dcp")
+        data_files = save(save_worker, src)
+        model_files = save(model_worker, model)
         input_bytes = sum(os.path.getsize(f) for f in data_files)
         # The same tensors whole, in one safetensors file written by the safetensors library:
         # one chunk per tensor, so each byte is hashed once (a DCP's sharded tensor also has
