@@ -11,6 +11,22 @@ pub fn fixtures_dir() -> PathBuf {
     PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("fixtures")
 }
 
+/// The DeepSpeed ZeRO folders DeepSpeed itself wrote under `tests/fixtures/deepspeed/`
+/// (`gen_deepspeed.py`), each with `expected/<case>.*` from the live engine.
+pub const DEEPSPEED_CASES: &[&str] = &[
+    "zero1_fp32",
+    "zero2_fp32",
+    "zero3_fp32",
+    "zero1_bf16",
+    "zero2_bf16",
+    "zero3_bf16",
+    "zero2_fp32_ws3",
+    "zero3_bf16_ws3",
+    // `parameter_alignment`: alignment padding inside the ZeRO-1/2 partitions.
+    "zero1_bf16_padded",
+    "zero2_fp32_padded",
+];
+
 /// Loads every file under `dir` (recursively) into a [`shardscope_core::MemorySource`], with
 /// names relative to `dir`.
 pub fn memory_source(dir: &std::path::Path) -> shardscope_core::MemorySource {

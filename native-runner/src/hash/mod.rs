@@ -258,12 +258,6 @@ pub fn hash_tensor(
     let (dtype, shape) = tensor_meta(entry)?;
     let item = dtype.size_bytes() as u64;
     let mut tensor = Hasher::tensor(algorithm, dtype, shape);
-    let mut seen: BTreeSet<(&[u64], &[u64])> = BTreeSet::new();
-    let distinct: Vec<_> = entry
-        .chunks
-        .iter()
-        .filter(|c| seen.insert((&c.offsets, &c.sizes)) && c.numel() != Some(0))
-        .collect();
     if let Some(mut pieces) = reader.slab_pieces(entry, dtype) {
         pieces.sort_by_key(|p| p.tensor_start);
         let rows = row_bytes(entry, item, shape)?;
@@ -272,6 +266,12 @@ pub fn hash_tensor(
             reader, entry, algorithm, rows, &pieces, 0, tensor, chunks, buf,
         );
     }
+    let mut seen: BTreeSet<(&[u64], &[u64])> = BTreeSet::new();
+    let distinct: Vec<_> = entry
+        .chunks
+        .iter()
+        .filter(|c| seen.insert((&c.offsets, &c.sizes)) && c.numel() != Some(0))
+        .collect();
     let mut chunks: Vec<ChunkDigest> = Vec::new();
     let n = reader.tensor_as(entry, dtype, buf)?;
     let data = &buf[..n];

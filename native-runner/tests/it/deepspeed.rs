@@ -13,19 +13,7 @@ use shardscope_tests::fixtures_dir;
 
 use crate::common::{python, shardscope_bin};
 
-const CASES: &[&str] = &[
-    "zero1_fp32",
-    "zero2_fp32",
-    "zero3_fp32",
-    "zero1_bf16",
-    "zero2_bf16",
-    "zero3_bf16",
-    "zero2_fp32_ws3",
-    "zero3_bf16_ws3",
-    // `parameter_alignment`: alignment padding inside the ZeRO-1/2 partitions.
-    "zero1_bf16_padded",
-    "zero2_fp32_padded",
-];
+use shardscope_tests::DEEPSPEED_CASES as CASES;
 
 pub(crate) fn deepspeed() -> PathBuf {
     fixtures_dir().join("deepspeed")

@@ -16,18 +16,7 @@ use shardscope_viewer::Viewer;
 use shardscope_viewer::panels::shard_map;
 use shardscope_viewer::view::{LayoutView, SegKind};
 
-const CASES: &[&str] = &[
-    "zero1_fp32",
-    "zero2_fp32",
-    "zero3_fp32",
-    "zero1_bf16",
-    "zero2_bf16",
-    "zero3_bf16",
-    "zero2_fp32_ws3",
-    "zero3_bf16_ws3",
-    "zero1_bf16_padded",
-    "zero2_fp32_padded",
-];
+use shardscope_tests::DEEPSPEED_CASES as CASES;
 
 fn deepspeed() -> PathBuf {
     PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("../tests/fixtures/deepspeed")
