@@ -9,7 +9,7 @@
 //! takes a full slot only, so neither waits for the other except for a piece being copied.
 
 use std::sync::atomic::{AtomicUsize, Ordering};
-use std::sync::{Mutex, MutexGuard, TryLockError};
+use std::sync::{Arc, Mutex, MutexGuard, TryLockError};
 
 use shardscope_core::source::Source;
 
@@ -58,9 +58,15 @@ fn count(bytes: u64) -> usize {
 struct Slot {
     /// The piece held, once copied (`usize::MAX`: free).
     piece: usize,
+    /// Its bytes: `buf[..len]`.
     buf: Vec<u8>,
+    len: usize,
     error: Option<String>,
 }
+
+/// Piece buffers of finished segments, for the slots of the next ones: a buffer is allocated and
+/// cleared once per run, not once per segment.
+pub(super) type Spare = Arc<Mutex<Vec<Vec<u8>>>>;
 
 /// One running segment's pieces, shared by its thread and any copying ahead.
 pub(super) struct Assist {
@@ -69,6 +75,7 @@ pub(super) struct Assist {
     /// The next piece nobody has claimed.
     next: AtomicUsize,
     slots: Vec<Mutex<Slot>>,
+    spare: Spare,
 }
 
 /// A piece the owner reads itself, or one copied for it (the slot is freed when dropped).
@@ -84,7 +91,7 @@ impl Taken<'_> {
     pub fn bytes(&self) -> Result<&[u8], &str> {
         match &self.0.error {
             Some(e) => Err(e),
-            None => Ok(&self.0.buf),
+            None => Ok(&self.0.buf[..self.0.len]),
         }
     }
 }
@@ -114,7 +121,7 @@ fn lock(slot: &Mutex<Slot>) -> Option<MutexGuard<'_, Slot>> {
 }
 
 impl Assist {
-    pub fn new(pieces: Pieces, file: &str, slots: usize) -> Assist {
+    pub fn new(pieces: Pieces, file: &str, slots: usize, spare: &Spare) -> Assist {
         Assist {
             pieces,
             file: file.to_owned(),
@@ -124,10 +131,12 @@ impl Assist {
                     Mutex::new(Slot {
                         piece: usize::MAX,
                         buf: Vec::new(),
+                        len: 0,
                         error: None,
                     })
                 })
                 .collect(),
+            spare: Arc::clone(spare),
         }
     }
 
@@ -144,8 +153,11 @@ impl Assist {
     }
 
     /// For the owner, who has fed pieces `..i`: piece `i`, claimed now by the owner, or taken
-    /// from the copier who claimed it (waiting while it is copied).
-    pub fn take(&self, i: usize) -> Piece<'_> {
+    /// from the copier who claimed it. While it is being copied, the owner copies the next
+    /// unclaimed piece into a free slot itself (it would only wait otherwise: the digests are
+    /// faster than the copy, so the owner catches up with its copier and would wait at every
+    /// piece).
+    pub fn take(&self, i: usize, source: &Input) -> Piece<'_> {
         let mut spins = 0u32;
         loop {
             match self
@@ -165,6 +177,10 @@ impl Assist {
                 {
                     return Piece::Copied(Taken(g));
                 }
+            }
+            if let Help::Copied = self.help(source) {
+                spins = 0;
+                continue;
             }
             spins += 1;
             if spins < 64 {
@@ -192,7 +208,18 @@ impl Assist {
             }
             let (from, to) = self.pieces.range(claimed);
             let len = usize::try_from(to - from).unwrap_or(PIECE_BYTES);
-            held.buf.resize(len, 0);
+            if held.buf.len() < len {
+                let spare = self
+                    .spare
+                    .lock()
+                    .unwrap_or_else(std::sync::PoisonError::into_inner)
+                    .pop();
+                held.buf = spare.unwrap_or_default();
+                if held.buf.len() < len {
+                    held.buf.resize(len, 0);
+                }
+            }
+            held.len = len;
             let file = &self.file;
             held.error = source
                 .read_range_into(file, from, &mut held.buf[..len])
@@ -202,6 +229,24 @@ impl Assist {
             return Help::Copied;
         }
         Help::Full
+    }
+}
+
+impl Drop for Assist {
+    fn drop(&mut self) {
+        let mut spare = self
+            .spare
+            .lock()
+            .unwrap_or_else(std::sync::PoisonError::into_inner);
+        for slot in self.slots.drain(..) {
+            let buf = slot
+                .into_inner()
+                .unwrap_or_else(std::sync::PoisonError::into_inner)
+                .buf;
+            if !buf.is_empty() {
+                spare.push(buf);
+            }
+        }
     }
 }
 

@@ -23,7 +23,7 @@ use shardscope_core::index::{CheckpointIndex, EntryKind, IndexEntry};
 use shardscope_core::manifest::{Algorithm, FileDigest, Hasher, Manifest};
 use shardscope_core::source::Source;
 
-use super::assist::{Assist, Help, Piece, Pieces};
+use super::assist::{Assist, Help, Piece, Pieces, Spare};
 use super::{
     Chunk, Done, HashOptions, PIECE_BYTES, chunk_hasher, resume_slabs, row_bytes, run_entry,
     slab_digest, with_places,
@@ -413,6 +413,8 @@ struct Run<'a> {
     next_resume: AtomicUsize,
     state: Mutex<State>,
     changed: Condvar,
+    /// Slot buffers of finished segments' copiers.
+    spare: Spare,
 }
 
 impl<'a> Run<'a> {
@@ -494,6 +496,7 @@ impl<'a> Run<'a> {
             next_resume: AtomicUsize::new(0),
             state: Mutex::new(state),
             changed: Condvar::new(),
+            spare: Spare::default(),
         }
     }
 
@@ -565,6 +568,7 @@ impl<'a> Run<'a> {
                     },
                     self.plan.files[s.file].0,
                     2 * self.options.threads.clamp(1, 8),
+                    &self.spare,
                 ));
                 st.assists.push(Arc::clone(&assist));
                 drop(st);
@@ -733,7 +737,7 @@ impl<'a> Run<'a> {
         };
         for i in 0..assist.pieces.count() {
             let (a, b) = assist.pieces.range(i);
-            match assist.take(i) {
+            match assist.take(i, self.source) {
                 Piece::Own => {
                     let n = usize::try_from(b - a).unwrap_or(PIECE_BYTES);
                     if buf.len() < n {

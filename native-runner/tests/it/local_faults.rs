@@ -1,5 +1,5 @@
 //! Local files under faults: two conversions racing for one output, an input truncated while a
-//! conversion reads it, temporary names planted in advance, `-o` onto symbolic links, and a
+//! conversion or `hash` reads it, temporary names planted in advance, `-o` onto symbolic links, and a
 //! Hugging Face cache snapshot (every file a link into `../../blobs/`).
 //!
 //! Races and truncation are made deterministic with the binary's test pause
@@ -42,8 +42,12 @@ fn write_input(path: &Path, tensors: usize, rows: u64) {
 }
 
 fn convert(args: &[&Path], extra: &[&str], pause: Option<&Path>) -> Command {
+    command("convert", args, extra, pause)
+}
+
+fn command(sub: &str, args: &[&Path], extra: &[&str], pause: Option<&Path>) -> Command {
     let mut cmd = Command::new(crate::common::shardscope_bin());
-    cmd.arg("convert").args(args).args(extra).arg("--quiet");
+    cmd.arg(sub).args(args).args(extra).arg("--quiet");
     cmd.env_remove(PAUSE_ENV);
     if let Some(p) = pause {
         std::fs::create_dir_all(p).unwrap();
@@ -221,6 +225,74 @@ fn an_input_truncated_during_a_conversion_is_an_error_naming_it() {
         );
         assert!(!dest.exists());
         assert_eq!(names_in(&out), Vec::<String>::new());
+    }
+}
+
+/// An input truncated while `hash` reads it: exit 2 (never a signal) with an error naming the file
+/// and both sizes, and no manifest written. The pieces past the new end fail wherever they are
+/// read: by the thread feeding a segment's digests, or copied ahead into a slot by another thread
+/// (a file holding one large tensor, 2 and 4 threads). One safetensors file and a DCP folder (whose
+/// first data read is made while it is opened), with and without file digests.
+#[test]
+fn an_input_truncated_during_a_hash_is_an_error_naming_it() {
+    let dir = tempfile::tempdir().unwrap();
+    let input = dir.path().join("in.safetensors");
+    // 2 tensors of 8 MiB: 32 pieces of 256 KiB each.
+    write_input(&input, 2, 8192);
+    let dcp = dir.path().join("dcp");
+    assert!(
+        run(&[&input, Path::new("-o"), &dcp], &["--world-size", "2"])
+            .status
+            .success()
+    );
+    let shard = dcp.join("__1_0.distcp");
+    let mut n = 0;
+    for (src, victim) in [(&input, &input), (&dcp, &shard)] {
+        let whole = std::fs::read(victim).unwrap();
+        let size = whole.len() as u64;
+        for threads in ["1", "2", "4"] {
+            for files in [None, Some("--no-files")] {
+                n += 1;
+                std::fs::write(victim, &whole).unwrap();
+                let manifest = dir.path().join(format!("m{n}.json"));
+                let pause = dir.path().join(format!("hash-pause{n}"));
+                let mut extra = vec!["--threads", threads];
+                extra.extend(files);
+                let mut child = command(
+                    "hash",
+                    &[src, Path::new("-o"), &manifest],
+                    &extra,
+                    Some(&pause),
+                )
+                .spawn()
+                .unwrap();
+                wait_paused(&mut child, &pause);
+                File::options()
+                    .write(true)
+                    .open(victim)
+                    .unwrap()
+                    .set_len(size / 2)
+                    .unwrap();
+                resume(&pause);
+                let output = child.wait_with_output().unwrap();
+                let err = stderr(&output);
+                let case = format!("{} --threads {threads} {files:?}", src.display());
+                assert_eq!(
+                    output.status.code(),
+                    Some(2),
+                    "{case}: {:?}: {err}",
+                    output.status
+                );
+                assert!(
+                    err.contains(&victim.display().to_string())
+                        && err.contains("changed while it was read")
+                        && err.contains(&format!("it was {size} bytes, now {} bytes", size / 2))
+                        && (src != &input || err.contains("no manifest written")),
+                    "{case}: {err}"
+                );
+                assert!(!manifest.exists(), "{case}");
+            }
+        }
     }
 }
 
