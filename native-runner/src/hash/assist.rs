@@ -6,7 +6,9 @@
 //! pieces of a running segment into slots; the segment's thread feeds the digests from the slot
 //! when it reaches that piece, and copies itself any piece nobody took. Pieces are claimed from
 //! one counter, so each is copied once; the copier holds its slot while it reads, and the owner
-//! takes a full slot only, so neither waits for the other except for a piece being copied.
+//! takes a full slot only. While the piece it needs is still being copied, the owner copies the
+//! next unclaimed one into a free slot (the digests take less time than the copy, so it would
+//! otherwise wait at every piece); it waits only when every slot is full or every piece claimed.
 
 use std::sync::atomic::{AtomicUsize, Ordering};
 use std::sync::{Arc, Mutex, MutexGuard, TryLockError};

@@ -7,7 +7,7 @@
 //! assembled whole (as `convert` does) and its chunks' digests are taken from the assembled tensor
 //! ([`hash_tensor`]). Results are kept by key, so the manifest does not depend on the thread count
 //! or the order work finishes. Memory: per thread one piece buffer, or the tensor for tensors that
-//! are not slabs.
+//! are not slabs, and the slots of the pieces copied ahead ([`assist`]), reused across segments.
 
 mod assist;
 mod stream;
