@@ -10,7 +10,7 @@
 
 use std::fs::File;
 use std::io::BufWriter;
-use std::path::Path;
+use std::path::{Path, PathBuf};
 use std::process::{Child, Command, Output, Stdio};
 use std::time::{Duration, Instant};
 
@@ -181,48 +181,67 @@ fn racing_writers_one_wins_and_the_other_exits_2_naming_the_destination() {
     }
 }
 
+/// `in.safetensors` (`tensors` tensors of `[rows, 256]`) in `dir`, and the DCP `convert` writes of
+/// it for 2 ranks (`dcp/`).
+fn input_and_dcp(dir: &Path, tensors: usize, rows: u64) -> (PathBuf, PathBuf) {
+    let input = dir.join("in.safetensors");
+    write_input(&input, tensors, rows);
+    let dcp = dir.join("dcp");
+    assert!(
+        run(&[&input, Path::new("-o"), &dcp], &["--world-size", "2"])
+            .status
+            .success()
+    );
+    (input, dcp)
+}
+
+/// Runs `cmd` (paused before its first data read in `pause`), cuts `victim` to half its size while
+/// it is paused, lets it go on, and checks that it exits 2 (never a signal) naming `victim` as
+/// changed, with both sizes. Returns its stderr.
+fn cut_short_while_read(mut cmd: Command, pause: &Path, victim: &Path, case: &str) -> String {
+    let size = std::fs::metadata(victim).unwrap().len();
+    let mut child = cmd.spawn().unwrap();
+    wait_paused(&mut child, pause);
+    File::options()
+        .write(true)
+        .open(victim)
+        .unwrap()
+        .set_len(size / 2)
+        .unwrap();
+    resume(pause);
+    let output = child.wait_with_output().unwrap();
+    let err = stderr(&output);
+    assert_eq!(
+        output.status.code(),
+        Some(2),
+        "{case}: {:?}: {err}",
+        output.status
+    );
+    assert!(
+        err.contains(&victim.display().to_string())
+            && err.contains("changed while it was read")
+            && err.contains(&format!("it was {size} bytes, now {} bytes", size / 2)),
+        "{case}: {err}"
+    );
+    err
+}
+
 /// An input truncated while a conversion reads it: exit 2 (never a signal) with an error naming
 /// the file and both sizes, and nothing left at the destination, temporaries included. For one
 /// safetensors file and for a DCP folder.
 #[test]
 fn an_input_truncated_during_a_conversion_is_an_error_naming_it() {
     let dir = tempfile::tempdir().unwrap();
-    let input = dir.path().join("in.safetensors");
-    write_input(&input, 8, 1024);
-    let dcp = dir.path().join("dcp");
-    assert!(
-        run(&[&input, Path::new("-o"), &dcp], &["--world-size", "2"])
-            .status
-            .success()
-    );
+    let (input, dcp) = input_and_dcp(dir.path(), 8, 1024);
     let shard = dcp.join("__0_0.distcp");
     assert!(shard.is_file(), "{:?}", names_in(&dcp));
     let out = dir.path().join("out");
     std::fs::create_dir(&out).unwrap();
     for (i, (src, victim)) in [(&input, &input), (&dcp, &shard)].into_iter().enumerate() {
-        let size = std::fs::metadata(victim).unwrap().len();
         let dest = out.join(format!("x{i}.safetensors"));
         let pause = dir.path().join(format!("pause{i}"));
-        let mut child = convert(&[src, Path::new("-o"), &dest], &[], Some(&pause))
-            .spawn()
-            .unwrap();
-        wait_paused(&mut child, &pause);
-        File::options()
-            .write(true)
-            .open(victim)
-            .unwrap()
-            .set_len(size / 2)
-            .unwrap();
-        resume(&pause);
-        let output = child.wait_with_output().unwrap();
-        let err = stderr(&output);
-        assert_eq!(output.status.code(), Some(2), "{:?}: {err}", output.status);
-        assert!(
-            err.contains(&victim.display().to_string())
-                && err.contains("changed while it was read")
-                && err.contains(&format!("it was {size} bytes, now {} bytes", size / 2)),
-            "{err}"
-        );
+        let cmd = convert(&[src, Path::new("-o"), &dest], &[], Some(&pause));
+        cut_short_while_read(cmd, &pause, victim, &src.display().to_string());
         assert!(!dest.exists());
         assert_eq!(names_in(&out), Vec::<String>::new());
     }
@@ -236,20 +255,12 @@ fn an_input_truncated_during_a_conversion_is_an_error_naming_it() {
 #[test]
 fn an_input_truncated_during_a_hash_is_an_error_naming_it() {
     let dir = tempfile::tempdir().unwrap();
-    let input = dir.path().join("in.safetensors");
     // 2 tensors of 8 MiB: 32 pieces of 256 KiB each.
-    write_input(&input, 2, 8192);
-    let dcp = dir.path().join("dcp");
-    assert!(
-        run(&[&input, Path::new("-o"), &dcp], &["--world-size", "2"])
-            .status
-            .success()
-    );
+    let (input, dcp) = input_and_dcp(dir.path(), 2, 8192);
     let shard = dcp.join("__1_0.distcp");
     let mut n = 0;
     for (src, victim) in [(&input, &input), (&dcp, &shard)] {
         let whole = std::fs::read(victim).unwrap();
-        let size = whole.len() as u64;
         for threads in ["1", "2", "4"] {
             for files in [None, Some("--no-files")] {
                 n += 1;
@@ -258,36 +269,16 @@ fn an_input_truncated_during_a_hash_is_an_error_naming_it() {
                 let pause = dir.path().join(format!("hash-pause{n}"));
                 let mut extra = vec!["--threads", threads];
                 extra.extend(files);
-                let mut child = command(
+                let cmd = command(
                     "hash",
                     &[src, Path::new("-o"), &manifest],
                     &extra,
                     Some(&pause),
-                )
-                .spawn()
-                .unwrap();
-                wait_paused(&mut child, &pause);
-                File::options()
-                    .write(true)
-                    .open(victim)
-                    .unwrap()
-                    .set_len(size / 2)
-                    .unwrap();
-                resume(&pause);
-                let output = child.wait_with_output().unwrap();
-                let err = stderr(&output);
-                let case = format!("{} --threads {threads} {files:?}", src.display());
-                assert_eq!(
-                    output.status.code(),
-                    Some(2),
-                    "{case}: {:?}: {err}",
-                    output.status
                 );
+                let case = format!("{} --threads {threads} {files:?}", src.display());
+                let err = cut_short_while_read(cmd, &pause, victim, &case);
                 assert!(
-                    err.contains(&victim.display().to_string())
-                        && err.contains("changed while it was read")
-                        && err.contains(&format!("it was {size} bytes, now {} bytes", size / 2))
-                        && (src != &input || err.contains("no manifest written")),
+                    src != &input || err.contains("no manifest written"),
                     "{case}: {err}"
                 );
                 assert!(!manifest.exists(), "{case}");
