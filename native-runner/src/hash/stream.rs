@@ -3,10 +3,11 @@
 //! Every file is cut into segments in file order: bytes outside any tensor, then one stored chunk
 //! of a slab tensor (its *region*). The segments are put in an order that respects both orders a
 //! digest needs: a file's bytes in file order (its digest) and a tensor's chunks in C order (its
-//! digest). Threads take 256 KiB pieces of the segments in that order and copy them in in
-//! parallel; each piece then waits for its turn in each digest it feeds (the file's, its chunk's,
-//! its tensor's), updates them and passes the turn on. A thread waits only for pieces handed out
-//! before its own, so the first piece not done can always go on: no deadlock.
+//! digest). One thread feeds a segment, 256 KiB piece by piece, to the digests it belongs to (the
+//! file's, its chunk's, its tensor's); a segment starts when the segments before it in its file
+//! and in its tensor are done, the earliest in the plan's order first. Threads with no segment to
+//! start copy pieces ahead for running ones ([`Assist`]). Every wait is on a segment earlier in the
+//! plan's order, so the earliest segment not done can always go on: no deadlock.
 //!
 //! When the two orders conflict (file A holds chunk 2 of `x` before chunk 1 of `y`, file B chunk
 //! 1 of `x` after chunk 2 of `y`), the tensor met in a cycle is fed from that chunk on in a second
