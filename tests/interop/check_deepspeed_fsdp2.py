@@ -58,18 +58,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from gen_deepspeed import TinyLM, param_groups  # noqa: E402
 from ranks import finish, spawn  # noqa: E402
 
-CASES = [
-    "zero1_fp32",
-    "zero2_fp32",
-    "zero3_fp32",
-    "zero1_bf16",
-    "zero2_bf16",
-    "zero3_bf16",
-    "zero2_fp32_ws3",
-    "zero3_bf16_ws3",
-    "zero1_bf16_padded",
-    "zero2_fp32_padded",
-]
+# The cases gen_deepspeed.py wrote (its cases.txt, which the Rust tests read too).
+CASES = (FIXTURES / "cases.txt").read_text().split()
 CORRUPT = "zero3_fp32_corrupt"
 # DeepSpeed's universal checkpoints (ds_to_universal, gen_universal.py) of two cases.
 UNIVERSAL = {"universal_zero2_bf16": "zero2_bf16", "universal_zero3_fp32": "zero3_fp32"}

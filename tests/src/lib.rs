@@ -12,20 +12,15 @@ pub fn fixtures_dir() -> PathBuf {
 }
 
 /// The DeepSpeed ZeRO folders DeepSpeed itself wrote under `tests/fixtures/deepspeed/`
-/// (`gen_deepspeed.py`), each with `expected/<case>.*` from the live engine.
-pub const DEEPSPEED_CASES: &[&str] = &[
-    "zero1_fp32",
-    "zero2_fp32",
-    "zero3_fp32",
-    "zero1_bf16",
-    "zero2_bf16",
-    "zero3_bf16",
-    "zero2_fp32_ws3",
-    "zero3_bf16_ws3",
-    // `parameter_alignment`: alignment padding inside the ZeRO-1/2 partitions.
-    "zero1_bf16_padded",
-    "zero2_fp32_padded",
-];
+/// (`gen_deepspeed.py`), each with `expected/<case>.*` from the live engine: the list the generator
+/// writes to `cases.txt`, which core's unit tests and `check_deepspeed_fsdp2.py` read too.
+pub fn deepspeed_cases() -> Vec<&'static str> {
+    include_str!("../fixtures/deepspeed/cases.txt")
+        .lines()
+        .map(str::trim)
+        .filter(|l| !l.is_empty())
+        .collect()
+}
 
 /// Loads every file under `dir` (recursively) into a [`shardscope_core::MemorySource`], with
 /// names relative to `dir`.

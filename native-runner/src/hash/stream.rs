@@ -400,6 +400,23 @@ struct State {
     left: usize,
 }
 
+/// A file's digest once its bytes are all fed, or why it has none.
+fn file_done(name: &str, size: u64, error: Option<String>, hasher: Option<Hasher>) -> Done {
+    match (error, hasher) {
+        (None, Some(h)) => Done::File(
+            name.to_owned(),
+            FileDigest {
+                size,
+                digest: h.finish(),
+            },
+        ),
+        (error, _) => Done::Failed(
+            format!("file {name}"),
+            error.unwrap_or_else(|| format!("{name}: not read")),
+        ),
+    }
+}
+
 struct Run<'a> {
     source: &'a Input,
     index: &'a CheckpointIndex,
@@ -660,19 +677,7 @@ impl<'a> Run<'a> {
                 }
             }
             if s.end == size {
-                out.push(match (f.error.take(), f.hasher.take()) {
-                    (None, Some(h)) => Done::File(
-                        name.to_owned(),
-                        FileDigest {
-                            size,
-                            digest: h.finish(),
-                        },
-                    ),
-                    (error, _) => Done::Failed(
-                        format!("file {name}"),
-                        error.unwrap_or_else(|| format!("{name}: not read")),
-                    ),
-                });
+                out.push(file_done(name, size, f.error.take(), f.hasher.take()));
             }
         }
         if let Some((t, k, x)) = tensor {
@@ -765,30 +770,23 @@ impl<'a> Run<'a> {
     /// The digest of file `f`, read on its own.
     fn hash_file(&self, f: usize, buf: &mut Vec<u8>) -> Done {
         let (name, size) = self.plan.files[f];
-        let mut h = Hasher::new(self.options.algorithm);
-        let mut at = 0u64;
-        while at < size {
-            let end = size.min(at.saturating_add(PIECE_BYTES as u64));
-            let n = usize::try_from(end - at).unwrap_or(PIECE_BYTES);
-            if buf.len() < n {
-                buf.resize(n, 0);
-            }
-            if let Err(e) = self.source.read_range_into(name, at, &mut buf[..n]) {
-                return Done::Failed(
-                    format!("file {name}"),
-                    format!("{name}: bytes {at}..{end}: {e}"),
-                );
-            }
-            h.update(&buf[..n]);
-            at = end;
-        }
-        Done::File(
-            name.to_owned(),
-            FileDigest {
-                size,
-                digest: h.finish(),
-            },
-        )
+        // The whole file as one segment outside any tensor, read by this thread alone.
+        let all = Pieces {
+            start: 0,
+            region: size,
+            end: size,
+        };
+        let segment = Segment {
+            file: f,
+            start: 0,
+            region: size,
+            end: size,
+            chunk: None,
+        };
+        let alone = Assist::new(all, name, 1, &self.spare);
+        let mut h = Some(Hasher::new(self.options.algorithm));
+        let error = self.read_segment(segment, &alone, buf, [&mut h, &mut None, &mut None]);
+        file_done(name, size, error, h)
     }
 
     /// The second stage for tensor `t`: feeds the pieces not fed with their files (re-reading

@@ -13,7 +13,7 @@ use shardscope_tests::fixtures_dir;
 
 use crate::common::{python, shardscope_bin};
 
-use shardscope_tests::DEEPSPEED_CASES as CASES;
+use shardscope_tests::deepspeed_cases;
 
 pub(crate) fn deepspeed() -> PathBuf {
     fixtures_dir().join("deepspeed")
@@ -114,7 +114,7 @@ pub(crate) fn expected(case: &str) -> Expected {
 
 #[test]
 fn inspect_names_the_stage_precision_and_ranks() {
-    for case in CASES {
+    for case in deepspeed_cases() {
         let text = ok(&run(&["inspect", s(&deepspeed().join(case))]), case);
         let stage = &case[4..5];
         let precision = if case.contains("bf16") {
@@ -146,7 +146,7 @@ fn inspect_names_the_stage_precision_and_ranks() {
 #[test]
 fn convert_to_safetensors_is_zero_to_fp32_bit_for_bit() {
     let tmp = tempfile::tempdir().unwrap();
-    for case in CASES {
+    for case in deepspeed_cases() {
         let want = expected(case);
         // The run folder (through `latest`) and the tag folder, whole and --model-only.
         let inputs = [
@@ -232,7 +232,7 @@ fn convert_model_only_to_torch_save_is_zero_to_fp32() {
         return;
     };
     let tmp = tempfile::tempdir().unwrap();
-    for case in CASES {
+    for case in deepspeed_cases() {
         let out = tmp.path().join(format!("{case}.pt"));
         ok(
             &run(&[
@@ -373,7 +373,7 @@ fn convert_to_torch_save_holds_the_optimizer_per_parameter() {
         return;
     };
     let tmp = tempfile::tempdir().unwrap();
-    for case in CASES {
+    for case in deepspeed_cases() {
         let out = tmp.path().join(format!("{case}.pt"));
         ok(
             &run(&["convert", s(&deepspeed().join(case)), "-o", s(&out), "-q"]),
@@ -422,7 +422,7 @@ fn patch_once(file: &Path, from: &[u8], to: &[u8]) {
 /// (here DeepSpeed's enum renamed, and a class of another module) stays an `unsafe-pickle` error.
 #[test]
 fn doctor_knows_deepspeed_records_from_unsafe_pickles() {
-    for case in CASES {
+    for case in deepspeed_cases() {
         let out = run(&["doctor", s(&deepspeed().join(case)), "--json"]);
         let report: serde_json::Value = serde_json::from_slice(&out.stdout).unwrap();
         assert_eq!(out.status.code(), Some(0), "{case}: {report}");
@@ -482,7 +482,7 @@ fn doctor_knows_deepspeed_records_from_unsafe_pickles() {
 /// exactly that parameter and its tie (exit 1, the names and the element).
 #[test]
 fn diff_against_zero_to_fp32_finds_a_changed_master_weight() {
-    for case in CASES {
+    for case in deepspeed_cases() {
         let reference = deepspeed()
             .join("expected")
             .join(format!("{case}.zero_to_fp32.safetensors"));

@@ -16,7 +16,7 @@ use shardscope_viewer::Viewer;
 use shardscope_viewer::panels::shard_map;
 use shardscope_viewer::view::{LayoutView, SegKind};
 
-use shardscope_tests::DEEPSPEED_CASES as CASES;
+use shardscope_tests::deepspeed_cases;
 
 fn deepspeed() -> PathBuf {
     PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("../tests/fixtures/deepspeed")
@@ -79,7 +79,7 @@ fn expected_bar(group: &Value) -> (u64, Drawn) {
 #[test]
 fn shard_map_draws_each_ranks_partitions_as_deepspeed_records_them() {
     let mut padded_cases = 0;
-    for case in CASES {
+    for case in deepspeed_cases() {
         let v = open(case);
         let want: Value = serde_json::from_slice(
             &std::fs::read(

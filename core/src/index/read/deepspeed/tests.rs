@@ -9,19 +9,13 @@ use crate::dtype::DType;
 use crate::index::{CheckpointKind, IndexError, ZeroPrecision, index_source_read};
 use crate::source::{MemorySource, Source as _};
 
-const CASES: &[&str] = &[
-    "zero1_fp32",
-    "zero2_fp32",
-    "zero3_fp32",
-    "zero1_bf16",
-    "zero2_bf16",
-    "zero3_bf16",
-    "zero2_fp32_ws3",
-    "zero3_bf16_ws3",
-    // `parameter_alignment`: alignment padding inside the ZeRO-1/2 partitions.
-    "zero1_bf16_padded",
-    "zero2_fp32_padded",
-];
+/// The cases `gen_deepspeed.py` wrote (its `cases.txt`).
+fn cases() -> impl Iterator<Item = &'static str> {
+    include_str!("../../../../../tests/fixtures/deepspeed/cases.txt")
+        .lines()
+        .map(str::trim)
+        .filter(|l| !l.is_empty())
+}
 
 pub(crate) fn fixtures() -> PathBuf {
     Path::new(env!("CARGO_MANIFEST_DIR")).join("../tests/fixtures/deepspeed")
@@ -111,7 +105,7 @@ fn tensors_of(path: &Path) -> Vec<(String, crate::dtype::DType, Vec<u64>, Vec<u8
 
 #[test]
 fn every_fixture_reads_as_zero_to_fp32_gives_it() {
-    for case in CASES {
+    for case in cases() {
         let root = load(&fixtures().join(case));
         // The run folder (with `latest`) and the tag folder itself.
         let tag = load(&fixtures().join(case).join("global_step2"));
@@ -350,7 +344,7 @@ fn live(case: &str) -> Vec<(String, Vec<u64>, Vec<u8>)> {
 
 #[test]
 fn optimizer_state_per_parameter_is_the_live_engines() {
-    for case in CASES {
+    for case in cases() {
         let source = load(&fixtures().join(case));
         let (index, _, notes) = open(&source).unwrap();
         assert!(index.has_optimizer_state, "{case}: {notes:?}");
